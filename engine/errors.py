@@ -1,0 +1,17 @@
+"""Errors the engine raises for bad input; each carries a one-line, user-facing message."""
+
+
+class TokenmillError(Exception):
+    """Base class: ``str(err)`` is a single line that names the problem, fit for a CLI or a 4xx."""
+
+
+class ModelLoadError(TokenmillError):
+    """A model folder is missing, incomplete, or describes an architecture we do not serve."""
+
+
+class ModelFetchError(TokenmillError):
+    """The default model could not be downloaded, verified or converted."""
+
+
+class PromptTooLongError(TokenmillError):
+    """A prompt (plus the requested output) does not fit the model's context window."""

@@ -1,0 +1,166 @@
+"""One decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), reading the paged KV cache.
+
+The families agree on the block (pre-norm RMSNorm, GQA attention with RoPE, SwiGLU MLP) and
+differ only in switches carried by :class:`ModelConfig`: projection biases, per-head q/k
+RMSNorm (Qwen3), sliding windows, RoPE scaling and tied embeddings. Module and parameter names
+match Hugging Face checkpoints so weights load by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..attention.metadata import AttentionMetadata
+from ..model_config import ModelConfig
+from .rope import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim (Zhang & Sennrich 2019), computed in float32.
+
+    ``forward(x)`` takes ``[..., dim]`` and returns the same shape and dtype.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the paged cache, through the model's attention backend."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.sliding_windows[layer_idx]
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata, backend) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, metadata, backend) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers and the final norm (``model.*`` in checkpoints)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache.
+
+    Args:
+        cfg: the parsed model config.
+        backend: an attention backend (``forward(q, k, v, k_cache, v_cache, metadata, scale,
+            sliding_window)``), e.g. :class:`~tokenmill.engine.attention.TorchAttentionBackend`.
+    """
+
+    def __init__(self, cfg: ModelConfig, backend):
+        super().__init__()
+        self.config = cfg
+        self.backend = backend
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64, the new tokens of all sequences, flat.
+            positions: ``[num_tokens]`` int64 position of each token in its sequence.
+            kv_caches: per layer ``(k_cache, v_cache)``, each
+                ``[num_blocks, block_size, num_kv_heads, head_dim]``; updated in place.
+            metadata: the step's :class:`AttentionMetadata`.
+
+        Returns:
+            Final hidden states ``[num_tokens, hidden_size]`` in the model dtype; pass the rows
+            you sample from to :meth:`compute_logits`.
+        """
+        seq_len_per_token = None
+        if self.config.rope.rope_type == "dynamic":
+            q_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
+            seq_len_per_token = torch.repeat_interleave(metadata.seq_lens, q_lens.long())
+        cos, sin = self.rotary.cos_sin(positions, seq_len_per_token)
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv, metadata, self.backend)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,48 @@
+"""Test helper: drive a model step by step over the paged cache, the way the engine will.
+
+Each sequence walks through its token list: prompt tokens in chunks of up to ``chunk`` per step,
+then one token per step (decode). Sequences advance together, so steps mix prefill chunks of
+different sizes with decodes. Blocks are handed out shuffled so block-table bugs cannot hide.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from tokenmill.engine.attention import SeqChunk, build_step_inputs
+from tokenmill.engine.kv_cache import allocate_kv_caches
+
+
+def run_paged(model, sequences: list[list[int]], prompt_lens: list[int], chunk: int, block_size: int = 4):
+    """Returns per sequence a ``[len(seq), vocab]`` float32 tensor of the logits at every position."""
+    cfg = model.config
+    need = [(len(s) + block_size - 1) // block_size for s in sequences]
+    ids = list(range(sum(need)))
+    random.Random(0).shuffle(ids)
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at : at + n])
+        at += n
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    caches = allocate_kv_caches(cfg, sum(need), block_size, dtype, device)
+    done = [0] * len(sequences)
+    logits: list[list[torch.Tensor]] = [[] for _ in sequences]
+    with torch.no_grad():
+        while any(d < len(s) for d, s in zip(done, sequences)):
+            active = [i for i, s in enumerate(sequences) if done[i] < len(s)]
+            chunks, tokens = [], []
+            for i in active:
+                n = min(chunk, prompt_lens[i] - done[i]) if done[i] < prompt_lens[i] else 1
+                chunks.append(SeqChunk(done[i], n, tables[i]))
+                tokens.extend(sequences[i][done[i] : done[i] + n])
+            step = build_step_inputs(chunks, block_size, device)
+            hidden = model(torch.tensor(tokens, device=device), step.positions, caches, step.metadata)
+            out = model.compute_logits(hidden)
+            starts = step.metadata.query_start_loc_host
+            for j, i in enumerate(active):
+                logits[i].append(out[starts[j] : starts[j + 1]])
+                done[i] += chunks[j].num_new
+    return [torch.cat(parts) for parts in logits]
