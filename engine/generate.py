@@ -122,7 +122,9 @@ class OfflineGenerator:
         tokens = [tok for p in prompts for tok in p]
         while active:
             step = build_step_inputs(chunks, bs, device)
-            hidden = self.model(torch.tensor(tokens, device=device), step.positions, caches, step.metadata)
+            hidden = self.model(
+                torch.tensor(tokens, device=device), step.positions, caches, step.metadata
+            )
             logits = self.model.compute_logits(hidden[step.last_token_indices]).cpu()
             now = time.perf_counter() - start
             still, chunks, tokens = [], [], []

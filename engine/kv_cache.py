@@ -30,6 +30,9 @@ def allocate_kv_caches(
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(cfg.num_hidden_layers)
     ]

@@ -127,7 +127,8 @@ def parse_model_config(cfg: dict) -> ModelConfig:
     archs = cfg.get("architectures") or []
     if not archs:
         raise ModelLoadError(
-            "config.json has no 'architectures' entry; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
+            "config.json has no 'architectures' entry; supported: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
         )
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -160,7 +161,9 @@ def parse_model_config(cfg: dict) -> ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always biases q/k/v and never o; Mistral has no biases; Llama and Qwen3
             # follow attention_bias for all four projections.
-            qkv_bias=True if arch == "Qwen2ForCausalLM" else (attn_bias and arch != "MistralForCausalLM"),
+            qkv_bias=True
+            if arch == "Qwen2ForCausalLM"
+            else (attn_bias and arch != "MistralForCausalLM"),
             o_bias=attn_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
             mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",

