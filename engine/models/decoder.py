@@ -13,27 +13,45 @@ from torch import nn
 
 from ..attention.metadata import AttentionMetadata
 from ..model_config import ModelConfig
+from .ops import TorchOps
 from .rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dim (Zhang & Sennrich 2019), computed in float32.
+    """Root-mean-square norm over the last dim; ``forward(x, residual=None)``.
 
-    ``forward(x)`` takes ``[..., dim]`` and returns the same shape and dtype.
+    Without ``residual``: ``[T, H] -> [T, H]``. With it: adds ``x + residual`` first and returns
+    ``(normed, new_residual)`` (one fused kernel on CUDA). Same dtype in and out.
     """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = TorchOps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class StackedLinear(nn.Linear):
+    """A linear layer holding several checkpoint projections stacked on the output dim
+    (q/k/v or gate/up), so one matmul computes them all.
+
+    ``shards`` maps each checkpoint name (e.g. ``q_proj``) to its ``(offset, size)`` rows.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shards.items():
+            self.shards[name] = (offset, size)
+            offset += size
 
 
 class Attention(nn.Module):
@@ -46,49 +64,58 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_windows[layer_idx]
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = StackedLinear(
+            cfg.hidden_size,
+            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            bias=cfg.qkv_bias,
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.ops = TorchOps
 
     def forward(
         self, x, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata, backend
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.rotary(q, k, cos, sin)
         out = backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window
         )
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up in one matmul."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        size = cfg.intermediate_size
+        self.gate_up_proj = StackedLinear(
+            cfg.hidden_size, {"gate_proj": size, "up_proj": size}, bias=cfg.mlp_bias
+        )
+        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.ops = TorchOps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``."""
+    """Pre-norm block. Carries the residual stream separately so the add fuses into the norm:
+    ``(h, residual) -> (mlp_out, residual')``; the caller adds the last ``mlp_out`` back."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -97,9 +124,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, metadata, backend) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, cos, sin, kv_cache, metadata, backend):
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, metadata, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -129,6 +162,12 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         self.tie_weights()
+
+    def use_ops(self, ops) -> None:
+        """Route norms, RoPE and SwiGLU through ``ops`` (see :mod:`.ops`), e.g. Triton kernels."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the config ties them."""
@@ -161,9 +200,11 @@ class DecoderForCausalLM(nn.Module):
             seq_len_per_token = torch.repeat_interleave(metadata.seq_lens, q_lens.long())
         cos, sin = self.rotary.cos_sin(positions, seq_len_per_token)
         h = self.model.embed_tokens(input_ids)
+        residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv, metadata, self.backend)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv, metadata, self.backend)
+        h, _ = self.model.norm(h, residual)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""

@@ -14,6 +14,7 @@ from ..errors import ModelLoadError
 from ..model_config import ModelConfig, load_model_config
 from . import get_model_class
 from .decoder import DecoderForCausalLM
+from .ops import get_ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -78,6 +79,14 @@ def load_safetensors_weights(model: DecoderForCausalLM, files: list[Path]) -> No
             checkpoint holds tensors the model has no place for.
     """
     params = dict(model.named_parameters())
+    # checkpoint projection name -> (our stacked parameter, row offset, rows)
+    stacked: dict[str, tuple[str, int, int]] = {}
+    for mod_name, module in model.named_modules():
+        for shard, (offset, size) in getattr(module, "shards", {}).items():
+            parent = mod_name.rsplit(".", 1)[0]
+            for kind in ("weight", "bias"):
+                if f"{mod_name}.{kind}" in params:
+                    stacked[f"{parent}.{shard}.{kind}"] = (f"{mod_name}.{kind}", offset, size)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
@@ -93,7 +102,11 @@ def load_safetensors_weights(model: DecoderForCausalLM, files: list[Path]) -> No
                 if stored == "lm_head.weight" and model.config.tie_word_embeddings:
                     # tied: one matrix under either name (safetensors' save_model keeps one)
                     name = "model.embed_tokens.weight"
+                target = name
                 param = params.get(name)
+                if name in stacked:
+                    pname, offset, size = stacked[name]
+                    param = params[pname].narrow(0, offset, size)
                 if param is None:
                     unexpected.append(name)
                     continue
@@ -104,12 +117,13 @@ def load_safetensors_weights(model: DecoderForCausalLM, files: list[Path]) -> No
                     )
                 with torch.no_grad():
                     param.copy_(tensor)
-                loaded.add(name)
+                loaded.add(target)
     if unexpected:
         raise ModelLoadError(
             f"checkpoint has {len(unexpected)} tensor(s) this architecture does not use, e.g. {unexpected[0]!r}"
         )
     needed = set(params) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    needed = (needed - {pname for pname, _, _ in stacked.values()}) | set(stacked)
     missing = sorted(needed - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} weight(s), e.g. {missing[0]!r}")
@@ -141,6 +155,7 @@ def build_model(
         model = cls(cfg, backend)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
+    model.use_ops(get_ops(device, "triton" if attention_backend == "triton" else "auto"))
     return model.eval()
 
 

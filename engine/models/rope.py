@@ -94,12 +94,3 @@ class RotaryEmbedding:
             freqs = pos * self.inv_freq(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, heads, head_dim]`` by ``cos/sin [T, head_dim]``; returns x's dtype."""
-        cos = cos[:, None].to(x.dtype)
-        sin = sin[:, None].to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
