@@ -84,7 +84,9 @@ def generate(
     ] = None,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N]")] = "auto",
-    attention_backend: Annotated[str, typer.Option(help="auto | torch")] = "auto",
+    attention_backend: Annotated[
+        str, typer.Option(help="auto | torch | triton (auto: triton on CUDA, torch on CPU)")
+    ] = "auto",
     load_format: Annotated[
         str, typer.Option(help="auto | safetensors | dummy (random weights)")
     ] = "auto",
@@ -93,10 +95,10 @@ def generate(
     """Generate text for one or more prompts and report TTFT and tokens/s."""
     if not prompt and not chat:
         fail("give at least one --prompt or --chat")
-    from .generate import OfflineGenerator, encode_chat, load_tokenizer
+    from .llm import LLM
     from .model_fetch import default_model_dir, fetch_default_model
-    from .models.loader import load_model
     from .sampling import SamplingParams
+    from .tokenizer import encode_chat
 
     try:
         if model is None:
@@ -106,39 +108,38 @@ def generate(
             )
         else:
             model_dir = Path(model)
-        llm = load_model(
-            model_dir,
-            device=device,
+        llm = LLM(
+            str(model_dir),
             dtype=dtype,
+            device=device,
             load_format=load_format,
             attention_backend=attention_backend,
+            block_size=block_size,
         )
-        tokenizer = load_tokenizer(model_dir)
         texts = list(prompt or []) + list(chat or [])
-        ids = [tokenizer.encode(p) for p in prompt or []] + [
-            encode_chat(tokenizer, c) for c in chat or []
-        ]
+        ids = [llm.tokenizer.encode(p) for p in prompt or []]
+        ids += [encode_chat(llm.tokenizer, c) for c in chat or []]
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
         )
-        results = OfflineGenerator(llm, tokenizer, block_size=block_size).generate(ids, params)
+        results = llm.generate(ids, params)
     except (TokenmillError, ValueError) as exc:
         fail(str(exc))
-    except OSError as exc:  # e.g. tokenizer files missing from a hand-made folder
-        fail(f"cannot load tokenizer from {model_dir}: {exc}".splitlines()[0])
     for text, res in zip(texts, results):
         out.rule(f"[bold]{text[:60]}", style="dim")
         out.print(res.text, highlight=False)
         out.print(
-            f"[dim]{len(res.prompt_token_ids)} prompt tokens, {len(res.output_token_ids)} output tokens "
-            f"({res.finish_reason}); TTFT {res.ttft_s * 1e3:.0f} ms; E2E {res.e2e_s:.2f} s[/]"
+            f"[dim]{len(res.prompt_token_ids)} prompt tokens ({res.num_cached_tokens} from the prefix cache), "
+            f"{len(res.token_ids)} output tokens ({res.finish_reason}); "
+            f"TTFT {res.ttft_s * 1e3:.0f} ms; E2E {res.e2e_s:.2f} s[/]"
         )
-    total_out = sum(len(r.output_token_ids) for r in results)
-    wall = max(r.e2e_s for r in results)
+    total_out = sum(len(r.token_ids) for r in results)
+    wall = (max(r.finished_ns for r in results) - min(r.arrival_ns for r in results)) / 1e9
+    param = next(llm.core.runner.model.parameters())
     out.print(
         f"[bold]{total_out} output tokens in {wall:.2f} s = {total_out / wall:.1f} tokens/s[/] "
-        f"({len(results)} prompt(s), {next(llm.parameters()).dtype}, {next(llm.parameters()).device}, "
-        f"backend {llm.backend.name})",
+        f"({len(results)} prompt(s), {param.dtype}, {param.device}, "
+        f"backend {llm.core.runner.model.backend.name}, {llm.core.runner.num_blocks} KV blocks)",
         highlight=False,
     )
 

@@ -13,5 +13,6 @@ class ModelFetchError(TokenmillError):
     """The default model could not be downloaded, verified or converted."""
 
 
-class PromptTooLongError(TokenmillError):
-    """A prompt (plus the requested output) does not fit the model's context window."""
+class RequestRejected(TokenmillError):
+    """A request can never be served by this engine: prompt + max_tokens exceeds the model's
+    context or the whole KV pool."""

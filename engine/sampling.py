@@ -1,7 +1,14 @@
-"""Sampling parameters and next-token selection for one batch of logits."""
+"""Sampling parameters and the batched sampler.
+
+Filters follow the usual definitions (as in Hugging Face and vLLM): temperature divides the
+logits; top-k keeps the k largest; top-p keeps the smallest set of most likely tokens whose
+probability reaches p; min-p drops tokens whose probability is below ``min_p`` times the most
+likely token's.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -12,48 +19,90 @@ class SamplingParams:
     """How to pick tokens for one request.
 
     Attributes:
-        max_tokens: output tokens to generate at most.
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
-        top_p: keep the smallest set of tokens whose probability sums to at least top_p.
+        max_tokens: output tokens at most.
+        temperature: 0 = greedy (argmax).
+        top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens (0 = all).
-        seed: per-request RNG seed, so a request samples the same tokens in any batch.
-        stop_token_ids: tokens that end the request (the model's EOS is added by the caller).
+        min_p: drop tokens below ``min_p * p_max`` (0 = off).
+        seed: per-request seed: the request samples the same tokens in any batch.
+        stop: strings that end the output (not included in the text).
+        stop_token_ids: token ids that end the output (included in the token ids).
+        ignore_eos: keep generating past the model's EOS (benchmarks).
+        skip_special_tokens: leave special tokens out of the text.
     """
 
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
     def validate(self) -> None:
         """Raises ValueError naming the first out-of-range field."""
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
-def sample_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> int:
-    """Pick one token from ``logits [vocab]`` (float32) under ``params``."""
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    scaled = logits.float() / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
+def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """``[V]`` float32 probabilities after temperature, top-k, top-p and min-p."""
+    scaled = logits / p.temperature
+    if p.top_k > 0 and p.top_k < scaled.numel():
+        kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1:
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1:
         sorted_probs, order = torch.sort(probs, descending=True)
-        # drop a token when the tokens before it already reach top_p
-        drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= params.top_p
-        sorted_probs[drop] = 0
+        # drop a token when the more likely tokens before it already reach top_p
+        drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return probs
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> tuple[list[int], list[bool]]:
+    """Pick one token per row.
+
+    Args:
+        logits: ``[N, vocab]`` float32, one row per request that samples this step.
+        params: N sampling parameter sets.
+        generators: N CPU generators (None = the default generator).
+
+    Returns:
+        ``(tokens, bad)``: N token ids, and N flags that are True where the row held NaN or
+        inf (that request must fail with ``nan_logits``; its token is meaningless).
+    """
+    logits = logits.float()
+    bad = (~torch.isfinite(logits).all(dim=-1)).tolist()
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    rows = [i for i, p in enumerate(params) if not p.greedy and not bad[i]]
+    if rows:
+        host = logits[rows].cpu()
+        for j, i in enumerate(rows):
+            probs = _filtered_probs(host[j], params[i])
+            tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
+    return tokens, bad

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import torch
+
 from tokenmill.engine.attention import SeqChunk, build_step_inputs
 from tokenmill.engine.kv_cache import allocate_kv_caches
 

@@ -8,11 +8,15 @@ import subprocess
 import sys
 
 import pytest
-from tokenmill.engine.errors import ModelFetchError, ModelLoadError, PromptTooLongError
-from tokenmill.engine.generate import OfflineGenerator
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.errors import ModelFetchError, ModelLoadError, RequestRejected
+from tokenmill.engine.llm import LLM
 from tokenmill.engine.model_fetch import fetch_default_model
 from tokenmill.engine.models.loader import load_model
 from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.tokenizer import load_tokenizer
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -89,18 +93,30 @@ def test_missing_weights_and_missing_config_key(tmp_path):
         load_model(tmp_path)
 
 
-def test_prompt_longer_than_context(tmp_path):
+def test_prompt_longer_than_context_and_bad_token_ids(tmp_path, smollm2_dir):
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    model = load_model(tmp_path, load_format="dummy")
-    gen = OfflineGenerator(model, tokenizer=None, block_size=4)
+    core = EngineCore(
+        EngineConfig(
+            model=str(tmp_path), load_format="dummy", block_size=4, num_gpu_blocks_override=64
+        ),
+        tokenizer=load_tokenizer(smollm2_dir),
+    )
+    llm = LLM(core=core)
     with pytest.raises(
-        PromptTooLongError,
-        match="prompt of 30 tokens \\+ max_tokens 4 exceeds the model's context of 24",
+        RequestRejected,
+        match=r"prompt of 30 tokens \+ max_tokens 4 exceeds the model's context of 24",
     ):
-        gen.generate([[1] * 30], SamplingParams(max_tokens=4))
-    # at the limit it still runs
-    (res,) = gen.generate([[1] * 20], SamplingParams(max_tokens=4))
-    assert len(res.output_token_ids) <= 4
+        llm.generate([[1] * 30], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=r"token id 32 is outside the vocabulary \[0, 32\)"):
+        llm.generate([[1, 32]], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[]], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        llm.generate([[1]], SamplingParams(top_p=0))
+    assert not core.has_work()  # nothing half-added
+    # at the limit it still runs, and stops at the context
+    (res,) = llm.generate([[1] * 20], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(res.token_ids) == 4 and res.finish_reason == "length"
 
 
 @pytest.mark.slow

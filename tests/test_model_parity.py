@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 from paged_driver import run_paged
+
 from tokenmill.engine.models.loader import load_model
 
 TINY = dict(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tokenmill.engine.attention import SeqChunk, build_step_inputs
 from tokenmill.engine.attention.torch_backend import TorchAttentionBackend, store_kv
 

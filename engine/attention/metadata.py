@@ -102,15 +102,14 @@ def build_step_inputs(
             slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
         starts.append(starts[-1] + c.num_new)
         seq_lens.append(total)
-    max_blocks = max((len(c.block_table) for c in chunks), default=0)
-    tables = torch.zeros((len(chunks), max(max_blocks, 1)), dtype=torch.int32)
-    for i, c in enumerate(chunks):
-        if c.block_table:
-            tables[i, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
+    max_blocks = max(max((len(c.block_table) for c in chunks), default=0), 1)
+    tables = torch.tensor(
+        [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks], dtype=torch.int32
+    )
     meta = AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
+        block_tables=tables.reshape(len(chunks), max_blocks).to(device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         max_query_len=max((c.num_new for c in chunks), default=0),
         max_seq_len=max(seq_lens, default=0),

@@ -1,0 +1,217 @@
+"""The KV block pool: allocation, ref counts and prefix caching.
+
+Design (after vLLM v1's block pool): a fixed set of blocks; free blocks sit in one queue that
+doubles as LRU order (blocks freed earlier are reused first), and a free block may still hold a
+cached prefix — it is evicted only when it is taken for new data (lazily). A full block's hash
+chains its parent's hash, its token ids and a salt (the tenant under ``tenant`` scope), so equal
+hashes mean equal prefixes; a hit is also verified against the block's stored token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from .request import Request
+
+
+class KVBlock:
+    """One block of the pool.
+
+    Attributes:
+        block_id: index into the cache tensors.
+        ref_cnt: requests using it (0 = free, possibly still cached).
+        block_hash: chained hash when the block is full and registered in the prefix cache.
+        token_ids: the tokens it holds when cached (hit verification).
+    """
+
+    __slots__ = ("block_hash", "block_id", "ref_cnt", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Free blocks in LRU order with O(1) append, pop-oldest and removal from the middle."""
+
+    def __init__(self, blocks: list[KVBlock]):
+        self._queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in blocks)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def append(self, block: KVBlock) -> None:
+        self._queue[block.block_id] = block
+
+    def popleft(self) -> KVBlock:
+        return self._queue.popitem(last=False)[1]
+
+    def remove(self, block: KVBlock) -> None:
+        del self._queue[block.block_id]
+
+    def ids(self) -> list[int]:
+        """Block ids, oldest first (the order they will be reused in)."""
+        return list(self._queue)
+
+
+def hash_block(parent: bytes, token_ids: list[int], salt: str) -> bytes:
+    """sha256 over (parent hash, the block's token ids, salt): equal hashes = equal prefixes."""
+    h = hashlib.sha256(parent)
+    h.update(array("q", token_ids).tobytes())
+    h.update(salt.encode())
+    return h.digest()
+
+
+class BlockManager:
+    """Owns the pool and each request's block table (``request.block_ids``).
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        enable_prefix_caching: register full blocks and reuse them across requests.
+        prefix_cache_scope: ``tenant`` salts hashes with the tenant; ``global`` shares across tenants.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        prefix_cache_scope: str = "tenant",
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_scope = prefix_cache_scope
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+        # cumulative prefix-cache counters (prompt tokens looked up / found)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ----- accounting -----
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ----- prefix cache -----
+    def _salt(self, request: Request) -> str:
+        return request.tenant if self.prefix_cache_scope == "tenant" else ""
+
+    def _extend_hashes(self, request: Request, num_full_blocks: int) -> None:
+        bs, salt = self.block_size, self._salt(request)
+        tokens = request.all_token_ids
+        while len(request.block_hashes) < num_full_blocks:
+            i = len(request.block_hashes)
+            parent = request.block_hashes[-1] if i else b""
+            request.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], salt))
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """Cached blocks holding the longest prefix of the request's tokens.
+
+        Never covers the last token: its logits are needed, so at least one token is computed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_hashes(request, max_blocks)
+        hits: list[KVBlock] = []
+        bs = self.block_size
+        for i in range(max_blocks):
+            block = self.cached.get(request.block_hashes[i])
+            if block is None or block.token_ids != tuple(
+                request.all_token_ids[i * bs : (i + 1) * bs]
+            ):
+                break
+            hits.append(block)
+        return hits
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        self._extend_hashes(request, num_full)
+        bs = self.block_size
+        for i in range(num_full):
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is not None:
+                continue
+            h = request.block_hashes[i]
+            if h in self.cached:
+                continue  # another block already holds this prefix; this one stays private
+            block.block_hash = h
+            block.token_ids = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            self.cached[h] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their data)."""
+        for block in list(self.cached.values()):
+            self._evict(block)
+
+    # ----- allocation -----
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached: list[KVBlock] = ()
+    ) -> bool:
+        """Give the request enough blocks for ``num_new_tokens`` more computed tokens.
+
+        ``cached`` (from :meth:`find_cached_prefix`, only for a request with no blocks yet) are
+        taken first; the request's ``num_computed_tokens`` must then be set to their token count
+        by the caller. Returns False, changing nothing, when the free blocks do not suffice.
+        """
+        computed = request.num_computed_tokens + len(cached) * self.block_size
+        need = self.blocks_needed(computed + num_new_tokens) - len(request.block_ids) - len(cached)
+        revived = sum(1 for b in cached if b.ref_cnt == 0)
+        if max(need, 0) + revived > len(self.free_queue):
+            return False
+        for block in cached:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+            request.block_ids.append(block.block_id)
+        for _ in range(need):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            request.block_ids.append(block.block_id)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks. Tail blocks are freed first, so they are reused first
+        and the shared head of a prefix stays cached longest."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+        request.block_ids = []

@@ -1,0 +1,315 @@
+"""EngineCore: the loop body of the engine — schedule, forward, sample, detokenize, stop.
+
+It runs in-process for the offline :class:`~tokenmill.engine.llm.LLM` and tests, and inside its
+own process behind :class:`~tokenmill.engine.async_engine.AsyncEngine` for serving. Each
+:meth:`EngineCore.step` returns the per-request deltas (with their wall-clock timestamps) and one
+:class:`StepRecord`, which is everything telemetry needs; the engine knows nothing of storage.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner
+from .request import Request, RequestEvent, RequestStatus
+from .sampling import SamplingParams, sample
+from .scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta), with its timestamps (wall-clock ns).
+
+    ``finish_reason`` is ``stop`` | ``length`` | ``abort`` | ``error`` once ``finished``;
+    ``stop_reason`` is the stop string or stop token that ended it (None for EOS/length);
+    ``error_type`` is e.g. ``nan_logits``. ``events`` are the request's events since its last
+    output (chunks, preemptions, resumes, abort).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ns: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    error_type: str | None
+    error_message: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    num_recomputed_tokens: int
+    arrival_ns: int
+    queued_ns: int
+    scheduled_ns: int | None
+    first_token_ns: int | None
+    finished_ns: int | None
+    events: list[RequestEvent] = field(default_factory=list)
+
+
+@dataclass
+class StepRecord:
+    """One scheduler iteration (one forward), as stored in ``engine_steps``.
+
+    Times: ``start_ns``/``end_ns`` wall clock; ``schedule_ms``, ``forward_ms``, ``sample_ms``
+    (sampling + detokenization + stop checks) measured with a monotonic clock.
+    """
+
+    step_id: int
+    start_ns: int
+    end_ns: int
+    schedule_ms: float
+    forward_ms: float
+    sample_ms: float
+    num_running: int
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_prefill_chunks: int
+    num_sampled: int
+    preempted_ids: list[str]
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    prefix_hit_tokens: int
+    allocation_failures: int
+    finished_ids: list[str]
+
+
+class EngineCore:
+    """Model runner + block manager + scheduler + per-request detokenizers.
+
+    Args:
+        config: the engine config. ``config.model`` None means the default model.
+        runner: a prepared :class:`ModelRunner` (tests pass a stub); built from config if None.
+        tokenizer: for detokenizing; loaded from the model folder if None.
+    """
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, tokenizer=None):
+        config.validate()
+        self.config = config
+        model_dir = resolve_model_dir(config.model)
+        self.runner = runner or ModelRunner(config, model_dir)
+        if tokenizer is None:
+            from .tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = tokenizer
+        mcfg = self.runner.model_config
+        self.max_model_len = min(
+            config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+        )
+        self.block_manager = BlockManager(
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.prefix_cache_scope,
+        )
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        eos = set(mcfg.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.started_ns = time.time_ns()
+
+    # ----- requests -----
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        tenant: str = "",
+        arrival_ns: int | None = None,
+    ) -> Request:
+        """Queue a request.
+
+        Raises:
+            ValueError: empty prompt, token ids outside the vocabulary, bad sampling params,
+                duplicate id.
+            RequestRejected: it can never fit the context or the KV pool.
+        """
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        vocab = self.runner.model_config.vocab_size
+        bad = next(
+            (t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None
+        )
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            tenant=tenant,
+            arrival_ns=arrival_ns,
+        )
+        self.scheduler.add_request(request)
+        self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop
+        )
+        return request
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort requests now (blocks freed before this returns); their final outputs."""
+        outs = []
+        for rid in request_ids:
+            request = self.scheduler.abort(rid)
+            if request is not None:
+                outs.append(self._output(request, []))
+        return outs
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ----- the step -----
+    def step(self) -> tuple[list[RequestOutput], StepRecord | None]:
+        """Run one iteration. Returns the deltas of requests that produced a token or finished,
+        and the step record (None when there was nothing to do)."""
+        if not self.scheduler.has_work():
+            return [], None
+        start_ns = time.time_ns()
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        num_sampled = sum(1 for c in sched.chunks if c.samples)
+        logits = self.runner.execute(sched) if sched.chunks else None
+        t2 = time.perf_counter()
+        outputs = self._process(sched, logits)
+        t3 = time.perf_counter()
+        bm = self.block_manager
+        record = StepRecord(
+            step_id=sched.step_id,
+            start_ns=start_ns,
+            end_ns=time.time_ns(),
+            schedule_ms=(t1 - t0) * 1e3,
+            forward_ms=(t2 - t1) * 1e3,
+            sample_ms=(t3 - t2) * 1e3,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
+            num_prefill_chunks=sched.num_prefill_chunks,
+            num_sampled=num_sampled,
+            preempted_ids=[r.request_id for r in sched.preempted],
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_blocks_cached=bm.num_cached_blocks,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            allocation_failures=sched.allocation_failures,
+            finished_ids=[o.request_id for o in outputs if o.finished],
+        )
+        return outputs, record
+
+    def _process(self, sched: SchedulerOutput, logits) -> list[RequestOutput]:
+        sampling = self.scheduler.update_after_step(sched)
+        outputs: list[RequestOutput] = []
+        if not sampling:
+            return outputs
+        requests = [c.request for c in sampling]
+        tokens, bad = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        now = time.time_ns()
+        for request, token, is_bad in zip(requests, tokens, bad):
+            new_tokens: list[int] = []
+            if is_bad:
+                request.error_type = "nan_logits"
+                request.error_message = "the model produced NaN or infinite logits"
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            else:
+                request.append_token(token, now)
+                new_tokens.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self.scheduler.finish(request, status)
+            outputs.append(self._output(request, new_tokens))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        stop_str = self.detokenizers[request.request_id].add(token)
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if stop_str is not None:
+            request.stop_reason = stop_str
+            return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
+        finished = request.status.finished
+        detok = self.detokenizers.get(request.request_id)
+        text = detok.take_delta(finished) if detok else ""
+        if finished:
+            self.detokenizers.pop(request.request_id, None)
+        events, request.events = request.events, []
+        n = len(new_tokens)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            new_text=text,
+            token_ns=request.token_ns[-n:] if n else [],
+            finished=finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            error_type=request.error_type,
+            error_message=request.error_message,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+            num_recomputed_tokens=request.num_recomputed_tokens,
+            arrival_ns=request.arrival_ns,
+            queued_ns=request.queued_ns,
+            scheduled_ns=request.scheduled_ns,
+            first_token_ns=request.first_token_ns,
+            finished_ns=request.finished_ns,
+            events=events,
+        )
+
+    def stats(self) -> dict:
+        """Queue depth and KV usage right now (for /health)."""
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_cached": bm.num_cached_blocks,
+            "kv_usage": bm.usage(),
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "max_model_len": self.max_model_len,
+            "block_size": self.config.block_size,
+        }
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The model folder: ``model`` as given, or the default model (fetched if missing)."""
+    if model is not None:
+        return Path(model).expanduser()
+    from .model_fetch import default_model_dir, fetch_default_model, verify_model_dir
+
+    path = default_model_dir()
+    if not verify_model_dir(path):
+        fetch_default_model(path)
+    return path

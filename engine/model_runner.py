@@ -1,0 +1,127 @@
+"""Runs the model for a scheduled step: sizes and owns the KV cache, lays the step out as one
+flat batch, and returns logits only for the rows that sample (the LM head is a large share of a
+small model's forward, so prefill-chunk rows that sample nothing skip it)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from .attention import SeqChunk, build_step_inputs
+from .config import EngineConfig
+from .errors import TokenmillError
+from .kv_cache import allocate_kv_caches, kv_bytes_per_block
+from .models.loader import load_model
+from .scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class KVCacheSizingError(TokenmillError):
+    """The memory left for the KV cache holds no block."""
+
+
+class ModelRunner:
+    """The model, its KV cache and the step executor.
+
+    Args:
+        config: engine config (device, dtype, block size, KV sizing knobs).
+        model_dir: Hugging Face folder.
+    """
+
+    def __init__(self, config: EngineConfig, model_dir: str | Path):
+        self.config = config
+        self.model = load_model(
+            model_dir,
+            device=config.device,
+            dtype=config.dtype,
+            load_format=config.load_format,
+            attention_backend=config.attention_backend,
+        )
+        param = next(self.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.model_config = self.model.config
+        self.block_size = config.block_size
+        self.bytes_per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        self.num_blocks = self.determine_num_blocks()
+        self.kv_caches = allocate_kv_caches(
+            self.model_config, self.num_blocks, self.block_size, self.dtype, self.device
+        )
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks to allocate.
+
+        ``num_gpu_blocks_override`` wins. On CUDA: after a profiling forward at the largest step
+        (``max_num_batched_tokens`` tokens), ``total * gpu_memory_utilization - peak use``
+        bytes (the method vLLM uses). On CPU: ``kv_cache_memory`` bytes.
+
+        Raises:
+            KVCacheSizingError: the budget holds no block.
+        """
+        if self.config.num_gpu_blocks_override:
+            return self.config.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            budget = self.config.kv_cache_memory
+        blocks = int(budget // self.bytes_per_block)
+        if blocks < 1:
+            raise KVCacheSizingError(
+                f"{budget / 2**20:.0f} MiB left for the KV cache holds no block of "
+                f"{self.bytes_per_block / 2**20:.2f} MiB; raise the memory budget"
+            )
+        return blocks
+
+    @torch.inference_mode()
+    def _profile_cuda_budget(self) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens, self.model_config.max_position_embeddings)
+        blocks = -(-n // self.block_size)
+        caches = allocate_kv_caches(
+            self.model_config, blocks, self.block_size, self.dtype, self.device
+        )
+        step = build_step_inputs(
+            [SeqChunk(0, n, list(range(blocks)))], self.block_size, self.device
+        )
+        hidden = self.model(
+            torch.zeros(n, dtype=torch.long, device=self.device),
+            step.positions,
+            caches,
+            step.metadata,
+        )
+        self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - sum(
+            c.numel() * c.element_size() for kv in caches for c in kv
+        )
+        del caches, hidden
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.gpu_memory_utilization - peak
+        log.info(
+            "KV budget %.1f GiB (total %.1f GiB, peak use %.1f GiB)",
+            budget / 2**30,
+            total / 2**30,
+            peak / 2**30,
+        )
+        return int(budget)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step; returns ``[num_sampling_chunks, vocab]`` float32 logits, one row per
+        chunk whose ``samples`` is True, in the order of ``out.chunks``."""
+        chunks, tokens, rows = [], [], []
+        for c in out.chunks:
+            chunks.append(SeqChunk(c.start, c.num_new_tokens, c.request.block_ids))
+            tokens.extend(c.request.all_token_ids[c.start : c.start + c.num_new_tokens])
+            if c.samples:
+                rows.append(len(tokens) - 1)
+        step = build_step_inputs(chunks, self.block_size, self.device)
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, step.positions, self.kv_caches, step.metadata)
+        if not rows:
+            return torch.empty((0, self.model_config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).cpu()

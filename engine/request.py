@@ -1,0 +1,141 @@
+"""The state of one request inside the engine.
+
+There are no prefill and decode phases: a request has ``num_tokens`` (prompt + output so far)
+and ``num_computed_tokens`` (those whose K/V are in the cache), and each step computes some of
+the difference. A step that brings ``num_computed_tokens`` up to ``num_tokens`` samples the next
+token. Times are wall-clock nanoseconds (``time.time_ns()``) so the API process can build spans
+from them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class RequestEvent:
+    """Something that happened to a request in a step (becomes a span event).
+
+    ``name`` is one of ``chunk`` (a prefill chunk was computed; attrs: tokens),
+    ``preempted`` (blocks taken back; attrs: recompute_tokens), ``resumed``, ``aborted``.
+    """
+
+    name: str
+    step_id: int
+    time_ns: int
+    attrs: dict = field(default_factory=dict)
+
+
+class Request:
+    """One request: tokens, progress, KV blocks, timestamps and counters.
+
+    Args:
+        request_id: unique id (the API's ``x-request-id``).
+        prompt_token_ids: the prompt, tokenized.
+        params: its :class:`SamplingParams`.
+        priority: lower is served first under the ``priority`` policy.
+        tenant: owner; salts prefix-cache hashes under ``prefix_cache_scope=tenant``.
+        arrival_ns: when the request arrived (default: now).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        tenant: str = "",
+        arrival_ns: int | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.tenant = tenant
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.generator = (
+            torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        )
+
+        self.arrival_ns = arrival_ns if arrival_ns is not None else time.time_ns()
+        self.queued_ns = time.time_ns()
+        self.scheduled_ns: int | None = None
+        self.first_token_ns: int | None = None
+        self.token_ns: list[int] = []
+        self.finished_ns: int | None = None
+
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0
+        self.num_recomputed_tokens = 0
+        self.events: list[RequestEvent] = []
+        self.stop_reason: int | str | None = None
+        self.error_type: str | None = None
+        self.error_message: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Rank under the ``priority`` policy: lower priority value, then earlier arrival."""
+        return (self.priority, self.arrival_ns)
+
+    def append_token(self, token_id: int, now_ns: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        self.token_ns.append(now_ns)
+        if self.first_token_ns is None:
+            self.first_token_ns = now_ns
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, computed {self.num_computed_tokens}/"
+            f"{self.num_tokens}, blocks {self.block_ids})"
+        )

@@ -1,0 +1,287 @@
+"""Continuous-batching scheduler: one call of :meth:`Scheduler.schedule` plans one forward.
+
+With chunked prefill (the default) running requests are served first — each gets the tokens it
+is missing (one for a decode, the rest of the prompt for a prefill, capped by
+``long_prefill_token_threshold`` and the step's token budget) — then waiting requests are admitted
+with whatever budget is left, so prefill chunks and decodes share a step. With chunked prefill
+off, whole prompts are prefilled in prefill-only steps and decodes wait those steps (the classic
+behaviour operators compare against).
+
+When a request needs a block and none is free, the lowest-ranked running request (lowest
+priority, then latest arrival) is preempted by recompute: its blocks are freed, its progress is
+reset and it goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .errors import RequestRejected
+from .request import Request, RequestEvent, RequestStatus
+
+__all__ = ["RequestRejected", "ScheduledChunk", "Scheduler", "SchedulerOutput"]
+
+
+@dataclass
+class ScheduledChunk:
+    """``num_new_tokens`` of ``request`` computed this step, starting at ``start``."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's known tokens."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step and what scheduling it cost."""
+
+    step_id: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_prefill_chunks: int = 0
+    prefix_hit_tokens: int = 0
+    allocation_failures: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Queues, admission and preemption over a :class:`BlockManager`.
+
+    Args:
+        config: the engine config (budgets, policies, watermark).
+        block_manager: the KV pool.
+        max_model_len: context limit in tokens.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_id = 0
+        self.watermark_blocks = int(config.kv_watermark * block_manager.num_blocks)
+        if config.scheduling_policy == "priority":
+            self._rank = lambda r: r.sort_key
+        else:
+            self._rank = lambda r: r.arrival_ns
+
+    # ----- queue management -----
+    def add_request(self, request: Request) -> None:
+        """Queue a request.
+
+        Raises:
+            RequestRejected: prompt + max_tokens exceeds the context or the whole KV pool.
+            ValueError: duplicate request id.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        total = request.num_prompt_tokens + request.params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt of {request.num_prompt_tokens} tokens + max_tokens {request.params.max_tokens} "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+            )
+        if self.bm.blocks_needed(total) > self.bm.num_blocks:
+            raise RequestRejected(
+                f"prompt + max_tokens needs {self.bm.blocks_needed(total)} KV blocks but the pool "
+                f"has {self.bm.num_blocks}; it could never run"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        if self.config.scheduling_policy == "priority":
+            keys = [r.sort_key for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, request.sort_key), request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request: free its blocks at once and forget it."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.bm.free(request)
+        request.status = status
+        request.finished_ns = time.time_ns()
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a request; its blocks are free when this returns. None if unknown/finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.events.append(RequestEvent("aborted", self.step_id, time.time_ns()))
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def preempt(self, request_id: str) -> bool:
+        """Preempt a running request by recompute now (operators' drill, tests). False if it
+        is not running."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.RUNNING:
+            return False
+        self._preempt(request, SchedulerOutput(step_id=self.step_id))
+        return True
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- scheduling -----
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.bm.free(victim)
+        victim.events.append(
+            RequestEvent(
+                "preempted",
+                out.step_id,
+                time.time_ns(),
+                {"recompute_tokens": victim.num_computed_tokens},
+            )
+        )
+        victim.num_recomputed_tokens += victim.num_computed_tokens
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.PREEMPTED
+        self._enqueue(victim, front=True)
+        out.preempted.append(victim)
+
+    def _add_chunk(self, out: SchedulerOutput, request: Request, n: int) -> None:
+        chunk = ScheduledChunk(request, request.num_computed_tokens, n)
+        out.chunks.append(chunk)
+        if n > 1 or chunk.start < request.num_prompt_tokens:
+            out.num_prefill_tokens += n
+            out.num_prefill_chunks += 1
+            request.events.append(
+                RequestEvent(
+                    "chunk", out.step_id, time.time_ns(), {"tokens": n, "start": chunk.start}
+                )
+            )
+        else:
+            out.num_decode_tokens += n
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = request.num_tokens - request.num_computed_tokens
+            if threshold:
+                n = min(n, threshold)
+            n = min(n, budget)
+            while not self.bm.allocate_slots(request, n):
+                out.allocation_failures += 1
+                victim = self.running[-1]  # lowest ranked, not yet scheduled this step
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                self._add_chunk(out, request, n)
+                budget -= n
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        chunked = self.config.enable_chunked_prefill
+        threshold = self.config.long_prefill_token_threshold
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.bm.find_cached_prefix(request)
+            num_cached = len(cached) * self.bm.block_size
+            n = request.num_tokens - num_cached
+            if chunked:
+                if threshold:
+                    n = min(n, threshold)
+                n = min(n, budget)
+            elif n > budget and out.chunks:
+                break  # whole prompts only; the first one of a step may exceed the budget
+            need = self.bm.blocks_needed(num_cached + n) - len(cached)
+            revived = sum(1 for b in cached if b.ref_cnt == 0)
+            if self.bm.num_free_blocks - need - revived < self.watermark_blocks:
+                out.allocation_failures += 1
+                break
+            if not self.bm.allocate_slots(request, n, cached):
+                out.allocation_failures += 1
+                break
+            self.waiting.popleft()
+            now = time.time_ns()
+            if request.status == RequestStatus.PREEMPTED:
+                request.events.append(
+                    RequestEvent("resumed", out.step_id, now, {"cached_tokens": num_cached})
+                )
+            else:
+                request.num_cached_tokens = num_cached
+            if request.scheduled_ns is None:
+                request.scheduled_ns = now
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            self.bm.prefix_queries += request.num_tokens
+            self.bm.prefix_hits += num_cached
+            out.prefix_hit_tokens += num_cached
+            self.running.append(request)
+            self._add_chunk(out, request, n)
+            budget -= n
+        return budget
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step."""
+        self.step_id += 1
+        out = SchedulerOutput(step_id=self.step_id)
+        budget = self.config.max_num_batched_tokens
+        # rank order: the tail is the first to be preempted (lowest priority, latest arrival)
+        self.running.sort(key=self._rank)
+        if not self.config.enable_chunked_prefill:
+            self._schedule_waiting(out, budget)
+            if out.chunks:
+                return out  # a prefill-only step
+            self._schedule_running(out, budget)
+            return out
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def update_after_step(self, out: SchedulerOutput) -> list[ScheduledChunk]:
+        """Advance computed-token counts; return the chunks that sampled a token.
+
+        Full blocks are registered in the prefix cache here.
+        """
+        sampling = []
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            self.bm.cache_full_blocks(request)
+            if chunk.samples:
+                sampling.append(chunk)
+        return sampling

@@ -1,0 +1,125 @@
+"""Block pool: exact block ids, ref counts, free-list (LRU) order and prefix-cache hits."""
+
+from __future__ import annotations
+
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.request import Request
+from tokenmill.engine.sampling import SamplingParams
+
+
+def req(rid: str, tokens: list[int], tenant: str = "") -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=8), tenant=tenant)
+
+
+def admit(bm: BlockManager, r: Request) -> int:
+    """Admit like the scheduler: take cached prefix blocks, allocate the rest, mark computed."""
+    cached = bm.find_cached_prefix(r)
+    n_cached = len(cached) * bm.block_size
+    assert bm.allocate_slots(r, r.num_tokens - n_cached, cached)
+    r.num_computed_tokens = r.num_tokens
+    bm.cache_full_blocks(r)
+    return n_cached
+
+
+def refs(bm: BlockManager) -> list[int]:
+    return [b.ref_cnt for b in bm.blocks]
+
+
+def test_allocation_takes_blocks_in_free_order_and_free_returns_tail_first():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a = req("a", list(range(10)))  # 3 blocks
+    assert bm.allocate_slots(a, 10)
+    assert a.block_ids == [0, 1, 2]
+    b = req("b", list(range(5)))
+    assert bm.allocate_slots(b, 5)
+    assert b.block_ids == [3, 4]
+    assert bm.num_free_blocks == 3
+    bm.free(a)
+    # a's tail first: block 2 is reused before 1 before 0
+    assert bm.free_queue.ids() == [5, 6, 7, 2, 1, 0]
+    assert refs(bm) == [0, 0, 0, 1, 1, 0, 0, 0]
+
+
+def test_append_grows_by_one_block_only_at_block_boundaries():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    r = req("r", [1, 2, 3])
+    assert bm.allocate_slots(r, 3)
+    r.num_computed_tokens = 3
+    assert bm.allocate_slots(r, 1)  # 4th token still fits block 0
+    assert r.block_ids == [0]
+    r.num_computed_tokens = 4
+    assert bm.allocate_slots(r, 1)  # 5th token needs block 1
+    assert r.block_ids == [0, 1]
+
+
+def test_allocation_failure_changes_nothing():
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    a = req("a", list(range(8)))
+    assert bm.allocate_slots(a, 8)
+    b = req("b", list(range(9)))
+    assert not bm.allocate_slots(b, 9)
+    assert b.block_ids == [] and bm.num_free_blocks == 1 and refs(bm) == [1, 1, 0]
+
+
+def test_prefix_hit_shares_full_blocks_and_never_covers_last_token():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    system = list(range(100, 112))  # 3 full blocks
+    a = req("a", [*system, 1, 2])
+    assert admit(bm, a) == 0
+    assert a.block_ids == [0, 1, 2, 3]
+    assert bm.num_cached_blocks == 3  # the 4th block is partial: not cached
+    b = req("b", [*system, 7])
+    assert admit(bm, b) == 12
+    assert b.block_ids == [0, 1, 2, 4]
+    assert refs(bm)[:5] == [2, 2, 2, 1, 1]
+    # a prompt that is exactly the cached blocks: the last block is recomputed for its logits
+    c = req("c", list(system))
+    assert admit(bm, c) == 8
+    assert c.block_ids == [0, 1, 5]
+
+
+def test_freed_cached_blocks_are_revived_then_evicted_lazily_in_lru_order():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = req("a", [1, 2, 3, 4, 5])  # blocks 0,1 full (cached), block 2 partial
+    admit(bm, a)
+    bm.free(a)
+    assert bm.free_queue.ids() == [3, 4, 5, 2, 1, 0]
+    assert bm.num_cached_blocks == 2  # still cached while free
+    b = req("b", [1, 2, 3, 4, 9])
+    assert admit(bm, b) == 4  # revived 0 and 1 from the free list
+    assert b.block_ids == [0, 1, 3]
+    assert bm.free_queue.ids() == [4, 5, 2]
+    bm.free(b)
+    # fill the pool with unrelated data: the oldest free blocks are evicted first
+    c = req("c", [7, 7, 7, 7, 7, 7, 7, 7, 7, 7])
+    assert bm.allocate_slots(c, 10)
+    assert c.block_ids == [4, 5, 2, 3, 1]
+    assert bm.num_cached_blocks == 1  # block 1 evicted, block 0 still cached
+    assert bm.find_cached_prefix(req("d", [1, 2, 3, 4, 5])) == [bm.blocks[0]]
+
+
+def test_tenants_do_not_share_prefix_blocks_unless_global():
+    tokens = list(range(9))
+    scoped = BlockManager(num_blocks=10, block_size=4, prefix_cache_scope="tenant")
+    admit(scoped, req("a", tokens, tenant="acme"))
+    assert admit(scoped, req("b", tokens, tenant="globex")) == 0
+    assert admit(scoped, req("c", tokens, tenant="acme")) == 8
+    shared = BlockManager(num_blocks=10, block_size=4, prefix_cache_scope="global")
+    admit(shared, req("a", tokens, tenant="acme"))
+    assert admit(shared, req("b", tokens, tenant="globex")) == 8
+
+
+def test_hash_collision_is_caught_by_token_verification():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = req("a", [1, 2, 3])
+    admit(bm, a)
+    block = bm.blocks[a.block_ids[0]]
+    block.token_ids = (9, 9)  # pretend the stored block holds other tokens under the same hash
+    assert bm.find_cached_prefix(req("b", [1, 2, 3])) == []
+
+
+def test_prefix_changing_in_first_block_misses_everything():
+    bm = BlockManager(num_blocks=20, block_size=4)
+    admit(bm, req("a", [0, 1, 2, 3, *range(10, 30)]))
+    # same 20 trailing tokens, different first block: chained hashes all differ
+    assert admit(bm, req("b", [5, 1, 2, 3, *range(10, 30)])) == 0

@@ -1,0 +1,165 @@
+"""Scheduler: token budget, chunked prefill, preemption order, watermark, rejection, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.scheduler import RequestRejected, Scheduler
+
+
+def make(num_blocks=32, block_size=4, max_model_len=256, **cfg) -> Scheduler:
+    config = EngineConfig(block_size=block_size, kv_watermark=cfg.pop("kv_watermark", 0.0), **cfg)
+    bm = BlockManager(
+        num_blocks, block_size, config.enable_prefix_caching, config.prefix_cache_scope
+    )
+    return Scheduler(config, bm, max_model_len)
+
+
+def add(
+    s: Scheduler, rid: str, n_prompt: int, max_tokens=8, priority=0, arrival=None, first=0
+) -> Request:
+    r = Request(
+        rid,
+        list(range(first, first + n_prompt)),
+        SamplingParams(max_tokens=max_tokens),
+        priority=priority,
+        arrival_ns=arrival,
+    )
+    s.add_request(r)
+    return r
+
+
+def run_step(s: Scheduler, token=1):
+    """schedule + pretend forward: every sampling chunk appends ``token``."""
+    out = s.schedule()
+    for c in s.update_after_step(out):
+        c.request.append_token(token, 0)
+    return out
+
+
+def plan(out):
+    return [(c.request.request_id, c.start, c.num_new_tokens) for c in out.chunks]
+
+
+def test_chunked_prefill_shares_steps_with_decodes_under_the_budget():
+    s = make(max_num_batched_tokens=10)
+    add(s, "a", 3)
+    add(s, "b", 14)
+    out = run_step(s)
+    assert plan(out) == [("a", 0, 3), ("b", 0, 7)]
+    assert (out.num_prefill_tokens, out.num_decode_tokens, out.num_prefill_chunks) == (10, 0, 2)
+    out = run_step(s)
+    # a decodes (1 token) first, b gets the rest of the budget for its next chunk
+    assert plan(out) == [("a", 3, 1), ("b", 7, 7)]
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (7, 1)
+    assert s.requests["b"].num_output_tokens == 1  # b's last chunk sampled its first token
+
+
+def test_long_prefill_threshold_caps_one_requests_chunk():
+    s = make(max_num_batched_tokens=100, long_prefill_token_threshold=6)
+    add(s, "a", 20)
+    add(s, "b", 5)
+    assert plan(run_step(s)) == [("a", 0, 6), ("b", 0, 5)]
+
+
+def test_chunked_prefill_off_prefills_whole_prompts_in_prefill_only_steps():
+    s = make(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    add(s, "a", 3)
+    run_step(s)  # a prefilled
+    add(s, "b", 20)  # longer than the budget: still prefilled whole, alone
+    out = run_step(s)
+    assert plan(out) == [("b", 0, 20)]  # a's decode waits this step
+    out = run_step(s)
+    assert plan(out) == [("a", 3, 1), ("b", 20, 1)]
+
+
+def test_preemption_takes_latest_arrival_and_requeues_it_first():
+    s = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    add(s, "old", 8, arrival=1)  # 2 blocks
+    add(s, "new", 7, arrival=2)  # 2 blocks: pool full
+    run_step(s)
+    assert s.bm.num_free_blocks == 0
+    # "old" needs a 3rd block to store its 9th token: "new" (latest arrival) is preempted
+    out = run_step(s)
+    assert [r.request_id for r in out.preempted] == ["new"]
+    new = s.waiting[0]
+    assert new.request_id == "new" and new.status == RequestStatus.PREEMPTED
+    assert (
+        new.num_computed_tokens == 0 and new.num_preemptions == 1 and new.num_recomputed_tokens == 7
+    )
+    assert [e.name for e in new.events][-1] == "preempted"
+    assert plan(out) == [("old", 8, 1)]
+    assert out.allocation_failures == 1
+
+
+def test_priority_policy_preempts_lowest_priority_even_if_older():
+    s = make(num_blocks=4, block_size=4, scheduling_policy="priority")
+    add(s, "vip", 8, priority=0, arrival=2)
+    add(s, "batch", 7, priority=5, arrival=1)
+    out = run_step(s)
+    assert plan(out) == [("vip", 0, 8), ("batch", 0, 7)]
+    out = run_step(s)
+    # vip needs a block; batch has lower priority (higher value) though it arrived first
+    assert [r.request_id for r in out.preempted] == ["batch"]
+
+
+def test_priority_policy_orders_the_waiting_queue():
+    s = make(scheduling_policy="priority", max_num_seqs=1)
+    add(s, "low", 3, priority=9, arrival=1)
+    add(s, "high", 3, priority=1, arrival=2)
+    assert plan(run_step(s)) == [("high", 0, 3)]
+
+
+def test_watermark_keeps_blocks_free_for_running_requests():
+    s = make(num_blocks=10, block_size=4, kv_watermark=0.3)  # keep 3 blocks free
+    add(s, "a", 16)  # 4 blocks -> 6 free
+    add(s, "b", 16)  # would leave 2 < 3
+    out = run_step(s)
+    assert plan(out) == [("a", 0, 16)]
+    assert out.allocation_failures == 1
+    assert s.waiting[0].request_id == "b"
+
+
+def test_request_that_can_never_fit_is_rejected_at_once():
+    s = make(num_blocks=4, block_size=4, max_model_len=1000)
+    with pytest.raises(RequestRejected, match="needs 5 KV blocks but the pool has 4"):
+        add(s, "huge", 12, max_tokens=8)
+    with pytest.raises(RequestRejected, match="exceeds the model's context of 1000"):
+        add(s, "long", 990, max_tokens=20)
+    assert not s.has_work()
+
+
+def test_abort_frees_blocks_in_the_same_step():
+    s = make(num_blocks=8)
+    add(s, "a", 10)
+    run_step(s)
+    assert s.bm.num_free_blocks == 5
+    r = s.abort("a")
+    assert r.status == RequestStatus.FINISHED_ABORTED
+    assert s.bm.num_free_blocks == 8 and not s.running
+    assert s.abort("a") is None
+
+
+def test_max_num_seqs_caps_running_requests():
+    s = make(max_num_seqs=2)
+    for i in range(4):
+        add(s, f"r{i}", 2)
+    out = run_step(s)
+    assert [c.request.request_id for c in out.chunks] == ["r0", "r1"]
+    assert len(s.waiting) == 2
+
+
+def test_prefix_hit_reduces_prefill_tokens():
+    s = make(num_blocks=40, block_size=4)
+    add(s, "a", 30)
+    run_step(s)
+    add(s, "b", 30)  # same 30 tokens: 7 full blocks (28 tokens) hit, never the last token
+    out = run_step(s)
+    (chunk,) = [c for c in out.chunks if c.request.request_id == "b"]
+    assert (chunk.start, chunk.num_new_tokens) == (28, 2)
+    assert out.prefix_hit_tokens == 28
+    assert s.requests["b"].num_cached_tokens == 28
