@@ -144,8 +144,38 @@ def generate(
     )
 
 
-def main() -> None:  # pragma: no cover - console entry for ``python -m``
-    app(sys.argv[1:])
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: usage errors and unexpected failures become one ``error:`` line
+    (exit 2 and 1); ``TOKENMILL_DEBUG=1`` shows the traceback instead."""
+    import os
+
+    try:
+        rv = app(argv if argv is not None else sys.argv[1:], standalone_mode=False)
+    except Exception as exc:
+        # typer vendors click; its usage errors carry format_message() and exit_code
+        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+            if type(exc).__name__ == "NoArgsIsHelpError":
+                sys.exit(0)  # the help text was printed
+            ctx = getattr(exc, "ctx", None)
+            where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            err.print(
+                f"[bold red]error:[/] {exc.format_message()}{where}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            sys.exit(exc.exit_code)
+        if os.environ.get("TOKENMILL_DEBUG"):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        err.print(
+            f"[bold red]error:[/] unexpected {type(exc).__name__}: {first}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

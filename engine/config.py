@@ -64,6 +64,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be <= 1024 tokens, got {self.block_size}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if not 0 <= self.kv_watermark < 1:

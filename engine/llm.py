@@ -92,8 +92,12 @@ class LLM:
         Raises:
             ValueError / RequestRejected: a bad prompt or parameters (nothing is run then).
         """
+        if isinstance(prompts, str):
+            prompts = [prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
         results: dict[str, CompletedRequest] = {}
         order = []
         added = []
@@ -115,6 +119,14 @@ class LLM:
             self.core.abort(added)
             raise
         pending = set(order)
+        try:
+            self._run(pending, results)
+        except BaseException:
+            self.core.abort(list(pending))  # leave the engine usable for the next call
+            raise
+        return [results[rid] for rid in order]
+
+    def _run(self, pending: set[str], results: dict[str, CompletedRequest]) -> None:
         while pending:
             outputs, record = self.core.step()
             if record is not None:
@@ -123,7 +135,6 @@ class LLM:
                 results[out.request_id].absorb(out)
                 if out.finished:
                     pending.discard(out.request_id)
-        return [results[rid] for rid in order]
 
     def chat(
         self, messages: list[str | list[dict]], params: SamplingParams | None = None

@@ -118,6 +118,49 @@ def _sliding_windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None,
     return (None,) * num_layers
 
 
+def _int(cfg: dict, key: str, default: int | None = None, minimum: int = 1) -> int:
+    value = cfg.get(key, default) if default is not None else cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ModelLoadError(f"config.json: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _positive_float(cfg: dict, key: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelLoadError(f"config.json: {key} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _check_shapes(c: ModelConfig) -> None:
+    if c.num_attention_heads % c.num_key_value_heads:
+        raise ModelLoadError(
+            f"config.json: num_attention_heads ({c.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({c.num_key_value_heads})"
+        )
+    if c.head_dim % 2:
+        raise ModelLoadError(
+            f"config.json: head_dim must be even for rotary embeddings, got {c.head_dim}"
+        )
+    if c.rope.theta <= 0:
+        raise ModelLoadError(f"config.json: rope_theta must be > 0, got {c.rope.theta}")
+    if c.rope.rope_type != "default" and c.rope.factor <= 0:
+        raise ModelLoadError(f"config.json: rope scaling factor must be > 0, got {c.rope.factor}")
+    if len(c.sliding_windows) != c.num_hidden_layers:
+        raise ModelLoadError(
+            f"config.json: layer_types has {len(c.sliding_windows)} entries for {c.num_hidden_layers} layers"
+        )
+    for w in c.sliding_windows:
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ModelLoadError(
+                f"config.json: sliding_window must be an integer >= 1 or null, got {w!r}"
+            )
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in c.eos_token_ids):
+        raise ModelLoadError(
+            f"config.json: eos_token_id must be integer(s), got {list(c.eos_token_ids)!r}"
+        )
+
+
 def parse_model_config(cfg: dict) -> ModelConfig:
     """Build a :class:`ModelConfig` from a parsed ``config.json`` dict.
 
@@ -139,25 +182,33 @@ def parse_model_config(cfg: dict) -> ModelConfig:
     if act != "silu":
         raise ModelLoadError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
     try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        layers = int(cfg["num_hidden_layers"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        hidden = _int(cfg, "hidden_size")
+        heads = _int(cfg, "num_attention_heads")
+        layers = _int(cfg, "num_hidden_layers")
+        kv_heads = (
+            _int(cfg, "num_key_value_heads", heads)
+            if cfg.get("num_key_value_heads") is not None
+            else heads
+        )
+        head_dim = (
+            _int(cfg, "head_dim", hidden // heads)
+            if cfg.get("head_dim") is not None
+            else hidden // heads
+        )
         attn_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return ModelConfig(
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        config = ModelConfig(
             architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=_int(cfg, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=_int(cfg, "intermediate_size"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rms_norm_eps=_positive_float(cfg, "rms_norm_eps", 1e-6),
+            max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always biases q/k/v and never o; Mistral has no biases; Llama and Qwen3
             # follow attention_bias for all four projections.
@@ -176,8 +227,10 @@ def parse_model_config(cfg: dict) -> ModelConfig:
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json is missing required key {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, AttributeError) as exc:
         raise ModelLoadError(f"config.json has a malformed value: {exc}") from None
+    _check_shapes(config)
+    return config
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -187,7 +240,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         ModelLoadError: the folder or its config.json is missing or unreadable, or the
             architecture is not one of :data:`SUPPORTED_ARCHITECTURES`.
     """
-    path = Path(model_dir).expanduser()
+    if model_dir is None or str(model_dir) == "":
+        raise ModelLoadError("no model path given")
+    try:
+        path = Path(model_dir).expanduser()
+    except RuntimeError as exc:  # "~user" with no such user
+        raise ModelLoadError(f"model path {str(model_dir)!r}: {exc}") from None
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
     if not path.is_dir():
@@ -196,8 +254,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not cfg_file.is_file():
         raise ModelLoadError(f"model folder {str(path)!r} has no config.json")
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read {cfg_file}: {exc}") from None
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{cfg_file} is not a JSON object")

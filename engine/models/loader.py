@@ -29,6 +29,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
         ModelLoadError: an unknown dtype name.
     """
     if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ModelLoadError(
+                f"dtype {dtype} is not supported; choose from auto, {', '.join(DTYPES)}"
+            )
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -41,7 +45,24 @@ def resolve_device(device: str | None) -> torch.device:
     """``None``/``auto`` → ``cuda`` when available, else ``cpu``."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ModelLoadError(
+            f"unknown device {device!r}; use auto, cpu, cuda or cuda:N ({exc})"
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(
+                f"device {device!r} asked for, but CUDA is not available on this machine"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"device {device!r} does not exist ({torch.cuda.device_count()} GPU(s))"
+            )
+    elif dev.type != "cpu":
+        raise ModelLoadError(f"device type {dev.type!r} is not supported; use cpu or cuda")
+    return dev
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -55,9 +76,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, KeyError, json.JSONDecodeError) as exc:
-            raise ModelLoadError(f"cannot read {index}: {exc}") from None
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+            files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        except (OSError, KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read {index}: malformed weight_map ({exc})") from None
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(f"{index.name} names missing shard(s): {', '.join(missing)}")

@@ -1,0 +1,257 @@
+"""AsyncEngine: the API process's handle on an engine core running in its own process.
+
+``generate()`` is an async iterator of :class:`RequestOutput` deltas; leaving it early (a client
+that disconnects) aborts the request in the engine, whose blocks are freed in that step. Step
+records go to listeners (telemetry) as they arrive; the engine never waits on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from .config import EngineConfig
+from .core import RequestOutput, StepRecord
+from .core_process import run_engine_core
+from .errors import RequestRejected, TokenmillError
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+LIVENESS_CHECK_S = 5.0  # a waiting stream checks this often that the engine is still there
+
+
+class EngineDeadError(TokenmillError):
+    """The engine core process is gone (crashed or failed to start)."""
+
+
+class AsyncEngine:
+    """Client of one engine-core process.
+
+    Args:
+        config: the engine config, sent to the process.
+    """
+
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self._ctx = zmq.asyncio.Context()
+        self._tmp = tempfile.TemporaryDirectory(prefix="tokenmill-ipc-")
+        base = Path(self._tmp.name)
+        self._in_addr = f"ipc://{base / 'in'}"
+        self._out_addr = f"ipc://{base / 'out'}"
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.bind(self._in_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(self._out_addr)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._listeners: list[Callable[[StepRecord], None]] = []
+        self._reader: asyncio.Task | None = None
+        self.process: multiprocessing.Process | None = None
+        self.info: dict = {}
+        self.stats: dict = {}
+        self.dead_reason: str | None = None
+        self.started_monotonic: float | None = None
+
+    # ----- lifecycle -----
+    async def start(self, timeout_s: float = 600.0) -> dict:
+        """Spawn the engine process and wait until its model is loaded; returns its info.
+
+        Raises:
+            EngineDeadError: the process reported a fatal error, died, or did not get ready.
+        """
+        mp = multiprocessing.get_context("spawn")
+        self.process = mp.Process(
+            target=run_engine_core,
+            args=(self.config, self._in_addr, self._out_addr),
+            name="tokenmill-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if await self._pull.poll(500):
+                msg = await self._pull.recv_pyobj()
+                if msg[0] == "ready":
+                    self.info = msg[1]
+                    self.stats = self.info["stats"]
+                    break
+                if msg[0] == "fatal":
+                    self.dead_reason = msg[1]
+                    raise EngineDeadError(f"engine core failed to start: {msg[1]}")
+            elif not self.process.is_alive():
+                self.dead_reason = f"exited with code {self.process.exitcode}"
+                raise EngineDeadError(f"engine core process {self.dead_reason} before it was ready")
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"engine core not ready after {timeout_s:.0f} s")
+        self.started_monotonic = time.monotonic()
+        self._reader = asyncio.get_running_loop().create_task(self._read_outputs())
+        return self.info
+
+    async def shutdown(self) -> None:
+        """Stop the engine process and close the sockets."""
+        if self.process is not None and self.process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._push.send_pyobj(("shutdown", None))
+            await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
+            if self.process.is_alive():
+                self.process.kill()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+        self._tmp.cleanup()
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive() and self.dead_reason is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self.started_monotonic if self.started_monotonic else 0.0
+
+    def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
+        """Call ``fn(record)`` for every step record (in the event loop; keep it cheap)."""
+        self._listeners.append(fn)
+
+    # ----- requests -----
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        tenant: str = "",
+        arrival_ns: int | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until it finishes.
+
+        Raises:
+            RequestRejected: it can never fit the context or the KV pool.
+            ValueError: bad prompt or sampling parameters.
+            EngineDeadError: the engine process died.
+        """
+        if not self.alive:
+            raise EngineDeadError(
+                f"engine core is not running ({self.dead_reason or 'not started'})"
+            )
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        payload = dict(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            priority=priority,
+            tenant=tenant,
+            arrival_ns=arrival_ns,
+        )
+        finished = False
+        try:
+            await self._push.send_pyobj(("add", payload))
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), LIVENESS_CHECK_S)
+                except asyncio.TimeoutError:
+                    if not self.alive or self._reader is None or self._reader.done():
+                        finished = True
+                        raise EngineDeadError(
+                            f"engine core stopped answering ({self.dead_reason or 'output reader ended'})"
+                        ) from None
+                    continue
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self.alive:
+                await self._push.send_pyobj(("abort", [request_id]))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with ``finish_reason='abort'``."""
+        if self.alive:
+            await self._push.send_pyobj(("abort", [request_id]))
+
+    async def refresh_stats(self) -> None:
+        """Ask the engine for fresh stats (answered asynchronously into :attr:`stats`)."""
+        if self.alive:
+            await self._push.send_pyobj(("stats", None))
+
+    # ----- output dispatch -----
+    async def _read_outputs(self) -> None:
+        try:
+            await self._read_loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never leave streams waiting on a dead reader
+            log.exception("engine output reader failed")
+            self._fail_all(f"output reader failed: {type(exc).__name__}: {exc}")
+
+    async def _read_loop(self) -> None:
+        while True:
+            if not await self._pull.poll(1000):
+                if self.process is not None and not self.process.is_alive():
+                    self._fail_all(f"engine core process exited with code {self.process.exitcode}")
+                    return
+                continue
+            msg = await self._pull.recv_pyobj()
+            kind = msg[0]
+            if kind == "outputs":
+                _, outputs, record = msg
+                for out in outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                if record is not None:
+                    self.stats.update(
+                        num_running=record.num_running,
+                        num_waiting=record.num_waiting,
+                        kv_blocks_used=record.kv_blocks_used,
+                        kv_blocks_free=record.kv_blocks_free,
+                        kv_blocks_cached=record.kv_blocks_cached,
+                        kv_usage=record.kv_blocks_used / max(record.kv_blocks_total, 1),
+                    )
+                    for fn in self._listeners:
+                        try:
+                            fn(record)
+                        except Exception:  # a listener must never stop the stream
+                            log.exception("step listener failed")
+            elif kind == "rejected":
+                _, rid, exc_kind, message = msg
+                queue = self._queues.get(rid)
+                if queue is not None:
+                    exc_cls = RequestRejected if exc_kind == "RequestRejected" else ValueError
+                    queue.put_nowait(exc_cls(message))
+            elif kind == "stats":
+                self.stats = msg[1]
+            elif kind == "fatal":
+                self._fail_all(msg[1])
+                return
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead_reason = reason
+        log.error("engine core died: %s", reason)
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(f"engine core died: {reason}"))

@@ -1,0 +1,140 @@
+"""The engine on the real default model: batching, chunking, prefix caching and preemption never
+change a greedy request's tokens — each equals the request run alone and transformers' generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.llm import LLM
+from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.tokenizer import encode_chat
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+SHARED = (
+    "You are a careful assistant for a logistics company. Answer briefly, cite the rule you used, "
+    "and never invent tracking numbers. "
+)
+TOPICS = [
+    "Where is my parcel?",
+    "How do I return a broken lamp?",
+    "Explain customs duties for books.",
+    "What does 'out for delivery' mean?",
+    "Can I change the delivery address after shipping?",
+    "List three ways to pack glass safely.",
+    "Why was my package held at the depot for two days?",
+    "Translate 'fragile' into French.",
+]
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    """16 chats of 40-140 tokens; the chat template's system prompt is a shared prefix."""
+    out = []
+    for i, topic in enumerate(TOPICS):
+        out.append(encode_chat(tokenizer, SHARED + topic))
+        out.append(encode_chat(tokenizer, f"Question {i}: {topic} " * (1 + i % 4)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(smollm2_dir):
+    llm = LLM(str(smollm2_dir), device="cpu", dtype="float32")
+    ps = prompts(llm.tokenizer)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for p in ps:
+            expected.append(
+                hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[
+                    0, len(p) :
+                ].tolist()
+            )
+    return llm, ps, expected
+
+
+def engine_like(base_llm: LLM, **overrides) -> LLM:
+    """A fresh engine (own KV pool and scheduler) sharing the already-loaded model weights."""
+    cfg = base_llm.config.__class__(**{**base_llm.config.to_dict(), **overrides})
+    core = EngineCore(cfg, runner=_runner_with_blocks(base_llm, cfg), tokenizer=base_llm.tokenizer)
+    return LLM(core=core)
+
+
+def _runner_with_blocks(base_llm: LLM, cfg):
+    from tokenmill.engine.kv_cache import allocate_kv_caches
+
+    runner = base_llm.core.runner
+    clone = object.__new__(type(runner))
+    clone.__dict__.update(runner.__dict__)
+    clone.config = cfg
+    clone.block_size = cfg.block_size
+    clone.num_blocks = cfg.num_gpu_blocks_override or runner.num_blocks
+    clone.kv_caches = allocate_kv_caches(
+        runner.model_config, clone.num_blocks, cfg.block_size, runner.dtype, runner.device
+    )
+    return clone
+
+
+def test_sixteen_alone_equal_transformers(base):
+    llm, ps, expected = base
+    for p, e in zip(ps, expected):
+        (alone,) = llm.generate([p], SamplingParams(max_tokens=MAX_TOKENS))
+        assert alone.token_ids == e
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"enable_chunked_prefill": False},
+        {"enable_prefix_caching": False},
+        {"max_num_batched_tokens": 48},  # small budget: prompts split into several chunks
+        {
+            "num_gpu_blocks_override": 24,
+            "max_num_batched_tokens": 96,
+        },  # tiny pool: forced preemption
+    ],
+    ids=["default", "chunked-off", "prefix-off", "small-chunks", "preemption"],
+)
+def test_sixteen_concurrent_equal_alone(base, overrides):
+    llm, ps, expected = base
+    engine = engine_like(llm, **overrides)
+    results = engine.generate(ps, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [r.token_ids for r in results] == expected
+    assert sum(len(t) for t in expected) > 12 * MAX_TOKENS  # real answers, not an early EOS
+    records = engine.step_records
+    assert max(r.num_running for r in records) > 1  # really batched
+    if "num_gpu_blocks_override" in overrides:
+        assert sum(r.num_preemptions for r in results) > 0
+        assert sum(r.num_recomputed_tokens for r in results) > 0
+    if overrides.get("max_num_batched_tokens") == 48:
+        assert max(r.num_prefill_chunks for r in records) >= 2
+        assert all(r.num_prefill_tokens + r.num_decode_tokens <= 48 for r in records)
+    if overrides.get("enable_chunked_prefill") is False:
+        # prefill-only steps: no step mixes prefill tokens with decodes
+        assert not any(r.num_prefill_tokens and r.num_decode_tokens for r in records)
+
+
+def test_prefix_cache_serves_a_shared_system_prompt(base):
+    llm, _, _ = base
+    engine = engine_like(llm)
+    system = llm.tokenizer.encode(
+        "Rules: " + " ".join(f"rule {i} says be kind;" for i in range(60))
+    )[:200]
+    assert len(system) == 200
+    first = engine.generate(
+        [[*system, *llm.tokenizer.encode(" Hi there")]], SamplingParams(max_tokens=4)
+    )[0]
+    prefill_first = sum(r.num_prefill_tokens for r in engine.step_records)
+    engine.step_records.clear()
+    second = engine.generate(
+        [[*system, *llm.tokenizer.encode(" What now?")]], SamplingParams(max_tokens=4)
+    )[0]
+    prefill_second = sum(r.num_prefill_tokens for r in engine.step_records)
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens >= 192
+    assert prefill_second == len(second_prompt) - second.num_cached_tokens
+    assert prefill_second < prefill_first / 10
