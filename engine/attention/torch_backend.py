@@ -51,19 +51,21 @@ def _attend(
     """Grouped-query attention of ``q [B, Q, Hq, D]`` over ``k, v [B, L, Hkv, D]``.
 
     ``allowed [B, Q, L]`` is True where a query may see a key. Returns ``[B, Q, Hq, D]`` in
-    q's dtype.
+    q's dtype. One batched product per KV head, with that head's query group stacked as extra
+    query rows, so K and V are read in place (no per-group copies).
     """
     b, nq, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
-    qf = q.float().reshape(b, nq, hkv, group, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
-    kf = k.float().permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, L, D]
-    vf = v.float().permute(0, 2, 1, 3).unsqueeze(2)
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, Hkv, G, Q, L]
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vf)  # [B, Hkv, G, Q, D]
-    return out.permute(0, 3, 1, 2, 4).reshape(b, nq, hq, d).to(q.dtype)
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device)
+    bias = bias.masked_fill_(~allowed, float("-inf")).repeat_interleave(group, dim=1)  # [B, Q*G, L]
+    out = torch.empty((b, nq, hq, d), dtype=torch.float32, device=q.device)
+    for h in range(hkv):
+        heads = slice(h * group, (h + 1) * group)
+        qh = q[:, :, heads].float().reshape(b, nq * group, d)  # rows ordered (query, group)
+        scores = torch.baddbmm(bias, qh, k[:, :, h].float().transpose(1, 2), alpha=scale)
+        out[:, :, heads] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h].float()).view(b, nq, group, d)
+    return out.to(q.dtype)
 
 
 def _visibility(
