@@ -36,7 +36,10 @@ OUT = Path(__file__).parent / "results"
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [
-        ([rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 256))], rng.randint(64, 128))
+        (
+            [rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 256))],
+            rng.randint(64, 128),
+        )
         for _ in range(n)
     ]
 
@@ -46,7 +49,11 @@ def hf_one_at_a_time(model, work) -> float:
     start = time.perf_counter()
     for prompt, n in work:
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
         )
         assert out.shape[1] == len(prompt) + n
     return time.perf_counter() - start
@@ -65,7 +72,12 @@ def hf_static_batches(model, work, batch: int) -> float:
             mask[row, width - len(p) :] = 1
         n = max(m for _, m in group)
         model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
         )
     return time.perf_counter() - start
 
@@ -73,7 +85,9 @@ def hf_static_batches(model, work, batch: int) -> float:
 def run_tokenmill(llm: LLM, work) -> tuple[float, dict]:
     llm.step_records.clear()
     start = time.perf_counter()
-    results = llm.generate([p for p, _ in work], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work])
+    results = llm.generate(
+        [p for p, _ in work], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
+    )
     wall = time.perf_counter() - start
     assert [len(r.token_ids) for r in results] == [n for _, n in work]
     ttft = sorted(r.ttft_s for r in results)
@@ -91,7 +105,9 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--skip-one-at-a-time", action="store_true", help="for quick looks; the target needs it")
+    ap.add_argument(
+        "--skip-one-at-a-time", action="store_true", help="for quick looks; the target needs it"
+    )
     args = ap.parse_args()
 
     model_dir = resolve_model_dir(None)
@@ -116,7 +132,11 @@ def main() -> None:
     rows["tokenmill"] = {"wall_s": t, "output_tokens_per_s": out_tokens / t, **extra}
 
     ours = rows["tokenmill"]["output_tokens_per_s"]
-    ratios = {f"tokenmill_over_{k}": ours / v["output_tokens_per_s"] for k, v in rows.items() if k != "tokenmill"}
+    ratios = {
+        f"tokenmill_over_{k}": ours / v["output_tokens_per_s"]
+        for k, v in rows.items()
+        if k != "tokenmill"
+    }
     result = {
         "benchmark": "engine_vs_hf",
         "date": time.strftime("%Y-%m-%d"),
@@ -137,7 +157,10 @@ def main() -> None:
         },
         "results": rows,
         "ratios": ratios,
-        "targets": {"tokenmill_over_hf_one_at_a_time": 4.0, f"tokenmill_over_hf_static_batch_{args.batch}": 1.5},
+        "targets": {
+            "tokenmill_over_hf_one_at_a_time": 4.0,
+            f"tokenmill_over_hf_static_batch_{args.batch}": 1.5,
+        },
     }
     OUT.mkdir(exist_ok=True)
     (OUT / "engine_vs_hf.json").write_text(json.dumps(result, indent=2) + "\n")
