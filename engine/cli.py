@@ -144,6 +144,100 @@ def generate(
     )
 
 
+@app.command()
+def serve(
+    model: Annotated[
+        str | None, typer.Option(help="Hugging Face model folder (default: the fetched SmolLM2).")
+    ] = None,
+    host: Annotated[
+        str, typer.Option(help="Bind address (127.0.0.1 unless a tenants file is given).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
+    tenants: Annotated[
+        str | None, typer.Option(help="Tenants TOML (API key hashes and limits).")
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model id clients send (default: folder name).")
+    ] = None,
+    max_queue_len: Annotated[
+        int, typer.Option(min=0, help="Requests that may wait beyond max-num-seqs before 429.")
+    ] = 64,
+    max_body_bytes: Annotated[
+        int, typer.Option(min=1024, help="Largest request body accepted (bytes).")
+    ] = 2 << 20,
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N]")] = "auto",
+    attention_backend: Annotated[str, typer.Option(help="auto | torch | triton")] = "auto",
+    load_format: Annotated[str, typer.Option(help="auto | safetensors | dummy")] = "auto",
+    block_size: Annotated[int, typer.Option(min=1, max=1024)] = 16,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(min=1, help="Token budget of one engine step.")
+    ] = 2048,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Requests running at once.")] = 64,
+    max_model_len: Annotated[
+        int | None, typer.Option(min=1, help="Context limit (default: the model's).")
+    ] = None,
+    enable_chunked_prefill: Annotated[
+        bool, typer.Option("--enable-chunked-prefill/--no-enable-chunked-prefill")
+    ] = True,
+    long_prefill_token_threshold: Annotated[
+        int, typer.Option(min=0, help="Cap on one request's prefill chunk (0 = none).")
+    ] = 0,
+    enable_prefix_caching: Annotated[
+        bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")
+    ] = True,
+    prefix_cache_scope: Annotated[str, typer.Option(help="tenant | global")] = "tenant",
+    kv_watermark: Annotated[
+        float, typer.Option(min=0.0, max=0.99, help="Fraction of KV blocks kept free at admission.")
+    ] = 0.01,
+    scheduling_policy: Annotated[str, typer.Option(help="fcfs | priority")] = "fcfs",
+    kv_cache_memory: Annotated[int, typer.Option(min=1, help="KV cache bytes on CPU.")] = 1 << 30,
+    gpu_memory_utilization: Annotated[float, typer.Option(min=0.01, max=1.0)] = 0.9,
+    num_gpu_blocks_override: Annotated[int | None, typer.Option(min=1)] = None,
+) -> None:
+    """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
+    from .api.server import make_server
+    from .config import EngineConfig
+
+    try:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            attention_backend=attention_backend,
+            load_format=load_format,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            enable_prefix_caching=enable_prefix_caching,
+            prefix_cache_scope=prefix_cache_scope,
+            kv_watermark=kv_watermark,
+            scheduling_policy=scheduling_policy,
+            kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+        )
+        config.validate()
+        server = make_server(
+            config,
+            host=host,
+            port=port,
+            tenants_file=tenants,
+            max_queue_len=max_queue_len,
+            max_body_bytes=max_body_bytes,
+            served_model_name=served_model_name,
+            announce=lambda m: out.print(m, highlight=False, soft_wrap=True),
+        )
+    except (TokenmillError, ValueError) as exc:
+        fail(str(exc))
+    server.run()
+    if not server.started:
+        fail(f"the server did not start (is port {port} free, and did the engine load?)")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: usage errors and unexpected failures become one ``error:`` line
     (exit 2 and 1); ``TOKENMILL_DEBUG=1`` shows the traceback instead."""

@@ -1,0 +1,469 @@
+"""The FastAPI application: routes, middleware, and the path of one request through the
+gateway, tokenize, admission, (engine), stream and metering stations."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+
+from ..async_engine import EngineDeadError
+from ..core import RequestOutput
+from ..errors import RequestRejected
+from .errors import APIError
+from .gateway import Gateway, Tenant
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .stations import AdmissionStation, MeteringStation, TokenizeStation
+from .worker import EngineUnavailable, EngineWorker
+
+log = logging.getLogger(__name__)
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+TRACEPARENT_RE = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share."""
+
+    worker: EngineWorker
+    gateway: Gateway
+    tokenize: TokenizeStation
+    admission: AdmissionStation
+    metering: MeteringStation
+    model_name: str
+    max_body_bytes: int
+    started: float = field(default_factory=time.time)
+    telemetry_dropped: int = 0
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self):
+        r = self.registry
+        self.m_requests = Counter(
+            "tokenmill_requests", "Finished HTTP requests", ["tenant", "status"], registry=r
+        )
+        self.m_prompt = Counter(
+            "tokenmill_prompt_tokens", "Prompt tokens of finished requests", ["tenant"], registry=r
+        )
+        self.m_gen = Counter(
+            "tokenmill_generation_tokens",
+            "Output tokens of finished requests",
+            ["tenant"],
+            registry=r,
+        )
+        self.m_cached = Counter(
+            "tokenmill_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache",
+            ["tenant"],
+            registry=r,
+        )
+        self.m_running = Gauge(
+            "tokenmill_num_requests_running", "Requests running in the engine", registry=r
+        )
+        self.m_waiting = Gauge(
+            "tokenmill_num_requests_waiting", "Requests waiting in the engine", registry=r
+        )
+        self.m_kv = Gauge(
+            "tokenmill_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r
+        )
+        self.m_restarts = Gauge("tokenmill_engine_restarts", "Engine worker restarts", registry=r)
+        self.m_in_flight = Gauge(
+            "tokenmill_api_in_flight", "Requests admitted by the API", registry=r
+        )
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over ``limit`` bytes with 413 (declared or streamed)."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = APIError(
+            413, f"request body is over the {self.limit}-byte limit", code="body_too_large"
+        )
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await too_big.response()(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            return await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            return await too_big.response()(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _request_id(request: Request) -> str:
+    incoming = request.headers.get("x-request-id", "")
+    return incoming if REQUEST_ID_RE.match(incoming) else f"req-{uuid.uuid4().hex}"
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    err = exc.errors()[0] if exc.errors() else {}
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid":
+        return APIError(400, "request body is not valid JSON", code="invalid_json")
+    # drop pydantic's union-branch labels so the param is the field path
+    path = [
+        p
+        for p in loc
+        if not p.startswith(("str", "list[", "constrained", "function-", "int", "float", "bool"))
+    ]
+    param = ".".join(path) or None
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing":
+        return APIError(400, f"missing required field {param!r}", param=param, code="missing_field")
+    return APIError(400, f"invalid value for {param!r}: {msg}", param=param, code="invalid_value")
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The ASGI app over a started :class:`EngineWorker`."""
+    app = FastAPI(title="tokenmill", version="0.1.0", docs_url=None, redoc_url=None)
+    app.state.tm = state
+
+    @app.middleware("http")
+    async def request_id_mw(request: Request, call_next):
+        rid = _request_id(request)
+        request.state.request_id = rid
+        tp = request.headers.get("traceparent", "")
+        request.state.traceparent = tp if TRACEPARENT_RE.match(tp) else None
+        response = await call_next(request)
+        response.headers["x-request-id"] = rid
+        return response
+
+    app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response(getattr(request.state, "request_id", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return _validation_error(exc).response(getattr(request.state, "request_id", None))
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc):
+        return APIError(404, f"no route {request.method} {request.url.path}").response()
+
+    @app.exception_handler(405)
+    async def bad_method(request: Request, exc):
+        return APIError(
+            405, f"method {request.method} not allowed on {request.url.path}"
+        ).response()
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": int(state.started),
+                    "owned_by": "tokenmill",
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health():
+        w = state.worker.health()
+        stats = w["stats"]
+        status = (
+            "ok" if state.worker.ready else ("degraded" if w["state"] == "restarting" else "down")
+        )
+        body = {
+            "status": status,
+            "model": state.model_name,
+            "engine": w,
+            "queue_depth": state.admission.queue_depth + stats.get("num_waiting", 0),
+            "in_flight": state.admission.in_flight,
+            "kv_usage": stats.get("kv_usage"),
+            "kv_blocks_used": stats.get("kv_blocks_used"),
+            "kv_blocks_total": stats.get("kv_blocks_total"),
+            "telemetry_dropped": state.telemetry_dropped,
+        }
+        return JSONResponse(body, status_code=200 if status != "down" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = state.worker.health()["stats"]
+        state.m_running.set(stats.get("num_running", 0))
+        state.m_waiting.set(stats.get("num_waiting", 0))
+        state.m_kv.set(stats.get("kv_usage") or 0.0)
+        state.m_restarts.set(state.worker.restarts)
+        state.m_in_flight.set(state.admission.in_flight)
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def openapi():
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for name in ("ChatCompletionRequest", "CompletionRequest"):
+                props = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
+                if "model" in props:
+                    props["model"]["enum"] = [state.model_name]  # the one model this server serves
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _complete(state, body, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _complete(state, body, request, chat=False)
+
+    return app
+
+
+async def _complete(state: ServerState, body, request: Request, chat: bool):
+    rid = request.state.request_id
+    # gateway
+    tenant = state.gateway.authenticate(request.headers.get("authorization"))
+    if body.model != state.model_name:
+        raise APIError(
+            404,
+            f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    body.check_supported()
+    state.gateway.acquire(tenant)
+    released = False
+
+    def release():
+        nonlocal released
+        if not released:
+            released = True
+            state.gateway.release(tenant)
+            state.admission.leave()
+
+    try:
+        # tokenize, then admission
+        tok = state.tokenize.run(body, tenant)
+        params = body.sampling_params(tok.max_tokens)
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        try:
+            state.admission.enter()
+        except APIError:
+            state.gateway.release(tenant)
+            released = True
+            raise
+        try:
+            outputs = state.worker.generate(
+                rid, tok.prompt_token_ids, params, priority=tenant.priority, tenant=tenant.name
+            )
+        except EngineUnavailable as exc:
+            raise APIError(
+                503, str(exc), code="engine_unavailable", retry_after=exc.retry_after
+            ) from None
+    except BaseException:
+        if not released:
+            state.gateway.release(tenant)
+            released = True
+        raise
+    created = int(time.time())
+    if body.stream:
+        gen = _stream(state, outputs, rid, chat, created, tenant, tok, body.include_usage, release)
+        return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        return await _collect(state, outputs, rid, chat, created, tenant, tok)
+    finally:
+        release()
+
+
+def _chunk(
+    rid: str,
+    chat: bool,
+    created: int,
+    model: str,
+    text: str | None,
+    finish: str | None,
+    role: bool = False,
+) -> dict:
+    if chat:
+        delta = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+        }
+    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def _finish_reason(out: RequestOutput) -> str:
+    return out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
+
+
+def _engine_error(out: RequestOutput) -> APIError | None:
+    if out.finish_reason == "error":
+        return APIError(
+            500,
+            f"the engine failed this request: {out.error_message or out.error_type}",
+            code=out.error_type,
+        )
+    return None
+
+
+async def _stream(
+    state,
+    outputs: AsyncIterator[RequestOutput],
+    rid,
+    chat,
+    created,
+    tenant: Tenant,
+    tok,
+    include_usage,
+    release,
+):
+    model = state.model_name
+    sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"  # noqa: E731
+    try:
+        first = True
+        async for out in outputs:
+            if first and chat:
+                yield sse(_chunk(rid, chat, created, model, "", None, role=True))
+            first = False
+            err = _engine_error(out)
+            if err is not None:
+                yield sse(err.body())
+                break
+            if out.new_text:
+                yield sse(_chunk(rid, chat, created, model, out.new_text, None))
+            if out.finished:
+                yield sse(
+                    _chunk(rid, chat, created, model, None if chat else "", _finish_reason(out))
+                )
+                usage = _meter(state, tenant, out, "ok")
+                if include_usage:
+                    yield sse(
+                        {
+                            "id": rid,
+                            "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": usage,
+                        }
+                    )
+        yield "data: [DONE]\n\n"
+    except (EngineDeadError, RequestRejected, ValueError) as exc:
+        status = 503 if isinstance(exc, EngineDeadError) else 400
+        state.m_requests.labels(tenant.name, str(status)).inc()
+        yield sse(APIError(status, str(exc), code="engine_died" if status == 503 else None).body())
+        yield "data: [DONE]\n\n"
+    finally:
+        await outputs.aclose()  # a client that went away: the engine aborts the request now
+        release()
+
+
+def _meter(state: ServerState, tenant: Tenant, out: RequestOutput, status: str) -> dict:
+    usage = state.metering.record(
+        tenant.name, out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens
+    )
+    state.m_requests.labels(tenant.name, status).inc()
+    state.m_prompt.labels(tenant.name).inc(out.num_prompt_tokens)
+    state.m_gen.labels(tenant.name).inc(out.num_output_tokens)
+    state.m_cached.labels(tenant.name).inc(out.num_cached_tokens)
+    return usage
+
+
+async def _collect(state, outputs, rid, chat, created, tenant: Tenant, tok):
+    text, last = [], None
+    try:
+        async for out in outputs:
+            text.append(out.new_text)
+            last = out
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_died", retry_after=5) from None
+    except RequestRejected as exc:
+        raise APIError(
+            400, str(exc), param=tok.prompt_param, code="context_length_exceeded"
+        ) from None
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=tok.prompt_param) from None
+    except asyncio.CancelledError:
+        raise
+    err = _engine_error(last)
+    if err is not None:
+        state.m_requests.labels(tenant.name, "500").inc()
+        raise err
+    usage = _meter(state, tenant, last, "ok")
+    content = "".join(text)
+    if chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": content},
+            "logprobs": None,
+            "finish_reason": _finish_reason(last),
+        }
+        obj = "chat.completion"
+    else:
+        choice = {
+            "index": 0,
+            "text": content,
+            "logprobs": None,
+            "finish_reason": _finish_reason(last),
+        }
+        obj = "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": state.model_name,
+        "choices": [choice],
+        "usage": usage,
+    }

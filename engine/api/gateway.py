@@ -1,0 +1,158 @@
+"""Gateway station: who is calling (API key → tenant) and may they (rate, concurrency, limits).
+
+Tenants file (TOML)::
+
+    [tenants.acme]
+    key_sha256 = "<hex sha256 of the API key>"   # the key itself is never stored
+    priority = 0                # lower is served first under --scheduling-policy priority
+    max_concurrent = 8          # requests in flight at once
+    requests_per_minute = 600
+    max_prompt_tokens = 4096
+    max_output_tokens = 1024
+
+Keys are hashed on arrival and compared with every tenant's hash in constant time
+(:func:`hmac.compare_digest`). Without a tenants file the server runs in open local mode: one
+tenant ``local`` with no limits, bound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+import tomllib
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import TokenmillError
+from .errors import APIError
+
+
+class TenantsFileError(TokenmillError):
+    """The tenants file is missing or malformed."""
+
+
+@dataclass
+class Tenant:
+    """One API tenant and its limits (0 = unlimited)."""
+
+    name: str
+    key_sha256: str = ""
+    priority: int = 0
+    max_concurrent: int = 0
+    requests_per_minute: int = 0
+    max_prompt_tokens: int = 0
+    max_output_tokens: int = 0
+    in_flight: int = 0
+    recent: deque = field(default_factory=deque)  # arrival times (monotonic s) in the last minute
+
+
+def hash_key(key: str) -> str:
+    """Hex sha256 of an API key (what the tenants file stores)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def load_tenants(path: str | Path) -> dict[str, Tenant]:
+    """Parse a tenants TOML file.
+
+    Raises:
+        TenantsFileError: unreadable file, no tenants, a bad hash or a bad limit (one line).
+    """
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise TenantsFileError(f"cannot read tenants file {p}: {exc}") from None
+    entries = data.get("tenants")
+    if not isinstance(entries, dict) or not entries:
+        raise TenantsFileError(f"tenants file {p} has no [tenants.<name>] tables")
+    tenants = {}
+    for name, entry in entries.items():
+        if not isinstance(entry, dict):
+            raise TenantsFileError(f"tenants file {p}: tenants.{name} must be a table")
+        digest = str(entry.get("key_sha256", "")).lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise TenantsFileError(
+                f"tenants file {p}: tenants.{name}.key_sha256 must be 64 hex digits"
+            )
+        limits = {}
+        for k in (
+            "priority",
+            "max_concurrent",
+            "requests_per_minute",
+            "max_prompt_tokens",
+            "max_output_tokens",
+        ):
+            v = entry.get(k, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or (v < 0 and k != "priority"):
+                raise TenantsFileError(
+                    f"tenants file {p}: tenants.{name}.{k} must be a non-negative integer"
+                )
+            limits[k] = v
+        tenants[name] = Tenant(name=name, key_sha256=digest, **limits)
+    return tenants
+
+
+class Gateway:
+    """Authenticates requests and enforces per-tenant rate and concurrency limits.
+
+    Args:
+        tenants: from :func:`load_tenants`; None = open local mode.
+    """
+
+    def __init__(self, tenants: dict[str, Tenant] | None = None):
+        self.open_mode = tenants is None
+        self.tenants = tenants or {"local": Tenant(name="local")}
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant owning the bearer key in ``authorization``.
+
+        Raises:
+            APIError: 401 when the key is missing or unknown.
+        """
+        if self.open_mode:
+            return self.tenants["local"]
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise APIError(
+                401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+        digest = hash_key(authorization[7:].strip())
+        found = None
+        for tenant in self.tenants.values():  # no early exit: every hash is compared
+            if hmac.compare_digest(digest, tenant.key_sha256):
+                found = tenant
+        if found is None:
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+        return found
+
+    def acquire(self, tenant: Tenant) -> None:
+        """Count a request against the tenant's limits.
+
+        Raises:
+            APIError: 429 (with Retry-After) over the rate or the concurrency limit.
+        """
+        now = time.monotonic()
+        while tenant.recent and now - tenant.recent[0] >= 60:
+            tenant.recent.popleft()
+        if tenant.requests_per_minute and len(tenant.recent) >= tenant.requests_per_minute:
+            wait = 60 - (now - tenant.recent[0])
+            raise APIError(
+                429,
+                f"tenant {tenant.name!r} is over its rate of {tenant.requests_per_minute} requests/min",
+                code="rate_limit_exceeded",
+                retry_after=wait,
+            )
+        if tenant.max_concurrent and tenant.in_flight >= tenant.max_concurrent:
+            raise APIError(
+                429,
+                f"tenant {tenant.name!r} already has {tenant.in_flight} requests in flight (limit {tenant.max_concurrent})",
+                code="concurrency_limit_exceeded",
+                retry_after=1,
+            )
+        tenant.recent.append(now)
+        tenant.in_flight += 1
+
+    @staticmethod
+    def release(tenant: Tenant) -> None:
+        tenant.in_flight = max(0, tenant.in_flight - 1)

@@ -1,0 +1,128 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic) and their mapping to
+:class:`SamplingParams`. Unknown fields are ignored, as most OpenAI-compatible servers do; fields we
+cannot honour (``n > 1``, ``logprobs``, penalties) are refused with a 400 naming the field."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..sampling import SamplingParams
+from .errors import APIError
+
+MAX_STOP_STRINGS = 8
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class _CommonRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    logprobs: bool | int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # tokenmill extensions (vLLM spells them the same way)
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def check_supported(self) -> None:
+        """Raises APIError(400) for options we do not implement."""
+        if self.n != 1:
+            raise APIError(
+                400, f"n={self.n} is not supported; only n=1", param="n", code="unsupported"
+            )
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(
+                    400,
+                    f"{name} is not supported (send 0 or leave it out)",
+                    param=name,
+                    code="unsupported",
+                )
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            stop=tuple(stop),
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_CommonRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_CommonRequest):
+    """``POST /v1/completions``; ``prompt`` is text or token ids (one prompt: n=1, batch of 1)."""
+
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    echo: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo", code="unsupported")

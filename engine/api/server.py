@@ -1,0 +1,80 @@
+"""``tokenmill serve``: build the stations, start the engine worker, run uvicorn."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import uvicorn
+
+from ..config import EngineConfig
+from ..core import resolve_model_dir
+from ..tokenizer import load_tokenizer
+from .app import ServerState, build_app
+from .gateway import Gateway, load_tenants
+from .stations import AdmissionStation, MeteringStation, TokenizeStation
+from .worker import EngineWorker
+
+log = logging.getLogger("tokenmill.serve")
+
+
+def make_server(
+    config: EngineConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    tenants_file: str | None = None,
+    max_queue_len: int = 64,
+    max_body_bytes: int = 2 << 20,
+    served_model_name: str | None = None,
+    announce=print,
+) -> uvicorn.Server:
+    """A configured uvicorn server whose startup launches the engine worker.
+
+    Raises:
+        TenantsFileError, ModelLoadError: bad tenants file or model folder (before any start).
+    """
+    model_dir = resolve_model_dir(config.model)
+    config.model = str(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    tenants = load_tenants(tenants_file) if tenants_file else None
+    if tenants is None and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no --tenants file: open local mode, binding 127.0.0.1 instead of %s", host)
+        host = "127.0.0.1"
+    worker = EngineWorker(config)
+    name = served_model_name or Path(model_dir).name
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        info = await worker.start()
+        state.tokenize.max_model_len = info["max_model_len"]
+        state.tokenize.vocab_size = info["vocab_size"]
+        kv_tokens = info["num_blocks"] * config.block_size
+        announce(
+            f"tokenmill serving {name!r} at http://{host}:{port}/v1  "
+            f"(engine pid {info['pid']}, KV capacity {kv_tokens} tokens in {info['num_blocks']} blocks, "
+            f"context {info['max_model_len']}; "
+            f"{'tenants from ' + tenants_file if tenants_file else 'open local mode, no API keys'}; "
+            "telemetry: /metrics and /health)"
+        )
+        try:
+            yield
+        finally:
+            await worker.stop()
+
+    state = ServerState(
+        worker=worker,
+        gateway=Gateway(tenants),
+        tokenize=TokenizeStation(tokenizer, config.max_model_len or 1 << 30, 1 << 31),
+        admission=AdmissionStation(config.max_num_seqs, max_queue_len),
+        metering=MeteringStation(),
+        model_name=name,
+        max_body_bytes=max_body_bytes,
+    )
+    app = build_app(state)
+    app.router.lifespan_context = lifespan
+    uv_config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+    )
+    return uvicorn.Server(uv_config)

@@ -1,0 +1,160 @@
+"""The tokenize, admission and metering stations (the gateway has its own module)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..tokenizer import encode_chat
+from .errors import APIError
+from .gateway import Tenant
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass
+class Tokenized:
+    """Token ids ready for the engine and the output budget granted."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    prompt_param: str
+
+
+class TokenizeStation:
+    """Chat template + encoding, then the length checks, before any engine work.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer.
+        max_model_len: context limit (prompt + output) in tokens.
+        vocab_size: token ids a completion prompt may hold are ``[0, vocab_size)``.
+    """
+
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def encode(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
+        if isinstance(body, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                return encode_chat(self.tokenizer, messages), "messages"
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+        if isinstance(body.prompt, str):
+            return self.tokenizer.encode(body.prompt), "prompt"
+        bad = next((t for t in body.prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                param="prompt",
+            )
+        return list(body.prompt), "prompt"
+
+    def run(self, body: ChatCompletionRequest | CompletionRequest, tenant: Tenant) -> Tokenized:
+        """Raises APIError(400) naming ``messages``/``prompt`` or ``max_tokens`` when too long."""
+        ids, param = self.encode(body)
+        n = len(ids)
+        if not ids:
+            raise APIError(400, f"{param} encodes to no tokens", param=param)
+        if n >= self.max_model_len:
+            raise APIError(
+                400,
+                f"{param} is {n} tokens; the model's context is {self.max_model_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if tenant.max_prompt_tokens and n > tenant.max_prompt_tokens:
+            raise APIError(
+                400,
+                f"{param} is {n} tokens; tenant {tenant.name!r} allows {tenant.max_prompt_tokens}",
+                param=param,
+                code="prompt_too_long",
+            )
+        requested = body.requested_max_tokens()
+        max_param = (
+            "max_completion_tokens"
+            if getattr(body, "max_completion_tokens", None)
+            else "max_tokens"
+        )
+        if requested is None:
+            granted = self.max_model_len - n
+            if tenant.max_output_tokens:
+                granted = min(granted, tenant.max_output_tokens)
+        else:
+            if n + requested > self.max_model_len:
+                raise APIError(
+                    400,
+                    f"{max_param}={requested} plus the {n}-token {param} exceeds the model's context of "
+                    f"{self.max_model_len} tokens",
+                    param=max_param,
+                    code="context_length_exceeded",
+                )
+            if tenant.max_output_tokens and requested > tenant.max_output_tokens:
+                raise APIError(
+                    400,
+                    f"{max_param}={requested} is over tenant {tenant.name!r}'s limit of {tenant.max_output_tokens}",
+                    param=max_param,
+                )
+            granted = requested
+        return Tokenized(ids, granted, param)
+
+
+class AdmissionStation:
+    """A bounded queue in front of the engine: at most ``max_num_seqs + max_queue_len`` requests
+    in flight; beyond that new requests are refused with 429 and ``Retry-After`` instead of
+    piling up (memory stays bounded, and clients back off)."""
+
+    def __init__(self, max_num_seqs: int, max_queue_len: int):
+        self.max_num_seqs = max_num_seqs
+        self.max_queue_len = max_queue_len
+        self.in_flight = 0
+        self.rejected = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.max_num_seqs + self.max_queue_len
+
+    @property
+    def queue_depth(self) -> int:
+        return max(0, self.in_flight - self.max_num_seqs)
+
+    def enter(self) -> None:
+        if self.in_flight >= self.capacity:
+            self.rejected += 1
+            raise APIError(
+                429,
+                f"server queue is full ({self.queue_depth} requests waiting, --max-queue-len {self.max_queue_len})",
+                code="queue_full",
+                retry_after=2,
+            )
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+
+
+class MeteringStation:
+    """Usage per tenant: requests, prompt, completion and cached prompt tokens."""
+
+    def __init__(self):
+        self.by_tenant: dict[str, dict[str, int]] = defaultdict(
+            lambda: {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        )
+
+    def record(
+        self, tenant: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+    ) -> dict:
+        """Count one finished request; returns its OpenAI ``usage`` object."""
+        row = self.by_tenant[tenant]
+        row["requests"] += 1
+        row["prompt_tokens"] += prompt_tokens
+        row["completion_tokens"] += completion_tokens
+        row["cached_tokens"] += cached_tokens
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        }

@@ -1,0 +1,137 @@
+"""The engine worker: one engine-core process, watched and restarted when it dies.
+
+Admission routes to a worker through :meth:`EngineWorker.generate`; a later issue can hold
+several workers behind the same interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from ..async_engine import AsyncEngine, EngineDeadError
+from ..config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+RESTART_BACKOFF_S = 1.0
+
+
+class EngineUnavailable(Exception):
+    """The worker is (re)starting; ``retry_after`` seconds is a fair wait."""
+
+    def __init__(self, message: str, retry_after: float = 5.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineWorker:
+    """Supervises one :class:`AsyncEngine`.
+
+    States: ``starting`` → ``ready``; on a crash ``restarting`` → ``ready``; ``down`` when a start
+    fails (it keeps retrying with backoff).
+    """
+
+    def __init__(self, config: EngineConfig, name: str = "worker-0"):
+        self.config = config
+        self.name = name
+        self.engine: AsyncEngine | None = None
+        self.state = "starting"
+        self.restarts = 0
+        self.last_error: str | None = None
+        self.info: dict = {}
+        self._monitor: asyncio.Task | None = None
+        self._listeners = []
+        self._stopping = False
+
+    def add_step_listener(self, fn) -> None:
+        self._listeners.append(fn)
+        if self.engine is not None:
+            self.engine.add_step_listener(fn)
+
+    async def start(self) -> dict:
+        """Start the engine process (raises EngineDeadError if it cannot start)."""
+        await self._spawn()
+        self._monitor = asyncio.get_running_loop().create_task(self._watch())
+        return self.info
+
+    async def _spawn(self) -> None:
+        engine = AsyncEngine(self.config)
+        for fn in self._listeners:
+            engine.add_step_listener(fn)
+        try:
+            self.info = await engine.start()
+        except BaseException:
+            await engine.shutdown()
+            raise
+        self.engine = engine
+        self.state = "ready"
+
+    async def _watch(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(0.25)
+            if self.engine is not None and self.engine.alive:
+                continue
+            reason = self.engine.dead_reason if self.engine else "not running"
+            self.last_error = reason
+            log.error("%s: engine core died (%s); restarting", self.name, reason)
+            self.state = "restarting"
+            old, self.engine = self.engine, None
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    await old.shutdown()
+            while not self._stopping:
+                try:
+                    await self._spawn()
+                    self.restarts += 1
+                    log.warning("%s: engine core restarted (restart %d)", self.name, self.restarts)
+                    break
+                except Exception as exc:
+                    self.state = "down"
+                    self.last_error = str(exc)
+                    await asyncio.sleep(RESTART_BACKOFF_S)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready" and self.engine is not None and self.engine.alive
+
+    def generate(self, *args, **kwargs):
+        """The engine's output stream for one request.
+
+        Raises:
+            EngineUnavailable: the worker is restarting or down.
+        """
+        if not self.ready:
+            raise EngineUnavailable(f"engine worker is {self.state}; retry shortly")
+        return self.engine.generate(*args, **kwargs)
+
+    async def abort(self, request_id: str) -> None:
+        if self.ready:
+            await self.engine.abort(request_id)
+
+    def health(self) -> dict:
+        engine = self.engine
+        return {
+            "name": self.name,
+            "state": self.state,
+            "pid": engine.pid if engine else None,
+            "uptime_s": round(engine.uptime_s, 1) if engine else 0.0,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+            "stats": dict(engine.stats) if engine else {},
+            "checked_at": time.time(),
+        }
+
+
+__all__ = ["EngineDeadError", "EngineUnavailable", "EngineWorker"]

@@ -1,0 +1,432 @@
+"""A real `tokenmill serve` on 127.0.0.1 driven by the official openai client, httpx and
+schemathesis: answers, streaming, usage, stop strings, bad input, tenants, overload, disconnects
+and an engine killed mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tokenmill.engine.api.gateway import hash_key
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m-instruct"
+KEYS = {"alpha": "sk-alpha-123", "limited": "sk-limited-456", "slow": "sk-slow-789"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp_path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(tmp_path / f"server-{self.port}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tokenmill.engine.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                *args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, (tmp_path / f"server-{self.port}.log").read_text()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).json()["status"] == "ok":
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise AssertionError("server did not become healthy")
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def tenant_server(tmp_path_factory, smollm2_dir):
+    tmp = tmp_path_factory.mktemp("srv")
+    (tmp / "tenants.toml").write_text(
+        f"""
+[tenants.alpha]
+key_sha256 = "{hash_key(KEYS["alpha"])}"
+
+[tenants.limited]
+key_sha256 = "{hash_key(KEYS["limited"])}"
+max_concurrent = 1
+max_prompt_tokens = 60
+max_output_tokens = 20
+
+[tenants.slow]
+key_sha256 = "{hash_key(KEYS["slow"])}"
+requests_per_minute = 2
+"""
+    )
+    server = Server(
+        tmp,
+        "--model",
+        str(smollm2_dir),
+        "--tenants",
+        str(tmp / "tenants.toml"),
+        "--max-body-bytes",
+        "65536",
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory, smollm2_dir):
+    tmp = tmp_path_factory.mktemp("small")
+    server = Server(tmp, "--model", str(smollm2_dir), "--max-num-seqs", "2", "--max-queue-len", "2")
+    yield server
+    server.stop()
+
+
+def client(server, key="alpha") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[key], max_retries=0, timeout=120)
+
+
+def test_openai_client_chat_and_completions(tenant_server):
+    c = client(tenant_server)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    r = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 20
+
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert (
+        chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    )  # the same prompt again: prefix hit
+
+    comp = c.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+        )
+        if ch.choices
+    )
+    assert comp.choices[0].text == streamed and comp.usage.completion_tokens <= 8
+
+    stopped = c.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=30, temperature=0, stop=[" 8"]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert " 8" not in stopped.choices[0].text and "7" in stopped.choices[0].text
+
+
+def test_sse_headers_and_request_id(tenant_server):
+    with httpx.stream(
+        "POST",
+        tenant_server.url + "/v1/chat/completions",
+        headers={
+            "Authorization": f"Bearer {KEYS['alpha']}",
+            "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+            "x-request-id": "my-req-1",
+        },
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": True,
+        },
+        timeout=60,
+    ) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+        assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
+        assert r.headers["x-request-id"] == "my-req-1"
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "needle"),
+    [
+        ("{not json", 400, None, "JSON"),
+        ({"model": MODEL, "messages": "hi"}, 400, "messages", "messages"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5},
+            400,
+            "max_tokens",
+            "max_tokens",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9},
+            400,
+            "max_tokens",
+            "max_tokens",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+            400,
+            "temperature",
+            "temperature",
+        ),
+        (
+            {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]},
+            404,
+            "model",
+            "gpt-9",
+        ),
+        ({"model": MODEL, "messages": []}, 400, "messages", "messages"),
+        ({"model": MODEL}, 400, "messages", "messages"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3},
+            400,
+            "n",
+            "n=3",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+            400,
+            "messages.0.role",
+            "role",
+        ),
+    ],
+)
+def test_bad_input_names_the_field(tenant_server, body, status, param, needle):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(
+        tenant_server.url + "/v1/chat/completions",
+        content=content,
+        headers={"Authorization": f"Bearer {KEYS['alpha']}", "content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param
+    assert needle in err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert r.headers["x-request-id"]
+
+
+def test_prompt_over_context_and_body_over_limit(tenant_server):
+    auth = {"Authorization": f"Bearer {KEYS['alpha']}"}
+    r = httpx.post(
+        tenant_server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "word " * 8500},
+        headers=auth,
+        timeout=60,
+    )
+    assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (
+        400,
+        "prompt",
+        "context_length_exceeded",
+    )
+    r = httpx.post(
+        tenant_server.url + "/v1/completions",
+        content=b"x" * 70000,
+        headers={**auth, "content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_api_keys_and_tenant_limits(tenant_server):
+    url = tenant_server.url + "/v1/chat/completions"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(url, json=body, timeout=60).status_code == 401
+    r = httpx.post(url, json=body, headers={"Authorization": "Bearer sk-wrong"}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    slow = {"Authorization": f"Bearer {KEYS['slow']}"}
+    codes = [httpx.post(url, json=body, headers=slow, timeout=60) for _ in range(3)]
+    assert [c.status_code for c in codes] == [200, 200, 429]
+    assert (
+        int(codes[2].headers["retry-after"]) >= 1
+        and "requests/min" in codes[2].json()["error"]["message"]
+    )
+    limited = {"Authorization": f"Bearer {KEYS['limited']}"}
+    r = httpx.post(url, json={**body, "max_tokens": 50}, headers=limited, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    long_msg = {**body, "messages": [{"role": "user", "content": "tell me " * 40}]}
+    r = httpx.post(url, json=long_msg, headers=limited, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+    async def concurrent():
+        async with httpx.AsyncClient(timeout=120) as ac:
+            long_body = {**body, "max_tokens": 20, "stream": True, "ignore_eos": True}
+            async with ac.stream("POST", url, json=long_body, headers=limited) as first:
+                await first.aiter_lines().__anext__()
+                second = await ac.post(url, json=body, headers=limited)
+                return second
+
+    second = asyncio.run(concurrent())
+    assert second.status_code == 429 and "in flight" in second.json()["error"]["message"]
+
+
+def test_sixty_four_streams_with_twenty_disconnects_leak_nothing(tenant_server):
+    url = tenant_server.url + "/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {KEYS['alpha']}"}
+    rng = random.Random(0)
+    quitters = set(rng.sample(range(64), 20))
+
+    async def one(i, ac):
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Count from {i} to {i + 30}."}],
+            "max_tokens": 24,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        got = 0
+        async with ac.stream("POST", url, json=body, headers=auth) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                    if i in quitters and got >= rng.randint(2, 6):
+                        return "quit"
+                if line == "data: [DONE]":
+                    return "done"
+        return "eof"
+
+    async def main():
+        limits = httpx.Limits(max_connections=80)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as ac:
+            return await asyncio.gather(*(one(i, ac) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert results.count("done") == 44 and results.count("quit") == 20
+    for _ in range(60):
+        h = tenant_server.health()
+        if h["kv_blocks_used"] == 0 and h["in_flight"] == 0:
+            break
+        time.sleep(0.5)
+    assert h["kv_blocks_used"] == 0, h
+    assert h["in_flight"] == 0 and h["engine"]["stats"]["num_running"] == 0
+    r = client(tenant_server).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert "Paris" in r.choices[0].message.content
+
+
+def test_schemathesis_finds_no_server_errors(tenant_server, tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "schemathesis")
+    proc = subprocess.run(
+        [
+            exe,
+            "run",
+            tenant_server.url + "/openapi.json",
+            "--include-path-regex",
+            "^/v1/(chat/)?completions$",
+            "--checks",
+            "not_a_server_error",
+            "--phases",
+            "examples,fuzzing",
+            "--max-examples",
+            "25",
+            "--request-timeout",
+            "120",
+            "--header",
+            # the tenant caps output at 20 tokens, so valid fuzzed requests finish quickly
+            f"Authorization: Bearer {KEYS['limited']}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "50 passed" in proc.stdout or "passed" in proc.stdout.split("Test cases:")[-1]
+
+
+def test_overload_gets_429_then_recovers(small_server):
+    url = small_server.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=300) as ac:
+            return await asyncio.gather(*(ac.post(url, json=body) for _ in range(24)))
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert codes.count(429) >= 12 and set(codes) <= {200, 429}, codes
+    assert all(int(r.headers["retry-after"]) >= 1 for r in responses if r.status_code == 429)
+    assert codes.count(200) >= 4  # the 2 running + 2 queued were served
+    assert small_server.health()["in_flight"] == 0
+    assert httpx.post(url, json=body, timeout=120).status_code == 200
+
+
+def test_engine_killed_mid_stream_then_restarted(small_server):
+    url = small_server.url + "/v1/chat/completions"
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a long poem."}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    pid = small_server.health()["engine"]["pid"]
+    events = []
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line:
+                continue
+            events.append(line)
+            if len(events) == 3:
+                os.kill(pid, signal.SIGKILL)
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][6:])
+    assert err["error"]["code"] == "engine_died"
+    for _ in range(240):
+        h = small_server.health()
+        if h["status"] == "ok" and h["engine"]["restarts"] >= 1:
+            break
+        time.sleep(0.5)
+    assert h["status"] == "ok" and h["engine"]["pid"] != pid and h["engine"]["restarts"] == 1
+    r = httpx.post(url, json={**body, "stream": False, "max_tokens": 4}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert small_server.proc.poll() is None
