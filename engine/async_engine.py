@@ -170,7 +170,7 @@ class AsyncEngine:
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), LIVENESS_CHECK_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if not self.alive or self._reader is None or self._reader.done():
                         finished = True
                         raise EngineDeadError(

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without CUDA the Triton kernels run in Triton's CPU interpreter; the variable must be set
+# before anything imports triton (kernels read it when they are defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers such as paged_driver
 

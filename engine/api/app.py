@@ -233,7 +233,12 @@ def build_app(state: ServerState) -> FastAPI:
 
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             for name in ("ChatCompletionRequest", "CompletionRequest"):
-                props = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
+                props = (
+                    schema.get("components", {})
+                    .get("schemas", {})
+                    .get(name, {})
+                    .get("properties", {})
+                )
                 if "model" in props:
                     props["model"]["enum"] = [state.model_name]  # the one model this server serves
             app.openapi_schema = schema

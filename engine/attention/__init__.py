@@ -5,22 +5,42 @@ from __future__ import annotations
 from .metadata import AttentionMetadata, SeqChunk, StepInputs, build_step_inputs
 from .torch_backend import TorchAttentionBackend
 
-BACKENDS = {"torch": TorchAttentionBackend}
+
+def _triton_backend():
+    """The Triton backend, imported on first use so the CPU path never needs triton."""
+    from tokenmill.kernels.backend import TritonAttentionBackend  # type: ignore[import-not-found]
+
+    return TritonAttentionBackend()
 
 
-def get_attention_backend(name: str = "auto", device: str = "cpu") -> TorchAttentionBackend:
-    """Return the backend called ``name`` (``auto`` picks the best one for ``device``).
+# name -> factory returning a backend with ``forward(q, k, v, k_cache, v_cache, metadata,
+# scale, sliding_window)``
+BACKENDS = {"torch": TorchAttentionBackend, "triton": _triton_backend}
+
+
+def get_attention_backend(name: str = "auto", device: str = "cpu"):
+    """Return the backend called ``name``; ``auto`` is ``triton`` on CUDA (when the kernels
+    package imports) and ``torch`` elsewhere.
 
     Raises:
-        ValueError: ``name`` is not a known backend.
+        ValueError: ``name`` is not a known backend, or ``triton`` was asked for and the kernels
+            cannot be imported.
     """
     if name == "auto":
+        if str(device).startswith("cuda"):
+            try:
+                return _triton_backend()
+            except ImportError:
+                pass
         name = "torch"
     if name not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}"
         )
-    return BACKENDS[name]()
+    try:
+        return BACKENDS[name]()
+    except ImportError as exc:
+        raise ValueError(f"attention backend {name!r} is unavailable: {exc}") from None
 
 
 __all__ = [

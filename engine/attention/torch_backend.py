@@ -64,7 +64,9 @@ def _attend(
         heads = slice(h * group, (h + 1) * group)
         qh = q[:, :, heads].float().reshape(b, nq * group, d)  # rows ordered (query, group)
         scores = torch.baddbmm(bias, qh, k[:, :, h].float().transpose(1, 2), alpha=scale)
-        out[:, :, heads] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h].float()).view(b, nq, group, d)
+        out[:, :, heads] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h].float()).view(
+            b, nq, group, d
+        )
     return out.to(q.dtype)
 
 
