@@ -387,11 +387,25 @@ def test_overload_gets_429_then_recovers(small_server):
     url = small_server.url + "/v1/completions"
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True}
 
+    seen_in_flight = []
+
+    async def watch(ac, done):
+        while not done.is_set():
+            seen_in_flight.append((await ac.get(small_server.url + "/health")).json()["in_flight"])
+            await asyncio.sleep(0.05)
+
     async def burst():
         async with httpx.AsyncClient(timeout=300) as ac:
-            return await asyncio.gather(*(ac.post(url, json=body) for _ in range(24)))
+            done = asyncio.Event()
+            watcher = asyncio.create_task(watch(ac, done))
+            responses = await asyncio.gather(*(ac.post(url, json=body) for _ in range(24)))
+            done.set()
+            await watcher
+            return responses
 
     responses = asyncio.run(burst())
+    # the queue is bounded: never more than max-num-seqs 2 + max-queue-len 2 admitted at once
+    assert max(seen_in_flight) <= 4 and max(seen_in_flight) >= 2
     codes = [r.status_code for r in responses]
     assert codes.count(429) >= 12 and set(codes) <= {200, 429}, codes
     assert all(int(r.headers["retry-after"]) >= 1 for r in responses if r.status_code == 429)
