@@ -79,8 +79,8 @@ class AsyncEngine:
         self.process.start()
         deadline = time.monotonic() + timeout_s
         while True:
-            if await self._pull.poll(500):
-                msg = await self._pull.recv_pyobj()
+            msg = await self._recv(0.5)
+            if msg is not None:
                 if msg[0] == "ready":
                     self.info = msg[1]
                     self.stats = self.info["stats"]
@@ -209,14 +209,22 @@ class AsyncEngine:
             log.exception("engine output reader failed")
             self._fail_all(f"output reader failed: {type(exc).__name__}: {exc}")
 
+    async def _recv(self, timeout_s: float):
+        """The next message from the engine, or None after ``timeout_s`` (an asyncio timer, so
+        a wait always ends even if the engine process vanished)."""
+        try:
+            return await asyncio.wait_for(self._pull.recv_pyobj(), timeout_s)
+        except TimeoutError:
+            return None
+
     async def _read_loop(self) -> None:
         while True:
-            if not await self._pull.poll(1000):
+            msg = await self._recv(1.0)
+            if msg is None:
                 if self.process is not None and not self.process.is_alive():
                     self._fail_all(f"engine core process exited with code {self.process.exitcode}")
                     return
                 continue
-            msg = await self._pull.recv_pyobj()
             kind = msg[0]
             if kind == "outputs":
                 _, outputs, record = msg

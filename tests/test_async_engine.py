@@ -50,19 +50,19 @@ def test_async_engine_end_to_end(smollm2_dir):
                 and b[-1].finish_reason == "length"
             )
             assert a[0].first_token_ns >= a[0].scheduled_ns >= a[0].queued_ns
-            assert any(r.num_running == 2 for r in records)  # the two were batched
+            assert any(r.num_running == 2 for r in records), records  # the two were batched
 
             # a client that walks away mid-stream: the request is aborted and its blocks freed
             gen = engine.generate("c", long_prompt, SamplingParams(max_tokens=200, ignore_eos=True))
             first = await gen.__anext__()
             assert not first.finished
             await gen.aclose()
-            for _ in range(50):
+            for _ in range(300):  # a liveness wait, not a speed bound
                 await engine.refresh_stats()
                 await asyncio.sleep(0.1)
                 if engine.stats.get("kv_blocks_used") == 0 and engine.stats.get("num_running") == 0:
                     break
-            assert engine.stats["kv_blocks_used"] == 0 and engine.stats["num_running"] == 0
+            assert engine.stats["kv_blocks_used"] == 0 and engine.stats["num_running"] == 0, engine.stats
 
             # explicit abort ends the stream with finish_reason "abort"
             outs = []
