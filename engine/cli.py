@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import TokenmillError
 
@@ -22,6 +23,28 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        out.print(f"tokenmill {version('tokenmill')}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """tokenmill: an LLM serving engine with production observability built in."""
+
+
 model_app = typer.Typer(help="Manage the default model.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 
@@ -31,7 +54,7 @@ out = Console()
 
 def fail(message: str) -> None:
     """Print a one-line error and exit with status 1."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -49,11 +72,15 @@ def model_fetch(
 
     try:
         path = fetch_default_model(
-            dest, force=force, progress=lambda m: err.print(f"[cyan]•[/] {m}", highlight=False)
+            dest,
+            force=force,
+            progress=lambda m: err.print(
+                f"[cyan]•[/] {escape(m)}", highlight=False, soft_wrap=True
+            ),
         )
     except TokenmillError as exc:
         fail(str(exc))
-    out.print(str(path), highlight=False)
+    out.print(str(path), highlight=False, markup=False, soft_wrap=True)
 
 
 @model_app.command("path")
@@ -61,7 +88,7 @@ def model_path() -> None:
     """Print where the default model lives (whether or not it is fetched)."""
     from .model_fetch import default_model_dir
 
-    out.print(str(default_model_dir()), highlight=False)
+    out.print(str(default_model_dir()), highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -104,7 +131,10 @@ def generate(
         if model is None:
             model_dir = default_model_dir()
             fetch_default_model(
-                model_dir, progress=lambda m: err.print(f"[cyan]•[/] {m}", highlight=False)
+                model_dir,
+                progress=lambda m: err.print(
+                    f"[cyan]•[/] {escape(m)}", highlight=False, soft_wrap=True
+                ),
             )
         else:
             model_dir = Path(model)
@@ -126,8 +156,8 @@ def generate(
     except (TokenmillError, ValueError) as exc:
         fail(str(exc))
     for text, res in zip(texts, results):
-        out.rule(f"[bold]{text[:60]}", style="dim")
-        out.print(res.text, highlight=False)
+        out.rule(f"[bold]{escape(text[:60])}", style="dim")
+        out.print(res.text, highlight=False, markup=False)
         out.print(
             f"[dim]{len(res.prompt_token_ids)} prompt tokens ({res.num_cached_tokens} from the prefix cache), "
             f"{len(res.token_ids)} output tokens ({res.finish_reason}); "
@@ -229,7 +259,7 @@ def serve(
             max_queue_len=max_queue_len,
             max_body_bytes=max_body_bytes,
             served_model_name=served_model_name,
-            announce=lambda m: out.print(m, highlight=False, soft_wrap=True),
+            announce=lambda m: out.print(m, highlight=False, markup=False, soft_wrap=True),
         )
     except (TokenmillError, ValueError) as exc:
         fail(str(exc))
@@ -253,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             ctx = getattr(exc, "ctx", None)
             where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
             err.print(
-                f"[bold red]error:[/] {exc.format_message()}{where}",
+                f"[bold red]error:[/] {escape(exc.format_message() + where)}",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -262,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         first = (str(exc).strip().splitlines() or [""])[0]
         err.print(
-            f"[bold red]error:[/] unexpected {type(exc).__name__}: {first}",
+            f"[bold red]error:[/] unexpected {type(exc).__name__}: {escape(first)}",
             highlight=False,
             soft_wrap=True,
         )

@@ -167,11 +167,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
+        state.m_requests.labels(getattr(request.state, "tenant", "unknown"), str(exc.status)).inc()
         return exc.response(getattr(request.state, "request_id", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        return _validation_error(exc).response(getattr(request.state, "request_id", None))
+        err = _validation_error(exc)
+        state.m_requests.labels("unknown", str(err.status)).inc()
+        return err.response(getattr(request.state, "request_id", None))
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc):
@@ -261,6 +264,7 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
     rid = request.state.request_id
     # gateway
     tenant = state.gateway.authenticate(request.headers.get("authorization"))
+    request.state.tenant = tenant.name
     if body.model != state.model_name:
         raise APIError(
             404,
