@@ -62,7 +62,9 @@ def test_async_engine_end_to_end(smollm2_dir):
                 await asyncio.sleep(0.1)
                 if engine.stats.get("kv_blocks_used") == 0 and engine.stats.get("num_running") == 0:
                     break
-            assert engine.stats["kv_blocks_used"] == 0 and engine.stats["num_running"] == 0, engine.stats
+            assert engine.stats["kv_blocks_used"] == 0 and engine.stats["num_running"] == 0, (
+                engine.stats
+            )
 
             # explicit abort ends the stream with finish_reason "abort"
             outs = []
