@@ -68,7 +68,9 @@ def build_engine(args, backend: str):
         enable_prefix_caching=False,
     )
     if torch.device(args.device).type == "cuda":
-        engine_args["gpu_memory_utilization"] = 0.4  # two engines live side by side
+        # two engines live side by side: a fixed cache (the profiled budget would count the
+        # first engine's cache as the second one's peak use)
+        engine_args["num_gpu_blocks_override"] = args.num_blocks
     return LLM(args.model, **engine_args)
 
 
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--step-tokens", type=int, default=48, help="max_num_batched_tokens (mixes steps)"
     )
+    parser.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per engine (CUDA)")
     parser.add_argument("--tie-tolerance", type=float, default=0.25)
     parser.add_argument("--strict", action="store_true", help="exact token equality only")
     parser.add_argument("--out", default=None, help="JSON report path")

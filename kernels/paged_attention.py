@@ -1,12 +1,12 @@
 """Paged attention for a batch that mixes prefill chunks and decodes (one kernel).
 
-Layout of the work: program ``(seq, q_block, kv_head)`` takes ``BLOCK_Q`` consecutive new tokens
-of one sequence and *all* query heads that share ``kv_head`` (GQA), packed into the
-``BLOCK_M = BLOCK_Q * GROUP`` (rounded up to a power of two) rows of one tile, so each K/V tile
-is loaded once per group. Keys and values are gathered ``BLOCK_N`` at a time through the block
-table, up to the sequence's length. Softmax is online (running max and sum, float32, base 2).
-Tiles wholly below the causal diagonal run without masks; the diagonal tiles (and every tile,
-when a sliding window is set) are masked.
+Layout of the work: program ``(seq, q_block, kv_head)`` takes ``BLOCK_Q = BLOCK_M // GROUP``
+consecutive new tokens of one sequence and *all* ``GROUP`` query heads that share ``kv_head``
+(GQA), packed token-major into the ``BLOCK_M`` rows of one tile (a few rows idle when ``GROUP``
+does not divide ``BLOCK_M``), so each K/V tile is loaded once per group. Keys and values are
+gathered ``BLOCK_N`` at a time through the block table, up to the sequence's length. Softmax is
+online (running max and sum, float32, base 2). Key tiles wholly below the causal diagonal skip
+the causal mask; the diagonal tiles (and every tile, when a sliding window is set) apply it.
 
 The grid is ``(num_seqs, cdiv(max_query_len, BLOCK_Q), num_kv_heads)`` from host-side metadata,
 so launching needs no device-to-host sync; programs past a sequence's chunk return at once.
