@@ -91,6 +91,7 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_probs, order = torch.sort(probs, descending=True)
         # drop a token when the more likely tokens before it already reach top_p
         drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= p.top_p
+        drop[0] = False  # the most likely token always survives (top_p may round to 0 in float32)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return probs
@@ -120,5 +121,7 @@ def sample(
         host = logits[rows].cpu()
         for j, i in enumerate(rows):
             probs = _filtered_probs(host[j], params[i])
+            if not (torch.isfinite(probs).all() and probs.sum() > 0):
+                continue  # nothing left to draw from: keep the argmax rather than fail the batch
             tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
     return tokens, bad

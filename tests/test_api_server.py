@@ -232,6 +232,12 @@ def test_sse_headers_and_request_id(tenant_server):
             "messages.0.role",
             "role",
         ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]},
+            400,
+            "messages",
+            "tokenized",
+        ),
     ],
 )
 def test_bad_input_names_the_field(tenant_server, body, status, param, needle):
@@ -248,6 +254,36 @@ def test_bad_input_names_the_field(tenant_server, body, status, param, needle):
     assert needle in err["message"]
     assert set(err) == {"message", "type", "param", "code"}
     assert r.headers["x-request-id"]
+
+
+def test_client_ids_never_collide_and_odd_bodies_get_the_error_shape(tenant_server):
+    auth = {"Authorization": f"Bearer {KEYS['alpha']}", "x-request-id": "same-id"}
+    url = tenant_server.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True}
+
+    async def twice():
+        async with httpx.AsyncClient(timeout=120) as ac:
+            return await asyncio.gather(
+                ac.post(url, json=body, headers=auth), ac.post(url, json=body, headers=auth)
+            )
+
+    a, b = asyncio.run(twice())
+    assert (a.status_code, b.status_code) == (200, 200)
+    assert a.json()["id"] != b.json()["id"] and a.headers["x-request-id"] == "same-id"
+    assert a.json()["usage"]["completion_tokens"] == b.json()["usage"]["completion_tokens"] == 6
+    r = httpx.post(url, json={**body, "stream": []}, headers=auth, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    r = httpx.post(
+        url,
+        content="[" * 20000 + "]" * 20000,
+        headers={**auth, "content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(
+        url, json={**body, "top_p": 1e-300, "temperature": 1.0}, headers=auth, timeout=60
+    )
+    assert r.status_code == 200 and tenant_server.health()["engine"]["restarts"] == 0
 
 
 def test_prompt_over_context_and_body_over_limit(tenant_server):
@@ -270,6 +306,18 @@ def test_prompt_over_context_and_body_over_limit(tenant_server):
         timeout=60,
     )
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit is enforced while streaming the body in
+        for _ in range(10):
+            yield b"x" * 10000
+
+    r = httpx.post(
+        tenant_server.url + "/v1/completions",
+        content=chunks(),
+        headers={**auth, "content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
 
 
 def test_api_keys_and_tenant_limits(tenant_server):

@@ -97,6 +97,13 @@ def test_sampler_greedy_filters_seed_and_nan_rows():
     assert tokens[0] == 1
     assert tokens[3] == 2
     assert bad == [False, False, True, False, True]
+    # a top_p that rounds to 0 in float32 keeps the most likely token instead of failing the batch
+    tiny = sample(
+        torch.log(torch.tensor([[0.2, 0.7, 0.1]])),
+        [SamplingParams(temperature=1.0, top_p=1e-300)],
+        [None],
+    )
+    assert tiny == ([1], [False])
     # top-p: 0.6 of the mass is token 0 alone
     skewed = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
     draws = {

@@ -4,6 +4,7 @@ gateway, tokenize, admission, (engine), stream and metering stations."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -22,6 +23,7 @@ from prometheus_client import (
     Gauge,
     generate_latest,
 )
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..async_engine import EngineDeadError
 from ..core import RequestOutput
@@ -35,6 +37,10 @@ from .worker import EngineUnavailable, EngineWorker
 log = logging.getLogger(__name__)
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 TRACEPARENT_RE = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+UNION_TAG_RE = re.compile(
+    r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|constrained-\w+|function-\w+\[.*\]"
+    r"|json-or-python\[.*\]|lax-or-strict\[.*\]|nullable\[.*\]|union\[.*\]|tagged-union\[.*\])$"
+)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -105,24 +111,33 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await too_big.response()(scope, receive, send)
         seen = 0
+        over = False
+        started = False
 
         async def limited_receive():
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _BodyTooLarge
+                    over = True  # tell the app the client left; we answer 413 ourselves
+                    return {"type": "http.disconnect"}
             return message
 
+        async def guarded_send(message):
+            nonlocal started
+            if over:
+                return  # the app's answer to a truncated body is dropped
+            started = True
+            await send(message)
+
         try:
-            return await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            return await too_big.response()(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not over:
+                raise
+        if over and not started:
+            await too_big.response()(scope, receive, send)
 
 
 def _request_id(request: Request) -> str:
@@ -136,11 +151,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if err.get("type") == "json_invalid":
         return APIError(400, "request body is not valid JSON", code="invalid_json")
     # drop pydantic's union-branch labels so the param is the field path
-    path = [
-        p
-        for p in loc
-        if not p.startswith(("str", "list[", "constrained", "function-", "int", "float", "bool"))
-    ]
+    path = [p for p in loc if not UNION_TAG_RE.match(p)]
     param = ".".join(path) or None
     msg = err.get("msg", "invalid value")
     if err.get("type") == "missing":
@@ -174,6 +185,31 @@ def build_app(state: ServerState) -> FastAPI:
     async def validation_error(request: Request, exc: RequestValidationError):
         err = _validation_error(exc)
         state.m_requests.labels("unknown", str(err.status)).inc()
+        return err.response(getattr(request.state, "request_id", None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_exception(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} not allowed on {request.url.path}"
+        elif exc.status_code == 400 and "parsing the body" in str(exc.detail):
+            message = "request body could not be parsed as JSON (malformed, too deeply nested, or not UTF-8)"
+        else:
+            message = str(exc.detail)
+        return APIError(exc.status_code, message).response(
+            getattr(request.state, "request_id", None)
+        )
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        state.m_requests.labels(getattr(request.state, "tenant", "unknown"), "500").inc()
+        err = APIError(
+            500,
+            f"internal error ({type(exc).__name__}); the request was not completed",
+            code="internal_error",
+        )
         return err.response(getattr(request.state, "request_id", None))
 
     @app.exception_handler(404)
@@ -261,7 +297,6 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 async def _complete(state: ServerState, body, request: Request, chat: bool):
-    rid = request.state.request_id
     # gateway
     tenant = state.gateway.authenticate(request.headers.get("authorization"))
     request.state.tenant = tenant.name
@@ -274,6 +309,7 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
         )
     body.check_supported()
     state.gateway.acquire(tenant)
+    admitted = False
     released = False
 
     def release():
@@ -281,8 +317,12 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
         if not released:
             released = True
             state.gateway.release(tenant)
-            state.admission.leave()
+            if admitted:
+                state.admission.leave()
 
+    # The engine's id is ours alone: a client-chosen x-request-id must never let two requests
+    # (or two tenants) share an output stream.
+    engine_id = f"cmpl-{uuid.uuid4().hex}"
     try:
         # tokenize, then admission
         tok = state.tokenize.run(body, tenant)
@@ -291,33 +331,57 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
             params.validate()
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        try:
-            state.admission.enter()
-        except APIError:
-            state.gateway.release(tenant)
-            released = True
-            raise
+        state.admission.enter()
+        admitted = True
         try:
             outputs = state.worker.generate(
-                rid, tok.prompt_token_ids, params, priority=tenant.priority, tenant=tenant.name
+                engine_id,
+                tok.prompt_token_ids,
+                params,
+                priority=tenant.priority,
+                tenant=tenant.name,
             )
         except EngineUnavailable as exc:
             raise APIError(
                 503, str(exc), code="engine_unavailable", retry_after=exc.retry_after
             ) from None
     except BaseException:
-        if not released:
-            state.gateway.release(tenant)
-            released = True
+        release()
         raise
     created = int(time.time())
     if body.stream:
-        gen = _stream(state, outputs, rid, chat, created, tenant, tok, body.include_usage, release)
+        gen = _stream(
+            state, outputs, engine_id, chat, created, tenant, tok, body.include_usage, release
+        )
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        return await _collect(state, outputs, rid, chat, created, tenant, tok)
+        return await _collect_unless_gone(
+            state, request, outputs, engine_id, chat, created, tenant, tok
+        )
     finally:
         release()
+
+
+async def _collect_unless_gone(state, request: Request, outputs, rid, chat, created, tenant, tok):
+    """Collect a non-streamed answer; if the client goes away first, abort the engine request."""
+    collect = asyncio.ensure_future(_collect(state, outputs, rid, chat, created, tenant, tok))
+
+    async def gone():
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not collect.done():
+        collect.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await collect
+        await outputs.aclose()  # the engine aborts the request in its next step
+        return Response(status_code=499)  # nobody is listening
+    return collect.result()
 
 
 def _chunk(

@@ -53,8 +53,16 @@ class TokenizeStation:
         return list(body.prompt), "prompt"
 
     def run(self, body: ChatCompletionRequest | CompletionRequest, tenant: Tenant) -> Tokenized:
-        """Raises APIError(400) naming ``messages``/``prompt`` or ``max_tokens`` when too long."""
-        ids, param = self.encode(body)
+        """Raises APIError(400) naming ``messages``/``prompt`` or ``max_tokens`` when too long,
+        or when the text cannot be tokenized (e.g. lone UTF-16 surrogates)."""
+        try:
+            ids, param = self.encode(body)
+        except APIError:
+            raise
+        except Exception as exc:  # the tokenizer's own errors on strange text
+            param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+            reason = " ".join(str(exc).split())[:160]
+            raise APIError(400, f"{param} could not be tokenized: {reason}", param=param) from None
         n = len(ids)
         if not ids:
             raise APIError(400, f"{param} encodes to no tokens", param=param)
