@@ -22,7 +22,12 @@ from tokenmill.engine.api.gateway import hash_key
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
-KEYS = {"alpha": "sk-alpha-123", "limited": "sk-limited-456", "slow": "sk-slow-789"}
+KEYS = {
+    "alpha": "sk-alpha-123",
+    "limited": "sk-limited-456",
+    "slow": "sk-slow-789",
+    "fuzz": "sk-fuzz-000",
+}
 
 
 def free_port() -> int:
@@ -85,6 +90,11 @@ key_sha256 = "{hash_key(KEYS["limited"])}"
 max_concurrent = 1
 max_prompt_tokens = 60
 max_output_tokens = 20
+
+[tenants.fuzz]
+key_sha256 = "{hash_key(KEYS["fuzz"])}"
+max_prompt_tokens = 256
+max_output_tokens = 4
 
 [tenants.slow]
 key_sha256 = "{hash_key(KEYS["slow"])}"
@@ -417,10 +427,10 @@ def test_schemathesis_finds_no_server_errors(tenant_server, tmp_path):
             "--max-examples",
             "25",
             "--request-timeout",
-            "120",
+            "300",
             "--header",
-            # the tenant caps output at 20 tokens, so valid fuzzed requests finish quickly
-            f"Authorization: Bearer {KEYS['limited']}",
+            # the tenant caps output at 4 tokens, so valid fuzzed requests finish quickly
+            f"Authorization: Bearer {KEYS['fuzz']}",
         ],
         capture_output=True,
         text=True,
