@@ -89,7 +89,7 @@ key_sha256 = "{hash_key(KEYS["alpha"])}"
 key_sha256 = "{hash_key(KEYS["limited"])}"
 max_concurrent = 1
 max_prompt_tokens = 60
-max_output_tokens = 20
+max_output_tokens = 300
 
 [tenants.fuzz]
 key_sha256 = "{hash_key(KEYS["fuzz"])}"
@@ -344,7 +344,7 @@ def test_api_keys_and_tenant_limits(tenant_server):
         and "requests/min" in codes[2].json()["error"]["message"]
     )
     limited = {"Authorization": f"Bearer {KEYS['limited']}"}
-    r = httpx.post(url, json={**body, "max_tokens": 50}, headers=limited, timeout=60)
+    r = httpx.post(url, json={**body, "max_tokens": 500}, headers=limited, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     long_msg = {**body, "messages": [{"role": "user", "content": "tell me " * 40}]}
     r = httpx.post(url, json=long_msg, headers=limited, timeout=60)
@@ -352,7 +352,8 @@ def test_api_keys_and_tenant_limits(tenant_server):
 
     async def concurrent():
         async with httpx.AsyncClient(timeout=120) as ac:
-            long_body = {**body, "max_tokens": 20, "stream": True, "ignore_eos": True}
+            # long enough that it is still in flight when the second request arrives
+            long_body = {**body, "max_tokens": 300, "stream": True, "ignore_eos": True}
             async with ac.stream("POST", url, json=long_body, headers=limited) as first:
                 await first.aiter_lines().__anext__()
                 second = await ac.post(url, json=body, headers=limited)
