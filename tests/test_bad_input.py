@@ -51,6 +51,19 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
         assert needle in lines[0]
 
 
+@pytest.fixture
+def tiny_llm(tmp_path, smollm2_dir):
+    """An engine over a 1-layer dummy Llama (24-token context, 64 blocks of 4) with SmolLM2's tokenizer."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    core = EngineCore(
+        EngineConfig(
+            model=str(tmp_path), load_format="dummy", block_size=4, num_gpu_blocks_override=64
+        ),
+        tokenizer=load_tokenizer(smollm2_dir),
+    )
+    return LLM(core=core), core
+
+
 def test_missing_model_path(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(ModelLoadError, match="does not exist"):
@@ -94,15 +107,8 @@ def test_missing_weights_and_missing_config_key(tmp_path):
         load_model(tmp_path)
 
 
-def test_prompt_longer_than_context_and_bad_token_ids(tmp_path, smollm2_dir):
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    core = EngineCore(
-        EngineConfig(
-            model=str(tmp_path), load_format="dummy", block_size=4, num_gpu_blocks_override=64
-        ),
-        tokenizer=load_tokenizer(smollm2_dir),
-    )
-    llm = LLM(core=core)
+def test_prompt_longer_than_context_and_bad_token_ids(tiny_llm):
+    llm, core = tiny_llm
     with pytest.raises(
         RequestRejected,
         match=r"prompt of 30 tokens \+ max_tokens 4 exceeds the model's context of 24",
@@ -218,15 +224,8 @@ def test_cli_usage_and_device_errors_are_one_line(tmp_path):
         assert_one_line_error(no_cuda, "CUDA is not available")
 
 
-def test_engine_stays_usable_after_a_rejected_batch(smollm2_dir, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    core = EngineCore(
-        EngineConfig(
-            model=str(tmp_path), load_format="dummy", block_size=4, num_gpu_blocks_override=64
-        ),
-        tokenizer=load_tokenizer(smollm2_dir),
-    )
-    llm = LLM(core=core)
+def test_engine_stays_usable_after_a_rejected_batch(tiny_llm):
+    llm, core = tiny_llm
     with pytest.raises(ValueError, match="stop_token_ids must be a list"):
         llm.generate([[1, 2]], SamplingParams(stop_token_ids=None))
     with pytest.raises(ValueError, match="got 1 sampling params for 3 prompts"):
