@@ -28,6 +28,7 @@ from .sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 LIVENESS_CHECK_S = 5.0  # a waiting stream checks this often that the engine is still there
+SEND_TIMEOUT_S = 5.0  # a message the engine cannot take in this long means it is gone or stuck
 
 
 class EngineDeadError(TokenmillError):
@@ -100,8 +101,7 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         """Stop the engine process and close the sockets."""
         if self.process is not None and self.process.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                await self._push.send_pyobj(("shutdown", None))
+            await self._send(("shutdown", None), timeout_s=1.0)
             await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
             if self.process.is_alive():
                 self.process.kill()
@@ -166,7 +166,11 @@ class AsyncEngine:
         )
         finished = False
         try:
-            await self._push.send_pyobj(("add", payload))
+            if not await self._send(("add", payload)):
+                finished = True
+                raise EngineDeadError(
+                    f"engine core is not taking requests ({self.dead_reason or 'queue full'})"
+                )
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), LIVENESS_CHECK_S)
@@ -187,17 +191,37 @@ class AsyncEngine:
         finally:
             self._queues.pop(request_id, None)
             if not finished and self.alive:
-                await self._push.send_pyobj(("abort", [request_id]))
+                await self._send(("abort", [request_id]))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with ``finish_reason='abort'``."""
         if self.alive:
-            await self._push.send_pyobj(("abort", [request_id]))
+            await self._send(("abort", [request_id]))
 
     async def refresh_stats(self) -> None:
         """Ask the engine for fresh stats (answered asynchronously into :attr:`stats`)."""
         if self.alive:
-            await self._push.send_pyobj(("stats", None))
+            await self._send(("stats", None))
+
+    async def _send(self, msg: tuple, timeout_s: float = SEND_TIMEOUT_S) -> bool:
+        """Send one message to the engine; False if it could not be sent within ``timeout_s``.
+
+        A ZeroMQ PUSH socket blocks forever when its peer has gone (an engine process that
+        reported a fatal error and is exiting), so each send is non-blocking and retried only
+        while the process is alive.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self._push.send_pyobj(msg, flags=zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                alive = self.process is not None and self.process.is_alive()
+                if not alive or time.monotonic() > deadline:
+                    return False
+                await asyncio.sleep(0.005)
+            except zmq.ZMQError:
+                return False
 
     # ----- output dispatch -----
     async def _read_outputs(self) -> None:

@@ -34,7 +34,9 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
         core = EngineCore(config)
     except Exception as exc:  # report why we could not start, then exit
         push.send_pyobj(("fatal", f"{type(exc).__name__}: {exc}".splitlines()[0]))
+        pull.close(linger=0)
         push.close(linger=2000)
+        ctx.term()
         return
     push.send_pyobj(
         (

@@ -355,12 +355,17 @@ def test_api_keys_and_tenant_limits(tenant_server):
             # long enough that it is still in flight when the second request arrives
             long_body = {**body, "max_tokens": 300, "stream": True, "ignore_eos": True}
             async with ac.stream("POST", url, json=long_body, headers=limited) as first:
-                await first.aiter_lines().__anext__()
+                lines = first.aiter_lines()
+                await lines.__anext__()
                 second = await ac.post(url, json=body, headers=limited)
-                return second
+                rest = [line async for line in lines if line]
+                return second, rest
 
-    second = asyncio.run(concurrent())
-    assert second.status_code == 429 and "in flight" in second.json()["error"]["message"]
+    second, first_rest = asyncio.run(concurrent())
+    assert second.status_code == 429 and "in flight" in second.json()["error"]["message"], (
+        second.text,
+        first_rest[-3:],
+    )
 
 
 def test_sixty_four_streams_with_twenty_disconnects_leak_nothing(tenant_server):

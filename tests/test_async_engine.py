@@ -102,13 +102,20 @@ def test_async_engine_end_to_end(smollm2_dir):
     asyncio.run(asyncio.wait_for(main(), timeout=600))
 
 
-def test_engine_that_cannot_start_says_why(tmp_path):
+@pytest.mark.parametrize("pause_s", [0.0, 0.05, 0.3])
+def test_engine_that_cannot_start_says_why(tmp_path, pause_s):
+    """The process reports a fatal error and exits while we shut down. A PUSH send to a peer
+    that is going away used to block forever (CI hung here); shutdown must return at any
+    point of the child's exit."""
+
     async def main():
         engine = AsyncEngine(EngineConfig(model=str(tmp_path)))
         try:
             with pytest.raises(EngineDeadError, match=r"has no config\.json"):
                 await engine.start(timeout_s=300)
+            await asyncio.sleep(pause_s)
         finally:
-            await engine.shutdown()
+            await asyncio.wait_for(engine.shutdown(), timeout=120)
+        assert not engine.process.is_alive()
 
     asyncio.run(main())
