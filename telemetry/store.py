@@ -1,0 +1,212 @@
+"""The DuckDB trace store: one file, written by one background thread in batches.
+
+Producers (span processor, step listener, sampler, server events) call :meth:`TraceStore.submit`,
+which never blocks: rows go into a bounded queue and, when it is full or the writer has failed,
+they are dropped and counted per table. The writer groups rows by table and inserts each batch
+as one Arrow table (``INSERT INTO t BY NAME``), which is what makes tens of thousands of spans a
+second cheap on one core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from .schema import TABLES, apply_schema
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class TraceStore:
+    """Owner of one trace-store DuckDB file.
+
+    Args:
+        path: the DuckDB file (its folder is created). ``":memory:"`` for an in-memory store.
+        max_queue_rows: rows that may wait for the writer; beyond that, rows are dropped.
+        batch_rows: the writer inserts at most this many rows per table per transaction.
+        flush_interval_s: the writer wakes at least this often (s) to insert what is queued.
+
+    Raises:
+        duckdb.Error, OSError, SchemaError: the file cannot be opened or has another schema.
+        The server catches these and serves on without a store (drops counted).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        max_queue_rows: int = 200_000,
+        batch_rows: int = 8192,
+        flush_interval_s: float = 0.25,
+    ):
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._con = duckdb.connect(self.path)
+        apply_schema(self._con)
+        self._types = {t: self._arrow_schema(t) for t in TABLES}
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue_rows)
+        self.batch_rows = batch_rows
+        self.flush_interval_s = flush_interval_s
+        self.written: Counter = Counter()
+        self.dropped: Counter = Counter()
+        self.error: str | None = None
+        self._lock = threading.Lock()  # guards the connection for readers (query/checkpoint)
+        self._idle = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name="tokenmill-trace-writer", daemon=True
+        )
+        self._thread.start()
+
+    # ----- producers -----
+    def submit(self, table: str, row: dict) -> bool:
+        """Queue one row (a dict of column -> value; missing columns are NULL).
+
+        Returns False (and counts a drop for ``table``) when the queue is full, the writer is
+        dead, or the store is closed. Never blocks.
+        """
+        if self._closed or not self._thread.is_alive():
+            self.dropped[table] += 1
+            return False
+        try:
+            self._queue.put_nowait((table, row))
+        except queue.Full:
+            self.dropped[table] += 1
+            return False
+        self._idle.clear()
+        return True
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+    @property
+    def writer_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def health(self) -> dict:
+        """What ``/health`` shows about the store."""
+        return {
+            "path": self.path,
+            "writer_alive": self.writer_alive,
+            "queued_rows": self._queue.qsize(),
+            "written_rows": dict(self.written),
+            "dropped_rows": dict(self.dropped),
+            "error": self.error,
+        }
+
+    # ----- readers -----
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued row is written; False on timeout or a dead writer."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._queue.empty() and self._idle.is_set():
+                return True
+            if not self._thread.is_alive():
+                return False
+            self._idle.wait(0.05)
+        return False
+
+    def query(self, sql: str, params: list | None = None) -> list[tuple]:
+        """Run a read query on the live store (serialized with the writer)."""
+        with self._lock:
+            return self._con.execute(sql, params or []).fetchall()
+
+    def connection_locked(self):
+        """``with store.connection_locked() as con:`` for a caller that needs the connection
+        itself (dumps), holding off the writer meanwhile."""
+        store = self
+
+        class _Ctx:
+            def __enter__(self):
+                store._lock.acquire()
+                return store._con
+
+            def __exit__(self, *exc):
+                store._lock.release()
+
+        return _Ctx()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Write what is queued, stop the writer, close the file."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            with contextlib.suppress(queue.Full):
+                self._queue.put(_STOP, timeout=timeout_s)
+            self._thread.join(timeout_s)
+        with self._lock:
+            self._con.close()
+
+    # ----- the writer thread -----
+    def _arrow_schema(self, table: str) -> pa.Schema:
+        return self._con.sql(f"SELECT * FROM {table} LIMIT 0").to_arrow_table().schema
+
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    first = self._queue.get(timeout=self.flush_interval_s)
+                except queue.Empty:
+                    self._idle.set()
+                    continue
+                items = [first]
+                while len(items) < self.batch_rows * 4:
+                    try:
+                        items.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = any(it is _STOP for it in items)
+                self._write([it for it in items if it is not _STOP])
+                if self._queue.empty():
+                    self._idle.set()
+                if stop:
+                    return
+        except Exception as exc:  # the store is gone; producers now count drops
+            self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            log.error("trace store writer stopped: %s", self.error)
+            self._drain_as_dropped()
+
+    def _drain_as_dropped(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                self.dropped[item[0]] += 1
+
+    def _write(self, items: list[tuple[str, dict]]) -> None:
+        by_table: dict[str, list[dict]] = {}
+        for table, row in items:
+            by_table.setdefault(table, []).append(row)
+        with self._lock:
+            for table, rows in by_table.items():
+                if table not in self._types:
+                    self.dropped[table] += len(rows)
+                    log.warning("dropping %d rows for unknown table %r", len(rows), table)
+                    continue
+                for i in range(0, len(rows), self.batch_rows):
+                    self._insert(table, rows[i : i + self.batch_rows])
+
+    def _insert(self, table: str, rows: list[dict]) -> None:
+        schema = self._types[table]
+        present = {k for row in rows for k in row}
+        fields = [f for f in schema if f.name in present]
+        cols = {f.name: [row.get(f.name) for row in rows] for f in fields}
+        batch = pa.table(cols, schema=pa.schema(fields))  # noqa: F841 (read by DuckDB by name)
+        names = ", ".join(f.name for f in fields)
+        self._con.execute(f"INSERT INTO {table} ({names}) SELECT {names} FROM batch")
+        self.written[table] += len(rows)
