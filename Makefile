@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # first and it is kept.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup model demo test lint format clean
+.PHONY: setup model demo test lint format clean promtool
 
 setup: $(STAMP)
 
@@ -36,7 +36,15 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: model lint
+# tests/test_metrics.py runs `promtool check metrics`; Debian's prometheus package has it.
+promtool:
+	@command -v promtool >/dev/null || { \
+		SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi; \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus \
+		|| ($$SUDO apt-get update -qq \
+			&& $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus); }
+
+test: model lint promtool
 	$(BIN)/python -m pytest
 
 clean:

@@ -56,6 +56,7 @@ class AsyncEngine:
         self._pull.bind(self._out_addr)
         self._queues: dict[str, asyncio.Queue] = {}
         self._listeners: list[Callable[[StepRecord], None]] = []
+        self._abandoned_listeners: list[Callable[[RequestOutput], None]] = []
         self._reader: asyncio.Task | None = None
         self.process: multiprocessing.Process | None = None
         self.info: dict = {}
@@ -129,6 +130,11 @@ class AsyncEngine:
     def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
         """Call ``fn(record)`` for every step record (in the event loop; keep it cheap)."""
         self._listeners.append(fn)
+
+    def add_abandoned_listener(self, fn: Callable[[RequestOutput], None]) -> None:
+        """Call ``fn(output)`` with the final output of a request whose stream was left early
+        (the engine's own abort record: tokens produced, the step it was aborted in)."""
+        self._abandoned_listeners.append(fn)
 
     # ----- requests -----
     async def generate(
@@ -256,6 +262,12 @@ class AsyncEngine:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
+                    elif out.finished:
+                        for fn in self._abandoned_listeners:
+                            try:
+                                fn(out)
+                            except Exception:
+                                log.exception("abandoned-output listener failed")
                 if record is not None:
                     self.stats.update(
                         num_running=record.num_running,

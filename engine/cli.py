@@ -224,6 +224,30 @@ def serve(
     kv_cache_memory: Annotated[int, typer.Option(min=1, help="KV cache bytes on CPU.")] = 1 << 30,
     gpu_memory_utilization: Annotated[float, typer.Option(min=0.01, max=1.0)] = 0.9,
     num_gpu_blocks_override: Annotated[int | None, typer.Option(min=1)] = None,
+    trace_db: Annotated[
+        str, typer.Option(help="DuckDB trace store (spans, requests, steps, device samples).")
+    ] = "./tokenmill-data/traces.duckdb",
+    no_trace_db: Annotated[
+        bool, typer.Option("--no-trace-db", help="Keep no trace store (metrics and OTLP only).")
+    ] = False,
+    trace_content: Annotated[
+        bool, typer.Option("--trace-content", help="Store prompt and output text on spans.")
+    ] = False,
+    otlp_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="OTLP/HTTP collector, e.g. http://127.0.0.1:4318 (or OTEL_EXPORTER_OTLP_*)."
+        ),
+    ] = None,
+    device_sample_interval: Annotated[
+        float, typer.Option(min=0.0, help="GPU/host sampling period in s (0 = off).")
+    ] = 0.1,
+    no_tracing: Annotated[
+        bool,
+        typer.Option(
+            "--no-tracing", help="Build no spans at all (only to measure tracing's cost)."
+        ),
+    ] = False,
 ) -> None:
     """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
     from .api.server import make_server
@@ -260,12 +284,176 @@ def serve(
             max_body_bytes=max_body_bytes,
             served_model_name=served_model_name,
             announce=lambda m: out.print(m, highlight=False, markup=False, soft_wrap=True),
+            trace_db=None if no_trace_db or no_tracing else trace_db,
+            tracing=not no_tracing,
+            trace_content=trace_content,
+            otlp_endpoint=otlp_endpoint,
+            device_sample_interval_s=device_sample_interval,
         )
     except (TokenmillError, ValueError) as exc:
         fail(str(exc))
     server.run()
     if not server.started:
         fail(f"the server did not start (is port {port} free, and did the engine load?)")
+
+
+# ----- tokenmill dump (telemetry/dump.py; the server side is engine/api/admin.py) -----
+
+
+def _dump_fail(message: str) -> None:
+    """Print a one-line error and exit with status 2 (every ``dump`` failure)."""
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def dump(
+    output: Annotated[Path, typer.Option("--output", "-o", help="The dump file to write.")],
+    db: Annotated[
+        Path | None,
+        typer.Option(help="A trace-store file no server holds open (for a live one, use --url)."),
+    ] = None,
+    url: Annotated[
+        str | None, typer.Option(help="A running server, e.g. http://127.0.0.1:8000.")
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help="Start of the window, before now: 30s, 10m, 2h, 1d (default: all)."),
+    ] = None,
+    until: Annotated[
+        str | None, typer.Option(help="End of the window, before now (default: now).")
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (with --url)."),
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
+    timeout: Annotated[
+        float, typer.Option(min=1.0, help="Seconds to wait for the server (with --url).")
+    ] = 300.0,
+) -> None:
+    """Write a trace dump (a self-contained DuckDB file of a time window) from a closed store
+    file (--db) or a running server (--url, admin key)."""
+    import time
+
+    from ..telemetry.dump import DumpError, describe_dump, format_summary, open_dump, parse_since
+
+    if (db is None) == (url is None):
+        _dump_fail("give exactly one of --db (a store file) or --url (a running server)")
+    try:
+        since_s = parse_since(since) if since is not None else None
+    except ValueError as exc:
+        _dump_fail(f"--since: {exc}")
+    try:
+        until_s = parse_since(until) if until is not None else None
+    except ValueError as exc:
+        _dump_fail(f"--until: {exc}")
+    if since_s is not None and until_s is not None and until_s >= since_s:
+        _dump_fail("--until must be later than --since (both are durations before now)")
+    if output.is_dir():
+        _dump_fail(f"{output} is a folder; give a file name with -o")
+    if output.exists() and not force:
+        _dump_fail(f"{output} already exists (choose another name, or --force)")
+    if not output.parent.is_dir():
+        _dump_fail(f"folder {output.parent} does not exist")
+
+    try:
+        if db is not None:
+            from ..telemetry.dump import write_dump
+
+            now_ns = time.time_ns()
+            con = open_dump(db, verify=False)
+            try:
+                write_dump(
+                    con,
+                    output,
+                    since_ns=None if since_s is None else now_ns - since_s * 1_000_000_000,
+                    until_ns=None if until_s is None else now_ns - until_s * 1_000_000_000,
+                    source=f"file {db.resolve()}",
+                    overwrite=force,
+                )
+            finally:
+                con.close()
+        else:
+            _fetch_dump(
+                url, output, since=since, until=until, api_key=api_key, force=force, timeout=timeout
+            )
+        con = open_dump(output)
+        try:
+            info = describe_dump(con)
+        finally:
+            con.close()
+    except DumpError as exc:
+        _dump_fail(str(exc))
+    out.print(format_summary(output, info), highlight=False, markup=False, soft_wrap=True)
+
+
+def _fetch_dump(url, output: Path, *, since, until, api_key, force, timeout) -> None:
+    """GET {url}/admin/dump into a temp file next to ``output``, check it with open_dump, then
+    move it into place. Failures exit 2 with one line."""
+    import os
+    import secrets
+
+    import httpx
+
+    from ..telemetry.dump import DumpError, open_dump
+
+    base = url.strip().rstrip("/")
+    if "://" not in base:
+        base = "http://" + base
+    base = base.removesuffix("/v1")
+    params = {k: v for k, v in (("since", since), ("until", until)) if v is not None}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    tmp = output.parent / f".{output.name}.{os.getpid()}-{secrets.token_hex(4)}.part"
+    try:
+        try:
+            with httpx.stream(
+                "GET",
+                f"{base}/admin/dump",
+                params=params,
+                headers=headers,
+                timeout=httpx.Timeout(timeout, connect=10.0),
+            ) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    _dump_fail(f"{base} answered {resp.status_code}: {_server_message(resp)}")
+                with open(tmp, "wb") as f:
+                    for chunk in resp.iter_bytes():
+                        f.write(chunk)
+        except httpx.ConnectError as exc:
+            reason = str(exc).strip() or "connection failed"
+            if "refused" in reason.lower():
+                reason = "connection refused (is the server running?)"
+            _dump_fail(f"cannot connect to {base}: {reason}")
+        except httpx.TimeoutException:
+            _dump_fail(f"{base} did not answer within {timeout:g} s (try --timeout)")
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+            _dump_fail(f"bad --url {url!r}: {exc}")
+        except httpx.HTTPError as exc:
+            _dump_fail(f"fetching the dump from {base} failed: {type(exc).__name__}: {exc}")
+        except OSError as exc:
+            _dump_fail(f"cannot write {output}: {exc.strerror or exc}")
+        try:
+            open_dump(tmp).close()
+        except DumpError as exc:
+            _dump_fail(f"the server sent a bad dump: {str(exc).removeprefix(str(tmp) + ': ')}")
+        if force:
+            os.replace(tmp, output)
+        elif output.exists():
+            _dump_fail(f"{output} already exists (choose another name, or --force)")
+        else:
+            os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _server_message(resp) -> str:
+    """The message of an OpenAI-shaped error body, else the start of the body."""
+    try:
+        message = resp.json()["error"]["message"]
+    except Exception:
+        message = resp.text.strip()[:200] or resp.reason_phrase
+    return (str(message).splitlines() or [""])[0]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,7 +27,8 @@ def apply_schema(con: duckdb.DuckDBPyConnection) -> None:
         SchemaError: the file already carries another schema version.
     """
     con.execute(ddl())
-    row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    rows = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
+    row = rows[0] if rows else None  # fetchall: a half-read result would block the next query
     if row is None:
         con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
     elif row[0] != str(SCHEMA_VERSION):
@@ -53,7 +54,8 @@ def check_schema(con: duckdb.DuckDBPyConnection) -> None:
         SchemaError: no ``meta`` table, another version, or a missing table.
     """
     try:
-        row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        rows = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
+        row = rows[0] if rows else None
     except duckdb.Error:
         raise SchemaError("not a tokenmill trace store (no meta table)") from None
     if row is None:

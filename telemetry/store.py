@@ -192,14 +192,19 @@ class TraceStore:
         by_table: dict[str, list[dict]] = {}
         for table, row in items:
             by_table.setdefault(table, []).append(row)
-        with self._lock:
-            for table, rows in by_table.items():
-                if table not in self._types:
-                    self.dropped[table] += len(rows)
-                    log.warning("dropping %d rows for unknown table %r", len(rows), table)
-                    continue
-                for i in range(0, len(rows), self.batch_rows):
-                    self._insert(table, rows[i : i + self.batch_rows])
+        pending = Counter({table: len(rows) for table, rows in by_table.items()})
+        try:
+            with self._lock:
+                for table, rows in by_table.items():
+                    if table not in self._types:
+                        log.warning("dropping %d rows for unknown table %r", len(rows), table)
+                        continue
+                    for i in range(0, len(rows), self.batch_rows):
+                        batch = rows[i : i + self.batch_rows]
+                        self._insert(table, batch)
+                        pending[table] -= len(batch)
+        finally:  # rows not written (unknown table, or the insert failed) are counted as drops
+            self.dropped.update(+pending)
 
     def _insert(self, table: str, rows: list[dict]) -> None:
         schema = self._types[table]

@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import time
 import httpx
 import openai
 import pytest
+from server_proc import Server
 
 from tokenmill.engine.api.gateway import hash_key
 
@@ -28,53 +28,6 @@ KEYS = {
     "slow": "sk-slow-789",
     "fuzz": "sk-fuzz-000",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, tmp_path, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp_path / f"server-{self.port}.log", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tokenmill.engine.cli",
-                "serve",
-                "--port",
-                str(self.port),
-                *args,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (tmp_path / f"server-{self.port}.log").read_text()
-            try:
-                if httpx.get(self.url + "/health", timeout=2).json()["status"] == "ok":
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise AssertionError("server did not become healthy")
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

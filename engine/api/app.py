@@ -16,22 +16,17 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
-)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..async_engine import EngineDeadError
 from ..core import RequestOutput
 from ..errors import RequestRejected
+from .admin import register_admin_routes
 from .errors import APIError
 from .gateway import Gateway, Tenant
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .stations import AdmissionStation, MeteringStation, TokenizeStation
+from .stations import AdmissionStation, MeteringStation, TokenizeStation, usage_of
+from .timeline import RequestTimeline
 from .worker import EngineUnavailable, EngineWorker
 
 log = logging.getLogger(__name__)
@@ -55,43 +50,91 @@ class ServerState:
     metering: MeteringStation
     model_name: str
     max_body_bytes: int
+    # telemetry (tokenmill.telemetry.Telemetry): on_request(timeline), on_step(record),
+    # metrics.render()/set_engine_state(), health(). The API depends only on these calls.
+    telemetry: object
     started: float = field(default_factory=time.time)
-    telemetry_dropped: int = 0
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    trace_content: bool = False
 
-    def __post_init__(self):
-        r = self.registry
-        self.m_requests = Counter(
-            "tokenmill_requests", "Finished HTTP requests", ["tenant", "status"], registry=r
+    def finish(self, tl: RequestTimeline) -> None:
+        """Metering, then hand the finished timeline to telemetry (which must never fail us)."""
+        tl.metering_start_ns = time.time_ns()
+        if tl.usage is not None and tl.tenant is not None:
+            u = tl.usage
+            self.metering.record(
+                tl.tenant,
+                u["prompt_tokens"],
+                u["completion_tokens"],
+                u["prompt_tokens_details"]["cached_tokens"],
+            )
+        tl.metering_end_ns = time.time_ns()
+        if tl.usage is None:
+            tl.metering_start_ns = tl.metering_end_ns = None  # nothing was metered
+        try:
+            self.telemetry.on_request(tl)
+        except Exception:
+            log.exception("telemetry failed on request %s", tl.request_id)
+
+
+TRACED_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+class TimelineMiddleware:
+    """Outermost layer: opens a :class:`RequestTimeline` at arrival for the completion routes,
+    records the status and the first/last body byte sent, and finishes the request (metering,
+    telemetry) once the response is over."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") not in TRACED_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        tp = headers.get(b"traceparent", b"").decode("latin-1")
+        tl = RequestTimeline(
+            arrival_ns=time.time_ns(),
+            method=scope.get("method", ""),
+            path=scope["path"],
+            traceparent=tp if TRACEPARENT_RE.match(tp) else None,
+            endpoint="chat" if scope["path"].endswith("chat/completions") else "completions",
+            model=self.state.model_name,
+            record_content=self.state.trace_content,
         )
-        self.m_prompt = Counter(
-            "tokenmill_prompt_tokens", "Prompt tokens of finished requests", ["tenant"], registry=r
+        scope.setdefault("state", {})["tm_timeline"] = tl
+
+        async def timed_send(message):
+            if message["type"] == "http.response.start":
+                tl.http_status = message["status"]
+            elif message["type"] == "http.response.body":
+                now = time.time_ns()
+                if tl.first_byte_ns is None and message.get("body"):
+                    tl.first_byte_ns = now
+                if not message.get("more_body", False):
+                    tl.last_byte_ns = now
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        except BaseException:
+            tl.http_status = tl.http_status or 500
+            tl.fail("internal_error")
+            raise
+        finally:
+            if tl.http_status and tl.http_status >= 400 and tl.error_type is None:
+                tl.fail(f"http_{tl.http_status}")
+            self.state.finish(tl)
+
+
+def _timeline(request: Request) -> RequestTimeline:
+    tl = getattr(request.state, "tm_timeline", None)
+    if tl is None:  # a route reached without the middleware (tests building the app by hand)
+        tl = RequestTimeline(
+            arrival_ns=time.time_ns(), method=request.method, path=request.url.path
         )
-        self.m_gen = Counter(
-            "tokenmill_generation_tokens",
-            "Output tokens of finished requests",
-            ["tenant"],
-            registry=r,
-        )
-        self.m_cached = Counter(
-            "tokenmill_cached_prompt_tokens",
-            "Prompt tokens served from the prefix cache",
-            ["tenant"],
-            registry=r,
-        )
-        self.m_running = Gauge(
-            "tokenmill_num_requests_running", "Requests running in the engine", registry=r
-        )
-        self.m_waiting = Gauge(
-            "tokenmill_num_requests_waiting", "Requests waiting in the engine", registry=r
-        )
-        self.m_kv = Gauge(
-            "tokenmill_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r
-        )
-        self.m_restarts = Gauge("tokenmill_engine_restarts", "Engine worker restarts", registry=r)
-        self.m_in_flight = Gauge(
-            "tokenmill_api_in_flight", "Requests admitted by the API", registry=r
-        )
+        request.state.tm_timeline = tl
+    return tl
 
 
 class BodyLimitMiddleware:
@@ -168,6 +211,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def request_id_mw(request: Request, call_next):
         rid = _request_id(request)
         request.state.request_id = rid
+        tl = getattr(request.state, "tm_timeline", None)
+        if tl is not None:
+            tl.client_request_id = rid
         tp = request.headers.get("traceparent", "")
         request.state.traceparent = tp if TRACEPARENT_RE.match(tp) else None
         response = await call_next(request)
@@ -175,16 +221,21 @@ def build_app(state: ServerState) -> FastAPI:
         return response
 
     app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes)
+    app.add_middleware(TimelineMiddleware, state=state)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        state.m_requests.labels(getattr(request.state, "tenant", "unknown"), str(exc.status)).inc()
+        tl = getattr(request.state, "tm_timeline", None)
+        if tl is not None:
+            tl.fail(exc.code or exc.type, exc.message)
         return exc.response(getattr(request.state, "request_id", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         err = _validation_error(exc)
-        state.m_requests.labels("unknown", str(err.status)).inc()
+        tl = getattr(request.state, "tm_timeline", None)
+        if tl is not None:
+            tl.fail(err.code or err.type, err.message)
         return err.response(getattr(request.state, "request_id", None))
 
     @app.exception_handler(StarletteHTTPException)
@@ -204,7 +255,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        state.m_requests.labels(getattr(request.state, "tenant", "unknown"), "500").inc()
+        tl = getattr(request.state, "tm_timeline", None)
+        if tl is not None:
+            tl.fail("internal_error", type(exc).__name__)
         err = APIError(
             500,
             f"internal error ({type(exc).__name__}); the request was not completed",
@@ -252,19 +305,24 @@ def build_app(state: ServerState) -> FastAPI:
             "kv_usage": stats.get("kv_usage"),
             "kv_blocks_used": stats.get("kv_blocks_used"),
             "kv_blocks_total": stats.get("kv_blocks_total"),
-            "telemetry_dropped": state.telemetry_dropped,
+            "telemetry": state.telemetry.health(),
         }
+        body["telemetry_dropped"] = body["telemetry"]["dropped_total"]
         return JSONResponse(body, status_code=200 if status != "down" else 503)
 
     @app.get("/metrics")
     async def metrics():
         stats = state.worker.health()["stats"]
-        state.m_running.set(stats.get("num_running", 0))
-        state.m_waiting.set(stats.get("num_waiting", 0))
-        state.m_kv.set(stats.get("kv_usage") or 0.0)
-        state.m_restarts.set(state.worker.restarts)
-        state.m_in_flight.set(state.admission.in_flight)
-        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+        m = state.telemetry.metrics
+        m.set_engine_state(
+            running=stats.get("num_running", 0),
+            waiting=stats.get("num_waiting", 0),
+            kv_usage=stats.get("kv_usage") or 0.0,
+            restarts=state.worker.restarts,
+            in_flight=state.admission.in_flight,
+        )
+        body, content_type = m.render()
+        return Response(body, media_type=content_type)
 
     def openapi():
         if app.openapi_schema is None:
@@ -284,6 +342,7 @@ def build_app(state: ServerState) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
+    register_admin_routes(app, state, lambda: getattr(state.telemetry, "store", None))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -297,9 +356,13 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 async def _complete(state: ServerState, body, request: Request, chat: bool):
+    tl = _timeline(request)
+    tl.stream = bool(body.stream)
+    tl.temperature = body.temperature
     # gateway
     tenant = state.gateway.authenticate(request.headers.get("authorization"))
     request.state.tenant = tenant.name
+    tl.tenant = tenant.name
     if body.model != state.model_name:
         raise APIError(
             404,
@@ -309,6 +372,7 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
         )
     body.check_supported()
     state.gateway.acquire(tenant)
+    tl.gateway_end_ns = time.time_ns()
     admitted = False
     released = False
 
@@ -323,6 +387,7 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
     # The engine's id is ours alone: a client-chosen x-request-id must never let two requests
     # (or two tenants) share an output stream.
     engine_id = f"cmpl-{uuid.uuid4().hex}"
+    tl.request_id = engine_id
     try:
         # tokenize, then admission
         tok = state.tokenize.run(body, tenant)
@@ -331,6 +396,14 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
             params.validate()
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
+        tl.tokenize_end_ns = time.time_ns()
+        tl.input_tokens = len(tok.prompt_token_ids)
+        tl.max_tokens = tok.max_tokens
+        if tl.record_content:
+            tl.prompt_text = state.tokenize.tokenizer.decode(tok.prompt_token_ids)
+        tl.queue_depth_seen = state.admission.queue_depth
+        tl.in_flight_seen = state.admission.in_flight
+        tl.pool = state.worker.name
         state.admission.enter()
         admitted = True
         try:
@@ -345,26 +418,40 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
             raise APIError(
                 503, str(exc), code="engine_unavailable", retry_after=exc.retry_after
             ) from None
+        tl.admission_end_ns = time.time_ns()
     except BaseException:
         release()
         raise
     created = int(time.time())
+    outputs = _observed(outputs, tl)
     if body.stream:
         gen = _stream(
-            state, outputs, engine_id, chat, created, tenant, tok, body.include_usage, release
+            state, outputs, engine_id, chat, created, tenant, tok, body.include_usage, release, tl
         )
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         return await _collect_unless_gone(
-            state, request, outputs, engine_id, chat, created, tenant, tok
+            state, request, outputs, engine_id, chat, created, tenant, tok, tl
         )
     finally:
         release()
 
 
-async def _collect_unless_gone(state, request: Request, outputs, rid, chat, created, tenant, tok):
+async def _observed(outputs: AsyncIterator[RequestOutput], tl: RequestTimeline):
+    """The engine's outputs, each folded into the timeline on the way through."""
+    try:
+        async for out in outputs:
+            tl.observe(out)
+            yield out
+    finally:
+        await outputs.aclose()
+
+
+async def _collect_unless_gone(
+    state, request: Request, outputs, rid, chat, created, tenant, tok, tl: RequestTimeline
+):
     """Collect a non-streamed answer; if the client goes away first, abort the engine request."""
-    collect = asyncio.ensure_future(_collect(state, outputs, rid, chat, created, tenant, tok))
+    collect = asyncio.ensure_future(_collect(state, outputs, rid, chat, created, tenant, tok, tl))
 
     async def gone():
         while not await request.is_disconnected():
@@ -380,6 +467,9 @@ async def _collect_unless_gone(state, request: Request, outputs, rid, chat, crea
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await collect
         await outputs.aclose()  # the engine aborts the request in its next step
+        tl.client_disconnected = True
+        tl.client_disconnect_ns = time.time_ns()
+        tl.error_type = tl.error_type or "client_disconnected"
         return Response(status_code=499)  # nobody is listening
     return collect.result()
 
@@ -441,8 +531,10 @@ async def _stream(
     tok,
     include_usage,
     release,
+    tl: RequestTimeline,
 ):
     model = state.model_name
+    done = False
     sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"  # noqa: E731
     try:
         first = True
@@ -460,7 +552,7 @@ async def _stream(
                 yield sse(
                     _chunk(rid, chat, created, model, None if chat else "", _finish_reason(out))
                 )
-                usage = _meter(state, tenant, out, "ok")
+                usage = tl.usage = usage_of(out)
                 if include_usage:
                     yield sse(
                         {
@@ -473,28 +565,24 @@ async def _stream(
                         }
                     )
         yield "data: [DONE]\n\n"
+        done = True
     except (EngineDeadError, RequestRejected, ValueError) as exc:
         status = 503 if isinstance(exc, EngineDeadError) else 400
-        state.m_requests.labels(tenant.name, str(status)).inc()
-        yield sse(APIError(status, str(exc), code="engine_died" if status == 503 else None).body())
+        err = APIError(status, str(exc), code="engine_died" if status == 503 else None)
+        tl.fail(err.code or err.type, err.message)
+        yield sse(err.body())
         yield "data: [DONE]\n\n"
+        done = True
     finally:
+        if not done and tl.error_type is None:  # the client went away mid-stream
+            tl.client_disconnected = True
+            tl.client_disconnect_ns = time.time_ns()
+            tl.error_type = "client_disconnected"
         await outputs.aclose()  # a client that went away: the engine aborts the request now
         release()
 
 
-def _meter(state: ServerState, tenant: Tenant, out: RequestOutput, status: str) -> dict:
-    usage = state.metering.record(
-        tenant.name, out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens
-    )
-    state.m_requests.labels(tenant.name, status).inc()
-    state.m_prompt.labels(tenant.name).inc(out.num_prompt_tokens)
-    state.m_gen.labels(tenant.name).inc(out.num_output_tokens)
-    state.m_cached.labels(tenant.name).inc(out.num_cached_tokens)
-    return usage
-
-
-async def _collect(state, outputs, rid, chat, created, tenant: Tenant, tok):
+async def _collect(state, outputs, rid, chat, created, tenant: Tenant, tok, tl: RequestTimeline):
     text, last = [], None
     try:
         async for out in outputs:
@@ -512,9 +600,8 @@ async def _collect(state, outputs, rid, chat, created, tenant: Tenant, tok):
         raise
     err = _engine_error(last)
     if err is not None:
-        state.m_requests.labels(tenant.name, "500").inc()
         raise err
-    usage = _meter(state, tenant, last, "ok")
+    usage = tl.usage = usage_of(last)
     content = "".join(text)
     if chat:
         choice = {

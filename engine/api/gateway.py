@@ -10,9 +10,17 @@ Tenants file (TOML)::
     max_prompt_tokens = 4096
     max_output_tokens = 1024
 
+    [admin]                     # optional: the key of the admin endpoints (GET /admin/dump)
+    key_sha256 = "<hex sha256 of the admin key>"
+
 Keys are hashed on arrival and compared with every tenant's hash in constant time
 (:func:`hmac.compare_digest`). Without a tenants file the server runs in open local mode: one
 tenant ``local`` with no limits, bound to 127.0.0.1.
+
+Admin endpoints (:meth:`Gateway.authenticate_admin`) take only the ``[admin]`` key: a tenant key
+gets 403, and with a tenants file but no ``[admin]`` table they are refused (403). In open local
+mode they need no key but answer only clients on the loopback interface (the server binds
+127.0.0.1 in that mode anyway; the check also holds if it is bound elsewhere behind a proxy).
 """
 
 from __future__ import annotations
@@ -48,13 +56,24 @@ class Tenant:
     recent: deque = field(default_factory=deque)  # arrival times (monotonic s) in the last minute
 
 
+class Tenants(dict):
+    """``{name: Tenant}`` as :func:`load_tenants` returns it, plus the ``[admin]`` key hash
+    (``admin_key_sha256``, None without an ``[admin]`` table)."""
+
+    admin_key_sha256: str | None = None
+
+
 def hash_key(key: str) -> str:
     """Hex sha256 of an API key (what the tenants file stores)."""
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def load_tenants(path: str | Path) -> dict[str, Tenant]:
-    """Parse a tenants TOML file.
+def _is_sha256_hex(digest: str) -> bool:
+    return len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
+
+
+def load_tenants(path: str | Path) -> Tenants:
+    """Parse a tenants TOML file (its ``[tenants.<name>]`` tables and the optional ``[admin]``).
 
     Raises:
         TenantsFileError: unreadable file, no tenants, a bad hash or a bad limit (one line).
@@ -67,12 +86,20 @@ def load_tenants(path: str | Path) -> dict[str, Tenant]:
     entries = data.get("tenants")
     if not isinstance(entries, dict) or not entries:
         raise TenantsFileError(f"tenants file {p} has no [tenants.<name>] tables")
-    tenants = {}
+    tenants = Tenants()
+    if "admin" in data:
+        admin = data["admin"]
+        if not isinstance(admin, dict):
+            raise TenantsFileError(f"tenants file {p}: admin must be a table ([admin])")
+        digest = str(admin.get("key_sha256", "")).lower()
+        if not _is_sha256_hex(digest):
+            raise TenantsFileError(f"tenants file {p}: admin.key_sha256 must be 64 hex digits")
+        tenants.admin_key_sha256 = digest
     for name, entry in entries.items():
         if not isinstance(entry, dict):
             raise TenantsFileError(f"tenants file {p}: tenants.{name} must be a table")
         digest = str(entry.get("key_sha256", "")).lower()
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        if not _is_sha256_hex(digest):
             raise TenantsFileError(
                 f"tenants file {p}: tenants.{name}.key_sha256 must be 64 hex digits"
             )
@@ -99,11 +126,16 @@ class Gateway:
 
     Args:
         tenants: from :func:`load_tenants`; None = open local mode.
+        admin_key_sha256: the admin key's hash; default: the ``[admin]`` table of the tenants
+            file (``tenants.admin_key_sha256``).
     """
 
-    def __init__(self, tenants: dict[str, Tenant] | None = None):
+    def __init__(
+        self, tenants: dict[str, Tenant] | None = None, admin_key_sha256: str | None = None
+    ):
         self.open_mode = tenants is None
         self.tenants = tenants or {"local": Tenant(name="local")}
+        self.admin_key_sha256 = admin_key_sha256 or getattr(tenants, "admin_key_sha256", None)
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant owning the bearer key in ``authorization``.
@@ -125,6 +157,50 @@ class Gateway:
         if found is None:
             raise APIError(401, "invalid API key", code="invalid_api_key")
         return found
+
+    def authenticate_admin(self, authorization: str | None, client_host: str | None = None) -> None:
+        """Allow an admin request (``GET /admin/dump``) or raise.
+
+        With a tenants file only the ``[admin]`` key is accepted. In open local mode no key is
+        needed, but ``client_host`` (the peer address, when the caller knows it) must be a
+        loopback address.
+
+        Raises:
+            APIError: 401 missing or unknown key; 403 a tenant's key ("admin only"), no
+                ``[admin]`` key configured, or (open mode) a non-loopback client.
+        """
+        if self.open_mode:
+            if client_host is not None and not _is_loopback(client_host):
+                raise APIError(
+                    403,
+                    "admin endpoints answer only local clients in open local mode "
+                    "(configure an [admin] key in a tenants file)",
+                    code="admin_only",
+                )
+            return
+        if not self.admin_key_sha256:
+            raise APIError(
+                403,
+                "no admin key configured (add [admin] key_sha256 to the tenants file)",
+                code="admin_not_configured",
+            )
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise APIError(
+                401,
+                "missing admin key: send 'Authorization: Bearer <admin key>'",
+                code="invalid_api_key",
+            )
+        digest = hash_key(authorization[7:].strip())
+        is_admin = hmac.compare_digest(digest, self.admin_key_sha256)
+        is_tenant = False
+        for tenant in self.tenants.values():  # no early exit: every hash is compared
+            if hmac.compare_digest(digest, tenant.key_sha256):
+                is_tenant = True
+        if is_admin:
+            return
+        if is_tenant:
+            raise APIError(403, "admin only: this is a tenant key", code="admin_only")
+        raise APIError(401, "invalid admin key", code="invalid_api_key")
 
     def acquire(self, tenant: Tenant) -> None:
         """Count a request against the tenant's limits.
@@ -156,3 +232,17 @@ class Gateway:
     @staticmethod
     def release(tenant: Tenant) -> None:
         tenant.in_flight = max(0, tenant.in_flight - 1)
+
+
+def _is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost`` (and an IPv4-mapped loopback)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        addr = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return addr.is_loopback or bool(mapped and mapped.is_loopback)

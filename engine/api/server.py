@@ -29,6 +29,11 @@ def make_server(
     max_body_bytes: int = 2 << 20,
     served_model_name: str | None = None,
     announce=print,
+    trace_db: str | None = "./tokenmill-data/traces.duckdb",
+    tracing: bool = True,
+    trace_content: bool = False,
+    otlp_endpoint: str | None = None,
+    device_sample_interval_s: float = 0.1,
 ) -> uvicorn.Server:
     """A configured uvicorn server whose startup launches the engine worker.
 
@@ -44,10 +49,35 @@ def make_server(
         host = "127.0.0.1"
     worker = EngineWorker(config)
     name = served_model_name or Path(model_dir).name
+    # the composition root: the API sees telemetry only through on_request/on_step/health
+    from tokenmill.telemetry.hub import Telemetry
+
+    telemetry = Telemetry(
+        name,
+        trace_db=trace_db,
+        tracing=tracing,
+        otlp_endpoint=otlp_endpoint,
+        device_sample_interval_s=device_sample_interval_s,
+        trace_content=trace_content,
+    )
+    worker.add_step_listener(telemetry.on_step)
+    worker.add_abandoned_listener(telemetry.on_abandoned)
+    worker.add_event_listener(lambda kind, sev, msg: telemetry.event(kind, sev, msg))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        info = await worker.start()
+        try:
+            info = await worker.start()
+        except BaseException:
+            telemetry.close()
+            raise
+        telemetry.engine_pid = info["pid"]
+        telemetry.start(engine_pids=[info["pid"]])
+        telemetry.event("config", "info", "engine flags at start", **config.to_dict())
+        if telemetry.store_error:
+            announce(
+                f"warning: trace store unavailable ({telemetry.store_error}); serving without it"
+            )
         state.tokenize.max_model_len = info["max_model_len"]
         state.tokenize.vocab_size = info["vocab_size"]
         kv_tokens = info["num_blocks"] * config.block_size
@@ -56,12 +86,13 @@ def make_server(
             f"(engine pid {info['pid']}, KV capacity {kv_tokens} tokens in {info['num_blocks']} blocks, "
             f"context {info['max_model_len']}; "
             f"{'tenants from ' + tenants_file if tenants_file else 'open local mode, no API keys'}; "
-            "telemetry: /metrics and /health)"
+            f"telemetry: /metrics, /health, trace store {telemetry.trace_db or 'off'})"
         )
         try:
             yield
         finally:
             await worker.stop()
+            telemetry.close()
 
     state = ServerState(
         worker=worker,
@@ -71,6 +102,8 @@ def make_server(
         metering=MeteringStation(),
         model_name=name,
         max_body_bytes=max_body_bytes,
+        telemetry=telemetry,
+        trace_content=trace_content,
     )
     app = build_app(state)
     app.router.lifespan_context = lifespan

@@ -143,6 +143,16 @@ class AdmissionStation:
         self.in_flight = max(0, self.in_flight - 1)
 
 
+def usage_of(out) -> dict:
+    """The OpenAI ``usage`` object of a finished :class:`RequestOutput`."""
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
+
+
 class MeteringStation:
     """Usage per tenant: requests, prompt, completion and cached prompt tokens."""
 

@@ -44,12 +44,31 @@ class EngineWorker:
         self.info: dict = {}
         self._monitor: asyncio.Task | None = None
         self._listeners = []
+        self._abandoned_listeners = []
+        self._event_listeners = []
         self._stopping = False
 
     def add_step_listener(self, fn) -> None:
         self._listeners.append(fn)
         if self.engine is not None:
             self.engine.add_step_listener(fn)
+
+    def add_abandoned_listener(self, fn) -> None:
+        """See :meth:`AsyncEngine.add_abandoned_listener` (kept across restarts)."""
+        self._abandoned_listeners.append(fn)
+        if self.engine is not None:
+            self.engine.add_abandoned_listener(fn)
+
+    def add_event_listener(self, fn) -> None:
+        """Call ``fn(kind, severity, message)`` on engine crash and restart."""
+        self._event_listeners.append(fn)
+
+    def _emit(self, kind: str, severity: str, message: str) -> None:
+        for fn in self._event_listeners:
+            try:
+                fn(kind, severity, message)
+            except Exception:
+                log.exception("event listener failed")
 
     async def start(self) -> dict:
         """Start the engine process (raises EngineDeadError if it cannot start)."""
@@ -61,6 +80,8 @@ class EngineWorker:
         engine = AsyncEngine(self.config)
         for fn in self._listeners:
             engine.add_step_listener(fn)
+        for fn in self._abandoned_listeners:
+            engine.add_abandoned_listener(fn)
         try:
             self.info = await engine.start()
         except BaseException:
@@ -77,6 +98,7 @@ class EngineWorker:
             reason = self.engine.dead_reason if self.engine else "not running"
             self.last_error = reason
             log.error("%s: engine core died (%s); restarting", self.name, reason)
+            self._emit("engine_crash", "error", f"{self.name}: {reason}")
             self.state = "restarting"
             old, self.engine = self.engine, None
             if old is not None:
@@ -87,6 +109,7 @@ class EngineWorker:
                     await self._spawn()
                     self.restarts += 1
                     log.warning("%s: engine core restarted (restart %d)", self.name, self.restarts)
+                    self._emit("engine_restart", "warning", f"{self.name}: restart {self.restarts}")
                     break
                 except Exception as exc:
                     self.state = "down"

@@ -1,0 +1,110 @@
+"""Admin-only routes: ``GET /admin/dump`` hands out a trace dump of the live store.
+
+Wire it with ``register_admin_routes(app, state, get_store)`` where ``state.gateway`` is the
+server's :class:`~.gateway.Gateway` and ``get_store()`` returns the live
+:class:`~tokenmill.telemetry.store.TraceStore` (or None when the store is disabled).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ...telemetry.dump import DumpError, parse_since, write_dump
+from .errors import APIError
+
+DUMP_MEDIA_TYPE = "application/vnd.duckdb"
+_CHUNK = 1 << 20
+
+
+def register_admin_routes(app: FastAPI, state, get_store: Callable[[], object | None]) -> None:
+    """Add ``GET /admin/dump?since=10m&until=1m`` to ``app``.
+
+    ``since`` and ``until`` are durations before now (``30s``, ``10m``, ``2h``, ``1d``); no
+    ``since`` = from the first row, no ``until`` = up to now. Answers the dump file
+    (``application/vnd.duckdb``, as an attachment), or an error in OpenAI's shape: 401/403 from
+    :meth:`Gateway.authenticate_admin`, 400 for a bad ``since``/``until``, 503 when the server
+    runs without a trace store, 500 when the dump fails. The dump holds the store's lock (the
+    writer waits, and rows arriving meanwhile may be dropped and counted if its queue fills).
+    """
+
+    @app.get("/admin/dump")
+    async def admin_dump(request: Request, since: str | None = None, until: str | None = None):
+        rid = getattr(request.state, "request_id", None)
+        try:
+            client = request.client.host if request.client else None
+            state.gateway.authenticate_admin(request.headers.get("authorization"), client)
+            now_ns = time.time_ns()
+            since_ns = _ago(now_ns, since, "since")
+            until_ns = _ago(now_ns, until, "until")
+            if since_ns is not None and until_ns is not None and until_ns <= since_ns:
+                raise APIError(
+                    400,
+                    "until must be later than since (both are durations before now)",
+                    param="until",
+                )
+            store = get_store()
+            if store is None:
+                raise APIError(
+                    503, "trace store disabled (--no-trace-db)", code="trace_store_disabled"
+                )
+            fh, size = await run_in_threadpool(_make_dump, store, since_ns, until_ns)
+        except APIError as exc:
+            return exc.response(rid)
+        name = time.strftime("tokenmill-dump-%Y%m%dT%H%M%SZ.duckdb", time.gmtime(now_ns / 1e9))
+        headers = {
+            "content-disposition": f"attachment; filename={name}",
+            "content-length": str(size),
+        }
+        if rid:
+            headers["x-request-id"] = rid
+        return StreamingResponse(_read_chunks(fh), media_type=DUMP_MEDIA_TYPE, headers=headers)
+
+
+def _ago(now_ns: int, text: str | None, param: str) -> int | None:
+    if text is None or text == "":
+        return None
+    try:
+        return now_ns - parse_since(text) * 1_000_000_000
+    except ValueError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
+
+
+def _make_dump(store, since_ns: int | None, until_ns: int | None):
+    """Write the dump to a private temp folder and return (open file, size); the file is
+    unlinked at once, so it disappears when the response closes it, whatever happens."""
+    folder = Path(tempfile.mkdtemp(prefix="tokenmill-dump-"))
+    try:
+        path = folder / "dump.duckdb"
+        store.flush()
+        try:
+            with store.connection_locked() as con:
+                write_dump(con, path, since_ns=since_ns, until_ns=until_ns, source=_source(store))
+        except DumpError as exc:
+            raise APIError(500, f"dump failed: {exc}", code="dump_failed") from None
+        fh = open(path, "rb")  # noqa: SIM115 (closed by _read_chunks)
+        return fh, os.fstat(fh.fileno()).st_size
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _source(store) -> str:
+    import socket
+
+    return f"server {socket.gethostname()} pid {os.getpid()} store {getattr(store, 'path', '?')}"
+
+
+def _read_chunks(fh):
+    try:
+        while chunk := fh.read(_CHUNK):
+            yield chunk
+    finally:
+        fh.close()

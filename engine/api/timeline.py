@@ -1,0 +1,116 @@
+"""RequestTimeline: what one HTTP request did at each station, in wall-clock ns.
+
+The API stations fill it as the request passes (gateway → tokenize → admission), the engine's
+outputs add the engine's own timestamps (queued, scheduled, every token, finished) and events,
+and the ASGI layer adds the first and last byte sent. When the response is over, metering runs
+and the finished timeline goes to a :class:`TimelineSink` (telemetry turns it into spans and a
+``requests`` row). The API knows nothing of how it is stored.
+
+All ``*_ns`` fields are ``time.time_ns()`` values from the process that saw the moment: the API
+process for stations and bytes, the engine core process for queue/schedule/token times (same
+host, same clock).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..core import RequestOutput
+from ..request import RequestEvent
+
+
+@dataclass
+class RequestTimeline:
+    """One request's station times and outcome. ``None`` means the station was not reached."""
+
+    arrival_ns: int
+    method: str
+    path: str
+    client_request_id: str | None = None
+    traceparent: str | None = None
+    endpoint: str | None = None  # chat | completions
+    request_id: str | None = None  # the engine id (cmpl-...)
+    tenant: str | None = None
+    model: str | None = None
+    stream: bool | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    prompt_text: str | None = None  # only with --trace-content
+    output_text: list[str] = field(default_factory=list)  # only with --trace-content
+    # API stations
+    gateway_end_ns: int | None = None
+    tokenize_end_ns: int | None = None
+    admission_end_ns: int | None = None
+    input_tokens: int | None = None
+    queue_depth_seen: int | None = None
+    in_flight_seen: int | None = None
+    pool: str | None = None
+    # engine (from RequestOutput)
+    queued_ns: int | None = None
+    scheduled_ns: int | None = None
+    first_token_ns: int | None = None
+    finished_ns: int | None = None
+    token_ns: list[int] = field(default_factory=list)
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    finish_reason: str | None = None
+    events: list[RequestEvent] = field(default_factory=list)
+    # response
+    http_status: int | None = None
+    first_byte_ns: int | None = None
+    last_byte_ns: int | None = None
+    client_disconnected: bool = False
+    client_disconnect_ns: int | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+    usage: dict | None = None  # set when the request is to be metered
+    metering_start_ns: int | None = None
+    metering_end_ns: int | None = None
+    record_content: bool = False
+
+    def observe(self, out: RequestOutput) -> None:
+        """Fold one engine output (a delta) into the timeline."""
+        self.queued_ns = out.queued_ns
+        self.scheduled_ns = out.scheduled_ns
+        self.first_token_ns = out.first_token_ns
+        self.token_ns.extend(out.token_ns)
+        self.output_tokens = out.num_output_tokens
+        self.input_tokens = out.num_prompt_tokens
+        self.cached_tokens = out.num_cached_tokens
+        self.preemptions = out.num_preemptions
+        self.recomputed_tokens = out.num_recomputed_tokens
+        self.events.extend(out.events)
+        if self.record_content and out.new_text:
+            self.output_text.append(out.new_text)
+        if out.finished:
+            self.finished_ns = out.finished_ns
+            self.finish_reason = out.finish_reason
+            if out.finish_reason == "error" and self.error_type is None:
+                self.error_type = out.error_type or "engine_error"
+                self.error_message = out.error_message
+
+    def fail(self, error_type: str, message: str | None = None) -> None:
+        """Record why the request was refused or failed (the first reason wins)."""
+        now = time.time_ns()
+        if self.gateway_end_ns is None:
+            self.gateway_end_ns = now
+        if self.error_type is None:
+            self.error_type = error_type
+            self.error_message = message
+
+    @property
+    def completed(self) -> bool:
+        """Finished with ``stop`` or ``length`` and answered without error."""
+        return self.finish_reason in ("stop", "length") and self.error_type is None
+
+
+class TimelineSink(Protocol):
+    """Where finished timelines and engine step records go (telemetry implements it)."""
+
+    def on_request(self, timeline: RequestTimeline) -> None: ...
+
+    def on_step(self, record) -> None: ...

@@ -1,0 +1,299 @@
+"""Trace dumps: a self-contained DuckDB file holding one time window of the trace store.
+
+A dump has the store's schema (same version, same tables) plus ``meta`` rows saying what it
+holds: ``dumped_at_ns``, ``window_start_ns``, ``window_end_ns`` and ``source``. It is written by
+:func:`write_dump` (``tokenmill dump``, and ``GET /admin/dump`` on a live server) and read by
+:func:`open_dump` (``diagnose``, the dashboard), which refuses anything that is not a readable
+dump of this schema version with a one-line :class:`DumpError`.
+
+Windows are half-open, ``since_ns <= t < until_ns``, on each table's own time: spans by
+``start_ns``, requests by ``arrival_ns``, engine steps by ``start_ns``, device samples and events
+by ``time_ns``. Traces are kept whole: a trace is in the window when its request started there
+(its ``requests.arrival_ns``, or, for a request still in flight or without a ``requests`` row,
+its earliest span), and then every span of it and its ``requests`` row are copied, even the parts
+after ``until_ns``; a trace whose request started before the window is left out entirely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+import duckdb
+
+from .schema import TABLES, SchemaError, apply_schema, check_schema
+
+DUCKDB_MAGIC = b"DUCK"  # bytes 8..12 of every DuckDB database file
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_SINCE_RE = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
+# the time column of each table that is not kept whole by trace
+_TIME_COLUMN = {"engine_steps": "start_ns", "device_samples": "time_ns", "events": "time_ns"}
+
+
+class DumpError(Exception):
+    """A dump cannot be written or read (one-line reason)."""
+
+
+def parse_since(text: str) -> int:
+    """``'30s'``, ``'10m'``, ``'2h'``, ``'1d'`` → seconds.
+
+    Raises:
+        ValueError: anything else (naming the value).
+    """
+    m = _SINCE_RE.match(text or "")
+    if not m:
+        raise ValueError(
+            f"bad duration {text!r}: expected a positive number and a unit s, m, h or d (e.g. 10m)"
+        )
+    seconds = int(m.group(1)) * _UNITS[m.group(2)]
+    if seconds <= 0:
+        raise ValueError(f"bad duration {text!r}: must be more than 0")
+    return seconds
+
+
+def _window(column: str, since_ns: int | None, until_ns: int | None) -> str:
+    conds = []
+    if since_ns is not None:
+        conds.append(f"{column} >= {int(since_ns)}")
+    if until_ns is not None:
+        conds.append(f"{column} < {int(until_ns)}")
+    return " AND ".join(conds) or "TRUE"
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _one_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def write_dump(
+    con: duckdb.DuckDBPyConnection,
+    out_path: str | Path,
+    *,
+    since_ns: int | None = None,
+    until_ns: int | None = None,
+    source: str = "",
+    overwrite: bool = False,
+) -> dict[str, int]:
+    """Write the rows of ``con`` (a trace store, live or read-only) in a window to a new DuckDB
+    file at ``out_path``.
+
+    The copy runs inside DuckDB (the output is ATTACHed to ``con``, one ``INSERT ... SELECT``
+    per table) into a temporary file next to ``out_path``, renamed at the end: a failed dump
+    leaves no file behind. For a live store, hold ``store.connection_locked()`` meanwhile.
+
+    Args:
+        since_ns, until_ns: the window (Unix ns, half-open); None = unbounded on that side.
+        source: where the rows come from (a path or a server), kept in ``meta``.
+        overwrite: replace an existing ``out_path`` instead of refusing.
+
+    Returns:
+        Rows written per table.
+
+    Raises:
+        DumpError: ``out_path`` exists, the window is empty-by-construction, the source is not
+            a store of this schema version, or DuckDB/the file system failed (one line).
+    """
+    out = Path(out_path)
+    if since_ns is not None and until_ns is not None and until_ns <= since_ns:
+        raise DumpError("the window ends before it starts (until must be after since)")
+    if out.is_dir():
+        raise DumpError(f"{out} is a folder")
+    if out.exists() and not overwrite:
+        raise DumpError(f"{out} already exists (choose another name or allow overwriting)")
+    if not out.parent.is_dir():
+        raise DumpError(f"folder {out.parent} does not exist")
+    try:
+        check_schema(con)
+    except SchemaError as exc:
+        raise DumpError(f"source: {exc}") from None
+
+    dumped_at_ns = time.time_ns()
+    tmp = out.parent / f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    alias = f"tokenmill_dump_{secrets.token_hex(4)}"
+    src = con.execute("SELECT current_database()").fetchone()[0]
+    s = f'"{src}"'
+    attached = False
+    try:
+        # create the file and its tables through a connection of its own (apply_schema's own
+        # statements), then close it and attach it to the source connection to copy the rows.
+        with duckdb.connect(str(tmp)) as new:
+            apply_schema(new)
+        con.execute(f"ATTACH {_sql_string(str(tmp))} AS {alias} (READ_WRITE)")
+        attached = True
+        traces = (
+            f"SELECT trace_id FROM {s}.main.requests WHERE "
+            f"{_window('arrival_ns', since_ns, until_ns)} "
+            f"UNION SELECT trace_id FROM {s}.main.spans "
+            f"WHERE trace_id NOT IN (SELECT trace_id FROM {s}.main.requests) "
+            f"GROUP BY trace_id HAVING {_window('min(start_ns)', since_ns, until_ns)}"
+        )
+        con.execute("BEGIN TRANSACTION")
+        con.execute(
+            f"INSERT INTO {alias}.main.spans BY NAME SELECT * FROM {s}.main.spans "
+            f"WHERE trace_id IN ({traces})"
+        )
+        con.execute(
+            f"INSERT INTO {alias}.main.requests BY NAME SELECT * FROM {s}.main.requests "
+            f"WHERE trace_id IN ({traces})"
+        )
+        for table, column in _TIME_COLUMN.items():
+            con.execute(
+                f"INSERT INTO {alias}.main.{table} BY NAME SELECT * FROM {s}.main.{table} "
+                f"WHERE {_window(column, since_ns, until_ns)}"
+            )
+        counts = {
+            t: con.execute(f"SELECT count(*) FROM {alias}.main.{t}").fetchone()[0] for t in TABLES
+        }
+        if since_ns is not None:
+            start = since_ns
+        else:  # the earliest time copied, or the dump time for an empty dump
+            parts = " UNION ALL ".join(
+                [f"SELECT min(start_ns) FROM {alias}.main.spans"]
+                + [f"SELECT min(arrival_ns) FROM {alias}.main.requests"]
+                + [f"SELECT min({c}) FROM {alias}.main.{t}" for t, c in _TIME_COLUMN.items()]
+            )
+            start = con.execute(f"SELECT min(m) FROM ({parts}) AS x(m)").fetchone()[0]
+            start = dumped_at_ns if start is None else start
+        meta = {
+            "dumped_at_ns": dumped_at_ns,
+            "window_start_ns": start,
+            "window_end_ns": until_ns if until_ns is not None else dumped_at_ns,
+            "source": source,
+        }
+        con.executemany(
+            f"INSERT INTO {alias}.main.meta VALUES (?, ?)", [[k, str(v)] for k, v in meta.items()]
+        )
+        con.execute("COMMIT")
+        con.execute(f"CHECKPOINT {alias}")
+        con.execute(f"DETACH {alias}")
+        attached = False
+        _publish(tmp, out, overwrite)
+    except BaseException as exc:
+        if attached:
+            for stmt in ("ROLLBACK", f"DETACH {alias}"):
+                with contextlib.suppress(duckdb.Error):
+                    con.execute(stmt)
+        for p in (tmp, tmp.with_name(tmp.name + ".wal")):
+            p.unlink(missing_ok=True)
+        if isinstance(exc, DumpError):
+            raise
+        if isinstance(exc, duckdb.Error | OSError | SchemaError):
+            raise DumpError(f"writing {out} failed: {_one_line(exc)}") from None
+        raise
+    return counts
+
+
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Move the finished temp file to ``out`` (refusing an existing file unless ``overwrite``)."""
+    tmp.with_name(tmp.name + ".wal").unlink(missing_ok=True)  # checkpointed: nothing in it
+    if overwrite:
+        os.replace(tmp, out)
+        return
+    try:
+        os.link(tmp, out)  # atomic, and fails if someone created ``out`` meanwhile
+    except FileExistsError:
+        raise DumpError(
+            f"{out} already exists (choose another name or allow overwriting)"
+        ) from None
+    except OSError:  # a file system without hard links
+        if out.exists():
+            raise DumpError(
+                f"{out} already exists (choose another name or allow overwriting)"
+            ) from None
+        os.replace(tmp, out)
+        return
+    tmp.unlink()
+
+
+def open_dump(path: str | Path, *, verify: bool = True) -> duckdb.DuckDBPyConnection:
+    """Open a dump (or a closed trace-store file) read-only.
+
+    Args:
+        verify: read every row once so that a damaged block surfaces here, as a
+            :class:`DumpError`, rather than in a later query.
+
+    Raises:
+        DumpError: missing file, not a DuckDB file, a corrupt or truncated file, a file locked
+            by a running server, another schema version, or missing tables (one line, naming
+            the file).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise DumpError(f"{p}: no such file")
+    if p.is_dir():
+        raise DumpError(f"{p}: is a folder, not a dump file")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(12)
+    except OSError as exc:
+        raise DumpError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    if len(head) < 12 or head[8:12] != DUCKDB_MAGIC:
+        raise DumpError(f"{p}: not a DuckDB file (is it a tokenmill dump?)")
+    try:
+        con = duckdb.connect(str(p), read_only=True)
+    except duckdb.Error as exc:
+        raise DumpError(f"{p}: {_describe_open_error(exc)}") from None
+    try:
+        # a damaged catalog must not read as "no meta table" (a missing one: check_schema)
+        with contextlib.suppress(duckdb.CatalogException):
+            con.execute("SELECT key, value FROM meta").fetchall()
+        check_schema(con)
+        if verify:
+            for t in TABLES:
+                con.execute(f"SELECT count(*), bit_xor(hash(COLUMNS(*))) FROM {t}").fetchall()
+    except SchemaError as exc:
+        con.close()
+        raise DumpError(f"{p}: {exc}") from None
+    except duckdb.Error as exc:
+        con.close()
+        raise DumpError(f"{p}: {_corrupt(_one_line(exc))}") from None
+    return con
+
+
+def _describe_open_error(exc: duckdb.Error) -> str:
+    msg = _one_line(exc)
+    low = msg.lower()
+    if "could not set lock" in low or "conflicting lock" in low:
+        return "locked by another process (a running server?); fetch a dump from it with --url"
+    if "not a valid duckdb database file" in low:
+        return "not a DuckDB file (is it a tokenmill dump?)"
+    if "different configuration" in low:
+        return "already open in this process with another configuration"
+    if "version" in low and "storage" in low:
+        return f"written by an incompatible DuckDB version ({msg})"
+    return _corrupt(msg)
+
+
+def _corrupt(msg: str) -> str:
+    if "could not read enough bytes" in msg.lower():
+        return f"truncated DuckDB file ({msg})"
+    return f"corrupt DuckDB file ({msg})"
+
+
+def describe_dump(con: duckdb.DuckDBPyConnection) -> dict:
+    """Rows per table and the ``meta`` entries of an open dump (for summaries)."""
+    counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES}
+    meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
+    return {"counts": counts, "meta": meta}
+
+
+def format_summary(path: str | Path, info: dict) -> str:
+    """One line: where, rows per table, and the window (UTC)."""
+    counts = ", ".join(f"{t} {n}" for t, n in info["counts"].items())
+    meta = info["meta"]
+
+    def ts(key: str) -> str:
+        try:
+            ns = int(meta[key])
+        except (KeyError, ValueError):
+            return "?"
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ns / 1e9))
+
+    return f"wrote {path}: {counts}; window {ts('window_start_ns')} .. {ts('window_end_ns')}"

@@ -1,0 +1,233 @@
+"""Telemetry: the one object the server hands its timelines, step records and events to.
+
+It owns the OpenTelemetry tracer provider (spans go to the trace store and, optionally, an OTLP
+collector), the DuckDB :class:`TraceStore`, the :class:`DeviceSampler` and the Prometheus
+:class:`ServingMetrics`. Nothing here may stop serving: a store that cannot be opened or whose
+writer died turns every row into a counted drop, visible in ``/health`` and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections import Counter
+
+from tokenmill.engine.api.timeline import RequestTimeline
+from tokenmill.engine.core import StepRecord
+
+from .metrics import ServingMetrics
+from .sampler import DeviceSampler
+from .spans import StoreSpanProcessor, emit_trace, make_tracer_provider
+from .store import TraceStore
+
+log = logging.getLogger(__name__)
+
+
+def step_row(record: StepRecord, engine_pid: int | None = None) -> dict:
+    """The ``engine_steps`` row of one :class:`StepRecord`."""
+    return {
+        "step_id": record.step_id,
+        "engine_pid": engine_pid,
+        "start_ns": record.start_ns,
+        "end_ns": record.end_ns,
+        "schedule_ms": record.schedule_ms,
+        "forward_ms": record.forward_ms,
+        "sample_ms": record.sample_ms,
+        "num_running": record.num_running,
+        "num_waiting": record.num_waiting,
+        "num_prefill_tokens": record.num_prefill_tokens,
+        "num_decode_tokens": record.num_decode_tokens,
+        "num_prefill_chunks": record.num_prefill_chunks,
+        "num_sampled": record.num_sampled,
+        "num_preempted": len(record.preempted_ids),
+        "kv_blocks_total": record.kv_blocks_total,
+        "kv_blocks_used": record.kv_blocks_used,
+        "kv_blocks_free": record.kv_blocks_free,
+        "kv_blocks_cached": record.kv_blocks_cached,
+        "prefix_hit_tokens": record.prefix_hit_tokens,
+        "allocation_failures": record.allocation_failures,
+        "num_finished": len(record.finished_ids),
+    }
+
+
+class Telemetry:
+    """Spans, store, sampler and metrics of one server.
+
+    Args:
+        model_name: the served model name (metric label, span attribute).
+        trace_db: the DuckDB file, or None for no store (``--no-trace-db``).
+        tracing: build spans at all (False only to measure tracing's own cost).
+        otlp_endpoint: an OTLP/HTTP collector (``http://host:4318``); None reads the standard
+            ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` variables.
+        device_sample_interval_s: sampler period (s); 0 disables the sampler.
+        trace_content: keep prompt and output text on the root span (off by default).
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        trace_db: str | None = "./tokenmill-data/traces.duckdb",
+        tracing: bool = True,
+        otlp_endpoint: str | None = None,
+        device_sample_interval_s: float = 0.1,
+        trace_content: bool = False,
+    ):
+        self.model_name = model_name
+        self.tracing = tracing
+        self.trace_content = trace_content
+        self.metrics = ServingMetrics(model_name)
+        self.store: TraceStore | None = None
+        self.store_error: str | None = None
+        self.lost: Counter = Counter()  # rows dropped because there is no store at all
+        self.trace_db = trace_db
+        if trace_db:
+            try:
+                self.store = TraceStore(trace_db)
+            except Exception as exc:  # serve on without a store; count what is lost
+                self.store_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                log.error("trace store %s unavailable: %s", trace_db, self.store_error)
+        self.metrics.set_drops_source(self.dropped)
+        self.provider = None
+        self.tracer = None
+        self._otlp = None
+        if tracing:
+            self.provider = make_tracer_provider(
+                {
+                    "service.name": "tokenmill",
+                    "service.instance.id": f"{socket.gethostname()}:{os.getpid()}",
+                    "gen_ai.request.model": model_name,
+                }
+            )
+            if self.store is not None or self.store_error is not None:
+                self.provider.add_span_processor(StoreSpanProcessor(self._submit))
+            self._setup_otlp(otlp_endpoint)
+            self.tracer = self.provider.get_tracer("tokenmill")
+        self.engine_pid: int | None = None
+        self.sampler: DeviceSampler | None = None
+        self._sample_interval = device_sample_interval_s
+
+    def _setup_otlp(self, endpoint: str | None) -> None:
+        env = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT"
+        )
+        if not (endpoint or env):
+            return
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        if endpoint:
+            exporter = OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces")
+        else:
+            exporter = OTLPSpanExporter()  # reads the standard OTEL_EXPORTER_OTLP_* variables
+        self._otlp = BatchSpanProcessor(exporter)
+        self.provider.add_span_processor(self._otlp)
+
+    # ----- lifecycle -----
+    def start(self, engine_pids: list[int] | None = None) -> None:
+        """Start the device sampler and record the server start."""
+        if self._sample_interval > 0:
+            self.sampler = DeviceSampler(
+                self._on_sample, interval_s=self._sample_interval, pids=engine_pids
+            )
+            self.sampler.start()
+        self.event("server_start", "info", f"serving {self.model_name}")
+
+    def close(self) -> None:
+        """Stop the sampler, flush spans, close the store."""
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.provider is not None:
+            self.provider.shutdown()
+        if self.store is not None:
+            self.store.close()
+
+    # ----- inputs -----
+    def on_request(self, tl: RequestTimeline) -> None:
+        """A finished request: spans → store (+ OTLP), its ``requests`` row, Prometheus."""
+        if self.tracer is not None:
+            _, row, itl = emit_trace(self.tracer, tl)
+            self._submit("requests", row)
+        else:
+            from .spans import itl_ms, request_end_ns, request_row, station_intervals
+
+            stations = station_intervals(tl)
+            row = request_row(tl, "", stations, request_end_ns(tl, stations))
+            itl = itl_ms(tl)
+        self.metrics.observe_request(row, itl)
+
+    def on_step(self, record: StepRecord) -> None:
+        """One engine step: an ``engine_steps`` row and the step metrics."""
+        row = step_row(record, self.engine_pid)
+        if self.tracing:
+            self._submit("engine_steps", row)
+        self.metrics.observe_step(row)
+
+    def on_abandoned(self, out) -> None:
+        """The engine's final record of a request whose client left: an ``events`` row
+        (``request_abort``) with the tokens it produced and the step it was aborted in."""
+        step = next((e.step_id for e in out.events if e.name == "aborted"), None)
+        self.event(
+            "request_abort",
+            "info",
+            f"{out.request_id} aborted after {out.num_output_tokens} output tokens",
+            request_id=out.request_id,
+            output_tokens=out.num_output_tokens,
+            step_id=step,
+            finish_reason=out.finish_reason,
+        )
+
+    def event(self, kind: str, severity: str = "info", message: str = "", **attrs) -> None:
+        """A server or engine event (worker start/crash/restart, config, ...)."""
+        self._submit(
+            "events",
+            {
+                "time_ns": time.time_ns(),
+                "kind": kind,
+                "severity": severity,
+                "message": message,
+                "attributes": json.dumps(attrs, default=str),
+            },
+        )
+
+    def _on_sample(self, row: dict) -> None:
+        if self.tracing:
+            self._submit("device_samples", row)
+        self.metrics.observe_device(row)
+
+    def _submit(self, table: str, row: dict) -> bool:
+        if self.store is None:
+            if self.store_error is not None:
+                self.lost[table] += 1
+            return False
+        return self.store.submit(table, row)
+
+    # ----- outputs -----
+    def dropped(self) -> dict[str, int]:
+        """Rows dropped per table (queue full, writer dead, or no store)."""
+        out = Counter(self.lost)
+        if self.store is not None:
+            out.update(self.store.dropped)
+        return dict(out)
+
+    def health(self) -> dict:
+        """The ``telemetry`` block of ``/health``."""
+        dropped = self.dropped()
+        store = self.store.health() if self.store is not None else None
+        ok = self.store_error is None and (store is None or store["writer_alive"])
+        return {
+            "status": "ok" if ok else "degraded",
+            "tracing": self.tracing,
+            "trace_db": self.trace_db,
+            "store": store,
+            "store_error": self.store_error or (store or {}).get("error"),
+            "dropped_total": sum(dropped.values()),
+            "dropped": dropped,
+            "sampler": None
+            if self.sampler is None
+            else {"mode": self.sampler.mode, "last_error": self.sampler.last_error},
+            "otlp": self._otlp is not None,
+        }

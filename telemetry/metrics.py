@@ -1,0 +1,406 @@
+"""Prometheus metrics for the server's ``/metrics`` route, mirroring vLLM's metric set.
+
+Every vLLM metric ``vllm:<name>`` that tokenmill has is exported here as ``tokenmill_<name>`` with
+the same meaning, unit and bucket boundaries, so a vLLM dashboard translates by a rename. Every
+series carries ``model_name`` (the served model, as vLLM does); per-tenant series also carry
+``tenant``. The numbers are the ones the telemetry store holds: :class:`ServingMetrics` is fed the
+same ``requests``, ``engine_steps`` and ``device_samples`` rows (``telemetry/schema.sql``) that go
+to DuckDB, so a scrape and a trace dump agree.
+
+Units: the rows carry milliseconds (``*_ms``); every exported time is in seconds (Prometheus base
+unit). Ratios are 0..1 (``kv_cache_usage_perc``, as vLLM's); NVML utilisations keep NVML's
+0..100 percent (``gpu_*_perc``, ``host_cpu_perc``).
+
+Bucket boundaries are copied from vLLM's Prometheus logger (``vllm/v1/metrics/loggers.py``,
+v0.10): TTFT, time per output token / inter-token latency, request latency (e2e, queue, prefill,
+decode) and iteration tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, Metric
+
+PREFIX = "tokenmill_"
+
+# vllm:time_to_first_token_seconds (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+# vllm:time_per_output_token_seconds; vLLM uses the same for inter_token_latency_seconds and
+# request_time_per_output_token_seconds.
+TPOT_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+# vLLM's request_latency_buckets: e2e_request_latency, request_queue_time, request_prefill_time,
+# request_decode_time.
+REQUEST_LATENCY_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+# vllm:iteration_tokens_total uses 1, 8, 16, ..., 16384; tokenmill's steps stop at 8192.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+SUCCESS_REASONS = ("stop", "length")
+UNKNOWN = "unknown"
+
+
+def _s(ms: float | None) -> float | None:
+    """Milliseconds to seconds; None stays None."""
+    return None if ms is None else float(ms) / 1000.0
+
+
+def _label(value: object) -> str:
+    """A label value: the string form, or ``unknown`` for None/empty."""
+    if value is None or value == "":
+        return UNKNOWN
+    return str(value)
+
+
+class _DropsCollector:
+    """``tokenmill_telemetry_dropped_total{model_name,table}``: rows the trace store dropped.
+
+    Read at every scrape from ``source() -> {table: count}`` (the store's own per-table drop
+    counter), so the exported number can never drift from the store's.
+    """
+
+    NAME = PREFIX + "telemetry_dropped"
+    HELP = "Telemetry rows dropped by the trace store (queue full or writer down), by table."
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.source: Callable[[], dict[str, int]] | None = None
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.NAME, self.HELP, labels=["model_name", "table"])
+
+    def describe(self) -> Iterable[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterable[Metric]:
+        fam = self._family()
+        counts: dict[str, int] = {}
+        if self.source is not None:
+            try:
+                counts = dict(self.source() or {})
+            except Exception:  # a failing source must not break the whole scrape
+                counts = {}
+        for table in sorted(counts):
+            fam.add_metric([self.model_name, str(table)], float(counts[table]))
+        return [fam]
+
+
+class ServingMetrics:
+    """The server's Prometheus metrics, in their own :class:`CollectorRegistry`.
+
+    Args:
+        model_name: the served model name, the ``model_name`` label on every series.
+
+    Feed it with :meth:`observe_request` (one per finished or rejected request),
+    :meth:`observe_step` (engine steps), :meth:`observe_device` (device samples) and
+    :meth:`set_engine_state` (the server's periodic refresh); serve :meth:`render`.
+    """
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r = self.registry
+        m = ["model_name"]
+        mt = ["model_name", "tenant"]
+        mg = ["model_name", "gpu"]
+
+        def hist(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r)
+
+        def gauge(name, doc, labels=m):
+            return Gauge(PREFIX + name, doc, labels, registry=r)
+
+        def counter(name, doc, labels=m):
+            # prometheus_client appends _total to the exported name.
+            return Counter(PREFIX + name, doc, labels, registry=r)
+
+        # -- histograms (seconds unless stated) -------------------------------------------------
+        self.h_ttft = hist(
+            "time_to_first_token_seconds",
+            "Time to first token in seconds (gateway arrival to first token).",
+            TTFT_BUCKETS_S,
+        )
+        self.h_itl = hist(
+            "inter_token_latency_seconds",
+            "Inter-token latency in seconds, one observation per token interval.",
+            TPOT_BUCKETS_S,
+        )
+        self.h_tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request, in seconds.",
+            TPOT_BUCKETS_S,
+        )
+        self.h_e2e = hist(
+            "e2e_request_latency_seconds",
+            "End-to-end request latency in seconds, for requests that reached the engine.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.h_queue = hist(
+            "request_queue_time_seconds",
+            "Time a request waited in the engine queue (WAITING) in seconds.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.h_prefill = hist(
+            "request_prefill_time_seconds",
+            "Time from first scheduled to first token (PREFILL) in seconds.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.h_decode = hist(
+            "request_decode_time_seconds",
+            "Time from first to last token (DECODE) in seconds.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.h_iter_tokens = hist(
+            "iteration_tokens",
+            "Tokens (prefill + decode) per engine step; steps with no tokens are not counted.",
+            ITERATION_TOKEN_BUCKETS,
+        )
+
+        # -- engine / API gauges ----------------------------------------------------------------
+        self.g_running = gauge("num_requests_running", "Requests running in the engine.")
+        self.g_waiting = gauge("num_requests_waiting", "Requests waiting in the engine queue.")
+        self.g_kv = gauge("kv_cache_usage_perc", "KV-cache usage, 0..1 (1 means 100 percent).")
+        self.g_in_flight = gauge("requests_in_flight", "Requests admitted by the API, not done.")
+        self.g_restarts = gauge("engine_restarts", "Engine worker restarts since server start.")
+
+        # -- per-GPU gauges (label gpu = device index) ------------------------------------------
+        self.g_gpu = {
+            "power_w": gauge("gpu_power_watts", "GPU power draw in watts (NVML).", mg),
+            "energy_j": gauge(
+                "gpu_energy_joules", "GPU energy in joules since the sampler started.", mg
+            ),
+            "dram_bw_util_pct": gauge(
+                "gpu_dram_bandwidth_utilization_perc",
+                "GPU DRAM bandwidth utilisation, percent 0..100 (NVML GPM, Hopper+).",
+                mg,
+            ),
+            "sm_clock_mhz": gauge("gpu_sm_clock_mhz", "GPU SM clock in MHz.", mg),
+            "mem_clock_mhz": gauge("gpu_memory_clock_mhz", "GPU memory clock in MHz.", mg),
+            "temperature_c": gauge("gpu_temperature_celsius", "GPU temperature in celsius.", mg),
+            "mem_used_bytes": gauge("gpu_memory_used_bytes", "GPU memory used in bytes.", mg),
+            "gpu_util_pct": gauge(
+                "gpu_utilization_perc", "GPU (SM) utilisation, percent 0..100 (NVML).", mg
+            ),
+        }
+        # -- host gauges ------------------------------------------------------------------------
+        self.g_host = {
+            "cpu_pct": gauge("host_cpu_perc", "Server process CPU, percent (100 = one core)."),
+            "rss_bytes": gauge("host_rss_bytes", "Server (+ engine) resident memory in bytes."),
+        }
+
+        # -- counters ---------------------------------------------------------------------------
+        self.c_prompt = counter(
+            "prompt_tokens", "Prompt tokens of requests that reached the engine.", mt
+        )
+        self.c_gen = counter("generation_tokens", "Output tokens generated.", mt)
+        self.c_cached = counter(
+            "cached_prompt_tokens", "Prompt tokens served from the prefix cache.", mt
+        )
+        self.c_prefix_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up."
+        )
+        self.c_prefix_hits = counter(
+            "prefix_cache_hits", "Prefix cache hits, in prompt tokens served from the cache."
+        )
+        self.c_preemptions = counter("num_preemptions", "Requests preempted by the engine.")
+        self.c_success = counter(
+            "request_success",
+            "Requests finished without error (finished_reason stop or length).",
+            ["model_name", "finished_reason"],
+        )
+        self.c_errors = counter(
+            "request_errors",
+            "Requests that ended with an error, by error type.",
+            [*m, "error_type"],
+        )
+        self.c_requests = counter(
+            "requests", "Finished HTTP requests by tenant and HTTP status code.", [*mt, "status"]
+        )
+        self._drops = _DropsCollector(model_name)
+        r.register(self._drops)
+
+        # Series without extra labels exist from the start (zero counts are true, not unknown).
+        for metric in (
+            self.h_ttft,
+            self.h_itl,
+            self.h_tpot,
+            self.h_e2e,
+            self.h_queue,
+            self.h_prefill,
+            self.h_decode,
+            self.h_iter_tokens,
+            self.c_prefix_queries,
+            self.c_prefix_hits,
+            self.c_preemptions,
+        ):
+            metric.labels(model_name)
+
+    # ------------------------------------------------------------------------------------------
+    def set_drops_source(self, fn: Callable[[], dict[str, int]] | None) -> None:
+        """Sets where ``tokenmill_telemetry_dropped_total`` reads from: ``fn() -> {table: rows}``,
+        the store's cumulative per-table drop counts, called at every scrape."""
+        self._drops.source = fn
+
+    def observe_request(self, row: dict, itl_ms: list[float]) -> None:
+        """Records one finished (or rejected) request.
+
+        Args:
+            row: a ``requests`` row (schema.sql). Times in milliseconds (``ttft_ms``,
+                ``queue_ms``, ``prefill_ms``, ``decode_ms``, ``tpot_ms``, ``e2e_ms``), exported
+                in seconds; token counts (``input_tokens``, ``output_tokens``,
+                ``cached_tokens``); ``finish_reason`` (stop | length | abort | error | None when
+                rejected before the engine); ``error_type``; ``http_status``; ``tenant``.
+                Missing keys count as None.
+            itl_ms: the request's inter-token intervals in milliseconds, one observation each.
+
+        Latency histograms (TTFT, ITL, TPOT, E2E, queue, prefill, decode) only for completed
+        requests (``finish_reason`` stop/length, no error), TPOT only with two or more output
+        tokens; token and prefix-cache counters for every request that reached the engine
+        (``finish_reason`` set, aborted included); ``requests_total`` always.
+        """
+        g = row.get
+        model = self.model_name
+        tenant = _label(g("tenant"))
+        finish = g("finish_reason")
+        error = g("error_type")
+        output_tokens = int(g("output_tokens") or 0)
+        reached_engine = finish is not None
+
+        self.c_requests.labels(model, tenant, _label(g("http_status"))).inc()
+        if error:
+            self.c_errors.labels(model, str(error)).inc()
+        elif finish in SUCCESS_REASONS:
+            self.c_success.labels(model, finish).inc()
+
+        if not reached_engine:
+            return
+        if finish in SUCCESS_REASONS and not error:
+            # latency histograms describe completed requests only (so the TTFT count equals
+            # the completed-request count); aborted and failed ones are in the counters
+            ttft = _s(g("ttft_ms"))
+            if ttft is not None:
+                self.h_ttft.labels(model).observe(ttft)
+            tpot = _s(g("tpot_ms"))
+            if tpot is not None and output_tokens >= 2:
+                self.h_tpot.labels(model).observe(tpot)
+            if itl_ms:
+                h_itl = self.h_itl.labels(model)
+                for ms in itl_ms:
+                    h_itl.observe(float(ms) / 1000.0)
+            for hist, key in (
+                (self.h_e2e, "e2e_ms"),
+                (self.h_queue, "queue_ms"),
+                (self.h_prefill, "prefill_ms"),
+                (self.h_decode, "decode_ms"),
+            ):
+                value = _s(g(key))
+                if value is not None:
+                    hist.labels(model).observe(value)
+        input_tokens = int(g("input_tokens") or 0)
+        cached_tokens = int(g("cached_tokens") or 0)
+        self.c_prompt.labels(model, tenant).inc(input_tokens)
+        self.c_gen.labels(model, tenant).inc(output_tokens)
+        self.c_cached.labels(model, tenant).inc(cached_tokens)
+        self.c_prefix_queries.labels(model).inc(input_tokens)
+        self.c_prefix_hits.labels(model).inc(cached_tokens)
+
+    def observe_step(self, row: dict) -> None:
+        """Records one ``engine_steps`` row.
+
+        ``iteration_tokens`` observes ``num_prefill_tokens + num_decode_tokens`` (tokens, steps
+        with 0 tokens skipped); ``num_requests_running/waiting`` from ``num_running`` /
+        ``num_waiting`` (requests); ``kv_cache_usage_perc`` = ``kv_blocks_used /
+        kv_blocks_total`` (0..1, left as is when the total is unknown or 0);
+        ``num_preemptions_total`` += ``num_preempted`` (requests).
+        """
+        g = row.get
+        model = self.model_name
+        tokens = int(g("num_prefill_tokens") or 0) + int(g("num_decode_tokens") or 0)
+        if tokens > 0:
+            self.h_iter_tokens.labels(model).observe(tokens)
+        total, used = g("kv_blocks_total"), g("kv_blocks_used")
+        self.set_engine_state(
+            running=g("num_running"),
+            waiting=g("num_waiting"),
+            kv_usage=(used / total) if total and used is not None else None,
+        )
+        preempted = int(g("num_preempted") or 0)
+        if preempted > 0:
+            self.c_preemptions.labels(model).inc(preempted)
+
+    def observe_device(self, row: dict) -> None:
+        """Records one ``device_samples`` row.
+
+        ``kind == 'gpu'``: the ``gpu_*`` gauges labelled ``gpu=str(device_index)`` from
+        ``power_w`` (W), ``energy_j`` (J since the sampler started), ``dram_bw_util_pct`` and
+        ``gpu_util_pct`` (percent 0..100), ``sm_clock_mhz`` / ``mem_clock_mhz`` (MHz),
+        ``temperature_c`` (celsius), ``mem_used_bytes`` (bytes). ``kind == 'host'``:
+        ``host_cpu_perc`` from ``cpu_pct`` (percent) and ``host_rss_bytes`` from ``rss_bytes``.
+        A None value removes that series (unknown is not exported as 0, nor left stale).
+        """
+        kind = row.get("kind")
+        if kind == "gpu":
+            index = row.get("device_index")
+            if index is None:
+                return
+            labels = (self.model_name, str(int(index)))
+            gauges = self.g_gpu
+        elif kind == "host":
+            labels = (self.model_name,)
+            gauges = self.g_host
+        else:
+            return
+        for key, gauge in gauges.items():
+            value = row.get(key)
+            if value is None:
+                gauge.remove(*labels)
+            else:
+                gauge.labels(*labels).set(float(value))
+
+    def set_engine_state(
+        self,
+        running: int | None = None,
+        waiting: int | None = None,
+        kv_usage: float | None = None,
+        restarts: int | None = None,
+        in_flight: int | None = None,
+    ) -> None:
+        """Sets the engine/API gauges; None leaves a gauge as it is.
+
+        Args:
+            running: requests running in the engine.
+            waiting: requests waiting in the engine queue.
+            kv_usage: KV-cache usage as a fraction 0..1.
+            restarts: engine worker restarts since server start.
+            in_flight: requests admitted by the API and not yet finished.
+        """
+        model = self.model_name
+        for gauge, value in (
+            (self.g_running, running),
+            (self.g_waiting, waiting),
+            (self.g_kv, kv_usage),
+            (self.g_restarts, restarts),
+            (self.g_in_flight, in_flight),
+        ):
+            if value is not None:
+                gauge.labels(model).set(float(value))
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition: ``(body, content_type)`` for the ``/metrics`` response."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

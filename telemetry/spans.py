@@ -1,0 +1,361 @@
+"""From a finished :class:`RequestTimeline` to OpenTelemetry spans and a ``requests`` row.
+
+One trace per request: a root ``request`` span (kind SERVER) and one child per station reached,
+named exactly ``gateway``, ``tokenize``, ``admission``, ``schedule``, ``prefill``, ``decode``,
+``stream``, ``metering`` (DESIGN.md §2). Span times are the timeline's wall-clock ns, so engine
+stations carry the engine's own times. Engine events (prefill chunks, preemption, resume, abort)
+become span events with their step id on the station whose interval holds them.
+
+Definitions used everywhere (the seed articles' and vLLM's):
+- TTFT: arrival at the gateway → the first output token sampled (ms).
+- ITL: the gap between consecutive output tokens (ms); ``output_tokens − 1`` of them.
+- TPOT: decode time / (output_tokens − 1) (ms), the mean ITL.
+- E2E latency: arrival → the request span's end (after the last byte and metering) (ms).
+- queue time: engine queued → first scheduled; prefill time: first scheduled → first token;
+  decode time: first token → last token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from tokenmill.engine.api.timeline import RequestTimeline
+
+STATIONS = (
+    "gateway",
+    "tokenize",
+    "admission",
+    "schedule",
+    "prefill",
+    "decode",
+    "stream",
+    "metering",
+)
+_MS = 1e-6
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) by linear interpolation (numpy's default); None if empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def itl_ms(tl: RequestTimeline) -> list[float]:
+    """Inter-token latencies (ms) from the engine's per-token times: ``len(token_ns) − 1``."""
+    t = tl.token_ns
+    return [(b - a) * _MS for a, b in itertools.pairwise(t)]
+
+
+def station_intervals(tl: RequestTimeline) -> dict[str, tuple[int, int]]:
+    """``{station: (start_ns, end_ns)}`` for every station the request reached.
+
+    A station's start is the previous station's end on the API side; the engine stations use
+    the engine's times; ``stream`` is first → last byte sent; ``metering`` follows the stream.
+    """
+    out: dict[str, tuple[int, int]] = {}
+    t0 = tl.arrival_ns
+    if tl.gateway_end_ns is not None:
+        out["gateway"] = (t0, tl.gateway_end_ns)
+    if tl.tokenize_end_ns is not None:
+        out["tokenize"] = (tl.gateway_end_ns or t0, tl.tokenize_end_ns)
+    if tl.admission_end_ns is not None:
+        out["admission"] = (tl.tokenize_end_ns or t0, tl.admission_end_ns)
+    last_token = tl.token_ns[-1] if tl.token_ns else None
+    if tl.queued_ns is not None:
+        sched_end = tl.scheduled_ns or tl.finished_ns or tl.client_disconnect_ns or tl.queued_ns
+        out["schedule"] = (tl.queued_ns, max(sched_end, tl.queued_ns))
+    if tl.scheduled_ns is not None:
+        pre_end = tl.first_token_ns or tl.finished_ns or tl.client_disconnect_ns or tl.scheduled_ns
+        out["prefill"] = (tl.scheduled_ns, max(pre_end, tl.scheduled_ns))
+    if tl.first_token_ns is not None:
+        out["decode"] = (tl.first_token_ns, max(last_token or 0, tl.first_token_ns))
+    if tl.first_byte_ns is not None:
+        out["stream"] = (tl.first_byte_ns, tl.last_byte_ns or tl.first_byte_ns)
+    if tl.metering_start_ns is not None:
+        out["metering"] = (tl.metering_start_ns, tl.metering_end_ns or tl.metering_start_ns)
+    return out
+
+
+def request_end_ns(tl: RequestTimeline, stations: dict[str, tuple[int, int]]) -> int:
+    """The root span's end: the latest station end (metering, or wherever it stopped)."""
+    return max([tl.arrival_ns, tl.last_byte_ns or 0] + [e for _, e in stations.values()])
+
+
+def request_row(
+    tl: RequestTimeline, trace_id: str, stations: dict[str, tuple[int, int]], end_ns: int
+) -> dict:
+    """The ``requests`` row (schema.sql) derived from the same numbers as the spans."""
+    itl = itl_ms(tl)
+    n = tl.output_tokens
+    last_token = tl.token_ns[-1] if tl.token_ns else None
+    decode_ms = (last_token - tl.first_token_ns) * _MS if tl.first_token_ns and last_token else None
+    return {
+        "request_id": tl.request_id or tl.client_request_id or trace_id,
+        "client_request_id": tl.client_request_id,
+        "trace_id": trace_id,
+        "tenant": tl.tenant,
+        "model": tl.model,
+        "endpoint": tl.endpoint,
+        "stream": tl.stream,
+        "http_status": tl.http_status,
+        "arrival_ns": tl.arrival_ns,
+        "queued_ns": tl.queued_ns,
+        "scheduled_ns": tl.scheduled_ns,
+        "first_token_ns": tl.first_token_ns,
+        "last_token_ns": last_token,
+        "end_ns": end_ns,
+        "ttft_ms": (tl.first_token_ns - tl.arrival_ns) * _MS if tl.first_token_ns else None,
+        "queue_ms": (tl.scheduled_ns - tl.queued_ns) * _MS
+        if tl.scheduled_ns and tl.queued_ns
+        else None,
+        "prefill_ms": (tl.first_token_ns - tl.scheduled_ns) * _MS
+        if tl.first_token_ns and tl.scheduled_ns
+        else None,
+        "decode_ms": decode_ms,
+        "tpot_ms": decode_ms / (n - 1) if decode_ms is not None and n >= 2 else None,
+        "itl_p50_ms": percentile(itl, 50),
+        "itl_p99_ms": percentile(itl, 99),
+        "itl_max_ms": max(itl) if itl else None,
+        "e2e_ms": (end_ns - tl.arrival_ns) * _MS,
+        "input_tokens": tl.input_tokens,
+        "output_tokens": n if tl.first_token_ns else 0,
+        "cached_tokens": tl.cached_tokens,
+        "max_tokens": tl.max_tokens,
+        "preemptions": tl.preemptions,
+        "recomputed_tokens": tl.recomputed_tokens,
+        "prefill_chunks": sum(1 for e in tl.events if e.name == "chunk"),
+        "finish_reason": tl.finish_reason or ("abort" if tl.client_disconnected else None),
+        "error_type": tl.error_type,
+    }
+
+
+def _attrs(d: dict) -> dict:
+    """Drop None values (OTel attributes cannot be None)."""
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def emit_trace(tracer: trace.Tracer, tl: RequestTimeline) -> tuple[str, dict, list[float]]:
+    """Start and end the request's spans (they reach the provider's processors on end).
+
+    Returns:
+        (trace_id hex, the ``requests`` row, the ITL list in ms).
+    """
+    stations = station_intervals(tl)
+    end_ns = request_end_ns(tl, stations)
+    parent_ctx = extract({"traceparent": tl.traceparent}) if tl.traceparent else None
+    finish_reasons = [tl.finish_reason] if tl.finish_reason else None
+    root_attrs = _attrs(
+        {
+            "gen_ai.operation.name": "chat" if tl.endpoint == "chat" else "text_completion",
+            "gen_ai.system": "tokenmill",
+            "gen_ai.request.model": tl.model,
+            "gen_ai.request.max_tokens": tl.max_tokens,
+            "gen_ai.request.temperature": tl.temperature,
+            "gen_ai.response.id": tl.request_id,
+            "gen_ai.response.finish_reasons": finish_reasons,
+            "gen_ai.usage.input_tokens": tl.input_tokens,
+            "gen_ai.usage.output_tokens": tl.output_tokens if tl.first_token_ns else None,
+            "http.request.method": tl.method,
+            "url.path": tl.path,
+            "http.response.status_code": tl.http_status,
+            "error.type": tl.error_type,
+            "tokenmill.request_id": tl.request_id,
+            "tokenmill.client_request_id": tl.client_request_id,
+            "tokenmill.tenant": tl.tenant,
+            "tokenmill.stream": tl.stream,
+            "tokenmill.usage.cached_tokens": tl.cached_tokens if tl.queued_ns else None,
+            "tokenmill.preemptions": tl.preemptions if tl.queued_ns else None,
+            "tokenmill.prompt": tl.prompt_text if tl.record_content else None,
+            "tokenmill.completion": "".join(tl.output_text) if tl.record_content else None,
+        }
+    )
+    root = tracer.start_span(
+        "request",
+        context=parent_ctx,
+        kind=SpanKind.SERVER,
+        start_time=tl.arrival_ns,
+        attributes=root_attrs,
+    )
+    if tl.error_type:
+        root.set_status(Status(StatusCode.ERROR, tl.error_message or tl.error_type))
+    ctx = trace.set_span_in_context(root)
+    itl = itl_ms(tl)
+    station_attrs = _station_attributes(tl, itl)
+    error_station = _error_station(tl, stations)
+    for name in STATIONS:
+        if name not in stations:
+            continue
+        start, end = stations[name]
+        attrs = station_attrs.get(name, {})
+        if tl.request_id:
+            attrs["tokenmill.request_id"] = tl.request_id
+        span = tracer.start_span(name, context=ctx, start_time=start, attributes=attrs)
+        for ev in tl.events:
+            if _event_station(ev.time_ns, ev.name, stations) == name:
+                span.add_event(
+                    ev.name,
+                    attributes={"tokenmill.step_id": ev.step_id, **_event_attrs(ev.attrs)},
+                    timestamp=ev.time_ns,
+                )
+        if name == "stream" and tl.client_disconnected:
+            span.add_event(
+                "client_disconnect", timestamp=tl.client_disconnect_ns or tl.last_byte_ns or end
+            )
+        if name == error_station:
+            span.set_attribute("error.type", tl.error_type)
+            span.set_status(Status(StatusCode.ERROR, tl.error_message or tl.error_type))
+        span.end(end_time=end)
+    root.end(end_time=end_ns)
+    trace_id = format(root.get_span_context().trace_id, "032x")
+    return trace_id, request_row(tl, trace_id, stations, end_ns), itl
+
+
+def _event_attrs(attrs: dict) -> dict:
+    return {f"tokenmill.{k}": v for k, v in attrs.items() if isinstance(v, (int, float, str, bool))}
+
+
+def _event_station(t: int, name: str, stations: dict[str, tuple[int, int]]) -> str | None:
+    """The station an engine event belongs to: chunks to prefill, others by time."""
+    if name == "chunk" and "prefill" in stations:
+        return "prefill"
+    for st in ("decode", "prefill", "schedule"):
+        if st in stations and stations[st][0] <= t <= stations[st][1]:
+            return st
+    for st in ("decode", "prefill", "schedule"):
+        if st in stations:
+            return st
+    return None
+
+
+def _error_station(tl: RequestTimeline, stations: dict) -> str | None:
+    """The last station reached is where a failed request failed."""
+    if not tl.error_type:
+        return None
+    if tl.client_disconnected:
+        return "stream" if "stream" in stations else None
+    # the error answer's own bytes make a stream span; the failure is where work stopped
+    reached = [s for s in STATIONS if s in stations and s not in ("stream", "metering")]
+    return reached[-1] if reached else None
+
+
+def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict]:
+    n = tl.output_tokens
+    return {
+        "gateway": _attrs({"tokenmill.tenant": tl.tenant}),
+        "tokenize": _attrs({"gen_ai.usage.input_tokens": tl.input_tokens}),
+        "admission": _attrs(
+            {
+                "tokenmill.pool": tl.pool,
+                "tokenmill.admission.queue_depth": tl.queue_depth_seen,
+                "tokenmill.admission.in_flight": tl.in_flight_seen,
+            }
+        ),
+        "schedule": _attrs({"tokenmill.preemptions": tl.preemptions}),
+        "prefill": _attrs(
+            {
+                "tokenmill.usage.cached_tokens": tl.cached_tokens,
+                "tokenmill.prefill.chunks": sum(1 for e in tl.events if e.name == "chunk"),
+                "tokenmill.recomputed_tokens": tl.recomputed_tokens,
+            }
+        ),
+        "decode": _attrs(
+            {
+                "gen_ai.usage.output_tokens": n,
+                "tokenmill.decode.itl_ms": itl,
+                "tokenmill.decode.itl_p50_ms": percentile(itl, 50),
+                "tokenmill.decode.itl_p99_ms": percentile(itl, 99),
+                "tokenmill.decode.tpot_ms": (sum(itl) / len(itl)) if itl else None,
+            }
+        ),
+        "stream": _attrs(
+            {"tokenmill.stream": tl.stream, "http.response.status_code": tl.http_status}
+        ),
+        "metering": _attrs(
+            {
+                "gen_ai.usage.input_tokens": tl.input_tokens,
+                "gen_ai.usage.output_tokens": n,
+                "tokenmill.usage.cached_tokens": tl.cached_tokens,
+            }
+        ),
+    }
+
+
+_HOT = {
+    "request_id": "tokenmill.request_id",
+    "tenant": "tokenmill.tenant",
+    "model": "gen_ai.request.model",
+    "input_tokens": "gen_ai.usage.input_tokens",
+    "output_tokens": "gen_ai.usage.output_tokens",
+    "cached_tokens": "tokenmill.usage.cached_tokens",
+    "error_type": "error.type",
+}
+
+
+class StoreSpanProcessor(SpanProcessor):
+    """Turns each ended span into a ``spans`` row for the trace store (schema.sql).
+
+    Args:
+        submit: ``submit("spans", row) -> bool``, non-blocking (TraceStore.submit).
+    """
+
+    def __init__(self, submit):
+        self._submit = submit
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self._submit("spans", span_row(span))
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def span_row(span: ReadableSpan) -> dict:
+    """A ``spans`` row from an ended SDK span."""
+    ctx = span.get_span_context()
+    attrs = dict(span.attributes or {})
+    row = {
+        "trace_id": format(ctx.trace_id, "032x"),
+        "span_id": format(ctx.span_id, "016x"),
+        "parent_span_id": format(span.parent.span_id, "016x") if span.parent else None,
+        "name": span.name,
+        "kind": span.kind.name,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "duration_ns": span.end_time - span.start_time,
+        "status_code": span.status.status_code.name,
+        "status_message": span.status.description,
+        "service_name": span.resource.attributes.get("service.name"),
+        "attributes": json.dumps(attrs, default=list),
+        "events": json.dumps(
+            [
+                {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
+                for e in span.events
+            ],
+            default=list,
+        ),
+    }
+    for col, key in _HOT.items():
+        row[col] = attrs.get(key)
+    reasons = attrs.get("gen_ai.response.finish_reasons")
+    row["finish_reason"] = reasons[0] if reasons else None
+    return row
+
+
+def make_tracer_provider(resource_attrs: dict) -> TracerProvider:
+    """A TracerProvider with tokenmill's resource (service.name etc.)."""
+    from opentelemetry.sdk.resources import Resource
+
+    return TracerProvider(resource=Resource.create(resource_attrs))
