@@ -456,6 +456,57 @@ def _server_message(resp) -> str:
     return (str(message).splitlines() or [""])[0]
 
 
+# ----- tokenmill diagnose (diagnose/cli.py) -----
+
+
+@app.command()
+def diagnose(
+    dump_file: Annotated[
+        Path | None, typer.Argument(metavar="DUMP", help="A trace dump or closed store file.")
+    ] = None,
+    db: Annotated[Path | None, typer.Option(help="A trace-store file no server holds open.")] = None,
+    url: Annotated[
+        str | None, typer.Option(help="A running server: fetch a fresh dump (admin key).")
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (with --url)."),
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help="Only the last 30s/10m/2h/1d of the dump (counted from its last row)."),
+    ] = None,
+    window: Annotated[str, typer.Option(help="Window length for the signals: 10s, 1m, ...")] = "10s",
+    format: Annotated[str, typer.Option("--format", help="text | json | markdown")] = "text",
+    fail_on: Annotated[
+        str | None,
+        typer.Option(help="Exit 1 when a finding is at least this severe: warning | critical."),
+    ] = None,
+) -> None:
+    """Name the likely bottlenecks in a trace dump, with evidence, example traces and a runbook."""
+    from ..diagnose.cli import DiagnoseInputError, run
+
+    def fetch(u: str, path: Path, api_key: str | None) -> None:
+        _fetch_dump(u, path, since=None, until=None, api_key=api_key, force=True, timeout=300.0)
+
+    try:
+        code = run(
+            dump_file,
+            db=db,
+            url=url,
+            api_key=api_key,
+            since=since,
+            window=window,
+            fmt=format,
+            fail_on=fail_on,
+            console=out,
+            fetch=fetch,
+        )
+    except DiagnoseInputError as exc:
+        _dump_fail(str(exc))
+    raise typer.Exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: usage errors and unexpected failures become one ``error:`` line
     (exit 2 and 1); ``TOKENMILL_DEBUG=1`` shows the traceback instead."""

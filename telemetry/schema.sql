@@ -66,7 +66,8 @@ CREATE TABLE IF NOT EXISTS requests (
     recomputed_tokens INTEGER,
     prefill_chunks  INTEGER,
     finish_reason   VARCHAR,            -- stop | length | abort | error | NULL (rejected)
-    error_type      VARCHAR
+    error_type      VARCHAR,
+    prompt_block_hashes BIGINT[]        -- per-block (16-token) content hashes of the prompt's first 32 blocks, not chained
 );
 
 -- One row per scheduler iteration (engine StepRecord).

@@ -137,6 +137,7 @@ def request_row(
         "prefill_chunks": sum(1 for e in tl.events if e.name == "chunk"),
         "finish_reason": tl.finish_reason or ("abort" if tl.client_disconnected else None),
         "error_type": tl.error_type,
+        "prompt_block_hashes": tl.prompt_block_hashes,
     }
 
 

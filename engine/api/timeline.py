@@ -13,7 +13,9 @@ host, same clock).
 
 from __future__ import annotations
 
+import hashlib
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,6 +46,7 @@ class RequestTimeline:
     tokenize_end_ns: int | None = None
     admission_end_ns: int | None = None
     input_tokens: int | None = None
+    prompt_block_hashes: list[int] | None = None
     queue_depth_seen: int | None = None
     in_flight_seen: int | None = None
     pool: str | None = None
@@ -106,6 +109,17 @@ class RequestTimeline:
     def completed(self) -> bool:
         """Finished with ``stop`` or ``length`` and answered without error."""
         return self.finish_reason in ("stop", "length") and self.error_type is None
+
+
+def block_hashes(token_ids: list[int], block_size: int = 16, max_blocks: int = 32) -> list[int]:
+    """Content hash (signed 63-bit, blake2b) of each full ``block_size``-token block of a prompt,
+    each block on its own (not chained), for the first ``max_blocks`` blocks. Lets the diagnoser
+    see prompts that share a long prefix but differ in an early block, without storing text."""
+    out = []
+    for i in range(0, min(len(token_ids) // block_size, max_blocks) * block_size, block_size):
+        digest = hashlib.blake2b(array("q", token_ids[i : i + block_size]).tobytes(), digest_size=8)
+        out.append(int.from_bytes(digest.digest(), "little", signed=True) >> 1)
+    return out
 
 
 class TimelineSink(Protocol):

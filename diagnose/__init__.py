@@ -1,0 +1,1 @@
+"""tokenmill.diagnose: signals over the trace store, the rule set, findings and the report."""

@@ -1,0 +1,183 @@
+"""Run the rules over a store and rank what they find.
+
+A :class:`Finding` is a rule that fired, with its evidence, window, up to five example trace ids,
+causes, checks, the knob and the runbook. :func:`diagnose` returns a :class:`Report`; its
+``to_json()`` is the stable JSON output (``schema_version`` below; fields are only ever added).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import duckdb
+
+from .rules import RULES, Rule
+from .signals import Signals, load
+
+log = logging.getLogger(__name__)
+
+REPORT_SCHEMA_VERSION = 1
+SEVERITY_RANK = {"critical": 2, "warning": 1}
+
+
+@dataclass
+class Finding:
+    """One rule that fired."""
+
+    rule_id: str
+    title: str
+    severity: str
+    confidence: float
+    summary: str
+    evidence: dict
+    window_start_ns: int | None
+    window_end_ns: int | None
+    example_trace_ids: list[str]
+    causes: list[str]
+    checks: list[str]
+    knob: str
+    runbook: str
+    explained_by: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "rule": self.rule_id,
+            "title": self.title,
+            "severity": self.severity,
+            "confidence": self.confidence,
+            "summary": self.summary,
+            "evidence": self.evidence,
+            "window": {"start_ns": self.window_start_ns, "end_ns": self.window_end_ns},
+            "example_trace_ids": self.example_trace_ids,
+            "causes": self.causes,
+            "checks": self.checks,
+            "knob": self.knob,
+            "runbook": self.runbook,
+            "explained_by": self.explained_by,
+        }
+
+
+@dataclass
+class Report:
+    """Findings ranked by severity then confidence, plus the healthy numbers."""
+
+    findings: list[Finding]
+    start_ns: int
+    end_ns: int
+    window_s: float
+    summary: dict
+    rule_errors: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "schema_version": REPORT_SCHEMA_VERSION,
+            "range": {"start_ns": self.start_ns, "end_ns": self.end_ns},
+            "window_s": self.window_s,
+            "status": "problems_found" if self.findings else "healthy",
+            "summary": self.summary,
+            "findings": [f.to_json() for f in self.findings],
+            "rule_errors": self.rule_errors,
+        }
+
+
+def _summary(sig: Signals) -> dict:
+    o = sig.overall
+    return {
+        "requests": o.get("arrivals"),
+        "completed": o.get("completions"),
+        "errors": o.get("errors"),
+        "errors_by_type": sig.errors_by_type,
+        "ttft_p50_ms": o.get("ttft_p50"),
+        "ttft_p99_ms": o.get("ttft_p99"),
+        "itl_p50_ms": o.get("itl_p50"),
+        "itl_p99_ms": o.get("itl_p99"),
+        "tpot_p50_ms": o.get("tpot_p50"),
+        "e2e_p50_ms": o.get("e2e_p50"),
+        "e2e_p99_ms": o.get("e2e_p99"),
+        "queue_p99_ms": o.get("queue_p99"),
+        "prefix_hit_rate": o.get("prefix_hit_rate"),
+        "kv_usage_max": o.get("kv_usage_max"),
+        "preemptions": o.get("preemptions"),
+        "steps": o.get("steps"),
+        "output_tokens": o.get("sampled_tokens"),
+        "windows": len(sig.windows),
+    }
+
+
+def evaluate(rule: Rule, sig: Signals, overrides: dict | None = None) -> Finding | None:
+    """Run one rule; None when it does not fire."""
+    params = {k: v.default for k, v in rule.params.items()}
+    params.update(overrides or {})
+    ev = rule.detect(sig, params)
+    if ev is None:
+        return None
+    examples = []
+    if ev.example_where:
+        try:
+            examples = sig.examples(ev.example_where, ev.example_params)
+        except duckdb.Error as exc:  # an example query must never lose the finding
+            log.warning("examples for %s failed: %s", rule.id, exc)
+    return Finding(
+        rule_id=rule.id,
+        title=rule.title,
+        severity=ev.severity,
+        confidence=ev.confidence,
+        summary=ev.summary,
+        evidence={k: _plain(v) for k, v in ev.numbers.items()},
+        window_start_ns=ev.window[0] if ev.window else None,
+        window_end_ns=ev.window[1] if ev.window else None,
+        example_trace_ids=examples,
+        causes=list(rule.causes),
+        checks=list(rule.checks),
+        knob=rule.knob,
+        runbook=rule.runbook,
+    )
+
+
+def _plain(v):
+    if isinstance(v, float):
+        return round(v, 4)
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def diagnose(
+    con: duckdb.DuckDBPyConnection,
+    *,
+    since_ns: int | None = None,
+    until_ns: int | None = None,
+    window_s: float = 10.0,
+    rules: tuple[Rule, ...] = RULES,
+) -> Report:
+    """Compute the signals and run every rule.
+
+    Raises:
+        NoTraffic: no requests in the range.
+    """
+    sig = load(con, since_ns=since_ns, until_ns=until_ns, window_s=window_s)
+    findings, errors = [], {}
+    for rule in rules:
+        try:
+            f = evaluate(rule, sig)
+        except Exception as exc:  # one broken rule must not hide the others
+            log.exception("rule %s failed", rule.id)
+            errors[rule.id] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            continue
+        if f is not None:
+            findings.append(f)
+    fired = {f.rule_id for f in findings}
+    for f in findings:  # a specific finding explains a general one: rank the general one later
+        f.explained_by = sorted(r.id for r in rules if r.id in fired and f.rule_id in r.explains)
+    findings.sort(
+        key=lambda f: (
+            bool(f.explained_by),
+            -SEVERITY_RANK.get(f.severity, 0),
+            -f.confidence,
+            f.rule_id,
+        )
+    )
+    return Report(findings, sig.start_ns, sig.end_ns, window_s, _summary(sig), errors)

@@ -1,0 +1,396 @@
+"""Signals: SQL over the trace store, per time window and overall.
+
+Everything here is a number the rules compare, computed by DuckDB over the tables of
+``telemetry/schema.sql``; nothing reads engine objects. Windows are ``window_s`` long, aligned
+to the first row of the dump. Request signals are bucketed by arrival (latencies) or by end
+(completions, errors); step and device signals by their own start/sample time.
+
+Baselines are the dump's own healthiest windows: for each latency signal, the 25th percentile
+of its per-window values over windows with traffic. Rules compare a window to that baseline as
+a ratio, so thresholds hold across machine speeds (a 2-core CPU and an H200 differ 100x in ms,
+not in ratios).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import duckdb
+
+NS = 1_000_000_000
+
+
+class NoTraffic(Exception):
+    """The store (or the chosen window) holds no requests."""
+
+
+@dataclass
+class Window:
+    """One time window's signals. Latencies in ms, rates per second, ratios 0..1."""
+
+    index: int
+    start_ns: int
+    end_ns: int
+    values: dict[str, float | None] = field(default_factory=dict)
+
+    def get(self, name: str, default=None):
+        v = self.values.get(name)
+        return default if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+
+@dataclass
+class Signals:
+    """All signals of one dump (or one time range of it)."""
+
+    start_ns: int
+    end_ns: int
+    window_s: float
+    windows: list[Window]
+    overall: dict[str, float | None]
+    baseline: dict[str, float | None]
+    config: dict
+    errors_by_type: dict[str, int]
+    errors_by_window: dict[int, dict[str, int]]
+    device_kind: str | None  # 'gpu', 'host' or None
+    con: duckdb.DuckDBPyConnection
+    since_ns: int
+    until_ns: int
+
+    def busy(self, min_arrivals: int = 1) -> list[Window]:
+        """Windows with at least ``min_arrivals`` arrivals or completions."""
+        return [
+            w
+            for w in self.windows
+            if (w.get("arrivals", 0) or 0) >= min_arrivals
+            or (w.get("completions", 0) or 0) >= min_arrivals
+        ]
+
+    def examples(self, where: str, params: list | None = None, limit: int = 5) -> list[str]:
+        """Up to ``limit`` trace ids of requests matching ``where`` (SQL over ``requests``)."""
+        rows = self.con.execute(
+            f"SELECT trace_id FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? AND ({where}) "
+            f"ORDER BY arrival_ns LIMIT {int(limit)}",
+            [self.since_ns, self.until_ns, *(params or [])],
+        ).fetchall()
+        return [r[0] for r in rows]
+
+
+_REQ_WINDOW_SQL = """
+SELECT (arrival_ns - $t0) // $w AS win,
+    count(*) AS arrivals,
+    count(*) FILTER (WHERE finish_reason IN ('stop', 'length') AND error_type IS NULL) AS completed_arrivals,
+    quantile_cont(ttft_ms, 0.5) FILTER (WHERE ok) AS ttft_p50,
+    quantile_cont(ttft_ms, 0.9) FILTER (WHERE ok) AS ttft_p90,
+    quantile_cont(ttft_ms, 0.99) FILTER (WHERE ok) AS ttft_p99,
+    quantile_cont(itl_p50_ms, 0.5) FILTER (WHERE ok) AS itl_p50,
+    quantile_cont(itl_p99_ms, 0.99) FILTER (WHERE ok) AS itl_p99,
+    max(itl_max_ms) FILTER (WHERE ok) AS itl_max,
+    quantile_cont(tpot_ms, 0.5) FILTER (WHERE ok) AS tpot_p50,
+    quantile_cont(tpot_ms, 0.99) FILTER (WHERE ok) AS tpot_p99,
+    quantile_cont(queue_ms, 0.5) FILTER (WHERE ok) AS queue_p50,
+    quantile_cont(queue_ms, 0.99) FILTER (WHERE ok) AS queue_p99,
+    quantile_cont(prefill_ms, 0.5) FILTER (WHERE ok) AS prefill_p50,
+    quantile_cont(prefill_ms, 0.99) FILTER (WHERE ok) AS prefill_p99,
+    quantile_cont(e2e_ms, 0.5) FILTER (WHERE ok) AS e2e_p50,
+    quantile_cont(e2e_ms, 0.99) FILTER (WHERE ok) AS e2e_p99,
+    avg(queue_ms / nullif(ttft_ms, 0)) FILTER (WHERE ok) AS queue_share_of_ttft,
+    avg(prefill_ms / nullif(ttft_ms, 0)) FILTER (WHERE ok) AS prefill_share_of_ttft,
+    quantile_cont(input_tokens, 0.5) AS input_p50,
+    quantile_cont(input_tokens, 0.99) AS input_p99,
+    max(input_tokens) AS input_max,
+    sum(coalesce(preemptions, 0)) AS preempted_requests_n,
+    sum(coalesce(recomputed_tokens, 0)) AS recomputed_tokens,
+    sum(cached_tokens)::DOUBLE / nullif(sum(input_tokens), 0) AS prefix_hit_rate,
+    quantile_cont(client_ttft_ms, 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS client_ttft_p50,
+    quantile_cont(ttft_ms, 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS server_ttft_p50_with_client,
+    quantile_cont(((end_ns - first_token_ns) / 1e6) / nullif(output_tokens - 1, 0) / nullif(tpot_ms, 0), 0.5)
+        FILTER (WHERE ok AND output_tokens >= 8) AS stream_vs_engine_tpot,
+    quantile_cont(ttft_ms, 0.99) FILTER (WHERE ok AND input_tokens <= $short) AS short_ttft_p99,
+    count(*) FILTER (WHERE ok AND input_tokens <= $short) AS short_n,
+    count(*) FILTER (WHERE ok AND input_tokens >= 4 * $short) AS long_n,
+    count(*) FILTER (WHERE ok AND itl_max_ms >= 10 * itl_p50_ms AND ttft_ms <= $fast_ttft) AS stalled_n,
+    count(*) FILTER (WHERE ok AND itl_max_ms >= 10 * itl_p50_ms AND ttft_ms <= $fast_ttft AND preemptions > 0) AS stalled_preempted_n
+FROM (SELECT *, (finish_reason IN ('stop', 'length') AND error_type IS NULL) AS ok FROM requests
+      WHERE arrival_ns >= $since AND arrival_ns < $until)
+GROUP BY win
+"""
+
+_END_WINDOW_SQL = """
+SELECT (end_ns - $t0) // $w AS win,
+    count(*) FILTER (WHERE finish_reason IN ('stop', 'length') AND error_type IS NULL) AS completions,
+    count(*) FILTER (WHERE error_type IS NOT NULL) AS errors,
+    count(*) AS ended,
+    sum(output_tokens) FILTER (WHERE finish_reason IN ('stop', 'length') AND error_type IS NULL) AS completed_tokens
+FROM requests WHERE end_ns >= $since AND end_ns < $until
+GROUP BY win
+"""
+
+_STEP_WINDOW_SQL = """
+SELECT (start_ns - $t0) // $w AS win,
+    count(*) AS steps,
+    quantile_cont((end_ns - start_ns) / 1e6, 0.5) AS step_ms_p50,
+    quantile_cont((end_ns - start_ns) / 1e6, 0.99) AS step_ms_p99,
+    avg((end_ns - start_ns) / 1e6) AS step_ms_mean,
+    quantile_cont((end_ns - start_ns) / 1e6, 0.5) FILTER (WHERE num_prefill_tokens = 0) AS decode_step_ms_p50,
+    quantile_cont((end_ns - start_ns) / 1e6, 0.5) FILTER (WHERE num_prefill_tokens > 0 AND num_decode_tokens > 0) AS mixed_step_ms_p50,
+    max((end_ns - start_ns) / 1e6) FILTER (WHERE num_prefill_tokens > 0 AND num_decode_tokens > 0) AS mixed_step_ms_max,
+    max(num_prefill_tokens) AS prefill_tokens_max,
+    sum(num_prefill_tokens)::DOUBLE / nullif(sum(num_prefill_tokens + num_decode_tokens), 0) AS prefill_token_share,
+    avg(num_prefill_tokens + num_decode_tokens) AS tokens_per_step,
+    sum(num_sampled) AS sampled_tokens,
+    avg(num_running) AS running_mean,
+    max(num_running) AS running_max,
+    avg(num_waiting) AS waiting_mean,
+    max(num_waiting) AS waiting_max,
+    avg(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) AS kv_usage_mean,
+    max(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) AS kv_usage_max,
+    min(kv_blocks_free) AS kv_free_min,
+    max(kv_blocks_total) AS kv_blocks_total,
+    sum(allocation_failures) AS allocation_failures,
+    sum(num_preempted) AS preemptions,
+    avg(schedule_ms) AS schedule_ms_mean,
+    avg(forward_ms) AS forward_ms_mean,
+    avg(sample_ms) AS sample_ms_mean,
+    avg((schedule_ms + sample_ms) / nullif((end_ns - start_ns) / 1e6, 0)) AS host_share_of_step,
+    max(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) FILTER (WHERE num_running = 0 AND num_waiting = 0) AS idle_kv_usage_max,
+    count(*) FILTER (WHERE num_running = 0 AND num_waiting = 0) AS idle_steps
+FROM engine_steps WHERE start_ns >= $since AND start_ns < $until
+GROUP BY win
+"""
+
+_DEVICE_WINDOW_SQL = """
+SELECT (time_ns - $t0) // $w AS win,
+    avg(power_w) AS power_w_mean,
+    avg(sm_clock_mhz) AS sm_clock_mean,
+    max(sm_clock_mhz) AS sm_clock_max,
+    avg(gpu_util_pct) AS gpu_util_mean,
+    avg(dram_bw_util_pct) AS dram_bw_mean,
+    max(temperature_c) AS temperature_max,
+    avg(mem_used_bytes::DOUBLE / nullif(mem_total_bytes, 0)) AS device_mem_usage_mean,
+    count(*) FILTER (WHERE list_has_any(clock_event_reasons,
+        ['sw_power_cap', 'hw_slowdown', 'sw_thermal_slowdown', 'hw_thermal_slowdown', 'hw_power_brake_slowdown'])) AS throttled_samples,
+    count(*) AS device_samples_n,
+    avg(cpu_pct) AS host_cpu_mean
+FROM device_samples WHERE time_ns >= $since AND time_ns < $until AND kind = $kind
+GROUP BY win
+"""
+
+# latency signals whose healthy level is the dump's best windows
+BASELINE_KEYS = (
+    "ttft_p50",
+    "ttft_p90",
+    "ttft_p99",
+    "itl_p50",
+    "itl_p99",
+    "tpot_p50",
+    "tpot_p99",
+    "queue_p50",
+    "queue_p99",
+    "prefill_p50",
+    "prefill_p99",
+    "e2e_p50",
+    "e2e_p99",
+    "short_ttft_p99",
+    "step_ms_p50",
+    "step_ms_p99",
+    "decode_step_ms_p50",
+    "kv_usage_max",
+    "error_rate",
+    "sm_clock_mean",
+    "throughput_tok_s",
+)
+BASELINE_QUANTILE = 0.25  # "the healthiest windows": the best quarter of windows with traffic
+
+
+def _span(con, since_ns: int | None, until_ns: int | None) -> tuple[int, int]:
+    lo, hi = con.execute(
+        "SELECT min(t0), max(t1) FROM ("
+        " SELECT min(arrival_ns) t0, max(end_ns) t1 FROM requests"
+        " UNION ALL SELECT min(start_ns), max(end_ns) FROM engine_steps)"
+    ).fetchone()
+    if lo is None:
+        raise NoTraffic("the store holds no requests and no engine steps")
+    return (since_ns if since_ns is not None else lo), (
+        until_ns if until_ns is not None else hi + 1
+    )
+
+
+def _rows(con, sql: str, params: dict) -> dict[int, dict]:
+    cur = con.execute(sql, {k: v for k, v in params.items() if f"${k}" in sql})
+    cols = [d[0] for d in cur.description]
+    return {int(r[0]): dict(zip(cols[1:], r[1:], strict=True)) for r in cur.fetchall()}
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    vals = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not vals:
+        return None
+    pos = (len(vals) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def load(
+    con: duckdb.DuckDBPyConnection,
+    *,
+    since_ns: int | None = None,
+    until_ns: int | None = None,
+    window_s: float = 10.0,
+    short_prompt_tokens: int | None = None,
+) -> Signals:
+    """Compute every signal of the store behind ``con``.
+
+    Args:
+        con: an open trace store or dump (checked by the caller).
+        since_ns, until_ns: the time range (wall-clock ns); default: all of it.
+        window_s: window length (s).
+        short_prompt_tokens: prompts up to this many tokens count as "short" (default: the
+            dump's median prompt length).
+
+    Raises:
+        NoTraffic: no requests in the range.
+    """
+    if window_s <= 0:
+        raise ValueError(f"window must be positive, got {window_s} s")
+    since, until = _span(con, since_ns, until_ns)
+    (n_req,) = con.execute(
+        "SELECT count(*) FROM requests WHERE arrival_ns >= ? AND arrival_ns < ?", [since, until]
+    ).fetchone()
+    if n_req == 0:
+        raise NoTraffic("no requests arrived in the chosen time range")
+    w_ns = int(window_s * NS)
+    if short_prompt_tokens is None:
+        (med,) = con.execute(
+            "SELECT quantile_disc(input_tokens, 0.5) FROM requests "
+            "WHERE arrival_ns >= ? AND arrival_ns < ? AND input_tokens IS NOT NULL",
+            [since, until],
+        ).fetchone()
+        short_prompt_tokens = int(med or 0)
+    (fast_ttft,) = con.execute(
+        "SELECT quantile_cont(ttft_ms, 0.5) FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
+        "AND finish_reason IN ('stop', 'length') AND error_type IS NULL",
+        [since, until],
+    ).fetchone()
+    params = {"t0": since, "w": w_ns, "since": since, "until": until}
+    req = _rows(
+        con,
+        _REQ_WINDOW_SQL,
+        {**params, "short": short_prompt_tokens, "fast_ttft": (fast_ttft or 0) * 2},
+    )
+    ends = _rows(con, _END_WINDOW_SQL, params)
+    steps = _rows(con, _STEP_WINDOW_SQL, params)
+    kinds = [k for (k,) in con.execute("SELECT DISTINCT kind FROM device_samples").fetchall()]
+    device_kind = "gpu" if "gpu" in kinds else ("host" if "host" in kinds else None)
+    dev = _rows(con, _DEVICE_WINDOW_SQL, {**params, "kind": device_kind or "none"})
+    errors_by_window: dict[int, dict[str, int]] = {}
+    for win, etype, n in con.execute(
+        "SELECT (end_ns - $t0) // $w, error_type, count(*) FROM requests "
+        "WHERE end_ns >= $since AND end_ns < $until AND error_type IS NOT NULL GROUP BY ALL",
+        params,
+    ).fetchall():
+        errors_by_window.setdefault(int(win), {})[etype] = n
+    n_windows = max(1, math.ceil((until - since) / w_ns))
+    windows = []
+    for i in range(n_windows):
+        values: dict = {}
+        for src in (req, ends, steps, dev):
+            values.update(src.get(i, {}))
+        ended = values.get("ended") or 0
+        values["error_rate"] = (values.get("errors") or 0) / ended if ended else None
+        values["arrival_rate"] = (values.get("arrivals") or 0) / window_s
+        values["completion_rate"] = (values.get("completions") or 0) / window_s
+        sampled = values.get("sampled_tokens")
+        values["throughput_tok_s"] = (sampled / window_s) if sampled else None
+        windows.append(
+            Window(i, since + i * w_ns, min(since + (i + 1) * w_ns, until), values=values)
+        )
+    busy = [w for w in windows if (w.get("completed_arrivals") or 0) > 0]
+    baseline = {}
+    for key in BASELINE_KEYS:
+        vals = [w.get(key) for w in busy]
+        if key in ("sm_clock_mean", "throughput_tok_s"):  # higher is healthier
+            baseline[key] = _quantile(vals, 1 - BASELINE_QUANTILE)
+        else:
+            baseline[key] = _quantile(vals, BASELINE_QUANTILE)
+    overall = _rows(
+        con,
+        _REQ_WINDOW_SQL.replace("(arrival_ns - $t0) // $w", "0"),
+        {**params, "short": short_prompt_tokens, "fast_ttft": (fast_ttft or 0) * 2},
+    ).get(0, {})
+    overall.update(
+        _rows(con, _STEP_WINDOW_SQL.replace("(start_ns - $t0) // $w", "0"), params).get(0, {})
+    )
+    overall.update(
+        _rows(con, _END_WINDOW_SQL.replace("(end_ns - $t0) // $w", "0"), params).get(0, {})
+    )
+    overall["short_prompt_tokens"] = short_prompt_tokens
+    ended = overall.get("ended") or 0
+    overall["error_rate"] = (overall.get("errors") or 0) / ended if ended else None
+    errors_by_type = dict(
+        con.execute(
+            "SELECT error_type, count(*) FROM requests WHERE end_ns >= ? AND end_ns < ? "
+            "AND error_type IS NOT NULL GROUP BY 1 ORDER BY 2 DESC",
+            [since, until],
+        ).fetchall()
+    )
+    return Signals(
+        start_ns=since,
+        end_ns=until,
+        window_s=window_s,
+        windows=windows,
+        overall=overall,
+        baseline=baseline,
+        config=_engine_config(con),
+        errors_by_type=errors_by_type,
+        errors_by_window=errors_by_window,
+        device_kind=device_kind,
+        con=con,
+        since_ns=since,
+        until_ns=until,
+    )
+
+
+def _engine_config(con) -> dict:
+    """The engine flags recorded at server start (the last ``config`` event)."""
+    row = con.execute(
+        "SELECT attributes FROM events WHERE kind = 'config' ORDER BY time_ns DESC LIMIT 1"
+    ).fetchone()
+    if not row or not row[0]:
+        return {}
+    try:
+        return json.loads(row[0])
+    except ValueError:
+        return {}
+
+
+def prefix_block_stats(
+    con, since_ns: int, until_ns: int, min_shared_blocks: int = 4
+) -> dict[str, float | int]:
+    """How many prompts share a long prefix except in their first block.
+
+    Uses ``requests.prompt_block_hashes`` (per-block content hashes of the prompt, not chained):
+    prompts whose blocks 1..k match another prompt's while block 0 differs are prefix-cache
+    misses by construction (the cache keys chain from block 0).
+
+    Returns ``{"prompts", "shared_tail_differs_first", "share"}``.
+    """
+    k = int(min_shared_blocks)
+    row = con.execute(
+        f"""
+        WITH r AS (
+            SELECT prompt_block_hashes AS h FROM requests
+            WHERE arrival_ns >= ? AND arrival_ns < ? AND len(prompt_block_hashes) > {k}),
+        t AS (SELECT h[2:{k + 1}] AS tail, count(DISTINCT h[1]) AS firsts, count(*) AS n
+              FROM r GROUP BY tail)
+        SELECT coalesce(sum(n), 0), coalesce(sum(n) FILTER (WHERE firsts > 1), 0) FROM t
+        """,
+        [since_ns, until_ns],
+    ).fetchone()
+    prompts, differs = int(row[0]), int(row[1])
+    return {
+        "prompts": prompts,
+        "shared_tail_differs_first": differs,
+        "share": differs / prompts if prompts else 0.0,
+    }

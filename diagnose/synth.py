@@ -1,0 +1,305 @@
+"""Synthetic trace stores for testing the rules: a small serving model that writes realistic
+rows (requests with their nine spans, engine steps, device samples, events) through the real
+:class:`~tokenmill.telemetry.store.TraceStore` writer.
+
+A run is a list of :class:`Phase`\\ s. Each phase sets the traffic (arrival rate, prompt and
+output lengths) and the health of the server (queueing, prefill speed, ITL, spikes, KV use,
+preemption, errors, client-side gaps, GPU clocks, ...). Healthy defaults are scaled like the
+default model on a CPU; only ratios matter to the rules.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tokenmill.engine.api.timeline import RequestTimeline
+from tokenmill.engine.request import RequestEvent
+from tokenmill.telemetry.hub import Telemetry
+
+MS = 1_000_000
+S = 1_000_000_000
+T0 = 1_790_000_000 * S  # a fixed wall-clock origin (2026-09-21)
+
+
+@dataclass
+class Phase:
+    """One stretch of traffic and server behaviour. Times in ms unless named ``_s``."""
+
+    duration_s: float = 30.0
+    rate_per_s: float = 2.0
+    prompt_tokens: tuple[int, int] = (40, 120)
+    output_tokens: tuple[int, int] = (30, 60)
+    long_prompt_every: int = 0  # every Nth request gets a long prompt (0 = none)
+    long_prompt_tokens: int = 1500
+    queue_ms: float = 5.0  # engine queue wait (each request)
+    queue_growth_ms_per_s: float = 0.0  # the wait grows this much per second of the phase
+    waiting_growth_per_s: float = 0.0
+    short_queue_ms: float | None = None  # queue wait of short prompts (head-of-line blocking)
+    prefill_tok_per_s: float = 2000.0
+    itl_ms: float = 40.0
+    itl_jitter: float = 0.1
+    prefill_spike_ms: float = 0.0  # extra step time when a step carries a long prefill
+    periodic_spike_s: float = 0.0  # a step spike every N s (0 = none)
+    periodic_spike_ms: float = 0.0
+    running: int = 8
+    waiting: float = 0.0
+    max_num_seqs: int = 64
+    kv_usage: float = 0.3
+    idle_kv_usage: float = 0.0  # KV share still used with nothing running (a leak)
+    preempt_share: float = 0.0  # requests preempted once, mid-decode
+    preempt_gap_ms: float = 2000.0
+    alloc_failures_per_step: float = 0.0
+    error_share: float = 0.0
+    error_type: str = "nan_logits"
+    client_ttft_factor: float | None = None  # client TTFT / server TTFT (None: not recorded)
+    stream_slowdown: float = 1.0  # stream-side time per token / engine TPOT
+    prefix_cached_share: float = 0.5  # share of prompt tokens from the prefix cache
+    first_block_varies: bool = False  # prompts share blocks 2.. but differ in block 0
+    host_share: float = 0.05  # (schedule + sample) / step time
+    step_ms: float | None = None  # decode step time (default: itl_ms)
+    gpu: bool = False
+    sm_clock_mhz: float = 1980.0
+    throttle_reasons: tuple[str, ...] = ()
+    gpu_util: float = 90.0
+
+    def but(self, **changes) -> Phase:
+        return replace(self, **changes)
+
+
+@dataclass
+class SyntheticRun:
+    """Generate a store: ``SyntheticRun(seed).run(path, [Phase(...), ...])``."""
+
+    seed: int = 0
+    model: str = "smollm2-135m-instruct"
+    shared_system_blocks: int = 8
+    counts: dict = field(default_factory=dict)
+
+    def run(self, path: str | Path, phases: list[Phase], *, spans: bool = True) -> dict:
+        """Write the phases' rows into a fresh store at ``path``; returns row counts."""
+        rng = random.Random(self.seed)
+        tel = Telemetry(self.model, trace_db=str(path), device_sample_interval_s=0)
+        if not spans:
+            tel.provider = tel.tracer = None
+        cfg = {
+            "max_num_seqs": phases[0].max_num_seqs,
+            "max_num_batched_tokens": 2048,
+            "enable_chunked_prefill": True,
+            "enable_prefix_caching": True,
+        }
+        tel.store.submit(
+            "events",
+            {
+                "time_ns": T0,
+                "kind": "config",
+                "severity": "info",
+                "message": "engine flags at start",
+                "attributes": json.dumps(cfg),
+            },
+        )
+        t = T0
+        n_req = 0
+        step_id = 0
+        for ph in phases:
+            end = t + int(ph.duration_s * S)
+            step_id = self._steps(tel, rng, ph, t, end, step_id)
+            self._device(tel, ph, t, end)
+            self._phase_start = t
+            if ph.rate_per_s > 0:
+                gap = S / ph.rate_per_s
+                at = t + rng.random() * gap
+                while at < end:
+                    n_req += 1
+                    self._request(tel, rng, ph, int(at), n_req)
+                    at += rng.expovariate(1.0) * gap
+            t = end
+        tel.store.flush(600)
+        counts = {k: v for k, v in tel.store.written.items()}
+        tel.close()
+        return counts
+
+    # ----- rows -----
+    def _steps(self, tel, rng, ph: Phase, start: int, end: int, step_id: int) -> int:
+        step_ms = ph.step_ms or ph.itl_ms
+        total = 1000
+        t = start
+        next_spike = start + int(ph.periodic_spike_s * S) if ph.periodic_spike_s else None
+        i = 0
+        while t < end:
+            i += 1
+            idle = ph.rate_per_s == 0
+            dur = step_ms * (1 + ph.itl_jitter * (rng.random() - 0.5))
+            prefill = 0
+            if not idle and i % 10 == 0:
+                prefill = rng.randint(*ph.prompt_tokens)
+                dur += prefill / ph.prefill_tok_per_s * 1000
+            if not idle and ph.long_prompt_every and i % (10 * ph.long_prompt_every) == 5:
+                prefill = ph.long_prompt_tokens
+                dur += ph.prefill_spike_ms
+            if next_spike is not None and t >= next_spike:
+                dur += ph.periodic_spike_ms
+                next_spike += int(ph.periodic_spike_s * S)
+            running = 0 if idle else ph.running
+            kv = ph.idle_kv_usage if idle else ph.kv_usage * (0.9 + 0.1 * rng.random())
+            used = round(kv * total)
+            host = ph.host_share * dur
+            row = {
+                "step_id": step_id,
+                "engine_pid": 4242,
+                "start_ns": t,
+                "end_ns": t + int(dur * MS),
+                "schedule_ms": host / 2,
+                "forward_ms": dur - host,
+                "sample_ms": host / 2,
+                "num_running": running,
+                "num_waiting": 0 if idle else round(ph.waiting),
+                "num_prefill_tokens": prefill,
+                "num_decode_tokens": running,
+                "num_prefill_chunks": 1 if prefill else 0,
+                "num_sampled": running,
+                "num_preempted": 1 if (not idle and rng.random() < ph.preempt_share / 5) else 0,
+                "kv_blocks_total": total,
+                "kv_blocks_used": used,
+                "kv_blocks_free": total - used,
+                "kv_blocks_cached": 0,
+                "prefix_hit_tokens": 0,
+                "allocation_failures": int(ph.alloc_failures_per_step > rng.random()),
+                "num_finished": 0,
+            }
+            row["num_waiting"] += int(ph.waiting_growth_per_s * (t - start) / S) if not idle else 0
+            tel.store.submit("engine_steps", row)
+            step_id += 1
+            t += int(dur * MS) + (int(0.5 * S) if idle else 0)
+        return step_id
+
+    def _device(self, tel, ph: Phase, start: int, end: int) -> None:
+        t = start
+        while t < end:
+            if ph.gpu:
+                row = {
+                    "time_ns": t,
+                    "kind": "gpu",
+                    "device_index": 0,
+                    "device_name": "NVIDIA H200",
+                    "power_w": 500.0 if not ph.throttle_reasons else 700.0,
+                    "gpu_util_pct": ph.gpu_util,
+                    "sm_clock_mhz": int(ph.sm_clock_mhz),
+                    "mem_clock_mhz": 2619,
+                    "temperature_c": 85.0 if ph.throttle_reasons else 60.0,
+                    "clock_event_reasons": list(ph.throttle_reasons),
+                    "mem_used_bytes": 100 << 30,
+                    "mem_total_bytes": 141 << 30,
+                }
+            else:
+                row = {
+                    "time_ns": t,
+                    "kind": "host",
+                    "device_name": "synthetic",
+                    "cpu_pct": 180.0,
+                    "rss_bytes": 2 << 30,
+                    "load_1m": 2.0,
+                    "mem_used_bytes": 4 << 30,
+                    "mem_total_bytes": 24 << 30,
+                }
+            tel.store.submit("device_samples", row)
+            t += S // 2
+
+    def _request(self, tel, rng, ph: Phase, arrival: int, n: int) -> None:
+        long = ph.long_prompt_every and n % ph.long_prompt_every == 0
+        n_in = ph.long_prompt_tokens if long else rng.randint(*ph.prompt_tokens)
+        n_out = rng.randint(*ph.output_tokens)
+        tl = RequestTimeline(arrival_ns=arrival, method="POST", path="/v1/chat/completions")
+        tl.endpoint, tl.model, tl.tenant = "chat", self.model, "acme"
+        tl.request_id = f"cmpl-{n:08d}"
+        tl.client_request_id = f"req-{n}"
+        tl.stream, tl.max_tokens, tl.input_tokens = True, n_out, n_in
+        tl.gateway_end_ns = arrival + 200_000
+        tl.tokenize_end_ns = tl.gateway_end_ns + 300_000
+        tl.admission_end_ns = tl.tokenize_end_ns + 50_000
+        tl.queued_ns = tl.admission_end_ns + 200_000
+        short = ph.short_queue_ms is not None and n_in <= ph.prompt_tokens[1]
+        queue = (ph.short_queue_ms if short else ph.queue_ms) * (0.8 + 0.4 * rng.random())
+        queue += ph.queue_growth_ms_per_s * (arrival - self._phase_start) / S
+        tl.scheduled_ns = tl.queued_ns + int(queue * MS)
+        cached = int(n_in * ph.prefix_cached_share) // 16 * 16
+        prefill_ms = (n_in - cached) / ph.prefill_tok_per_s * 1000 + ph.itl_ms
+        tl.first_token_ns = tl.scheduled_ns + int(prefill_ms * MS)
+        tl.cached_tokens = cached
+        preempted = rng.random() < ph.preempt_share
+        tokens = [tl.first_token_ns]
+        stall_at = rng.randint(2, max(2, n_out - 2)) if preempted and n_out > 4 else None
+        # a long prefill sharing steps with this request's decode (interference)
+        spike_at = rng.randint(2, max(2, n_out - 2)) if ph.prefill_spike_ms and n_out > 4 else None
+        for k in range(1, n_out):
+            gap = ph.itl_ms * (1 + ph.itl_jitter * (rng.random() - 0.5))
+            if stall_at is not None and k == stall_at:
+                gap += ph.preempt_gap_ms
+                tl.events.append(
+                    RequestEvent("preempted", n, tokens[-1] + MS, {"recompute_tokens": n_in + k})
+                )
+                tl.events.append(RequestEvent("resumed", n + 1, tokens[-1] + int(gap * MS / 2), {}))
+            if spike_at is not None and k == spike_at:
+                gap += ph.prefill_spike_ms
+            tokens.append(tokens[-1] + int(gap * MS))
+        tl.token_ns = tokens
+        tl.output_tokens = n_out
+        tl.preemptions = 1 if stall_at is not None else 0
+        tl.recomputed_tokens = (n_in + (stall_at or 0)) if stall_at is not None else 0
+        tl.events.insert(
+            0, RequestEvent("chunk", n, tl.first_token_ns - MS, {"tokens": n_in - cached})
+        )
+        if rng.random() < ph.error_share:
+            tl.finish_reason = "error"
+            tl.error_type = ph.error_type
+            tl.finished_ns = tokens[-1]
+        else:
+            tl.finish_reason = "length"
+            tl.finished_ns = tokens[-1]
+        tl.first_byte_ns = tl.first_token_ns + 300_000
+        engine_span = tokens[-1] - tl.first_token_ns
+        tl.last_byte_ns = tl.first_token_ns + int(engine_span * ph.stream_slowdown) + 500_000
+        tl.http_status = 200
+        tl.usage = {"prompt_tokens": n_in, "completion_tokens": n_out}
+        tl.metering_start_ns = tl.last_byte_ns + 10_000
+        tl.metering_end_ns = tl.metering_start_ns + 20_000
+        tl.prompt_block_hashes = self._blocks(rng, n_in, ph.first_block_varies, n)
+        tel.on_request(tl)
+        if ph.client_ttft_factor is not None:
+            # what the load generator measured on its side; write_store adds it to the row
+            # the way the bench tool does (an UPDATE keyed by request id)
+            self.counts.setdefault("client_ttft", []).append(
+                (tl.request_id, (tl.first_token_ns - tl.arrival_ns) / MS * ph.client_ttft_factor)
+            )
+
+    def _blocks(self, rng, n_in: int, first_varies: bool, n: int) -> list[int]:
+        n_blocks = min(n_in // 16, 32)
+        shared = [1000 + b for b in range(self.shared_system_blocks)]
+        out = []
+        for b in range(n_blocks):
+            if b == 0 and first_varies:
+                out.append(rng.getrandbits(62))
+            elif b < len(shared):
+                out.append(shared[b])
+            else:
+                out.append(rng.getrandbits(62))
+        return out
+
+
+def write_store(path: str | Path, phases: list[Phase], seed: int = 0) -> dict:
+    """Generate ``phases`` into a new store at ``path`` (client TTFTs included); row counts."""
+    import duckdb
+
+    gen = SyntheticRun(seed)
+    counts = gen.run(path, phases)
+    client = gen.counts.get("client_ttft")
+    if client:
+        con = duckdb.connect(str(path))
+        con.executemany(
+            "UPDATE requests SET client_ttft_ms = ? WHERE request_id = ?",
+            [(v, k) for k, v in client],
+        )
+        con.close()
+    return counts

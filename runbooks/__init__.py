@@ -1,0 +1,1 @@
+"""One Markdown runbook per diagnosis rule (``<rule_id>.md``), shipped as package data."""

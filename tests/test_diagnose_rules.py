@@ -1,0 +1,200 @@
+"""Every rule on synthetic stores written through the real store writer: it fires on its
+symptom with the expected evidence, and an all-healthy run gives zero findings."""
+
+from __future__ import annotations
+
+import duckdb
+import pytest
+
+from tokenmill.diagnose.findings import diagnose
+from tokenmill.diagnose.rules import RULES, RULES_BY_ID
+from tokenmill.diagnose.synth import Phase, write_store
+
+HEALTHY = Phase(duration_s=40)
+
+SCENARIOS: dict[str, list[Phase]] = {
+    "ttft_queueing": [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=2000)],
+    "ttft_prefill_bound": [HEALTHY, HEALTHY.but(duration_s=30, prefill_tok_per_s=100)],
+    "head_of_line_blocking": [
+        HEALTHY,
+        HEALTHY.but(duration_s=30, long_prompt_every=5, short_queue_ms=3000, kv_usage=0.5),
+    ],
+    "itl_prefill_interference": [
+        HEALTHY,
+        HEALTHY.but(duration_s=30, long_prompt_every=4, prefill_spike_ms=1500),
+    ],
+    "itl_frontend_overhead": [HEALTHY, HEALTHY.but(duration_s=30, stream_slowdown=3.0)],
+    "kv_pressure_preemption": [
+        HEALTHY,
+        HEALTHY.but(duration_s=30, kv_usage=0.97, preempt_share=0.3, queue_ms=300),
+    ],
+    "overload": [
+        HEALTHY,
+        HEALTHY.but(duration_s=40, rate_per_s=6, queue_growth_ms_per_s=500, waiting_growth_per_s=1),
+    ],
+    "oom_low_average_memory": [
+        HEALTHY,
+        HEALTHY.but(duration_s=30, kv_usage=0.2, alloc_failures_per_step=0.05),
+    ],
+    "kv_block_leak": [HEALTHY, HEALTHY.but(duration_s=20, rate_per_s=0, idle_kv_usage=0.3)],
+    "error_spike": [HEALTHY, HEALTHY.but(duration_s=30, error_share=0.3)],
+    "prefix_cache_miss": [
+        HEALTHY.but(prompt_tokens=(100, 200), prefix_cached_share=0.0, first_block_varies=True)
+    ],
+    "client_server_ttft_gap": [HEALTHY.but(client_ttft_factor=4.0)],
+    "batching_ineffective": [
+        HEALTHY.but(max_num_seqs=8),
+        HEALTHY.but(duration_s=30, max_num_seqs=8, waiting=5, queue_ms=1500, kv_usage=0.2),
+    ],
+    "batch_too_large": [
+        HEALTHY.but(running=8),
+        HEALTHY.but(duration_s=40, running=32, step_ms=250, itl_ms=250),
+    ],
+    "midstream_stall": [
+        HEALTHY,
+        HEALTHY.but(duration_s=30, preempt_share=0.2, preempt_gap_ms=3000, kv_usage=0.5),
+    ],
+    "periodic_itl_spikes": [HEALTHY.but(duration_s=60, periodic_spike_s=5, periodic_spike_ms=500)],
+    "gpu_throttling": [
+        HEALTHY.but(gpu=True),
+        HEALTHY.but(
+            duration_s=30,
+            gpu=True,
+            sm_clock_mhz=1200,
+            throttle_reasons=("hw_thermal_slowdown",),
+            itl_ms=60,
+        ),
+    ],
+    "host_bound_steps": [HEALTHY, HEALTHY.but(duration_s=30, host_share=0.5, step_ms=100)],
+}
+
+# the evidence each rule must carry, as (key, predicate)
+EXPECTED = {
+    "ttft_queueing": ("queue_share_of_ttft", lambda v: v > 0.9),
+    "ttft_prefill_bound": ("prefill_share_of_ttft", lambda v: v > 0.8),
+    "head_of_line_blocking": ("long_prompts", lambda v: v >= 1),
+    "itl_prefill_interference": ("prefill_tokens_max_per_step", lambda v: v >= 1500),
+    "itl_frontend_overhead": ("stream_vs_engine_tpot", lambda v: 2.5 < v < 3.5),
+    "kv_pressure_preemption": ("kv_usage_max", lambda v: v >= 0.9),
+    "overload": ("arrivals", lambda v: v > 0),
+    "oom_low_average_memory": ("kv_usage_mean", lambda v: v < 0.4),
+    "kv_block_leak": ("idle_kv_usage", lambda v: abs(v - 0.3) < 0.01),
+    "error_spike": ("errors_by_type", lambda v: set(v) == {"nan_logits"}),
+    "prefix_cache_miss": ("share", lambda v: v > 0.9),
+    "client_server_ttft_gap": ("ratio", lambda v: 3.5 < v < 4.5),
+    "batching_ineffective": ("max_num_seqs", lambda v: v == 8),
+    "batch_too_large": ("batch", lambda v: v >= 30),
+    "midstream_stall": ("stalled_and_preempted", lambda v: v >= 1),
+    "periodic_itl_spikes": ("period_s", lambda v: 4.5 < v < 5.5),
+    "gpu_throttling": ("clock_event_reasons", lambda v: v == ["hw_thermal_slowdown"]),
+    "host_bound_steps": ("host_share_of_step", lambda v: v >= 0.45),
+}
+
+
+def test_every_rule_has_a_scenario_and_a_runbook():
+    assert set(SCENARIOS) == set(RULES_BY_ID) == set(EXPECTED)
+    from importlib import resources
+
+    for rule in RULES:
+        text = resources.files("tokenmill.runbooks").joinpath(f"{rule.id}.md").read_text()
+        assert text.startswith(f"# {rule.id}")
+        for heading in (
+            "## Symptom",
+            "## Confirm",
+            "## Likely causes",
+            "## Fix",
+            "## After the fix",
+        ):
+            assert heading in text, (rule.id, heading)
+        for param in rule.params.values():
+            assert param.source, rule.id
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            path = tmp_path_factory.mktemp("diag") / f"{name}.duckdb"
+            phases = [HEALTHY.but(duration_s=70)] if name == "healthy" else SCENARIOS[name]
+            write_store(path, phases, seed=hash(name) % 1000)
+            cache[name] = path
+        return duckdb.connect(str(cache[name]), read_only=True)
+
+    return get
+
+
+def test_healthy_run_has_zero_findings(stores):
+    con = stores("healthy")
+    report = diagnose(con)
+    assert report.findings == [], [f.rule_id for f in report.findings]
+    assert report.summary["completed"] > 100 and report.rule_errors == {}
+    con.close()
+
+
+@pytest.mark.parametrize("rule_id", sorted(SCENARIOS))
+def test_rule_fires_on_its_symptom(stores, rule_id):
+    con = stores(rule_id)
+    report = diagnose(con)
+    fired = {f.rule_id: f for f in report.findings}
+    assert rule_id in fired, f"{rule_id} silent; fired: {sorted(fired)}"
+    f = fired[rule_id]
+    key, ok = EXPECTED[rule_id]
+    assert ok(f.evidence[key]), (key, f.evidence)
+    assert f.window_start_ns is not None and f.window_end_ns > f.window_start_ns
+    assert f.runbook == f"runbooks/{rule_id}.md" and f.causes and f.knob
+    if rule_id not in ("kv_block_leak", "oom_low_average_memory", "periodic_itl_spikes"):
+        assert 1 <= len(f.example_trace_ids) <= 5
+        (n,) = con.execute(
+            "SELECT count(*) FROM spans WHERE name = 'request' AND trace_id IN "
+            f"({','.join(repr(t) for t in f.example_trace_ids)})"
+        ).fetchone()
+        assert n == len(f.example_trace_ids)  # real traces of the store
+    assert report.rule_errors == {}
+    con.close()
+
+
+# the same symptom, below the rule's threshold: the rule must stay quiet
+MILD: dict[str, list[Phase]] = {
+    "ttft_queueing": [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=100)],
+    "ttft_prefill_bound": [HEALTHY, HEALTHY.but(duration_s=30, prefill_tok_per_s=1000)],
+    "head_of_line_blocking": [HEALTHY, HEALTHY.but(duration_s=30, long_prompt_every=5)],
+    "itl_prefill_interference": [
+        HEALTHY,
+        HEALTHY.but(duration_s=30, long_prompt_every=4, prefill_spike_ms=60),
+    ],
+    "itl_frontend_overhead": [HEALTHY, HEALTHY.but(duration_s=30, stream_slowdown=1.2)],
+    "kv_pressure_preemption": [HEALTHY, HEALTHY.but(duration_s=30, kv_usage=0.97)],
+    "overload": [HEALTHY, HEALTHY.but(duration_s=40, rate_per_s=3)],
+    "oom_low_average_memory": [
+        HEALTHY,
+        HEALTHY.but(duration_s=30, kv_usage=0.95, alloc_failures_per_step=0.05),
+    ],
+    "kv_block_leak": [HEALTHY, HEALTHY.but(duration_s=20, rate_per_s=0)],
+    "error_spike": [HEALTHY, HEALTHY.but(duration_s=30, error_share=0.01)],
+    "prefix_cache_miss": [HEALTHY.but(prompt_tokens=(100, 200), prefix_cached_share=0.9)],
+    "client_server_ttft_gap": [HEALTHY.but(client_ttft_factor=1.3)],
+    "batching_ineffective": [
+        HEALTHY.but(max_num_seqs=8),
+        HEALTHY.but(duration_s=30, max_num_seqs=8, waiting=5, queue_ms=1500, kv_usage=0.9),
+    ],
+    "batch_too_large": [HEALTHY.but(running=8), HEALTHY.but(duration_s=40, running=32, step_ms=100)],
+    "midstream_stall": [HEALTHY, HEALTHY.but(duration_s=30, preempt_share=0.2, preempt_gap_ms=100)],
+    "periodic_itl_spikes": [HEALTHY.but(duration_s=60, periodic_spike_s=5, periodic_spike_ms=100)],
+    "gpu_throttling": [
+        HEALTHY.but(gpu=True),
+        HEALTHY.but(duration_s=30, gpu=True, sm_clock_mhz=1900, throttle_reasons=("sw_power_cap",)),
+    ],
+    "host_bound_steps": [HEALTHY, HEALTHY.but(duration_s=30, host_share=0.2, step_ms=100)],
+}
+
+
+@pytest.mark.parametrize("rule_id", sorted(MILD))
+def test_rule_stays_quiet_below_its_threshold(tmp_path, rule_id):
+    path = tmp_path / "mild.duckdb"
+    write_store(path, MILD[rule_id], seed=7)
+    con = duckdb.connect(str(path), read_only=True)
+    report = diagnose(con)
+    con.close()
+    assert rule_id not in {f.rule_id for f in report.findings}

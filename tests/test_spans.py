@@ -1,0 +1,107 @@
+"""Spans from timelines without a server: stations reached, error placement, and the optional
+OTLP export received by a real HTTP endpoint on 127.0.0.1."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from tokenmill.engine.api.timeline import RequestTimeline
+from tokenmill.engine.request import RequestEvent
+from tokenmill.telemetry.hub import Telemetry
+from tokenmill.telemetry.spans import (
+    STATIONS,
+    StoreSpanProcessor,
+    emit_trace,
+    make_tracer_provider,
+)
+
+T0 = 1_800_000_000_000_000_000
+
+
+def _completed() -> RequestTimeline:
+    tl = RequestTimeline(arrival_ns=T0, method="POST", path="/v1/chat/completions")
+    tl.endpoint, tl.request_id, tl.tenant, tl.model = "chat", "cmpl-1", "acme", "m"
+    tl.gateway_end_ns, tl.tokenize_end_ns, tl.admission_end_ns = T0 + 100, T0 + 200, T0 + 300
+    tl.queued_ns, tl.scheduled_ns, tl.first_token_ns = T0 + 400, T0 + 2_000_000, T0 + 5_000_000
+    tl.token_ns = [T0 + 5_000_000, T0 + 7_000_000, T0 + 12_000_000]
+    tl.output_tokens, tl.input_tokens, tl.finish_reason = 3, 20, "stop"
+    tl.preemptions = 1
+    tl.events = [
+        RequestEvent("chunk", 3, T0 + 4_000_000, {"tokens": 20}),
+        RequestEvent("preempted", 7, T0 + 8_000_000, {"recompute_tokens": 22}),
+    ]
+    tl.first_byte_ns, tl.last_byte_ns = T0 + 5_100_000, T0 + 12_100_000
+    tl.metering_start_ns, tl.metering_end_ns = T0 + 12_200_000, T0 + 12_210_000
+    tl.http_status = 200
+    return tl
+
+
+def _spans(tl: RequestTimeline):
+    rows = []
+    provider = make_tracer_provider({"service.name": "t"})
+    provider.add_span_processor(StoreSpanProcessor(lambda table, row: rows.append(row)))
+    trace_id, req, itl = emit_trace(provider.get_tracer("t"), tl)
+    return trace_id, req, itl, {r["name"]: r for r in rows}
+
+
+def test_completed_timeline_gives_root_and_eight_stations_with_engine_times():
+    trace_id, req, itl, spans = _spans(_completed())
+    assert set(spans) == {"request", *STATIONS}
+    assert spans["schedule"]["start_ns"] == T0 + 400
+    assert spans["prefill"]["end_ns"] == T0 + 5_000_000
+    assert spans["decode"]["end_ns"] == T0 + 12_000_000
+    assert itl == [2.0, 5.0] and req["tpot_ms"] == 3.5 and req["ttft_ms"] == 5.0
+    assert abs(req["e2e_ms"] - 12.21) < 1e-9 and abs(req["queue_ms"] - 1.9996) < 1e-9
+    assert '"name": "chunk"' in spans["prefill"]["events"]
+    assert '"tokenmill.step_id": 7' in spans["decode"]["events"]  # preempted mid-decode
+    assert spans["request"]["trace_id"] == trace_id and spans["request"]["kind"] == "SERVER"
+
+
+def test_refused_request_fails_at_the_gateway():
+    tl = RequestTimeline(arrival_ns=T0, method="POST", path="/v1/completions")
+    tl.fail("rate_limit_exceeded", "over its rate")
+    tl.first_byte_ns = tl.last_byte_ns = tl.gateway_end_ns + 10
+    tl.http_status = 429
+    _, req, _, spans = _spans(tl)
+    assert set(spans) == {"request", "gateway", "stream"}
+    assert spans["gateway"]["error_type"] == "rate_limit_exceeded"
+    assert spans["gateway"]["status_code"] == "ERROR" and spans["stream"]["status_code"] == "UNSET"
+    assert req["http_status"] == 429 and req["output_tokens"] == 0 and req["ttft_ms"] is None
+
+
+def test_otlp_export_reaches_a_collector():
+    received: list[bytes] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(self.rfile.read(int(self.headers["content-length"])))
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        tel = Telemetry(
+            "m",
+            trace_db=None,
+            otlp_endpoint=f"http://127.0.0.1:{httpd.server_port}",
+            device_sample_interval_s=0,
+        )
+        tel.on_request(_completed())
+        assert tel.provider.force_flush(10_000)
+        tel.close()
+    finally:
+        httpd.shutdown()
+    names = []
+    for body in received:
+        msg = ExportTraceServiceRequest()
+        msg.ParseFromString(body)
+        names += [s.name for rs in msg.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert sorted(names) == sorted(["request", *STATIONS])
