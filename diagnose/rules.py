@@ -650,7 +650,7 @@ def periodic_itl_spikes(sig: Signals, p: dict) -> Evidence | None:
     if len(rows) < p["min_spikes"]:
         return None
     times = [r[0] for r in rows]
-    gaps = [(b - a) / 1e9 for a, b in zip(times, times[1:], strict=False)]
+    gaps = [(b - a) / 1e9 for a, b in itertools.pairwise(times)]
     period = statistics.median(gaps)
     if period <= 0:
         return None

@@ -464,7 +464,9 @@ def diagnose(
     dump_file: Annotated[
         Path | None, typer.Argument(metavar="DUMP", help="A trace dump or closed store file.")
     ] = None,
-    db: Annotated[Path | None, typer.Option(help="A trace-store file no server holds open.")] = None,
+    db: Annotated[
+        Path | None, typer.Option(help="A trace-store file no server holds open.")
+    ] = None,
     url: Annotated[
         str | None, typer.Option(help="A running server: fetch a fresh dump (admin key).")
     ] = None,
@@ -476,7 +478,9 @@ def diagnose(
         str | None,
         typer.Option(help="Only the last 30s/10m/2h/1d of the dump (counted from its last row)."),
     ] = None,
-    window: Annotated[str, typer.Option(help="Window length for the signals: 10s, 1m, ...")] = "10s",
+    window: Annotated[
+        str, typer.Option(help="Window length for the signals: 10s, 1m, ...")
+    ] = "10s",
     format: Annotated[str, typer.Option("--format", help="text | json | markdown")] = "text",
     fail_on: Annotated[
         str | None,

@@ -179,7 +179,10 @@ MILD: dict[str, list[Phase]] = {
         HEALTHY.but(max_num_seqs=8),
         HEALTHY.but(duration_s=30, max_num_seqs=8, waiting=5, queue_ms=1500, kv_usage=0.9),
     ],
-    "batch_too_large": [HEALTHY.but(running=8), HEALTHY.but(duration_s=40, running=32, step_ms=100)],
+    "batch_too_large": [
+        HEALTHY.but(running=8),
+        HEALTHY.but(duration_s=40, running=32, step_ms=100),
+    ],
     "midstream_stall": [HEALTHY, HEALTHY.but(duration_s=30, preempt_share=0.2, preempt_gap_ms=100)],
     "periodic_itl_spikes": [HEALTHY.but(duration_s=60, periodic_spike_s=5, periodic_spike_ms=100)],
     "gpu_throttling": [
