@@ -61,7 +61,7 @@ def build(path: Path, n_requests: int) -> dict:
                n_in AS input_tokens, n_out AS output_tokens, n_in // 2 AS cached_tokens,
                n_out AS max_tokens, 0 AS preemptions, 0 AS recomputed_tokens, 1 AS prefill_chunks,
                'length' AS finish_reason,
-               [hash(i % 50), 1001, 1002, 1003, 1004, 1005] AS prompt_block_hashes
+               [(hash(i % 50) >> 2)::BIGINT, 1001, 1002, 1003, 1004, 1005] AS prompt_block_hashes
         FROM (SELECT i, {T0} + i * ({S} // {rate}) AS a,
                      40 + (i * 7919) % 200 AS n_in, 30 + (i * 104729) % 60 AS n_out,
                      CASE WHEN {T0} + i * ({S} // {rate}) > {T0 + duration_s * S - 3600 * S}

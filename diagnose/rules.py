@@ -151,6 +151,7 @@ def ttft_queueing(sig: Signals, p: dict) -> Evidence | None:
 
 def ttft_prefill_bound(sig: Signals, p: dict) -> Evidence | None:
     base = sig.baseline.get("ttft_p99")
+    base_prefill = sig.baseline.get("prefill_p99")
 
     def hit(w: Window) -> bool:
         r = _ratio(w.get("ttft_p99"), base)
@@ -158,6 +159,7 @@ def ttft_prefill_bound(sig: Signals, p: dict) -> Evidence | None:
             r is not None
             and r >= p["ttft_rise"]
             and (w.get("prefill_share_of_ttft") or 0) >= p["prefill_share"]
+            and (_ratio(w.get("prefill_p99"), base_prefill) or 0) >= p["prefill_rise"]
         )
 
     w = _worst(sig, "ttft_p99", hit)
@@ -809,6 +811,7 @@ RULES: tuple[Rule, ...] = (
         {
             "ttft_rise": Param(3.0, f"TTFT p99 {_BASE}"),
             "prefill_share": Param(0.5, "prefill time is the larger part of TTFT"),
+            "prefill_rise": Param(2.0, f"prefill time p99 {_BASE}: prefill itself got slower"),
         },
         ttft_prefill_bound,
     ),

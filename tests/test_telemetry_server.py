@@ -313,3 +313,20 @@ def test_unwritable_trace_store_never_stops_serving(tmp_path, smollm2_dir):
         assert dropped["spans"] == tel["dropped"]["spans"] or dropped["spans"] >= 8
     finally:
         server.stop()
+
+
+def test_diagnose_reads_the_real_engine_store(traced, tmp_path):
+    """The diagnoser runs over the store the real server wrote: no rule fails on real rows,
+    and its summary agrees with the store."""
+    from tokenmill.diagnose.findings import diagnose
+
+    report = diagnose(traced["con"], window_s=2.0)
+    assert report.rule_errors == {}
+    assert report.summary["completed"] == 5
+    assert report.summary["errors_by_type"] == {
+        "client_disconnected": 1,
+        "invalid_api_key": 1,
+    }
+    assert report.summary["preemptions"] > 0
+    for f in report.findings:
+        assert f.example_trace_ids == [] or all(len(t) == 32 for t in f.example_trace_ids)
