@@ -265,6 +265,9 @@ class DeviceSampler:
     # ----------------------------------------------------------------- the loop
 
     def _run(self) -> None:
+        from .store import lower_thread_priority
+
+        lower_thread_priority()
         next_t = time.monotonic()
         while not self._stop.is_set():
             self._tick()

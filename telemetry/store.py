@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -25,6 +26,18 @@ from .schema import TABLES, apply_schema
 log = logging.getLogger(__name__)
 
 _STOP = object()
+BACKGROUND_NICE = 10  # telemetry threads yield the CPU to the engine and the event loop
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
+    """Give the calling thread a lower CPU priority (Linux: per-thread nice; elsewhere a no-op).
+
+    The engine's torch threads wait for each other at every parallel op, so a telemetry thread
+    that preempts one of them costs the whole op; at nice 10 it runs in the gaps instead.
+    """
+    with contextlib.suppress(AttributeError, OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
 
 
 class TraceStore:
@@ -160,6 +173,7 @@ class TraceStore:
         return self._con.sql(f"SELECT * FROM {table} LIMIT 0").to_arrow_table().schema
 
     def _run(self) -> None:
+        lower_thread_priority()
         try:
             while True:
                 try:
