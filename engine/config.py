@@ -36,6 +36,11 @@ class EngineConfig:
             activations and KV cache) on CUDA.
         num_gpu_blocks_override: exact number of KV blocks (experiments, tests).
         seed: seed of the engine's default sampling generator.
+        fault_nan_fraction: fault injection for drills and scenarios, never for production:
+            this fraction of requests (chosen by a hash of the request id) get NaN logits at
+            their first sampled token and fail with ``nan_logits``.
+        fault_leak_blocks_on_abort: fault injection: aborted requests keep their KV blocks
+            (a simulated block leak, symptom case C05).
     """
 
     model: str | None = None
@@ -57,6 +62,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     seed: int = 0
+    fault_nan_fraction: float = 0.0
+    fault_leak_blocks_on_abort: bool = False
 
     def validate(self) -> None:
         """Raises ValueError naming the first invalid field."""
@@ -82,6 +89,8 @@ class EngineConfig:
             raise ValueError("num_gpu_blocks_override must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if not 0 <= self.fault_nan_fraction <= 1:
+            raise ValueError(f"fault_nan_fraction must be in [0, 1], got {self.fault_nan_fraction}")
 
     def to_dict(self) -> dict:
         """Plain dict of all fields (for the config-at-start event and the health page)."""

@@ -9,6 +9,7 @@ own process behind :class:`~tokenmill.engine.async_engine.AsyncEngine` for servi
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -221,8 +222,11 @@ class EngineCore:
         requests = [c.request for c in sampling]
         tokens, bad = sample(logits, [r.params for r in requests], [r.generator for r in requests])
         now = time.time_ns()
+        fault = self.config.fault_nan_fraction
         for request, token, is_bad in zip(requests, tokens, bad):
             new_tokens: list[int] = []
+            if fault and not request.output_token_ids and _faulty(request.request_id, fault):
+                is_bad = True  # fault injection: as if this request's logits were NaN
             if is_bad:
                 request.error_type = "nan_logits"
                 request.error_message = "the model produced NaN or infinite logits"
@@ -313,3 +317,8 @@ def resolve_model_dir(model: str | None) -> Path:
     if not verify_model_dir(path):
         fetch_default_model(path)
     return path
+
+
+def _faulty(request_id: str, fraction: float) -> bool:
+    """Whether fault injection picks this request (a stable hash of its id below ``fraction``)."""
+    return zlib.crc32(request_id.encode()) / 2**32 < fraction

@@ -120,13 +120,14 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, request: Request, status: RequestStatus, *, free_blocks: bool = True) -> None:
         """End a request: free its blocks at once and forget it."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.bm.free(request)
+        if free_blocks:
+            self.bm.free(request)
         request.status = status
         request.finished_ns = time.time_ns()
         self.requests.pop(request.request_id, None)
@@ -137,7 +138,8 @@ class Scheduler:
         if request is None:
             return None
         request.events.append(RequestEvent("aborted", self.step_id, time.time_ns()))
-        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        leak = self.config.fault_leak_blocks_on_abort  # fault injection (case C05)
+        self.finish(request, RequestStatus.FINISHED_ABORTED, free_blocks=not leak)
         return request
 
     def preempt(self, request_id: str) -> bool:

@@ -36,6 +36,7 @@ UNION_TAG_RE = re.compile(
     r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|constrained-\w+|function-\w+\[.*\]"
     r"|json-or-python\[.*\]|lax-or-strict\[.*\]|nullable\[.*\]|union\[.*\]|tagged-union\[.*\])$"
 )
+IDLE_KV_LEAK_SHARE = 0.05  # KV share held with nothing running that /health calls a leak
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -296,6 +297,12 @@ def build_app(state: ServerState) -> FastAPI:
         status = (
             "ok" if state.worker.ready else ("degraded" if w["state"] == "restarting" else "down")
         )
+        reasons = []
+        used, total = stats.get("kv_blocks_used") or 0, stats.get("kv_blocks_total") or 0
+        idle = not stats.get("num_running") and not stats.get("num_waiting")
+        if status == "ok" and idle and total and used / total > IDLE_KV_LEAK_SHARE:
+            status = "degraded"  # nothing runs, yet KV blocks stay taken: a leak (case C05)
+            reasons.append(f"{used} of {total} KV blocks in use with nothing running or waiting")
         body = {
             "status": status,
             "model": state.model_name,
@@ -306,6 +313,7 @@ def build_app(state: ServerState) -> FastAPI:
             "kv_blocks_used": stats.get("kv_blocks_used"),
             "kv_blocks_total": stats.get("kv_blocks_total"),
             "telemetry": state.telemetry.health(),
+            "reasons": reasons,
         }
         body["telemetry_dropped"] = body["telemetry"]["dropped_total"]
         return JSONResponse(body, status_code=200 if status != "down" else 503)
