@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ADMISSION_POLICIES = ("strict", "skip_ahead")
 PREFIX_CACHE_SCOPES = ("tenant", "global")
 
 # 1 GiB holds ~1,450 blocks of 16 tokens for SmolLM2-135M in float32 (46 KiB per token).
@@ -36,6 +37,11 @@ class EngineConfig:
             activations and KV cache) on CUDA.
         num_gpu_blocks_override: exact number of KV blocks (experiments, tests).
         seed: seed of the engine's default sampling generator.
+        admission_policy: ``strict`` (FCFS admission stops at the first waiting request whose
+            blocks do not fit) or ``skip_ahead`` (later requests that fit may pass it; symptom
+            case C01, head-of-line blocking).
+        max_admission_skips: with ``skip_ahead``, how many later requests may pass one waiting
+            request before admission waits for it (so a big request is not starved).
         fault_nan_fraction: fault injection for drills and scenarios, never for production:
             this fraction of requests (chosen by a hash of the request id) get NaN logits at
             their first sampled token and fail with ``nan_logits``.
@@ -62,6 +68,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     seed: int = 0
+    admission_policy: str = "strict"
+    max_admission_skips: int = 32
     fault_nan_fraction: float = 0.0
     fault_leak_blocks_on_abort: bool = False
 
@@ -89,6 +97,10 @@ class EngineConfig:
             raise ValueError("num_gpu_blocks_override must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise ValueError(f"admission_policy must be one of {', '.join(ADMISSION_POLICIES)}")
+        if self.max_admission_skips < 0:
+            raise ValueError("max_admission_skips must be >= 0")
         if not 0 <= self.fault_nan_fraction <= 1:
             raise ValueError(f"fault_nan_fraction must be in [0, 1], got {self.fault_nan_fraction}")
 

@@ -80,6 +80,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.times_skipped = 0  # later requests admitted ahead of it (skip_ahead admission)
         self.params = params
         self.priority = priority
         self.tenant = tenant

@@ -215,8 +215,22 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         chunked = self.config.enable_chunked_prefill
         threshold = self.config.long_prefill_token_threshold
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        skip_ahead = self.config.admission_policy == "skip_ahead"
+        blocked: list[Request] = []  # earlier requests that did not fit (skip_ahead only)
+        queue = list(self.waiting) if skip_ahead else None
+        pos = 0
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if skip_ahead:
+                if pos >= len(queue):
+                    break
+                if any(b.times_skipped >= self.config.max_admission_skips for b in blocked):
+                    break  # an earlier request has been passed often enough: wait for it
+                request = queue[pos]
+                pos += 1
+            elif self.waiting:
+                request = self.waiting[0]
+            else:
+                break
             cached = self.bm.find_cached_prefix(request)
             num_cached = len(cached) * self.bm.block_size
             n = request.num_tokens - num_cached
@@ -228,13 +242,18 @@ class Scheduler:
                 break  # whole prompts only; the first one of a step may exceed the budget
             need = self.bm.blocks_needed(num_cached + n) - len(cached)
             revived = sum(1 for b in cached if b.ref_cnt == 0)
-            if self.bm.num_free_blocks - need - revived < self.watermark_blocks:
+            fits = self.bm.num_free_blocks - need - revived >= self.watermark_blocks
+            if not fits or not self.bm.allocate_slots(request, n, cached):
                 out.allocation_failures += 1
+                # strict FCFS stops at the first request that does not fit; skip_ahead lets
+                # later ones pass it, at most max_admission_skips times (no starvation)
+                if skip_ahead and request.times_skipped < self.config.max_admission_skips:
+                    blocked.append(request)
+                    continue
                 break
-            if not self.bm.allocate_slots(request, n, cached):
-                out.allocation_failures += 1
-                break
-            self.waiting.popleft()
+            for earlier in blocked:
+                earlier.times_skipped += 1
+            self.waiting.remove(request)
             now = time.time_ns()
             if request.status == RequestStatus.PREEMPTED:
                 request.events.append(

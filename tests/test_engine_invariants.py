@@ -46,8 +46,14 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, chunked=st.booleans(), prefix=st.booleans(), budget=st.sampled_from([5, 16, 64]))
-def test_random_interleavings_keep_pool_invariants(ops, chunked, prefix, budget):
+@given(
+    ops=ops,
+    chunked=st.booleans(),
+    prefix=st.booleans(),
+    budget=st.sampled_from([5, 16, 64]),
+    admission=st.sampled_from(["strict", "skip_ahead"]),
+)
+def test_random_interleavings_keep_pool_invariants(ops, chunked, prefix, budget, admission):
     config = EngineConfig(
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=budget,
@@ -55,6 +61,8 @@ def test_random_interleavings_keep_pool_invariants(ops, chunked, prefix, budget)
         enable_chunked_prefill=chunked,
         enable_prefix_caching=prefix,
         kv_watermark=0.0,
+        admission_policy=admission,
+        max_admission_skips=3,
     )
     s = Scheduler(config, BlockManager(NUM_BLOCKS, BLOCK_SIZE, prefix), max_model_len=64)
     n = 0

@@ -163,3 +163,30 @@ def test_prefix_hit_reduces_prefill_tokens():
     assert (chunk.start, chunk.num_new_tokens) == (28, 2)
     assert out.prefix_hit_tokens == 28
     assert s.requests["b"].num_cached_tokens == 28
+
+
+@pytest.mark.parametrize("policy", ["strict", "skip_ahead"])
+def test_admission_policy_and_head_of_line_blocking(policy):
+    """Case C01: a big prompt that does not fit the free blocks. Strict FCFS holds every later
+    request behind it; skip_ahead admits the small ones that fit, at most max_admission_skips
+    times, after which admission waits for the big one again."""
+    s = make(num_blocks=10, block_size=4, admission_policy=policy, max_admission_skips=2)
+    add(s, "running", 8, max_tokens=8)  # 3 blocks once it has its first token
+    run_step(s)
+    add(s, "big", 32, max_tokens=4, first=100)  # needs 8 blocks, only 7 are free
+    for i in range(3):
+        add(s, f"small{i}", 3)
+    out = run_step(s)
+    admitted = {c.request.request_id for c in out.chunks} - {"running"}
+    if policy == "strict":
+        assert admitted == set() and out.allocation_failures == 1
+    else:
+        # two smalls pass the big one; the third would be a third skip, so admission waits
+        assert admitted == {"small0", "small1"}
+        assert s.requests["big"].times_skipped == 2
+        assert [r.request_id for r in s.waiting] == ["big", "small2"]
+
+
+def test_unknown_admission_policy_is_refused():
+    with pytest.raises(ValueError, match="admission_policy"):
+        EngineConfig(admission_policy="lifo").validate()
