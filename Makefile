@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # first and it is kept.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup model demo test lint format clean promtool
+.PHONY: setup model demo test lint format clean promtool chromium
 
 setup: $(STAMP)
 
@@ -44,7 +44,15 @@ promtool:
 		|| ($$SUDO apt-get update -qq \
 			&& $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus); }
 
-test: model lint promtool
+# tests/test_dashboard_browser.py drives headless Chromium through playwright; Debian's package.
+chromium:
+	@test -x /usr/bin/chromium || { \
+		SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi; \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium \
+		|| ($$SUDO apt-get update -qq \
+			&& $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium); }
+
+test: model lint promtool chromium
 	$(BIN)/python -m pytest
 
 clean:

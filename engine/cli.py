@@ -221,6 +221,16 @@ def serve(
         float, typer.Option(min=0.0, max=0.99, help="Fraction of KV blocks kept free at admission.")
     ] = 0.01,
     scheduling_policy: Annotated[str, typer.Option(help="fcfs | priority")] = "fcfs",
+    admission_policy: Annotated[
+        str,
+        typer.Option(
+            help="strict (FCFS admission stops at a request that does not fit) | skip_ahead "
+            "(smaller requests that fit may pass it)."
+        ),
+    ] = "strict",
+    max_admission_skips: Annotated[
+        int, typer.Option(min=0, help="skip_ahead: passes allowed before admission waits.")
+    ] = 32,
     kv_cache_memory: Annotated[int, typer.Option(min=1, help="KV cache bytes on CPU.")] = 1 << 30,
     gpu_memory_utilization: Annotated[float, typer.Option(min=0.01, max=1.0)] = 0.9,
     num_gpu_blocks_override: Annotated[int | None, typer.Option(min=1)] = None,
@@ -248,6 +258,19 @@ def serve(
             "--no-tracing", help="Build no spans at all (only to measure tracing's cost)."
         ),
     ] = False,
+    fault_nan_fraction: Annotated[
+        float,
+        typer.Option(
+            min=0.0, max=1.0, help="Fault drill: this fraction of requests fail with nan_logits."
+        ),
+    ] = 0.0,
+    fault_leak_blocks_on_abort: Annotated[
+        bool,
+        typer.Option(
+            "--fault-leak-blocks-on-abort",
+            help="Fault drill: aborted requests keep their KV blocks.",
+        ),
+    ] = False,
 ) -> None:
     """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
     from .api.server import make_server
@@ -273,6 +296,10 @@ def serve(
             kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks_override=num_gpu_blocks_override,
+            fault_nan_fraction=fault_nan_fraction,
+            fault_leak_blocks_on_abort=fault_leak_blocks_on_abort,
+            admission_policy=admission_policy,
+            max_admission_skips=max_admission_skips,
         )
         config.validate()
         server = make_server(
@@ -507,6 +534,177 @@ def diagnose(
             fetch=fetch,
         )
     except DiagnoseInputError as exc:
+        _dump_fail(str(exc))
+    raise typer.Exit(code)
+
+
+# ----- tokenmill dashboard (dashboard/) -----
+
+
+@app.command()
+def dashboard(
+    source: Annotated[
+        str,
+        typer.Option(
+            help="A trace dump or closed store file, or a running server's URL (then a fresh "
+            "dump is fetched every --refresh s with the admin key)."
+        ),
+    ] = "./tokenmill-data/traces.duckdb",
+    host: Annotated[str, typer.Option(help="Address the console listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8501,
+    refresh: Annotated[
+        float, typer.Option(min=1.0, help="Seconds between dumps of a live server.")
+    ] = 10.0,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (URL sources)."),
+    ] = None,
+) -> None:
+    """Open the operations console (Streamlit) over a dump, a closed store or a live server."""
+    import os
+    import socket
+    import subprocess
+
+    from ..dashboard.source import ENV_API_KEY, ENV_REFRESH, ENV_SOURCE, SourceError, check_source
+
+    try:
+        spec = check_source(source)
+    except SourceError as exc:
+        _dump_fail(str(exc))
+    try:
+        import streamlit  # noqa: F401
+    except ImportError:
+        _dump_fail("streamlit is not installed (pip install streamlit plotly)")
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            _dump_fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    script = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
+    if not script.is_file():
+        from .. import dashboard as pkg
+
+        script = Path(pkg.__file__).resolve().parent / "app.py"
+    env = {**os.environ, ENV_SOURCE: spec, ENV_REFRESH: f"{refresh:g}"}
+    if api_key:
+        env[ENV_API_KEY] = api_key
+    cmd = [sys.executable, "-m", "streamlit", "run", str(script),
+           "--server.address", host, "--server.port", str(port), "--server.headless", "true",
+           "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+           "--client.toolbarMode", "minimal"]  # fmt: skip
+    shown = f"[{host}]" if ":" in host else host
+    out.print(
+        f"tokenmill console: http://{shown}:{port}  (source: {spec})",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        code = 130
+    raise typer.Exit(code)
+
+
+# ----- tokenmill bench (bench/) -----
+
+
+@app.command(context_settings={"allow_interspersed_args": True})
+def bench(
+    url: Annotated[str | None, typer.Option(help="The server, e.g. http://127.0.0.1:8000.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model name to send (default: the server's first).")
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="TOKENMILL_API_KEY", help="Bearer key for the server.")
+    ] = None,
+    endpoint: Annotated[str, typer.Option(help="chat | completions")] = "chat",
+    request_rate: Annotated[
+        float | None,
+        typer.Option(help="Open loop: requests/s (× each phase's multiplier; inf = all at once)."),
+    ] = None,
+    burstiness: Annotated[
+        float, typer.Option(help="Gamma shape of the inter-arrival gaps (1 = Poisson).")
+    ] = 1.0,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(help="Closed loop: requests in flight (the default, with 1)."),
+    ] = None,
+    num_requests: Annotated[
+        int | None,
+        typer.Option(help="Requests to send (default 100; with --phases: no limit)."),
+    ] = None,
+    phases: Annotated[
+        str | None,
+        typer.Option(
+            help="e.g. warmup:20s,steady:60s,overload:30s@3x,recovery:40s, or a YAML file."
+        ),
+    ] = None,
+    prompt_tokens: Annotated[
+        str, typer.Option(help="Tokens: 256, uniform:64:512 or lognormal:256:0.5.")
+    ] = "256",
+    output_tokens: Annotated[
+        str, typer.Option(help="Tokens: 128, uniform:16:256 or lognormal:128:0.5 (ignore_eos).")
+    ] = "128",
+    shared_prefix: Annotated[
+        str | None,
+        typer.Option(help="L:G[:volatile]: a system prompt of L tokens shared by G requests."),
+    ] = None,
+    multi_turn: Annotated[
+        str | None, typer.Option(help="T[:C]: chats growing over T turns, C at a time.")
+    ] = None,
+    dataset: Annotated[
+        Path | None,
+        typer.Option(help='JSONL of {"prompt": ...} or ShareGPT {"conversations": [...]}.'),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(help="Tokenizer folder or tokenizer.json for exact prompt lengths."),
+    ] = None,
+    goodput: Annotated[
+        list[str] | None,
+        typer.Option(help="SLOs in ms for goodput: --goodput ttft:500 itl:100 e2e:5000."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seeds arrivals and prompts.")] = 0,
+    output: Annotated[Path | None, typer.Option("--out", "-o", help="Write the JSON here.")] = None,
+    record_to: Annotated[
+        Path | None,
+        typer.Option(help="A closed trace store or dump: write each request's client TTFT."),
+    ] = None,
+    from_results: Annotated[
+        Path | None, typer.Option(help="Record a saved --out file (with --record-to), no run.")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds one request may take.")] = 600.0,
+    drain_timeout: Annotated[
+        float, typer.Option(help="Seconds in-flight requests get after the last phase.")
+    ] = 300.0,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos/--no-ignore-eos")] = True,
+    temperature: Annotated[float, typer.Option()] = 0.0,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    slos: Annotated[list[str] | None, typer.Argument(hidden=True, metavar="SLO")] = None,
+) -> None:
+    """Load-test a server (open or closed loop, in phases) and report TTFT, ITL, TPOT, E2E,
+    throughput and goodput per phase."""
+    from ..bench.cli import BenchInputError, run_bench
+
+    try:
+        code = run_bench(
+            url=url, model=model, api_key=api_key, endpoint=endpoint,
+            request_rate=request_rate, burstiness=burstiness, concurrency=concurrency,
+            num_requests=num_requests, phases=phases, prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens, shared_prefix=shared_prefix, multi_turn=multi_turn,
+            dataset=dataset, tokenizer=tokenizer, goodput=goodput, extra=slos, seed=seed,
+            out=output, record_to=record_to, from_results=from_results, timeout=timeout,
+            drain_timeout=drain_timeout, ignore_eos=ignore_eos, temperature=temperature,
+            progress=progress, console=out, err_console=err,
+        )  # fmt: skip
+    except BenchInputError as exc:
         _dump_fail(str(exc))
     raise typer.Exit(code)
 

@@ -1,0 +1,32 @@
+"""The console's entry script (``streamlit run``; ``tokenmill dashboard`` starts it).
+
+Draws the shared sidebar (source, time window, SLOs), leaves the page context in
+``st.session_state["tm_ctx"]`` and runs the page picked in the navigation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+
+from tokenmill.dashboard import ui
+
+# not "pages/": a folder of that name beside the script puts Streamlit in its older MPA mode
+VIEWS = Path(__file__).parent / "views"
+
+st.set_page_config(page_title="tokenmill console", page_icon="⚙", layout="wide")
+nav = st.navigation(
+    [
+        st.Page(
+            VIEWS / "overview.py", title="Overview", icon=":material/monitoring:", default=True
+        ),
+        st.Page(VIEWS / "requests.py", title="Requests", icon=":material/list:"),
+        st.Page(VIEWS / "engine.py", title="Engine", icon=":material/memory:"),
+        st.Page(VIEWS / "devices.py", title="Devices", icon=":material/developer_board:"),
+        st.Page(VIEWS / "errors.py", title="Errors", icon=":material/error:"),
+        st.Page(VIEWS / "diagnosis.py", title="Diagnosis", icon=":material/troubleshoot:"),
+    ]
+)
+st.session_state["tm_ctx"] = ui.sidebar()
+nav.run()

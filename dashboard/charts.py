@@ -1,0 +1,407 @@
+"""Plotly figures of the console, built from the frames of :mod:`.data` (no Streamlit here).
+
+Time axes are UTC datetimes; a figure with several rows shares one time axis so that a spike
+can be followed from row to row. Units are in the axis titles (ms, tokens, blocks, W, J/token,
+MHz, %, °C, GiB).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .data import STATIONS
+
+_CONC = "rgba(120, 120, 120, 0.25)"
+_THROTTLE = "rgba(220, 40, 40, 0.18)"
+_COLORS = {
+    "p50": "#1f77b4",
+    "p99": "#d62728",
+    "prefill": "#ff7f0e",
+    "decode": "#1f77b4",
+    "schedule": "#9467bd",
+    "forward": "#2ca02c",
+    "sample": "#8c564b",
+}
+
+
+def _layout(fig: go.Figure, height: int, title: str | None = None) -> go.Figure:
+    fig.update_layout(
+        height=height,
+        title=title,
+        margin={"l": 60, "r": 60, "t": 50 if title else 30, "b": 60},
+        hovermode="x unified",
+        legend={"orientation": "h", "y": -0.06, "yanchor": "top", "x": 0},
+    )
+    return fig
+
+
+def latency_concurrency(df: pd.DataFrame) -> go.Figure:
+    """TTFT (top) and ITL (bottom) p50/p99 in ms over time, each with the mean number of
+    running requests (concurrency) shaded behind it on a right-hand axis."""
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.08,
+        specs=[[{"secondary_y": True}], [{"secondary_y": True}]],
+        subplot_titles=("TTFT (by arrival)", "ITL (per-request p50 / p99)"),
+    )
+    for row, metric in ((1, "ttft"), (2, "itl")):
+        fig.add_trace(
+            go.Scatter(
+                x=df["time"],
+                y=df["running_mean"],
+                name="concurrency (running)",
+                fill="tozeroy",
+                mode="none",
+                fillcolor=_CONC,
+                legendgroup="conc",
+                showlegend=row == 1,
+                connectgaps=False,
+            ),
+            row=row,
+            col=1,
+            secondary_y=True,
+        )
+        for q in ("p50", "p99"):
+            fig.add_trace(
+                go.Scatter(
+                    x=df["time"],
+                    y=df[f"{metric}_{q}_ms"],
+                    name=f"{metric.upper()} {q}",
+                    mode="lines+markers",
+                    marker={"size": 4},
+                    line={"color": _COLORS[q], "dash": "solid" if metric == "ttft" else "dot"},
+                ),
+                row=row,
+                col=1,
+                secondary_y=False,
+            )
+        fig.update_yaxes(title_text=f"{metric.upper()} ms", row=row, col=1, secondary_y=False)
+        fig.update_yaxes(
+            title_text="running",
+            row=row,
+            col=1,
+            secondary_y=True,
+            showgrid=False,
+            rangemode="tozero",
+        )
+    return _layout(fig, 560)
+
+
+def waterfall(detail: dict) -> go.Figure:
+    """One request's stations as a Gantt (ms since arrival): a bar per span, token times as
+    ticks on the decode row, prefill chunks as diamonds, preemptions as red crosses with the
+    preempted stretch shaded, resumes as green triangles, a client disconnect as a star."""
+    spans = detail["spans"]
+    rows = [n for n in ("request", *STATIONS) if n in set(spans["name"])]
+    rows += [n for n in spans["name"].unique() if n not in rows]
+    fig = go.Figure()
+    colors = ["#7f7f7f" if n == "request" else "#4c78a8" for n in spans["name"]]
+    colors = [
+        "#e45756" if s == "ERROR" else c for c, s in zip(colors, spans["status_code"], strict=True)
+    ]
+    fig.add_trace(
+        go.Bar(
+            y=spans["name"],
+            x=spans["duration_ms"],
+            base=spans["start_ms"],
+            orientation="h",
+            marker={"color": colors},
+            name="stations",
+            text=[f"{d:,.1f} ms" for d in spans["duration_ms"]],
+            textposition="auto",
+            hovertemplate="%{y}: %{base:,.1f} → %{x:,.1f} ms long<extra></extra>",
+        )
+    )
+    tokens = detail["token_times_ms"]
+    if tokens:
+        fig.add_trace(
+            go.Scatter(
+                x=tokens,
+                y=["decode"] * len(tokens),
+                mode="markers",
+                name=f"tokens ({len(tokens)})",
+                marker={"symbol": "line-ns-open", "size": 14, "color": "#222"},
+                hovertemplate="token at %{x:,.1f} ms<extra></extra>",
+            )
+        )
+    marks = {
+        "chunk": ("diamond", "#ff7f0e", "prefill chunk"),
+        "preempted": ("x", "#d62728", "preempted"),
+        "resumed": ("triangle-right", "#2ca02c", "resumed"),
+        "client_disconnect": ("star", "#9467bd", "client disconnect"),
+        "abort": ("x-open", "#d62728", "abort"),
+    }
+    events = detail["events"]
+    for name, (symbol, color, label) in marks.items():
+        evs = [e for e in events if e["name"] == name]
+        if not evs:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=[e["time_ms"] for e in evs],
+                y=[e["span"] for e in evs],
+                mode="markers",
+                name=label,
+                marker={"symbol": symbol, "size": 13, "color": color},
+                text=[", ".join(f"{k}={v}" for k, v in e["attributes"].items()) for e in evs],
+                hovertemplate=label + " at %{x:,.1f} ms<br>%{text}<extra></extra>",
+            )
+        )
+    for i, e in enumerate(events):
+        if e["name"] != "preempted":
+            continue
+        resumed = next((r for r in events[i + 1 :] if r["name"] == "resumed"), None)
+        end = resumed["time_ms"] if resumed else e["time_ms"]
+        fig.add_vrect(x0=e["time_ms"], x1=end, fillcolor=_THROTTLE, line_width=0, layer="below")
+    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(rows)))
+    fig.update_xaxes(title_text="ms since arrival")
+    fig = _layout(fig, 440)
+    # below the x-axis title, which the shared layout does not have
+    fig.update_layout(hovermode="closest", bargap=0.35, legend_y=-0.2, margin_b=90)
+    return fig
+
+
+def engine(steps: pd.DataFrame, hits: pd.DataFrame, per_step: bool) -> go.Figure:
+    """Engine steps over time, five rows: batch composition (prefill vs decode tokens per step),
+    step time split (schedule / forward / sample ms), running vs waiting, KV blocks (used, free,
+    cached), preemptions with the prefix-cache hit rate."""
+    fig = make_subplots(
+        rows=5,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.04,
+        specs=[[{}], [{}], [{}], [{}], [{"secondary_y": True}]],
+        subplot_titles=(
+            "Batch composition (tokens per step)",
+            "Step time split (ms)",
+            "Requests running / waiting",
+            "KV cache blocks",
+            "Preemptions and prefix-cache hit rate",
+        ),
+    )
+    x = steps["time"]
+    for col in ("prefill", "decode"):
+        fig.add_trace(
+            go.Bar(x=x, y=steps[f"{col}_tokens"], name=f"{col} tokens", marker_color=_COLORS[col]),
+            row=1,
+            col=1,
+        )
+    for col in ("schedule", "forward", "sample"):
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=steps[f"{col}_ms"],
+                name=f"{col} ms",
+                stackgroup="split",
+                mode="lines",
+                line={"width": 0.5, "color": _COLORS[col]},
+            ),
+            row=2,
+            col=1,
+        )
+    for col, color in (("running", "#1f77b4"), ("waiting", "#d62728")):
+        fig.add_trace(
+            go.Scatter(x=x, y=steps[col], name=col, mode="lines", line={"color": color}),
+            row=3,
+            col=1,
+        )
+    for col, color in (("kv_used", "#1f77b4"), ("kv_cached", "#2ca02c"), ("kv_free", "#bbbbbb")):
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=steps[col],
+                name=col.replace("kv_", "KV ") + " blocks",
+                stackgroup="kv",
+                mode="lines",
+                line={"width": 0.5, "color": color},
+            ),
+            row=4,
+            col=1,
+        )
+    fig.add_trace(
+        go.Bar(x=x, y=steps["preempted"], name="preemptions", marker_color="#d62728"),
+        row=5,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=hits["time"],
+            y=hits["prefix_hit_rate"],
+            name="prefix-cache hit rate",
+            mode="lines+markers",
+            marker={"size": 4},
+            line={"color": "#2ca02c"},
+        ),
+        row=5,
+        col=1,
+        secondary_y=True,
+    )
+    fig.update_layout(barmode="stack")
+    unit = "per step" if per_step else "mean per step"
+    fig.update_yaxes(title_text=f"tokens ({unit})", row=1, col=1)
+    fig.update_yaxes(title_text="ms", row=2, col=1)
+    fig.update_yaxes(title_text="requests", row=3, col=1)
+    fig.update_yaxes(title_text="blocks", row=4, col=1)
+    fig.update_yaxes(title_text="preemptions", row=5, col=1)
+    fig.update_yaxes(
+        title_text="hit rate", row=5, col=1, secondary_y=True, range=[0, 1], tickformat=".0%"
+    )
+    return _layout(fig, 1150)
+
+
+def _throttle_band(fig, d: pd.DataFrame, top: float, row: int, first: bool) -> None:
+    fig.add_trace(
+        go.Scatter(
+            x=d["time"],
+            y=[top if t else 0 for t in d["throttled"].fillna(False)],
+            name="throttled (power/thermal)",
+            mode="none",
+            fill="tozeroy",
+            fillcolor=_THROTTLE,
+            line_shape="hv",
+            text=d["reasons"],
+            hovertemplate="reasons: %{text}<extra></extra>",
+            legendgroup="throttle",
+            showlegend=first,
+        ),
+        row=row,
+        col=1,
+    )
+
+
+def gpus(df: pd.DataFrame, energy: pd.DataFrame) -> go.Figure:
+    """Per GPU over time: power (W), energy per output token (J/token), SM and memory clocks
+    (MHz) with throttling shaded, DRAM bandwidth and SM utilization (%), temperature (°C),
+    memory used / total (GiB)."""
+    fig = make_subplots(
+        rows=6,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.04,
+        subplot_titles=(
+            "Power (W)",
+            "Energy per output token (J/token, all GPUs)",
+            "Clocks (MHz); red: throttled by power or heat",
+            "DRAM bandwidth and SM utilization (%)",
+            "Temperature (°C)",
+            "Memory (GiB)",
+        ),
+    )
+    top = float(df["sm_clock_mhz"].max() or 0) if not df.empty else 0.0
+    for i, (dev, d) in enumerate(df.groupby("device_index", dropna=False)):
+        name = f"GPU {dev}"
+        fig.add_trace(go.Scatter(x=d["time"], y=d["power_w"], name=f"{name} power"), row=1, col=1)
+        _throttle_band(fig, d, top, 3, i == 0)
+        fig.add_trace(go.Scatter(x=d["time"], y=d["sm_clock_mhz"], name=f"{name} SM clock"), 3, 1)
+        fig.add_trace(go.Scatter(x=d["time"], y=d["mem_clock_mhz"], name=f"{name} mem clock"), 3, 1)
+        fig.add_trace(
+            go.Scatter(x=d["time"], y=d["dram_bw_util_pct"], name=f"{name} DRAM bw %"), 4, 1
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=d["time"], y=d["sm_util_pct"], name=f"{name} SM util %", line={"dash": "dot"}
+            ),
+            4,
+            1,
+        )
+        fig.add_trace(go.Scatter(x=d["time"], y=d["temperature_c"], name=f"{name} °C"), 5, 1)
+        fig.add_trace(go.Scatter(x=d["time"], y=d["mem_used_gib"], name=f"{name} used GiB"), 6, 1)
+        fig.add_trace(
+            go.Scatter(
+                x=d["time"], y=d["mem_total_gib"], name=f"{name} total GiB", line={"dash": "dash"}
+            ),
+            6,
+            1,
+        )
+    fig.add_trace(
+        go.Scatter(x=energy["time"], y=energy["j_per_token"], name="J/token", mode="lines+markers"),
+        row=2,
+        col=1,
+    )
+    fig.update_yaxes(title_text="W", row=1, col=1)
+    fig.update_yaxes(title_text="J/token", row=2, col=1)
+    fig.update_yaxes(title_text="MHz", row=3, col=1)
+    fig.update_yaxes(title_text="%", row=4, col=1, range=[0, 100])
+    fig.update_yaxes(title_text="°C", row=5, col=1)
+    fig.update_yaxes(title_text="GiB", row=6, col=1)
+    return _layout(fig, 1300)
+
+
+def host(df: pd.DataFrame) -> go.Figure:
+    """Host rows (no GPU): CPU % of all cores, 1-minute load, server RSS and host memory (GiB)."""
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.07,
+        subplot_titles=(
+            "HOST CPU (% of all cores)",
+            "HOST load average (1 min)",
+            "HOST memory (GiB): server process RSS and machine",
+        ),
+    )
+    fig.add_trace(go.Scatter(x=df["time"], y=df["cpu_pct"], name="host CPU %"), 1, 1)
+    fig.add_trace(go.Scatter(x=df["time"], y=df["load_1m"], name="host load 1m"), 2, 1)
+    fig.add_trace(go.Scatter(x=df["time"], y=df["rss_gib"], name="server RSS GiB"), 3, 1)
+    fig.add_trace(go.Scatter(x=df["time"], y=df["mem_used_gib"], name="host used GiB"), 3, 1)
+    fig.add_trace(
+        go.Scatter(
+            x=df["time"], y=df["mem_total_gib"], name="host total GiB", line={"dash": "dash"}
+        ),
+        3,
+        1,
+    )
+    fig.update_yaxes(title_text="%", row=1, col=1)
+    fig.update_yaxes(title_text="GiB", row=3, col=1)
+    return _layout(fig, 700)
+
+
+def errors(df: pd.DataFrame) -> go.Figure:
+    """Errors per second by type over time (stacked bars, by request end)."""
+    fig = go.Figure()
+    for etype, d in df.groupby("error_type"):
+        fig.add_trace(
+            go.Bar(x=d["time"], y=d["rate_per_s"], name=str(etype), customdata=d["errors"],
+                   hovertemplate="%{y:.3f}/s (%{customdata} errors)"),
+        )  # fmt: skip
+    fig.update_layout(barmode="stack", showlegend=True)
+    fig.update_yaxes(title_text="errors / s")
+    return _layout(fig, 380)
+
+
+def evidence(windows: pd.DataFrame, series: list[str], start_ns, end_ns) -> go.Figure:
+    """The diagnoser's per-window values of ``series`` (one row each, the baseline dashed) with
+    the finding's window shaded."""
+    fig = make_subplots(
+        rows=len(series), cols=1, shared_xaxes=True, vertical_spacing=0.08, subplot_titles=series
+    )
+    for i, name in enumerate(series, 1):
+        fig.add_trace(
+            go.Scatter(x=windows["time"], y=windows[name], name=name, mode="lines+markers"), i, 1
+        )
+        base = f"{name}__baseline"
+        if base in windows and windows[base].notna().any():
+            fig.add_trace(
+                go.Scatter(
+                    x=windows["time"],
+                    y=windows[base],
+                    name=f"{name} baseline",
+                    mode="lines",
+                    line={"dash": "dash", "color": "#999"},
+                ),
+                i,
+                1,
+            )
+    if start_ns is not None and end_ns is not None:
+        fig.add_vrect(
+            x0=pd.Timestamp(int(start_ns), unit="ns", tz="UTC"),
+            x1=pd.Timestamp(int(end_ns), unit="ns", tz="UTC"),
+            fillcolor=_THROTTLE,
+            line_width=0,
+            layer="below",
+        )
+    return _layout(fig, 180 + 170 * len(series))

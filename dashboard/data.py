@@ -1,0 +1,697 @@
+"""Every query of the console: parameterized SQL over a trace store or dump (DuckDB).
+
+Functions take an open connection (``telemetry.dump.open_dump``) and a half-open time window
+``since_ns <= t < until_ns`` (wall-clock Unix ns) and return plain dicts/lists or pandas
+DataFrames; nothing here imports Streamlit. User input only ever reaches DuckDB as a bound
+parameter; the few SQL fragments chosen by an argument (a sort order, an optional filter) come
+from fixed tables in this module.
+
+Which rows a window holds: requests by ``arrival_ns`` (errors by ``end_ns``), engine steps by
+``start_ns``, device samples and events by ``time_ns``. Units: latencies in ms, durations in s,
+power in W, energy in J, memory in GiB, rates per s, shares 0..1. Percentiles follow
+``tokenmill diagnose``: TTFT over completed requests; ITL p50 is the median of the requests' own
+ITL p50, ITL p99 the 99th percentile of their own ITL p99.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+
+import duckdb
+import pandas as pd
+
+NS = 1_000_000_000
+GIB = float(1 << 30)
+STATIONS = (
+    "gateway",
+    "tokenize",
+    "admission",
+    "schedule",
+    "prefill",
+    "decode",
+    "stream",
+    "metering",
+)
+# clock-event reasons that mean the GPU is held back (not idle, not an app clock setting)
+THROTTLE_REASONS = (
+    "sw_power_cap",
+    "hw_slowdown",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+)
+OK_SQL = "(finish_reason IN ('stop', 'length') AND error_type IS NULL)"
+STATUS_SQL = (
+    "CASE WHEN finish_reason IN ('stop', 'length') AND error_type IS NULL THEN 'ok' "
+    "WHEN finish_reason = 'abort' THEN 'aborted' "
+    "WHEN queued_ns IS NULL THEN 'rejected' ELSE 'error' END"
+)
+STATUSES = ("ok", "error", "aborted", "rejected")
+SORTS = {
+    "e2e": "e2e_ms DESC NULLS LAST, arrival_ns",
+    "ttft": "ttft_ms DESC NULLS LAST, arrival_ns",
+    "itl": "itl_p99_ms DESC NULLS LAST, arrival_ns",
+    "latest": "arrival_ns DESC",
+}
+_NICE_BUCKETS_S = (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
+
+
+@dataclass(frozen=True)
+class Slo:
+    """The user's service-level objectives (ms). A request is good when it completed and its
+    TTFT, its own ITL p99 and its E2E latency are all within them."""
+
+    ttft_ms: float = 2000.0
+    itl_ms: float = 200.0
+    e2e_ms: float = 60000.0
+
+
+def _q(con, sql: str, **params) -> duckdb.DuckDBPyConnection:
+    return con.execute(sql, {k: v for k, v in params.items() if f"${k}" in sql})
+
+
+def _one(con, sql: str, **params) -> dict:
+    cur = _q(con, sql, **params)
+    cols = [d[0] for d in cur.description]
+    row = cur.fetchone()
+    return dict(zip(cols, row, strict=True)) if row else {c: None for c in cols}
+
+
+def _df(con, sql: str, **params) -> pd.DataFrame:
+    return _q(con, sql, **params).df()
+
+
+def _time(df: pd.DataFrame, col: str = "t_ns", name: str = "time") -> pd.DataFrame:
+    """Add a UTC datetime column ``name`` from a ns column."""
+    if not df.empty:
+        df[name] = pd.to_datetime(df[col].astype("int64"), unit="ns", utc=True)
+    else:
+        df[name] = pd.Series(dtype="datetime64[ns, UTC]")
+    return df
+
+
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
+# ----- the store -----
+
+
+def time_range(con) -> tuple[int, int] | None:
+    """``(first, last + 1)`` ns over every table's own time, or None for an empty store."""
+    lo, hi = con.execute(
+        "SELECT min(t0), max(t1) FROM ("
+        " SELECT min(arrival_ns) t0, max(end_ns) t1 FROM requests"
+        " UNION ALL SELECT min(start_ns), max(end_ns) FROM engine_steps"
+        " UNION ALL SELECT min(time_ns), max(time_ns) FROM device_samples"
+        " UNION ALL SELECT min(time_ns), max(time_ns) FROM events)"
+    ).fetchone()
+    return None if lo is None else (int(lo), int(hi) + 1)
+
+
+def store_info(con) -> dict:
+    """Rows per table and the ``meta`` entries."""
+    counts = {
+        t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+        for t in ("requests", "spans", "engine_steps", "device_samples", "events")
+    }
+    meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
+    return {"counts": counts, "meta": meta}
+
+
+def pick_bucket_s(since_ns: int, until_ns: int, points: int = 120) -> float:
+    """A round bucket length (s) giving about ``points`` buckets over the window."""
+    span_s = max((until_ns - since_ns) / NS, 0.001)
+    for b in _NICE_BUCKETS_S:
+        if span_s / b <= points:
+            return float(b)
+    return float(3600 * max(1, round(span_s / points / 3600)))
+
+
+# ----- overview -----
+
+_OVERVIEW_REQ_SQL = f"""
+SELECT count(*) AS requests,
+    count(*) FILTER (WHERE ok) AS completed,
+    count(*) FILTER (WHERE error_type IS NOT NULL) AS errors,
+    quantile_cont(ttft_ms, 0.5) FILTER (WHERE ok) AS ttft_p50_ms,
+    quantile_cont(ttft_ms, 0.99) FILTER (WHERE ok) AS ttft_p99_ms,
+    quantile_cont(itl_p50_ms, 0.5) FILTER (WHERE ok) AS itl_p50_ms,
+    quantile_cont(itl_p99_ms, 0.99) FILTER (WHERE ok) AS itl_p99_ms,
+    quantile_cont(tpot_ms, 0.5) FILTER (WHERE ok) AS tpot_p50_ms,
+    quantile_cont(e2e_ms, 0.5) FILTER (WHERE ok) AS e2e_p50_ms,
+    quantile_cont(e2e_ms, 0.99) FILTER (WHERE ok) AS e2e_p99_ms,
+    count(*) FILTER (WHERE ok AND ttft_ms <= $ttft AND coalesce(itl_p99_ms, 0) <= $itl
+                     AND e2e_ms <= $e2e) AS good,
+    sum(output_tokens) FILTER (WHERE ok) AS completed_output_tokens,
+    sum(cached_tokens)::DOUBLE / nullif(sum(input_tokens), 0) AS prefix_hit_rate
+FROM (SELECT *, {OK_SQL} AS ok FROM requests WHERE arrival_ns >= $since AND arrival_ns < $until)
+"""
+
+_OVERVIEW_STEP_SQL = """
+SELECT count(*) AS steps,
+    sum(num_sampled) AS sampled_tokens,
+    avg(num_running) AS running_mean,
+    max(num_running) AS running_max,
+    avg(num_waiting) AS waiting_mean,
+    avg(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) AS kv_usage_mean,
+    max(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) AS kv_usage_max,
+    arg_max(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0), start_ns) AS kv_usage_last,
+    sum(num_preempted) AS preemptions
+FROM engine_steps WHERE start_ns >= $since AND start_ns < $until
+"""
+
+
+def overview(con, since_ns: int, until_ns: int, slo: Slo = Slo()) -> dict:
+    """The tiles: latency percentiles (ms), throughput (output tokens/s from engine steps),
+    goodput (share of requests meeting ``slo`` and good requests/s), error rate, KV usage."""
+    r = _one(
+        con,
+        _OVERVIEW_REQ_SQL,
+        since=since_ns,
+        until=until_ns,
+        ttft=float(slo.ttft_ms),
+        itl=float(slo.itl_ms),
+        e2e=float(slo.e2e_ms),
+    )
+    s = _one(con, _OVERVIEW_STEP_SQL, since=since_ns, until=until_ns)
+    duration_s = (until_ns - since_ns) / NS
+    tokens = s["sampled_tokens"] if s["steps"] else r["completed_output_tokens"]
+    out = {**r, **s, "duration_s": duration_s}
+    out["throughput_tok_s"] = _div(float(tokens or 0), duration_s)
+    out["goodput_share"] = _div(float(r["good"] or 0), r["requests"])
+    out["goodput_rate_per_s"] = _div(float(r["good"] or 0), duration_s)
+    out["error_rate"] = _div(float(r["errors"] or 0), r["requests"])
+    out["request_rate_per_s"] = _div(float(r["requests"] or 0), duration_s)
+    return out
+
+
+_LAT_SERIES_SQL = f"""
+SELECT (arrival_ns - $since) // $w AS b, count(*) AS requests,
+    quantile_cont(ttft_ms, 0.5) FILTER (WHERE ok) AS ttft_p50_ms,
+    quantile_cont(ttft_ms, 0.99) FILTER (WHERE ok) AS ttft_p99_ms,
+    quantile_cont(itl_p50_ms, 0.5) FILTER (WHERE ok) AS itl_p50_ms,
+    quantile_cont(itl_p99_ms, 0.99) FILTER (WHERE ok) AS itl_p99_ms,
+    count(*) FILTER (WHERE error_type IS NOT NULL) AS errors
+FROM (SELECT *, {OK_SQL} AS ok FROM requests WHERE arrival_ns >= $since AND arrival_ns < $until)
+GROUP BY b
+"""
+
+_CONC_SERIES_SQL = """
+SELECT (start_ns - $since) // $w AS b, avg(num_running) AS running_mean,
+    max(num_running) AS running_max, avg(num_waiting) AS waiting_mean,
+    sum(num_sampled) AS sampled_tokens
+FROM engine_steps WHERE start_ns >= $since AND start_ns < $until GROUP BY b
+"""
+
+
+def latency_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd.DataFrame:
+    """Per bucket: requests, TTFT and ITL p50/p99 (ms, by arrival), concurrency (mean and max
+    running, mean waiting, from engine steps) and output tokens/s. Column ``time``: the
+    bucket start (UTC)."""
+    w = max(1, int(bucket_s * NS))
+    lat = _df(con, _LAT_SERIES_SQL, since=since_ns, until=until_ns, w=w)
+    conc = _df(con, _CONC_SERIES_SQL, since=since_ns, until=until_ns, w=w)
+    df = lat.merge(conc, on="b", how="outer").sort_values("b").reset_index(drop=True)
+    df["throughput_tok_s"] = df["sampled_tokens"] / bucket_s
+    df["t_ns"] = since_ns + df["b"] * w
+    return _time(df)
+
+
+# ----- requests -----
+
+
+def filter_options(con, since_ns: int, until_ns: int) -> dict:
+    """Distinct tenants and finish reasons in the window (for the filters)."""
+    tenants = _q(
+        con,
+        "SELECT DISTINCT tenant FROM requests WHERE arrival_ns >= $since AND arrival_ns < $until "
+        "AND tenant IS NOT NULL ORDER BY 1",
+        since=since_ns,
+        until=until_ns,
+    ).fetchall()
+    reasons = _q(
+        con,
+        "SELECT DISTINCT finish_reason FROM requests WHERE arrival_ns >= $since "
+        "AND arrival_ns < $until AND finish_reason IS NOT NULL ORDER BY 1",
+        since=since_ns,
+        until=until_ns,
+    ).fetchall()
+    return {
+        "tenants": [t for (t,) in tenants],
+        "finish_reasons": [r for (r,) in reasons],
+        "statuses": list(STATUSES),
+    }
+
+
+def requests_table(
+    con,
+    since_ns: int,
+    until_ns: int,
+    *,
+    tenant: str | None = None,
+    status: str | None = None,
+    finish_reason: str | None = None,
+    search: str | None = None,
+    sort: str = "e2e",
+    limit: int = 500,
+) -> tuple[pd.DataFrame, int]:
+    """Requests in the window, filtered and sorted (``sort``: e2e | ttft | itl | latest; the
+    first three slowest first), at most ``limit`` rows; also the number matching.
+
+    ``search`` matches the start of a trace id, request id or client request id.
+    ``status``: ok | error | aborted | rejected.
+    """
+    if sort not in SORTS:
+        raise ValueError(f"sort must be one of {', '.join(SORTS)}, not {sort!r}")
+    conds = ["arrival_ns >= $since", "arrival_ns < $until"]
+    params: dict = {"since": since_ns, "until": until_ns, "limit": int(limit)}
+    if tenant:
+        conds.append("tenant = $tenant")
+        params["tenant"] = tenant
+    if status:
+        conds.append(f"({STATUS_SQL}) = $status")
+        params["status"] = status
+    if finish_reason:
+        conds.append("finish_reason = $finish_reason")
+        params["finish_reason"] = finish_reason
+    if search and search.strip():
+        conds.append(
+            "(starts_with(trace_id, $search) OR starts_with(request_id, $search) "
+            "OR starts_with(coalesce(client_request_id, ''), $search))"
+        )
+        params["search"] = search.strip()
+    where = " AND ".join(conds)
+    (total,) = _q(con, f"SELECT count(*) FROM requests WHERE {where}", **params).fetchone()
+    df = _df(
+        con,
+        f"""SELECT arrival_ns AS t_ns, trace_id, request_id, client_request_id, tenant,
+                   {STATUS_SQL} AS status, http_status, finish_reason, error_type,
+                   ttft_ms, itl_p99_ms, e2e_ms, queue_ms, prefill_ms, decode_ms,
+                   input_tokens, output_tokens, cached_tokens, preemptions, prefill_chunks
+            FROM requests WHERE {where} ORDER BY {SORTS[sort]} LIMIT $limit""",
+        **params,
+    )
+    df = _time(df, name="arrival")
+    cols = ["arrival"] + [c for c in df.columns if c not in ("arrival", "t_ns")]
+    return df[cols], int(total)
+
+
+def request_detail(con, trace_id: str) -> dict | None:
+    """One request: its ``requests`` row, its spans (ms from arrival), its span events and its
+    per-token times (ms from arrival: the first token, then the decode span's ITL list).
+
+    Returns None when no span or row has this trace id.
+    """
+    req = _q(con, "SELECT * FROM requests WHERE trace_id = $t LIMIT 1", t=trace_id)
+    cols = [d[0] for d in req.description]
+    row = req.fetchone()
+    request = dict(zip(cols, row, strict=True)) if row else None
+    spans = _df(
+        con,
+        "SELECT name, span_id, parent_span_id, start_ns, end_ns, duration_ns, status_code, "
+        "status_message, error_type, attributes, events FROM spans WHERE trace_id = $t "
+        "ORDER BY start_ns",
+        t=trace_id,
+    )
+    if request is None and spans.empty:
+        return None
+    roots = spans[spans["name"] == "request"]
+    if request is not None:
+        t0 = int(request["arrival_ns"])
+    elif not roots.empty:
+        t0 = int(roots["start_ns"].iloc[0])
+    else:
+        t0 = int(spans["start_ns"].min())
+    spans["start_ms"] = (spans["start_ns"] - t0) / 1e6
+    spans["end_ms"] = (spans["end_ns"] - t0) / 1e6
+    spans["duration_ms"] = spans["duration_ns"] / 1e6
+    events: list[dict] = []
+    tokens_ms: list[float] = []
+    for s in spans.itertuples():
+        for e in json.loads(s.events or "[]"):
+            events.append(
+                {
+                    "span": s.name,
+                    "name": e.get("name"),
+                    "time_ms": (int(e.get("time_ns") or s.start_ns) - t0) / 1e6,
+                    "attributes": e.get("attributes") or {},
+                }
+            )
+        if s.name == "decode":
+            attrs = json.loads(s.attributes or "{}")
+            first = request.get("first_token_ns") if request else None
+            t = ((int(first) if first else int(s.start_ns)) - t0) / 1e6
+            tokens_ms = [t]
+            for gap in attrs.get("tokenmill.decode.itl_ms") or []:
+                t += float(gap)
+                tokens_ms.append(t)
+    if not tokens_ms and request and request.get("first_token_ns"):
+        tokens_ms = [(int(request["first_token_ns"]) - t0) / 1e6]
+    order = {n: i for i, n in enumerate(("request", *STATIONS))}
+    spans["order"] = spans["name"].map(lambda n: order.get(n, len(order)))
+    spans = spans.sort_values(["order", "start_ns"]).drop(columns=["order"])
+    return {
+        "trace_id": trace_id,
+        "arrival_ns": t0,
+        "request": request,
+        "spans": spans.reset_index(drop=True),
+        "events": sorted(events, key=lambda e: e["time_ms"]),
+        "token_times_ms": tokens_ms,
+    }
+
+
+# ----- engine -----
+
+_STEP_COLS = """num_prefill_tokens AS prefill_tokens, num_decode_tokens AS decode_tokens,
+    schedule_ms, forward_ms, sample_ms, (end_ns - start_ns) / 1e6 AS step_ms,
+    num_running AS running, num_waiting AS waiting, kv_blocks_used AS kv_used,
+    kv_blocks_free AS kv_free, kv_blocks_cached AS kv_cached, kv_blocks_total AS kv_total,
+    num_preempted AS preempted, prefix_hit_tokens, allocation_failures, num_sampled AS sampled"""
+
+_STEP_BUCKET_SQL = """
+SELECT (start_ns - $since) // $w AS b, count(*) AS steps,
+    avg(num_prefill_tokens) AS prefill_tokens, avg(num_decode_tokens) AS decode_tokens,
+    avg(schedule_ms) AS schedule_ms, avg(forward_ms) AS forward_ms, avg(sample_ms) AS sample_ms,
+    avg((end_ns - start_ns) / 1e6) AS step_ms, avg(num_running) AS running,
+    avg(num_waiting) AS waiting, avg(kv_blocks_used) AS kv_used, avg(kv_blocks_free) AS kv_free,
+    avg(kv_blocks_cached) AS kv_cached, max(kv_blocks_total) AS kv_total,
+    sum(num_preempted) AS preempted, sum(prefix_hit_tokens) AS prefix_hit_tokens,
+    sum(allocation_failures) AS allocation_failures, sum(num_sampled) AS sampled
+FROM engine_steps WHERE start_ns >= $since AND start_ns < $until GROUP BY b ORDER BY b
+"""
+
+
+def engine_steps(
+    con, since_ns: int, until_ns: int, max_points: int = 2000
+) -> tuple[pd.DataFrame, float | None]:
+    """Engine steps in the window: one row per step when there are at most ``max_points``,
+    else per time bucket (means per step; preemptions, prefix hits, allocation failures and
+    sampled tokens summed). Returns the frame and the bucket length in s (None: per step)."""
+    (n,) = _q(
+        con,
+        "SELECT count(*) FROM engine_steps WHERE start_ns >= $since AND start_ns < $until",
+        since=since_ns,
+        until=until_ns,
+    ).fetchone()
+    if n <= max_points:
+        df = _df(
+            con,
+            f"SELECT start_ns AS t_ns, step_id, 1 AS steps, {_STEP_COLS} FROM engine_steps "
+            "WHERE start_ns >= $since AND start_ns < $until ORDER BY start_ns",
+            since=since_ns,
+            until=until_ns,
+        )
+        return _time(df), None
+    bucket_s = pick_bucket_s(since_ns, until_ns, points=max_points // 2)
+    w = max(1, int(bucket_s * NS))
+    df = _df(con, _STEP_BUCKET_SQL, since=since_ns, until=until_ns, w=w)
+    df["t_ns"] = since_ns + df["b"] * w
+    return _time(df), bucket_s
+
+
+def engine_summary(con, since_ns: int, until_ns: int) -> dict:
+    """Totals over the window's steps: steps, step time (ms), prefill token share, preemptions,
+    allocation failures, peak running/waiting, KV use; prefix-cache hit rate from requests."""
+    s = _one(
+        con,
+        """SELECT count(*) AS steps, avg((end_ns - start_ns) / 1e6) AS step_ms_mean,
+               quantile_cont((end_ns - start_ns) / 1e6, 0.99) AS step_ms_p99,
+               sum(num_prefill_tokens)::DOUBLE
+                   / nullif(sum(num_prefill_tokens + num_decode_tokens), 0) AS prefill_token_share,
+               sum(num_preempted) AS preemptions, sum(allocation_failures) AS allocation_failures,
+               max(num_running) AS running_max, max(num_waiting) AS waiting_max,
+               max(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) AS kv_usage_max,
+               max(kv_blocks_total) AS kv_blocks_total
+           FROM engine_steps WHERE start_ns >= $since AND start_ns < $until""",
+        since=since_ns,
+        until=until_ns,
+    )
+    s.update(
+        _one(
+            con,
+            "SELECT sum(cached_tokens)::DOUBLE / nullif(sum(input_tokens), 0) AS prefix_hit_rate "
+            "FROM requests WHERE arrival_ns >= $since AND arrival_ns < $until",
+            since=since_ns,
+            until=until_ns,
+        )
+    )
+    return s
+
+
+def prefix_hit_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd.DataFrame:
+    """Per bucket (by arrival): prefix-cache hit rate = cached prompt tokens / prompt tokens."""
+    w = max(1, int(bucket_s * NS))
+    df = _df(
+        con,
+        "SELECT (arrival_ns - $since) // $w AS b, sum(cached_tokens)::DOUBLE "
+        "/ nullif(sum(input_tokens), 0) AS prefix_hit_rate, sum(input_tokens) AS input_tokens "
+        "FROM requests WHERE arrival_ns >= $since AND arrival_ns < $until GROUP BY b ORDER BY b",
+        since=since_ns,
+        until=until_ns,
+        w=w,
+    )
+    df["t_ns"] = since_ns + df["b"] * w
+    return _time(df)
+
+
+# ----- devices -----
+
+
+def device_kind(con, since_ns: int, until_ns: int) -> str | None:
+    """'gpu' when the window has GPU samples, else 'host' when it has host samples, else None."""
+    kinds = {
+        k
+        for (k,) in _q(
+            con,
+            "SELECT DISTINCT kind FROM device_samples WHERE time_ns >= $since AND time_ns < $until",
+            since=since_ns,
+            until=until_ns,
+        ).fetchall()
+    }
+    return "gpu" if "gpu" in kinds else ("host" if "host" in kinds else None)
+
+
+_GPU_SQL = """
+SELECT (time_ns - $since) // $w AS b, device_index, any_value(device_name) AS device_name,
+    min(time_ns) AS t_ns, avg(power_w) AS power_w, max(energy_j) AS energy_j,
+    avg(gpu_util_pct) AS sm_util_pct, avg(mem_util_pct) AS mem_util_pct,
+    avg(dram_bw_util_pct) AS dram_bw_util_pct, avg(mem_used_bytes) / $gib AS mem_used_gib,
+    max(mem_total_bytes) / $gib AS mem_total_gib, avg(sm_clock_mhz) AS sm_clock_mhz,
+    avg(mem_clock_mhz) AS mem_clock_mhz, max(temperature_c) AS temperature_c,
+    bool_or(list_has_any(coalesce(clock_event_reasons, []::VARCHAR[]), $throttle)) AS throttled,
+    list_sort(list_distinct(flatten(list(coalesce(clock_event_reasons, []::VARCHAR[]))))) AS reasons,
+    avg(pcie_rx_bytes_s) AS pcie_rx_bytes_s, avg(pcie_tx_bytes_s) AS pcie_tx_bytes_s
+FROM device_samples WHERE kind = 'gpu' AND time_ns >= $since AND time_ns < $until
+GROUP BY b, device_index ORDER BY device_index, b
+"""
+
+_HOST_SQL = """
+SELECT (time_ns - $since) // $w AS b, any_value(device_name) AS device_name, min(time_ns) AS t_ns,
+    avg(cpu_pct) AS cpu_pct, avg(load_1m) AS load_1m, avg(rss_bytes) / $gib AS rss_gib,
+    avg(mem_used_bytes) / $gib AS mem_used_gib, max(mem_total_bytes) / $gib AS mem_total_gib
+FROM device_samples WHERE kind = 'host' AND time_ns >= $since AND time_ns < $until
+GROUP BY b ORDER BY b
+"""
+
+
+def device_series(con, since_ns: int, until_ns: int, max_points: int = 1500) -> dict:
+    """Device samples in the window, averaged into at most about ``max_points`` buckets.
+
+    Returns ``{"kind": 'gpu' | 'host' | None, "bucket_s", "df"}``. GPU rows per device: power
+    (W), SM and memory-controller util and DRAM bandwidth util (%), memory (GiB), SM/memory
+    clocks (MHz), temperature (°C, max), ``throttled`` (a power/thermal reason seen) and the
+    reasons. Host rows (no GPU): CPU % (all cores), load, process RSS and host memory (GiB).
+    """
+    kind = device_kind(con, since_ns, until_ns)
+    bucket_s = pick_bucket_s(since_ns, until_ns, points=max_points)
+    w = max(1, int(bucket_s * NS))
+    if kind == "gpu":
+        df = _df(
+            con,
+            _GPU_SQL,
+            since=since_ns,
+            until=until_ns,
+            w=w,
+            gib=GIB,
+            throttle=list(THROTTLE_REASONS),
+        )
+        df["reasons"] = df["reasons"].map(lambda r: ", ".join(r) if r is not None else "")
+    elif kind == "host":
+        df = _df(con, _HOST_SQL, since=since_ns, until=until_ns, w=w, gib=GIB)
+    else:
+        df = pd.DataFrame({"t_ns": pd.Series(dtype="int64")})
+    return {"kind": kind, "bucket_s": bucket_s, "df": _time(df)}
+
+
+_ENERGY_SQL = """
+WITH d AS (
+    SELECT time_ns,
+        CASE WHEN energy_j IS NOT NULL AND lag(energy_j) OVER w IS NOT NULL
+                  AND energy_j >= lag(energy_j) OVER w
+             THEN energy_j - lag(energy_j) OVER w
+             ELSE power_w * (time_ns - lag(time_ns) OVER w) / 1e9 END AS de
+    FROM device_samples WHERE kind = 'gpu' AND time_ns >= $since AND time_ns < $until
+    WINDOW w AS (PARTITION BY device_index ORDER BY time_ns))
+SELECT (time_ns - $since) // $w AS b, sum(de) AS energy_j FROM d GROUP BY b
+"""
+
+
+def energy_per_token(con, since_ns: int, until_ns: int, bucket_s: float) -> dict:
+    """Energy per output token (J/token) per bucket and overall: the GPUs' energy over the
+    bucket (the NVML energy counter's increase, or power × time between samples where the
+    counter is missing) / output tokens sampled by the engine in it. Empty without GPU rows."""
+    w = max(1, int(bucket_s * NS))
+    e = _df(con, _ENERGY_SQL, since=since_ns, until=until_ns, w=w)
+    t = _df(
+        con,
+        "SELECT (start_ns - $since) // $w AS b, sum(num_sampled) AS output_tokens "
+        "FROM engine_steps WHERE start_ns >= $since AND start_ns < $until GROUP BY b",
+        since=since_ns,
+        until=until_ns,
+        w=w,
+    )
+    df = e.merge(t, on="b", how="left").sort_values("b").reset_index(drop=True)
+    df["j_per_token"] = df["energy_j"] / df["output_tokens"].where(df["output_tokens"] > 0)
+    df["t_ns"] = since_ns + df["b"] * w
+    energy = float(df["energy_j"].sum()) if not df.empty else None
+    (tokens,) = _q(
+        con,
+        "SELECT sum(num_sampled) FROM engine_steps WHERE start_ns >= $since AND start_ns < $until",
+        since=since_ns,
+        until=until_ns,
+    ).fetchone()
+    return {
+        "df": _time(df),
+        "energy_j": energy,
+        "output_tokens": tokens,
+        "j_per_token": _div(energy, tokens) if energy is not None else None,
+    }
+
+
+# ----- errors -----
+
+
+def errors_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd.DataFrame:
+    """Errors per bucket (by request end) and type: count and rate (errors/s)."""
+    w = max(1, int(bucket_s * NS))
+    df = _df(
+        con,
+        "SELECT (end_ns - $since) // $w AS b, error_type, count(*) AS errors FROM requests "
+        "WHERE end_ns >= $since AND end_ns < $until AND error_type IS NOT NULL "
+        "GROUP BY ALL ORDER BY b, error_type",
+        since=since_ns,
+        until=until_ns,
+        w=w,
+    )
+    df["rate_per_s"] = df["errors"] / bucket_s
+    df["t_ns"] = since_ns + df["b"] * w
+    return _time(df)
+
+
+def error_examples(con, since_ns: int, until_ns: int, per_type: int = 5) -> pd.DataFrame:
+    """Per error type (by request end): count, share of requests ended, first/last seen, HTTP
+    statuses and up to ``per_type`` example trace ids (latest first)."""
+    df = _df(
+        con,
+        """WITH e AS (SELECT * FROM requests WHERE end_ns >= $since AND end_ns < $until),
+                n AS (SELECT count(*) AS ended FROM e)
+           SELECT error_type, count(*) AS errors, count(*) / any_value(n.ended) AS share,
+               min(end_ns) AS first_ns, max(end_ns) AS last_ns,
+               list_sort(list_distinct(list(http_status))) AS http_statuses,
+               list(trace_id ORDER BY end_ns DESC)[1:$k] AS example_trace_ids
+           FROM e, n WHERE error_type IS NOT NULL GROUP BY error_type ORDER BY errors DESC""",
+        since=since_ns,
+        until=until_ns,
+        k=int(per_type),
+    )
+    df = _time(df, "first_ns", "first_seen")
+    df = _time(df, "last_ns", "last_seen")
+    return df.drop(columns=["first_ns", "last_ns"])
+
+
+def error_events(con, since_ns: int, until_ns: int, limit: int = 200) -> pd.DataFrame:
+    """Server and engine events of severity warning or error (crashes, OOM, drops), latest
+    first."""
+    df = _df(
+        con,
+        "SELECT time_ns AS t_ns, kind, severity, message, attributes FROM events "
+        "WHERE time_ns >= $since AND time_ns < $until AND severity IN ('warning', 'error') "
+        "ORDER BY time_ns DESC LIMIT $limit",
+        since=since_ns,
+        until=until_ns,
+        limit=int(limit),
+    )
+    return _time(df)
+
+
+# ----- diagnosis -----
+
+
+def diagnosis(con, since_ns: int, until_ns: int, window_s: float):
+    """``tokenmill diagnose`` over the window (a :class:`~tokenmill.diagnose.findings.Report`),
+    or None when no request arrived in it."""
+    from tokenmill.diagnose.findings import diagnose
+    from tokenmill.diagnose.signals import NoTraffic
+
+    try:
+        return diagnose(con, since_ns=since_ns, until_ns=until_ns, window_s=window_s)
+    except NoTraffic:
+        return None
+
+
+def signal_windows(con, since_ns: int, until_ns: int, window_s: float) -> pd.DataFrame:
+    """The diagnoser's per-window signals (one row per window; ``time`` = window start) and the
+    baseline of each latency signal as ``<name>__baseline`` columns."""
+    from tokenmill.diagnose.signals import NoTraffic, load
+
+    try:
+        sig = load(con, since_ns=since_ns, until_ns=until_ns, window_s=window_s)
+    except NoTraffic:
+        return _time(pd.DataFrame({"t_ns": pd.Series(dtype="int64")}))
+    rows = [{"t_ns": w.start_ns, "end_ns": w.end_ns, **w.values} for w in sig.windows]
+    df = pd.DataFrame(rows)
+    for k, v in sig.baseline.items():
+        df[f"{k}__baseline"] = v
+    return _time(df)
+
+
+EVIDENCE_SIGNALS = {
+    "ttft_queueing": ("ttft_p99", "queue_p99", "waiting_mean"),
+    "ttft_prefill_bound": ("ttft_p99", "prefill_p99", "prefix_hit_rate"),
+    "head_of_line_blocking": ("short_ttft_p99", "input_max", "waiting_max"),
+    "itl_prefill_interference": ("itl_max", "mixed_step_ms_max", "prefill_tokens_max"),
+    "itl_frontend_overhead": ("stream_vs_engine_tpot", "tpot_p50"),
+    "kv_pressure_preemption": ("kv_usage_max", "preemptions", "ttft_p99"),
+    "overload": ("arrival_rate", "completion_rate", "waiting_mean"),
+    "oom_low_average_memory": ("kv_usage_mean", "allocation_failures"),
+    "kv_block_leak": ("idle_kv_usage_max", "running_mean"),
+    "error_spike": ("error_rate", "throughput_tok_s"),
+    "prefix_cache_miss": ("prefix_hit_rate", "ttft_p99"),
+    "client_server_ttft_gap": ("client_ttft_p50", "server_ttft_p50_with_client"),
+    "batching_ineffective": ("running_max", "waiting_mean", "kv_usage_max"),
+    "batch_too_large": ("throughput_tok_s", "running_mean", "step_ms_p50"),
+    "midstream_stall": ("stalled_n", "itl_max"),
+    "periodic_itl_spikes": ("step_ms_p99", "itl_max"),
+    "gpu_throttling": ("sm_clock_mean", "power_w_mean", "temperature_max"),
+    "host_bound_steps": ("host_share_of_step", "gpu_util_mean"),
+}
+_DEFAULT_EVIDENCE = ("ttft_p99", "itl_p99", "throughput_tok_s")
+
+
+def evidence_signals(rule_id: str, windows: pd.DataFrame) -> list[str]:
+    """The per-window signals that show a rule's evidence (those with any value)."""
+    names = EVIDENCE_SIGNALS.get(rule_id, _DEFAULT_EVIDENCE)
+    return [n for n in names if n in windows and windows[n].notna().any()]
+
+
+def runbook(rule_id: str) -> str | None:
+    """The runbook Markdown of a rule (package data ``tokenmill.runbooks``), or None."""
+    if not rule_id.replace("_", "").isalnum():
+        return None
+    try:
+        return resources.files("tokenmill.runbooks").joinpath(f"{rule_id}.md").read_text()
+    except (FileNotFoundError, ModuleNotFoundError):
+        return None

@@ -1,0 +1,81 @@
+"""Diagnosis: the findings of ``tokenmill diagnose`` for the selected window, each with its
+evidence, an evidence chart (the diagnoser's per-window signals, the finding's window shaded)
+and its runbook rendered."""
+
+import json
+
+import streamlit as st
+
+from tokenmill.dashboard import charts, data, ui
+from tokenmill.diagnose.report import to_markdown
+
+WINDOWS_S = (5.0, 10.0, 30.0, 60.0, 300.0)
+
+ctx = ui.begin("Diagnosis")
+if ctx is not None:
+    since, until = ctx.window
+    current = float(st.session_state.get("tm_diag_s", 10.0))
+    window_s = st.selectbox(
+        "Signal window",
+        WINDOWS_S,
+        index=WINDOWS_S.index(current) if current in WINDOWS_S else 1,
+        format_func=lambda s: f"{s:g} s",
+        key="dg_window",
+        help="Length of the windows the rules compare (tokenmill diagnose --window).",
+    )
+    st.session_state["tm_diag_s"] = float(window_s)
+    report = ui.q(ctx, "diagnosis", since, until, float(window_s))
+    if report is None:
+        st.info("No data: no requests arrived in this window, so there is nothing to diagnose.")
+    else:
+        s = report.summary
+        c = st.columns(5)
+        c[0].metric("Findings", f"{len(report.findings)}")
+        c[1].metric("Requests", f"{s.get('requests') or 0:,}")
+        c[2].metric("Errors", f"{s.get('errors') or 0:,}")
+        c[3].metric("TTFT p99", ui.fmt_ms(s.get("ttft_p99_ms")))
+        c[4].metric("ITL p99", ui.fmt_ms(s.get("itl_p99_ms")))
+        for rule_id, msg in report.rule_errors.items():
+            st.error(f"Rule {rule_id} failed: {msg}")
+        if not report.findings:
+            st.success("No problems found in this window.")
+        windows = ui.q(ctx, "signal_windows", since, until, float(window_s))
+        for i, f in enumerate(report.findings):
+            head = f"{i + 1}. {f.rule_id} — {f.title} ({f.severity}, confidence {f.confidence:.0%})"
+            with st.expander(head, expanded=i == 0):
+                (st.error if f.severity == "critical" else st.warning)(f.summary)
+                if f.explained_by:
+                    st.caption("Explained by: " + ", ".join(f.explained_by))
+                st.markdown(
+                    f"**Window** {ui.ts(f.window_start_ns)} – {ui.ts(f.window_end_ns)}  \n"
+                    f"**Knob** {f.knob}  \n"
+                    "**Example traces** "
+                    + (", ".join(f"`{t}`" for t in f.example_trace_ids) or "none")
+                )
+                st.markdown(
+                    "**Evidence** " + ", ".join(f"`{k}` = {v}" for k, v in f.evidence.items())
+                )
+                series = data.evidence_signals(f.rule_id, windows)
+                if series:
+                    fig = charts.evidence(windows, series, f.window_start_ns, f.window_end_ns)
+                    ui.chart(fig, key=f"evidence_{f.rule_id}")
+                else:
+                    st.info("No data: no per-window signal to chart for this rule.")
+                st.markdown("**Likely causes**\n" + "\n".join(f"1. {c}" for c in f.causes))
+                st.markdown("**Checks**\n" + "\n".join(f"- {c}" for c in f.checks))
+                text = data.runbook(f.rule_id)
+                st.markdown("---\n**Runbook**")
+                if text:
+                    st.markdown(text)
+                else:
+                    st.info(f"No runbook shipped for {f.rule_id}.")
+        c = st.columns(2)
+        c[0].download_button(
+            "Report (Markdown)", to_markdown(report), file_name="diagnosis.md", key="dg_md"
+        )
+        c[1].download_button(
+            "Report (JSON)",
+            json.dumps(report.to_json(), indent=2, default=str),
+            file_name="diagnosis.json",
+            key="dg_json",
+        )

@@ -1,0 +1,36 @@
+"""Engine: per-step batch composition (prefill vs decode tokens), step time split, running vs
+waiting, KV blocks used/free/cached, preemptions and the prefix-cache hit rate."""
+
+import streamlit as st
+
+from tokenmill.dashboard import charts, ui
+
+ctx = ui.begin("Engine")
+if ctx is not None:
+    since, until = ctx.window
+    s = ui.q(ctx, "engine_summary", since, until)
+    if not s["steps"]:
+        st.info("No data: no engine steps in this window.")
+    else:
+        c = st.columns(6)
+        c[0].metric("Steps", f"{s['steps']:,}")
+        c[1].metric("Step time mean", ui.fmt_ms(s["step_ms_mean"]))
+        c[2].metric("Step time p99", ui.fmt_ms(s["step_ms_p99"]))
+        c[3].metric("Prefill token share", ui.fmt_pct(s["prefill_token_share"]))
+        c[4].metric("Preemptions", f"{s['preemptions'] or 0:,}")
+        c[5].metric("Prefix-cache hit rate", ui.fmt_pct(s["prefix_hit_rate"]))
+        c = st.columns(6)
+        c[0].metric("Peak running", f"{s['running_max'] or 0:,}")
+        c[1].metric("Peak waiting", f"{s['waiting_max'] or 0:,}")
+        c[2].metric("KV use peak", ui.fmt_pct(s["kv_usage_max"]))
+        c[3].metric("KV blocks", f"{s['kv_blocks_total'] or 0:,}")
+        c[4].metric("Allocation failures", f"{s['allocation_failures'] or 0:,}")
+        steps, bucket_s = ui.q(ctx, "engine_steps", since, until)
+        hits = ui.q(ctx, "prefix_hit_series", since, until, ctx.bucket_s)
+        ui.chart(charts.engine(steps, hits, per_step=bucket_s is None), key="engine_steps")
+        st.caption(
+            "One point per engine step."
+            if bucket_s is None
+            else f"{s['steps']:,} steps: averaged per {bucket_s:g} s bucket (preemptions summed); "
+            "narrow the time window to see single steps."
+        )

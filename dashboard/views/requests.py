@@ -1,0 +1,113 @@
+"""Requests: a searchable table (tenant, status, finish reason; slowest first) and, for the
+selected request, its eight stations as a waterfall with token times, chunks and preemptions.
+
+A request can be opened directly with ``?trace=<trace id>`` in the page URL."""
+
+import streamlit as st
+
+from tokenmill.dashboard import charts, ui
+
+SORT_LABELS = {
+    "e2e": "slowest E2E first",
+    "ttft": "slowest TTFT first",
+    "itl": "worst ITL p99 first",
+    "latest": "latest first",
+}
+ANY = "(any)"
+
+ctx = ui.begin("Requests")
+if ctx is not None:
+    since, until = ctx.window
+    opts = ui.q(ctx, "filter_options", since, until)
+    c = st.columns([2, 1, 1, 1, 1])
+    search = c[0].text_input(
+        "Trace / request id starts with",
+        value=st.query_params.get("trace", ""),
+        key="rq_search",
+    )
+    tenant = c[1].selectbox("Tenant", [ANY, *opts["tenants"]], key="rq_tenant")
+    status = c[2].selectbox("Status", [ANY, *opts["statuses"]], key="rq_status")
+    reason = c[3].selectbox("Finish reason", [ANY, *opts["finish_reasons"]], key="rq_reason")
+    sort = c[4].selectbox("Sort", list(SORT_LABELS), format_func=SORT_LABELS.get, key="rq_sort")
+    table, total = ui.q(
+        ctx,
+        "requests_table",
+        since,
+        until,
+        tenant=None if tenant == ANY else tenant,
+        status=None if status == ANY else status,
+        finish_reason=None if reason == ANY else reason,
+        search=search or None,
+        sort=sort,
+        limit=500,
+    )
+    if table.empty:
+        st.info("No data: no request in this window matches the filters.")
+    else:
+        st.caption(f"{total:,} requests match; showing the first {len(table):,}.")
+        event = st.dataframe(
+            table,
+            hide_index=True,
+            on_select="rerun",
+            selection_mode="single-row",
+            key="rq_table",
+            height=min(320, 40 + 35 * len(table)),
+            column_config={
+                "arrival": st.column_config.DatetimeColumn("arrival (UTC)", format="HH:mm:ss.SSS"),
+                "ttft_ms": st.column_config.NumberColumn("TTFT ms", format="%.1f"),
+                "itl_p99_ms": st.column_config.NumberColumn("ITL p99 ms", format="%.1f"),
+                "e2e_ms": st.column_config.NumberColumn("E2E ms", format="%.1f"),
+                "queue_ms": st.column_config.NumberColumn("queue ms", format="%.1f"),
+                "prefill_ms": st.column_config.NumberColumn("prefill ms", format="%.1f"),
+                "decode_ms": st.column_config.NumberColumn("decode ms", format="%.1f"),
+            },
+        )
+        rows = list(getattr(getattr(event, "selection", None), "rows", None) or [])
+        ids = list(table["trace_id"])
+        picked = ids[rows[0]] if rows and rows[0] < len(ids) else None
+        trace_id = st.selectbox(
+            "Request (trace id)",
+            ids,
+            index=ids.index(picked) if picked in ids else 0,
+            key=f"rq_pick_{picked or ''}",
+            help="Pick a row in the table, or choose here.",
+        )
+        detail = ui.q(ctx, "request_detail", trace_id)
+        if detail is None:
+            st.info("No data: this trace has no spans in the store.")
+        else:
+            r = detail["request"] or {}
+            st.subheader(f"Request {r.get('request_id') or trace_id}")
+            c = st.columns(6)
+            c[0].metric("TTFT", ui.fmt_ms(r.get("ttft_ms")))
+            c[1].metric("ITL p99", ui.fmt_ms(r.get("itl_p99_ms")))
+            c[2].metric("E2E", ui.fmt_ms(r.get("e2e_ms")))
+            c[3].metric(
+                "Tokens in / out", f"{r.get('input_tokens') or 0} / {r.get('output_tokens') or 0}"
+            )
+            c[4].metric("Preemptions", f"{r.get('preemptions') or 0}")
+            c[5].metric("Finish", str(r.get("finish_reason") or r.get("error_type") or "—"))
+            if detail["spans"].empty:
+                st.info("No data: the request has a row but no spans.")
+            else:
+                ui.chart(charts.waterfall(detail), key="request_waterfall")
+            st.caption(
+                f"trace `{trace_id}` · tenant {r.get('tenant') or '—'} · "
+                f"error {r.get('error_type') or 'none'} · HTTP {r.get('http_status') or '—'}"
+            )
+            with st.expander("Spans and events"):
+                st.dataframe(
+                    detail["spans"][
+                        ["name", "start_ms", "end_ms", "duration_ms", "status_code", "error_type"]
+                    ],
+                    hide_index=True,
+                )
+                if detail["events"]:
+                    events = [
+                        {
+                            **e,
+                            "attributes": ", ".join(f"{k}={v}" for k, v in e["attributes"].items()),
+                        }
+                        for e in detail["events"]
+                    ]
+                    st.dataframe(events, hide_index=True)

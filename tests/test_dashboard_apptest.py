@@ -1,0 +1,385 @@
+"""The console's pages under Streamlit's AppTest, on synthetic stores written through the real
+store writer: the numbers shown equal the store's own SQL, filters and the shared time window
+change them as they should, and every page renders an empty store without an exception."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import re
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import duckdb
+import pytest
+from server_proc import free_port
+from streamlit.testing.v1 import AppTest
+
+from tokenmill.dashboard import data
+from tokenmill.dashboard.source import SourceError, StoreHandle
+from tokenmill.diagnose.synth import Phase, write_store
+from tokenmill.telemetry.schema import apply_schema
+
+APP = Path(data.__file__).parent / "app.py"
+PAGES = ("overview", "requests", "engine", "devices", "errors", "diagnosis")
+OK = "finish_reason IN ('stop', 'length') AND error_type IS NULL"
+HEALTHY = Phase(duration_s=40, gpu=True, error_share=0.1, preempt_share=0.2)
+
+
+@pytest.fixture(scope="module")
+def gpu_store(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dash") / "gpu.duckdb"
+    queued = HEALTHY.but(
+        duration_s=30, queue_ms=2000, throttle_reasons=("sw_power_cap",), sm_clock_mhz=1400
+    )
+    write_store(path, [HEALTHY, queued], seed=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def host_store(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dash") / "host.duckdb"
+    write_store(path, [Phase(duration_s=15)], seed=6)
+    return path
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dash") / "empty.duckdb"
+    with duckdb.connect(str(path)) as con:
+        apply_schema(con)
+    return path
+
+
+def sql(store: Path, query: str, params=None):
+    with duckdb.connect(str(store), read_only=True) as con:
+        return con.execute(query, params or []).fetchone()
+
+
+def bounds(store: Path) -> tuple[int, int]:
+    with duckdb.connect(str(store), read_only=True) as con:
+        return data.time_range(con)
+
+
+def open_page(monkeypatch, store: Path | str, page: str = "overview") -> AppTest:
+    monkeypatch.setenv("TOKENMILL_DASHBOARD_SOURCE", str(store))
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.run()
+    if page != "overview":
+        at.switch_page(f"views/{page}.py")
+        at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def metric(at: AppTest, label: str) -> str:
+    found = [m.value for m in at.metric if m.label == label]
+    assert found, f"no tile {label!r}; tiles: {[m.label for m in at.metric]}"
+    return found[0]
+
+
+def num(text: str) -> float:
+    return float(re.sub(r"[^0-9.\-]", "", text.split()[0]))
+
+
+def assert_ms(text: str, expected: float) -> None:
+    """A latency tile ("123.4 ms" or "12.35 s") shows ``expected`` ms to its last digit."""
+    value, unit = text.split()
+    got = float(value.replace(",", "")) * (1000 if unit == "s" else 1)
+    assert unit in ("ms", "s") and got == pytest.approx(expected, abs=5 if unit == "s" else 0.05)
+
+
+def charts(at: AppTest) -> list[dict]:
+    """The plotly figures on the page, as their JSON specs."""
+    return [json.loads(el.proto.spec) for el in at.get("plotly_chart")]
+
+
+def test_overview_tiles_equal_the_store(monkeypatch, gpu_store):
+    at = open_page(monkeypatch, gpu_store)
+    lo, hi = bounds(gpu_store)
+    ttft50, ttft99, itl50, itl99 = sql(
+        gpu_store,
+        f"SELECT quantile_cont(ttft_ms, 0.5), quantile_cont(ttft_ms, 0.99), "
+        f"quantile_cont(itl_p50_ms, 0.5), quantile_cont(itl_p99_ms, 0.99) FROM requests WHERE {OK}",
+    )
+    assert_ms(metric(at, "TTFT p99"), ttft99)
+    assert_ms(metric(at, "TTFT p50"), ttft50)
+    assert_ms(metric(at, "ITL p50"), itl50)
+    assert_ms(metric(at, "ITL p99"), itl99)
+    (tokens,) = sql(gpu_store, "SELECT sum(num_sampled) FROM engine_steps")
+    assert num(metric(at, "Throughput")) == pytest.approx(tokens / ((hi - lo) / 1e9), abs=0.05)
+    n, errors, good = sql(
+        gpu_store,
+        f"SELECT count(*), count(*) FILTER (WHERE error_type IS NOT NULL), count(*) FILTER "
+        f"(WHERE {OK} AND ttft_ms <= 2000 AND itl_p99_ms <= 200 AND e2e_ms <= 60000) FROM requests",
+    )
+    assert 0 < errors < n and 0 < good < n  # the queued phase misses the TTFT SLO
+    assert num(metric(at, "Requests")) == n
+    assert num(metric(at, "Error rate")) == pytest.approx(100 * errors / n, abs=0.05)
+    assert num(metric(at, "Goodput")) == pytest.approx(100 * good / n, abs=0.05)
+    (kv,) = sql(gpu_store, "SELECT avg(kv_blocks_used / kv_blocks_total) FROM engine_steps")
+    assert num(metric(at, "KV usage")) == pytest.approx(100 * kv, abs=0.05)
+    # the queueing phase is diagnosed, and the time chart has TTFT, ITL and concurrency
+    assert any("ttft_queueing" in w.value for w in [*at.warning, *at.error])
+    (fig,) = charts(at)
+    names = {t.get("name") for t in fig["data"]}
+    assert {"TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "concurrency (running)"} <= names
+
+
+def test_slo_and_time_window_are_shared_by_the_pages(monkeypatch, gpu_store):
+    at = open_page(monkeypatch, gpu_store)
+    at.number_input(key="tm_slo_ttft").set_value(100000.0)
+    at.selectbox(key="tm_window").set_value("Last 1 min")
+    at.run()
+    assert not at.exception
+    _, hi = bounds(gpu_store)
+    since = hi - 60 * 10**9
+    n, good, ttft99 = sql(
+        gpu_store,
+        f"SELECT count(*), count(*) FILTER (WHERE {OK} AND itl_p99_ms <= 200 AND e2e_ms <= 60000), "
+        f"quantile_cont(ttft_ms, 0.99) FILTER (WHERE {OK}) FROM requests "
+        "WHERE arrival_ns >= ? AND arrival_ns < ?",
+        [since, hi],
+    )
+    assert num(metric(at, "Requests")) == n
+    assert_ms(metric(at, "TTFT p99"), ttft99)
+    assert num(metric(at, "Goodput")) == pytest.approx(100 * good / n, abs=0.05)
+    at.switch_page("views/requests.py")
+    at.run()
+    assert not at.exception
+    assert at.session_state["tm_since_ns"] == since
+    assert any(f"{n:,} requests match" in c.value for c in at.caption)
+
+
+def test_requests_table_filters_and_waterfall(monkeypatch, gpu_store):
+    at = open_page(monkeypatch, gpu_store, "requests")
+    (n,) = sql(gpu_store, "SELECT count(*) FROM requests")
+    assert any(f"{n:,} requests match" in c.value for c in at.caption)
+    # slowest first: the selected request is the one with the largest E2E
+    trace_id, e2e, ttft, n_out = sql(
+        gpu_store,
+        "SELECT trace_id, e2e_ms, ttft_ms, output_tokens FROM requests "
+        "ORDER BY e2e_ms DESC NULLS LAST, arrival_ns LIMIT 1",
+    )
+    assert at.selectbox(key="rq_pick_").value == trace_id
+    assert_ms(metric(at, "E2E"), e2e)
+    assert_ms(metric(at, "TTFT"), ttft)
+    (fig,) = charts(at)
+    names = [t.get("name") for t in fig["data"]]
+    assert f"tokens ({n_out})" in names and "prefill chunk" in names
+    bars = next(t for t in fig["data"] if t.get("type") == "bar")
+    assert set(bars["y"]) == {"request", *data.STATIONS}
+
+    # a preempted request shows its preemption on the waterfall
+    (pre_id,) = sql(gpu_store, "SELECT trace_id FROM requests WHERE preemptions > 0 LIMIT 1")
+    at.text_input(key="rq_search").set_value(pre_id[:12])
+    at.run()
+    assert not at.exception
+    assert at.selectbox(key="rq_pick_").value == pre_id
+    names = [t.get("name") for t in charts(at)[0]["data"]]
+    assert "preempted" in names and "resumed" in names
+
+    at.text_input(key="rq_search").set_value("")
+    at.selectbox(key="rq_status").set_value("error")
+    at.run()
+    (errors,) = sql(gpu_store, "SELECT count(*) FROM requests WHERE error_type IS NOT NULL")
+    assert any(f"{errors:,} requests match" in c.value for c in at.caption)
+    assert set(at.dataframe[0].value["status"]) == {"error"}
+
+
+def test_engine_tiles_equal_the_store(monkeypatch, gpu_store):
+    at = open_page(monkeypatch, gpu_store, "engine")
+    steps, pre, step_ms = sql(
+        gpu_store,
+        "SELECT count(*), sum(num_preempted), avg((end_ns - start_ns) / 1e6) FROM engine_steps",
+    )
+    assert num(metric(at, "Steps")) == steps
+    assert num(metric(at, "Preemptions")) == pre
+    assert_ms(metric(at, "Step time mean"), step_ms)
+    (fig,) = charts(at)
+    names = {t.get("name") for t in fig["data"]}
+    assert {"prefill tokens", "decode tokens", "forward ms", "running", "waiting"} <= names
+    assert {"KV used blocks", "KV free blocks", "preemptions", "prefix-cache hit rate"} <= names
+
+
+def test_devices_gpu_view(monkeypatch, gpu_store):
+    at = open_page(monkeypatch, gpu_store, "devices")
+    (tmax,) = sql(gpu_store, "SELECT max(temperature_c) FROM device_samples")
+    assert num(metric(at, "Temperature max")) == pytest.approx(tmax, abs=0.05)
+    with duckdb.connect(str(gpu_store), read_only=True) as con:
+        s = con.execute("SELECT time_ns, power_w FROM device_samples ORDER BY time_ns").df()
+        (tokens,) = con.execute("SELECT sum(num_sampled) FROM engine_steps").fetchone()
+    energy = (s["power_w"] * s["time_ns"].diff() / 1e9).sum()  # no energy counter: power x time
+    assert num(metric(at, "Energy / output token")) == pytest.approx(energy / tokens, abs=5e-4)
+    assert num(metric(at, "Throttled time")) > 0  # the second phase runs power-capped
+    (fig,) = charts(at)
+    names = {t.get("name") for t in fig["data"]}
+    assert {"GPU 0 power", "J/token", "GPU 0 SM clock", "throttled (power/thermal)"} <= names
+    assert not any("HOST" in w.value for w in at.warning)
+
+
+def test_devices_host_view_is_labelled(monkeypatch, host_store):
+    at = open_page(monkeypatch, host_store, "devices")
+    assert any("HOST, not GPU" in w.value for w in at.warning)
+    (rss,) = sql(host_store, "SELECT max(rss_bytes) / 2^30 FROM device_samples")
+    assert num(metric(at, "Server RSS max")) == pytest.approx(rss, abs=0.005)
+    (fig,) = charts(at)
+    assert all(t["name"].lower().startswith(("host", "server")) for t in fig["data"])
+
+
+def test_errors_page_counts_and_examples(monkeypatch, gpu_store):
+    at = open_page(monkeypatch, gpu_store, "errors")
+    errors, etype = sql(
+        gpu_store,
+        "SELECT count(*), any_value(error_type) FROM requests WHERE error_type IS NOT NULL",
+    )
+    assert num(metric(at, "Errors")) == errors
+    assert metric(at, "Most common") == etype
+    table = at.dataframe[0].value
+    (latest,) = sql(
+        gpu_store,
+        "SELECT trace_id FROM requests WHERE error_type IS NOT NULL ORDER BY end_ns DESC LIMIT 1",
+    )
+    assert table["example_trace_ids"].iloc[0].split()[0] == latest
+    assert len(charts(at)) == 1
+
+
+def test_diagnosis_page_shows_findings_evidence_and_runbook(monkeypatch, gpu_store):
+    at = open_page(monkeypatch, gpu_store, "diagnosis")
+    labels = [e.label for e in at.expander]
+    assert any("ttft_queueing" in x for x in labels), labels
+    assert any(m.value.startswith("# ttft_queueing") for m in at.markdown)  # the runbook
+    assert len(charts(at)) >= 1
+    with duckdb.connect(str(gpu_store), read_only=True) as con:
+        from tokenmill.diagnose.findings import diagnose
+
+        report = diagnose(con, window_s=10.0)
+    assert num(metric(at, "Findings")) == len(report.findings)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_an_empty_store(monkeypatch, empty_store, page):
+    at = open_page(monkeypatch, empty_store, page)
+    assert not at.exception
+    assert any("No data" in i.value for i in at.info)
+
+
+def test_bad_source_is_one_message_not_an_exception(monkeypatch, tmp_path):
+    bad = tmp_path / "not-a-dump.duckdb"
+    bad.write_text("hello")
+    at = open_page(monkeypatch, bad)
+    assert any("not a DuckDB file" in e.value for e in at.sidebar.error)
+
+
+class _AdminDump(http.server.BaseHTTPRequestHandler):
+    """A stand-in for a server's ``GET /admin/dump``: serves ``server.dump`` to key ``k``."""
+
+    def do_GET(self):
+        if self.headers.get("Authorization") != "Bearer k":
+            body = json.dumps({"error": {"message": "admin key required"}}).encode()
+            self.send_response(401)
+        else:
+            body = Path(self.server.dump).read_bytes()
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def admin_server(host_store):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AdminDump)
+    server.dump = host_store
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_live_source_fetches_fresh_dumps(admin_server, host_store, gpu_store):
+    url = f"http://127.0.0.1:{admin_server.server_port}"
+    handle = StoreHandle(url, api_key="k", refresh_s=60, timeout_s=10)
+    try:
+        first = handle.snapshot()
+        (n_host,) = sql(host_store, "SELECT count(*) FROM requests")
+        assert first.con.execute("SELECT count(*) FROM requests").fetchone()[0] == n_host
+        admin_server.dump = gpu_store  # the server has new rows
+        assert handle.snapshot().key == first.key  # not before the refresh interval
+        second = handle.snapshot(force=True)
+        (n_gpu,) = sql(gpu_store, "SELECT count(*) FROM requests")
+        assert second.key != first.key
+        assert second.con.execute("SELECT count(*) FROM requests").fetchone()[0] == n_gpu
+        admin_server.shutdown()  # the server goes away: the last dump stays, with the reason
+        admin_server.server_close()
+        third = handle.snapshot(force=True)
+        assert third.key == second.key and "cannot connect" in third.error
+    finally:
+        handle.close()
+    with pytest.raises(SourceError, match="cannot connect"):  # nothing fetched yet: an error
+        StoreHandle(f"http://127.0.0.1:{free_port()}", "k").snapshot()
+
+
+def test_live_source_wrong_key_is_one_message(admin_server):
+    url = f"http://127.0.0.1:{admin_server.server_port}"
+    with pytest.raises(SourceError, match="answered 401: admin key required"):
+        StoreHandle(url, api_key="wrong").snapshot()
+
+
+def test_console_on_a_live_server(monkeypatch, admin_server, host_store):
+    monkeypatch.setenv("TOKENMILL_ADMIN_KEY", "k")
+    at = open_page(monkeypatch, f"http://127.0.0.1:{admin_server.server_port}")
+    assert any(c.value.startswith("Live:") for c in at.sidebar.caption)
+    (n,) = sql(host_store, "SELECT count(*) FROM requests")
+    assert num(metric(at, "Requests")) == n
+
+
+def tm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tokenmill.engine.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("missing.duckdb", "missing.duckdb: no such file"),
+        ("NOTADUMP", "not a DuckDB file"),
+        ("http://", "bad --source URL"),
+    ],
+)
+def test_dashboard_command_refuses_a_bad_source(tmp_path, source, message):
+    if source == "NOTADUMP":
+        source = str(tmp_path / "notes.txt")
+        Path(source).write_text("not a dump")
+    r = tm("dashboard", "--source", source)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
+
+
+def test_custom_time_range(monkeypatch, gpu_store):
+    at = open_page(monkeypatch, gpu_store, "engine")
+    at.selectbox(key="tm_window").set_value("Custom")
+    at.run()
+    lo, _ = bounds(gpu_store)
+    a, _ = at.slider(key="tm_custom").value
+    at.slider(key="tm_custom").set_value((a + timedelta(seconds=10), a + timedelta(seconds=20)))
+    at.run()
+    assert not at.exception
+    since = lo // 10**9 * 10**9 + 10 * 10**9
+    assert at.session_state["tm_since_ns"] == since
+    (steps,) = sql(
+        gpu_store,
+        "SELECT count(*) FROM engine_steps WHERE start_ns >= ? AND start_ns < ?",
+        [since, since + 10 * 10**9],
+    )
+    assert num(metric(at, "Steps")) == steps

@@ -1,0 +1,157 @@
+"""The console in a real browser: a real server under a small load writes its trace store, then
+``tokenmill dashboard`` serves it on 127.0.0.1 and headless Chromium (Debian's ``chromium``,
+driven by playwright) opens Overview and a request's waterfall, waits for the plotly charts,
+finds no Streamlit exception box and saves screenshots into the test's tmp folder."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import httpx
+import pytest
+from server_proc import Server, free_port
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+MODEL = "smollm2-135m-instruct"
+
+
+async def _load(url: str) -> None:
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Name three rivers."}],
+        "max_tokens": 16,
+        "ignore_eos": True,
+    }
+    async with httpx.AsyncClient(base_url=url, timeout=300) as ac:
+
+        async def streamed() -> None:
+            async with ac.stream(
+                "POST", "/v1/chat/completions", json={**chat, "stream": True}
+            ) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_lines():
+                    pass
+
+        async def plain() -> None:
+            r = await ac.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200, r.text
+
+        await asyncio.gather(streamed(), streamed(), plain(), plain())
+
+
+@pytest.fixture(scope="module")
+def real_store(tmp_path_factory, smollm2_dir) -> Path:
+    tmp = tmp_path_factory.mktemp("dash-real")
+    db = tmp / "traces.duckdb"
+    server = Server(
+        tmp, "--model", str(smollm2_dir), "--trace-db", str(db), "--device-sample-interval", "0.1"
+    )
+    try:
+        asyncio.run(_load(server.url))
+        deadline = time.monotonic() + 120
+        while server.health()["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)
+    finally:
+        server.stop()
+    return db
+
+
+@pytest.fixture
+def console(real_store, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "dashboard.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.engine.cli", "dashboard", "--source", str(real_store),
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "dashboard.log").read_text()
+            try:
+                if httpx.get(url + "/_stcore/health", timeout=2).text.strip() == "ok":
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the console did not come up"
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the CLI and the streamlit process it started
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _settle(page, shots: Path, name: str, min_charts: int = 1) -> None:
+    """Wait for the page's plotly charts and for Streamlit to finish the run; screenshot it."""
+    page.wait_for_selector(".js-plotly-plot", timeout=120_000)
+    deadline = time.monotonic() + 60
+    while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < deadline:
+        time.sleep(0.3)  # "Running..." still shown
+    page.wait_for_timeout(1000)
+    page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
+    assert page.locator('[data-testid="stException"]').count() == 0, f"exception on {name}"
+    plots = page.locator(".js-plotly-plot")
+    assert plots.count() >= min_charts, (
+        f"{name}: {plots.count()} plotly charts, expected {min_charts}"
+    )
+    for i in range(plots.count()):  # the main area scrolls inside the page: shoot each chart
+        plots.nth(i).scroll_into_view_if_needed()
+        plots.nth(i).screenshot(path=str(shots / f"{name}-chart{i}.png"))
+
+
+def test_console_pages_in_headless_chromium(console, real_store, tmp_path):
+    assert Path(CHROMIUM).exists(), "Debian's chromium is missing: run `make chromium`"
+    from playwright.sync_api import sync_playwright
+
+    with duckdb.connect(str(real_store), read_only=True) as con:
+        trace_id, request_id = con.execute(
+            "SELECT trace_id, request_id FROM requests WHERE finish_reason = 'length' "
+            "ORDER BY e2e_ms DESC LIMIT 1 OFFSET 1"
+        ).fetchone()
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(console, wait_until="domcontentloaded")
+            _settle(page, shots, "overview")
+            tiles = page.locator('[data-testid="stMetric"]')
+            assert tiles.filter(has_text="TTFT p99").count() == 1 and tiles.count() >= 10
+            assert page.get_by_text("TTFT and ITL with concurrency").count() == 1
+
+            # the Requests page, opened on one request (not the default slowest one)
+            page.goto(f"{console}/requests?trace={trace_id}", wait_until="domcontentloaded")
+            _settle(page, shots, "requests-waterfall")
+            assert page.get_by_text(f"Request {request_id}").count() == 1
+            plot = page.locator(".js-plotly-plot").first
+            assert plot.locator("g.trace.bars").count() >= 1  # the stations' bars were drawn
+        finally:
+            browser.close()
+    assert (shots / "overview.png").stat().st_size > 10_000
+    assert (shots / "requests-waterfall.png").stat().st_size > 10_000
