@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # first and it is kept.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup model demo test lint format clean promtool chromium
+.PHONY: setup model demo test lint format clean promtool chromium scenarios
 
 setup: $(STAMP)
 
@@ -57,3 +57,8 @@ test: model lint promtool chromium
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+
+# every symptom scenario on the real engine (minutes each); CI runs the fast ones in tests/
+scenarios: model
+	@for s in $$($(BIN)/tokenmill scenario list | awk '{print $$1}'); do \
+		$(BIN)/tokenmill scenario run $$s || status=1; done; exit $${status:-0}

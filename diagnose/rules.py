@@ -448,7 +448,9 @@ def error_spike(sig: Signals, p: dict) -> Evidence | None:
 
     def hit(w: Window) -> bool:
         rate = w.get("error_rate")
-        if rate is None or rate < max(p["min_rate"], p["rise"] * base_rate):
+        if rate is None:
+            return False
+        if rate < max(p["min_rate"], p["rise"] * base_rate) and rate < p["absolute_rate"]:
             return False
         if (w.get("errors") or 0) < p["min_errors"]:
             return False
@@ -958,6 +960,9 @@ RULES: tuple[Rule, ...] = (
         {
             "min_rate": Param(0.05, "at least 5% of requests in the window"),
             "min_errors": Param(5, "errors in the window (a rate of 1 in 10 is noise)"),
+            "absolute_rate": Param(
+                0.2, "a fifth of requests failing is a spike even if the whole dump is like it"
+            ),
             "rise": Param(3.0, "error rate vs the healthiest windows"),
             "throughput_normal": Param(0.7, f"tokens/s {_BASE} still counted as normal"),
         },

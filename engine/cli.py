@@ -709,6 +709,56 @@ def bench(
     raise typer.Exit(code)
 
 
+# ----- tokenmill scenario (bench/scenario.py) -----
+
+scenario_app = typer.Typer(
+    help="Symptom scenarios: a real server, a workload, the diagnosis.", no_args_is_help=True
+)
+app.add_typer(scenario_app, name="scenario")
+
+
+@scenario_app.command("list")
+def scenario_list() -> None:
+    """List the scenarios and the rule each one must produce."""
+    from ..bench.scenario import list_scenarios
+
+    for sc in list_scenarios():
+        expect = ", ".join(sc.expect) or "no findings"
+        out.print(f"{sc.name:28s} {sc.case:40s} expect: {expect}", highlight=False, markup=False)
+
+
+@scenario_app.command("run")
+def scenario_run(
+    name: Annotated[str, typer.Argument(help="Scenario name (see `tokenmill scenario list`).")],
+    model: Annotated[str | None, typer.Option(help="Model folder (default model).")] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Folder for the store, logs and result.json.")
+    ] = None,
+) -> None:
+    """Run one scenario; exit 0 when the expected rule is the top finding, 1 when not."""
+    from ..bench.scenario import ScenarioError, load, run
+
+    try:
+        load(name)
+        folder = out_dir or Path("tokenmill-data") / "scenarios" / name
+        result = run(name, folder, model=model, log=lambda m: err.print(m, highlight=False))
+    except ScenarioError as exc:
+        _dump_fail(str(exc))
+    verdict = "PASS" if result["passed"] else "FAIL"
+    expect = ", ".join(result["expect"]) or "no findings"
+    out.print(
+        f"{verdict} {name}: top finding {result['top'] or 'none'} (expected {expect}); "
+        f"{len(result['findings'])} finding(s); details in {folder / 'result.json'}",
+        highlight=False,
+        markup=False,
+    )
+    for f in result["findings"][:3]:
+        out.print(
+            f"  - {f['rule']} ({f['severity']}): {f['summary']}", highlight=False, markup=False
+        )
+    raise typer.Exit(0 if result["passed"] else 1)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: usage errors and unexpected failures become one ``error:`` line
     (exit 2 and 1); ``TOKENMILL_DEBUG=1`` shows the traceback instead."""

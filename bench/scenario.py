@@ -1,0 +1,244 @@
+"""Symptom scenarios: start a real server with given flags, drive a workload with
+``tokenmill bench``, stop the server, diagnose its trace store, and check that the expected rule
+is the top finding (``healthy``: no finding at all).
+
+Scenarios are data: one YAML file per scenario in ``bench/scenarios/``::
+
+    name: ttft_queueing
+    case: C-overload                 # the symptom case it reproduces (shared/cases/symptoms.md)
+    expect: [ttft_queueing, overload]   # top finding must be one of these; [] = healthy
+    server: ["--max-num-seqs", "4"]     # extra `tokenmill serve` flags
+    proxy: false                     # put the 16 KB buffering proxy between client and server
+    window: 5s                       # diagnosis window
+    steps:                           # `tokenmill bench` argument lists, run one after another
+      - ["--request-rate", "1", "--phases", "steady:20s,overload:20s@4x", ...]
+    # or concurrent steps, each started at its offset (s) from the first:
+    #   - {start_s: 0, args: [...]}
+    #   - {start_s: 5, args: [...]}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import duckdb
+import httpx
+import yaml
+
+from .proxy import BufferingProxy
+
+
+class ScenarioError(Exception):
+    """Unknown scenario, bad scenario file, or a server that would not start (one line)."""
+
+
+@dataclass
+class Scenario:
+    name: str
+    expect: list[str]
+    steps: list[list[str] | dict]
+    server: list[str] = field(default_factory=list)
+    proxy: bool = False
+    window: str = "5s"
+    case: str = ""
+    description: str = ""
+
+
+def _files() -> dict[str, Path]:
+    root = resources.files(__package__).joinpath("scenarios")
+    return {Path(str(p)).stem: Path(str(p)) for p in root.iterdir() if str(p).endswith(".yaml")}
+
+
+def list_scenarios() -> list[Scenario]:
+    return [load(name) for name in sorted(_files())]
+
+
+def load(name: str) -> Scenario:
+    """The scenario called ``name``.
+
+    Raises:
+        ScenarioError: no such scenario, or its file is malformed.
+    """
+    files = _files()
+    if name not in files:
+        raise ScenarioError(f"unknown scenario {name!r}; known: {', '.join(sorted(files))}")
+    try:
+        data = yaml.safe_load(files[name].read_text())
+        return Scenario(
+            name=data["name"],
+            expect=list(data.get("expect") or []),
+            steps=[
+                {"start_s": float(s.get("start_s", 0)), "args": list(map(str, s["args"]))}
+                if isinstance(s, dict)
+                else list(map(str, s))
+                for s in data["steps"]
+            ],
+            server=list(map(str, data.get("server") or [])),
+            proxy=bool(data.get("proxy", False)),
+            window=str(data.get("window", "5s")),
+            case=str(data.get("case", "")),
+            description=str(data.get("description", "")).strip(),
+        )
+    except (KeyError, TypeError, yaml.YAMLError) as exc:
+        raise ScenarioError(f"scenario file {files[name]} is malformed: {exc}") from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tm(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenmill.engine.cli", *args], **kw)
+
+
+class _ProxyThread:
+    """The buffering proxy on its own event loop thread."""
+
+    def __init__(self, port: int):
+        self.proxy = BufferingProxy("127.0.0.1", port)
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def main():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.proxy.start())
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=main, daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.proxy.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _run_steps(sc: Scenario, target: str, out: Path, log) -> list[Path]:
+    """Run the bench steps: plain lists one after another, dict steps concurrently from their
+    ``start_s`` offsets. Returns the result files."""
+    results: list[Path] = []
+    concurrent = [s for s in sc.steps if isinstance(s, dict)]
+    sequential = [s for s in sc.steps if not isinstance(s, dict)]
+    base = [sys.executable, "-m", "tokenmill.engine.cli", "bench", "--url", target]
+    for i, args in enumerate(sequential):
+        res = out / f"bench-{i}.json"
+        log(f"[{sc.name}] step {i + 1}/{len(sequential)}: tokenmill bench {' '.join(args)}")
+        r = subprocess.run(
+            [*base, *args, "--out", str(res), "--no-progress"], capture_output=True, text=True
+        )
+        (out / f"bench-{i}.log").write_text(r.stdout + r.stderr)
+        if r.returncode != 0:
+            raise ScenarioError(f"bench step {i + 1} failed: {r.stderr.strip()[-300:]}")
+        results.append(res)
+    procs = []
+    t0 = time.monotonic()
+    for i, step in enumerate(sorted(concurrent, key=lambda s: s["start_s"])):
+        time.sleep(max(0.0, t0 + step["start_s"] - time.monotonic()))
+        res = out / f"bench-c{i}.json"
+        log(f"[{sc.name}] at {step['start_s']:g} s: tokenmill bench {' '.join(step['args'])}")
+        logf = open(out / f"bench-c{i}.log", "w")  # noqa: SIM115
+        cmd = [*base, *step["args"], "--out", str(res), "--no-progress"]
+        procs.append((subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT), logf, res))
+    for i, (p, logf, res) in enumerate(procs):
+        rc = p.wait()
+        logf.close()
+        if rc != 0:
+            raise ScenarioError(f"concurrent bench step {i + 1} failed (exit {rc})")
+        results.append(res)
+    return results
+
+
+def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
+    """Run one scenario into ``out`` (server log, bench JSON, the store, result.json).
+
+    Returns the result dict: ``passed``, ``top`` (rule id or None), ``expect``, findings with
+    their evidence.
+
+    Raises:
+        ScenarioError: unknown scenario, or the server did not start.
+    """
+    sc = load(name)
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "traces.duckdb"
+    for p in out.glob("traces.duckdb*"):
+        p.unlink()
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port)]
+    cmd += ["--trace-db", str(store), *(["--model", model] if model else []), *sc.server]
+    log(f"[{name}] starting the server: tokenmill serve {' '.join(sc.server)}")
+    with open(out / "server.log", "w") as server_log:
+        server = subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT, cwd=out)
+    url = f"http://127.0.0.1:{port}"
+    proxy = None
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if server.poll() is not None:
+                tail = (out / "server.log").read_text()[-500:].strip().splitlines()
+                raise ScenarioError(f"server exited: {tail[-1] if tail else 'no output'}")
+            try:
+                if httpx.get(url + "/health", timeout=2).json().get("status") == "ok":
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise ScenarioError("server did not become healthy in 600 s")
+            time.sleep(0.5)
+        target = url
+        if sc.proxy:
+            proxy = _ProxyThread(port)
+            target = f"http://127.0.0.1:{proxy.proxy.port}"
+        results = _run_steps(sc, target, out, log)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    for res in results:  # the client's own TTFT next to the server's
+        _tm("bench", "--from-results", str(res), "--record-to", str(store), capture_output=True)
+    from tokenmill.diagnose.findings import diagnose
+    from tokenmill.telemetry.dump import parse_since
+
+    con = duckdb.connect(str(store), read_only=True)
+    try:
+        report = diagnose(con, window_s=float(parse_since(sc.window)))
+    finally:
+        con.close()
+    top = report.findings[0].rule_id if report.findings else None
+    passed = (top is None) if not sc.expect else (top in sc.expect)
+    result = {
+        "scenario": name,
+        "case": sc.case,
+        "expect": sc.expect,
+        "top": top,
+        "passed": passed,
+        "findings": [
+            {
+                "rule": f.rule_id,
+                "severity": f.severity,
+                "confidence": f.confidence,
+                "summary": f.summary,
+                "evidence": f.evidence,
+            }
+            for f in report.findings
+        ],
+        "summary": report.summary,
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
