@@ -1,0 +1,43 @@
+"""Symptom scenarios on the real engine: the fast ones in CI (`make scenarios` runs them all).
+Each starts a real server, drives `tokenmill bench`, and the diagnoser must name the expected
+rule as its top finding (healthy: nothing)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run
+
+FAST = ["healthy", "error_spike", "client_server_ttft_gap", "queueing_overload"]
+
+
+def test_scenario_files_are_well_formed():
+    names = {s.name for s in list_scenarios()}
+    assert set(FAST) <= names
+    for sc in list_scenarios():
+        assert sc.steps and all(step for step in sc.steps)
+    with pytest.raises(ScenarioError, match="unknown scenario 'nope'"):
+        load("nope")
+
+
+def test_unknown_scenario_is_one_line_exit_2():
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenmill.engine.cli", "scenario", "run", "nope"],
+        capture_output=True,
+        text=True,
+    )
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "unknown scenario 'nope'" in lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAST)
+def test_fast_scenario_names_the_expected_rule(name, tmp_path, smollm2_dir):
+    result = run(name, tmp_path / name, model=str(smollm2_dir), log=lambda m: None)
+    assert result["passed"], (result["top"], result["expect"], result["findings"][:3])
+    if result["expect"]:
+        top = result["findings"][0]
+        assert top["evidence"], top
