@@ -238,9 +238,15 @@ def itl_prefill_interference(sig: Signals, p: dict) -> Evidence | None:
     base_itl = sig.baseline.get("itl_p50")
     base_step = sig.baseline.get("decode_step_ms_p50")
 
+    def spike(w: Window) -> float | None:
+        # a gap longer than the slowest prefill step is not this rule's (preemption, stalls)
+        if w.get("itl_max") is None or w.get("mixed_step_ms_max") is None:
+            return None
+        return min(w.get("itl_max"), w.get("mixed_step_ms_max"))
+
     def hit(w: Window) -> bool:
         step_r = _ratio(w.get("mixed_step_ms_max"), base_step)
-        itl_r = _ratio(w.get("itl_max"), base_itl)
+        itl_r = _ratio(spike(w), base_itl)
         return (
             step_r is not None
             and step_r >= p["mixed_step_rise"]
@@ -251,7 +257,7 @@ def itl_prefill_interference(sig: Signals, p: dict) -> Evidence | None:
     w = _worst(sig, "itl_max", hit)
     if w is None:
         return None
-    r = _ratio(w.get("itl_max"), base_itl)
+    r = _ratio(spike(w), base_itl)
     cfg = sig.config
     _where, _params = _in_window(w)
     return Evidence(
@@ -491,15 +497,17 @@ def prefix_cache_miss(sig: Signals, p: dict) -> Evidence | None:
     if stats["prompts"] < p["min_prompts"] or stats["share"] < p["share"]:
         return None
     return Evidence(
-        f"{stats['shared_tail_differs_first']} of {stats['prompts']} prompts share blocks 2–"
-        f"{int(p['shared_blocks']) + 1} with another prompt but differ in their first block, and the "
-        f"prefix-cache hit rate is {hit_rate:.0%}: something early in the prompt (a timestamp, a "
-        f"request id) changes every time",
+        f"{stats['shared_tail_differs_first']} of {stats['prompts']} prompts share the "
+        f"{int(p['shared_blocks'])} blocks after block {stats['block']} with another prompt but "
+        f"differ in block {stats['block']} (tokens {16 * stats['block']}–"
+        f"{16 * stats['block'] + 15}), and the prefix-cache hit rate is {hit_rate:.0%}: "
+        f"something early in the prompt (a timestamp, a request id) changes every time",
         {
             "prefix_hit_rate": hit_rate,
             "prompts_with_shared_tail": stats["shared_tail_differs_first"],
             "prompts": stats["prompts"],
             "share": stats["share"],
+            "differing_block": stats["block"],
             "ttft_p50_ms": sig.overall.get("ttft_p50"),
             "prefill_p50_ms": sig.overall.get("prefill_p50"),
         },
@@ -898,7 +906,7 @@ RULES: tuple[Rule, ...] = (
             "degrade": Param(1.5, f"TTFT p99 and TPOT p99 {_BASE} (seed: both degrade)"),
         },
         kv_pressure_preemption,
-        explains=("midstream_stall", "ttft_queueing"),
+        explains=("midstream_stall", "ttft_queueing", "overload"),
     ),
     Rule(
         "overload",

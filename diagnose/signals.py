@@ -366,31 +366,42 @@ def _engine_config(con) -> dict:
 
 
 def prefix_block_stats(
-    con, since_ns: int, until_ns: int, min_shared_blocks: int = 4
+    con, since_ns: int, until_ns: int, min_shared_blocks: int = 4, early_blocks: int = 4
 ) -> dict[str, float | int]:
-    """How many prompts share a long prefix except in their first block.
+    """How many prompts share a long run of blocks with other prompts but differ in one early
+    block (a timestamp or id near the top of a system prompt).
 
-    Uses ``requests.prompt_block_hashes`` (per-block content hashes of the prompt, not chained):
-    prompts whose blocks 1..k match another prompt's while block 0 differs are prefix-cache
-    misses by construction (the cache keys chain from block 0).
+    Uses ``requests.prompt_block_hashes`` (per-block content hashes of the prompt, not
+    chained). For each early block position ``e < early_blocks``, prompts are grouped by their
+    next ``min_shared_blocks`` blocks; a prompt counts when its group holds other prompts whose
+    block ``e`` differs. Such prompts miss the prefix cache by construction: its keys chain from
+    block 0, so one differing early block makes every later block a miss.
 
-    Returns ``{"prompts", "shared_tail_differs_first", "share"}``.
+    Returns ``{"prompts", "shared_tail_differs_first", "share", "block"}`` for the position
+    where the pattern is strongest.
     """
     k = int(min_shared_blocks)
-    row = con.execute(
-        f"""
-        WITH r AS (
-            SELECT prompt_block_hashes AS h FROM requests
-            WHERE arrival_ns >= ? AND arrival_ns < ? AND len(prompt_block_hashes) > {k}),
-        t AS (SELECT h[2:{k + 1}] AS tail, count(DISTINCT h[1]) AS firsts, count(*) AS n
-              FROM r GROUP BY tail)
-        SELECT coalesce(sum(n), 0), coalesce(sum(n) FILTER (WHERE firsts > 1), 0) FROM t
-        """,
-        [since_ns, until_ns],
-    ).fetchone()
-    prompts, differs = int(row[0]), int(row[1])
-    return {
-        "prompts": prompts,
-        "shared_tail_differs_first": differs,
-        "share": differs / prompts if prompts else 0.0,
-    }
+    best = {"prompts": 0, "shared_tail_differs_first": 0, "share": 0.0, "block": None}
+    for e in range(int(early_blocks)):
+        row = con.execute(
+            f"""
+            WITH r AS (
+                SELECT prompt_block_hashes AS h FROM requests
+                WHERE arrival_ns >= ? AND arrival_ns < ? AND len(prompt_block_hashes) > {e + k}),
+            t AS (SELECT h[{e + 2}:{e + k + 1}] AS tail, count(DISTINCT h[{e + 1}]) AS firsts,
+                         count(*) AS n
+                  FROM r GROUP BY tail)
+            SELECT coalesce(sum(n), 0), coalesce(sum(n) FILTER (WHERE firsts > 1), 0) FROM t
+            """,
+            [since_ns, until_ns],
+        ).fetchone()
+        prompts, differs = int(row[0]), int(row[1])
+        share = differs / prompts if prompts else 0.0
+        if share > best["share"]:
+            best = {
+                "prompts": prompts,
+                "shared_tail_differs_first": differs,
+                "share": share,
+                "block": e,
+            }
+    return best
