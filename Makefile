@@ -22,11 +22,8 @@ model: $(STAMP)
 	$(BIN)/tokenmill model fetch
 
 demo: model
-	$(BIN)/tokenmill generate \
-		--chat "What is the capital of France?" \
-		--chat "Give me three tips for writing clear error messages." \
-		--prompt "A paged KV cache stores keys and values in" \
-		--max-tokens 64
+	$(BIN)/tokenmill generate --chat "What is the capital of France?" --max-tokens 32
+	$(BIN)/tokenmill demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

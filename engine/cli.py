@@ -759,6 +759,29 @@ def scenario_run(
     raise typer.Exit(0 if result["passed"] else 1)
 
 
+# ----- tokenmill demo (bench/demo.py) -----
+
+
+@app.command()
+def demo(
+    port: Annotated[
+        int, typer.Option(min=1, max=65535, help="Server port (next free if taken).")
+    ] = 8000,
+    console_port: Annotated[int, typer.Option(min=1, max=65535, help="Console port.")] = 8501,
+    no_wait: Annotated[
+        bool, typer.Option("--no-wait", help="Stop after the diagnosis instead of staying up.")
+    ] = False,
+) -> None:
+    """Server + console + a short tour (healthy, then overload) + its diagnosis; Ctrl-C stops."""
+    from ..bench.demo import DemoError, run
+
+    try:
+        code = run(port=port, console_port=console_port, wait=not no_wait, say=out.print)
+    except DemoError as exc:
+        _dump_fail(str(exc))
+    raise typer.Exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: usage errors and unexpected failures become one ``error:`` line
     (exit 2 and 1); ``TOKENMILL_DEBUG=1`` shows the traceback instead."""

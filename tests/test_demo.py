@@ -1,0 +1,40 @@
+"""`tokenmill demo --no-wait`: server, console, the tour and its diagnosis, then a clean stop."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_demo_runs_the_tour_and_prints_the_diagnosis_and_console(smollm2_dir):
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.engine.cli",
+            "demo",
+            "--no-wait",
+            "--port",
+            str(_port()),
+            "--console-port",
+            str(_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "tokenmill diagnosis" in r.stdout and "key numbers" in r.stdout
+    assert "console: http://127.0.0.1:" in r.stdout
+    assert "Traceback" not in r.stderr
