@@ -22,18 +22,10 @@ from importlib import resources
 import duckdb
 import pandas as pd
 
+from tokenmill.telemetry.schema import STATIONS
+
 NS = 1_000_000_000
 GIB = float(1 << 30)
-STATIONS = (
-    "gateway",
-    "tokenize",
-    "admission",
-    "schedule",
-    "prefill",
-    "decode",
-    "stream",
-    "metering",
-)
 # clock-event reasons that mean the GPU is held back (not idle, not an app clock setting)
 THROTTLE_REASONS = (
     "sw_power_cap",

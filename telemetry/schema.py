@@ -9,6 +9,17 @@ import duckdb
 
 SCHEMA_VERSION = 1
 TABLES = ("spans", "requests", "engine_steps", "device_samples", "events")
+# the child spans of every `request` span, in the order a request passes them (DESIGN.md §2)
+STATIONS = (
+    "gateway",
+    "tokenize",
+    "admission",
+    "schedule",
+    "prefill",
+    "decode",
+    "stream",
+    "metering",
+)
 
 
 class SchemaError(Exception):

@@ -28,16 +28,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from tokenmill.engine.api.timeline import RequestTimeline
 
-STATIONS = (
-    "gateway",
-    "tokenize",
-    "admission",
-    "schedule",
-    "prefill",
-    "decode",
-    "stream",
-    "metering",
-)
+from .schema import STATIONS
+
 _MS = 1e-6
 
 
