@@ -18,9 +18,8 @@ from pathlib import Path
 
 import duckdb
 
+from ..telemetry.dump import duckdb_file_problem
 from ..telemetry.schema import SchemaError, check_schema
-
-_MAGIC = b"DUCK"  # bytes 8..12 of a DuckDB file
 
 
 class RecordError(Exception):
@@ -55,17 +54,9 @@ def record_client_timings(path: str | Path, results) -> RecordSummary:
             naming the file).
     """
     p = Path(path)
-    if not p.exists():
-        raise RecordError(f"{p}: no such file")
-    if p.is_dir():
-        raise RecordError(f"{p}: is a folder, not a trace store")
-    try:
-        with open(p, "rb") as f:
-            head = f.read(12)
-    except OSError as exc:
-        raise RecordError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    if len(head) < 12 or head[8:12] != _MAGIC:
-        raise RecordError(f"{p}: not a DuckDB file (is it a tokenmill trace store?)")
+    problem = duckdb_file_problem(p, "trace store", "tokenmill trace store")
+    if problem:
+        raise RecordError(problem)
     rows = _timings(results)
     skipped = len(results) - len(rows)
     try:

@@ -212,6 +212,23 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     tmp.unlink()
 
 
+def duckdb_file_problem(p: Path, folder_noun: str, what: str) -> str | None:
+    """Why ``p`` cannot be a DuckDB file (one line naming it), or None. Checks existence, that
+    it is a file, and DuckDB's magic bytes, before DuckDB itself gets to see it."""
+    if not p.exists():
+        return f"{p}: no such file"
+    if p.is_dir():
+        return f"{p}: is a folder, not a {folder_noun}"
+    try:
+        with open(p, "rb") as f:
+            head = f.read(12)
+    except OSError as exc:
+        return f"{p}: cannot read: {exc.strerror or exc}"
+    if len(head) < 12 or head[8:12] != DUCKDB_MAGIC:
+        return f"{p}: not a DuckDB file (is it a {what}?)"
+    return None
+
+
 def open_dump(path: str | Path, *, verify: bool = True) -> duckdb.DuckDBPyConnection:
     """Open a dump (or a closed trace-store file) read-only.
 
@@ -225,17 +242,9 @@ def open_dump(path: str | Path, *, verify: bool = True) -> duckdb.DuckDBPyConnec
             the file).
     """
     p = Path(path)
-    if not p.exists():
-        raise DumpError(f"{p}: no such file")
-    if p.is_dir():
-        raise DumpError(f"{p}: is a folder, not a dump file")
-    try:
-        with open(p, "rb") as f:
-            head = f.read(12)
-    except OSError as exc:
-        raise DumpError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    if len(head) < 12 or head[8:12] != DUCKDB_MAGIC:
-        raise DumpError(f"{p}: not a DuckDB file (is it a tokenmill dump?)")
+    problem = duckdb_file_problem(p, "dump file", "tokenmill dump")
+    if problem:
+        raise DumpError(problem)
     try:
         con = duckdb.connect(str(p), read_only=True)
     except duckdb.Error as exc:
