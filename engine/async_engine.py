@@ -242,9 +242,17 @@ class AsyncEngine:
     async def _recv(self, timeout_s: float):
         """The next message from the engine, or None after ``timeout_s`` (an asyncio timer, so
         a wait always ends even if the engine process vanished)."""
+        # Wait on poll, never on recv: cancelling a pending zmq recv (as a timeout does) can
+        # drop a message that arrived at that instant, and a lost output hangs its stream.
         try:
-            return await asyncio.wait_for(self._pull.recv_pyobj(), timeout_s)
+            events = await asyncio.wait_for(self._pull.poll(), timeout_s)
         except TimeoutError:
+            return None
+        if not events:
+            return None
+        try:
+            return await self._pull.recv_pyobj(flags=zmq.NOBLOCK)
+        except zmq.Again:
             return None
 
     async def _read_loop(self) -> None:
