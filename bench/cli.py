@@ -55,6 +55,7 @@ def run_bench(
     drain_timeout: float = 300.0,
     ignore_eos: bool = True,
     temperature: float = 0.0,
+    abort_fraction: float = 0.0,
     progress: bool = True,
     console: Console | None = None,
     err_console: Console | None = None,
@@ -146,6 +147,8 @@ def run_bench(
             raise BenchInputError(f"--out {out} is a folder; give a file name")
         if not out.parent.is_dir():
             raise BenchInputError(f"--out: folder {out.parent} does not exist")
+    if not 0.0 <= abort_fraction <= 1.0:
+        raise BenchInputError(f"--abort-fraction must be between 0 and 1, got {abort_fraction:g}")
     if record_to is not None and not record_to.is_file():
         raise BenchInputError(f"--record-to {record_to}: no such file")
 
@@ -165,6 +168,7 @@ def run_bench(
         drain_timeout=drain_timeout,
         ignore_eos=ignore_eos,
         temperature=temperature,
+        abort_fraction=abort_fraction,
     )
     try:
         if progress:

@@ -23,6 +23,10 @@ Every request sends ``x-request-id: bench-<run>-<i>`` (the server stores it as
 fresh W3C ``traceparent`` (``00-<32 hex trace id>-<16 hex span id>-01``) that the server
 continues.
 
+Client aborts (``abort_fraction``, the C05 and error-spike drills): a request chosen by
+:func:`abort_plan` closes its connection after its k-th token-carrying chunk, as a user who
+closes the tab would; it counts as ``aborted``, neither completed nor failed.
+
 Open loop (``request_rate``): requests are sent at their planned times whatever the server does.
 Closed loop (``concurrency``): N workers each send a request, wait for its end, send the next;
 in a phase with multiplier m only ``max(1, round(N·m))`` workers send. Sending stops at the end of
@@ -77,6 +81,8 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int = 0
     usage_reported: bool = False
+    abort_after: int | None = None  # planned client abort after this many token chunks
+    aborted: bool = False  # the client closed the stream on purpose (abort_after reached)
 
     @property
     def lag_ms(self) -> float:
@@ -109,6 +115,7 @@ class RequestResult:
             "lag_ms": round(self.lag_ms, 3),
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
+            "aborted": self.aborted,
         }
 
 
@@ -132,6 +139,7 @@ class BenchConfig:
     drain_timeout: float = 300.0
     ignore_eos: bool = True
     temperature: float = 0.0
+    abort_fraction: float = 0.0
 
     @property
     def base_url(self) -> str:
@@ -182,6 +190,21 @@ def _error_message(body: bytes) -> str:
     except Exception:
         msg = body.decode("utf-8", "replace").strip()[:200]
     return (str(msg).splitlines() or [""])[0]
+
+
+def abort_plan(seed: int, index: int, fraction: float, max_tokens: int) -> int | None:
+    """Whether request ``index`` is one the client aborts, and after how many token chunks.
+
+    Deterministic per (seed, index): aborted with probability ``fraction`` (0..1), after k
+    chunks drawn uniformly from 1..max(1, max_tokens // 2), so the stream is cut mid-way.
+    Returns k, or None for a request that runs to the end.
+    """
+    if fraction <= 0:
+        return None
+    rng = np.random.default_rng([seed, index, 0xAB0])
+    if rng.random() >= fraction:
+        return None
+    return int(rng.integers(1, max(1, max_tokens // 2) + 1))
 
 
 def make_client(timeout: float) -> httpx.AsyncClient:
@@ -254,8 +277,11 @@ async def send_one(
                             break
                     if obj.get("usage"):
                         usage = obj["usage"]
-                if done_at is not None:
-                    break
+                    if res.abort_after is not None and len(chunks) >= res.abort_after:
+                        res.aborted = True
+                        break
+                if done_at is not None or res.aborted:
+                    break  # leaving the block closes the connection: the server aborts
     except httpx.TimeoutException:
         res.error = f"timed out after {cfg.timeout:g} s"
     except httpx.HTTPError as exc:
@@ -273,6 +299,9 @@ async def send_one(
             res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         else:
             res.prompt_tokens = req.prompt_tokens
+    if res.aborted:
+        res.error = f"aborted by the client after {len(chunks)} token chunk(s)"
+        return res
     if res.error is None and done_at is None:
         res.error = "the stream ended before [DONE]"
     if res.error is None:
@@ -359,6 +388,7 @@ async def run(cfg: BenchConfig, progress=None, model: str | None = None) -> Benc
         ) -> RequestResult:
             req = req if req is not None else cfg.workload.make(i)
             res = RequestResult(i, f"bench-{run_id}-{i}", "", phase, req.tag, planned_s=planned)
+            res.abort_after = abort_plan(cfg.seed, i, cfg.abort_fraction, req.max_tokens)
             results.append(res)
             notify("sent", res)
             try:

@@ -4,7 +4,8 @@ Names follow vLLM's ``benchmark_serving`` so existing tooling reads the JSON. Ov
 requests (the whole run, or the requests *sent* in one phase):
 
 - ``completed`` / ``failed`` — requests that reached ``[DONE]`` / did not (HTTP errors, error
-  events, timeouts, cancelled at the drain timeout);
+  events, timeouts, cancelled at the drain timeout); ``aborted`` — closed on purpose by the
+  client (``--abort-fraction``), in neither count;
 - ``duration`` (s) — from the group's start (the run's, or the phase's) to the later of its last
   completion and the phase's end; overload requests that finish during recovery stretch their
   phase's duration, as in vLLM;
@@ -120,7 +121,8 @@ def group_metrics(
         "duration": duration_s,
         "num_prompts": len(results),
         "completed": len(ok),
-        "failed": len(results) - len(ok),
+        "failed": sum(1 for r in results if not r.ok and not r.aborted),
+        "aborted": sum(1 for r in results if r.aborted),
         "total_input_tokens": inp,
         "total_output_tokens": outp,
         "request_throughput": _num(len(ok) / dur),
@@ -138,7 +140,7 @@ def group_metrics(
     _stats("itl", [x for r in ok for x in r.itl_ms], m)
     _stats("e2el", [r.e2e_ms for r in ok if r.e2e_ms is not None], m)
     m["client_lag_ms"] = lag_stats(results)
-    errors = Counter(r.error for r in results if not r.ok and r.error)
+    errors = Counter(r.error for r in results if not r.ok and not r.aborted and r.error)
     m["errors"] = dict(errors.most_common(5))
     return m
 
@@ -192,6 +194,7 @@ def summarize(run: BenchRun, slos: dict[str, float] | None = None) -> dict:
         "burstiness": cfg.burstiness if cfg.request_rate is not None else None,
         "max_concurrency": cfg.concurrency,
         "seed": cfg.seed,
+        "abort_fraction": cfg.abort_fraction,
         "workload": workload_description(cfg),
         "goodput_slos_ms": slos,
         **overall,
@@ -315,6 +318,8 @@ def warnings(doc: dict) -> list[str]:
     if doc["failed"]:
         top = next(iter(doc["errors"]), "")
         out.append(f"{doc['failed']} request(s) failed; most often: {top}")
+    if doc.get("aborted"):
+        out.append(f"{doc['aborted']} request(s) aborted mid-stream by the client on purpose")
     return out
 
 
@@ -367,7 +372,7 @@ class BenchProgress:
 
     def done(self, res: RequestResult) -> None:
         self.done_n += 1
-        self.failed_n += not res.ok
+        self.failed_n += not res.ok and not res.aborted
         kw = {} if self.by_time else {"completed": self.done_n}
         self.progress.update(self.task, counts=self._counts(), **kw)
 

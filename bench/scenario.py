@@ -10,11 +10,13 @@ Scenarios are data: one YAML file per scenario in ``bench/scenarios/``::
     server: ["--max-num-seqs", "4"]     # extra `tokenmill serve` flags
     proxy: false                     # put the 16 KB buffering proxy between client and server
     window: 5s                       # diagnosis window
+    idle_s: 0                        # keep the server idle this long after the steps
     steps:                           # `tokenmill bench` argument lists, run one after another
       - ["--request-rate", "1", "--phases", "steady:20s,overload:20s@4x", ...]
     # or concurrent steps, each started at its offset (s) from the first:
     #   - {start_s: 0, args: [...]}
     #   - {start_s: 5, args: [...]}
+    # "{scenarios}" in an argument is this folder (for datasets shipped next to the YAML)
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Scenario:
     server: list[str] = field(default_factory=list)
     proxy: bool = False
     window: str = "5s"
+    idle_s: float = 0.0
     case: str = ""
     description: str = ""
 
@@ -61,6 +64,11 @@ def _files() -> dict[str, Path]:
 
 def list_scenarios() -> list[Scenario]:
     return [load(name) for name in sorted(_files())]
+
+
+def _args(items) -> list[str]:
+    folder = str(resources.files(__package__).joinpath("scenarios"))
+    return [str(a).replace("{scenarios}", folder) for a in items]
 
 
 def load(name: str) -> Scenario:
@@ -78,18 +86,19 @@ def load(name: str) -> Scenario:
             name=data["name"],
             expect=list(data.get("expect") or []),
             steps=[
-                {"start_s": float(s.get("start_s", 0)), "args": list(map(str, s["args"]))}
+                {"start_s": float(s.get("start_s", 0)), "args": _args(s["args"])}
                 if isinstance(s, dict)
-                else list(map(str, s))
+                else _args(s)
                 for s in data["steps"]
             ],
             server=list(map(str, data.get("server") or [])),
             proxy=bool(data.get("proxy", False)),
             window=str(data.get("window", "5s")),
+            idle_s=float(data.get("idle_s", 0)),
             case=str(data.get("case", "")),
             description=str(data.get("description", "")).strip(),
         )
-    except (KeyError, TypeError, yaml.YAMLError) as exc:
+    except (KeyError, TypeError, ValueError, yaml.YAMLError) as exc:
         raise ScenarioError(f"scenario file {files[name]} is malformed: {exc}") from None
 
 
@@ -97,6 +106,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _health(url: str) -> dict:
+    """``/health`` after the traffic (status, reasons, KV use), or the reason it failed."""
+    try:
+        return httpx.get(url + "/health", timeout=5).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"status": "unreachable", "reasons": [str(exc)]}
 
 
 def _tm(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -202,6 +219,10 @@ def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
             proxy = _ProxyThread(port)
             target = f"http://127.0.0.1:{proxy.proxy.port}"
         results = _run_steps(sc, target, out, log)
+        if sc.idle_s:
+            log(f"[{name}] idle for {sc.idle_s:g} s")
+            time.sleep(sc.idle_s)
+        health = _health(url)
     finally:
         if proxy is not None:
             proxy.stop()
@@ -239,6 +260,7 @@ def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
             for f in report.findings
         ],
         "summary": report.summary,
+        "health_after": health,
     }
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result

@@ -406,18 +406,21 @@ def engine_steps(
 
 def engine_summary(con, since_ns: int, until_ns: int) -> dict:
     """Totals over the window's steps: steps, step time (ms), prefill token share, preemptions,
-    allocation failures, peak running/waiting, KV use; prefix-cache hit rate from requests."""
+    allocation failures, peak running/waiting, KV use; prefix-cache hit rate from requests.
+    Idle heartbeats (rows without tokens) count for KV use only."""
     s = _one(
         con,
-        """SELECT count(*) AS steps, avg((end_ns - start_ns) / 1e6) AS step_ms_mean,
-               quantile_cont((end_ns - start_ns) / 1e6, 0.99) AS step_ms_p99,
+        """SELECT count(*) FILTER (WHERE working) AS steps,
+               avg((end_ns - start_ns) / 1e6) FILTER (WHERE working) AS step_ms_mean,
+               quantile_cont((end_ns - start_ns) / 1e6, 0.99) FILTER (WHERE working) AS step_ms_p99,
                sum(num_prefill_tokens)::DOUBLE
                    / nullif(sum(num_prefill_tokens + num_decode_tokens), 0) AS prefill_token_share,
                sum(num_preempted) AS preemptions, sum(allocation_failures) AS allocation_failures,
                max(num_running) AS running_max, max(num_waiting) AS waiting_max,
                max(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) AS kv_usage_max,
                max(kv_blocks_total) AS kv_blocks_total
-           FROM engine_steps WHERE start_ns >= $since AND start_ns < $until""",
+           FROM (SELECT *, num_prefill_tokens + num_decode_tokens > 0 AS working
+                 FROM engine_steps WHERE start_ns >= $since AND start_ns < $until)""",
         since=since_ns,
         until=until_ns,
     )

@@ -401,21 +401,25 @@ def oom_low_average_memory(sig: Signals, p: dict) -> Evidence | None:
         [sig.since_ns, sig.until_ns],
     ).fetchone()[0]
     mean_use = sig.overall.get("kv_usage_mean")
+    at_fail = sig.overall.get("kv_usage_at_failures")
     if (fails + oom_events) < p["min_failures"] or mean_use is None:
         return None
     if mean_use >= p["mean_usage_below"]:
         return None
+    if at_fail is not None and at_fail >= p["mean_usage_below"]:
+        return None  # the pool was busy when allocations failed: pressure, not one big request
     w = _worst(sig, "allocation_failures", lambda w: (w.get("allocation_failures") or 0) > 0)
     win = (w.start_ns, w.end_ns) if w else (sig.since_ns, sig.until_ns)
     return Evidence(
         f"{fails:.0f} KV allocation failures and {oom_events} OOM event(s) while mean KV use was "
-        f"{mean_use:.0%} (peak {(sig.overall.get('kv_usage_max') or 0):.0%}; largest prompt "
+        f"{mean_use:.0%} ({at_fail or 0:.0%} in the failing steps; peak {(sig.overall.get('kv_usage_max') or 0):.0%}; largest prompt "
         f"{sig.overall.get('input_max') or 0:.0f} tokens): one oversized request, fragmentation "
         f"or a leak, not steady pressure",
         {
             "allocation_failures": fails,
             "oom_events": oom_events,
             "kv_usage_mean": mean_use,
+            "kv_usage_at_failures": at_fail,
             "kv_usage_max": sig.overall.get("kv_usage_max"),
             "input_tokens_max": sig.overall.get("input_max"),
         },
@@ -653,7 +657,8 @@ def periodic_itl_spikes(sig: Signals, p: dict) -> Evidence | None:
     rows = sig.con.execute(
         """
         WITH s AS (SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms, num_running
-                   FROM engine_steps WHERE start_ns >= ? AND start_ns < ? AND num_prefill_tokens = 0)
+                   FROM engine_steps WHERE start_ns >= ? AND start_ns < ?
+                     AND num_prefill_tokens = 0 AND num_decode_tokens > 0)
         SELECT start_ns, ms, num_running FROM s
         WHERE ms >= ? * (SELECT quantile_cont(ms, 0.5) FROM s) ORDER BY start_ns
         """,
@@ -940,7 +945,9 @@ RULES: tuple[Rule, ...] = (
         {
             "min_failures": Param(1, "any allocation failure or OOM event"),
             "mean_usage_below": Param(
-                0.5, "mean KV use counted as low (seed: OOM with low average memory)"
+                0.5,
+                "mean KV use, and KV use in the failing steps, counted as low "
+                "(seed: OOM with low average memory)",
             ),
         },
         oom_low_average_memory,

@@ -131,7 +131,8 @@ class SyntheticRun:
         while t < end:
             i += 1
             idle = ph.rate_per_s == 0
-            dur = step_ms * (1 + ph.itl_jitter * (rng.random() - 0.5))
+            # idle rows are heartbeats as the real engine writes them: no tokens, no duration
+            dur = 0.0 if idle else step_ms * (1 + ph.itl_jitter * (rng.random() - 0.5))
             prefill = 0
             if not idle and i % 10 == 0:
                 prefill = rng.randint(*ph.prompt_tokens)

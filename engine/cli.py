@@ -271,6 +271,13 @@ def serve(
             help="Fault drill: aborted requests keep their KV blocks.",
         ),
     ] = False,
+    fault_stream_delay_ms: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Fault drill: the stream waits this long (ms) before each token chunk but the first.",
+        ),
+    ] = 0.0,
 ) -> None:
     """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
     from .api.server import make_server
@@ -316,6 +323,7 @@ def serve(
             trace_content=trace_content,
             otlp_endpoint=otlp_endpoint,
             device_sample_interval_s=device_sample_interval,
+            fault_stream_delay_ms=fault_stream_delay_ms,
         )
     except (TokenmillError, ValueError) as exc:
         fail(str(exc))
@@ -686,6 +694,10 @@ def bench(
     ] = 300.0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos/--no-ignore-eos")] = True,
     temperature: Annotated[float, typer.Option()] = 0.0,
+    abort_fraction: Annotated[
+        float,
+        typer.Option(help="Share of requests the client aborts mid-stream (0..1; drills)."),
+    ] = 0.0,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
     slos: Annotated[list[str] | None, typer.Argument(hidden=True, metavar="SLO")] = None,
 ) -> None:
@@ -702,7 +714,7 @@ def bench(
             dataset=dataset, tokenizer=tokenizer, goodput=goodput, extra=slos, seed=seed,
             out=output, record_to=record_to, from_results=from_results, timeout=timeout,
             drain_timeout=drain_timeout, ignore_eos=ignore_eos, temperature=temperature,
-            progress=progress, console=out, err_console=err,
+            abort_fraction=abort_fraction, progress=progress, console=out, err_console=err,
         )  # fmt: skip
     except BenchInputError as exc:
         _dump_fail(str(exc))
@@ -756,6 +768,10 @@ def scenario_run(
         out.print(
             f"  - {f['rule']} ({f['severity']}): {f['summary']}", highlight=False, markup=False
         )
+    health = result.get("health_after") or {}
+    if health.get("status") not in (None, "ok"):
+        why = "; ".join(health.get("reasons") or [])
+        out.print(f"  /health after the run: {health['status']} ({why})", markup=False)
     raise typer.Exit(0 if result["passed"] else 1)
 
 

@@ -289,6 +289,36 @@ class EngineCore:
             events=events,
         )
 
+    def idle_record(self) -> StepRecord:
+        """A heartbeat step record for an idle engine: no tokens, zero durations, and the KV
+        pool as it stands. The core process sends one every ``IDLE_POLL_MS`` while idle so the
+        store shows whether KV use returns to its idle level (rule ``kv_block_leak``, case C05).
+        Readers tell heartbeats from steps by ``num_prefill_tokens + num_decode_tokens = 0``."""
+        bm = self.block_manager
+        now = time.time_ns()
+        return StepRecord(
+            step_id=self.scheduler.step_id,
+            start_ns=now,
+            end_ns=now,
+            schedule_ms=0.0,
+            forward_ms=0.0,
+            sample_ms=0.0,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_prefill_tokens=0,
+            num_decode_tokens=0,
+            num_prefill_chunks=0,
+            num_sampled=0,
+            preempted_ids=[],
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_blocks_cached=bm.num_cached_blocks,
+            prefix_hit_tokens=0,
+            allocation_failures=0,
+            finished_ids=[],
+        )
+
     def stats(self) -> dict:
         """Queue depth and KV usage right now (for /health)."""
         bm = self.block_manager

@@ -4,6 +4,8 @@ sends back each step's outputs and step record, over two ZeroMQ sockets.
 Messages (pickled tuples). In: ``("add", dict)``, ``("abort", [ids])``, ``("stats", None)``,
 ``("shutdown", None)``. Out: ``("ready", info)``, ``("outputs", [RequestOutput], StepRecord|None)``,
 ``("rejected", request_id, kind, message)``, ``("stats", dict)``, ``("fatal", message)``.
+While idle it sends ``("stats", dict)`` and an idle heartbeat ``("outputs", [], record)`` (see
+:meth:`EngineCore.idle_record`) at least every ``IDLE_POLL_MS``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
             push.send_pyobj(("outputs", outputs, record))
         elif not events:
             push.send_pyobj(("stats", core.stats()))
+            push.send_pyobj(("outputs", [], core.idle_record()))
     push.close(linger=1000)
     pull.close(linger=0)
     ctx.term()

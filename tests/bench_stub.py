@@ -4,7 +4,8 @@ Each streamed answer: a role-only frame (chat) at once, a ``: keep-alive`` comme
 content frame, then after ``delay_s`` the first token, ``tokens - 1`` more every ``gap_s``, a
 finish frame, a usage frame and ``[DONE]``. ``mode`` = ``"http500"`` answers 500,
 ``"stream_error"`` sends an error event instead of tokens, ``"no_done"`` ends without
-``[DONE]``. Received ``x-request-id`` / ``traceparent`` headers are kept in ``seen``.
+``[DONE]``. Received ``x-request-id`` / ``traceparent`` headers are kept in ``seen``; the ids of
+streams the client closed before the end in ``cut_short``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class StubServer:
         self.mode = "ok"
         self.seen: list[dict] = []
         self.first_token_sent: dict[str, float] = {}  # request id -> seconds after arrival
+        self.cut_short: set[str] = set()  # request ids whose client left before [DONE]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = Starlette(
@@ -91,6 +93,16 @@ class StubServer:
             return f"data: {json.dumps({'id': 'x', 'choices': [choice]})}\n\n"
 
         async def gen():
+            finished = False
+            try:
+                async for part in body_parts():
+                    yield part
+                finished = True
+            finally:
+                if not finished:
+                    self.cut_short.add(rid)
+
+        async def body_parts():
             if chat:
                 yield frame("", role=True)
             yield ": keep-alive\n\n"

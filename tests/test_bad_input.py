@@ -273,3 +273,10 @@ def test_fault_leak_keeps_blocks_of_aborted_requests(tmp_path, smollm2_dir, leak
     core.abort(["a"])
     assert not core.has_work()
     assert (core.block_manager.num_used_blocks > 0) == leak
+    # the idle heartbeat carries the pool as it stands: the leak shows with nothing running
+    beat = core.idle_record()
+    assert (beat.num_running, beat.num_waiting) == (0, 0)
+    assert beat.num_prefill_tokens + beat.num_decode_tokens == 0 and beat.start_ns == beat.end_ns
+    assert beat.kv_blocks_used == core.block_manager.num_used_blocks
+    assert beat.kv_blocks_used + beat.kv_blocks_free == beat.kv_blocks_total == 64
+    assert (beat.kv_blocks_used > 0) == leak

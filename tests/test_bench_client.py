@@ -12,6 +12,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import duckdb
@@ -21,7 +22,7 @@ from bench_stub import StubServer
 from rich.console import Console
 
 from tokenmill.bench.cli import BenchInputError, run_bench
-from tokenmill.bench.client import BenchConfig, BenchError, RequestResult, run
+from tokenmill.bench.client import BenchConfig, BenchError, RequestResult, abort_plan, run
 from tokenmill.bench.phases import Phase, arrival_times, gamma_gaps, parse_phases
 from tokenmill.bench.record import RecordError, record_client_timings
 from tokenmill.bench.report import group_metrics, meets_slos, parse_goodput, summarize
@@ -65,6 +66,7 @@ def stub():
 def fresh(stub):
     stub.delay_s, stub.gap_s, stub.tokens, stub.mode = D_S, GAP_S, TOKENS, "ok"
     stub.seen.clear()
+    stub.cut_short.clear()
     return stub
 
 
@@ -124,6 +126,34 @@ def test_stream_errors_and_missing_done_are_failures(fresh):
     doc = summarize(r)
     assert doc["completed"] == 0 and doc["failed"] == 1
     assert doc["errors"] == {"the stream ended before [DONE]": 1}
+
+
+def test_client_aborts_close_the_stream_mid_way(fresh):
+    """--abort-fraction: the chosen requests close their stream after k token chunks; they
+    count as aborted (not completed, not failed) and the server sees the connection go."""
+    fresh.delay_s, fresh.gap_s, fresh.tokens = 0.0, 0.05, 6
+    cfg = _config(fresh.url, concurrency=2, num_requests=8, abort_fraction=1.0, seed=3)
+    r = _run(cfg)
+    plans = [abort_plan(3, i, 1.0, 8) for i in range(8)]
+    assert all(p is not None and 1 <= p <= 4 for p in plans)
+    for res, k in zip(r.results, plans):
+        assert res.aborted and not res.ok
+        assert res.output_tokens == k  # stopped right after its k-th token chunk
+        assert res.error == f"aborted by the client after {k} token chunk(s)"
+    doc = summarize(r)
+    assert (doc["completed"], doc["failed"], doc["aborted"]) == (0, 0, 8)
+    assert doc["errors"] == {}
+    deadline = time.monotonic() + 5
+    while len(fresh.cut_short) < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fresh.cut_short == {res.request_id for res in r.results}
+    # a fraction: deterministic per (seed, index), near the asked share over many requests
+    share = np.mean([abort_plan(s, i, 0.2, 64) is not None for s in range(10) for i in range(100)])
+    assert 0.16 < share < 0.24
+    assert abort_plan(1, 1, 0.0, 64) is None
+    fresh.cut_short.clear()
+    r = _run(_config(fresh.url, concurrency=2, num_requests=4))
+    assert all(x.ok and not x.aborted for x in r.results) and not fresh.cut_short
 
 
 def test_a_failing_probe_stops_the_run_before_the_clock(fresh):

@@ -56,6 +56,9 @@ class ServerState:
     telemetry: object
     started: float = field(default_factory=time.time)
     trace_content: bool = False
+    fault_stream_delay_s: float = (
+        0.0  # fault drill (case C03): wait before each chunk but the first
+    )
 
     def finish(self, tl: RequestTimeline) -> None:
         """Metering, then hand the finished timeline to telemetry (which must never fail us)."""
@@ -547,6 +550,7 @@ async def _stream(
     sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"  # noqa: E731
     try:
         first = True
+        sent_text = False
         async for out in outputs:
             if first and chat:
                 yield sse(_chunk(rid, chat, created, model, "", None, role=True))
@@ -556,6 +560,9 @@ async def _stream(
                 yield sse(err.body())
                 break
             if out.new_text:
+                if sent_text and state.fault_stream_delay_s:  # drill: a per-token output cost
+                    await asyncio.sleep(state.fault_stream_delay_s)
+                sent_text = True
                 yield sse(_chunk(rid, chat, created, model, out.new_text, None))
             if out.finished:
                 yield sse(

@@ -34,8 +34,13 @@ def make_server(
     trace_content: bool = False,
     otlp_endpoint: str | None = None,
     device_sample_interval_s: float = 0.1,
+    fault_stream_delay_ms: float = 0.0,
 ) -> uvicorn.Server:
     """A configured uvicorn server whose startup launches the engine worker.
+
+    ``fault_stream_delay_ms`` is a fault drill (case C03): the stream station waits that long
+    (ms) before each SSE token chunk after the first, as a detokenizer or serializer with a
+    per-token cost would; the first token (TTFT) is left to the engine.
 
     Raises:
         TenantsFileError, ModelLoadError: bad tenants file or model folder (before any start).
@@ -104,6 +109,7 @@ def make_server(
         max_body_bytes=max_body_bytes,
         telemetry=telemetry,
         trace_content=trace_content,
+        fault_stream_delay_s=fault_stream_delay_ms / 1000.0,
     )
     app = build_app(state)
     app.router.lifespan_context = lifespan
