@@ -736,7 +736,12 @@ def scenario_list() -> None:
 
     for sc in list_scenarios():
         expect = ", ".join(sc.expect) or "no findings"
-        out.print(f"{sc.name:28s} {sc.case:40s} expect: {expect}", highlight=False, markup=False)
+        out.print(  # one line per scenario, never wrapped: `make scenarios` reads column 1
+            f"{sc.name:28s} {sc.case:40s} expect: {expect}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
 
 
 @scenario_app.command("run")

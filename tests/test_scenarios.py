@@ -4,6 +4,7 @@ rule as its top finding (healthy: nothing)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,20 @@ import pytest
 
 from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run
 
-FAST = ["healthy", "error_spike", "client_server_ttft_gap", "queueing_overload"]
+# every scenario but kv_pressure_preemption (about 3 minutes alone); the rest take 30-90 s each
+FAST = [
+    "healthy",
+    "batching_ineffective",
+    "client_server_ttft_gap",
+    "error_spike",
+    "head_of_line_blocking",
+    "itl_frontend_overhead",
+    "itl_prefill_interference",
+    "kv_block_leak",
+    "oom_low_average_memory",
+    "prefix_cache_miss",
+    "queueing_overload",
+]
 
 
 def test_scenario_files_are_well_formed():
@@ -21,6 +35,19 @@ def test_scenario_files_are_well_formed():
         assert sc.steps and all(step for step in sc.steps)
     with pytest.raises(ScenarioError, match="unknown scenario 'nope'"):
         load("nope")
+
+
+def test_scenario_list_is_one_line_per_scenario():
+    """`make scenarios` runs the first column of each line: no wrapped continuation lines."""
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenmill.engine.cli", "scenario", "list"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "60"},
+    )
+    assert r.returncode == 0, r.stderr
+    names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+    assert names == sorted(s.name for s in list_scenarios())
 
 
 def test_unknown_scenario_is_one_line_exit_2():
@@ -41,3 +68,9 @@ def test_fast_scenario_names_the_expected_rule(name, tmp_path, smollm2_dir):
     if result["expect"]:
         top = result["findings"][0]
         assert top["evidence"], top
+    health = result["health_after"]
+    if name == "kv_block_leak":  # case C05: /health says degraded with the blocks still held
+        assert health["status"] == "degraded", health
+        assert health["kv_blocks_used"] > 0 and health["engine"]["stats"]["num_running"] == 0
+    else:
+        assert health["status"] == "ok", health
