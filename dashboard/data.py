@@ -357,17 +357,25 @@ def request_detail(con, trace_id: str) -> dict | None:
 
 # ----- engine -----
 
-_STEP_COLS = """num_prefill_tokens AS prefill_tokens, num_decode_tokens AS decode_tokens,
-    schedule_ms, forward_ms, sample_ms, (end_ns - start_ns) / 1e6 AS step_ms,
+# idle heartbeats (rows without tokens) keep their KV and queue columns but no step times
+_WORKING = "num_prefill_tokens + num_decode_tokens > 0"
+_STEP_COLS = f"""num_prefill_tokens AS prefill_tokens, num_decode_tokens AS decode_tokens,
+    CASE WHEN {_WORKING} THEN schedule_ms END AS schedule_ms,
+    CASE WHEN {_WORKING} THEN forward_ms END AS forward_ms,
+    CASE WHEN {_WORKING} THEN sample_ms END AS sample_ms,
+    CASE WHEN {_WORKING} THEN (end_ns - start_ns) / 1e6 END AS step_ms,
     num_running AS running, num_waiting AS waiting, kv_blocks_used AS kv_used,
     kv_blocks_free AS kv_free, kv_blocks_cached AS kv_cached, kv_blocks_total AS kv_total,
     num_preempted AS preempted, prefix_hit_tokens, allocation_failures, num_sampled AS sampled"""
 
-_STEP_BUCKET_SQL = """
-SELECT (start_ns - $since) // $w AS b, count(*) AS steps,
-    avg(num_prefill_tokens) AS prefill_tokens, avg(num_decode_tokens) AS decode_tokens,
-    avg(schedule_ms) AS schedule_ms, avg(forward_ms) AS forward_ms, avg(sample_ms) AS sample_ms,
-    avg((end_ns - start_ns) / 1e6) AS step_ms, avg(num_running) AS running,
+_STEP_BUCKET_SQL = f"""
+SELECT (start_ns - $since) // $w AS b, count(*) FILTER (WHERE {_WORKING}) AS steps,
+    avg(num_prefill_tokens) FILTER (WHERE {_WORKING}) AS prefill_tokens,
+    avg(num_decode_tokens) FILTER (WHERE {_WORKING}) AS decode_tokens,
+    avg(schedule_ms) FILTER (WHERE {_WORKING}) AS schedule_ms,
+    avg(forward_ms) FILTER (WHERE {_WORKING}) AS forward_ms,
+    avg(sample_ms) FILTER (WHERE {_WORKING}) AS sample_ms,
+    avg((end_ns - start_ns) / 1e6) FILTER (WHERE {_WORKING}) AS step_ms, avg(num_running) AS running,
     avg(num_waiting) AS waiting, avg(kv_blocks_used) AS kv_used, avg(kv_blocks_free) AS kv_free,
     avg(kv_blocks_cached) AS kv_cached, max(kv_blocks_total) AS kv_total,
     sum(num_preempted) AS preempted, sum(prefix_hit_tokens) AS prefix_hit_tokens,

@@ -383,3 +383,30 @@ def test_custom_time_range(monkeypatch, gpu_store):
         [since, since + 10 * 10**9],
     )
     assert num(metric(at, "Steps")) == steps
+
+
+def test_idle_heartbeats_count_for_kv_not_for_step_times(tmp_path):
+    """An idle engine's heartbeat rows (no tokens) show KV use but are not steps."""
+    store = tmp_path / "idle.duckdb"
+    write_store(
+        store, [Phase(duration_s=10), Phase(duration_s=10, rate_per_s=0, idle_kv_usage=0.3)]
+    )
+    working = "num_prefill_tokens + num_decode_tokens > 0"
+    n_work, n_idle, step_ms = sql(
+        store,
+        f"SELECT count(*) FILTER (WHERE {working}), count(*) FILTER (WHERE NOT ({working})), "
+        f"avg((end_ns - start_ns) / 1e6) FILTER (WHERE {working}) FROM engine_steps",
+    )
+    assert n_work > 0 and n_idle > 0
+    since, until = bounds(store)
+    with duckdb.connect(str(store), read_only=True) as con:
+        summary = data.engine_summary(con, since, until + 1)
+        per_step, bucket = data.engine_steps(con, since, until + 1)
+        bucketed, _ = data.engine_steps(con, since, until + 1, max_points=10)
+    assert summary["steps"] == n_work
+    assert summary["step_ms_mean"] == pytest.approx(step_ms)
+    assert bucket is None and len(per_step) == n_work + n_idle
+    idle = per_step[(per_step["prefill_tokens"] + per_step["decode_tokens"]) == 0]
+    assert len(idle) == n_idle and idle["step_ms"].isna().all()
+    assert (idle["kv_used"] / idle["kv_total"]).round(2).eq(0.3).all()
+    assert bucketed["steps"].sum() == n_work
