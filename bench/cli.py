@@ -25,6 +25,9 @@ class BenchInputError(Exception):
     """A bad option, or a run that cannot start (one line; the command exits 2)."""
 
 
+MAX_PLANNED_REQUESTS = 1_000_000  # arrival times are planned up front: bound their memory
+MAX_WORKERS = 10_000  # closed-loop clients at the largest phase multiplier
+
 _SLO_ARG_RE = re.compile(r"^(ttft|itl|tpot|e2e|e2el):", re.I)
 
 
@@ -74,8 +77,8 @@ def run_bench(
         parse_shared_prefix,
     )
 
-    console = console or Console()
-    err_console = err_console or Console(stderr=True)
+    console = console or Console(emoji=False)
+    err_console = err_console or Console(stderr=True, emoji=False)
 
     # vLLM-style "--goodput ttft:500 itl:50": the SLOs after the first arrive as arguments
     extra = list(extra or [])
@@ -106,8 +109,14 @@ def run_bench(
         raise BenchInputError("--concurrency must be at least 1")
     if num_requests is not None and num_requests < 1:
         raise BenchInputError("--num-requests must be at least 1")
-    if timeout <= 0 or drain_timeout < 0:
-        raise BenchInputError("--timeout must be more than 0 and --drain-timeout at least 0")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise BenchInputError(
+            f"--timeout must be a finite number of seconds more than 0, got {timeout:g}"
+        )
+    if not (math.isfinite(drain_timeout) and drain_timeout >= 0):
+        raise BenchInputError(
+            f"--drain-timeout must be a finite number of seconds, at least 0, got {drain_timeout:g}"
+        )
     if not 0.0 <= temperature <= 2.0:
         raise BenchInputError("--temperature must be in [0, 2]")
 
@@ -118,6 +127,23 @@ def run_bench(
             raise BenchInputError(f"--phases: {exc}") from None
         if request_rate is not None and math.isinf(request_rate):
             raise BenchInputError("--phases needs a finite --request-rate (or --concurrency)")
+        planned = (
+            sum(request_rate * p.multiplier * p.duration_s for p in phase_list)
+            if request_rate is not None
+            else 0.0
+        )
+        if planned > MAX_PLANNED_REQUESTS and num_requests is None:
+            raise BenchInputError(
+                f"--phases at --request-rate {request_rate:g} plans about {planned:.3g} requests; "
+                f"at most {MAX_PLANNED_REQUESTS:,} per run (lower the rate, the multipliers or "
+                "the durations, or give --num-requests)"
+            )
+        workers = (concurrency or 0) * max(p.multiplier for p in phase_list)
+        if workers > MAX_WORKERS:
+            raise BenchInputError(
+                f"--concurrency {concurrency} × phase multiplier {workers / concurrency:g} asks "
+                f"for {workers:.3g} clients; at most {MAX_WORKERS:,}"
+            )
     else:
         if num_requests is None:
             num_requests = 100

@@ -50,7 +50,7 @@ def parse_duration(text: str) -> float:
     if not m:
         raise ValueError(f"bad duration {text!r} (expected a number and ms, s, m or h, e.g. 20s)")
     seconds = float(m.group(1)) * _UNIT_S[m.group(2)]
-    if seconds <= 0:
+    if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"bad duration {text!r}: must be more than 0")
     return seconds
 
@@ -128,6 +128,10 @@ def parse_phases_yaml(path: Path) -> list[Phase]:
         raise ValueError(f"phases file {path}: no such file") from None
     except OSError as exc:
         raise ValueError(f"phases file {path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"phases file {path}: not UTF-8 text") from None
+    except RecursionError:
+        raise ValueError(f"phases file {path}: nested too deeply to be a phases list") from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
@@ -155,8 +159,8 @@ def parse_phases_yaml(path: Path) -> list[Phase]:
                 if isinstance(dur, int | float) and not isinstance(dur, bool)
                 else parse_duration(dur)
             )
-            if duration <= 0:
-                raise ValueError(f"bad duration {dur!r}: must be more than 0")
+            if not math.isfinite(duration) or duration <= 0:
+                raise ValueError(f"bad duration {dur!r}: must be a finite number more than 0")
             multiplier = parse_multiplier(mult)
         except ValueError as exc:
             raise ValueError(f"phases file {path}: phase {name!r}: {exc}") from None
@@ -213,6 +217,9 @@ def arrival_times(
                 block = max_requests - len(out) + 1
             else:
                 block = max(16, int(r * (end - t) * 1.2) + 16)
+            block = min(block, 100_000)  # a long phase is drawn in several blocks
+            if max_requests is not None:
+                block = min(block, max_requests - len(out) + 1)
             stop = False
             for gap in gamma_gaps(r, burstiness, block, rng):
                 t += float(gap)

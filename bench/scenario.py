@@ -188,7 +188,10 @@ def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
         ScenarioError: unknown scenario, or the server did not start.
     """
     sc = load(name)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ScenarioError(f"--out {out}: cannot make the folder: {exc.strerror}") from None
     store = out / "traces.duckdb"
     for p in out.glob("traces.duckdb*"):
         p.unlink()

@@ -123,6 +123,8 @@ def parse_length(text: str, what: str = "length") -> LengthSpec:
             f"{bad}: expected N, fixed:N, uniform:A:B or lognormal:MEAN:SIGMA (tokens)"
         )
     kind = m.group(1) or "fixed"
+    if re.search(r"(^|:)\s*-", m.group(2)):  # "-5", "uniform:-5:9": not a range separator
+        raise WorkloadError(f"{bad}: token counts and sigma cannot be negative")
     parts = [p for p in re.split(r"[:\-]", m.group(2)) if p.strip()]
     try:
         nums = [float(p) for p in parts]
@@ -281,6 +283,8 @@ def load_dataset(path: str | Path) -> list[DatasetEntry]:
         WorkloadError: ``FILE:LINE: reason`` for the first bad line; a missing or empty file.
     """
     p = Path(path)
+    if p.exists() and not p.is_dir() and not p.is_file():
+        raise WorkloadError(f"--dataset {p}: not a regular file (a pipe or device?)")
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -307,6 +311,10 @@ def _parse_line(line: str, n: int, p: Path) -> DatasetEntry:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise WorkloadError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise WorkloadError(f"{where}: JSON nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of thousands of digits
+        raise WorkloadError(f"{where}: unreadable JSON value ({str(exc).split(';')[0]})") from None
     if not isinstance(obj, dict):
         raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     max_tokens = obj.get("max_tokens", obj.get("output_tokens"))

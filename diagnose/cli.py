@@ -51,7 +51,7 @@ def run(
     Raises:
         DiagnoseInputError: bad flags, an unreadable or foreign file, an empty store or window.
     """
-    console = console or Console()
+    console = console or Console(emoji=False)
     if sum(x is not None for x in (source, db, url)) != 1:
         raise DiagnoseInputError("give exactly one of DUMP, --db PATH or --url URL")
     if fmt not in ("text", "json", "markdown"):

@@ -48,8 +48,8 @@ def _root(
 model_app = typer.Typer(help="Manage the default model.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 
-err = Console(stderr=True)
-out = Console()
+err = Console(stderr=True, emoji=False)  # ":joy:" in a user's input stays as typed
+out = Console(emoji=False)
 
 
 def fail(message: str) -> None:
@@ -275,6 +275,7 @@ def serve(
         float,
         typer.Option(
             min=0.0,
+            max=60_000.0,
             help="Fault drill: the stream waits this long (ms) before each token chunk but the first.",
         ),
     ] = 0.0,

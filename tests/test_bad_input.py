@@ -280,3 +280,25 @@ def test_fault_leak_keeps_blocks_of_aborted_requests(tmp_path, smollm2_dir, leak
     assert beat.kv_blocks_used == core.block_manager.num_used_blocks
     assert beat.kv_blocks_used + beat.kv_blocks_free == beat.kv_blocks_total == 64
     assert (beat.kv_blocks_used > 0) == leak
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-5"])
+def test_fault_stream_delay_out_of_range_is_refused_at_once(value):
+    """An infinite delay would hang every stream after its first token: refused before start."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.engine.cli",
+            "serve",
+            "--no-trace-db",
+            "--fault-stream-delay-ms",
+            value,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "--fault-stream-delay-ms" in lines[0] and "Traceback" not in r.stderr

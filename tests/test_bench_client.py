@@ -584,3 +584,59 @@ def test_cli_bad_input_is_one_line(tmp_path):
     )
     assert "not both" in line
     _one_error_line(_cli("--url", "http://127.0.0.1:1", "--goodput", "ttft:5", "oops"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"abort_fraction": 1.5}, "--abort-fraction must be between 0 and 1, got 1.5"),
+        ({"abort_fraction": float("nan")}, "--abort-fraction must be between 0 and 1"),
+        ({"timeout": float("nan")}, "--timeout must be a finite number"),
+        ({"timeout": float("inf")}, "--timeout must be a finite number"),
+        ({"drain_timeout": float("nan")}, "--drain-timeout must be a finite number"),
+        ({"prompt_tokens": "-5"}, "cannot be negative"),
+        ({"output_tokens": "lognormal:256:-1"}, "cannot be negative"),
+        (
+            {"request_rate": 1.0, "phases": "a:1s@99999999999x"},
+            "plans about 1e+11 requests; at most 1,000,000",
+        ),
+        ({"concurrency": 4, "phases": "a:1s@1000000x"}, "asks for 4e+06 clients"),
+        ({"request_rate": 1.0, "phases": "a:nans"}, "bad duration"),
+    ],
+)
+def test_bad_numbers_are_refused_before_anything_is_sent(kwargs, message):
+    with pytest.raises(BenchInputError, match=re.escape(message)):
+        run_bench(url="http://127.0.0.1:1", progress=False, **kwargs)
+
+
+def test_bad_phase_and_dataset_files_name_the_file(tmp_path):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 5000 + "]" * 5000)
+    bad_utf8 = tmp_path / "latin.yaml"
+    bad_utf8.write_bytes(b"\xff\xfe phases")
+    nan = tmp_path / "nan.yaml"
+    nan.write_text("- {name: a, duration: .nan}\n")
+    for f, reason in (
+        (deep, "nested too deeply"),
+        (bad_utf8, "not UTF-8 text"),
+        (nan, "must be a finite number more than 0"),
+    ):
+        with pytest.raises(BenchInputError, match=f"phases file {re.escape(str(f))}.*{reason}"):
+            run_bench(url="http://127.0.0.1:1", progress=False, request_rate=1.0, phases=str(f))
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a"}\n' + "[" * 200_000 + "]" * 200_000 + "\n")
+    with pytest.raises(BenchInputError, match=f"{re.escape(str(data))}:2: JSON nested too deeply"):
+        run_bench(url="http://127.0.0.1:1", progress=False, dataset=data)
+    data.write_text('{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}\n")
+    with pytest.raises(BenchInputError, match=f"{re.escape(str(data))}:1: unreadable JSON value"):
+        run_bench(url="http://127.0.0.1:1", progress=False, dataset=data)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(BenchInputError, match="not a regular file"):
+        run_bench(url="http://127.0.0.1:1", progress=False, dataset=fifo)
+
+
+def test_error_lines_print_the_input_as_typed():
+    """Rich's emoji codes (":joy:") in a user's value are not turned into emoji."""
+    line = _one_error_line(_cli("--url", "http://127.0.0.1:1", "--phases", "x:joy:1s"))
+    assert "'x:joy:1s'" in line and "\U0001f602" not in line

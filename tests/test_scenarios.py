@@ -50,6 +50,30 @@ def test_scenario_list_is_one_line_per_scenario():
     assert names == sorted(s.name for s in list_scenarios())
 
 
+def test_out_that_cannot_be_a_folder_is_one_line_exit_2(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    for out in (afile, afile / "sub"):
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tokenmill.engine.cli",
+                "scenario",
+                "run",
+                "healthy",
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert f"--out {out}: cannot make the folder" in lines[0]
+    assert afile.read_text() == "keep me"
+
+
 def test_unknown_scenario_is_one_line_exit_2():
     r = subprocess.run(
         [sys.executable, "-m", "tokenmill.engine.cli", "scenario", "run", "nope"],
