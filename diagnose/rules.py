@@ -358,16 +358,21 @@ def overload(sig: Signals, p: dict) -> Evidence | None:
         ttfts = [w.get("ttft_p50") for w in run if w.get("ttft_p50") is not None]
         if (
             arr >= p["arrival_excess"] * max(done, 1)
-            and waits[-1] > waits[0]
+            and waits[-1] - waits[0] >= p["min_queue_growth"]
             and len(ttfts) >= 2
             and ttfts[-1] >= p["ttft_trend"] * ttfts[0]
         ):
-            ratio = arr / max(done, 1)
-            if best is None or ratio > best[0]:
-                best = (ratio, run, ttfts)
+            # the largest backlog built, not the largest ratio: a ramp-up of 5 arrivals and
+            # 2 completions has a higher ratio than a real overload of 40 and 20
+            backlog = arr - done
+            if best is None or backlog > best[0]:
+                best = (backlog, run, ttfts)
     if best is None:
         return None
-    ratio, run, ttfts = best
+    _, run, ttfts = best
+    ratio = sum(w.get("arrivals", 0) or 0 for w in run) / max(
+        sum(w.get("completions", 0) or 0 for w in run), 1
+    )
     first, last = run[0], run[-1]
     return Evidence(
         f"{sum(w.get('arrivals', 0) or 0 for w in run)} requests arrived but only "
@@ -927,6 +932,9 @@ RULES: tuple[Rule, ...] = (
             "min_windows": Param(3, "consecutive windows to call it a trend"),
             "arrival_excess": Param(1.2, "arrivals / completions over those windows"),
             "ttft_trend": Param(2.0, "TTFT p50 at the end / at the start of the run"),
+            "min_queue_growth": Param(
+                1.0, "mean requests waiting in the engine grows by at least one over the run"
+            ),
         },
         overload,
         explains=("ttft_queueing",),
