@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -199,7 +200,47 @@ def test_sse_headers_and_request_id(tenant_server):
             {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]},
             400,
             "messages",
-            "tokenized",
+            "lone UTF-16 surrogate",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": True},
+            400,
+            "max_tokens",
+            "valid integer",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"},
+            400,
+            "stream",
+            "valid boolean",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "logit_bias": {"5": 1},
+            },
+            400,
+            "logit_bias",
+            "logit_bias is not supported",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            "response_format",
+            "response_format is not supported",
+        ),
+        ("[1, 2]", 400, None, "must be a JSON object"),
+        ("null", 400, None, "must be a JSON object"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": math.nan},
+            400,
+            "top_p",
+            "top_p must be a number, not NaN",
         ),
     ],
 )

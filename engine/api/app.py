@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -201,6 +202,16 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     path = [p for p in loc if not UNION_TAG_RE.match(p)]
     param = ".".join(path) or None
     msg = err.get("msg", "invalid value")
+    if param is None:  # the body itself: not an object, empty, or sent as another type
+        return APIError(
+            400,
+            "the request body must be a JSON object (Content-Type: application/json)",
+            code="invalid_body",
+        )
+    if isinstance(err.get("input"), float) and math.isnan(err["input"]):
+        return APIError(
+            400, f"{param} must be a number, not NaN", param=param, code="invalid_value"
+        )
     if err.get("type") == "missing":
         return APIError(400, f"missing required field {param!r}", param=param, code="missing_field")
     return APIError(400, f"invalid value for {param!r}: {msg}", param=param, code="invalid_value")

@@ -4,9 +4,9 @@ cannot honour (``n > 1``, ``logprobs``, penalties) are refused with a 400 naming
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from ..sampling import SamplingParams
 from .errors import APIError
@@ -41,22 +41,29 @@ class _CommonRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    # integers and booleans are strict: "5", 2.0 or true for max_tokens is a client bug
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: int = 1
-    stream: bool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
     logprobs: bool | int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
     # tokenmill extensions (vLLM spells them the same way)
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
+    # OpenAI options we do not implement: accepted only at their "off" value (check_supported)
+    logit_bias: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -76,6 +83,18 @@ class _CommonRequest(BaseModel):
             )
         if self.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported")
+        if self.response_format not in (None, {"type": "text"}):
+            raise APIError(
+                400,
+                "response_format is not supported (only {'type': 'text'})",
+                param="response_format",
+                code="unsupported",
+            )
+        for name in ("logit_bias", "tools", "tool_choice", "functions"):
+            if getattr(self, name) not in (None, {}, [], "none"):
+                raise APIError(
+                    400, f"{name} is not supported (leave it out)", param=name, code="unsupported"
+                )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(
@@ -110,7 +129,7 @@ class ChatCompletionRequest(_CommonRequest):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -120,9 +139,17 @@ class CompletionRequest(_CommonRequest):
     """``POST /v1/completions``; ``prompt`` is text or token ids (one prompt: n=1, batch of 1)."""
 
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-    echo: bool = False
+    echo: StrictBool = False
+    best_of: Any = None
+    suffix: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo", code="unsupported")
+        if self.best_of not in (None, 1):
+            raise APIError(
+                400, "best_of is not supported; only 1", param="best_of", code="unsupported"
+            )
+        if self.suffix not in (None, ""):
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")

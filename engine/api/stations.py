@@ -61,8 +61,13 @@ class TokenizeStation:
             raise
         except Exception as exc:  # the tokenizer's own errors on strange text
             param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-            reason = " ".join(str(exc).split())[:160]
-            raise APIError(400, f"{param} could not be tokenized: {reason}", param=param) from None
+            if _has_lone_surrogate(body):
+                reason = "it holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text"
+            else:
+                reason = " ".join(str(exc).split())[:160]
+            raise APIError(
+                400, f"{param} could not be tokenized: {reason}", param=param, code="invalid_text"
+            ) from None
         n = len(ids)
         if not ids:
             raise APIError(400, f"{param} encodes to no tokens", param=param)
@@ -107,6 +112,15 @@ class TokenizeStation:
                 )
             granted = requested
         return Tokenized(ids, granted, param)
+
+
+def _has_lone_surrogate(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Whether the prompt text holds a UTF-16 surrogate code point (JSON ``"\\ud800"``)."""
+    if isinstance(body, ChatCompletionRequest):
+        texts = [m.text() for m in body.messages]
+    else:
+        texts = [body.prompt] if isinstance(body.prompt, str) else [str(body.prompt)]
+    return any(0xD800 <= ord(c) <= 0xDFFF for t in texts for c in t)
 
 
 class AdmissionStation:
