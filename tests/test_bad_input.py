@@ -71,6 +71,7 @@ def test_missing_model_path(tmp_path):
     assert_one_line_error(
         cli("generate", "--model", str(missing), "--prompt", "hi"), "does not exist", "nope"
     )
+    assert_one_line_error(cli("serve", "--model", str(missing)), "does not exist", "nope")
 
 
 def test_folder_without_config(tmp_path):
@@ -79,6 +80,7 @@ def test_folder_without_config(tmp_path):
     assert_one_line_error(
         cli("generate", "--model", str(tmp_path), "--prompt", "hi"), "config.json"
     )
+    assert_one_line_error(cli("serve", "--model", str(tmp_path)), "config.json")
 
 
 def test_unsupported_architecture_names_supported_ones(tmp_path):

@@ -10,6 +10,7 @@ import uvicorn
 
 from ..config import EngineConfig
 from ..core import resolve_model_dir
+from ..model_config import load_model_config
 from ..tokenizer import load_tokenizer
 from .app import ServerState, build_app
 from .gateway import Gateway, load_tenants
@@ -47,6 +48,7 @@ def make_server(
     """
     model_dir = resolve_model_dir(config.model)
     config.model = str(model_dir)
+    load_model_config(model_dir)  # a missing folder or config.json says so before the tokenizer
     tokenizer = load_tokenizer(model_dir)
     tenants = load_tenants(tenants_file) if tenants_file else None
     if tenants is None and host not in ("127.0.0.1", "localhost", "::1"):
