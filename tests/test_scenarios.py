@@ -25,6 +25,7 @@ FAST = [
     "oom_low_average_memory",
     "prefix_cache_miss",
     "queueing_overload",
+    "ttft_prefill_bound",
 ]
 
 
