@@ -22,7 +22,7 @@ from importlib import resources
 import duckdb
 import pandas as pd
 
-from tokenmill.telemetry.schema import STATIONS
+from tokenmill.telemetry.schema import STATIONS, WORKING_STEP_SQL
 
 NS = 1_000_000_000
 GIB = float(1 << 30)
@@ -358,24 +358,23 @@ def request_detail(con, trace_id: str) -> dict | None:
 # ----- engine -----
 
 # idle heartbeats (rows without tokens) keep their KV and queue columns but no step times
-_WORKING = "num_prefill_tokens + num_decode_tokens > 0"
 _STEP_COLS = f"""num_prefill_tokens AS prefill_tokens, num_decode_tokens AS decode_tokens,
-    CASE WHEN {_WORKING} THEN schedule_ms END AS schedule_ms,
-    CASE WHEN {_WORKING} THEN forward_ms END AS forward_ms,
-    CASE WHEN {_WORKING} THEN sample_ms END AS sample_ms,
-    CASE WHEN {_WORKING} THEN (end_ns - start_ns) / 1e6 END AS step_ms,
+    CASE WHEN {WORKING_STEP_SQL} THEN schedule_ms END AS schedule_ms,
+    CASE WHEN {WORKING_STEP_SQL} THEN forward_ms END AS forward_ms,
+    CASE WHEN {WORKING_STEP_SQL} THEN sample_ms END AS sample_ms,
+    CASE WHEN {WORKING_STEP_SQL} THEN (end_ns - start_ns) / 1e6 END AS step_ms,
     num_running AS running, num_waiting AS waiting, kv_blocks_used AS kv_used,
     kv_blocks_free AS kv_free, kv_blocks_cached AS kv_cached, kv_blocks_total AS kv_total,
     num_preempted AS preempted, prefix_hit_tokens, allocation_failures, num_sampled AS sampled"""
 
 _STEP_BUCKET_SQL = f"""
-SELECT (start_ns - $since) // $w AS b, count(*) FILTER (WHERE {_WORKING}) AS steps,
-    avg(num_prefill_tokens) FILTER (WHERE {_WORKING}) AS prefill_tokens,
-    avg(num_decode_tokens) FILTER (WHERE {_WORKING}) AS decode_tokens,
-    avg(schedule_ms) FILTER (WHERE {_WORKING}) AS schedule_ms,
-    avg(forward_ms) FILTER (WHERE {_WORKING}) AS forward_ms,
-    avg(sample_ms) FILTER (WHERE {_WORKING}) AS sample_ms,
-    avg((end_ns - start_ns) / 1e6) FILTER (WHERE {_WORKING}) AS step_ms, avg(num_running) AS running,
+SELECT (start_ns - $since) // $w AS b, count(*) FILTER (WHERE {WORKING_STEP_SQL}) AS steps,
+    avg(num_prefill_tokens) FILTER (WHERE {WORKING_STEP_SQL}) AS prefill_tokens,
+    avg(num_decode_tokens) FILTER (WHERE {WORKING_STEP_SQL}) AS decode_tokens,
+    avg(schedule_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS schedule_ms,
+    avg(forward_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS forward_ms,
+    avg(sample_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS sample_ms,
+    avg((end_ns - start_ns) / 1e6) FILTER (WHERE {WORKING_STEP_SQL}) AS step_ms, avg(num_running) AS running,
     avg(num_waiting) AS waiting, avg(kv_blocks_used) AS kv_used, avg(kv_blocks_free) AS kv_free,
     avg(kv_blocks_cached) AS kv_cached, max(kv_blocks_total) AS kv_total,
     sum(num_preempted) AS preempted, sum(prefix_hit_tokens) AS prefix_hit_tokens,
@@ -418,7 +417,7 @@ def engine_summary(con, since_ns: int, until_ns: int) -> dict:
     Idle heartbeats (rows without tokens) count for KV use only."""
     s = _one(
         con,
-        """SELECT count(*) FILTER (WHERE working) AS steps,
+        f"""SELECT count(*) FILTER (WHERE working) AS steps,
                avg((end_ns - start_ns) / 1e6) FILTER (WHERE working) AS step_ms_mean,
                quantile_cont((end_ns - start_ns) / 1e6, 0.99) FILTER (WHERE working) AS step_ms_p99,
                sum(num_prefill_tokens)::DOUBLE
@@ -427,7 +426,7 @@ def engine_summary(con, since_ns: int, until_ns: int) -> dict:
                max(num_running) AS running_max, max(num_waiting) AS waiting_max,
                max(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) AS kv_usage_max,
                max(kv_blocks_total) AS kv_blocks_total
-           FROM (SELECT *, num_prefill_tokens + num_decode_tokens > 0 AS working
+           FROM (SELECT *, {WORKING_STEP_SQL} AS working
                  FROM engine_steps WHERE start_ns >= $since AND start_ns < $until)""",
         since=since_ns,
         until=until_ns,

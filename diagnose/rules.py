@@ -366,13 +366,10 @@ def overload(sig: Signals, p: dict) -> Evidence | None:
             # 2 completions has a higher ratio than a real overload of 40 and 20
             backlog = arr - done
             if best is None or backlog > best[0]:
-                best = (backlog, run, ttfts)
+                best = (backlog, arr / max(done, 1), run, ttfts)
     if best is None:
         return None
-    _, run, ttfts = best
-    ratio = sum(w.get("arrivals", 0) or 0 for w in run) / max(
-        sum(w.get("completions", 0) or 0 for w in run), 1
-    )
+    _, ratio, run, ttfts = best
     first, last = run[0], run[-1]
     return Evidence(
         f"{sum(w.get('arrivals', 0) or 0 for w in run)} requests arrived but only "

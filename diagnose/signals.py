@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import duckdb
 
+from tokenmill.telemetry.schema import WORKING_STEP_SQL
+
 NS = 1_000_000_000
 
 
@@ -127,21 +129,21 @@ FROM requests WHERE end_ns >= $since AND end_ns < $until
 GROUP BY win
 """
 
-# Idle heartbeats (no tokens; EngineCore.idle_record) count only for the idle KV columns.
-_STEP_WINDOW_SQL = """
+# Idle heartbeats (not WORKING_STEP_SQL) count only for the KV and idle columns.
+_STEP_WINDOW_SQL = f"""
 SELECT (start_ns - $t0) // $w AS win,
-    count(*) FILTER (WHERE num_prefill_tokens + num_decode_tokens > 0) AS steps,
-    quantile_cont((end_ns - start_ns) / 1e6, 0.5) FILTER (WHERE num_prefill_tokens + num_decode_tokens > 0) AS step_ms_p50,
-    quantile_cont((end_ns - start_ns) / 1e6, 0.99) FILTER (WHERE num_prefill_tokens + num_decode_tokens > 0) AS step_ms_p99,
-    avg((end_ns - start_ns) / 1e6) FILTER (WHERE num_prefill_tokens + num_decode_tokens > 0) AS step_ms_mean,
+    count(*) FILTER (WHERE {WORKING_STEP_SQL}) AS steps,
+    quantile_cont((end_ns - start_ns) / 1e6, 0.5) FILTER (WHERE {WORKING_STEP_SQL}) AS step_ms_p50,
+    quantile_cont((end_ns - start_ns) / 1e6, 0.99) FILTER (WHERE {WORKING_STEP_SQL}) AS step_ms_p99,
+    avg((end_ns - start_ns) / 1e6) FILTER (WHERE {WORKING_STEP_SQL}) AS step_ms_mean,
     quantile_cont((end_ns - start_ns) / 1e6, 0.5) FILTER (WHERE num_prefill_tokens = 0 AND num_decode_tokens > 0) AS decode_step_ms_p50,
     quantile_cont((end_ns - start_ns) / 1e6, 0.5) FILTER (WHERE num_prefill_tokens > 0 AND num_running > num_prefill_chunks) AS mixed_step_ms_p50,
     max((end_ns - start_ns) / 1e6) FILTER (WHERE num_prefill_tokens > 0 AND num_running > num_prefill_chunks) AS mixed_step_ms_max,
     max(num_prefill_tokens) AS prefill_tokens_max,
     sum(num_prefill_tokens)::DOUBLE / nullif(sum(num_prefill_tokens + num_decode_tokens), 0) AS prefill_token_share,
-    avg(num_prefill_tokens + num_decode_tokens) FILTER (WHERE num_prefill_tokens + num_decode_tokens > 0) AS tokens_per_step,
+    avg(num_prefill_tokens + num_decode_tokens) FILTER (WHERE {WORKING_STEP_SQL}) AS tokens_per_step,
     sum(num_sampled) AS sampled_tokens,
-    avg(num_running) FILTER (WHERE num_prefill_tokens + num_decode_tokens > 0) AS running_mean,
+    avg(num_running) FILTER (WHERE {WORKING_STEP_SQL}) AS running_mean,
     max(num_running) AS running_max,
     avg(num_waiting) AS waiting_mean,
     max(num_waiting) AS waiting_max,
@@ -152,10 +154,10 @@ SELECT (start_ns - $t0) // $w AS win,
     sum(allocation_failures) AS allocation_failures,
     avg(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) FILTER (WHERE allocation_failures > 0) AS kv_usage_at_failures,
     sum(num_preempted) AS preemptions,
-    avg(schedule_ms) FILTER (WHERE num_prefill_tokens + num_decode_tokens > 0) AS schedule_ms_mean,
-    avg(forward_ms) FILTER (WHERE num_prefill_tokens + num_decode_tokens > 0) AS forward_ms_mean,
-    avg(sample_ms) FILTER (WHERE num_prefill_tokens + num_decode_tokens > 0) AS sample_ms_mean,
-    avg((schedule_ms + sample_ms) / nullif((end_ns - start_ns) / 1e6, 0)) FILTER (WHERE num_prefill_tokens + num_decode_tokens > 0) AS host_share_of_step,
+    avg(schedule_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS schedule_ms_mean,
+    avg(forward_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS forward_ms_mean,
+    avg(sample_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS sample_ms_mean,
+    avg((schedule_ms + sample_ms) / nullif((end_ns - start_ns) / 1e6, 0)) FILTER (WHERE {WORKING_STEP_SQL}) AS host_share_of_step,
     max(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) FILTER (WHERE num_running = 0 AND num_waiting = 0) AS idle_kv_usage_max,
     count(*) FILTER (WHERE num_running = 0 AND num_waiting = 0) AS idle_steps
 FROM engine_steps WHERE start_ns >= $since AND start_ns < $until

@@ -20,6 +20,9 @@ STATIONS = (
     "stream",
     "metering",
 )
+# an `engine_steps` row that ran tokens; rows without are an idle engine's heartbeats
+# (EngineCore.idle_record), which count for KV use and queue depth but not as steps
+WORKING_STEP_SQL = "num_prefill_tokens + num_decode_tokens > 0"
 
 
 class SchemaError(Exception):

@@ -241,17 +241,18 @@ def test_engine_stays_usable_after_a_rejected_batch(tiny_llm):
     assert core.block_manager.num_used_blocks == 0
 
 
-def test_fault_nan_fraction_fails_requests_cleanly(tmp_path, smollm2_dir):
-    """The NaN fault drill: every picked request ends with nan_logits, none is left running."""
+def _tiny_core(tmp_path, smollm2_dir, **faults) -> EngineCore:
+    """A dummy-weight tiny Llama core with 64 blocks of 4 tokens and the given fault drills."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     cfg = EngineConfig(
-        model=str(tmp_path),
-        load_format="dummy",
-        block_size=4,
-        num_gpu_blocks_override=64,
-        fault_nan_fraction=1.0,
+        model=str(tmp_path), load_format="dummy", block_size=4, num_gpu_blocks_override=64, **faults
     )
-    core = EngineCore(cfg, tokenizer=load_tokenizer(smollm2_dir))
+    return EngineCore(cfg, tokenizer=load_tokenizer(smollm2_dir))
+
+
+def test_fault_nan_fraction_fails_requests_cleanly(tmp_path, smollm2_dir):
+    """The NaN fault drill: every picked request ends with nan_logits, none is left running."""
+    core = _tiny_core(tmp_path, smollm2_dir, fault_nan_fraction=1.0)
     results = LLM(core=core).generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4))
     assert [r.finish_reason for r in results] == ["error", "error"]
     assert core.block_manager.num_used_blocks == 0 and not core.has_work()
@@ -261,15 +262,7 @@ def test_fault_nan_fraction_fails_requests_cleanly(tmp_path, smollm2_dir):
 
 @pytest.mark.parametrize("leak", [False, True])
 def test_fault_leak_keeps_blocks_of_aborted_requests(tmp_path, smollm2_dir, leak):
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    cfg = EngineConfig(
-        model=str(tmp_path),
-        load_format="dummy",
-        block_size=4,
-        num_gpu_blocks_override=64,
-        fault_leak_blocks_on_abort=leak,
-    )
-    core = EngineCore(cfg, tokenizer=load_tokenizer(smollm2_dir))
+    core = _tiny_core(tmp_path, smollm2_dir, fault_leak_blocks_on_abort=leak)
     core.add_request("a", list(range(5, 15)), SamplingParams(max_tokens=8))
     core.step()
     core.abort(["a"])
