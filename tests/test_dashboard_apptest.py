@@ -17,10 +17,10 @@ import duckdb
 import pytest
 from server_proc import free_port
 from streamlit.testing.v1 import AppTest
+from synth_store import Phase, write_store
 
 from tokenmill.dashboard import data
 from tokenmill.dashboard.source import SourceError, StoreHandle
-from tokenmill.diagnose.synth import Phase, write_store
 from tokenmill.telemetry.schema import apply_schema
 
 APP = Path(data.__file__).parent / "app.py"

@@ -9,8 +9,8 @@ import sys
 
 import duckdb
 import pytest
+from synth_store import Phase, write_store
 
-from tokenmill.diagnose.synth import Phase, write_store
 from tokenmill.telemetry.schema import apply_schema
 from tokenmill.telemetry.store import TraceStore
 

@@ -7,10 +7,10 @@ import zlib
 
 import duckdb
 import pytest
+from synth_store import Phase, write_store
 
 from tokenmill.diagnose.findings import diagnose
 from tokenmill.diagnose.rules import RULES, RULES_BY_ID
-from tokenmill.diagnose.synth import Phase, write_store
 
 HEALTHY = Phase(duration_s=40)
 
