@@ -660,32 +660,16 @@ def signal_windows(con, since_ns: int, until_ns: int, window_s: float) -> pd.Dat
     return _time(df)
 
 
-EVIDENCE_SIGNALS = {
-    "ttft_queueing": ("ttft_p99", "queue_p99", "waiting_mean"),
-    "ttft_prefill_bound": ("ttft_p99", "prefill_p99", "prefix_hit_rate"),
-    "head_of_line_blocking": ("short_ttft_p99", "input_max", "waiting_max"),
-    "itl_prefill_interference": ("itl_max", "mixed_step_ms_max", "prefill_tokens_max"),
-    "itl_frontend_overhead": ("stream_vs_engine_tpot", "tpot_p50"),
-    "kv_pressure_preemption": ("kv_usage_max", "preemptions", "ttft_p99"),
-    "overload": ("arrival_rate", "completion_rate", "waiting_mean"),
-    "oom_low_average_memory": ("kv_usage_mean", "allocation_failures"),
-    "kv_block_leak": ("idle_kv_usage_max", "running_mean"),
-    "error_spike": ("error_rate", "throughput_tok_s"),
-    "prefix_cache_miss": ("prefix_hit_rate", "ttft_p99"),
-    "client_server_ttft_gap": ("client_ttft_p50", "server_ttft_p50_with_client"),
-    "batching_ineffective": ("running_max", "waiting_mean", "kv_usage_max"),
-    "batch_too_large": ("throughput_tok_s", "running_mean", "step_ms_p50"),
-    "midstream_stall": ("stalled_n", "itl_max"),
-    "periodic_itl_spikes": ("step_ms_p99", "itl_max"),
-    "gpu_throttling": ("sm_clock_mean", "power_w_mean", "temperature_max"),
-    "host_bound_steps": ("host_share_of_step", "gpu_util_mean"),
-}
 _DEFAULT_EVIDENCE = ("ttft_p99", "itl_p99", "throughput_tok_s")
 
 
 def evidence_signals(rule_id: str, windows: pd.DataFrame) -> list[str]:
-    """The per-window signals that show a rule's evidence (those with any value)."""
-    names = EVIDENCE_SIGNALS.get(rule_id, _DEFAULT_EVIDENCE)
+    """The per-window signals that show a rule's evidence (those with any value): the rule's own
+    ``evidence_signals`` (``tokenmill.diagnose.rules``), else TTFT, ITL and throughput."""
+    from tokenmill.diagnose.rules import RULES_BY_ID
+
+    rule = RULES_BY_ID.get(rule_id)
+    names = (rule.evidence_signals if rule else ()) or _DEFAULT_EVIDENCE
     return [n for n in names if n in windows and windows[n].notna().any()]
 
 

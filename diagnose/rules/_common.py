@@ -1,0 +1,107 @@
+"""What every rule module shares: :class:`Param`, :class:`Evidence`, :class:`Rule` and the
+small helpers detectors use (ratios, window times, severity, confidence, example filters).
+
+Thresholds are ratios to the dump's own healthy baseline (its best windows) or shares within
+one window, never absolute milliseconds: the same rule must hold on a 2-core CPU and on an H200.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from ..signals import Signals, Window
+
+
+@dataclass(frozen=True)
+class Param:
+    """A named threshold: its default and where the number comes from."""
+
+    default: float
+    source: str
+
+
+@dataclass
+class Evidence:
+    """What a rule saw: a one-line statement, the numbers, the window, example traces."""
+
+    summary: str
+    numbers: dict
+    window: tuple[int, int] | None
+    example_where: str | None = None
+    example_params: list = field(default_factory=list)
+    severity: str = "warning"  # warning | critical
+    confidence: float = 0.7
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One diagnosis rule: its text, named thresholds, detector, the rules it explains and the
+    signals the console shows for it. Its runbook is ``runbooks/<id>.md``."""
+
+    id: str
+    title: str
+    symptom: str
+    causes: tuple[str, ...]
+    checks: tuple[str, ...]
+    knob: str
+    params: dict[str, Param]
+    detect: Callable[[Signals, dict], Evidence | None]
+    # more general rules this one explains when both fire (they are ranked after it)
+    explains: tuple[str, ...] = ()
+    # per-window signals (``Window.values`` keys) the console charts as this rule's evidence
+    evidence_signals: tuple[str, ...] = ()
+
+    @property
+    def runbook(self) -> str:
+        return f"runbooks/{self.id}.md"
+
+
+# ----- helpers -----
+
+
+def _ratio(a, b) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def _clock(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=UTC).strftime("%H:%M:%S")
+
+
+def _when(w: Window) -> str:
+    return f"{_clock(w.start_ns)}–{_clock(w.end_ns)} UTC"
+
+
+def _ms(v) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:.0f} ms" if v >= 10 else f"{v:.1f} ms"
+
+
+def _worst(sig: Signals, key: str, pred: Callable[[Window], bool] | None = None) -> Window | None:
+    cands = [w for w in sig.busy() if w.get(key) is not None and (pred is None or pred(w))]
+    return max(cands, key=lambda w: w.get(key), default=None)
+
+
+def _severity(ratio: float | None, threshold: float) -> str:
+    return "critical" if ratio is not None and ratio >= 2 * threshold else "warning"
+
+
+def _confidence(*margins: float | None) -> float:
+    """0.5 at the thresholds, rising toward 0.95 as every margin (value/threshold) grows."""
+    ms = [m for m in margins if m is not None]
+    if not ms:
+        return 0.5
+    m = min(ms)
+    return round(min(0.95, 0.5 + 0.45 * (1 - 1 / max(m, 1.0))), 2)
+
+
+def _in_window(w: Window) -> tuple[str, list]:
+    return "arrival_ns >= ? AND arrival_ns < ?", [w.start_ns, w.end_ns]
+
+
+# the source most thresholds name: a ratio to the dump's healthy windows
+_BASE = "ratio to the dump's healthiest windows (its 25th-percentile window)"

@@ -1,0 +1,76 @@
+"""``host_bound_steps``: steps wait on the host."""
+
+from __future__ import annotations
+
+from ..signals import Signals, Window
+from ._common import (
+    _BASE,
+    Evidence,
+    Param,
+    Rule,
+    _confidence,
+    _in_window,
+    _ms,
+    _ratio,
+    _when,
+    _worst,
+)
+
+
+def detect(sig: Signals, p: dict) -> Evidence | None:
+    base_step = sig.baseline.get("step_ms_p50")
+
+    def hit(w: Window) -> bool:
+        share = w.get("host_share_of_step") or 0
+        slow = _ratio(w.get("step_ms_p50"), base_step) or 0
+        gpu_idle = (
+            sig.device_kind == "gpu" and (w.get("gpu_util_mean") or 100) < p["gpu_busy_below"]
+        )
+        return share >= p["host_share"] and (slow >= p["step_slowdown"] or gpu_idle)
+
+    w = _worst(sig, "host_share_of_step", hit)
+    if w is None:
+        return None
+    share = w.get("host_share_of_step")
+    util = w.get("gpu_util_mean")
+    return Evidence(
+        f"{share:.0%} of each engine step went to scheduling and sampling on the host in "
+        f"{_when(w)} (schedule {_ms(w.get('schedule_ms_mean'))}, sample "
+        f"{_ms(w.get('sample_ms_mean'))}, forward {_ms(w.get('forward_ms_mean'))}"
+        + (f"; GPU busy {util:.0f}%" if util is not None and sig.device_kind == "gpu" else "")
+        + ")",
+        {
+            "host_share_of_step": share,
+            "schedule_ms_mean": w.get("schedule_ms_mean"),
+            "sample_ms_mean": w.get("sample_ms_mean"),
+            "forward_ms_mean": w.get("forward_ms_mean"),
+            "step_ms_p50": w.get("step_ms_p50"),
+            "baseline_step_ms_p50": base_step,
+            "gpu_util_mean": util,
+        },
+        (w.start_ns, w.end_ns),
+        *_in_window(w),
+        "warning",
+        _confidence(share / p["host_share"]),
+    )
+
+
+RULE = Rule(
+    id="host_bound_steps",
+    title="steps wait on the host",
+    symptom="the host side of each step (schedule, sample) is a large share while steps are slow",
+    causes=(
+        "Python scheduling overhead at large batch",
+        "sampling on the host",
+        "kernel launch overhead",
+    ),
+    checks=("schedule_ms and sample_ms vs forward_ms",),
+    knob="--max-num-seqs down; CUDA graphs where available",
+    params={
+        "host_share": Param(0.3, "(schedule + sample) / step time"),
+        "step_slowdown": Param(1.5, f"step time {_BASE}"),
+        "gpu_busy_below": Param(50.0, "GPU utilization % counted as low"),
+    },
+    detect=detect,
+    evidence_signals=("host_share_of_step", "gpu_util_mean"),
+)

@@ -1,0 +1,50 @@
+"""``itl_frontend_overhead``: the output path is slower than the engine."""
+
+from __future__ import annotations
+
+from ..signals import Signals
+from ._common import Evidence, Param, Rule, _confidence, _in_window, _ms, _severity, _when, _worst
+
+
+def detect(sig: Signals, p: dict) -> Evidence | None:
+    w = _worst(sig, "stream_vs_engine_tpot", lambda w: w.get("stream_vs_engine_tpot") >= p["ratio"])
+    if w is None:
+        return None
+    r = w.get("stream_vs_engine_tpot")
+    where, params = _in_window(w)
+    return Evidence(
+        f"the stream delivered tokens {r:.1f}x slower than the engine produced them in {_when(w)} "
+        f"(engine TPOT p50 {_ms(w.get('tpot_p50'))}): detokenize/serialize/write is the bottleneck",
+        {
+            "stream_vs_engine_tpot": r,
+            "engine_tpot_p50_ms": w.get("tpot_p50"),
+            "step_ms_p50": w.get("step_ms_p50"),
+        },
+        (w.start_ns, w.end_ns),
+        where + " AND output_tokens >= 8",
+        params,
+        _severity(r, p["ratio"]),
+        _confidence(r / p["ratio"]),
+    )
+
+
+RULE = Rule(
+    id="itl_frontend_overhead",
+    title="the output path is slower than the engine",
+    symptom="stream-side time per token well above the engine's TPOT",
+    causes=(
+        "detokenization cost growing with length",
+        "JSON/SSE serialization or a slow client socket",
+        "the API event loop is saturated (too many streams per process)",
+    ),
+    checks=(
+        "stream vs engine TPOT per request length (growing = detokenizer)",
+        "API process CPU in the host samples",
+    ),
+    knob="more API processes / fewer streams per process; check the detokenizer (symptom case C03)",
+    params={
+        "ratio": Param(1.5, "stream-side TPOT / engine TPOT; 1.0 when the output path keeps up")
+    },
+    detect=detect,
+    evidence_signals=("stream_vs_engine_tpot", "tpot_p50"),
+)

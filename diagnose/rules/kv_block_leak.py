@@ -1,0 +1,41 @@
+"""``kv_block_leak``: KV blocks are not returned."""
+
+from __future__ import annotations
+
+from ..signals import Signals
+from ._common import Evidence, Param, Rule, _confidence, _when
+
+
+def detect(sig: Signals, p: dict) -> Evidence | None:
+    idle = [w for w in sig.windows if (w.get("idle_steps") or 0) > 0]
+    if not idle:
+        return None
+    last = idle[-1]
+    use = last.get("idle_kv_usage_max") or 0
+    if use < p["idle_usage"]:
+        return None
+    total = last.get("kv_blocks_total") or 0
+    return Evidence(
+        f"with nothing running or waiting, {use:.0%} of the KV cache (~{use * total:.0f} of "
+        f"{total:.0f} blocks) was still held in {_when(last)}: blocks are not returned",
+        {"idle_kv_usage": use, "kv_blocks_total": total, "idle_steps": last.get("idle_steps")},
+        (last.start_ns, last.end_ns),
+        "finish_reason = 'abort' OR error_type IS NOT NULL",
+        [],
+        "critical" if use >= 2 * p["idle_usage"] else "warning",
+        _confidence(use / p["idle_usage"]),
+    )
+
+
+RULE = Rule(
+    id="kv_block_leak",
+    title="KV blocks are not returned",
+    symptom="KV use does not return to its idle level after traffic drains",
+    causes=("blocks of aborted or failed requests are not freed",),
+    checks=("idle KV usage after aborts vs after clean completions",),
+    knob="restart the engine worker now; report the leak (symptom case C05)",
+    params={"idle_usage": Param(0.05, "KV share still used with nothing running or waiting")},
+    detect=detect,
+    explains=("oom_low_average_memory",),
+    evidence_signals=("idle_kv_usage_max", "running_mean"),
+)

@@ -1,0 +1,81 @@
+"""``kv_pressure_preemption``: KV cache full: preemptions slow everything."""
+
+from __future__ import annotations
+
+from ..signals import Signals, Window
+from ._common import (
+    _BASE,
+    Evidence,
+    Param,
+    Rule,
+    _confidence,
+    _in_window,
+    _ms,
+    _ratio,
+    _severity,
+    _when,
+    _worst,
+)
+
+
+def detect(sig: Signals, p: dict) -> Evidence | None:
+    base_ttft, base_tpot = sig.baseline.get("ttft_p99"), sig.baseline.get("tpot_p99")
+
+    def hit(w: Window) -> bool:
+        return (
+            (w.get("preemptions") or 0) >= p["min_preemptions"]
+            and (w.get("kv_usage_max") or 0) >= p["kv_full"]
+            and (_ratio(w.get("ttft_p99"), base_ttft) or 0) >= p["degrade"]
+            and (_ratio(w.get("tpot_p99"), base_tpot) or 0) >= p["degrade"]
+        )
+
+    w = _worst(sig, "preemptions", hit)
+    if w is None:
+        return None
+    r = min(_ratio(w.get("ttft_p99"), base_ttft), _ratio(w.get("tpot_p99"), base_tpot))
+    where, params = _in_window(w)
+    return Evidence(
+        f"KV cache at {(w.get('kv_usage_max') or 0):.0%} with {w.get('preemptions'):.0f} preemptions "
+        f"({w.get('recomputed_tokens') or 0:.0f} tokens recomputed) in {_when(w)}; TTFT p99 "
+        f"{_ms(base_ttft)} → {_ms(w.get('ttft_p99'))}, TPOT p99 {_ms(base_tpot)} → "
+        f"{_ms(w.get('tpot_p99'))}",
+        {
+            "kv_usage_max": w.get("kv_usage_max"),
+            "preemptions": w.get("preemptions"),
+            "recomputed_tokens": w.get("recomputed_tokens"),
+            "ttft_p99_ms": w.get("ttft_p99"),
+            "baseline_ttft_p99_ms": base_ttft,
+            "tpot_p99_ms": w.get("tpot_p99"),
+            "baseline_tpot_p99_ms": base_tpot,
+            "allocation_failures": w.get("allocation_failures"),
+        },
+        (w.start_ns, w.end_ns),
+        where + " AND preemptions > 0",
+        params,
+        _severity(r, p["degrade"]),
+        _confidence(r / p["degrade"], (w.get("kv_usage_max") or 0) / p["kv_full"]),
+    )
+
+
+RULE = Rule(
+    id="kv_pressure_preemption",
+    title="KV cache full: preemptions slow everything",
+    symptom="TTFT and ITL both degrade with the KV cache near full and preemptions/recompute",
+    causes=(
+        "too many concurrent long sequences for the KV pool",
+        "greedy admission without headroom (watermark too low)",
+    ),
+    checks=(
+        "kv_usage_max and preemptions per window",
+        "recomputed tokens vs generated tokens",
+    ),
+    knob="--max-num-seqs down, --kv-watermark up, more KV memory (--kv-cache-memory / --gpu-memory-utilization)",
+    params={
+        "kv_full": Param(0.9, "KV use counted as near full"),
+        "min_preemptions": Param(1, "at least one preemption in the window"),
+        "degrade": Param(1.5, f"TTFT p99 and TPOT p99 {_BASE} (seed: both degrade)"),
+    },
+    detect=detect,
+    explains=("midstream_stall", "ttft_queueing", "overload"),
+    evidence_signals=("kv_usage_max", "preemptions", "ttft_p99"),
+)

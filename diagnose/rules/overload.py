@@ -1,0 +1,81 @@
+"""``overload``: arrivals exceed completions."""
+
+from __future__ import annotations
+
+import statistics
+
+from ..signals import Signals
+from ._common import Evidence, Param, Rule, _clock, _confidence, _ms, _severity
+
+
+def detect(sig: Signals, p: dict) -> Evidence | None:
+    ws = sig.busy()
+    n = int(p["min_windows"])
+    best = None
+    for i in range(len(ws) - n + 1):
+        run = ws[i : i + n]
+        arr = sum(w.get("arrivals", 0) or 0 for w in run)
+        done = sum(w.get("completions", 0) or 0 for w in run)
+        waits = [w.get("waiting_mean") or 0 for w in run]
+        ttfts = [w.get("ttft_p50") for w in run if w.get("ttft_p50") is not None]
+        if (
+            arr >= p["arrival_excess"] * max(done, 1)
+            and waits[-1] - waits[0] >= p["min_queue_growth"]
+            and len(ttfts) >= 2
+            and ttfts[-1] >= p["ttft_trend"] * ttfts[0]
+        ):
+            # the largest backlog built, not the largest ratio: a ramp-up of 5 arrivals and
+            # 2 completions has a higher ratio than a real overload of 40 and 20
+            backlog = arr - done
+            if best is None or backlog > best[0]:
+                best = (backlog, arr / max(done, 1), run, ttfts)
+    if best is None:
+        return None
+    _, ratio, run, ttfts = best
+    first, last = run[0], run[-1]
+    return Evidence(
+        f"{sum(w.get('arrivals', 0) or 0 for w in run)} requests arrived but only "
+        f"{sum(w.get('completions', 0) or 0 for w in run)} completed in "
+        f"{_clock(first.start_ns)}–{_clock(last.end_ns)} UTC; the engine queue grew from "
+        f"{first.get('waiting_mean') or 0:.1f} to {last.get('waiting_mean') or 0:.1f} and TTFT p50 "
+        f"from {_ms(ttfts[0])} to {_ms(ttfts[-1])}",
+        {
+            "arrivals": sum(w.get("arrivals", 0) or 0 for w in run),
+            "completions": sum(w.get("completions", 0) or 0 for w in run),
+            "arrival_rate_per_s": statistics.mean(w.get("arrival_rate") or 0 for w in run),
+            "completion_rate_per_s": statistics.mean(w.get("completion_rate") or 0 for w in run),
+            "waiting_first": first.get("waiting_mean"),
+            "waiting_last": last.get("waiting_mean"),
+            "ttft_p50_first_ms": ttfts[0],
+            "ttft_p50_last_ms": ttfts[-1],
+        },
+        (first.start_ns, last.end_ns),
+        "arrival_ns >= ? AND arrival_ns < ? AND queue_ms > 0.5 * ttft_ms",
+        [first.start_ns, last.end_ns],
+        _severity(ratio, p["arrival_excess"]),
+        _confidence(ratio / p["arrival_excess"], (ttfts[-1] / ttfts[0]) / p["ttft_trend"]),
+    )
+
+
+RULE = Rule(
+    id="overload",
+    title="arrivals exceed completions",
+    symptom="arrivals outpace completions while the queue and TTFT trend up together",
+    causes=(
+        "offered load above capacity",
+        "capacity dropped (fewer workers, throttling, restart)",
+    ),
+    checks=("completion rate vs its baseline (capacity loss) vs arrival rate (load growth)",),
+    knob="scale out, rate-limit tenants (requests_per_minute), --max-queue-len to fail fast with 429",
+    params={
+        "min_windows": Param(3, "consecutive windows to call it a trend"),
+        "arrival_excess": Param(1.2, "arrivals / completions over those windows"),
+        "ttft_trend": Param(2.0, "TTFT p50 at the end / at the start of the run"),
+        "min_queue_growth": Param(
+            1.0, "mean requests waiting in the engine grows by at least one over the run"
+        ),
+    },
+    detect=detect,
+    explains=("ttft_queueing",),
+    evidence_signals=("arrival_rate", "completion_rate", "waiting_mean"),
+)

@@ -1,0 +1,84 @@
+"""``ttft_prefill_bound``: TTFT up because prefill is slow."""
+
+from __future__ import annotations
+
+from ..signals import Signals, Window
+from ._common import (
+    _BASE,
+    Evidence,
+    Param,
+    Rule,
+    _confidence,
+    _in_window,
+    _ms,
+    _ratio,
+    _severity,
+    _when,
+    _worst,
+)
+
+
+def detect(sig: Signals, p: dict) -> Evidence | None:
+    base = sig.baseline.get("ttft_p99")
+    base_prefill = sig.baseline.get("prefill_p99")
+
+    def hit(w: Window) -> bool:
+        r = _ratio(w.get("ttft_p99"), base)
+        return (
+            r is not None
+            and r >= p["ttft_rise"]
+            and (w.get("prefill_share_of_ttft") or 0) >= p["prefill_share"]
+            and (_ratio(w.get("prefill_p99"), base_prefill) or 0) >= p["prefill_rise"]
+        )
+
+    w = _worst(sig, "ttft_p99", hit)
+    if w is None:
+        return None
+    r = _ratio(w.get("ttft_p99"), base)
+    where, params = _in_window(w)
+    hit_rate = w.get("prefix_hit_rate")
+    return Evidence(
+        f"TTFT p99 rose from {_ms(base)} to {_ms(w.get('ttft_p99'))} in {_when(w)}; "
+        f"{w.get('prefill_share_of_ttft'):.0%} of it was prefill (prompt p50 "
+        f"{w.get('input_p50') or 0:.0f}, p99 {w.get('input_p99') or 0:.0f} tokens; prefix-cache hit "
+        f"rate {(hit_rate or 0):.0%})",
+        {
+            "ttft_p99_ms": w.get("ttft_p99"),
+            "baseline_ttft_p99_ms": base,
+            "prefill_p99_ms": w.get("prefill_p99"),
+            "prefill_share_of_ttft": w.get("prefill_share_of_ttft"),
+            "input_tokens_p50": w.get("input_p50"),
+            "input_tokens_p99": w.get("input_p99"),
+            "prefix_hit_rate": hit_rate,
+        },
+        (w.start_ns, w.end_ns),
+        where + " AND prefill_ms > 0.5 * ttft_ms",
+        params,
+        _severity(r, p["ttft_rise"]),
+        _confidence(r / p["ttft_rise"], (w.get("prefill_share_of_ttft") or 0) / p["prefill_share"]),
+    )
+
+
+RULE = Rule(
+    id="ttft_prefill_bound",
+    title="TTFT up because prefill is slow",
+    symptom="TTFT rises and prefill time, not queueing, is most of it",
+    causes=(
+        "longer prompts than usual (input length mix shifted)",
+        "low prefix-cache hit rate for prompts that share a system prompt",
+        "prefill competes with decode in the same steps (budget too small)",
+    ),
+    checks=(
+        "input_tokens p50/p99 against the baseline windows",
+        "prefix_hit_rate, and prefix_cache_miss's evidence",
+        "prefill tokens per step vs max_num_batched_tokens",
+    ),
+    knob="--enable-prefix-caching, --max-num-batched-tokens up for prefill throughput, tenant max_prompt_tokens",
+    params={
+        "ttft_rise": Param(3.0, f"TTFT p99 {_BASE}"),
+        "prefill_share": Param(0.5, "prefill time is the larger part of TTFT"),
+        "prefill_rise": Param(2.0, f"prefill time p99 {_BASE}: prefill itself got slower"),
+    },
+    detect=detect,
+    evidence_signals=("ttft_p99", "prefill_p99", "prefix_hit_rate"),
+)

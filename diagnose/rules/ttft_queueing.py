@@ -1,0 +1,83 @@
+"""``ttft_queueing``: TTFT up, ITL flat: requests wait in the queue."""
+
+from __future__ import annotations
+
+from ..signals import Signals, Window
+from ._common import (
+    _BASE,
+    Evidence,
+    Param,
+    Rule,
+    _confidence,
+    _in_window,
+    _ms,
+    _ratio,
+    _severity,
+    _when,
+    _worst,
+)
+
+
+def detect(sig: Signals, p: dict) -> Evidence | None:
+    base, base_itl = sig.baseline.get("ttft_p99"), sig.baseline.get("itl_p99")
+
+    def hit(w: Window) -> bool:
+        r = _ratio(w.get("ttft_p99"), base)
+        itl = _ratio(w.get("itl_p99"), base_itl)
+        return (
+            r is not None
+            and r >= p["ttft_rise"]
+            and (itl is None or itl <= p["itl_flat"])
+            and (w.get("queue_share_of_ttft") or 0) >= p["queue_share"]
+        )
+
+    w = _worst(sig, "ttft_p99", hit)
+    if w is None:
+        return None
+    r = _ratio(w.get("ttft_p99"), base)
+    where, params = _in_window(w)
+    return Evidence(
+        f"TTFT p99 rose from {_ms(base)} to {_ms(w.get('ttft_p99'))} in {_when(w)} while ITL p99 "
+        f"stayed at {_ms(w.get('itl_p99'))} (baseline {_ms(base_itl)}); "
+        f"{w.get('queue_share_of_ttft'):.0%} of TTFT was queue time",
+        {
+            "ttft_p99_ms": w.get("ttft_p99"),
+            "baseline_ttft_p99_ms": base,
+            "itl_p99_ms": w.get("itl_p99"),
+            "baseline_itl_p99_ms": base_itl,
+            "queue_share_of_ttft": w.get("queue_share_of_ttft"),
+            "queue_p99_ms": w.get("queue_p99"),
+            "waiting_max": w.get("waiting_max"),
+            "running_max": w.get("running_max"),
+        },
+        (w.start_ns, w.end_ns),
+        where + " AND queue_ms > 0.5 * ttft_ms",
+        params,
+        _severity(r, p["ttft_rise"]),
+        _confidence(r / p["ttft_rise"], (w.get("queue_share_of_ttft") or 0) / p["queue_share"]),
+    )
+
+
+RULE = Rule(
+    id="ttft_queueing",
+    title="TTFT up, ITL flat: requests wait in the queue",
+    symptom="TTFT rises while ITL stays flat and queue time dominates TTFT",
+    causes=(
+        "offered load above what the engine can admit (arrivals > completions)",
+        "max_num_seqs or the KV pool caps the running batch",
+        "one tenant floods the queue",
+    ),
+    checks=(
+        "arrival vs completion rate in the window (overload if arrivals win)",
+        "running_max vs max_num_seqs and KV usage (cap vs memory)",
+        "requests per tenant in the window",
+    ),
+    knob="--max-num-seqs up (if KV allows), more replicas, or tenant max_concurrent / --max-queue-len to shed load early",
+    params={
+        "ttft_rise": Param(3.0, f"TTFT p99 {_BASE}; seed article: TTFT up with ITL flat"),
+        "itl_flat": Param(1.5, f"ITL p99 {_BASE} still counted as flat"),
+        "queue_share": Param(0.5, "queue time is the larger part of TTFT"),
+    },
+    detect=detect,
+    evidence_signals=("ttft_p99", "queue_p99", "waiting_mean"),
+)
