@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from tokenmill.telemetry.remote import normalize_url
+
 from .phases import Phase, arrival_times, phase_bounds
 from .workload import BenchRequest, Workload
 
@@ -161,14 +163,6 @@ class BenchRun:
     started_wall_ns: int
     duration_s: float  # run start → last completion (or the end of the last phase, if later)
     send_end_s: float  # when sending stopped
-
-
-def normalize_url(url: str) -> str:
-    """``host:port``, ``http://host:port/`` or ``.../v1`` → ``http://host:port``."""
-    base = (url or "").strip().rstrip("/")
-    if "://" not in base:
-        base = "http://" + base
-    return base.removesuffix("/v1")
 
 
 def new_traceparent() -> tuple[str, str]:

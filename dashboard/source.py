@@ -23,6 +23,7 @@ from pathlib import Path
 import duckdb
 
 from tokenmill.telemetry.dump import DumpError, open_dump
+from tokenmill.telemetry.remote import FetchError, fetch_dump, normalize_url
 
 ENV_SOURCE = "TOKENMILL_DASHBOARD_SOURCE"
 ENV_REFRESH = "TOKENMILL_DASHBOARD_REFRESH"
@@ -35,10 +36,6 @@ class SourceError(Exception):
 
 def is_url(spec: str) -> bool:
     return spec.strip().lower().startswith(("http://", "https://"))
-
-
-def base_url(spec: str) -> str:
-    return spec.strip().rstrip("/").removesuffix("/v1")
 
 
 def check_source(spec: str | None) -> str:
@@ -54,12 +51,12 @@ def check_source(spec: str | None) -> str:
         import httpx
 
         try:
-            url = httpx.URL(base_url(spec))
+            url = httpx.URL(normalize_url(spec))
         except httpx.InvalidURL as exc:
             raise SourceError(f"bad --source URL {spec!r}: {exc}") from None
         if not url.host:
             raise SourceError(f"bad --source URL {spec!r}: no host")
-        return base_url(spec)
+        return normalize_url(spec)
     try:
         open_dump(spec, verify=False).close()
     except DumpError as exc:
@@ -137,9 +134,11 @@ class StoreHandle:
         self._n += 1
         path = self._tmp / f"live-{self._n}.duckdb"
         try:
-            fetch_dump(self.spec, path, api_key=self.api_key, timeout_s=self.timeout_s)
+            fetch_dump(
+                self.spec, path, api_key=self.api_key, timeout_s=self.timeout_s, verify=False
+            )
             con = open_dump(path, verify=False)
-        except (SourceError, DumpError) as exc:
+        except (FetchError, DumpError) as exc:
             with contextlib.suppress(OSError):
                 path.unlink()
             if cur is None:
@@ -167,47 +166,6 @@ class StoreHandle:
             self._open.clear()
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)
-
-
-def fetch_dump(url: str, out: Path, *, api_key: str | None, timeout_s: float = 120.0) -> None:
-    """GET ``{url}/admin/dump`` into ``out`` (the whole store: no window).
-
-    Raises:
-        SourceError: the server cannot be reached, refuses (401/403), or fails (one line).
-    """
-    import httpx
-
-    base = base_url(url)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        with httpx.stream(
-            "GET",
-            f"{base}/admin/dump",
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-        ) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                raise SourceError(f"{base} answered {resp.status_code}: {_message(resp)}")
-            with open(out, "wb") as f:
-                for chunk in resp.iter_bytes():
-                    f.write(chunk)
-    except httpx.ConnectError:
-        raise SourceError(f"cannot connect to {base} (is the server running?)") from None
-    except httpx.TimeoutException:
-        raise SourceError(f"{base} did not answer within {timeout_s:g} s") from None
-    except httpx.HTTPError as exc:
-        raise SourceError(f"fetching a dump from {base} failed: {type(exc).__name__}") from None
-    except OSError as exc:
-        raise SourceError(f"cannot write {out}: {exc.strerror or exc}") from None
-
-
-def _message(resp) -> str:
-    try:
-        message = resp.json()["error"]["message"]
-    except Exception:
-        message = resp.text.strip()[:200] or resp.reason_phrase
-    return (str(message).splitlines() or [""])[0]
 
 
 def from_env() -> tuple[str | None, str | None, float]:
