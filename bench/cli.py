@@ -1,4 +1,4 @@
-"""The logic of ``tokenmill bench`` (the typer options live in ``engine/cli.py``).
+"""``tokenmill bench``, ``tokenmill scenario list|run`` and ``tokenmill demo``.
 
 :func:`run_bench` checks every option before anything is sent (a bad value is a
 :class:`BenchInputError`, one line, exit 2), probes the server (unreachable: exit 2), runs the
@@ -6,19 +6,24 @@ load with a progress bar, prints the per-phase table, writes the JSON (``--out``
 ``--record-to``, writes the client TTFTs into a closed trace store or dump. ``--from-results
 FILE --record-to STORE`` records a saved run instead (the usual order: bench a live server with
 ``--out``, stop it, then record).
+
+``scenario`` runs :mod:`.scenario`, ``demo`` runs :mod:`.demo`. The root ``tokenmill`` command
+finds :data:`bench_app`, :data:`scenario_app` and :data:`demo_app` here by name and imports this
+module for help too: the load generator's own modules are imported when a command runs.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import re
 from pathlib import Path
+from typing import Annotated
 
+import typer
 from rich.console import Console
 
-from .phases import Phase, parse_phases
+from tokenmill.telemetry.cli import err, fail, out
 
 
 class BenchInputError(Exception):
@@ -64,7 +69,10 @@ def run_bench(
     err_console: Console | None = None,
 ) -> int:
     """Run ``tokenmill bench``; returns the exit status. Raises BenchInputError (exit 2)."""
+    import asyncio
+
     from .client import BenchConfig, BenchError, run
+    from .phases import Phase, parse_phases
     from .record import RecordError, record_client_timings
     from .report import BenchProgress, parse_goodput, render_table, summarize
     from .workload import (
@@ -257,3 +265,189 @@ def _record_saved(results: Path, record_to: Path | None, url: str | None, consol
         raise BenchInputError(f"--record-to: {exc}") from None
     _print_recorded(console, record_to, s)
     return 0
+
+
+# ----- the commands -----
+
+bench_app = typer.Typer(add_completion=False)
+
+
+@bench_app.command(context_settings={"allow_interspersed_args": True})
+def bench(
+    url: Annotated[str | None, typer.Option(help="The server, e.g. http://127.0.0.1:8000.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model name to send (default: the server's first).")
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="TOKENMILL_API_KEY", help="Bearer key for the server.")
+    ] = None,
+    endpoint: Annotated[str, typer.Option(help="chat | completions")] = "chat",
+    request_rate: Annotated[
+        float | None,
+        typer.Option(help="Open loop: requests/s (× each phase's multiplier; inf = all at once)."),
+    ] = None,
+    burstiness: Annotated[
+        float, typer.Option(help="Gamma shape of the inter-arrival gaps (1 = Poisson).")
+    ] = 1.0,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(help="Closed loop: requests in flight (the default, with 1)."),
+    ] = None,
+    num_requests: Annotated[
+        int | None,
+        typer.Option(help="Requests to send (default 100; with --phases: no limit)."),
+    ] = None,
+    phases: Annotated[
+        str | None,
+        typer.Option(
+            help="e.g. warmup:20s,steady:60s,overload:30s@3x,recovery:40s, or a YAML file."
+        ),
+    ] = None,
+    prompt_tokens: Annotated[
+        str, typer.Option(help="Tokens: 256, uniform:64:512 or lognormal:256:0.5.")
+    ] = "256",
+    output_tokens: Annotated[
+        str, typer.Option(help="Tokens: 128, uniform:16:256 or lognormal:128:0.5 (ignore_eos).")
+    ] = "128",
+    shared_prefix: Annotated[
+        str | None,
+        typer.Option(help="L:G[:volatile]: a system prompt of L tokens shared by G requests."),
+    ] = None,
+    multi_turn: Annotated[
+        str | None, typer.Option(help="T[:C]: chats growing over T turns, C at a time.")
+    ] = None,
+    dataset: Annotated[
+        Path | None,
+        typer.Option(help='JSONL of {"prompt": ...} or ShareGPT {"conversations": [...]}.'),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(help="Tokenizer folder or tokenizer.json for exact prompt lengths."),
+    ] = None,
+    goodput: Annotated[
+        list[str] | None,
+        typer.Option(help="SLOs in ms for goodput: --goodput ttft:500 itl:100 e2e:5000."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seeds arrivals and prompts.")] = 0,
+    output: Annotated[Path | None, typer.Option("--out", "-o", help="Write the JSON here.")] = None,
+    record_to: Annotated[
+        Path | None,
+        typer.Option(help="A closed trace store or dump: write each request's client TTFT."),
+    ] = None,
+    from_results: Annotated[
+        Path | None, typer.Option(help="Record a saved --out file (with --record-to), no run.")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds one request may take.")] = 600.0,
+    drain_timeout: Annotated[
+        float, typer.Option(help="Seconds in-flight requests get after the last phase.")
+    ] = 300.0,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos/--no-ignore-eos")] = True,
+    temperature: Annotated[float, typer.Option()] = 0.0,
+    abort_fraction: Annotated[
+        float,
+        typer.Option(help="Share of requests the client aborts mid-stream (0..1; drills)."),
+    ] = 0.0,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    slos: Annotated[list[str] | None, typer.Argument(hidden=True, metavar="SLO")] = None,
+) -> None:
+    """Load-test a server (open or closed loop, in phases) and report TTFT, ITL, TPOT, E2E,
+    throughput and goodput per phase."""
+    try:
+        code = run_bench(
+            url=url, model=model, api_key=api_key, endpoint=endpoint,
+            request_rate=request_rate, burstiness=burstiness, concurrency=concurrency,
+            num_requests=num_requests, phases=phases, prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens, shared_prefix=shared_prefix, multi_turn=multi_turn,
+            dataset=dataset, tokenizer=tokenizer, goodput=goodput, extra=slos, seed=seed,
+            out=output, record_to=record_to, from_results=from_results, timeout=timeout,
+            drain_timeout=drain_timeout, ignore_eos=ignore_eos, temperature=temperature,
+            abort_fraction=abort_fraction, progress=progress, console=out, err_console=err,
+        )  # fmt: skip
+    except BenchInputError as exc:
+        fail(str(exc))
+    raise typer.Exit(code)
+
+
+# ----- tokenmill scenario (bench/scenario.py) -----
+
+scenario_app = typer.Typer(
+    help="Symptom scenarios: a real server, a workload, the diagnosis.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@scenario_app.command("list")
+def scenario_list() -> None:
+    """List the scenarios and the rule each one must produce."""
+    from .scenario import list_scenarios
+
+    for sc in list_scenarios():
+        expect = ", ".join(sc.expect) or "no findings"
+        out.print(  # one line per scenario, never wrapped: `make scenarios` reads column 1
+            f"{sc.name:28s} {sc.case:40s} expect: {expect}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+
+
+@scenario_app.command("run")
+def scenario_run(
+    name: Annotated[str, typer.Argument(help="Scenario name (see `tokenmill scenario list`).")],
+    model: Annotated[str | None, typer.Option(help="Model folder (default model).")] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Folder for the store, logs and result.json.")
+    ] = None,
+) -> None:
+    """Run one scenario; exit 0 when the expected rule is the top finding, 1 when not."""
+    from .scenario import ScenarioError, load, run
+
+    try:
+        load(name)
+        folder = out_dir or Path("tokenmill-data") / "scenarios" / name
+        result = run(name, folder, model=model, log=lambda m: err.print(m, highlight=False))
+    except ScenarioError as exc:
+        fail(str(exc))
+    verdict = "PASS" if result["passed"] else "FAIL"
+    expect = ", ".join(result["expect"]) or "no findings"
+    out.print(
+        f"{verdict} {name}: top finding {result['top'] or 'none'} (expected {expect}); "
+        f"{len(result['findings'])} finding(s); details in {folder / 'result.json'}",
+        highlight=False,
+        markup=False,
+    )
+    for f in result["findings"][:3]:
+        out.print(
+            f"  - {f['rule']} ({f['severity']}): {f['summary']}", highlight=False, markup=False
+        )
+    health = result.get("health_after") or {}
+    if health.get("status") not in (None, "ok"):
+        why = "; ".join(health.get("reasons") or [])
+        out.print(f"  /health after the run: {health['status']} ({why})", markup=False)
+    raise typer.Exit(0 if result["passed"] else 1)
+
+
+# ----- tokenmill demo (bench/demo.py) -----
+
+demo_app = typer.Typer(add_completion=False)
+
+
+@demo_app.command()
+def demo(
+    port: Annotated[
+        int, typer.Option(min=1, max=65535, help="Server port (next free if taken).")
+    ] = 8000,
+    console_port: Annotated[int, typer.Option(min=1, max=65535, help="Console port.")] = 8501,
+    no_wait: Annotated[
+        bool, typer.Option("--no-wait", help="Stop after the diagnosis instead of staying up.")
+    ] = False,
+) -> None:
+    """Server + console + a short tour (healthy, then overload) + its diagnosis; Ctrl-C stops."""
+    from .demo import DemoError, run
+
+    try:
+        code = run(port=port, console_port=console_port, wait=not no_wait, say=out.print)
+    except DemoError as exc:
+        fail(str(exc))
+    raise typer.Exit(code)

@@ -1,21 +1,22 @@
 """``tokenmill diagnose``: open a dump, a closed store or a live server's dump, run the rules,
 print the report. Exit codes: 0 (report printed), 1 (``--fail-on`` threshold reached),
-2 (bad input: one ``error:`` line)."""
+2 (bad input: one ``error:`` line).
+
+The root ``tokenmill`` command finds :data:`app` here by name and imports this module for help
+too: DuckDB and the rules are imported when the command runs.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import tempfile
 from pathlib import Path
+from typing import Annotated
 
-import duckdb
+import typer
 from rich.console import Console
 
-from tokenmill.telemetry.dump import DumpError, open_dump, parse_since
-
-from .findings import SEVERITY_RANK, diagnose
-from .report import print_text, to_json, to_markdown
-from .signals import NoTraffic
+from tokenmill.telemetry.cli import fail, fetch_message, out
 
 
 class DiagnoseInputError(Exception):
@@ -41,9 +42,11 @@ def run(
     fmt: str = "text",
     fail_on: str | None = None,
     console: Console | None = None,
-    fetch=None,
 ) -> int:
     """Run a diagnosis and print it; returns the exit code.
+
+    A live server's dump (``url``) is fetched with the shared ``/admin/dump`` client,
+    :func:`tokenmill.telemetry.remote.fetch_dump`, into a temporary folder.
 
     ``--since`` counts back from the latest row of the dump (not from now), so an old dump
     can be read with the same flags as a fresh one.
@@ -51,6 +54,14 @@ def run(
     Raises:
         DiagnoseInputError: bad flags, an unreadable or foreign file, an empty store or window.
     """
+    import duckdb
+
+    from tokenmill.telemetry.dump import DumpError, open_dump, parse_since
+
+    from .findings import SEVERITY_RANK, diagnose
+    from .report import print_text, to_json, to_markdown
+    from .signals import NoTraffic
+
     console = console or Console(emoji=False)
     if sum(x is not None for x in (source, db, url)) != 1:
         raise DiagnoseInputError("give exactly one of DUMP, --db PATH or --url URL")
@@ -72,7 +83,7 @@ def run(
     with contextlib.ExitStack() as stack:
         if url is not None:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "live.duckdb"
-            fetch(url, tmp, api_key=api_key)
+            _fetch(url, tmp, api_key=api_key)
             path = tmp
         else:
             path = source if source is not None else db
@@ -100,3 +111,61 @@ def run(
         if worst >= SEVERITY_RANK[fail_on]:
             return 1
     return 0
+
+
+def _fetch(url: str, path: Path, *, api_key: str | None) -> None:
+    from tokenmill.telemetry.remote import FetchError, fetch_dump
+
+    try:
+        fetch_dump(url, path, api_key=api_key, timeout_s=300.0)
+    except FetchError as exc:
+        raise DiagnoseInputError(fetch_message(exc, url)) from None
+
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def diagnose(
+    dump_file: Annotated[
+        Path | None, typer.Argument(metavar="DUMP", help="A trace dump or closed store file.")
+    ] = None,
+    db: Annotated[
+        Path | None, typer.Option(help="A trace-store file no server holds open.")
+    ] = None,
+    url: Annotated[
+        str | None, typer.Option(help="A running server: fetch a fresh dump (admin key).")
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (with --url)."),
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help="Only the last 30s/10m/2h/1d of the dump (counted from its last row)."),
+    ] = None,
+    window: Annotated[
+        str, typer.Option(help="Window length for the signals: 10s, 1m, ...")
+    ] = "10s",
+    format: Annotated[str, typer.Option("--format", help="text | json | markdown")] = "text",
+    fail_on: Annotated[
+        str | None,
+        typer.Option(help="Exit 1 when a finding is at least this severe: warning | critical."),
+    ] = None,
+) -> None:
+    """Name the likely bottlenecks in a trace dump, with evidence, example traces and a runbook."""
+    try:
+        code = run(
+            dump_file,
+            db=db,
+            url=url,
+            api_key=api_key,
+            since=since,
+            window=window,
+            fmt=format,
+            fail_on=fail_on,
+            console=out,
+        )
+    except DiagnoseInputError as exc:
+        fail(str(exc))
+    raise typer.Exit(code)

@@ -1,23 +1,69 @@
-"""The ``tokenmill`` command.
+"""The ``tokenmill`` command: the root, ``model fetch|path``, ``generate`` and ``serve``.
 
-Subcommands of other packages (serve, diagnose, dashboard, bench) are added here as their
-issues land; each keeps its logic in its own package and imports lazily so that
-``tokenmill --help`` stays fast.
+Each package owns its commands (``dump`` in ``telemetry/cli.py``, ``diagnose`` in
+``diagnose/cli.py``, ``dashboard`` in ``dashboard/cli.py``, ``bench``/``scenario``/``demo`` in
+``bench/cli.py``). The root finds them through :data:`COMMANDS`, which names their modules by
+string: a module is imported only when its command runs, or when ``tokenmill --help`` lists it
+(those modules keep their top-level imports light, so help stays fast and never loads torch).
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from .errors import TokenmillError
 
+# The other packages' commands: name -> "module:attribute" of a typer.Typer, in help order.
+COMMANDS = {
+    "dump": "tokenmill.telemetry.cli:app",
+    "diagnose": "tokenmill.diagnose.cli:app",
+    "dashboard": "tokenmill.dashboard.cli:app",
+    "bench": "tokenmill.bench.cli:bench_app",
+    "scenario": "tokenmill.bench.cli:scenario_app",
+    "demo": "tokenmill.bench.cli:demo_app",
+}
+
+
+class LazyGroup(TyperGroup):
+    """The root group: this module's commands, then those of :data:`COMMANDS`, each imported
+    on first use (click's documented LazyGroup pattern)."""
+
+    def list_commands(self, ctx) -> list[str]:
+        return list(dict.fromkeys([*super().list_commands(ctx), *COMMANDS]))
+
+    def get_command(self, ctx, cmd_name: str):
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            module, attr = COMMANDS[cmd_name].split(":")
+            command = typer.main.get_command(getattr(importlib.import_module(module), attr))
+            command.name = cmd_name
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except Exception as exc:  # typer's vendored click.UsageError
+            # typer suggests only the commands loaded so far; offer the lazy ones too
+            message = getattr(exc, "message", None)
+            if args and isinstance(message, str) and message.startswith("No such command"):
+                matches = get_close_matches(args[0], self.list_commands(ctx))
+                if matches and "Did you mean" not in message:
+                    suggestions = ", ".join(f"{m!r}" for m in matches)
+                    exc.message = f"{message.rstrip('.')}. Did you mean {suggestions}?"
+            raise
+
+
 app = typer.Typer(
+    cls=LazyGroup,
     help="tokenmill: an LLM serving engine with production observability built in.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -331,477 +377,6 @@ def serve(
     server.run()
     if not server.started:
         fail(f"the server did not start (is port {port} free, and did the engine load?)")
-
-
-# ----- tokenmill dump (telemetry/dump.py; the server side is engine/api/admin.py) -----
-
-
-def _dump_fail(message: str) -> None:
-    """Print a one-line error and exit with status 2 (every ``dump`` failure)."""
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
-
-
-@app.command()
-def dump(
-    output: Annotated[Path, typer.Option("--output", "-o", help="The dump file to write.")],
-    db: Annotated[
-        Path | None,
-        typer.Option(help="A trace-store file no server holds open (for a live one, use --url)."),
-    ] = None,
-    url: Annotated[
-        str | None, typer.Option(help="A running server, e.g. http://127.0.0.1:8000.")
-    ] = None,
-    since: Annotated[
-        str | None,
-        typer.Option(help="Start of the window, before now: 30s, 10m, 2h, 1d (default: all)."),
-    ] = None,
-    until: Annotated[
-        str | None, typer.Option(help="End of the window, before now (default: now).")
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (with --url)."),
-    ] = None,
-    force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
-    timeout: Annotated[
-        float, typer.Option(min=1.0, help="Seconds to wait for the server (with --url).")
-    ] = 300.0,
-) -> None:
-    """Write a trace dump (a self-contained DuckDB file of a time window) from a closed store
-    file (--db) or a running server (--url, admin key)."""
-    import time
-
-    from ..telemetry.dump import DumpError, describe_dump, format_summary, open_dump, parse_since
-
-    if (db is None) == (url is None):
-        _dump_fail("give exactly one of --db (a store file) or --url (a running server)")
-    try:
-        since_s = parse_since(since) if since is not None else None
-    except ValueError as exc:
-        _dump_fail(f"--since: {exc}")
-    try:
-        until_s = parse_since(until) if until is not None else None
-    except ValueError as exc:
-        _dump_fail(f"--until: {exc}")
-    if since_s is not None and until_s is not None and until_s >= since_s:
-        _dump_fail("--until must be later than --since (both are durations before now)")
-    if output.is_dir():
-        _dump_fail(f"{output} is a folder; give a file name with -o")
-    if output.exists() and not force:
-        _dump_fail(f"{output} already exists (choose another name, or --force)")
-    if not output.parent.is_dir():
-        _dump_fail(f"folder {output.parent} does not exist")
-
-    try:
-        if db is not None:
-            from ..telemetry.dump import write_dump
-
-            now_ns = time.time_ns()
-            con = open_dump(db, verify=False)
-            try:
-                write_dump(
-                    con,
-                    output,
-                    since_ns=None if since_s is None else now_ns - since_s * 1_000_000_000,
-                    until_ns=None if until_s is None else now_ns - until_s * 1_000_000_000,
-                    source=f"file {db.resolve()}",
-                    overwrite=force,
-                )
-            finally:
-                con.close()
-        else:
-            _fetch_dump(
-                url, output, since=since, until=until, api_key=api_key, force=force, timeout=timeout
-            )
-        con = open_dump(output)
-        try:
-            info = describe_dump(con)
-        finally:
-            con.close()
-    except DumpError as exc:
-        _dump_fail(str(exc))
-    out.print(format_summary(output, info), highlight=False, markup=False, soft_wrap=True)
-
-
-def _fetch_dump(url, output: Path, *, since, until, api_key, force, timeout) -> None:
-    """GET {url}/admin/dump into a temp file next to ``output``, check it with open_dump, then
-    move it into place. Failures exit 2 with one line."""
-    import os
-    import secrets
-
-    import httpx
-
-    from ..telemetry.dump import DumpError, open_dump
-
-    base = url.strip().rstrip("/")
-    if "://" not in base:
-        base = "http://" + base
-    base = base.removesuffix("/v1")
-    params = {k: v for k, v in (("since", since), ("until", until)) if v is not None}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    tmp = output.parent / f".{output.name}.{os.getpid()}-{secrets.token_hex(4)}.part"
-    try:
-        try:
-            with httpx.stream(
-                "GET",
-                f"{base}/admin/dump",
-                params=params,
-                headers=headers,
-                timeout=httpx.Timeout(timeout, connect=10.0),
-            ) as resp:
-                if resp.status_code != 200:
-                    resp.read()
-                    _dump_fail(f"{base} answered {resp.status_code}: {_server_message(resp)}")
-                with open(tmp, "wb") as f:
-                    for chunk in resp.iter_bytes():
-                        f.write(chunk)
-        except httpx.ConnectError as exc:
-            reason = str(exc).strip() or "connection failed"
-            if "refused" in reason.lower():
-                reason = "connection refused (is the server running?)"
-            _dump_fail(f"cannot connect to {base}: {reason}")
-        except httpx.TimeoutException:
-            _dump_fail(f"{base} did not answer within {timeout:g} s (try --timeout)")
-        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
-            _dump_fail(f"bad --url {url!r}: {exc}")
-        except httpx.HTTPError as exc:
-            _dump_fail(f"fetching the dump from {base} failed: {type(exc).__name__}: {exc}")
-        except OSError as exc:
-            _dump_fail(f"cannot write {output}: {exc.strerror or exc}")
-        try:
-            open_dump(tmp).close()
-        except DumpError as exc:
-            _dump_fail(f"the server sent a bad dump: {str(exc).removeprefix(str(tmp) + ': ')}")
-        if force:
-            os.replace(tmp, output)
-        elif output.exists():
-            _dump_fail(f"{output} already exists (choose another name, or --force)")
-        else:
-            os.replace(tmp, output)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _server_message(resp) -> str:
-    """The message of an OpenAI-shaped error body, else the start of the body."""
-    try:
-        message = resp.json()["error"]["message"]
-    except Exception:
-        message = resp.text.strip()[:200] or resp.reason_phrase
-    return (str(message).splitlines() or [""])[0]
-
-
-# ----- tokenmill diagnose (diagnose/cli.py) -----
-
-
-@app.command()
-def diagnose(
-    dump_file: Annotated[
-        Path | None, typer.Argument(metavar="DUMP", help="A trace dump or closed store file.")
-    ] = None,
-    db: Annotated[
-        Path | None, typer.Option(help="A trace-store file no server holds open.")
-    ] = None,
-    url: Annotated[
-        str | None, typer.Option(help="A running server: fetch a fresh dump (admin key).")
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (with --url)."),
-    ] = None,
-    since: Annotated[
-        str | None,
-        typer.Option(help="Only the last 30s/10m/2h/1d of the dump (counted from its last row)."),
-    ] = None,
-    window: Annotated[
-        str, typer.Option(help="Window length for the signals: 10s, 1m, ...")
-    ] = "10s",
-    format: Annotated[str, typer.Option("--format", help="text | json | markdown")] = "text",
-    fail_on: Annotated[
-        str | None,
-        typer.Option(help="Exit 1 when a finding is at least this severe: warning | critical."),
-    ] = None,
-) -> None:
-    """Name the likely bottlenecks in a trace dump, with evidence, example traces and a runbook."""
-    from ..diagnose.cli import DiagnoseInputError, run
-
-    def fetch(u: str, path: Path, api_key: str | None) -> None:
-        _fetch_dump(u, path, since=None, until=None, api_key=api_key, force=True, timeout=300.0)
-
-    try:
-        code = run(
-            dump_file,
-            db=db,
-            url=url,
-            api_key=api_key,
-            since=since,
-            window=window,
-            fmt=format,
-            fail_on=fail_on,
-            console=out,
-            fetch=fetch,
-        )
-    except DiagnoseInputError as exc:
-        _dump_fail(str(exc))
-    raise typer.Exit(code)
-
-
-# ----- tokenmill dashboard (dashboard/) -----
-
-
-@app.command()
-def dashboard(
-    source: Annotated[
-        str,
-        typer.Option(
-            help="A trace dump or closed store file, or a running server's URL (then a fresh "
-            "dump is fetched every --refresh s with the admin key)."
-        ),
-    ] = "./tokenmill-data/traces.duckdb",
-    host: Annotated[str, typer.Option(help="Address the console listens on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535)] = 8501,
-    refresh: Annotated[
-        float, typer.Option(min=1.0, help="Seconds between dumps of a live server.")
-    ] = 10.0,
-    api_key: Annotated[
-        str | None,
-        typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (URL sources)."),
-    ] = None,
-) -> None:
-    """Open the operations console (Streamlit) over a dump, a closed store or a live server."""
-    import os
-    import socket
-    import subprocess
-
-    from ..dashboard.source import ENV_API_KEY, ENV_REFRESH, ENV_SOURCE, SourceError, check_source
-
-    try:
-        spec = check_source(source)
-    except SourceError as exc:
-        _dump_fail(str(exc))
-    try:
-        import streamlit  # noqa: F401
-    except ImportError:
-        _dump_fail("streamlit is not installed (pip install streamlit plotly)")
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            _dump_fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
-    script = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
-    if not script.is_file():
-        from .. import dashboard as pkg
-
-        script = Path(pkg.__file__).resolve().parent / "app.py"
-    env = {**os.environ, ENV_SOURCE: spec, ENV_REFRESH: f"{refresh:g}"}
-    if api_key:
-        env[ENV_API_KEY] = api_key
-    cmd = [sys.executable, "-m", "streamlit", "run", str(script),
-           "--server.address", host, "--server.port", str(port), "--server.headless", "true",
-           "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-           "--client.toolbarMode", "minimal"]  # fmt: skip
-    shown = f"[{host}]" if ":" in host else host
-    out.print(
-        f"tokenmill console: http://{shown}:{port}  (source: {spec})",
-        highlight=False,
-        markup=False,
-        soft_wrap=True,
-    )
-    proc = subprocess.Popen(cmd, env=env)
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        code = 130
-    raise typer.Exit(code)
-
-
-# ----- tokenmill bench (bench/) -----
-
-
-@app.command(context_settings={"allow_interspersed_args": True})
-def bench(
-    url: Annotated[str | None, typer.Option(help="The server, e.g. http://127.0.0.1:8000.")] = None,
-    model: Annotated[
-        str | None, typer.Option(help="Model name to send (default: the server's first).")
-    ] = None,
-    api_key: Annotated[
-        str | None, typer.Option(envvar="TOKENMILL_API_KEY", help="Bearer key for the server.")
-    ] = None,
-    endpoint: Annotated[str, typer.Option(help="chat | completions")] = "chat",
-    request_rate: Annotated[
-        float | None,
-        typer.Option(help="Open loop: requests/s (× each phase's multiplier; inf = all at once)."),
-    ] = None,
-    burstiness: Annotated[
-        float, typer.Option(help="Gamma shape of the inter-arrival gaps (1 = Poisson).")
-    ] = 1.0,
-    concurrency: Annotated[
-        int | None,
-        typer.Option(help="Closed loop: requests in flight (the default, with 1)."),
-    ] = None,
-    num_requests: Annotated[
-        int | None,
-        typer.Option(help="Requests to send (default 100; with --phases: no limit)."),
-    ] = None,
-    phases: Annotated[
-        str | None,
-        typer.Option(
-            help="e.g. warmup:20s,steady:60s,overload:30s@3x,recovery:40s, or a YAML file."
-        ),
-    ] = None,
-    prompt_tokens: Annotated[
-        str, typer.Option(help="Tokens: 256, uniform:64:512 or lognormal:256:0.5.")
-    ] = "256",
-    output_tokens: Annotated[
-        str, typer.Option(help="Tokens: 128, uniform:16:256 or lognormal:128:0.5 (ignore_eos).")
-    ] = "128",
-    shared_prefix: Annotated[
-        str | None,
-        typer.Option(help="L:G[:volatile]: a system prompt of L tokens shared by G requests."),
-    ] = None,
-    multi_turn: Annotated[
-        str | None, typer.Option(help="T[:C]: chats growing over T turns, C at a time.")
-    ] = None,
-    dataset: Annotated[
-        Path | None,
-        typer.Option(help='JSONL of {"prompt": ...} or ShareGPT {"conversations": [...]}.'),
-    ] = None,
-    tokenizer: Annotated[
-        str | None,
-        typer.Option(help="Tokenizer folder or tokenizer.json for exact prompt lengths."),
-    ] = None,
-    goodput: Annotated[
-        list[str] | None,
-        typer.Option(help="SLOs in ms for goodput: --goodput ttft:500 itl:100 e2e:5000."),
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seeds arrivals and prompts.")] = 0,
-    output: Annotated[Path | None, typer.Option("--out", "-o", help="Write the JSON here.")] = None,
-    record_to: Annotated[
-        Path | None,
-        typer.Option(help="A closed trace store or dump: write each request's client TTFT."),
-    ] = None,
-    from_results: Annotated[
-        Path | None, typer.Option(help="Record a saved --out file (with --record-to), no run.")
-    ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds one request may take.")] = 600.0,
-    drain_timeout: Annotated[
-        float, typer.Option(help="Seconds in-flight requests get after the last phase.")
-    ] = 300.0,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos/--no-ignore-eos")] = True,
-    temperature: Annotated[float, typer.Option()] = 0.0,
-    abort_fraction: Annotated[
-        float,
-        typer.Option(help="Share of requests the client aborts mid-stream (0..1; drills)."),
-    ] = 0.0,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
-    slos: Annotated[list[str] | None, typer.Argument(hidden=True, metavar="SLO")] = None,
-) -> None:
-    """Load-test a server (open or closed loop, in phases) and report TTFT, ITL, TPOT, E2E,
-    throughput and goodput per phase."""
-    from ..bench.cli import BenchInputError, run_bench
-
-    try:
-        code = run_bench(
-            url=url, model=model, api_key=api_key, endpoint=endpoint,
-            request_rate=request_rate, burstiness=burstiness, concurrency=concurrency,
-            num_requests=num_requests, phases=phases, prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens, shared_prefix=shared_prefix, multi_turn=multi_turn,
-            dataset=dataset, tokenizer=tokenizer, goodput=goodput, extra=slos, seed=seed,
-            out=output, record_to=record_to, from_results=from_results, timeout=timeout,
-            drain_timeout=drain_timeout, ignore_eos=ignore_eos, temperature=temperature,
-            abort_fraction=abort_fraction, progress=progress, console=out, err_console=err,
-        )  # fmt: skip
-    except BenchInputError as exc:
-        _dump_fail(str(exc))
-    raise typer.Exit(code)
-
-
-# ----- tokenmill scenario (bench/scenario.py) -----
-
-scenario_app = typer.Typer(
-    help="Symptom scenarios: a real server, a workload, the diagnosis.", no_args_is_help=True
-)
-app.add_typer(scenario_app, name="scenario")
-
-
-@scenario_app.command("list")
-def scenario_list() -> None:
-    """List the scenarios and the rule each one must produce."""
-    from ..bench.scenario import list_scenarios
-
-    for sc in list_scenarios():
-        expect = ", ".join(sc.expect) or "no findings"
-        out.print(  # one line per scenario, never wrapped: `make scenarios` reads column 1
-            f"{sc.name:28s} {sc.case:40s} expect: {expect}",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
-        )
-
-
-@scenario_app.command("run")
-def scenario_run(
-    name: Annotated[str, typer.Argument(help="Scenario name (see `tokenmill scenario list`).")],
-    model: Annotated[str | None, typer.Option(help="Model folder (default model).")] = None,
-    out_dir: Annotated[
-        Path | None, typer.Option("--out", help="Folder for the store, logs and result.json.")
-    ] = None,
-) -> None:
-    """Run one scenario; exit 0 when the expected rule is the top finding, 1 when not."""
-    from ..bench.scenario import ScenarioError, load, run
-
-    try:
-        load(name)
-        folder = out_dir or Path("tokenmill-data") / "scenarios" / name
-        result = run(name, folder, model=model, log=lambda m: err.print(m, highlight=False))
-    except ScenarioError as exc:
-        _dump_fail(str(exc))
-    verdict = "PASS" if result["passed"] else "FAIL"
-    expect = ", ".join(result["expect"]) or "no findings"
-    out.print(
-        f"{verdict} {name}: top finding {result['top'] or 'none'} (expected {expect}); "
-        f"{len(result['findings'])} finding(s); details in {folder / 'result.json'}",
-        highlight=False,
-        markup=False,
-    )
-    for f in result["findings"][:3]:
-        out.print(
-            f"  - {f['rule']} ({f['severity']}): {f['summary']}", highlight=False, markup=False
-        )
-    health = result.get("health_after") or {}
-    if health.get("status") not in (None, "ok"):
-        why = "; ".join(health.get("reasons") or [])
-        out.print(f"  /health after the run: {health['status']} ({why})", markup=False)
-    raise typer.Exit(0 if result["passed"] else 1)
-
-
-# ----- tokenmill demo (bench/demo.py) -----
-
-
-@app.command()
-def demo(
-    port: Annotated[
-        int, typer.Option(min=1, max=65535, help="Server port (next free if taken).")
-    ] = 8000,
-    console_port: Annotated[int, typer.Option(min=1, max=65535, help="Console port.")] = 8501,
-    no_wait: Annotated[
-        bool, typer.Option("--no-wait", help="Stop after the diagnosis instead of staying up.")
-    ] = False,
-) -> None:
-    """Server + console + a short tour (healthy, then overload) + its diagnosis; Ctrl-C stops."""
-    from ..bench.demo import DemoError, run
-
-    try:
-        code = run(port=port, console_port=console_port, wait=not no_wait, say=out.print)
-    except DemoError as exc:
-        _dump_fail(str(exc))
-    raise typer.Exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,85 @@
+"""``tokenmill dashboard``: checks the source, then runs the Streamlit console (``app.py``)
+on it.
+
+The root ``tokenmill`` command finds :data:`app` here by name; the source module, Streamlit and
+DuckDB are imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tokenmill.telemetry.cli import fail, out
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def dashboard(
+    source: Annotated[
+        str,
+        typer.Option(
+            help="A trace dump or closed store file, or a running server's URL (then a fresh "
+            "dump is fetched every --refresh s with the admin key)."
+        ),
+    ] = "./tokenmill-data/traces.duckdb",
+    host: Annotated[str, typer.Option(help="Address the console listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8501,
+    refresh: Annotated[
+        float, typer.Option(min=1.0, help="Seconds between dumps of a live server.")
+    ] = 10.0,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (URL sources)."),
+    ] = None,
+) -> None:
+    """Open the operations console (Streamlit) over a dump, a closed store or a live server."""
+    import os
+    import socket
+    import subprocess
+
+    from .source import ENV_API_KEY, ENV_REFRESH, ENV_SOURCE, SourceError, check_source
+
+    try:
+        spec = check_source(source)
+    except SourceError as exc:
+        fail(str(exc))
+    try:
+        import streamlit  # noqa: F401
+    except ImportError:
+        fail("streamlit is not installed (pip install streamlit plotly)")
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    script = Path(__file__).resolve().parent / "app.py"
+    env = {**os.environ, ENV_SOURCE: spec, ENV_REFRESH: f"{refresh:g}"}
+    if api_key:
+        env[ENV_API_KEY] = api_key
+    cmd = [sys.executable, "-m", "streamlit", "run", str(script),
+           "--server.address", host, "--server.port", str(port), "--server.headless", "true",
+           "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+           "--client.toolbarMode", "minimal"]  # fmt: skip
+    shown = f"[{host}]" if ":" in host else host
+    out.print(
+        f"tokenmill console: http://{shown}:{port}  (source: {spec})",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        code = 130
+    raise typer.Exit(code)

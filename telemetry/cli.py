@@ -1,0 +1,134 @@
+"""``tokenmill dump``, and what the observers' commands share.
+
+The root ``tokenmill`` command (``engine/cli.py``) finds ``dump`` here by name and imports this
+module only when the command runs or help is shown: keep its top-level imports light (typer
+and rich; DuckDB and httpx inside the command).
+
+Every failure of the observers' commands (``dump``, ``diagnose``, ``dashboard``, ``bench``,
+``scenario``, ``demo``) is one ``error:`` line and exit status 2: :func:`fail`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+err = Console(stderr=True, emoji=False)  # ":joy:" in a user's input stays as typed
+out = Console(emoji=False)
+
+
+def fail(message: str) -> NoReturn:
+    """Print a one-line error and exit with status 2."""
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def dump(
+    output: Annotated[Path, typer.Option("--output", "-o", help="The dump file to write.")],
+    db: Annotated[
+        Path | None,
+        typer.Option(help="A trace-store file no server holds open (for a live one, use --url)."),
+    ] = None,
+    url: Annotated[
+        str | None, typer.Option(help="A running server, e.g. http://127.0.0.1:8000.")
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help="Start of the window, before now: 30s, 10m, 2h, 1d (default: all)."),
+    ] = None,
+    until: Annotated[
+        str | None, typer.Option(help="End of the window, before now (default: now).")
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (with --url)."),
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
+    timeout: Annotated[
+        float, typer.Option(min=1.0, help="Seconds to wait for the server (with --url).")
+    ] = 300.0,
+) -> None:
+    """Write a trace dump (a self-contained DuckDB file of a time window) from a closed store
+    file (--db) or a running server (--url, admin key)."""
+    import time
+
+    from .dump import DumpError, describe_dump, format_summary, open_dump, parse_since
+    from .remote import FetchError, fetch_dump
+
+    if (db is None) == (url is None):
+        fail("give exactly one of --db (a store file) or --url (a running server)")
+    try:
+        since_s = parse_since(since) if since is not None else None
+    except ValueError as exc:
+        fail(f"--since: {exc}")
+    try:
+        until_s = parse_since(until) if until is not None else None
+    except ValueError as exc:
+        fail(f"--until: {exc}")
+    if since_s is not None and until_s is not None and until_s >= since_s:
+        fail("--until must be later than --since (both are durations before now)")
+    if output.is_dir():
+        fail(f"{output} is a folder; give a file name with -o")
+    if output.exists() and not force:
+        fail(f"{output} already exists (choose another name, or --force)")
+    if not output.parent.is_dir():
+        fail(f"folder {output.parent} does not exist")
+
+    try:
+        if db is not None:
+            from .dump import write_dump
+
+            now_ns = time.time_ns()
+            con = open_dump(db, verify=False)
+            try:
+                write_dump(
+                    con,
+                    output,
+                    since_ns=None if since_s is None else now_ns - since_s * 1_000_000_000,
+                    until_ns=None if until_s is None else now_ns - until_s * 1_000_000_000,
+                    source=f"file {db.resolve()}",
+                    overwrite=force,
+                )
+            finally:
+                con.close()
+        else:
+            try:
+                fetch_dump(
+                    url,
+                    output,
+                    since=since,
+                    until=until,
+                    api_key=api_key,
+                    timeout_s=timeout,
+                    overwrite=force,
+                )
+            except FetchError as exc:
+                fail(fetch_message(exc, url, timeout_option=True))
+        con = open_dump(output)
+        try:
+            info = describe_dump(con)
+        finally:
+            con.close()
+    except DumpError as exc:
+        fail(str(exc))
+    out.print(format_summary(output, info), highlight=False, markup=False, soft_wrap=True)
+
+
+def fetch_message(exc, url: str, *, timeout_option: bool = False) -> str:
+    """The one line a ``--url`` command prints for a :class:`~.remote.FetchError`: the flag
+    named for a malformed URL, and the hints its options allow."""
+    if exc.kind == "url":
+        return f"bad --url {url!r}: {exc.detail}"
+    if exc.kind == "timeout" and timeout_option:
+        return f"{exc} (try --timeout)"
+    if exc.kind == "exists":
+        return f"{exc} (choose another name, or --force)"
+    return str(exc)
