@@ -5,21 +5,29 @@ Each package owns its commands (``dump`` in ``telemetry/cli.py``, ``diagnose`` i
 ``bench/cli.py``). The root finds them through :data:`COMMANDS`, which names their modules by
 string: a module is imported only when its command runs, or when ``tokenmill --help`` lists it
 (those modules keep their top-level imports light, so help stays fast and never loads torch).
+
+``serve`` and ``generate`` take their engine options from the :class:`EngineConfig` fields
+(:func:`engine_options`): default, help and bounds are written once, on the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
+import inspect
 import sys
+import typing
 from difflib import get_close_matches
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from .config import EngineConfig
 from .errors import TokenmillError
 
 # The other packages' commands: name -> "module:attribute" of a typer.Typer, in help order.
@@ -137,7 +145,54 @@ def model_path() -> None:
     out.print(str(default_model_dir()), highlight=False, markup=False, soft_wrap=True)
 
 
+ENGINE_PANEL = "Engine options (EngineConfig)"
+
+
+def engine_options(*names: str):
+    """Give a command the :class:`EngineConfig` fields ``names`` as options.
+
+    Each option's default, help and bounds come from the field (``config.knob``); its flag is
+    ``--field-name``, and a boolean field that defaults to on gets ``--field/--no-field``, one
+    that defaults to off a plain ``--field``. The command takes them as ``**engine`` keyword
+    arguments, under their field names.
+    """
+    hints = typing.get_type_hints(EngineConfig)
+    by_name = {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+    def option(name: str) -> inspect.Parameter:
+        f = by_name[name]
+        flag = "--" + name.replace("_", "-")
+        decls = []
+        if hints[name] is bool:
+            decls = [f"{flag}/--no-{flag[2:]}" if f.default else flag]
+        bounds = {k: f.metadata[k] for k in ("min", "max") if f.metadata.get(k) is not None}
+        info = typer.Option(*decls, help=f.metadata["help"], rich_help_panel=ENGINE_PANEL, **bounds)
+        return inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=f.default,
+            annotation=Annotated[hints[name], info],
+        )
+
+    def decorate(fn):
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        params = own + [option(n) for n in names]
+
+        @functools.wraps(fn)
+        def command(**kwargs):
+            return fn(**kwargs)
+
+        command.__signature__ = sig.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        command.__annotations__["return"] = sig.return_annotation
+        return command
+
+    return decorate
+
+
 @app.command()
+@engine_options("model", "dtype", "device", "attention_backend", "load_format", "block_size")
 def generate(
     prompt: Annotated[
         list[str] | None, typer.Option("--prompt", help="Raw text to continue (repeatable).")
@@ -146,24 +201,13 @@ def generate(
         list[str] | None,
         typer.Option("--chat", help="A user message, sent through the chat template (repeatable)."),
     ] = None,
-    model: Annotated[
-        str | None, typer.Option(help="Hugging Face model folder (default: the fetched SmolLM2).")
-    ] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens per prompt at most.")] = 64,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
     seed: Annotated[
         int | None, typer.Option(help="Sampling seed (per prompt: seed + index).")
     ] = None,
-    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N]")] = "auto",
-    attention_backend: Annotated[
-        str, typer.Option(help="auto | torch | triton (auto: triton on CUDA, torch on CPU)")
-    ] = "auto",
-    load_format: Annotated[
-        str, typer.Option(help="auto | safetensors | dummy (random weights)")
-    ] = "auto",
-    block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV block.")] = 16,
+    **engine: Any,
 ) -> None:
     """Generate text for one or more prompts and report TTFT and tokens/s."""
     if not prompt and not chat:
@@ -173,6 +217,7 @@ def generate(
     from .sampling import SamplingParams
     from .tokenizer import encode_chat
 
+    model = engine.pop("model")
     try:
         if model is None:
             model_dir = default_model_dir()
@@ -184,14 +229,7 @@ def generate(
             )
         else:
             model_dir = Path(model)
-        llm = LLM(
-            str(model_dir),
-            dtype=dtype,
-            device=device,
-            load_format=load_format,
-            attention_backend=attention_backend,
-            block_size=block_size,
-        )
+        llm = LLM(str(model_dir), **engine)
         texts = list(prompt or []) + list(chat or [])
         ids = [llm.tokenizer.encode(p) for p in prompt or []]
         ids += [encode_chat(llm.tokenizer, c) for c in chat or []]
@@ -221,10 +259,8 @@ def generate(
 
 
 @app.command()
+@engine_options(*EngineConfig.field_names())
 def serve(
-    model: Annotated[
-        str | None, typer.Option(help="Hugging Face model folder (default: the fetched SmolLM2).")
-    ] = None,
     host: Annotated[
         str, typer.Option(help="Bind address (127.0.0.1 unless a tenants file is given).")
     ] = "127.0.0.1",
@@ -241,45 +277,6 @@ def serve(
     max_body_bytes: Annotated[
         int, typer.Option(min=1024, help="Largest request body accepted (bytes).")
     ] = 2 << 20,
-    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N]")] = "auto",
-    attention_backend: Annotated[str, typer.Option(help="auto | torch | triton")] = "auto",
-    load_format: Annotated[str, typer.Option(help="auto | safetensors | dummy")] = "auto",
-    block_size: Annotated[int, typer.Option(min=1, max=1024)] = 16,
-    max_num_batched_tokens: Annotated[
-        int, typer.Option(min=1, help="Token budget of one engine step.")
-    ] = 2048,
-    max_num_seqs: Annotated[int, typer.Option(min=1, help="Requests running at once.")] = 64,
-    max_model_len: Annotated[
-        int | None, typer.Option(min=1, help="Context limit (default: the model's).")
-    ] = None,
-    enable_chunked_prefill: Annotated[
-        bool, typer.Option("--enable-chunked-prefill/--no-enable-chunked-prefill")
-    ] = True,
-    long_prefill_token_threshold: Annotated[
-        int, typer.Option(min=0, help="Cap on one request's prefill chunk (0 = none).")
-    ] = 0,
-    enable_prefix_caching: Annotated[
-        bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")
-    ] = True,
-    prefix_cache_scope: Annotated[str, typer.Option(help="tenant | global")] = "tenant",
-    kv_watermark: Annotated[
-        float, typer.Option(min=0.0, max=0.99, help="Fraction of KV blocks kept free at admission.")
-    ] = 0.01,
-    scheduling_policy: Annotated[str, typer.Option(help="fcfs | priority")] = "fcfs",
-    admission_policy: Annotated[
-        str,
-        typer.Option(
-            help="strict (FCFS admission stops at a request that does not fit) | skip_ahead "
-            "(smaller requests that fit may pass it)."
-        ),
-    ] = "strict",
-    max_admission_skips: Annotated[
-        int, typer.Option(min=0, help="skip_ahead: passes allowed before admission waits.")
-    ] = 32,
-    kv_cache_memory: Annotated[int, typer.Option(min=1, help="KV cache bytes on CPU.")] = 1 << 30,
-    gpu_memory_utilization: Annotated[float, typer.Option(min=0.01, max=1.0)] = 0.9,
-    num_gpu_blocks_override: Annotated[int | None, typer.Option(min=1)] = None,
     trace_db: Annotated[
         str, typer.Option(help="DuckDB trace store (spans, requests, steps, device samples).")
     ] = "./tokenmill-data/traces.duckdb",
@@ -304,19 +301,6 @@ def serve(
             "--no-tracing", help="Build no spans at all (only to measure tracing's cost)."
         ),
     ] = False,
-    fault_nan_fraction: Annotated[
-        float,
-        typer.Option(
-            min=0.0, max=1.0, help="Fault drill: this fraction of requests fail with nan_logits."
-        ),
-    ] = 0.0,
-    fault_leak_blocks_on_abort: Annotated[
-        bool,
-        typer.Option(
-            "--fault-leak-blocks-on-abort",
-            help="Fault drill: aborted requests keep their KV blocks.",
-        ),
-    ] = False,
     fault_stream_delay_ms: Annotated[
         float,
         typer.Option(
@@ -325,36 +309,13 @@ def serve(
             help="Fault drill: the stream waits this long (ms) before each token chunk but the first.",
         ),
     ] = 0.0,
+    **engine: Any,
 ) -> None:
     """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
     from .api.server import make_server
-    from .config import EngineConfig
 
     try:
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            attention_backend=attention_backend,
-            load_format=load_format,
-            block_size=block_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            enable_prefix_caching=enable_prefix_caching,
-            prefix_cache_scope=prefix_cache_scope,
-            kv_watermark=kv_watermark,
-            scheduling_policy=scheduling_policy,
-            kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-            fault_nan_fraction=fault_nan_fraction,
-            fault_leak_blocks_on_abort=fault_leak_blocks_on_abort,
-            admission_policy=admission_policy,
-            max_admission_skips=max_admission_skips,
-        )
+        config = EngineConfig(**engine)
         config.validate()
         server = make_server(
             config,

@@ -1,9 +1,16 @@
 """Engine configuration: every knob the runbooks tell an operator to turn is a field here and a
-flag of ``tokenmill serve``."""
+flag of ``tokenmill serve``.
+
+Each field is declared with :func:`knob`: its default, its help text and the bounds its flag
+accepts are written once, here. ``tokenmill serve`` and ``tokenmill generate`` build their
+options from these fields (``engine/cli.py``), as vLLM's ``EngineArgs`` does from its config
+classes.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ADMISSION_POLICIES = ("strict", "skip_ahead")
@@ -13,65 +20,89 @@ PREFIX_CACHE_SCOPES = ("tenant", "global")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
 
+def knob(default: Any, help: str, *, min: float | None = None, max: float | None = None) -> Any:
+    """A config field with its documentation.
+
+    Args:
+        default: the field's default (and its flag's).
+        help: one or two sentences for ``--help`` and for readers of this class.
+        min, max: the flag's accepted range (inclusive); :meth:`EngineConfig.validate` checks
+            the field itself, for callers that do not come through the command line.
+    """
+    return field(default=default, metadata={"help": help, "min": min, "max": max})
+
+
 @dataclass
 class EngineConfig:
-    """Settings of one engine (model, KV cache, scheduler).
+    """Settings of one engine (model, KV cache, scheduler); each field's help says what it
+    does (``EngineConfig.field_help(name)``)."""
 
-    Attributes:
-        model: Hugging Face folder; None = the default model (fetched on first use).
-        dtype / device / load_format / attention_backend: as for the loader.
-        block_size: tokens per KV block.
-        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
-        max_num_seqs: most requests running at once.
-        max_model_len: context limit (prompt + output); None = the model's
-            ``max_position_embeddings``.
-        enable_chunked_prefill: split long prompts across steps and mix them with decodes. Off,
-            a prompt is prefilled whole in a prefill-only step (decodes wait that step).
-        long_prefill_token_threshold: cap on one request's chunk per step (0 = no cap).
-        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
-        prefix_cache_scope: ``tenant`` (tenants never share blocks) or ``global``.
-        kv_watermark: fraction of all blocks kept free for running requests when admitting.
-        scheduling_policy: ``fcfs`` or ``priority`` (lower value = served first, then arrival).
-        kv_cache_memory: bytes of KV cache on the CPU.
-        gpu_memory_utilization: fraction of GPU memory the engine may use (weights,
-            activations and KV cache) on CUDA.
-        num_gpu_blocks_override: exact number of KV blocks (experiments, tests).
-        seed: seed of the engine's default sampling generator.
-        admission_policy: ``strict`` (FCFS admission stops at the first waiting request whose
-            blocks do not fit) or ``skip_ahead`` (later requests that fit may pass it; symptom
-            case C01, head-of-line blocking).
-        max_admission_skips: with ``skip_ahead``, how many later requests may pass one waiting
-            request before admission waits for it (so a big request is not starved).
-        fault_nan_fraction: fault injection for drills and scenarios, never for production:
-            this fraction of requests (chosen by a hash of the request id) get NaN logits at
-            their first sampled token and fail with ``nan_logits``.
-        fault_leak_blocks_on_abort: fault injection: aborted requests keep their KV blocks
-            (a simulated block leak, symptom case C05).
-    """
-
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    load_format: str = "auto"
-    attention_backend: str = "auto"
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    enable_prefix_caching: bool = True
-    prefix_cache_scope: str = "tenant"
-    kv_watermark: float = 0.01
-    scheduling_policy: str = "fcfs"
-    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    seed: int = 0
-    admission_policy: str = "strict"
-    max_admission_skips: int = 32
-    fault_nan_fraction: float = 0.0
-    fault_leak_blocks_on_abort: bool = False
+    model: str | None = knob(None, "Hugging Face model folder (default: the fetched SmolLM2).")
+    dtype: str = knob("auto", "auto | float32 | bfloat16 | float16")
+    device: str = knob("auto", "auto | cpu | cuda[:N]")
+    load_format: str = knob("auto", "auto | safetensors | dummy (random weights)")
+    attention_backend: str = knob(
+        "auto", "auto | torch | triton (auto: triton on CUDA, torch on CPU)"
+    )
+    block_size: int = knob(16, "Tokens per KV block.", min=1, max=1024)
+    max_num_batched_tokens: int = knob(
+        2048, "Token budget of one engine step (prefill chunks + decodes).", min=1
+    )
+    max_num_seqs: int = knob(64, "Requests running at once.", min=1)
+    max_model_len: int | None = knob(
+        None,
+        "Context limit, prompt + output (default: the model's max_position_embeddings).",
+        min=1,
+    )
+    enable_chunked_prefill: bool = knob(
+        True,
+        "Split long prompts across steps and mix them with decodes. Off, a prompt is "
+        "prefilled whole in a prefill-only step (decodes wait that step).",
+    )
+    long_prefill_token_threshold: int = knob(
+        0, "Cap on one request's prefill chunk per step (0 = none).", min=0
+    )
+    enable_prefix_caching: bool = knob(True, "Reuse the KV blocks of identical prompt prefixes.")
+    prefix_cache_scope: str = knob("tenant", "tenant (tenants never share blocks) | global")
+    kv_watermark: float = knob(
+        0.01,
+        "Fraction of KV blocks kept free for running requests when admitting.",
+        min=0.0,
+        max=0.99,
+    )
+    scheduling_policy: str = knob(
+        "fcfs", "fcfs | priority (lower value = served first, then arrival)"
+    )
+    kv_cache_memory: int = knob(DEFAULT_KV_CACHE_MEMORY, "KV cache bytes on CPU.", min=1)
+    gpu_memory_utilization: float = knob(
+        0.9,
+        "Fraction of GPU memory the engine may use (weights, activations and KV cache) on CUDA.",
+        min=0.01,
+        max=1.0,
+    )
+    num_gpu_blocks_override: int | None = knob(
+        None, "Exact number of KV blocks (experiments, tests).", min=1
+    )
+    admission_policy: str = knob(
+        "strict",
+        "strict (FCFS admission stops at a request that does not fit) | skip_ahead "
+        "(smaller requests that fit may pass it; symptom case C01, head-of-line blocking).",
+    )
+    max_admission_skips: int = knob(
+        32,
+        "skip_ahead: passes allowed before admission waits (so a big request is not starved).",
+        min=0,
+    )
+    fault_nan_fraction: float = knob(
+        0.0,
+        "Fault drill: this fraction of requests (chosen by a hash of the request id) get NaN "
+        "logits at their first sampled token and fail with nan_logits.",
+        min=0.0,
+        max=1.0,
+    )
+    fault_leak_blocks_on_abort: bool = knob(
+        False, "Fault drill: aborted requests keep their KV blocks (a simulated leak, case C05)."
+    )
 
     def validate(self) -> None:
         """Raises ValueError naming the first invalid field."""
@@ -111,3 +142,8 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def field_help(cls, name: str) -> str:
+        """The help text of field ``name``."""
+        return next(f.metadata["help"] for f in fields(cls) if f.name == name)
