@@ -191,6 +191,14 @@ def engine_options(*names: str):
     return decorate
 
 
+def prompt_params(n: int, *, seed: int | None, **params: Any) -> list:
+    """One ``SamplingParams`` per prompt; with a seed, prompt ``i`` draws from ``seed + i``
+    (so that equal prompts do not get equal samples, and every run gets the same ones)."""
+    from .sampling import SamplingParams
+
+    return [SamplingParams(seed=None if seed is None else seed + i, **params) for i in range(n)]
+
+
 @app.command()
 @engine_options("model", "dtype", "device", "attention_backend", "load_format", "block_size")
 def generate(
@@ -214,7 +222,6 @@ def generate(
         fail("give at least one --prompt or --chat")
     from .llm import LLM
     from .model_fetch import default_model_dir, fetch_default_model
-    from .sampling import SamplingParams
     from .tokenizer import encode_chat
 
     model = engine.pop("model")
@@ -233,8 +240,8 @@ def generate(
         texts = list(prompt or []) + list(chat or [])
         ids = [llm.tokenizer.encode(p) for p in prompt or []]
         ids += [encode_chat(llm.tokenizer, c) for c in chat or []]
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
+        params = prompt_params(
+            len(ids), seed=seed, max_tokens=max_tokens, temperature=temperature, top_p=top_p
         )
         results = llm.generate(ids, params)
     except (TokenmillError, ValueError) as exc:
