@@ -107,7 +107,7 @@ if [ -n "${TOKENMILL_MODEL:-}" ]; then
     GREEDY_ARGS+=(--model "$TOKENMILL_MODEL")
 fi
 step "greedy equality bf16 (triton vs torch)" "$OUTDIR/greedy_bf16.log" \
-    "$PYTHON" -m tokenmill.kernels.greedy_check "${GREEDY_ARGS[@]}"
+    "$PYTHON" scripts/greedy_check.py "${GREEDY_ARGS[@]}"
 tail -n 1 "$OUTDIR/greedy_bf16.log" | sed 's/^/     /' >>"$SUMMARY"
 
 # 3. benchmarks

@@ -11,8 +11,8 @@ when, in the reference model, the two candidate tokens' logits differ by at most
 ``--tie-tolerance``. The check passes when every prompt matches exactly or parts at a near tie
 (``--strict``: exact matches only).
 
-Run: ``python -m tokenmill.kernels.greedy_check --device cuda --dtype bfloat16 --out r.json``.
-Exit status 0 = pass, 1 = fail.
+Run: ``python scripts/greedy_check.py --device cuda --dtype bfloat16 --out r.json`` (step 2 of
+``scripts/gpu_check.sh``). Exit status 0 = pass, 1 = fail.
 """
 
 from __future__ import annotations
