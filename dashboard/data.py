@@ -22,7 +22,7 @@ from importlib import resources
 import duckdb
 import pandas as pd
 
-from tokenmill.telemetry.schema import STATIONS, WORKING_STEP_SQL
+from tokenmill.telemetry.schema import COMPLETED_SQL, STATIONS, WORKING_STEP_SQL
 
 NS = 1_000_000_000
 GIB = float(1 << 30)
@@ -34,9 +34,9 @@ THROTTLE_REASONS = (
     "hw_thermal_slowdown",
     "hw_power_brake_slowdown",
 )
-OK_SQL = "(finish_reason IN ('stop', 'length') AND error_type IS NULL)"
+OK_SQL = COMPLETED_SQL
 STATUS_SQL = (
-    "CASE WHEN finish_reason IN ('stop', 'length') AND error_type IS NULL THEN 'ok' "
+    f"CASE WHEN {COMPLETED_SQL} THEN 'ok' "
     "WHEN finish_reason = 'abort' THEN 'aborted' "
     "WHEN queued_ns IS NULL THEN 'rejected' ELSE 'error' END"
 )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import duckdb
 
-from tokenmill.telemetry.schema import WORKING_STEP_SQL
+from tokenmill.telemetry.schema import COMPLETED_SQL, DEFAULT_BLOCK_SIZE, WORKING_STEP_SQL
 
 NS = 1_000_000_000
 
@@ -79,10 +79,10 @@ class Signals:
         return [r[0] for r in rows]
 
 
-_REQ_WINDOW_SQL = """
+_REQ_WINDOW_SQL = f"""
 SELECT (arrival_ns - $t0) // $w AS win,
     count(*) AS arrivals,
-    count(*) FILTER (WHERE finish_reason IN ('stop', 'length') AND error_type IS NULL) AS completed_arrivals,
+    count(*) FILTER (WHERE {COMPLETED_SQL}) AS completed_arrivals,
     quantile_cont(ttft_ms, 0.5) FILTER (WHERE ok) AS ttft_p50,
     quantile_cont(ttft_ms, 0.9) FILTER (WHERE ok) AS ttft_p90,
     quantile_cont(ttft_ms, 0.99) FILTER (WHERE ok) AS ttft_p99,
@@ -114,17 +114,17 @@ SELECT (arrival_ns - $t0) // $w AS win,
     count(*) FILTER (WHERE ok AND input_tokens >= 4 * $short) AS long_n,
     count(*) FILTER (WHERE ok AND itl_max_ms >= 10 * itl_p50_ms AND ttft_ms <= $fast_ttft) AS stalled_n,
     count(*) FILTER (WHERE ok AND itl_max_ms >= 10 * itl_p50_ms AND ttft_ms <= $fast_ttft AND preemptions > 0) AS stalled_preempted_n
-FROM (SELECT *, (finish_reason IN ('stop', 'length') AND error_type IS NULL) AS ok FROM requests
+FROM (SELECT *, {COMPLETED_SQL} AS ok FROM requests
       WHERE arrival_ns >= $since AND arrival_ns < $until)
 GROUP BY win
 """
 
-_END_WINDOW_SQL = """
+_END_WINDOW_SQL = f"""
 SELECT (end_ns - $t0) // $w AS win,
-    count(*) FILTER (WHERE finish_reason IN ('stop', 'length') AND error_type IS NULL) AS completions,
+    count(*) FILTER (WHERE {COMPLETED_SQL}) AS completions,
     count(*) FILTER (WHERE error_type IS NOT NULL) AS errors,
     count(*) AS ended,
-    sum(output_tokens) FILTER (WHERE finish_reason IN ('stop', 'length') AND error_type IS NULL) AS completed_tokens
+    sum(output_tokens) FILTER (WHERE {COMPLETED_SQL}) AS completed_tokens
 FROM requests WHERE end_ns >= $since AND end_ns < $until
 GROUP BY win
 """
@@ -274,7 +274,7 @@ def load(
         short_prompt_tokens = int(med or 0)
     (fast_ttft,) = con.execute(
         "SELECT quantile_cont(ttft_ms, 0.5) FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
-        "AND finish_reason IN ('stop', 'length') AND error_type IS NULL",
+        f"AND {COMPLETED_SQL}",
         [since, until],
     ).fetchone()
     params = {"t0": since, "w": w_ns, "since": since, "until": until}
@@ -381,10 +381,11 @@ def prefix_block_stats(
     block ``e`` differs. Such prompts miss the prefix cache by construction: its keys chain from
     block 0, so one differing early block makes every later block a miss.
 
-    Returns ``{"prompts", "shared_tail_differs_first", "share", "block"}`` for the position
-    where the pattern is strongest.
+    Returns ``{"prompts", "shared_tail_differs_first", "share", "block", "block_size"}`` for
+    the position where the pattern is strongest (``block_size``: tokens per hashed block).
     """
     k = int(min_shared_blocks)
+    size = engine_block_size(con)
     best = {"prompts": 0, "shared_tail_differs_first": 0, "share": 0.0, "block": None}
     for e in range(int(early_blocks)):
         row = con.execute(
@@ -408,4 +409,14 @@ def prefix_block_stats(
                 "share": share,
                 "block": e,
             }
-    return best
+    return {**best, "block_size": size}
+
+
+def engine_block_size(con) -> int:
+    """Tokens per KV block (and per prompt hash block) from the latest ``config`` event;
+    :data:`DEFAULT_BLOCK_SIZE` for a store without one."""
+    row = con.execute(
+        "SELECT TRY_CAST(attributes->>'block_size' AS INTEGER) FROM events "
+        "WHERE kind = 'config' ORDER BY time_ns DESC LIMIT 1"
+    ).fetchall()
+    return int(row[0][0]) if row and row[0][0] else DEFAULT_BLOCK_SIZE

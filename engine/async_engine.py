@@ -20,10 +20,27 @@ import zmq
 import zmq.asyncio
 
 from .config import EngineConfig
-from .core import RequestOutput, StepRecord
 from .core_process import run_engine_core
 from .errors import RequestRejected, TokenmillError
-from .sampling import SamplingParams
+from .messages import (
+    OUTPUT_DECODER,
+    AbortRequests,
+    AddRequest,
+    EngineError,
+    EngineFatal,
+    EngineOutputs,
+    EngineReady,
+    Heartbeat,
+    RequestFailed,
+    RequestOutput,
+    Shutdown,
+    StatsQuery,
+    StatsReply,
+    StepRecord,
+    encode,
+    to_row,
+)
+from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +50,14 @@ SEND_TIMEOUT_S = 5.0  # a message the engine cannot take in this long means it i
 
 class EngineDeadError(TokenmillError):
     """The engine core process is gone (crashed or failed to start)."""
+
+
+def raise_for(error: EngineError) -> Exception:
+    """The exception the API handles for an engine refusal: :class:`RequestRejected` for
+    ``context_length_exceeded``, ``ValueError`` (bad prompt or sampling parameters) otherwise."""
+    if error.error_type == "context_length_exceeded":
+        return RequestRejected(error.message)
+    return ValueError(error.message)
 
 
 class AsyncEngine:
@@ -82,15 +107,14 @@ class AsyncEngine:
         deadline = time.monotonic() + timeout_s
         while True:
             msg = await self._recv(0.5)
-            if msg is not None:
-                if msg[0] == "ready":
-                    self.info = msg[1]
-                    self.stats = self.info["stats"]
-                    break
-                if msg[0] == "fatal":
-                    self.dead_reason = msg[1]
-                    raise EngineDeadError(f"engine core failed to start: {msg[1]}")
-            elif not self.process.is_alive():
+            if isinstance(msg, EngineReady):
+                self.info = to_row(msg)
+                self.stats = self.info["stats"] = to_row(msg.stats)
+                break
+            if isinstance(msg, EngineFatal):
+                self.dead_reason = msg.error.message
+                raise EngineDeadError(f"engine core failed to start: {self.dead_reason}")
+            if msg is None and not self.process.is_alive():
                 self.dead_reason = f"exited with code {self.process.exitcode}"
                 raise EngineDeadError(f"engine core process {self.dead_reason} before it was ready")
             if time.monotonic() > deadline:
@@ -102,7 +126,7 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         """Stop the engine process and close the sockets."""
         if self.process is not None and self.process.is_alive():
-            await self._send(("shutdown", None), timeout_s=1.0)
+            await self._send(Shutdown(), timeout_s=1.0)
             await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
             if self.process.is_alive():
                 self.process.kill()
@@ -162,7 +186,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in flight")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        payload = dict(
+        add = AddRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
@@ -172,7 +196,7 @@ class AsyncEngine:
         )
         finished = False
         try:
-            if not await self._send(("add", payload)):
+            if not await self._send(add):
                 finished = True
                 raise EngineDeadError(
                     f"engine core is not taking requests ({self.dead_reason or 'queue full'})"
@@ -197,19 +221,19 @@ class AsyncEngine:
         finally:
             self._queues.pop(request_id, None)
             if not finished and self.alive:
-                await self._send(("abort", [request_id]))
+                await self._send(AbortRequests([request_id]))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with ``finish_reason='abort'``."""
         if self.alive:
-            await self._send(("abort", [request_id]))
+            await self._send(AbortRequests([request_id]))
 
     async def refresh_stats(self) -> None:
         """Ask the engine for fresh stats (answered asynchronously into :attr:`stats`)."""
         if self.alive:
-            await self._send(("stats", None))
+            await self._send(StatsQuery())
 
-    async def _send(self, msg: tuple, timeout_s: float = SEND_TIMEOUT_S) -> bool:
+    async def _send(self, msg, timeout_s: float = SEND_TIMEOUT_S) -> bool:
         """Send one message to the engine; False if it could not be sent within ``timeout_s``.
 
         A ZeroMQ PUSH socket blocks forever when its peer has gone (an engine process that
@@ -217,9 +241,10 @@ class AsyncEngine:
         while the process is alive.
         """
         deadline = time.monotonic() + timeout_s
+        data = encode(msg)
         while True:
             try:
-                await self._push.send_pyobj(msg, flags=zmq.NOBLOCK)
+                await self._push.send(data, flags=zmq.NOBLOCK)
                 return True
             except zmq.Again:
                 alive = self.process is not None and self.process.is_alive()
@@ -251,9 +276,10 @@ class AsyncEngine:
         if not events:
             return None
         try:
-            return await self._pull.recv_pyobj(flags=zmq.NOBLOCK)
+            data = await self._pull.recv(flags=zmq.NOBLOCK)
         except zmq.Again:
             return None
+        return OUTPUT_DECODER.decode(data)
 
     async def _read_loop(self) -> None:
         while True:
@@ -263,44 +289,49 @@ class AsyncEngine:
                     self._fail_all(f"engine core process exited with code {self.process.exitcode}")
                     return
                 continue
-            kind = msg[0]
-            if kind == "outputs":
-                _, outputs, record = msg
-                for out in outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
-                    elif out.finished:
-                        for fn in self._abandoned_listeners:
-                            try:
-                                fn(out)
-                            except Exception:
-                                log.exception("abandoned-output listener failed")
-                if record is not None:
-                    self.stats.update(
-                        num_running=record.num_running,
-                        num_waiting=record.num_waiting,
-                        kv_blocks_used=record.kv_blocks_used,
-                        kv_blocks_free=record.kv_blocks_free,
-                        kv_blocks_cached=record.kv_blocks_cached,
-                        kv_usage=record.kv_blocks_used / max(record.kv_blocks_total, 1),
-                    )
-                    for fn in self._listeners:
-                        try:
-                            fn(record)
-                        except Exception:  # a listener must never stop the stream
-                            log.exception("step listener failed")
-            elif kind == "rejected":
-                _, rid, exc_kind, message = msg
-                queue = self._queues.get(rid)
+            if isinstance(msg, EngineOutputs):
+                self._dispatch(msg.outputs)
+                if msg.step is not None:
+                    self._on_step(msg.step)
+            elif isinstance(msg, Heartbeat):
+                self.stats = to_row(msg.stats)
+                self._on_step(msg.step)
+            elif isinstance(msg, RequestFailed):
+                queue = self._queues.get(msg.request_id)
                 if queue is not None:
-                    exc_cls = RequestRejected if exc_kind == "RequestRejected" else ValueError
-                    queue.put_nowait(exc_cls(message))
-            elif kind == "stats":
-                self.stats = msg[1]
-            elif kind == "fatal":
-                self._fail_all(msg[1])
+                    queue.put_nowait(raise_for(msg.error))
+            elif isinstance(msg, StatsReply):
+                self.stats = to_row(msg.stats)
+            elif isinstance(msg, EngineFatal):
+                self._fail_all(msg.error.message)
                 return
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+            elif out.finished:
+                for fn in self._abandoned_listeners:
+                    try:
+                        fn(out)
+                    except Exception:
+                        log.exception("abandoned-output listener failed")
+
+    def _on_step(self, record: StepRecord) -> None:
+        self.stats.update(
+            num_running=record.num_running,
+            num_waiting=record.num_waiting,
+            kv_blocks_used=record.kv_blocks_used,
+            kv_blocks_free=record.kv_blocks_free,
+            kv_blocks_cached=record.kv_blocks_cached,
+            kv_usage=record.kv_blocks_used / max(record.kv_blocks_total, 1),
+        )
+        for fn in self._listeners:
+            try:
+                fn(record)
+            except Exception:  # a listener must never stop the stream
+                log.exception("step listener failed")
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason

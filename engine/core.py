@@ -2,86 +2,26 @@
 
 It runs in-process for the offline :class:`~tokenmill.engine.llm.LLM` and tests, and inside its
 own process behind :class:`~tokenmill.engine.async_engine.AsyncEngine` for serving. Each
-:meth:`EngineCore.step` returns the per-request deltas (with their wall-clock timestamps) and one
-:class:`StepRecord`, which is everything telemetry needs; the engine knows nothing of storage.
+:meth:`EngineCore.step` returns the per-request deltas (:class:`~.messages.RequestOutput`, with
+their wall-clock timestamps) and one :class:`~.messages.StepRecord`, which is everything
+telemetry needs; the engine knows nothing of storage.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .messages import EngineStats, RequestOutput, StepRecord
 from .model_runner import ModelRunner
-from .request import Request, RequestEvent, RequestStatus
+from .request import Request, RequestStatus
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, SchedulerOutput
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (a delta), with its timestamps (wall-clock ns).
-
-    ``finish_reason`` is ``stop`` | ``length`` | ``abort`` | ``error`` once ``finished``;
-    ``stop_reason`` is the stop string or stop token that ended it (None for EOS/length);
-    ``error_type`` is e.g. ``nan_logits``. ``events`` are the request's events since its last
-    output (chunks, preemptions, resumes, abort).
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    token_ns: list[int]
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | str | None
-    error_type: str | None
-    error_message: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    num_preemptions: int
-    num_recomputed_tokens: int
-    arrival_ns: int
-    queued_ns: int
-    scheduled_ns: int | None
-    first_token_ns: int | None
-    finished_ns: int | None
-    events: list[RequestEvent] = field(default_factory=list)
-
-
-@dataclass
-class StepRecord:
-    """One scheduler iteration (one forward), as stored in ``engine_steps``.
-
-    Times: ``start_ns``/``end_ns`` wall clock; ``schedule_ms``, ``forward_ms``, ``sample_ms``
-    (sampling + detokenization + stop checks) measured with a monotonic clock.
-    """
-
-    step_id: int
-    start_ns: int
-    end_ns: int
-    schedule_ms: float
-    forward_ms: float
-    sample_ms: float
-    num_running: int
-    num_waiting: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_prefill_chunks: int
-    num_sampled: int
-    preempted_ids: list[str]
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    kv_blocks_cached: int
-    prefix_hit_tokens: int
-    allocation_failures: int
-    finished_ids: list[str]
 
 
 class EngineCore:
@@ -120,6 +60,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.started_ns = time.time_ns()
+        self.pid = os.getpid()
 
     # ----- requests -----
     def add_request(
@@ -192,6 +133,7 @@ class EngineCore:
         bm = self.block_manager
         record = StepRecord(
             step_id=sched.step_id,
+            engine_pid=self.pid,
             start_ns=start_ns,
             end_ns=time.time_ns(),
             schedule_ms=(t1 - t0) * 1e3,
@@ -203,14 +145,14 @@ class EngineCore:
             num_decode_tokens=sched.num_decode_tokens,
             num_prefill_chunks=sched.num_prefill_chunks,
             num_sampled=num_sampled,
-            preempted_ids=[r.request_id for r in sched.preempted],
+            num_preempted=len(sched.preempted),
             kv_blocks_total=bm.num_blocks,
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_free=bm.num_free_blocks,
             kv_blocks_cached=bm.num_cached_blocks,
             prefix_hit_tokens=sched.prefix_hit_tokens,
             allocation_failures=sched.allocation_failures,
-            finished_ids=[o.request_id for o in outputs if o.finished],
+            num_finished=sum(1 for o in outputs if o.finished),
         )
         return outputs, record
 
@@ -298,43 +240,33 @@ class EngineCore:
         now = time.time_ns()
         return StepRecord(
             step_id=self.scheduler.step_id,
+            engine_pid=self.pid,
             start_ns=now,
             end_ns=now,
-            schedule_ms=0.0,
-            forward_ms=0.0,
-            sample_ms=0.0,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_prefill_tokens=0,
-            num_decode_tokens=0,
-            num_prefill_chunks=0,
-            num_sampled=0,
-            preempted_ids=[],
             kv_blocks_total=bm.num_blocks,
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_free=bm.num_free_blocks,
             kv_blocks_cached=bm.num_cached_blocks,
-            prefix_hit_tokens=0,
-            allocation_failures=0,
-            finished_ids=[],
         )
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """Queue depth and KV usage right now (for /health)."""
         bm = self.block_manager
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_used": bm.num_used_blocks,
-            "kv_blocks_free": bm.num_free_blocks,
-            "kv_blocks_cached": bm.num_cached_blocks,
-            "kv_usage": bm.usage(),
-            "prefix_cache_queries": bm.prefix_queries,
-            "prefix_cache_hits": bm.prefix_hits,
-            "max_model_len": self.max_model_len,
-            "block_size": self.config.block_size,
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_blocks_cached=bm.num_cached_blocks,
+            kv_usage=bm.usage(),
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+        )
 
 
 def resolve_model_dir(model: str | None) -> Path:

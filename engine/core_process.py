@@ -1,10 +1,11 @@
 """The engine core's own process: a loop that takes requests and aborts from the API process and
 sends back each step's outputs and step record, over two ZeroMQ sockets.
 
-Messages (pickled tuples). In: ``("add", dict)``, ``("abort", [ids])``, ``("stats", None)``,
-``("shutdown", None)``. Out: ``("ready", info)``, ``("outputs", [RequestOutput], StepRecord|None)``,
-``("rejected", request_id, kind, message)``, ``("stats", dict)``, ``("fatal", message)``.
-While idle it sends ``("stats", dict)`` and an idle heartbeat ``("outputs", [], record)`` (see
+Every message is a typed Struct of :mod:`tokenmill.engine.messages`, msgpack-encoded. In:
+:class:`AddRequest`, :class:`AbortRequests`, :class:`StatsQuery`, :class:`Shutdown`. Out:
+:class:`EngineReady` once the model is loaded, :class:`EngineOutputs` per step (and for aborts),
+:class:`RequestFailed` for a refused add, :class:`StatsReply`, and :class:`EngineFatal` when it
+cannot start. While idle it sends a :class:`Heartbeat` (stats and an idle step record, see
 :meth:`EngineCore.idle_record`) at least every ``IDLE_POLL_MS``.
 """
 
@@ -18,40 +19,66 @@ import zmq
 
 from .config import EngineConfig
 from .errors import RequestRejected
+from .messages import (
+    INPUT_DECODER,
+    AbortRequests,
+    AddRequest,
+    EngineError,
+    EngineFatal,
+    EngineOutputs,
+    EngineReady,
+    Heartbeat,
+    RequestFailed,
+    Shutdown,
+    StatsQuery,
+    StatsReply,
+    encode,
+)
 
 IDLE_POLL_MS = 500  # while idle, wake this often to report stats
 
+#: the stable ``error_type`` of each exception ``EngineCore.add_request`` refuses a request with
+REJECTION_TYPES = {RequestRejected: "context_length_exceeded", ValueError: "invalid_request"}
+
+
+def rejection(exc: Exception) -> EngineError:
+    """The typed value of an ``add_request`` refusal (see :data:`REJECTION_TYPES`)."""
+    kind = next(code for cls, code in REJECTION_TYPES.items() if isinstance(exc, cls))
+    return EngineError(kind, str(exc))
+
 
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
-    """Process entry point: build the :class:`EngineCore` and serve until ``shutdown``."""
+    """Process entry point: build the :class:`EngineCore` and serve until :class:`Shutdown`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)
     push = ctx.socket(zmq.PUSH)
     push.connect(out_addr)
+
+    def send(msg) -> None:
+        push.send(encode(msg))
+
     try:
         from .core import EngineCore
 
         core = EngineCore(config)
     except Exception as exc:  # report why we could not start, then exit
-        push.send_pyobj(("fatal", f"{type(exc).__name__}: {exc}".splitlines()[0]))
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        send(EngineFatal(EngineError("engine_start_failed", reason)))
         pull.close(linger=0)
         push.close(linger=2000)
         ctx.term()
         return
-    push.send_pyobj(
-        (
-            "ready",
-            {
-                "pid": os.getpid(),
-                "started_ns": time.time_ns(),
-                "num_blocks": core.block_manager.num_blocks,
-                "max_model_len": core.max_model_len,
-                "vocab_size": core.runner.model_config.vocab_size,
-                "config": config.to_dict(),
-                "stats": core.stats(),
-            },
+    send(
+        EngineReady(
+            pid=os.getpid(),
+            started_ns=time.time_ns(),
+            num_blocks=core.block_manager.num_blocks,
+            max_model_len=core.max_model_len,
+            vocab_size=core.runner.model_config.vocab_size,
+            config=config.to_dict(),
+            stats=core.stats(),
         )
     )
     poller = zmq.Poller()
@@ -61,21 +88,26 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
         timeout = 0 if core.has_work() else IDLE_POLL_MS
         events = poller.poll(timeout)
         while events:
-            kind, payload = pull.recv_pyobj()
-            if kind == "add":
+            msg = INPUT_DECODER.decode(pull.recv())
+            if isinstance(msg, AddRequest):
                 try:
-                    core.add_request(**payload)
-                except (RequestRejected, ValueError) as exc:
-                    push.send_pyobj(
-                        ("rejected", payload["request_id"], type(exc).__name__, str(exc))
+                    core.add_request(
+                        msg.request_id,
+                        msg.prompt_token_ids,
+                        msg.params,
+                        priority=msg.priority,
+                        tenant=msg.tenant,
+                        arrival_ns=msg.arrival_ns,
                     )
-            elif kind == "abort":
-                outs = core.abort(payload)
+                except (RequestRejected, ValueError) as exc:
+                    send(RequestFailed(msg.request_id, rejection(exc)))
+            elif isinstance(msg, AbortRequests):
+                outs = core.abort(msg.request_ids)
                 if outs:
-                    push.send_pyobj(("outputs", outs, None))
-            elif kind == "stats":
-                push.send_pyobj(("stats", core.stats()))
-            elif kind == "shutdown":
+                    send(EngineOutputs(outs))
+            elif isinstance(msg, StatsQuery):
+                send(StatsReply(core.stats()))
+            elif isinstance(msg, Shutdown):
                 running = False
                 break
             events = poller.poll(0)
@@ -83,10 +115,9 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
             break
         if core.has_work():
             outputs, record = core.step()
-            push.send_pyobj(("outputs", outputs, record))
+            send(EngineOutputs(outputs, record))
         elif not events:
-            push.send_pyobj(("stats", core.stats()))
-            push.send_pyobj(("outputs", [], core.idle_record()))
+            send(Heartbeat(core.stats(), core.idle_record()))
     push.close(linger=1000)
     pull.close(linger=0)
     ctx.term()

@@ -8,7 +8,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .core import EngineCore, RequestOutput, StepRecord
+from .core import EngineCore
+from .messages import RequestOutput, StepRecord
 from .sampling import SamplingParams
 from .tokenizer import encode_chat
 

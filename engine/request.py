@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from .messages import RequestEvent
 from .sampling import SamplingParams
+
+__all__ = ["FINISH_REASONS", "Request", "RequestEvent", "RequestStatus"]
 
 
 class RequestStatus(enum.Enum):
@@ -38,20 +40,6 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
-
-
-@dataclass
-class RequestEvent:
-    """Something that happened to a request in a step (becomes a span event).
-
-    ``name`` is one of ``chunk`` (a prefill chunk was computed; attrs: tokens),
-    ``preempted`` (blocks taken back; attrs: recompute_tokens), ``resumed``, ``aborted``.
-    """
-
-    name: str
-    step_id: int
-    time_ns: int
-    attrs: dict = field(default_factory=dict)
 
 
 class Request:

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 
 from tokenmill.engine.api.timeline import RequestTimeline
-from tokenmill.engine.core import StepRecord
+from tokenmill.engine.messages import StepRecord, to_row
 
 from .metrics import ServingMetrics
 from .sampler import DeviceSampler
@@ -27,30 +27,12 @@ log = logging.getLogger(__name__)
 
 
 def step_row(record: StepRecord, engine_pid: int | None = None) -> dict:
-    """The ``engine_steps`` row of one :class:`StepRecord`."""
-    return {
-        "step_id": record.step_id,
-        "engine_pid": engine_pid,
-        "start_ns": record.start_ns,
-        "end_ns": record.end_ns,
-        "schedule_ms": record.schedule_ms,
-        "forward_ms": record.forward_ms,
-        "sample_ms": record.sample_ms,
-        "num_running": record.num_running,
-        "num_waiting": record.num_waiting,
-        "num_prefill_tokens": record.num_prefill_tokens,
-        "num_decode_tokens": record.num_decode_tokens,
-        "num_prefill_chunks": record.num_prefill_chunks,
-        "num_sampled": record.num_sampled,
-        "num_preempted": len(record.preempted_ids),
-        "kv_blocks_total": record.kv_blocks_total,
-        "kv_blocks_used": record.kv_blocks_used,
-        "kv_blocks_free": record.kv_blocks_free,
-        "kv_blocks_cached": record.kv_blocks_cached,
-        "prefix_hit_tokens": record.prefix_hit_tokens,
-        "allocation_failures": record.allocation_failures,
-        "num_finished": len(record.finished_ids),
-    }
+    """The ``engine_steps`` row of one :class:`StepRecord`: its fields in order (the table is
+    generated from the type, see :mod:`.schema`); ``engine_pid`` fills a record without one."""
+    row = to_row(record)
+    if row["engine_pid"] is None:
+        row["engine_pid"] = engine_pid
+    return row
 
 
 class Telemetry:

@@ -30,6 +30,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from tokenmill.engine.messages import COMPLETED_FINISH_REASONS
+
 PREFIX = "tokenmill_"
 
 # vllm:time_to_first_token_seconds (vllm/v1/metrics/loggers.py).
@@ -52,7 +54,7 @@ REQUEST_LATENCY_BUCKETS_S = (
 # vllm:iteration_tokens_total uses 1, 8, 16, ..., 16384; tokenmill's steps stop at 8192.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
-SUCCESS_REASONS = ("stop", "length")
+SUCCESS_REASONS = COMPLETED_FINISH_REASONS
 UNKNOWN = "unknown"
 
 

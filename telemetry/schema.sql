@@ -32,68 +32,9 @@ CREATE TABLE IF NOT EXISTS spans (
     error_type      VARCHAR
 );
 
--- One row per request, the numbers derived from its trace.
-CREATE TABLE IF NOT EXISTS requests (
-    request_id      VARCHAR NOT NULL,   -- the engine id (cmpl-...)
-    client_request_id VARCHAR,          -- x-request-id as the client sent it
-    trace_id        VARCHAR NOT NULL,
-    tenant          VARCHAR,
-    model           VARCHAR,
-    endpoint        VARCHAR,            -- chat | completions
-    stream          BOOLEAN,
-    http_status     INTEGER,
-    arrival_ns      BIGINT NOT NULL,    -- gateway start
-    queued_ns       BIGINT,             -- engine took it
-    scheduled_ns    BIGINT,             -- first scheduled
-    first_token_ns  BIGINT,
-    last_token_ns   BIGINT,
-    end_ns          BIGINT NOT NULL,    -- request span end (after metering)
-    ttft_ms         DOUBLE,             -- first_token_ns - arrival_ns
-    queue_ms        DOUBLE,             -- scheduled_ns - queued_ns
-    prefill_ms      DOUBLE,             -- first_token_ns - scheduled_ns
-    decode_ms       DOUBLE,             -- last_token_ns - first_token_ns
-    tpot_ms         DOUBLE,             -- decode_ms / (output_tokens - 1)
-    itl_p50_ms      DOUBLE,
-    itl_p99_ms      DOUBLE,
-    itl_max_ms      DOUBLE,
-    e2e_ms          DOUBLE,             -- end_ns - arrival_ns
-    client_ttft_ms  DOUBLE,             -- filled by the load generator when it knows
-    input_tokens    INTEGER,
-    output_tokens   INTEGER,
-    cached_tokens   INTEGER,
-    max_tokens      INTEGER,
-    preemptions     INTEGER,
-    recomputed_tokens INTEGER,
-    prefill_chunks  INTEGER,
-    finish_reason   VARCHAR,            -- stop | length | abort | error | NULL (rejected)
-    error_type      VARCHAR,
-    prompt_block_hashes BIGINT[]        -- per-block (16-token) content hashes of the prompt's first 32 blocks, not chained
-);
-
--- One row per scheduler iteration (engine StepRecord).
-CREATE TABLE IF NOT EXISTS engine_steps (
-    step_id             BIGINT NOT NULL,
-    engine_pid          INTEGER,
-    start_ns            BIGINT NOT NULL,
-    end_ns              BIGINT NOT NULL,
-    schedule_ms         DOUBLE,
-    forward_ms          DOUBLE,
-    sample_ms           DOUBLE,
-    num_running         INTEGER,
-    num_waiting         INTEGER,
-    num_prefill_tokens  INTEGER,
-    num_decode_tokens   INTEGER,
-    num_prefill_chunks  INTEGER,
-    num_sampled         INTEGER,        -- tokens produced in this step
-    num_preempted       INTEGER,
-    kv_blocks_total     INTEGER,
-    kv_blocks_used      INTEGER,
-    kv_blocks_free      INTEGER,
-    kv_blocks_cached    INTEGER,
-    prefix_hit_tokens   INTEGER,
-    allocation_failures INTEGER,
-    num_finished        INTEGER
-);
+-- `requests` (one row per request, from telemetry/rows.py: RequestRow) and `engine_steps` (one row
+-- per scheduler iteration, from engine/messages.py: StepRecord) are generated from their row types
+-- by telemetry/schema.py: ddl().
 
 -- Per device per tick: NVML (kind='gpu') or the host (kind='host').
 CREATE TABLE IF NOT EXISTS device_samples (

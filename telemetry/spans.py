@@ -27,7 +27,9 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from tokenmill.engine.api.timeline import RequestTimeline
+from tokenmill.engine.messages import to_row
 
+from .rows import RequestRow
 from .schema import STATIONS
 
 _MS = 1e-6
@@ -87,50 +89,52 @@ def request_end_ns(tl: RequestTimeline, stations: dict[str, tuple[int, int]]) ->
 def request_row(
     tl: RequestTimeline, trace_id: str, stations: dict[str, tuple[int, int]], end_ns: int
 ) -> dict:
-    """The ``requests`` row (schema.sql) derived from the same numbers as the spans."""
+    """The ``requests`` row (:class:`~.rows.RequestRow` as a dict, column → value) derived from
+    the same numbers as the spans."""
     itl = itl_ms(tl)
     n = tl.output_tokens
     last_token = tl.token_ns[-1] if tl.token_ns else None
     decode_ms = (last_token - tl.first_token_ns) * _MS if tl.first_token_ns and last_token else None
-    return {
-        "request_id": tl.request_id or tl.client_request_id or trace_id,
-        "client_request_id": tl.client_request_id,
-        "trace_id": trace_id,
-        "tenant": tl.tenant,
-        "model": tl.model,
-        "endpoint": tl.endpoint,
-        "stream": tl.stream,
-        "http_status": tl.http_status,
-        "arrival_ns": tl.arrival_ns,
-        "queued_ns": tl.queued_ns,
-        "scheduled_ns": tl.scheduled_ns,
-        "first_token_ns": tl.first_token_ns,
-        "last_token_ns": last_token,
-        "end_ns": end_ns,
-        "ttft_ms": (tl.first_token_ns - tl.arrival_ns) * _MS if tl.first_token_ns else None,
-        "queue_ms": (tl.scheduled_ns - tl.queued_ns) * _MS
+    row = RequestRow(
+        request_id=tl.request_id or tl.client_request_id or trace_id,
+        client_request_id=tl.client_request_id,
+        trace_id=trace_id,
+        tenant=tl.tenant,
+        model=tl.model,
+        endpoint=tl.endpoint,
+        stream=tl.stream,
+        http_status=tl.http_status,
+        arrival_ns=tl.arrival_ns,
+        queued_ns=tl.queued_ns,
+        scheduled_ns=tl.scheduled_ns,
+        first_token_ns=tl.first_token_ns,
+        last_token_ns=last_token,
+        end_ns=end_ns,
+        ttft_ms=(tl.first_token_ns - tl.arrival_ns) * _MS if tl.first_token_ns else None,
+        queue_ms=(tl.scheduled_ns - tl.queued_ns) * _MS
         if tl.scheduled_ns and tl.queued_ns
         else None,
-        "prefill_ms": (tl.first_token_ns - tl.scheduled_ns) * _MS
+        prefill_ms=(tl.first_token_ns - tl.scheduled_ns) * _MS
         if tl.first_token_ns and tl.scheduled_ns
         else None,
-        "decode_ms": decode_ms,
-        "tpot_ms": decode_ms / (n - 1) if decode_ms is not None and n >= 2 else None,
-        "itl_p50_ms": percentile(itl, 50),
-        "itl_p99_ms": percentile(itl, 99),
-        "itl_max_ms": max(itl) if itl else None,
-        "e2e_ms": (end_ns - tl.arrival_ns) * _MS,
-        "input_tokens": tl.input_tokens,
-        "output_tokens": n if tl.first_token_ns else 0,
-        "cached_tokens": tl.cached_tokens,
-        "max_tokens": tl.max_tokens,
-        "preemptions": tl.preemptions,
-        "recomputed_tokens": tl.recomputed_tokens,
-        "prefill_chunks": sum(1 for e in tl.events if e.name == "chunk"),
-        "finish_reason": tl.finish_reason or ("abort" if tl.client_disconnected else None),
-        "error_type": tl.error_type,
-        "prompt_block_hashes": tl.prompt_block_hashes,
-    }
+        decode_ms=decode_ms,
+        tpot_ms=decode_ms / (n - 1) if decode_ms is not None and n >= 2 else None,
+        itl_p50_ms=percentile(itl, 50),
+        itl_p99_ms=percentile(itl, 99),
+        itl_max_ms=max(itl) if itl else None,
+        e2e_ms=(end_ns - tl.arrival_ns) * _MS,
+        input_tokens=tl.input_tokens,
+        output_tokens=n if tl.first_token_ns else 0,
+        cached_tokens=tl.cached_tokens,
+        max_tokens=tl.max_tokens,
+        preemptions=tl.preemptions,
+        recomputed_tokens=tl.recomputed_tokens,
+        prefill_chunks=sum(1 for e in tl.events if e.name == "chunk"),
+        finish_reason=tl.finish_reason or ("abort" if tl.client_disconnected else None),
+        error_type=tl.error_type,
+        prompt_block_hashes=tl.prompt_block_hashes,
+    )
+    return to_row(row)
 
 
 def _attrs(d: dict) -> dict:

@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..async_engine import EngineDeadError
-from ..core import RequestOutput
 from ..errors import RequestRejected
+from ..messages import IDLE_KV_LEAK_SHARE, RequestOutput
 from .admin import register_admin_routes
 from .errors import APIError
 from .gateway import Gateway, Tenant
@@ -37,7 +37,6 @@ UNION_TAG_RE = re.compile(
     r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|constrained-\w+|function-\w+\[.*\]"
     r"|json-or-python\[.*\]|lax-or-strict\[.*\]|nullable\[.*\]|union\[.*\]|tagged-union\[.*\])$"
 )
-IDLE_KV_LEAK_SHARE = 0.05  # KV share held with nothing running that /health calls a leak
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -52,6 +51,7 @@ class ServerState:
     metering: MeteringStation
     model_name: str
     max_body_bytes: int
+    block_size: int  # the engine's tokens per KV block (prompt hashes use the same blocks)
     # telemetry (tokenmill.telemetry.Telemetry): on_request(timeline), on_step(record),
     # metrics.render()/set_engine_state(), health(). The API depends only on these calls.
     telemetry: object
@@ -280,16 +280,6 @@ def build_app(state: ServerState) -> FastAPI:
         )
         return err.response(getattr(request.state, "request_id", None))
 
-    @app.exception_handler(404)
-    async def not_found(request: Request, exc):
-        return APIError(404, f"no route {request.method} {request.url.path}").response()
-
-    @app.exception_handler(405)
-    async def bad_method(request: Request, exc):
-        return APIError(
-            405, f"method {request.method} not allowed on {request.url.path}"
-        ).response()
-
     @app.get("/v1/models")
     async def models():
         return {
@@ -420,7 +410,7 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
             raise APIError(400, str(exc)) from None
         tl.tokenize_end_ns = time.time_ns()
         tl.input_tokens = len(tok.prompt_token_ids)
-        tl.prompt_block_hashes = block_hashes(tok.prompt_token_ids)
+        tl.prompt_block_hashes = block_hashes(tok.prompt_token_ids, state.block_size)
         tl.max_tokens = tok.max_tokens
         if tl.record_content:
             tl.prompt_text = state.tokenize.tokenizer.decode(tok.prompt_token_ids)

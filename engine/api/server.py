@@ -109,6 +109,7 @@ def make_server(
         metering=MeteringStation(),
         model_name=name,
         max_body_bytes=max_body_bytes,
+        block_size=config.block_size,
         telemetry=telemetry,
         trace_content=trace_content,
         fault_stream_delay_s=fault_stream_delay_ms / 1000.0,

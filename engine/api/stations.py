@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 from ..tokenizer import encode_chat
@@ -168,22 +167,16 @@ def usage_of(out) -> dict:
 
 
 class MeteringStation:
-    """Usage per tenant: requests, prompt, completion and cached prompt tokens."""
-
-    def __init__(self):
-        self.by_tenant: dict[str, dict[str, int]] = defaultdict(
-            lambda: {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
-        )
+    """Turns a finished request's token counts into its OpenAI ``usage`` object. Per-tenant
+    totals are the Prometheus counters (``tokenmill_prompt_tokens_total``,
+    ``tokenmill_generation_tokens_total``, ``tokenmill_cached_prompt_tokens_total``, label
+    ``tenant``) and the ``requests`` rows, both fed from the same timeline; nothing is kept
+    here."""
 
     def record(
         self, tenant: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int
     ) -> dict:
-        """Count one finished request; returns its OpenAI ``usage`` object."""
-        row = self.by_tenant[tenant]
-        row["requests"] += 1
-        row["prompt_tokens"] += prompt_tokens
-        row["completion_tokens"] += completion_tokens
-        row["cached_tokens"] += cached_tokens
+        """One finished request of ``tenant``; returns its OpenAI ``usage`` object."""
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,

@@ -19,8 +19,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..core import RequestOutput
-from ..request import RequestEvent
+from ..messages import RequestEvent, RequestOutput, is_completed
 
 
 @dataclass
@@ -108,10 +107,10 @@ class RequestTimeline:
     @property
     def completed(self) -> bool:
         """Finished with ``stop`` or ``length`` and answered without error."""
-        return self.finish_reason in ("stop", "length") and self.error_type is None
+        return is_completed(self.finish_reason, self.error_type)
 
 
-def block_hashes(token_ids: list[int], block_size: int = 16, max_blocks: int = 32) -> list[int]:
+def block_hashes(token_ids: list[int], block_size: int, max_blocks: int = 32) -> list[int]:
     """Content hash (signed 63-bit, blake2b) of each full ``block_size``-token block of a prompt,
     each block on its own (not chained), for the first ``max_blocks`` blocks. Lets the diagnoser
     see prompts that share a long prefix but differ in an early block, without storing text."""

@@ -1,0 +1,254 @@
+"""The engine's contract with everything that observes it: every message between the API process
+and the engine core process, and the step record telemetry stores, as typed msgspec Structs.
+
+This module imports no torch, so the API, telemetry and tests can read engine messages without
+loading the model stack. Messages cross the process boundary as msgpack (:func:`encode`,
+:data:`INPUT_DECODER`, :data:`OUTPUT_DECODER`), never as pickles; each is a tagged Struct, so a
+reader dispatches on its type. vLLM's ``EngineCoreRequest`` / ``EngineCoreOutputs`` are the model.
+
+API → engine (:data:`EngineInput`): :class:`AddRequest`, :class:`AbortRequests`,
+:class:`StatsQuery`, :class:`Shutdown`.
+
+Engine → API (:data:`EngineOutput`): :class:`EngineReady`, :class:`EngineOutputs` (the step's
+:class:`RequestOutput` deltas and its :class:`StepRecord`), :class:`Heartbeat` (idle: stats and an
+idle step record), :class:`StatsReply`, :class:`RequestFailed` and :class:`EngineFatal` (an
+:class:`EngineError` with a stable ``error_type`` code).
+
+Adding a step field is one edit here (a field with a default, its unit in the name or the
+description): the ``engine_steps`` column is generated from :class:`StepRecord`
+(``tokenmill.telemetry.schema``); set it in ``EngineCore.step``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from .sampling_params import SamplingParams
+
+# ---- column types: the store's SQL type is read from these (telemetry/schema.py) ----
+#: wall-clock Unix nanoseconds (``time.time_ns()``), stored as BIGINT
+Ns = Annotated[int, msgspec.Meta(extra={"sql": "BIGINT"})]
+#: a large integer (ids, byte counts), stored as BIGINT
+BigInt = Annotated[int, msgspec.Meta(extra={"sql": "BIGINT"})]
+
+#: An ``engine_steps`` row with tokens; rows without are an idle engine's heartbeats
+#: (:meth:`EngineCore.idle_record`), which count for KV use and queue depth but not as steps.
+WORKING_STEP_SQL = "num_prefill_tokens + num_decode_tokens > 0"
+
+#: Tokens per KV block unless ``--block-size`` says otherwise. The prompt's per-block content
+#: hashes on the ``requests`` row use the engine's block size (the ``config`` event has it).
+DEFAULT_BLOCK_SIZE = 16
+
+#: A request completed when it finished by a stop condition or its length limit and was answered
+#: without error: the server's success, the only requests goodput counts.
+COMPLETED_FINISH_REASONS = ("stop", "length")
+
+
+def is_completed(finish_reason: str | None, error_type: str | None) -> bool:
+    """Whether a request with this outcome completed (see :data:`COMPLETED_FINISH_REASONS`)."""
+    return finish_reason in COMPLETED_FINISH_REASONS and error_type is None
+
+
+#: Share of the KV pool still held with nothing running or waiting that counts as a block leak
+#: (symptom case C05): ``/health`` turns ``degraded`` and the ``kv_block_leak`` rule fires. 5 %
+#: leaves room for the one partly filled block a request may keep between steps.
+IDLE_KV_LEAK_SHARE = 0.05
+
+
+class RequestEvent(msgspec.Struct):
+    """Something that happened to a request in a step (becomes a span event).
+
+    ``name`` is one of ``chunk`` (a prefill chunk was computed; attrs: tokens),
+    ``preempted`` (blocks taken back; attrs: recompute_tokens), ``resumed``, ``aborted``.
+    ``time_ns`` is wall-clock ns; ``step_id`` the engine step it happened in.
+    """
+
+    name: str
+    step_id: int
+    time_ns: int
+    attrs: dict[str, Any] = {}
+
+
+class EngineError(msgspec.Struct, frozen=True):
+    """An error as a value: ``error_type`` is the stable code the API's error body and the
+    store's ``error_type`` column use (``context_length_exceeded``, ``invalid_request``,
+    ``nan_logits``, ``engine_start_failed``); ``message`` is one user-facing line."""
+
+    error_type: str
+    message: str
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """What one step produced for one request (a delta), with its timestamps (wall-clock ns).
+
+    ``finish_reason`` is ``stop`` | ``length`` | ``abort`` | ``error`` once ``finished``;
+    ``stop_reason`` is the stop string or stop token that ended it (None for EOS/length);
+    ``error_type`` is e.g. ``nan_logits``. ``events`` are the request's events since its last
+    output (chunks, preemptions, resumes, abort). ``token_ns`` holds one wall-clock time per
+    token in ``new_token_ids``.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ns: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    error_type: str | None
+    error_message: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    num_recomputed_tokens: int
+    arrival_ns: int
+    queued_ns: int
+    scheduled_ns: int | None
+    first_token_ns: int | None
+    finished_ns: int | None
+    events: list[RequestEvent] = []
+
+
+class StepRecord(msgspec.Struct, kw_only=True):
+    """One scheduler iteration (one forward) — and, field for field, one ``engine_steps`` row.
+
+    Required fields are ``NOT NULL`` columns; fields with a default are nullable (a dump from
+    before a field existed reads as NULL there). Times: ``start_ns``/``end_ns`` wall clock;
+    the ``*_ms`` durations come from a monotonic clock. An idle heartbeat has no tokens and zero
+    durations (:data:`WORKING_STEP_SQL` tells the two apart).
+    """
+
+    step_id: BigInt
+    engine_pid: int | None = None
+    start_ns: Ns
+    end_ns: Ns
+    schedule_ms: float = 0.0
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+    """sampling + detokenization + stop checks"""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_prefill_chunks: int = 0
+    num_sampled: int = 0
+    """tokens produced in this step"""
+    num_preempted: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    prefix_hit_tokens: int = 0
+    allocation_failures: int = 0
+    num_finished: int = 0
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """Queue depth and KV use right now (``/health``, ``/metrics``)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    max_model_len: int
+    block_size: int
+
+
+# ----- API → engine -----
+class AddRequest(msgspec.Struct, tag="add", kw_only=True):
+    """Queue a request (``EngineCore.add_request``'s arguments)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    tenant: str = ""
+    arrival_ns: int | None = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    """Abort these requests now; their blocks are freed before the next step."""
+
+    request_ids: list[str]
+
+
+class StatsQuery(msgspec.Struct, tag="stats"):
+    """Ask for a :class:`StatsReply`."""
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    """Stop the engine core process."""
+
+
+EngineInput = AddRequest | AbortRequests | StatsQuery | Shutdown
+
+
+# ----- engine → API -----
+class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
+    """The model is loaded and the core takes requests."""
+
+    pid: int
+    started_ns: int
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    config: dict[str, Any]
+    stats: EngineStats
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs"):
+    """One step's deltas and its record (``step`` None for the outputs of an abort)."""
+
+    outputs: list[RequestOutput]
+    step: StepRecord | None = None
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """Sent every ``IDLE_POLL_MS`` while idle: fresh stats and an idle step record."""
+
+    stats: EngineStats
+    step: StepRecord
+
+
+class StatsReply(msgspec.Struct, tag="stats_reply"):
+    """The answer to :class:`StatsQuery`."""
+
+    stats: EngineStats
+
+
+class RequestFailed(msgspec.Struct, tag="request_failed"):
+    """An :class:`AddRequest` the engine refused (bad input, can never fit)."""
+
+    request_id: str
+    error: EngineError
+
+
+class EngineFatal(msgspec.Struct, tag="fatal"):
+    """The engine core cannot go on (or could not start); it exits after sending this."""
+
+    error: EngineError
+
+
+EngineOutput = EngineReady | EngineOutputs | Heartbeat | StatsReply | RequestFailed | EngineFatal
+
+_encoder = msgspec.msgpack.Encoder()
+INPUT_DECODER = msgspec.msgpack.Decoder(EngineInput)
+OUTPUT_DECODER = msgspec.msgpack.Decoder(EngineOutput)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack bytes of one message (decode with :data:`INPUT_DECODER` / :data:`OUTPUT_DECODER`)."""
+    return _encoder.encode(msg)
+
+
+def to_row(record: msgspec.Struct) -> dict[str, Any]:
+    """A Struct as a ``{field: value}`` dict in field order (a store row)."""
+    return msgspec.structs.asdict(record)

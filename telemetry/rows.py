@@ -1,0 +1,76 @@
+"""The request-outcome type: one ``requests`` row, derived from a request's trace.
+
+The ``requests`` table is generated from :class:`RequestRow` (``schema.py``), so a new column is
+one field here plus the line in ``spans.request_row`` that fills it. Required fields are
+``NOT NULL`` columns; fields with a default are nullable. Terms (TTFT, ITL, TPOT, E2E) are
+defined once in ``spans.py`` and README's Terms.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from tokenmill.engine.messages import Ns
+
+Ms = Annotated[float | None, msgspec.Meta(description="milliseconds")]
+#: 63-bit content hashes, stored as BIGINT[]
+Hashes = Annotated[list[int] | None, msgspec.Meta(extra={"sql": "BIGINT[]"})]
+NsOrNull = Annotated[int | None, msgspec.Meta(extra={"sql": "BIGINT"})]
+
+
+class RequestRow(msgspec.Struct, kw_only=True):
+    """One request's derived numbers, field for field the ``requests`` table."""
+
+    request_id: str
+    """the engine id (cmpl-...)"""
+    client_request_id: str | None = None
+    """x-request-id as the client sent it"""
+    trace_id: str
+    tenant: str | None = None
+    model: str | None = None
+    endpoint: str | None = None
+    """chat | completions"""
+    stream: bool | None = None
+    http_status: int | None = None
+    arrival_ns: Ns
+    """gateway start"""
+    queued_ns: NsOrNull = None
+    """the engine took it"""
+    scheduled_ns: NsOrNull = None
+    """first scheduled"""
+    first_token_ns: NsOrNull = None
+    last_token_ns: NsOrNull = None
+    end_ns: Ns
+    """the request span's end (after metering)"""
+    ttft_ms: Ms = None
+    """first_token_ns - arrival_ns"""
+    queue_ms: Ms = None
+    """scheduled_ns - queued_ns"""
+    prefill_ms: Ms = None
+    """first_token_ns - scheduled_ns"""
+    decode_ms: Ms = None
+    """last_token_ns - first_token_ns"""
+    tpot_ms: Ms = None
+    """decode_ms / (output_tokens - 1)"""
+    itl_p50_ms: Ms = None
+    itl_p99_ms: Ms = None
+    itl_max_ms: Ms = None
+    e2e_ms: Ms = None
+    """end_ns - arrival_ns"""
+    client_ttft_ms: Ms = None
+    """filled by the load generator when it knows"""
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    max_tokens: int | None = None
+    preemptions: int | None = None
+    recomputed_tokens: int | None = None
+    prefill_chunks: int | None = None
+    finish_reason: str | None = None
+    """stop | length | abort | error | NULL (rejected)"""
+    error_type: str | None = None
+    prompt_block_hashes: Hashes = None
+    """per-block content hashes of the prompt's first 32 blocks (the engine's block size), not
+    chained"""
