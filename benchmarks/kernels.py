@@ -106,6 +106,29 @@ def paged_setup(specs, device, dtype, seed=0):
     return query, k_cache, v_cache, step.metadata
 
 
+def step_args(metadata):
+    """The attention kernels' step arguments (tensors and sizes) out of the engine's metadata."""
+    m = metadata
+    return m.query_start_loc, m.seq_lens, m.block_tables, m.max_query_len, m.max_seq_len
+
+
+def reference_attention(q, kc, vc, metadata, scale):
+    """The torch reference as the ``torch`` backend runs it: its loop reads the host copies of
+    the metadata (no device-to-host sync)."""
+    from tokenmill.kernels.reference import paged_attention
+
+    m = metadata
+    return paged_attention(
+        q,
+        kc,
+        vc,
+        *step_args(m),
+        scale,
+        query_start_loc_host=m.query_start_loc_host,
+        seq_lens_host=m.seq_lens_host,
+    )
+
+
 def dense_kv(cache, metadata, seq):
     """One sequence's keys (or values) gathered contiguous: ``[Hkv, L, D]``."""
     length = metadata.seq_lens_host[seq]
@@ -144,7 +167,7 @@ def fill(r: Result, peaks, torch_ms=None, sdpa_ms=None) -> Result:
 
 
 def bench_decode(args, device, dtype, time_ms, peaks, sweep):
-    from tokenmill.kernels.paged_attention import paged_attention, reference_paged_attention
+    from tokenmill.kernels.paged_attention import paged_attention
     from tokenmill.kernels.paged_decode_attention import paged_decode_attention
 
     batch, ctx = args.decode_batch, args.decode_context
@@ -154,13 +177,13 @@ def bench_decode(args, device, dtype, time_ms, peaks, sweep):
     io_bytes = kv_bytes + 2 * q.numel() * q.element_size()
     shape = f"batch {batch} x ctx {ctx}, {NUM_HEADS}/{NUM_KV_HEADS} heads, d{HEAD_DIM}"
 
-    tri_ms = time_ms(lambda: paged_decode_attention(q, kc, vc, meta, scale))
-    torch_ms = time_ms(lambda: reference_paged_attention(q, kc, vc, meta, scale))
+    tri_ms = time_ms(lambda: paged_decode_attention(q, kc, vc, *step_args(meta), scale))
+    torch_ms = time_ms(lambda: reference_attention(q, kc, vc, meta, scale))
     ks = torch.stack([dense_kv(kc, meta, i) for i in range(batch)])  # [B, Hkv, L, D]
     vs = torch.stack([dense_kv(vc, meta, i) for i in range(batch)])
     qs = q[:, :, None, :]  # [B, H, 1, D]
     sdpa_ms = time_ms(lambda: sdpa(qs, ks, vs, False))
-    mixed_ms = time_ms(lambda: paged_attention(q, kc, vc, meta, scale))
+    mixed_ms = time_ms(lambda: paged_attention(q, kc, vc, *step_args(meta), scale))
     results = [
         fill(
             Result(
@@ -194,7 +217,11 @@ def bench_decode(args, device, dtype, time_ms, peaks, sweep):
         ]:
             cfg = dict(partition_size=part, block_n=bn, num_warps=warps, num_stages=stages)
             try:
-                ms = time_ms(lambda cfg=cfg: paged_decode_attention(q, kc, vc, meta, scale, **cfg))
+                ms = time_ms(
+                    lambda cfg=cfg: paged_decode_attention(
+                        q, kc, vc, *step_args(meta), scale, **cfg
+                    )
+                )
             except Exception as exc:  # a config that does not fit (shared memory, registers)
                 print(f"  sweep decode {cfg}: {type(exc).__name__}", file=sys.stderr)
                 continue
@@ -206,7 +233,7 @@ def bench_decode(args, device, dtype, time_ms, peaks, sweep):
 
 
 def bench_prefill(args, device, dtype, time_ms, peaks, sweep):
-    from tokenmill.kernels.paged_attention import paged_attention, reference_paged_attention
+    from tokenmill.kernels.paged_attention import paged_attention
 
     results, best = [], None
     scale = HEAD_DIM**-0.5
@@ -216,10 +243,10 @@ def bench_prefill(args, device, dtype, time_ms, peaks, sweep):
         flops = 4.0 * batch * NUM_HEADS * HEAD_DIM * length * (length + 1) / 2
         shape = f"{batch} x {length} tokens, {NUM_HEADS}/{NUM_KV_HEADS} heads, d{HEAD_DIM}"
         tri_ms = time_ms(
-            lambda q=q, kc=kc, vc=vc, meta=meta: paged_attention(q, kc, vc, meta, scale)
+            lambda q=q, kc=kc, vc=vc, meta=meta: paged_attention(q, kc, vc, *step_args(meta), scale)
         )
         torch_ms = time_ms(
-            lambda q=q, kc=kc, vc=vc, meta=meta: reference_paged_attention(q, kc, vc, meta, scale)
+            lambda q=q, kc=kc, vc=vc, meta=meta: reference_attention(q, kc, vc, meta, scale)
         )
         ks = torch.stack([dense_kv(kc, meta, i) for i in range(batch)])
         vs = torch.stack([dense_kv(vc, meta, i) for i in range(batch)])
@@ -243,7 +270,7 @@ def bench_prefill(args, device, dtype, time_ms, peaks, sweep):
                 try:
                     ms = time_ms(
                         lambda cfg=cfg, q=q, kc=kc, vc=vc, meta=meta: paged_attention(
-                            q, kc, vc, meta, scale, **cfg
+                            q, kc, vc, *step_args(meta), scale, **cfg
                         )
                     )
                 except Exception as exc:

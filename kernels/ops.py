@@ -1,6 +1,6 @@
 """``TritonOps``: the decoder's element-wise ops as fused Triton kernels, with the same static
-methods and signatures as :class:`tokenmill.engine.models.ops.TorchOps` (see that module for the
-shape contract). :func:`tokenmill.engine.models.ops.get_ops` picks it on CUDA."""
+methods and signatures as the engine's plain-torch ``TorchOps`` (:mod:`tokenmill.engine.models.ops`
+holds the shape contract and picks this bundle on CUDA). Imports no engine types."""
 
 from __future__ import annotations
 

@@ -8,11 +8,12 @@ gathered ``BLOCK_N`` at a time through the block table, up to the sequence's len
 online (running max and sum, float32, base 2). Key tiles wholly below the causal diagonal skip
 the causal mask; the diagonal tiles (and every tile, when a sliding window is set) apply it.
 
-The grid is ``(num_seqs, cdiv(max_query_len, BLOCK_Q), num_kv_heads)`` from host-side metadata,
-so launching needs no device-to-host sync; programs past a sequence's chunk return at once.
+The grid is ``(num_seqs, cdiv(max_query_len, BLOCK_Q), num_kv_heads)`` from host-side sizes
+(``seq_lens.shape`` and the ``max_query_len`` int), so launching needs no device-to-host sync;
+programs past a sequence's chunk return at once.
 ``q_block`` runs from the last block down, so the longest (most keys) programs start first.
 
-Reference: :func:`tokenmill.engine.attention.torch_backend.paged_attention`.
+Reference: :func:`tokenmill.kernels.reference.paged_attention` (``reference_paged_attention``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.engine.attention.metadata import AttentionMetadata
-from tokenmill.engine.attention.torch_backend import paged_attention as reference_paged_attention
-
 from ._common import cast, check_device, dot_precision, next_pow2, round_bf16_by_hand, upcast_dot
+from .reference import paged_attention as reference_paged_attention
 
 __all__ = ["paged_attention", "reference_paged_attention"]
 
@@ -223,7 +222,11 @@ def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
     scale: float,
     sliding_window: int | None = None,
     *,
@@ -237,11 +240,18 @@ def paged_attention(
     The new tokens' K/V must already be in the cache (see :func:`~.store_kv.store_kv`).
 
     Args:
-        query: ``[num_tokens, num_heads, head_dim]`` float32/bfloat16/float16, laid out by
-            ``metadata.query_start_loc``; the last dim must be contiguous.
+        query: ``[num_tokens, num_heads, head_dim]`` float32/bfloat16/float16; sequence i's new
+            tokens are rows ``query_start_loc[i]:query_start_loc[i+1]``; the last dim must be
+            contiguous.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, query's dtype.
-        metadata: the step's :class:`AttentionMetadata` (device tensors; ``max_query_len`` and
-            ``num_seqs`` size the grid).
+        query_start_loc: ``[num_seqs + 1]`` int32 row offsets into ``query`` (device).
+        seq_lens: ``[num_seqs]`` int32 context length of each sequence after this step, cached +
+            new tokens (device).
+        block_tables: ``[num_seqs, max_blocks]`` int32 block ids (device; padding never read).
+        max_query_len: the longest chunk (host int): with ``num_seqs`` it sizes the grid, so
+            launching needs no device-to-host sync.
+        max_seq_len: the longest context; not used by this kernel (the signature is shared with
+            :func:`~.paged_decode_attention.paged_decode_attention` and the reference).
         scale: softmax scale, usually ``head_dim ** -0.5``.
         sliding_window: keys older than this many positions are invisible (None = full).
         block_m, block_n, num_warps, num_stages: override the tile shape (benchmarks); both
@@ -271,14 +281,15 @@ def paged_attention(
         query = query.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache's head_dim must be contiguous")
-    m = metadata
-    check_device(query, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables)
+    del max_seq_len  # the shared signature; the grid needs only the longest chunk
+    check_device(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    num_seqs = seq_lens.shape[0]
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if num_tokens == 0 or m.num_seqs == 0:
+    if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
     bm, bn, warps, stages = default_blocks(
-        m.max_query_len, group, head_dim, query.device.type == "cuda", query.element_size()
+        max_query_len, group, head_dim, query.device.type == "cuda", query.element_size()
     )
     bm = block_m or bm
     bn = block_n or bn
@@ -287,15 +298,15 @@ def paged_attention(
     if bn < 16 or bn & (bn - 1):
         raise ValueError(f"block_n {bn} must be a power of two >= 16")
     block_q = bm // group
-    grid = (m.num_seqs, triton.cdiv(m.max_query_len, block_q), num_kv_heads)
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         query,
         k_cache,
         v_cache,
         out,
-        m.query_start_loc,
-        m.seq_lens,
-        m.block_tables,
+        query_start_loc,
+        seq_lens,
+        block_tables,
         scale * LOG2E,
         sliding_window if sliding_window is not None else 0,
         query.stride(0),
@@ -308,7 +319,7 @@ def paged_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
-        m.block_tables.stride(0),
+        block_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)),

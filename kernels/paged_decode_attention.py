@@ -12,10 +12,11 @@ the output directly and no reduce runs.
 Partials (float32): ``part_out [num_seqs, num_heads, num_splits, head_dim]``,
 ``part_m / part_l [num_seqs, num_heads, num_splits]``; a partition with no visible key (past
 the sequence's end, or before its sliding window) stores ``l = 0`` and is ignored by the reduce.
-``num_splits = cdiv(max_seq_len, partition_size)`` comes from host metadata: no sync.
+``num_splits = cdiv(max_seq_len, partition_size)`` comes from the host-side ``max_seq_len``:
+no sync.
 
-Reference: :func:`tokenmill.engine.attention.torch_backend.paged_attention` (every sequence a
-one-token chunk).
+Reference: :func:`tokenmill.kernels.reference.paged_attention` (``reference_paged_attention``;
+every sequence a one-token chunk).
 """
 
 from __future__ import annotations
@@ -26,10 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.engine.attention.metadata import AttentionMetadata
-from tokenmill.engine.attention.torch_backend import paged_attention as reference_paged_attention
-
 from ._common import cast, check_device, dot_precision, next_pow2, round_bf16_by_hand, upcast_dot
+from .reference import paged_attention as reference_paged_attention
 
 __all__ = ["default_partition_size", "paged_decode_attention", "reference_paged_attention"]
 
@@ -208,7 +207,11 @@ def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
     scale: float,
     sliding_window: int | None = None,
     *,
@@ -226,7 +229,11 @@ def paged_decode_attention(
     Args:
         query: ``[num_seqs, num_heads, head_dim]`` float32/bfloat16/float16, last dim contiguous.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, query's dtype.
-        metadata: the step's :class:`AttentionMetadata` with ``max_query_len == 1``.
+        query_start_loc, seq_lens, block_tables: as for
+            :func:`~.paged_attention.paged_attention` (device tensors).
+        max_query_len: must be 1.
+        max_seq_len: the longest context (host int): it sets the number of splits, so
+            launching needs no device-to-host sync.
         scale: softmax scale.
         sliding_window: keys older than this many positions are invisible (None = full).
         partition_size: keys per split, a multiple of ``block_n`` (default:
@@ -241,10 +248,10 @@ def paged_decode_attention(
             a ``block_n`` that is not a power of two >= 16, a partition size that is not a
             positive multiple of it, or tensors the kernel cannot reach.
     """
-    m = metadata
-    if m.num_seqs and m.max_query_len != 1:
+    num_seqs = seq_lens.shape[0]
+    if num_seqs and max_query_len != 1:
         raise ValueError(
-            f"paged_decode_attention takes one token per sequence (max_query_len {m.max_query_len})"
+            f"paged_decode_attention takes one token per sequence (max_query_len {max_query_len})"
         )
     if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -257,15 +264,15 @@ def paged_decode_attention(
             f"query heads/dim ({num_heads}, {head_dim}) do not fit the cache's "
             f"({num_kv_heads}, {cache_dim}): heads must be a multiple of kv heads"
         )
-    if num_tokens != m.num_seqs:
-        raise ValueError(f"{num_tokens} query rows for {m.num_seqs} one-token sequences")
+    if num_tokens != num_seqs:
+        raise ValueError(f"{num_tokens} query rows for {num_seqs} one-token sequences")
     if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
         raise ValueError(f"cache dtype {k_cache.dtype} differs from query dtype {query.dtype}")
     if query.stride(-1) != 1:
         query = query.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache's head_dim must be contiguous")
-    check_device(query, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables)
+    check_device(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
@@ -275,13 +282,13 @@ def paged_decode_attention(
     if partition_size and not block_n:
         bn = min(bn, partition_size)
     part = partition_size or max(
-        bn, default_partition_size(m.num_seqs, num_kv_heads, m.max_seq_len, query.device)
+        bn, default_partition_size(num_seqs, num_kv_heads, max_seq_len, query.device)
     )
     if bn < 16 or bn & (bn - 1):
         raise ValueError(f"block_n {bn} must be a power of two >= 16")
     if part <= 0 or part % bn:
         raise ValueError(f"partition_size {part} must be a positive multiple of block_n {bn}")
-    num_splits = triton.cdiv(m.max_seq_len, part)
+    num_splits = triton.cdiv(max_seq_len, part)
     direct = num_splits == 1
     block_d = max(16, next_pow2(head_dim))
     if direct:
@@ -294,13 +301,13 @@ def paged_decode_attention(
             (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
         part_l = torch.empty_like(part_m)
-    _decode_split_kernel[(m.num_seqs, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
         v_cache,
-        m.query_start_loc,
-        m.seq_lens,
-        m.block_tables,
+        query_start_loc,
+        seq_lens,
+        block_tables,
         part_out,
         part_m,
         part_l,
@@ -318,7 +325,7 @@ def paged_decode_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
-        m.block_tables.stride(0),
+        block_tables.stride(0),
         NUM_HEADS=num_heads,
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
@@ -336,11 +343,11 @@ def paged_decode_attention(
         num_stages=num_stages or (3 if on_cuda else 1),
     )
     if not direct:
-        _decode_reduce_kernel[(m.num_seqs, num_heads)](
+        _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out,
             part_m,
             part_l,
-            m.query_start_loc,
+            query_start_loc,
             out,
             num_splits,
             out.stride(0),

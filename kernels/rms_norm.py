@@ -3,7 +3,7 @@
 One program per row. The sum of squares runs in float32; like the reference (Hugging Face's
 definition) the normalised row is cast to the input dtype before the weight multiplies it, and
 the residual sum is rounded to the input dtype before it is normalised.
-Reference: :meth:`tokenmill.engine.models.ops.TorchOps.rms_norm` / ``fused_add_rms_norm``.
+Reference: :func:`tokenmill.kernels.reference.rms_norm` / ``fused_add_rms_norm``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.engine.models.ops import TorchOps
-
 from ._common import cast, check_device, next_pow2, round_bf16_by_hand, row_warps
+from .reference import fused_add_rms_norm as reference_fused_add_rms_norm
+from .reference import rms_norm as reference_rms_norm
 
 __all__ = [
     "fused_add_rms_norm",
@@ -22,9 +22,6 @@ __all__ = [
     "reference_rms_norm",
     "rms_norm",
 ]
-
-reference_rms_norm = TorchOps.rms_norm
-reference_fused_add_rms_norm = TorchOps.fused_add_rms_norm
 
 
 @triton.jit

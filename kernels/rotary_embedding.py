@@ -3,7 +3,7 @@ place on q and k, from per-token cos/sin tables.
 
 One program per token rotates all of its query and key heads:
 ``lo' = lo * cos_lo - hi * sin_lo`` and ``hi' = hi * cos_hi + lo * sin_hi`` in float32.
-Reference: :meth:`tokenmill.engine.models.ops.TorchOps.rotary`.
+Reference: :func:`tokenmill.kernels.reference.rotary_embedding`.
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.engine.models.ops import TorchOps
-
 from ._common import cast, check_device, next_pow2, round_bf16_by_hand
+from .reference import rotary_embedding as reference_rotary_embedding
 
 __all__ = ["reference_rotary_embedding", "rotary_embedding"]
-
-reference_rotary_embedding = TorchOps.rotary
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 Program ``(row, col_block)`` reads ``BLOCK`` gate and up columns. The SiLU runs in float32 and
 is rounded to the input dtype before the product, as the reference's two torch ops do.
-Reference: :meth:`tokenmill.engine.models.ops.TorchOps.silu_and_mul`.
+Reference: :func:`tokenmill.kernels.reference.silu_and_mul`.
 """
 
 from __future__ import annotations
@@ -11,13 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.engine.models.ops import TorchOps
-
 from ._common import cast, check_device, next_pow2, round_bf16_by_hand
+from .reference import silu_and_mul as reference_silu_and_mul
 
 __all__ = ["reference_silu_and_mul", "silu_and_mul"]
-
-reference_silu_and_mul = TorchOps.silu_and_mul
 
 
 @triton.jit

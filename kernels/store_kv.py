@@ -2,7 +2,7 @@
 
 One program per token copies all of its KV heads; a token whose slot is ``-1`` (padding) writes
 nothing. Cache offsets are computed in int64 (a large cache passes 2**31 elements).
-Reference: :func:`tokenmill.engine.attention.torch_backend.store_kv`.
+Reference: :func:`tokenmill.kernels.reference.store_kv`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.engine.attention.torch_backend import store_kv as reference_store_kv
-
 from ._common import cast, check_device, next_pow2, round_bf16_by_hand
+from .reference import store_kv as reference_store_kv
 
 __all__ = ["reference_store_kv", "store_kv"]
 

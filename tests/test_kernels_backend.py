@@ -16,8 +16,8 @@ from tokenmill.engine.attention import (
     build_step_inputs,
     get_attention_backend,
 )
+from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
 from tokenmill.engine.kv_cache import allocate_kv_caches
-from tokenmill.kernels.backend import TritonAttentionBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -66,6 +66,44 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert "ERR Triton kernels need CUDA tensors" in res.stdout, res.stderr[-2000:]
+
+
+def test_torch_path_imports_no_triton():
+    """The CPU path (torch backend, torch ops, a model, the offline engine) shares the kernels'
+    plain-torch references without importing triton or any kernel module."""
+    code = (
+        "import sys\n"
+        "from tokenmill.engine.attention import get_attention_backend\n"
+        "from tokenmill.engine.models.ops import get_ops\n"
+        "import tokenmill.engine.models.loader, tokenmill.engine.llm\n"
+        "assert get_attention_backend('auto', 'cpu').name == 'torch'\n"
+        "assert get_ops('cpu').name == 'torch'\n"
+        "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith(('triton.', "
+        "'tokenmill.kernels'))))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "['tokenmill.kernels', 'tokenmill.kernels.reference']"
+
+
+def test_kernels_import_nothing_from_the_engine():
+    """Kernels take tensors and sizes: no module of tokenmill.kernels imports tokenmill.engine."""
+    import ast
+    from pathlib import Path
+
+    import tokenmill.kernels
+
+    offenders = []
+    for path in sorted(Path(tokenmill.kernels.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            offenders += [f"{path.name}: {n}" for n in names if n.startswith("tokenmill.engine")]
+    assert offenders == []
 
 
 def greedy(model, prompts: list[list[int]], max_new: int, chunk: int, block_size: int = 16):

@@ -8,7 +8,7 @@ from .torch_backend import TorchAttentionBackend
 
 def _triton_backend():
     """The Triton backend, imported on first use so the CPU path never needs triton."""
-    from tokenmill.kernels.backend import TritonAttentionBackend  # type: ignore[import-not-found]
+    from .triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend()
 

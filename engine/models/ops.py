@@ -10,12 +10,15 @@ Every implementation takes and returns the same shapes and dtypes:
   halves of each head rotate together); implementations may work in place.
 - ``silu_and_mul(x [T, 2I]) -> [T, I]``: ``silu(x[:, :I]) * x[:, I:]`` (SwiGLU's gate and up).
 
-RMSNorm is Zhang & Sennrich (2019), computed in float32 and cast back, as Hugging Face does.
+The plain-torch versions are the kernels' references (:mod:`tokenmill.kernels.reference`, which
+imports torch only, never triton): one definition for the CPU path and the kernels' tests.
 """
 
 from __future__ import annotations
 
 import torch
+
+from tokenmill.kernels import reference
 
 
 class TorchOps:
@@ -23,35 +26,10 @@ class TorchOps:
 
     name = "torch"
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf.to(x.dtype)
-
-    @classmethod
-    def fused_add_rms_norm(
-        cls, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        new_residual = x + residual
-        return cls.rms_norm(new_residual, weight, eps), new_residual
-
-    @staticmethod
-    def rotary(
-        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        def rot(x: torch.Tensor) -> torch.Tensor:
-            c = cos[:, None].to(x.dtype)
-            s = sin[:, None].to(x.dtype)
-            half = x.shape[-1] // 2
-            return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
-
-        return rot(q), rot(k)
-
-    @staticmethod
-    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
+    rms_norm = staticmethod(reference.rms_norm)
+    fused_add_rms_norm = staticmethod(reference.fused_add_rms_norm)
+    rotary = staticmethod(reference.rotary_embedding)
+    silu_and_mul = staticmethod(reference.silu_and_mul)
 
 
 def get_ops(device: torch.device | str, backend: str = "auto"):

@@ -1,4 +1,6 @@
-"""Attention backend ``triton``: same interface and metadata as ``torch``.
+"""Attention backend ``triton``: same interface and metadata as ``torch``, over the kernels of
+:mod:`tokenmill.kernels` (imported with this module, so it needs triton: the registry in
+:mod:`tokenmill.engine.attention` imports it only when asked for).
 
 ``forward`` stores the step's K/V with the ``store_kv`` kernel, then attends with the split-K
 decode kernel when every sequence has one new token, else with the mixed prefill/decode kernel.
@@ -9,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.engine.attention.metadata import AttentionMetadata
+from tokenmill.kernels.paged_attention import paged_attention
+from tokenmill.kernels.paged_decode_attention import paged_decode_attention
+from tokenmill.kernels.store_kv import store_kv
 
-from .paged_attention import paged_attention
-from .paged_decode_attention import paged_decode_attention
-from .store_kv import store_kv
+from .metadata import AttentionMetadata
 
 
 class TritonAttentionBackend:
@@ -47,9 +49,21 @@ class TritonAttentionBackend:
             ``[num_tokens, num_heads, head_dim]`` in query's dtype.
 
         Raises:
-            ValueError: as :func:`~.store_kv.store_kv` and the attention kernels.
+            ValueError: as :func:`tokenmill.kernels.store_kv.store_kv` and the attention
+                kernels.
         """
-        store_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
-        if metadata.max_query_len == 1:
-            return paged_decode_attention(query, k_cache, v_cache, metadata, scale, sliding_window)
-        return paged_attention(query, k_cache, v_cache, metadata, scale, sliding_window)
+        m = metadata
+        store_kv(key, value, k_cache, v_cache, m.slot_mapping)
+        attend = paged_decode_attention if m.max_query_len == 1 else paged_attention
+        return attend(
+            query,
+            k_cache,
+            v_cache,
+            m.query_start_loc,
+            m.seq_lens,
+            m.block_tables,
+            m.max_query_len,
+            m.max_seq_len,
+            scale,
+            sliding_window,
+        )
