@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tokenmill.telemetry.schema import IDLE_KV_LEAK_SHARE
+
 from ..signals import Signals
 from ._common import Evidence, Param, Rule, _confidence, _when
 
@@ -34,7 +36,13 @@ RULE = Rule(
     causes=("blocks of aborted or failed requests are not freed",),
     checks=("idle KV usage after aborts vs after clean completions",),
     knob="restart the engine worker now; report the leak (symptom case C05)",
-    params={"idle_usage": Param(0.05, "KV share still used with nothing running or waiting")},
+    params={
+        "idle_usage": Param(
+            IDLE_KV_LEAK_SHARE,
+            "KV share still used with nothing running or waiting (the same share turns "
+            "/health degraded)",
+        )
+    },
     detect=detect,
     explains=("oom_low_average_memory",),
     evidence_signals=("idle_kv_usage_max", "running_mean"),
