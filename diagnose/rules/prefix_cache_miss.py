@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tokenmill.telemetry.schema import DEFAULT_BLOCK_SIZE
+
 from ..signals import Signals, prefix_block_stats
 from ._common import Evidence, Param, Rule, _confidence
 
@@ -13,11 +15,13 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     stats = prefix_block_stats(sig.con, sig.since_ns, sig.until_ns, int(p["shared_blocks"]))
     if stats["prompts"] < p["min_prompts"] or stats["share"] < p["share"]:
         return None
+    # prompt hashes are per engine block (the config event has its size)
+    bs = int(sig.config.get("block_size") or DEFAULT_BLOCK_SIZE)
     return Evidence(
         f"{stats['shared_tail_differs_first']} of {stats['prompts']} prompts share the "
         f"{int(p['shared_blocks'])} blocks after block {stats['block']} with another prompt but "
-        f"differ in block {stats['block']} (tokens {16 * stats['block']}–"
-        f"{16 * stats['block'] + 15}), and the prefix-cache hit rate is {hit_rate:.0%}: "
+        f"differ in block {stats['block']} (tokens {bs * stats['block']}–"
+        f"{bs * stats['block'] + bs - 1}), and the prefix-cache hit rate is {hit_rate:.0%}: "
         f"something early in the prompt (a timestamp, a request id) changes every time",
         {
             "prefix_hit_rate": hit_rate,
@@ -48,7 +52,9 @@ RULE = Rule(
     knob="move the changing part to the end of the prompt; --prefix-cache-scope global if tenants may share",
     params={
         "hit_rate_below": Param(0.2, "prefix-cache hit rate counted as low"),
-        "shared_blocks": Param(4, "blocks after the first that must match (64 tokens)"),
+        "shared_blocks": Param(
+            4, "blocks after the first that must match (64 tokens at 16 per block)"
+        ),
         "share": Param(0.5, "share of prompts with a shared tail but a different first block"),
         "min_prompts": Param(5, "prompts needed to call it a pattern"),
     },
