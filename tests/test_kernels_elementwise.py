@@ -1,5 +1,6 @@
 """rms_norm (plain and with the fused residual add), rotary_embedding and silu_and_mul against
-their torch references (``TorchOps``), and ``TritonOps`` as the model's ops."""
+their torch references (``kernels.reference``, what ``TorchOps`` runs), and ``TritonOps`` as
+the model's ops."""
 
 from __future__ import annotations
 
