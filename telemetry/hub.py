@@ -14,10 +14,13 @@ import os
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 
 from tokenmill.engine.api.timeline import RequestTimeline
 from tokenmill.engine.messages import StepRecord, to_row
 
+from .dump import DumpError, parse_since, write_dump
 from .metrics import ServingMetrics
 from .sampler import DeviceSampler
 from .spans import StoreSpanProcessor, emit_trace, make_tracer_provider
@@ -33,6 +36,49 @@ def step_row(record: StepRecord, engine_pid: int | None = None) -> dict:
     if row["engine_pid"] is None:
         row["engine_pid"] = engine_pid
     return row
+
+
+class LiveDumps:
+    """Trace dumps of a live store for ``GET /admin/dump`` (the API's ``DumpWriter``).
+
+    Args:
+        get_store: returns the live :class:`TraceStore`, or None without one (``--no-trace-db``).
+    """
+
+    def __init__(self, get_store: Callable[[], TraceStore | None]):
+        self._get_store = get_store
+
+    @property
+    def can_dump(self) -> bool:
+        """Whether there is a store to dump."""
+        return self._get_store() is not None
+
+    @staticmethod
+    def parse_ago_s(text: str) -> int:
+        """A duration before now (``'30s'``, ``'10m'``, ``'2h'``, ``'1d'``) in seconds.
+
+        Raises:
+            ValueError: anything else (naming the value).
+        """
+        return parse_since(text)
+
+    def write_dump(self, path: Path, since_ns: int | None, until_ns: int | None) -> None:
+        """Flush the store and write a dump of ``[since_ns, until_ns)`` to ``path``. Holds the
+        store's lock meanwhile (rows arriving may be dropped and counted if its queue fills).
+
+        Raises:
+            RuntimeError: no store, or the dump failed (one-line reason).
+        """
+        store = self._get_store()
+        if store is None:
+            raise RuntimeError("trace store disabled (--no-trace-db)")
+        store.flush()
+        source = f"server {socket.gethostname()} pid {os.getpid()} store {store.path}"
+        try:
+            with store.connection_locked() as con:
+                write_dump(con, path, since_ns=since_ns, until_ns=until_ns, source=source)
+        except DumpError as exc:
+            raise RuntimeError(str(exc)) from None
 
 
 class Telemetry:
@@ -89,6 +135,7 @@ class Telemetry:
             self._setup_otlp(otlp_endpoint)
             self.tracer = self.provider.get_tracer("tokenmill")
         self.engine_pid: int | None = None
+        self.dumps = LiveDumps(lambda: self.store)
         self.sampler: DeviceSampler | None = None
         self._sample_interval = device_sample_interval_s
 

@@ -24,6 +24,7 @@ from tokenmill.engine.api.admin import register_admin_routes
 from tokenmill.engine.api.errors import APIError
 from tokenmill.engine.api.gateway import Gateway, TenantsFileError, hash_key, load_tenants
 from tokenmill.telemetry.dump import DumpError, open_dump, parse_since, write_dump
+from tokenmill.telemetry.hub import LiveDumps
 from tokenmill.telemetry.store import TraceStore
 
 TOKENMILL = str(Path(sys.executable).with_name("tokenmill"))
@@ -496,7 +497,7 @@ def live(hour, tmp_path, monkeypatch):
     holder = {"store": store}
     state = SimpleNamespace(gateway=Gateway(load_tenants(_tenants_file(tmp_path))))
     app = FastAPI()
-    register_admin_routes(app, state, lambda: holder["store"])
+    register_admin_routes(app, state, LiveDumps(lambda: holder["store"]))
     yield SimpleNamespace(app=app, state=state, holder=holder, store=store, tmpdir=tmpdir)
     store.close()
 

@@ -1,8 +1,8 @@
 """Admin-only routes: ``GET /admin/dump`` hands out a trace dump of the live store.
 
-Wire it with ``register_admin_routes(app, state, get_store)`` where ``state.gateway`` is the
-server's :class:`~.gateway.Gateway` and ``get_store()`` returns the live
-:class:`~tokenmill.telemetry.store.TraceStore` (or None when the store is disabled).
+Wire it with ``register_admin_routes(app, state, dumps)`` where ``state.gateway`` is the
+server's :class:`~.gateway.Gateway` and ``dumps`` is a :class:`DumpWriter` (the server's
+telemetry; the API knows it only through this interface).
 """
 
 from __future__ import annotations
@@ -11,21 +11,32 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ...telemetry.dump import DumpError, parse_since, write_dump
 from .errors import APIError
 
 DUMP_MEDIA_TYPE = "application/vnd.duckdb"
 _CHUNK = 1 << 20
 
 
-def register_admin_routes(app: FastAPI, state, get_store: Callable[[], object | None]) -> None:
+class DumpWriter(Protocol):
+    """What the dump route needs from telemetry."""
+
+    can_dump: bool  # False without a trace store (--no-trace-db)
+
+    def parse_ago_s(self, text: str) -> int:
+        """``'10m'`` → seconds. Raises ValueError naming the value."""
+
+    def write_dump(self, path: Path, since_ns: int | None, until_ns: int | None) -> None:
+        """Write a dump of the live store to ``path``. Raises RuntimeError (one line)."""
+
+
+def register_admin_routes(app: FastAPI, state, dumps: DumpWriter) -> None:
     """Add ``GET /admin/dump?since=10m&until=1m`` to ``app``.
 
     ``since`` and ``until`` are durations before now (``30s``, ``10m``, ``2h``, ``1d``); no
@@ -43,20 +54,19 @@ def register_admin_routes(app: FastAPI, state, get_store: Callable[[], object | 
             client = request.client.host if request.client else None
             state.gateway.authenticate_admin(request.headers.get("authorization"), client)
             now_ns = time.time_ns()
-            since_ns = _ago(now_ns, since, "since")
-            until_ns = _ago(now_ns, until, "until")
+            since_ns = _ago(dumps, now_ns, since, "since")
+            until_ns = _ago(dumps, now_ns, until, "until")
             if since_ns is not None and until_ns is not None and until_ns <= since_ns:
                 raise APIError(
                     400,
                     "until must be later than since (both are durations before now)",
                     param="until",
                 )
-            store = get_store()
-            if store is None:
+            if not dumps.can_dump:
                 raise APIError(
                     503, "trace store disabled (--no-trace-db)", code="trace_store_disabled"
                 )
-            fh, size = await run_in_threadpool(_make_dump, store, since_ns, until_ns)
+            fh, size = await run_in_threadpool(_make_dump, dumps, since_ns, until_ns)
         except APIError as exc:
             return exc.response(rid)
         name = time.strftime("tokenmill-dump-%Y%m%dT%H%M%SZ.duckdb", time.gmtime(now_ns / 1e9))
@@ -69,37 +79,29 @@ def register_admin_routes(app: FastAPI, state, get_store: Callable[[], object | 
         return StreamingResponse(_read_chunks(fh), media_type=DUMP_MEDIA_TYPE, headers=headers)
 
 
-def _ago(now_ns: int, text: str | None, param: str) -> int | None:
+def _ago(dumps: DumpWriter, now_ns: int, text: str | None, param: str) -> int | None:
     if text is None or text == "":
         return None
     try:
-        return now_ns - parse_since(text) * 1_000_000_000
+        return now_ns - dumps.parse_ago_s(text) * 1_000_000_000
     except ValueError as exc:
         raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
 
 
-def _make_dump(store, since_ns: int | None, until_ns: int | None):
+def _make_dump(dumps: DumpWriter, since_ns: int | None, until_ns: int | None):
     """Write the dump to a private temp folder and return (open file, size); the file is
     unlinked at once, so it disappears when the response closes it, whatever happens."""
     folder = Path(tempfile.mkdtemp(prefix="tokenmill-dump-"))
     try:
         path = folder / "dump.duckdb"
-        store.flush()
         try:
-            with store.connection_locked() as con:
-                write_dump(con, path, since_ns=since_ns, until_ns=until_ns, source=_source(store))
-        except DumpError as exc:
+            dumps.write_dump(path, since_ns, until_ns)
+        except RuntimeError as exc:
             raise APIError(500, f"dump failed: {exc}", code="dump_failed") from None
         fh = open(path, "rb")  # noqa: SIM115 (closed by _read_chunks)
         return fh, os.fstat(fh.fileno()).st_size
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _source(store) -> str:
-    import socket
-
-    return f"server {socket.gethostname()} pid {os.getpid()} store {getattr(store, 'path', '?')}"
 
 
 def _read_chunks(fh):

@@ -354,7 +354,7 @@ def build_app(state: ServerState) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
-    register_admin_routes(app, state, lambda: getattr(state.telemetry, "store", None))
+    register_admin_routes(app, state, state.telemetry.dumps)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
