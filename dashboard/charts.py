@@ -253,6 +253,21 @@ def engine(steps: pd.DataFrame, hits: pd.DataFrame, per_step: bool) -> go.Figure
     return _layout(fig, 1150)
 
 
+def step_field(df: pd.DataFrame, field: str, per_step: bool) -> go.Figure:
+    """One engine-step field over time (per step, or the bucket mean); the unit is in its name."""
+    fig = go.Figure(
+        go.Scatter(
+            x=df["time"],
+            y=df["value"],
+            name=field,
+            mode="markers" if per_step else "lines",
+            marker={"size": 4},
+        )
+    )
+    fig.update_yaxes(title_text=field)
+    return _layout(fig, 300, f"{field} per step" if per_step else f"{field}, mean per bucket")
+
+
 def _throttle_band(fig, d: pd.DataFrame, top: float, row: int, first: bool) -> None:
     fig.add_trace(
         go.Scatter(

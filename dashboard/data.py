@@ -22,7 +22,13 @@ from importlib import resources
 import duckdb
 import pandas as pd
 
-from tokenmill.telemetry.schema import COMPLETED_SQL, STATIONS, WORKING_STEP_SQL
+from tokenmill.telemetry.schema import (
+    COMPLETED_SQL,
+    ROW_TYPES,
+    STATIONS,
+    WORKING_STEP_SQL,
+    sql_type,
+)
 
 NS = 1_000_000_000
 GIB = float(1 << 30)
@@ -408,6 +414,68 @@ def engine_steps(
     w = max(1, int(bucket_s * NS))
     df = _df(con, _STEP_BUCKET_SQL, since=since_ns, until=until_ns, w=w)
     df["t_ns"] = since_ns + df["b"] * w
+    return _time(df), bucket_s
+
+
+def _step_fields() -> tuple[str, ...]:
+    """The numeric fields of the step record (``engine_steps`` columns), ids and times left out."""
+    import msgspec.inspect as mi
+
+    skip = {"step_id", "engine_pid", "start_ns", "end_ns"}
+    return tuple(
+        f.name
+        for f in mi.type_info(ROW_TYPES["engine_steps"]).fields
+        if f.name not in skip and sql_type(f.type) in ("INTEGER", "BIGINT", "DOUBLE")
+    )
+
+
+#: Every numeric field of the engine's step record, in record order: the Engine page's "any step
+#: field" chart lists them, so a field added to ``StepRecord`` shows there with no console edit.
+STEP_FIELDS = _step_fields()
+
+
+def step_field_series(
+    con, since_ns: int, until_ns: int, field: str, max_points: int = 2000
+) -> tuple[pd.DataFrame, float | None]:
+    """One step field over the window: ``time``, ``value`` per working step when there are at most
+    ``max_points``, else the mean per time bucket; idle heartbeats count only for fields that
+    describe the engine's state (queue and KV columns), not for per-step work and times.
+    Returns the frame and the bucket length in s (None: per step).
+
+    Raises:
+        ValueError: ``field`` is not one of :data:`STEP_FIELDS`.
+    """
+    if field not in STEP_FIELDS:
+        raise ValueError(f"unknown step field {field!r}; one of {', '.join(STEP_FIELDS)}")
+    state = field.startswith(("num_running", "num_waiting", "kv_blocks"))
+    where = "TRUE" if state else WORKING_STEP_SQL
+    (n,) = _q(
+        con,
+        f"SELECT count(*) FROM engine_steps WHERE start_ns >= $since AND start_ns < $until "
+        f"AND {where}",
+        since=since_ns,
+        until=until_ns,
+    ).fetchone()
+    if n <= max_points:
+        df = _df(
+            con,
+            f"SELECT start_ns AS t_ns, {field} AS value FROM engine_steps "
+            f"WHERE start_ns >= $since AND start_ns < $until AND {where} ORDER BY start_ns",
+            since=since_ns,
+            until=until_ns,
+        )
+        return _time(df), None
+    bucket_s = pick_bucket_s(since_ns, until_ns, points=max_points // 2)
+    w = max(1, int(bucket_s * NS))
+    df = _df(
+        con,
+        f"SELECT $since + (start_ns - $since) // $w * $w AS t_ns, avg({field}) AS value "
+        f"FROM engine_steps WHERE start_ns >= $since AND start_ns < $until AND {where} "
+        "GROUP BY 1 ORDER BY 1",
+        since=since_ns,
+        until=until_ns,
+        w=w,
+    )
     return _time(df), bucket_s
 
 

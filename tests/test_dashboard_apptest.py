@@ -410,3 +410,41 @@ def test_idle_heartbeats_count_for_kv_not_for_step_times(tmp_path):
     assert len(idle) == n_idle and idle["step_ms"].isna().all()
     assert (idle["kv_used"] / idle["kv_total"]).round(2).eq(0.3).all()
     assert bucketed["steps"].sum() == n_work
+
+
+def test_any_step_field_charts_the_store_values(monkeypatch, gpu_store):
+    """Every numeric step-record field is offered on the Engine page, and the chart of one holds
+    the store's own values (a field added to StepRecord needs no console edit)."""
+    import msgspec
+
+    from tokenmill.engine.messages import StepRecord
+
+    fields = [f.name for f in msgspec.inspect.type_info(StepRecord).fields]
+    assert set(data.STEP_FIELDS) == set(fields) - {"step_id", "engine_pid", "start_ns", "end_ns"}
+    at = open_page(monkeypatch, gpu_store, "engine")
+    assert list(at.selectbox(key="tm_step_field").options) == list(data.STEP_FIELDS)
+    at.selectbox(key="tm_step_field").set_value("num_decode_tokens")
+    at.run()
+    assert not at.exception
+    figs = charts(at)
+    assert len(figs) == 2
+    (trace,) = figs[1]["data"]
+    y = trace["y"]
+    if isinstance(y, dict):  # plotly's typed-array encoding
+        import base64
+
+        import numpy as np
+
+        y = np.frombuffer(base64.b64decode(y["bdata"]), dtype=y["dtype"]).tolist()
+    (total, n) = sql(
+        gpu_store,
+        "SELECT sum(num_decode_tokens), count(*) FROM engine_steps "
+        "WHERE num_prefill_tokens + num_decode_tokens > 0",
+    )
+    assert trace["name"] == "num_decode_tokens"
+    assert len(y) == n and sum(y) == total
+    with (
+        pytest.raises(ValueError, match="unknown step field"),
+        duckdb.connect(str(gpu_store), read_only=True) as con,
+    ):
+        data.step_field_series(con, *bounds(gpu_store), "step_id; DROP TABLE requests")

@@ -3,7 +3,7 @@ waiting, KV blocks used/free/cached, preemptions and the prefix-cache hit rate."
 
 import streamlit as st
 
-from tokenmill.dashboard import charts, ui
+from tokenmill.dashboard import charts, data, ui
 
 ctx = ui.begin("Engine")
 if ctx is not None:
@@ -34,3 +34,17 @@ if ctx is not None:
             else f"{s['steps']:,} steps: averaged per {bucket_s:g} s bucket (preemptions summed); "
             "narrow the time window to see single steps."
         )
+        field = st.selectbox(
+            "Chart any step field",
+            data.STEP_FIELDS,
+            index=None,
+            placeholder="choose a field of the engine's step record",
+            key="tm_step_field",
+            help="Every numeric field of the engine's step record (the engine_steps columns).",
+        )
+        if field is not None:
+            series, field_bucket_s = ui.q(ctx, "step_field_series", since, until, field)
+            ui.chart(
+                charts.step_field(series, field, per_step=field_bucket_s is None),
+                key="step_field",
+            )
