@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from .messages import DEFAULT_BLOCK_SIZE
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ADMISSION_POLICIES = ("strict", "skip_ahead")
 PREFIX_CACHE_SCOPES = ("tenant", "global")
@@ -44,7 +46,7 @@ class EngineConfig:
     attention_backend: str = knob(
         "auto", "auto | torch | triton (auto: triton on CUDA, torch on CPU)"
     )
-    block_size: int = knob(16, "Tokens per KV block.", min=1, max=1024)
+    block_size: int = knob(DEFAULT_BLOCK_SIZE, "Tokens per KV block.", min=1, max=1024)
     max_num_batched_tokens: int = knob(
         2048, "Token budget of one engine step (prefill chunks + decodes).", min=1
     )
