@@ -7,9 +7,10 @@ flat: a detokenizer that only slides on non-empty text re-decodes an ever-growin
 slows a stream down as it gets longer (case C03). Text ending in U+FFFD is an incomplete UTF-8
 character split across tokens; it is held back for at most :data:`MAX_HELD_TOKENS` tokens.
 
-Stop strings may span tokens: the text is searched across the boundary, truncated at the match,
-and the last ``max(len(stop)) - 1`` characters are withheld from streaming until they can no
-longer start a match.
+Stop strings may span tokens: the text is searched across the boundary and truncated at the
+match. While streaming, only the tail of the text that is still a prefix of some stop string is
+withheld (``"...EN"`` with stop ``"END"``); the moment it can no longer start a match it is
+released. A stop string that never begins to appear withholds nothing, however long it is.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
-        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        # the most characters a match can reach back into text already searched
+        self._reach = max((len(s) for s in self.stop), default=1) - 1
         tail = list(prompt_token_ids[-4:])
         self._ids = tail
         self._prefix = 0
@@ -66,7 +68,7 @@ class IncrementalDetokenizer:
             self._read -= drop
         if not new_text:
             return None
-        search_from = max(0, len(self.text) - self._holdback)
+        search_from = max(0, len(self.text) - self._reach)
         self.text += new_text
         matches = [
             (idx, stop) for stop in self.stop if (idx := self.text.find(stop, search_from)) != -1
@@ -77,9 +79,25 @@ class IncrementalDetokenizer:
         self.text = self.text[:idx]
         return stop
 
+    def held_chars(self) -> int:
+        """Characters at the end of :attr:`text` that are withheld from streaming now: the
+        longest tail (not yet returned) that is a prefix of some stop string; 0 without one."""
+        text, n, longest = self.text, len(self.text), 0
+        for stop in self.stop:
+            # candidate starts: where the stop's first character occurs in the unreturned tail
+            pos = text.find(stop[0], max(self._emitted, n - len(stop) + 1), n - longest)
+            while pos != -1:
+                if stop.startswith(text[pos:]):
+                    longest = n - pos
+                    break
+                pos = text.find(stop[0], pos + 1, n - longest)
+        return longest
+
     def take_delta(self, finished: bool = False) -> str:
-        """Text not yet returned; while unfinished, the possible start of a stop string is kept."""
-        end = len(self.text) if finished else max(self._emitted, len(self.text) - self._holdback)
+        """Text not yet returned. While unfinished, a tail that may still become a stop string
+        (:meth:`held_chars`) is kept back; everything before it is returned."""
+        end = len(self.text) if finished else len(self.text) - self.held_chars()
+        end = max(self._emitted, end)
         delta = self.text[self._emitted : end]
         self._emitted = end
         return delta

@@ -48,6 +48,39 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed(tok):
     assert not any("END" in x for x in deltas)
 
 
+def test_stop_string_that_never_starts_withholds_nothing(tok):
+    """A 60-character stop string that never occurs must not hold back 59 characters: every
+    token's text is returned in the step that made it (issue 19, item 4)."""
+    stop = "Q" * 30 + "<never-occurring stop marker, sixty chars>"[:30]
+    assert len(stop) == 60
+    ids = tok.encode(" one two three four five six seven eight nine ten" * 4)[:40]
+    d, deltas, _, hit = stream(tok, ids, stop=(stop,))
+    assert hit is None and len(ids) == 40
+    assert deltas[:-1] == [tok.decode([t]) for t in ids]  # each token's text at once
+    assert deltas[-1] == "" and "".join(deltas) == d.text
+
+
+def test_only_a_tail_that_may_become_a_stop_string_is_withheld(tok):
+    """The tail withheld is the longest one that is still a prefix of a stop string; it is
+    released as soon as the next text rules the match out."""
+    d = IncrementalDetokenizer(tok, [], True, ("ENDING", "zz"))
+    d.text = "The END"
+    assert d.held_chars() == 3 and d.take_delta() == "The "
+    d.text += " is near z"
+    assert d.held_chars() == 1 and d.take_delta() == "END is near "
+    d.text += "oo"
+    assert d.held_chars() == 0 and d.take_delta() == "zoo"
+    d.text += "ENDIN"
+    assert d.take_delta() == "" and d.take_delta(finished=True) == "ENDIN"
+
+
+def test_stop_string_completed_after_a_released_near_miss(tok):
+    text = "Say EN then END and more"
+    ids = tok.encode(text)
+    _, deltas, _, hit = stream(tok, ids, stop=("END",))
+    assert hit == "END" and "".join(deltas) == "Say EN then "
+
+
 def test_empty_tokens_keep_per_token_cost_flat(tok):
     special = tok.convert_tokens_to_ids("<|im_start|>")
     assert tok.decode([special], skip_special_tokens=True) == ""
