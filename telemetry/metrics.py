@@ -11,13 +11,19 @@ Units: the rows carry milliseconds (``*_ms``); every exported time is in seconds
 unit). Ratios are 0..1 (``kv_cache_usage_perc``, as vLLM's); NVML utilisations keep NVML's
 0..100 percent (``gpu_*_perc``, ``host_cpu_perc``).
 
-Bucket boundaries are copied from vLLM's Prometheus logger (``vllm/v1/metrics/loggers.py``,
-v0.10): TTFT, time per output token / inter-token latency, request latency (e2e, queue, prefill,
-decode) and iteration tokens.
+Bucket boundaries: every bound of vLLM's Prometheus logger (``vllm/v1/metrics/loggers.py``,
+v0.10) is kept, so an ``le`` a vLLM dashboard names still exists, and the latency ladders add a
+fine ladder below 60 s (1, 1.5, 2, 3, 5, 7.5 per decade: neighbours at most 1.67x apart) down to
+10 us for queue and prefill time and 100 us for TTFT, ITL/TPOT, e2e and decode time. vLLM's
+ladders alone start at 0.3 s for queue/prefill and 10 ms for ITL, so an idle server's 0.1 ms
+queue time read as 150 ms through ``histogram_quantile`` (the first bucket interpolates from 0);
+with neighbours under 2x apart, a quantile interpolated inside one bucket is within 2x of any
+value in it. Iteration tokens keep vLLM's bounds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 from prometheus_client import (
@@ -34,23 +40,58 @@ from tokenmill.engine.messages import COMPLETED_FINISH_REASONS
 
 PREFIX = "tokenmill_"
 
+#: Mantissas of the fine ladder: neighbours at most 5/3 apart, so a histogram quantile (linear
+#: inside its bucket) is within 2x of the value it estimates.
+FINE_MANTISSAS = (1, 1.5, 2, 3, 5, 7.5)
+#: The fine ladder stops here (s); above it the (longer) vLLM bounds alone.
+FINE_LADDER_TOP_S = 60.0
+
+
+def fine_ladder(floor_exp: int, top: float = FINE_LADDER_TOP_S) -> tuple[float, ...]:
+    """Bounds ``m * 10**e`` for ``m`` in :data:`FINE_MANTISSAS`, from ``10**floor_exp`` up to
+    (not including) ``top``, in the unit of ``top`` (seconds here)."""
+    out: list[float] = []
+    exp = floor_exp
+    while True:
+        for m in FINE_MANTISSAS:
+            bound = float(f"{m}e{exp}")  # the decimal literal: no 1.5000000000000002e-05
+            if bound >= top:
+                return tuple(out)
+            out.append(bound)
+        exp += 1
+
+
+def merge_ladders(*ladders: Iterable[float]) -> tuple[float, ...]:
+    """The sorted union of bucket ladders (each bound once)."""
+    return tuple(sorted({float(b) for ladder in ladders for b in ladder}))
+
+
 # vllm:time_to_first_token_seconds (vllm/v1/metrics/loggers.py).
-TTFT_BUCKETS_S = (
+VLLM_TTFT_BUCKETS_S = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
 # vllm:time_per_output_token_seconds; vLLM uses the same for inter_token_latency_seconds and
 # request_time_per_output_token_seconds.
-TPOT_BUCKETS_S = (
+VLLM_TPOT_BUCKETS_S = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 # vLLM's request_latency_buckets: e2e_request_latency, request_queue_time, request_prefill_time,
 # request_decode_time.
-REQUEST_LATENCY_BUCKETS_S = (
+VLLM_REQUEST_LATENCY_BUCKETS_S = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+
+#: TTFT: from 100 us (a GPU TTFT of a short prompt is a few ms) plus vLLM's bounds.
+TTFT_BUCKETS_S = merge_ladders(fine_ladder(-4), VLLM_TTFT_BUCKETS_S)
+#: ITL and TPOT: from 100 us (a small model's decode step on a GPU is ~1-5 ms) plus vLLM's.
+TPOT_BUCKETS_S = merge_ladders(fine_ladder(-4), VLLM_TPOT_BUCKETS_S)
+#: Queue time and prefill time: from 10 us (an idle server queues for ~0.1 ms) plus vLLM's.
+REQUEST_STAGE_BUCKETS_S = merge_ladders(fine_ladder(-5), VLLM_REQUEST_LATENCY_BUCKETS_S)
+#: E2E and decode time: from 100 us (a one-token request on a GPU) plus vLLM's.
+REQUEST_LATENCY_BUCKETS_S = merge_ladders(fine_ladder(-4), VLLM_REQUEST_LATENCY_BUCKETS_S)
 # vllm:iteration_tokens_total uses 1, 8, 16, ..., 16384; tokenmill's steps stop at 8192.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -156,12 +197,12 @@ class ServingMetrics:
         self.h_queue = hist(
             "request_queue_time_seconds",
             "Time a request waited in the engine queue (WAITING) in seconds.",
-            REQUEST_LATENCY_BUCKETS_S,
+            REQUEST_STAGE_BUCKETS_S,
         )
         self.h_prefill = hist(
             "request_prefill_time_seconds",
             "Time from first scheduled to first token (PREFILL) in seconds.",
-            REQUEST_LATENCY_BUCKETS_S,
+            REQUEST_STAGE_BUCKETS_S,
         )
         self.h_decode = hist(
             "request_decode_time_seconds",
@@ -406,3 +447,44 @@ class ServingMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition: ``(body, content_type)`` for the ``/metrics`` response."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float:
+    """PromQL's ``histogram_quantile(q, ...)`` over one series' cumulative buckets.
+
+    Args:
+        q: the quantile, 0..1.
+        buckets: ``(le, cumulative_count)`` pairs of one series, ``+Inf`` included, any order
+            (the ``*_bucket`` samples of a scrape; ``le`` in the metric's unit).
+
+    Returns the estimate the way Prometheus computes it (``bucketQuantile`` in
+    ``promql/quantile.go``): rank ``q * count``; the first bucket whose cumulative count
+    reaches it; linear interpolation between that bucket's lower bound (0 for the first bucket)
+    and its upper bound; the highest finite bound when the rank falls in ``+Inf``. NaN without
+    observations or without a ``+Inf`` bucket.
+    """
+    if q < 0:
+        return -math.inf
+    if q > 1:
+        return math.inf
+    pairs = sorted((float(le), float(count)) for le, count in buckets)
+    if len(pairs) < 2 or not math.isinf(pairs[-1][0]):
+        return math.nan
+    total = pairs[-1][1]
+    if total <= 0:
+        return math.nan
+    rank = q * total
+    b = next(i for i, (_, count) in enumerate(pairs) if count >= rank)
+    if b == len(pairs) - 1:
+        return pairs[-2][0]
+    end, count = pairs[b]
+    if b == 0 and end <= 0:
+        return end
+    start = 0.0
+    if b > 0:
+        start, below = pairs[b - 1]
+        count -= below
+        rank -= below
+    if count <= 0:  # q = 0 over an empty lowest bucket
+        return start
+    return start + (end - start) * (rank / count)

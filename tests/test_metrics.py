@@ -218,3 +218,110 @@ def test_unknown_device_value_removes_stale_series():
     s = _samples(m.render()[0])
     assert _absent(s, "tokenmill_gpu_power_watts")
     assert _get(s, "tokenmill_gpu_temperature_celsius", gpu="0") == 61.0
+
+
+# ----- bucket ladders: histogram quantiles agree with the store's quantiles ---------------------
+
+#: (requests-row key, histogram) for the latency histograms.
+LATENCY_HISTOGRAMS = (
+    ("queue_ms", "tokenmill_request_queue_time_seconds"),
+    ("prefill_ms", "tokenmill_request_prefill_time_seconds"),
+    ("ttft_ms", "tokenmill_time_to_first_token_seconds"),
+    ("decode_ms", "tokenmill_request_decode_time_seconds"),
+    ("e2e_ms", "tokenmill_e2e_request_latency_seconds"),
+    ("tpot_ms", "tokenmill_request_time_per_output_token_seconds"),
+)
+#: Stage times (ms) as (median, spread factor) of a log-uniform draw: an idle CPU server (queue
+#: ~0.1 ms, as the issue measured), an idle GPU server (everything ~1000x faster than a CPU
+#: except the queue) and an overloaded one (seconds of queue).
+PROFILES = {
+    "idle_cpu": dict(queue_ms=(0.1, 3), prefill_ms=(40, 2), decode_ms=(900, 2), tpot_ms=(30, 1.5)),
+    "idle_gpu": dict(queue_ms=(0.05, 3), prefill_ms=(2, 2), decode_ms=(60, 2), tpot_ms=(2, 1.5)),
+    "overloaded": dict(queue_ms=(4000, 3), prefill_ms=(300, 2), decode_ms=(5000, 2), tpot_ms=(80, 2)),
+}  # fmt: skip
+
+
+def _profile_rows(profile: str, n: int = 200, seed: int = 0) -> list[tuple[dict, list[float]]]:
+    """``requests`` rows as telemetry builds them (``spans.request_row``): stage times in ms,
+    TTFT = gateway/tokenize (~0.3 ms) + queue + prefill, e2e = TTFT + decode + stream."""
+    import random
+
+    rng = random.Random(seed)
+
+    def draw(key: str) -> float:
+        median, spread = PROFILES[profile][key]
+        return median * spread ** rng.uniform(-1, 1)
+
+    rows = []
+    for _ in range(n):
+        queue, prefill, decode, tpot = (
+            draw(k) for k in ("queue_ms", "prefill_ms", "decode_ms", "tpot_ms")
+        )
+        ttft = 0.3 + queue + prefill
+        out = max(2, round(decode / tpot) + 1)
+        rows.append(
+            (
+                dict(
+                    tenant="acme", http_status=200, finish_reason="length", error_type=None,
+                    ttft_ms=ttft, queue_ms=queue, prefill_ms=prefill, decode_ms=decode,
+                    tpot_ms=decode / (out - 1), e2e_ms=ttft + decode + 0.2,
+                    input_tokens=20, output_tokens=out, cached_tokens=0,
+                ),
+                [],
+            )
+        )  # fmt: skip
+    return rows
+
+
+def _buckets(samples, name: str) -> list[tuple[float, float]]:
+    return [(float(dict(lbl)["le"]), v) for (n, lbl), v in samples.items() if n == name + "_bucket"]
+
+
+def test_histogram_quantile_is_prometheus():
+    from tokenmill.telemetry.metrics import histogram_quantile
+
+    inf = float("inf")
+    assert histogram_quantile(0.5, [(1.0, 0), (2.0, 4), (inf, 4)]) == 1.5
+    assert histogram_quantile(0.5, [(0.3, 10), (inf, 10)]) == 0.15  # first bucket from 0
+    assert histogram_quantile(0.99, [(1.0, 1), (2.0, 1), (inf, 10)]) == 2.0  # in +Inf
+    assert math.isnan(histogram_quantile(0.5, [(1.0, 0), (inf, 0)]))
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_histogram_quantiles_match_the_store_within_2x(profile):
+    """p50 and p90 from the exported buckets (PromQL's histogram_quantile) are within 2x of the
+    store's quantiles (``quantile_cont``, which :func:`spans.percentile` equals) on the same
+    requests, for every latency histogram."""
+    from tokenmill.telemetry.metrics import histogram_quantile
+    from tokenmill.telemetry.spans import percentile
+
+    m = ServingMetrics(MODEL)
+    rows = _profile_rows(profile)
+    for row, itl in rows:
+        m.observe_request(row, itl)
+    s = _samples(m.render()[0])
+    for key, name in LATENCY_HISTOGRAMS:
+        values = [r[key] / 1000 for r, _ in rows]
+        for q in (0.5, 0.9):
+            est = histogram_quantile(q, _buckets(s, name))
+            true = percentile(values, q * 100)
+            assert true / 2 <= est <= true * 2, f"{profile} {name} p{q * 100:.0f}: {est} vs {true}"
+
+
+def test_vllm_ladder_alone_misreads_an_idle_queue():
+    """The 'before': vLLM's request-latency ladder (first bound 0.3 s) reads an idle server's
+    0.1 ms queue median as 150 ms; the exported ladder reads it within 2x."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from tokenmill.telemetry.metrics import VLLM_REQUEST_LATENCY_BUCKETS_S, histogram_quantile
+
+    h = Histogram("q", "q", buckets=VLLM_REQUEST_LATENCY_BUCKETS_S, registry=CollectorRegistry())
+    for _ in range(10):
+        h.observe(0.0001)
+    old = [(s.labels["le"], s.value) for s in h.collect()[0].samples if s.name == "q_bucket"]
+    assert histogram_quantile(0.5, old) == pytest.approx(0.15)
+    m = ServingMetrics(MODEL)
+    for _ in range(10):
+        m.observe_request(dict(COMPLETED[0][0], queue_ms=0.1), [])
+    new = _buckets(_samples(m.render()[0]), "tokenmill_request_queue_time_seconds")
+    assert 0.00005 <= histogram_quantile(0.5, new) <= 0.0002
