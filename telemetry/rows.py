@@ -61,6 +61,11 @@ class RequestRow(msgspec.Struct, kw_only=True):
     """end_ns - arrival_ns"""
     client_ttft_ms: Ms = None
     """filled by the load generator when it knows"""
+    first_text_ns: NsOrNull = None
+    """the engine released the first output text to the stream"""
+    text_holdback_ms: Ms = None
+    """first_text_ns - first_token_ns: how long the server itself withheld the first token's
+    text (a tail that might become a stop string, an incomplete UTF-8 character)"""
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None

@@ -123,6 +123,10 @@ def request_row(
         itl_p99_ms=percentile(itl, 99),
         itl_max_ms=max(itl) if itl else None,
         e2e_ms=(end_ns - tl.arrival_ns) * _MS,
+        first_text_ns=tl.first_text_ns,
+        text_holdback_ms=(tl.first_text_ns - tl.first_token_ns) * _MS
+        if tl.first_text_ns and tl.first_token_ns
+        else None,
         input_tokens=tl.input_tokens,
         output_tokens=n if tl.first_token_ns else 0,
         cached_tokens=tl.cached_tokens,

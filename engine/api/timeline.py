@@ -55,6 +55,9 @@ class RequestTimeline:
     first_token_ns: int | None = None
     finished_ns: int | None = None
     token_ns: list[int] = field(default_factory=list)
+    # engine time of the first output that carried text: later than first_token_ns when the
+    # detokenizer withheld the start (a possible stop string, an incomplete UTF-8 character)
+    first_text_ns: int | None = None
     output_tokens: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
@@ -80,6 +83,8 @@ class RequestTimeline:
         self.scheduled_ns = out.scheduled_ns
         self.first_token_ns = out.first_token_ns
         self.token_ns.extend(out.token_ns)
+        if self.first_text_ns is None and out.new_text:
+            self.first_text_ns = (out.token_ns or [out.finished_ns or time.time_ns()])[-1]
         self.output_tokens = out.num_output_tokens
         self.input_tokens = out.num_prompt_tokens
         self.cached_tokens = out.num_cached_tokens
