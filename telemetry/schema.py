@@ -109,10 +109,13 @@ def ddl() -> str:
 
 
 def apply_schema(con: duckdb.DuckDBPyConnection) -> None:
-    """Create the tables (if missing) and stamp the version.
+    """Create the tables (if missing), stamp the version, and add the columns of row-type
+    fields that a store of this version written by an older tokenmill lacks (a new field has a
+    default, so its column is nullable and older rows read as NULL).
 
     Raises:
-        SchemaError: the file already carries another schema version.
+        SchemaError: the file already carries another schema version, or lacks a column of a
+            required field.
     """
     con.execute(ddl())
     rows = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
@@ -123,6 +126,14 @@ def apply_schema(con: duckdb.DuckDBPyConnection) -> None:
         raise SchemaError(
             f"store has schema version {row[0]}, this tokenmill writes version {SCHEMA_VERSION}"
         )
+    for table, row_type in ROW_TYPES.items():
+        have = set(columns(con, table))
+        for f in mi.type_info(row_type).fields:
+            if f.name in have:
+                continue
+            if f.required:
+                raise SchemaError(f"store table {table} lacks required column {f.name}")
+            con.execute(f"ALTER TABLE {table} ADD COLUMN {f.name} {sql_type(f.type)}")
 
 
 def columns(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:

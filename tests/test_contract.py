@@ -16,6 +16,7 @@ from tokenmill.telemetry.rows import RequestRow
 from tokenmill.telemetry.schema import (
     COMPLETED_SQL,
     ROW_TYPES,
+    SchemaError,
     apply_schema,
     columns,
     sql_type,
@@ -188,3 +189,25 @@ def test_step_record_and_request_row_land_in_the_store_as_typed(tmp_path):
     assert store.query(f"SELECT request_id, {COMPLETED_SQL} FROM requests") == [("cmpl-1", True)]
     assert store.dropped_total == 0
     store.close()
+
+
+def test_a_store_from_before_a_new_field_gains_its_column(tmp_path):
+    """Adding a step field (with a default) needs no migration step: opening an older store
+    adds the nullable column, and its old rows read as NULL."""
+    path = str(tmp_path / "old.duckdb")
+    with duckdb.connect(path) as con:
+        apply_schema(con)
+        con.execute("ALTER TABLE engine_steps DROP COLUMN num_finished")
+        con.execute("INSERT INTO engine_steps (step_id, start_ns, end_ns) VALUES (1, 2, 3)")
+    store = TraceStore(path)
+    store.submit("engine_steps", step_row(_record(num_finished=2)))
+    store.flush()
+    assert store.query("SELECT step_id, num_finished FROM engine_steps ORDER BY step_id") == [
+        (1, None),
+        (7, 2),
+    ]
+    store.close()
+    with duckdb.connect(path) as con:
+        con.execute("ALTER TABLE engine_steps DROP COLUMN start_ns")
+        with pytest.raises(SchemaError, match="lacks required column start_ns"):
+            apply_schema(con)
