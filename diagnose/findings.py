@@ -128,9 +128,9 @@ def evaluate(rule: Rule, sig: Signals, overrides: dict | None = None) -> Finding
         window_start_ns=ev.window[0] if ev.window else None,
         window_end_ns=ev.window[1] if ev.window else None,
         example_trace_ids=examples,
-        causes=list(rule.causes),
+        causes=list(ev.causes or rule.causes),
         checks=list(rule.checks),
-        knob=rule.knob,
+        knob=ev.knob or rule.knob,
         runbook=rule.runbook,
     )
 

@@ -107,6 +107,7 @@ SELECT (arrival_ns - $t0) // $w AS win,
     sum(cached_tokens)::DOUBLE / nullif(sum(input_tokens), 0) AS prefix_hit_rate,
     quantile_cont(client_ttft_ms, 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS client_ttft_p50,
     quantile_cont(ttft_ms, 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS server_ttft_p50_with_client,
+    quantile_cont(ttft_ms + coalesce(text_holdback_ms, 0), 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS server_first_text_p50_with_client,
     quantile_cont(((end_ns - first_token_ns) / 1e6) / nullif(output_tokens - 1, 0) / nullif(tpot_ms, 0), 0.5)
         FILTER (WHERE ok AND output_tokens >= 8) AS stream_vs_engine_tpot,
     quantile_cont(ttft_ms, 0.99) FILTER (WHERE ok AND input_tokens <= $short) AS short_ttft_p99,

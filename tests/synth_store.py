@@ -55,6 +55,7 @@ class Phase:
     error_share: float = 0.0
     error_type: str = "nan_logits"
     client_ttft_factor: float | None = None  # client TTFT / server TTFT (None: not recorded)
+    text_holdback_ms: float = 0.0  # the server withholds the first text this long (stop strings)
     stream_slowdown: float = 1.0  # stream-side time per token / engine TPOT
     prefix_cached_share: float = 0.5  # share of prompt tokens from the prefix cache
     first_block_varies: bool = False  # prompts share blocks 2.. but differ in block 0
@@ -246,6 +247,7 @@ class SyntheticRun:
                 gap += ph.prefill_spike_ms
             tokens.append(tokens[-1] + int(gap * MS))
         tl.token_ns = tokens
+        tl.first_text_ns = tl.first_token_ns + int(ph.text_holdback_ms * MS)
         tl.output_tokens = n_out
         tl.preemptions = 1 if stall_at is not None else 0
         tl.recomputed_tokens = (n_in + (stall_at or 0)) if stall_at is not None else 0
@@ -271,8 +273,9 @@ class SyntheticRun:
         if ph.client_ttft_factor is not None:
             # what the load generator measured on its side; write_store adds it to the row
             # the way the bench tool does (an UPDATE keyed by request id)
+            server_ttft = (tl.first_token_ns - tl.arrival_ns) / MS
             self.counts.setdefault("client_ttft", []).append(
-                (tl.request_id, (tl.first_token_ns - tl.arrival_ns) / MS * ph.client_ttft_factor)
+                (tl.request_id, server_ttft * ph.client_ttft_factor + ph.text_holdback_ms)
             )
 
     def _blocks(self, rng, n_in: int, first_varies: bool, n: int) -> list[int]:

@@ -157,6 +157,26 @@ def test_rule_fires_on_its_symptom(stores, rule_id):
     con.close()
 
 
+def test_client_gap_names_the_servers_own_holdback_when_the_store_shows_it(tmp_path, stores):
+    """Issue 19 item 4: clients wait for text the server itself withheld (stop-string holdback,
+    requests.text_holdback_ms); the finding must name that, not a proxy. Without a holdback
+    the same gap still names the proxy first."""
+    path = tmp_path / "holdback.duckdb"
+    write_store(path, [HEALTHY.but(client_ttft_factor=1.0, text_holdback_ms=600)], seed=3)
+    con = duckdb.connect(str(path), read_only=True)
+    (f,) = [f for f in diagnose(con).findings if f.rule_id == "client_server_ttft_gap"]
+    con.close()
+    assert f.evidence["server_holdback_share_of_gap"] > 0.95
+    assert "withheld the stream's start for" in f.summary and "proxy" not in f.summary
+    assert f.causes[0].startswith("the server withheld") and "stop string" in f.knob
+    assert f.example_trace_ids
+    con = stores("client_server_ttft_gap")  # a 4x gap after the server released the text
+    (f,) = [f for f in diagnose(con).findings if f.rule_id == "client_server_ttft_gap"]
+    con.close()
+    assert f.evidence["server_holdback_share_of_gap"] == 0
+    assert f.causes[0].startswith("a proxy") and "proxy" in f.summary
+
+
 # the same symptom, below the rule's threshold: the rule must stay quiet
 MILD: dict[str, list[Phase]] = {
     "ttft_queueing": [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=100)],

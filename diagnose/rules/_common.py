@@ -33,6 +33,9 @@ class Evidence:
     example_params: list = field(default_factory=list)
     severity: str = "warning"  # warning | critical
     confidence: float = 0.7
+    # when the data singles out a cause: the rule's causes in this order and this knob instead
+    causes: tuple[str, ...] | None = None
+    knob: str | None = None
 
 
 @dataclass(frozen=True)
