@@ -1,5 +1,9 @@
 """Signals: SQL over the trace store, per time window and overall.
 
+Batch size: ``batch_mean`` counts the sequences in each step's forward (prefill chunks plus
+decodes); ``running_mean``/``running_max`` read ``num_running``, which the engine counts after
+the step, so requests that finish in it are gone (one-token requests read 0 there).
+
 Everything here is a number the rules compare, computed by DuckDB over the tables of
 ``telemetry/schema.sql``; nothing reads engine objects. Windows are ``window_s`` long, aligned
 to the first row of the dump. Request signals are bucketed by arrival (latencies) or by end
@@ -145,6 +149,7 @@ SELECT (start_ns - $t0) // $w AS win,
     avg(num_prefill_tokens + num_decode_tokens) FILTER (WHERE {WORKING_STEP_SQL}) AS tokens_per_step,
     sum(num_sampled) AS sampled_tokens,
     avg(num_running) FILTER (WHERE {WORKING_STEP_SQL}) AS running_mean,
+    avg(num_prefill_chunks + num_decode_tokens) FILTER (WHERE {WORKING_STEP_SQL}) AS batch_mean,
     max(num_running) AS running_max,
     avg(num_waiting) AS waiting_mean,
     max(num_waiting) AS waiting_max,

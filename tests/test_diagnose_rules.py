@@ -177,6 +177,25 @@ def test_client_gap_names_the_servers_own_holdback_when_the_store_shows_it(tmp_p
     assert f.causes[0].startswith("a proxy") and "proxy" in f.summary
 
 
+def test_batch_rule_reads_the_steps_batch_and_never_a_constant_zero(tmp_path):
+    """Issue 19 item 10a: with one-token requests ``num_running`` (counted after the step) is 0
+    in every step, and batch_too_large fired "from a batch of 0.0 to 0.0" when throughput
+    merely followed the traffic. The rule reads the batch the step ran (prefill chunks +
+    decodes) and stays quiet on a signal that never varies."""
+    path = tmp_path / "one_token.duckdb"
+    write_store(path, [HEALTHY.but(running=8), HEALTHY.but(duration_s=40, running=4)], seed=5)
+    con = duckdb.connect(str(path))
+    con.execute("UPDATE engine_steps SET num_running = 0")  # as one-token requests record it
+    assert con.execute("SELECT max(num_running) FROM engine_steps").fetchone() == (0,)
+    report = diagnose(con)
+    assert "batch_too_large" not in {f.rule_id for f in report.findings}
+    # the batch itself constant (0 sequences counted in every step): quiet too
+    con.execute("UPDATE engine_steps SET num_decode_tokens = 0, num_prefill_chunks = 0")
+    con.execute("UPDATE engine_steps SET num_prefill_tokens = 1 WHERE num_prefill_tokens = 0")
+    assert "batch_too_large" not in {f.rule_id for f in diagnose(con).findings}
+    con.close()
+
+
 # the same symptom, below the rule's threshold: the rule must stay quiet
 MILD: dict[str, list[Phase]] = {
     "ttft_queueing": [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=100)],

@@ -89,6 +89,13 @@ def _worst(sig: Signals, key: str, pred: Callable[[Window], bool] | None = None)
     return max(cands, key=lambda w: w.get(key), default=None)
 
 
+def _varies(windows: list[Window], key: str) -> bool:
+    """Whether ``key`` takes more than one value over ``windows`` (missing values ignored). A
+    signal that is constant (typically 0 everywhere: nothing measured it) cannot support a
+    finding about how it changed."""
+    return len({w.get(key) for w in windows if w.get(key) is not None}) > 1
+
+
 def _severity(ratio: float | None, threshold: float) -> str:
     return "critical" if ratio is not None and ratio >= 2 * threshold else "warning"
 

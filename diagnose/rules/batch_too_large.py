@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from ..signals import Signals
-from ._common import Evidence, Param, Rule, _confidence, _in_window, _when
+from ._common import Evidence, Param, Rule, _confidence, _in_window, _varies, _when
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
-    ws = [w for w in sig.busy() if w.get("throughput_tok_s") and w.get("running_mean") is not None]
-    if len(ws) < p["min_windows"]:
+    # the batch as the step ran it (prefill chunks + decodes), not num_running, which is
+    # counted after the step and reads 0 when every request finishes in its step
+    ws = [w for w in sig.busy() if w.get("throughput_tok_s") and w.get("batch_mean") is not None]
+    if len(ws) < p["min_windows"] or not _varies(ws, "batch_mean"):
         return None
-    ws.sort(key=lambda w: w.get("running_mean"))
+    ws.sort(key=lambda w: w.get("batch_mean"))
     peak = max(ws, key=lambda w: w.get("throughput_tok_s"))
-    bigger = [
-        w for w in ws if w.get("running_mean") >= p["batch_growth"] * peak.get("running_mean")
-    ]
+    if peak.get("batch_mean") <= 0:
+        return None
+    bigger = [w for w in ws if w.get("batch_mean") >= p["batch_growth"] * peak.get("batch_mean")]
     if not bigger:
         return None
     worst = min(bigger, key=lambda w: w.get("throughput_tok_s"))
@@ -23,14 +25,14 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         return None
     return Evidence(
         f"throughput fell from {peak.get('throughput_tok_s'):.0f} tok/s at a batch of "
-        f"{peak.get('running_mean'):.1f} to {worst.get('throughput_tok_s'):.0f} tok/s at "
-        f"{worst.get('running_mean'):.1f} ({_when(worst)}): past the knee, a bigger batch only "
+        f"{peak.get('batch_mean'):.1f} to {worst.get('throughput_tok_s'):.0f} tok/s at "
+        f"{worst.get('batch_mean'):.1f} ({_when(worst)}): past the knee, a bigger batch only "
         f"slows every step",
         {
             "peak_throughput_tok_s": peak.get("throughput_tok_s"),
-            "peak_batch": peak.get("running_mean"),
+            "peak_batch": peak.get("batch_mean"),
             "throughput_tok_s": worst.get("throughput_tok_s"),
-            "batch": worst.get("running_mean"),
+            "batch": worst.get("batch_mean"),
             "step_ms_p50_at_peak": peak.get("step_ms_p50"),
             "step_ms_p50": worst.get("step_ms_p50"),
         },
@@ -54,5 +56,5 @@ RULE = Rule(
         "throughput_drop": Param(0.15, "tokens/s below the peak"),
     },
     detect=detect,
-    evidence_signals=("throughput_tok_s", "running_mean", "step_ms_p50"),
+    evidence_signals=("throughput_tok_s", "batch_mean", "step_ms_p50"),
 )
