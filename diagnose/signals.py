@@ -418,6 +418,53 @@ def prefix_block_stats(
     return {**best, "block_size": size}
 
 
+def prefix_head_stats(
+    con, since_ns: int, until_ns: int, min_share: float = 0.5
+) -> dict[str, int | float | None]:
+    """Prompts that share a prefix shorter than one KV block with other prompts, and no full
+    block: the prefix cache, which reuses whole blocks, can give them nothing.
+
+    Uses ``requests.prompt_head_hashes`` (hashes of each prompt's first block_size/4, /2, 3/4
+    tokens). For each head length, from the longest, prompts are grouped by that head's hash;
+    a prompt counts when its group holds another prompt and its first full block (if it has
+    one) is shared with no other prompt.
+
+    Returns ``{"prompts", "sharing", "share", "head_tokens", "block_size"}`` for the longest
+    head length (tokens) that at least ``min_share`` of the prompts share (``head_tokens``
+    None and ``sharing`` 0 when none; ``prompts``: prompts with head hashes; tokens per block
+    from the config event).
+    """
+    size = engine_block_size(con)
+    step = max(1, size // 4)
+    best = {"prompts": 0, "sharing": 0, "share": 0.0, "head_tokens": None, "block_size": size}
+    for i in range(len(range(step, size, step)), 0, -1):
+        prompts, sharing = con.execute(
+            f"""
+            WITH r AS (
+                SELECT prompt_head_hashes[{i}] AS head,
+                       CASE WHEN len(prompt_block_hashes) > 0 THEN prompt_block_hashes[1] END AS b0
+                FROM requests WHERE arrival_ns >= ? AND arrival_ns < ?
+                    AND prompt_head_hashes IS NOT NULL),
+            g AS (SELECT head IS NOT NULL AND count(*) OVER (PARTITION BY head) > 1 AS shares_head,
+                         b0 IS NOT NULL AND count(*) OVER (PARTITION BY b0) > 1 AS shares_block
+                  FROM r)
+            SELECT count(*), count(*) FILTER (WHERE shares_head AND NOT shares_block) FROM g
+            """,
+            [since_ns, until_ns],
+        ).fetchone()
+        share = sharing / prompts if prompts else 0.0
+        if prompts and share >= min_share:
+            return {
+                "prompts": prompts,
+                "sharing": sharing,
+                "share": share,
+                "head_tokens": step * i,
+                "block_size": size,
+            }
+        best["prompts"] = prompts
+    return best
+
+
 def engine_block_size(con) -> int:
     """Tokens per KV block (and per prompt hash block) from the latest ``config`` event;
     :data:`DEFAULT_BLOCK_SIZE` for a store without one."""

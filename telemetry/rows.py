@@ -79,3 +79,6 @@ class RequestRow(msgspec.Struct, kw_only=True):
     prompt_block_hashes: Hashes = None
     """per-block content hashes of the prompt's first 32 blocks (the engine's block size), not
     chained"""
+    prompt_head_hashes: Hashes = None
+    """content hashes of the prompt's first block_size/4, /2 and 3/4 tokens (prefixes shorter
+    than one block, which the prefix cache cannot reuse)"""

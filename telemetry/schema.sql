@@ -1,4 +1,4 @@
--- tokenmill trace store. Version 2 (telemetry/schema.py: SCHEMA_VERSION).
+-- tokenmill trace store. Version 3 (telemetry/schema.py: SCHEMA_VERSION).
 -- Times are wall-clock Unix nanoseconds (BIGINT) unless a column says ms/s.
 -- Changing a table means a new version: dumps from another version are refused.
 

@@ -137,6 +137,7 @@ def request_row(
         finish_reason=tl.finish_reason or ("abort" if tl.client_disconnected else None),
         error_type=tl.error_type,
         prompt_block_hashes=tl.prompt_block_hashes,
+        prompt_head_hashes=tl.prompt_head_hashes,
     )
     return to_row(row)
 

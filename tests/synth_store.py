@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tokenmill.engine.api.timeline import RequestTimeline
+from tokenmill.engine.api.timeline import RequestTimeline, block_hashes, head_hashes
 from tokenmill.engine.request import RequestEvent
 from tokenmill.telemetry.hub import Telemetry
 
@@ -59,6 +59,7 @@ class Phase:
     stream_slowdown: float = 1.0  # stream-side time per token / engine TPOT
     prefix_cached_share: float = 0.5  # share of prompt tokens from the prefix cache
     first_block_varies: bool = False  # prompts share blocks 2.. but differ in block 0
+    shared_head_tokens: int = 0  # prompts share only their first N tokens (hashes from tokens)
     host_share: float = 0.05  # (schedule + sample) / step time
     step_ms: float | None = None  # decode step time (default: itl_ms)
     gpu: bool = False
@@ -268,7 +269,13 @@ class SyntheticRun:
         tl.usage = {"prompt_tokens": n_in, "completion_tokens": n_out}
         tl.metering_start_ns = tl.last_byte_ns + 10_000
         tl.metering_end_ns = tl.metering_start_ns + 20_000
-        tl.prompt_block_hashes = self._blocks(rng, n_in, ph.first_block_varies, n)
+        if ph.shared_head_tokens:
+            ids = list(range(1, ph.shared_head_tokens + 1))
+            ids += [rng.randrange(1000, 50000) for _ in range(n_in - len(ids))]
+            tl.prompt_block_hashes = block_hashes(ids, 16)
+            tl.prompt_head_hashes = head_hashes(ids, 16)
+        else:
+            tl.prompt_block_hashes = self._blocks(rng, n_in, ph.first_block_varies, n)
         tel.on_request(tl)
         if ph.client_ttft_factor is not None:
             # what the load generator measured on its side; write_store adds it to the row

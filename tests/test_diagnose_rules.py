@@ -196,6 +196,38 @@ def test_batch_rule_reads_the_steps_batch_and_never_a_constant_zero(tmp_path):
     con.close()
 
 
+def test_prefix_shorter_than_one_block_is_named_with_the_block_size(tmp_path):
+    """Issue 19 item 10b: 50 completions sharing a 12-token prefix get 0 cached tokens; the
+    report must say the shared prefix is below one 16-token block. A shared 12-token prefix
+    with a healthy hit rate, or prompts sharing nothing, stay quiet."""
+    short = Phase(
+        duration_s=25,
+        rate_per_s=2,
+        prompt_tokens=(18, 40),
+        prefix_cached_share=0.0,
+        shared_head_tokens=12,
+    )
+    path = tmp_path / "short_prefix.duckdb"
+    write_store(path, [short], seed=11)
+    con = duckdb.connect(str(path), read_only=True)
+    assert con.execute("SELECT count(*), sum(cached_tokens) FROM requests").fetchone()[1] == 0
+    (f,) = [f for f in diagnose(con).findings if f.rule_id == "prefix_cache_miss"]
+    n = con.execute("SELECT count(*) FROM requests").fetchone()[0]
+    con.close()
+    assert f.evidence["block_size"] == 16 and f.evidence["shared_prefix_tokens_at_least"] == 12
+    assert f.evidence["prompts_sharing_short_prefix"] == n >= 40
+    assert "first 12+ tokens" in f.summary and "one full 16-token block" in f.summary
+    assert f.causes[0].startswith("the shared prefix is shorter than one KV block")
+    assert "--block-size 8" in f.knob and f.example_trace_ids
+    for quiet in (short.but(prefix_cached_share=0.5), short.but(shared_head_tokens=1)):
+        path = tmp_path / "quiet.duckdb"
+        path.unlink(missing_ok=True)
+        write_store(path, [quiet], seed=11)
+        con = duckdb.connect(str(path), read_only=True)
+        assert "prefix_cache_miss" not in {f.rule_id for f in diagnose(con).findings}
+        con.close()
+
+
 # the same symptom, below the rule's threshold: the rule must stay quiet
 MILD: dict[str, list[Phase]] = {
     "ttft_queueing": [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=100)],

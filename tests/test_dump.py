@@ -196,7 +196,7 @@ def test_window_counts_and_whole_traces(hour, tmp_path):
             ["idle"],
         )
         meta = dict(d.execute("SELECT key, value FROM meta").fetchall())
-        assert meta["schema_version"] == "2"
+        assert meta["schema_version"] == "3"
         assert meta["window_start_ns"] == str(since)
         assert meta["window_end_ns"] == str(until)
         assert meta["source"] == "unit test"

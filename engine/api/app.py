@@ -27,7 +27,7 @@ from .errors import APIError
 from .gateway import Gateway, Tenant
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .stations import AdmissionStation, MeteringStation, TokenizeStation, usage_of
-from .timeline import RequestTimeline, block_hashes
+from .timeline import RequestTimeline, block_hashes, head_hashes
 from .worker import EngineUnavailable, EngineWorker
 
 log = logging.getLogger(__name__)
@@ -411,6 +411,7 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
         tl.tokenize_end_ns = time.time_ns()
         tl.input_tokens = len(tok.prompt_token_ids)
         tl.prompt_block_hashes = block_hashes(tok.prompt_token_ids, state.block_size)
+        tl.prompt_head_hashes = head_hashes(tok.prompt_token_ids, state.block_size)
         tl.max_tokens = tok.max_tokens
         if tl.record_content:
             tl.prompt_text = state.tokenize.tokenizer.decode(tok.prompt_token_ids)

@@ -46,6 +46,7 @@ class RequestTimeline:
     admission_end_ns: int | None = None
     input_tokens: int | None = None
     prompt_block_hashes: list[int] | None = None
+    prompt_head_hashes: list[int] | None = None
     queue_depth_seen: int | None = None
     in_flight_seen: int | None = None
     pool: str | None = None
@@ -122,6 +123,20 @@ def block_hashes(token_ids: list[int], block_size: int, max_blocks: int = 32) ->
     out = []
     for i in range(0, min(len(token_ids) // block_size, max_blocks) * block_size, block_size):
         digest = hashlib.blake2b(array("q", token_ids[i : i + block_size]).tobytes(), digest_size=8)
+        out.append(int.from_bytes(digest.digest(), "little", signed=True) >> 1)
+    return out
+
+
+def head_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Content hashes (signed 63-bit, blake2b) of the prompt's first ``k`` tokens for
+    ``k = block_size/4, block_size/2, 3*block_size/4`` (steps of at least one token, only
+    ``k <= len(token_ids)``): prefixes shorter than one block. Prompts that share such a prefix
+    but no full block get nothing from the prefix cache, which reuses whole blocks; these
+    hashes let the diagnoser say so without storing text."""
+    step = max(1, block_size // 4)
+    out = []
+    for k in range(step, min(block_size - 1, len(token_ids)) + 1, step):
+        digest = hashlib.blake2b(array("q", token_ids[:k]).tobytes(), digest_size=8)
         out.append(int.from_bytes(digest.digest(), "little", signed=True) >> 1)
     return out
 
