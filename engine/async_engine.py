@@ -88,6 +88,9 @@ class AsyncEngine:
         self.stats: dict = {}
         self.dead_reason: str | None = None
         self.started_monotonic: float | None = None
+        # time.monotonic() of the last message read from the engine (any kind): the engine
+        # sends one per step and a Heartbeat at least every IDLE_POLL_MS while idle
+        self.last_message_monotonic: float | None = None
 
     # ----- lifecycle -----
     async def start(self, timeout_s: float = 600.0) -> dict:
@@ -107,6 +110,8 @@ class AsyncEngine:
         deadline = time.monotonic() + timeout_s
         while True:
             msg = await self._recv(0.5)
+            if msg is not None:
+                self.last_message_monotonic = time.monotonic()
             if isinstance(msg, EngineReady):
                 self.info = to_row(msg)
                 self.stats = self.info["stats"] = to_row(msg.stats)
@@ -150,6 +155,19 @@ class AsyncEngine:
     @property
     def uptime_s(self) -> float:
         return time.monotonic() - self.started_monotonic if self.started_monotonic else 0.0
+
+    @property
+    def heartbeat_age_s(self) -> float | None:
+        """Seconds since the last message from the engine core (None before the first).
+
+        A live engine sends one message per step (its outputs and step record) and, while
+        idle, a heartbeat at least every ``core_process.IDLE_POLL_MS`` (0.5 s); so the age
+        stays under 0.5 s idle and under one step's duration busy. A frozen or hung engine
+        process (``kill -STOP``, a stuck device call) lets it grow without bound while
+        :attr:`alive` stays true.
+        """
+        last = self.last_message_monotonic
+        return None if last is None else max(0.0, time.monotonic() - last)
 
     def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
         """Call ``fn(record)`` for every step record (in the event loop; keep it cheap)."""
@@ -284,6 +302,8 @@ class AsyncEngine:
     async def _read_loop(self) -> None:
         while True:
             msg = await self._recv(1.0)
+            if msg is not None:
+                self.last_message_monotonic = time.monotonic()
             if msg is None:
                 if self.process is not None and not self.process.is_alive():
                     self._fail_all(f"engine core process exited with code {self.process.exitcode}")

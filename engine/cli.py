@@ -316,6 +316,20 @@ def serve(
             help="Fault drill: the stream waits this long (ms) before each token chunk but the first.",
         ),
     ] = 0.0,
+    engine_stall_degraded: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="/health says degraded after the engine core is silent this long (s; it "
+            "sends a message every step, a heartbeat every 0.5 s when idle).",
+        ),
+    ] = 10.0,
+    engine_stall_unavailable: Annotated[
+        float,
+        typer.Option(
+            min=0.1, help="/health answers 503 after the engine core is silent this long (s)."
+        ),
+    ] = 120.0,
     **engine: Any,
 ) -> None:
     """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
@@ -339,6 +353,8 @@ def serve(
             otlp_endpoint=otlp_endpoint,
             device_sample_interval_s=device_sample_interval,
             fault_stream_delay_ms=fault_stream_delay_ms,
+            engine_stall_degraded_s=engine_stall_degraded,
+            engine_stall_unavailable_s=max(engine_stall_unavailable, engine_stall_degraded),
         )
     except (TokenmillError, ValueError) as exc:
         fail(str(exc))

@@ -221,6 +221,11 @@ class ServingMetrics:
         self.g_kv = gauge("kv_cache_usage_perc", "KV-cache usage, 0..1 (1 means 100 percent).")
         self.g_in_flight = gauge("requests_in_flight", "Requests admitted by the API, not done.")
         self.g_restarts = gauge("engine_restarts", "Engine worker restarts since server start.")
+        self.g_heartbeat_age = gauge(
+            "engine_heartbeat_age_seconds",
+            "Seconds since the engine core's last message (one per step, a heartbeat every "
+            "0.5 s when idle); absent while no engine is up.",
+        )
 
         # -- per-GPU gauges (label gpu = device index) ------------------------------------------
         self.g_gpu = {
@@ -443,6 +448,15 @@ class ServingMetrics:
         ):
             if value is not None:
                 gauge.labels(model).set(float(value))
+
+    def set_heartbeat_age(self, age_s: float | None) -> None:
+        """Sets ``tokenmill_engine_heartbeat_age_seconds``: seconds since the engine core's last
+        message as the server saw it at this scrape (``AsyncEngine.heartbeat_age_s``). None (no
+        engine up: starting or restarting) removes the series, since the age is then unknown."""
+        if age_s is None:
+            self.g_heartbeat_age.remove(self.model_name)  # a missing series is no error
+        else:
+            self.g_heartbeat_age.labels(self.model_name).set(float(age_s))
 
     def render(self) -> tuple[bytes, str]:
         """The exposition: ``(body, content_type)`` for the ``/metrics`` response."""

@@ -28,7 +28,12 @@ from .gateway import Gateway, Tenant
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .stations import AdmissionStation, MeteringStation, TokenizeStation, usage_of
 from .timeline import RequestTimeline, block_hashes, head_hashes
-from .worker import EngineUnavailable, EngineWorker
+from .worker import (
+    ENGINE_STALL_DEGRADED_S,
+    ENGINE_STALL_UNAVAILABLE_S,
+    EngineUnavailable,
+    EngineWorker,
+)
 
 log = logging.getLogger(__name__)
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
@@ -60,6 +65,9 @@ class ServerState:
     fault_stream_delay_s: float = (
         0.0  # fault drill (case C03): wait before each chunk but the first
     )
+    # /health: an engine silent this long (s) is degraded, and unavailable (503) past the second
+    engine_stall_degraded_s: float = ENGINE_STALL_DEGRADED_S
+    engine_stall_unavailable_s: float = ENGINE_STALL_UNAVAILABLE_S
 
     def finish(self, tl: RequestTimeline) -> None:
         """Metering, then hand the finished timeline to telemetry (which must never fail us)."""
@@ -302,6 +310,14 @@ def build_app(state: ServerState) -> FastAPI:
             "ok" if state.worker.ready else ("degraded" if w["state"] == "restarting" else "down")
         )
         reasons = []
+        http_status = 200 if status != "down" else 503
+        stall = state.worker.stall(state.engine_stall_degraded_s, state.engine_stall_unavailable_s)
+        if status == "ok" and stall is not None:
+            severity, reason = stall  # a frozen or hung engine process (still alive)
+            status = "degraded"
+            reasons.append(reason)
+            if severity == "unavailable":
+                http_status = 503
         used, total = stats.get("kv_blocks_used") or 0, stats.get("kv_blocks_total") or 0
         idle = not stats.get("num_running") and not stats.get("num_waiting")
         if status == "ok" and idle and total and used / total > IDLE_KV_LEAK_SHARE:
@@ -320,7 +336,7 @@ def build_app(state: ServerState) -> FastAPI:
             "reasons": reasons,
         }
         body["telemetry_dropped"] = body["telemetry"]["dropped_total"]
-        return JSONResponse(body, status_code=200 if status != "down" else 503)
+        return JSONResponse(body, status_code=http_status)
 
     @app.get("/metrics")
     async def metrics():
@@ -333,6 +349,7 @@ def build_app(state: ServerState) -> FastAPI:
             restarts=state.worker.restarts,
             in_flight=state.admission.in_flight,
         )
+        m.set_heartbeat_age(state.worker.heartbeat_age_s)
         body, content_type = m.render()
         return Response(body, media_type=content_type)
 

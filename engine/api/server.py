@@ -36,12 +36,18 @@ def make_server(
     otlp_endpoint: str | None = None,
     device_sample_interval_s: float = 0.1,
     fault_stream_delay_ms: float = 0.0,
+    engine_stall_degraded_s: float | None = None,
+    engine_stall_unavailable_s: float | None = None,
 ) -> uvicorn.Server:
     """A configured uvicorn server whose startup launches the engine worker.
 
     ``fault_stream_delay_ms`` is a fault drill (case C03): the stream station waits that long
     (ms) before each SSE token chunk after the first, as a detokenizer or serializer with a
     per-token cost would; the first token (TTFT) is left to the engine.
+
+    ``engine_stall_degraded_s`` / ``engine_stall_unavailable_s``: seconds without a message
+    from the engine core after which ``/health`` says ``degraded`` / answers 503 (None: the
+    defaults ``worker.ENGINE_STALL_DEGRADED_S`` and ``ENGINE_STALL_UNAVAILABLE_S``).
 
     Raises:
         TenantsFileError, ModelLoadError: bad tenants file or model folder (before any start).
@@ -114,6 +120,10 @@ def make_server(
         trace_content=trace_content,
         fault_stream_delay_s=fault_stream_delay_ms / 1000.0,
     )
+    if engine_stall_degraded_s is not None:
+        state.engine_stall_degraded_s = engine_stall_degraded_s
+    if engine_stall_unavailable_s is not None:
+        state.engine_stall_unavailable_s = engine_stall_unavailable_s
     app = build_app(state)
     app.router.lifespan_context = lifespan
     uv_config = uvicorn.Config(

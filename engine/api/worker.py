@@ -13,10 +13,26 @@ import time
 
 from ..async_engine import AsyncEngine, EngineDeadError
 from ..config import EngineConfig
+from ..core_process import IDLE_POLL_MS
 
 log = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = 1.0
+
+#: ``/health`` turns ``degraded`` (HTTP 200) when the engine core has sent nothing for this long
+#: (s). A live engine sends a message every step and a heartbeat every 0.5 s when idle
+#: (``core_process.IDLE_POLL_MS``), so this is 20 missed idle heartbeats. A busy engine is silent
+#: for one step, and one step can legitimately be long: a full ``max_num_batched_tokens`` (2048)
+#: prefill of the default model took 43 s on a 2-core CPU shared with other work (torch
+#: attention). Such a step stalls every stream too, so calling it degraded is true;
+#: ``tokenmill serve --engine-stall-degraded`` overrides.
+ENGINE_STALL_DEGRADED_S = 10.0
+#: ``/health`` answers 503 past this silence (s), so a load balancer sends requests elsewhere:
+#: nothing is served meanwhile. About 3x the longest legitimate step seen (the 43 s prefill
+#: above) so that one slow step, or Triton compiling its kernels on first use (tens of seconds),
+#: does not take the server out of rotation; ``tokenmill serve --engine-stall-unavailable``
+#: overrides.
+ENGINE_STALL_UNAVAILABLE_S = 120.0
 
 
 class EngineUnavailable(Exception):
@@ -143,8 +159,35 @@ class EngineWorker:
         if self.ready:
             await self.engine.abort(request_id)
 
+    @property
+    def heartbeat_age_s(self) -> float | None:
+        """Seconds since the running engine's last message (see
+        :attr:`AsyncEngine.heartbeat_age_s`); None while no engine is up."""
+        engine = self.engine
+        if engine is None or self.state != "ready":
+            return None
+        return engine.heartbeat_age_s
+
+    def stall(self, degraded_s: float, unavailable_s: float) -> tuple[str, str] | None:
+        """``(severity, reason)`` when the ready engine has been silent for at least
+        ``degraded_s`` seconds: severity ``unavailable`` from ``unavailable_s`` on, else
+        ``degraded``; None when it is not silent that long (or not ready: that is reported by
+        :attr:`state`). Defaults: :data:`ENGINE_STALL_DEGRADED_S`,
+        :data:`ENGINE_STALL_UNAVAILABLE_S`."""
+        age = self.heartbeat_age_s
+        if age is None or age < degraded_s:
+            return None
+        severity = "unavailable" if age >= unavailable_s else "degraded"
+        reason = (
+            f"no message from the engine core (pid {self.engine.pid}) for {age:.1f} s: it is "
+            f"frozen or in one very long step (it sends one per step and a heartbeat every "
+            f"{IDLE_POLL_MS / 1000:g} s when idle); degraded past {degraded_s:g} s, 503 past {unavailable_s:g} s"
+        )
+        return severity, reason
+
     def health(self) -> dict:
         engine = self.engine
+        age = self.heartbeat_age_s
         return {
             "name": self.name,
             "state": self.state,
@@ -152,9 +195,16 @@ class EngineWorker:
             "uptime_s": round(engine.uptime_s, 1) if engine else 0.0,
             "restarts": self.restarts,
             "last_error": self.last_error,
+            "heartbeat_age_s": None if age is None else round(age, 3),
             "stats": dict(engine.stats) if engine else {},
             "checked_at": time.time(),
         }
 
 
-__all__ = ["EngineDeadError", "EngineUnavailable", "EngineWorker"]
+__all__ = [
+    "ENGINE_STALL_DEGRADED_S",
+    "ENGINE_STALL_UNAVAILABLE_S",
+    "EngineDeadError",
+    "EngineUnavailable",
+    "EngineWorker",
+]
