@@ -83,10 +83,15 @@ class Report:
 
 def _summary(sig: Signals) -> dict:
     o = sig.overall
+    # "requests" counts arrivals in the range; "completed" and "errors" count requests that
+    # ended in it (some arrived before it), so "completed" can exceed "requests";
+    # "completed_of_arrived" is the arrivals that completed
     return {
         "requests": o.get("arrivals"),
         "completed": o.get("completions"),
         "errors": o.get("errors"),
+        "completed_of_arrived": o.get("completed_arrivals"),
+        "ended": o.get("ended"),
         "errors_by_type": sig.errors_by_type,
         "ttft_p50_ms": o.get("ttft_p50"),
         "ttft_p99_ms": o.get("ttft_p99"),

@@ -127,3 +127,27 @@ def test_window_with_no_traffic_is_refused(tmp_path):
     path = tmp_path / "idle_tail.duckdb"
     write_store(path, [HEALTHY.but(duration_s=20), HEALTHY.but(duration_s=30, rate_per_s=0)])
     _bad(tm("diagnose", str(path), "--since", "10s"), "no requests")
+
+
+def test_key_numbers_say_what_they_count(healthy):
+    """Issue 19 item 10c: arrivals and completions in a range are different requests (one that
+    arrived before the range can end in it); the key numbers must not print `requests 1` and
+    `completed 3` under words that read as the same requests."""
+    from tokenmill.diagnose.findings import diagnose
+    from tokenmill.diagnose.report import to_markdown
+
+    con = duckdb.connect(str(healthy), read_only=True)
+    since, until = con.execute("SELECT max(arrival_ns), max(end_ns) + 1 FROM requests").fetchone()
+    report = diagnose(con, since_ns=since, until_ns=until)
+    con.close()
+    s = report.summary
+    assert s["requests"] == 1 and s["completed"] > s["requests"]  # the misreadable case
+    assert s["completed_of_arrived"] == 1 and s["ended"] == s["completed"] + (s["errors"] or 0)
+    text = to_markdown(report)
+    assert "- requests arrived: 1\n" in text and "- arrived and completed: 1\n" in text
+    assert f"- completed in range (by end time): {s['completed']}\n" in text
+    assert "- completed:" not in text and "- requests:" not in text
+    r = tm("diagnose", str(healthy), "--format", "text")
+    assert r.returncode == 0, r.stderr
+    for label in ("requests arrived", "arrived and completed", "completed in range (by end"):
+        assert label in r.stdout, r.stdout
