@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -68,8 +69,41 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float 
     raise DemoError(f"the server did not become healthy in {timeout_s:.0f} s")
 
 
+#: Exit codes of a child that was stopped, not one that failed: 0 (tokenmill serve after a
+#: SIGINT/SIGTERM), killed by SIGINT/SIGTERM, or 128 + the signal.
+STOPPED_CODES = (0, -signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
+def wait_for_stop(procs: dict[str, subprocess.Popen], poll_s: float = 1.0) -> str:
+    """Wait while every child runs; returns the name of the first that stopped cleanly (a
+    Ctrl-C goes to the whole process group, so a child may end before this process sees it).
+    A Ctrl-C here raises KeyboardInterrupt as usual.
+
+    Raises:
+        DemoError: a child exited with another code (it failed), naming it and the code.
+    """
+    while True:
+        for name, proc in procs.items():
+            code = proc.poll()
+            if code is None:
+                continue
+            if code in STOPPED_CODES:
+                return name
+            raise DemoError(f"the {name} stopped with exit code {code} (see its log)")
+        time.sleep(poll_s)
+
+
+def _ignore_sigint():
+    """Ignore Ctrl-C from now on (so a second one cannot cut the cleanup short); returns the
+    previous handler, or None off the main thread (where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run(*, port: int = 8000, console_port: int = 8501, wait: bool = True, say=print) -> int:
-    """Run the demo; returns the exit code (0 after Ctrl-C, or at once with ``wait=False``).
+    """Run the demo; returns the exit code (0 after Ctrl-C, once or twice, or at once with
+    ``wait=False``).
 
     Raises:
         DemoError: the server or console could not start, or the tour failed.
@@ -79,6 +113,7 @@ def run(*, port: int = 8000, console_port: int = 8501, wait: bool = True, say=pr
     console_port = _free_port(console_port)
     url = f"http://127.0.0.1:{port}"
     procs: list[subprocess.Popen] = []
+    previous_sigint = None
     try:
         say(f"• starting the server on {url} (default model, tracing on; logs in {work})")
         server_log = work / "server.log"
@@ -123,12 +158,14 @@ def run(*, port: int = 8000, console_port: int = 8501, wait: bool = True, say=pr
         say(f"\nconsole: http://127.0.0.1:{console_port}   server: {url}/v1   (Ctrl-C to stop)")
         if wait:
             signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
-            while all(p.poll() is None for p in procs):
-                time.sleep(1)
-            raise DemoError("the server or the console stopped")
+            wait_for_stop(dict(zip(("server", "console"), procs, strict=True)))
+            say("\nstopping")
     except KeyboardInterrupt:
+        previous_sigint = _ignore_sigint()
         say("\nstopping")
     finally:
+        if previous_sigint is None:
+            previous_sigint = _ignore_sigint()
         for p in reversed(procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
@@ -137,4 +174,6 @@ def run(*, port: int = 8000, console_port: int = 8501, wait: bool = True, say=pr
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if previous_sigint is not None:
+            signal.signal(signal.SIGINT, previous_sigint)
     return 0

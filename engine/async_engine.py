@@ -52,6 +52,11 @@ class EngineDeadError(TokenmillError):
     """The engine core process is gone (crashed or failed to start)."""
 
 
+class StreamStopped(TokenmillError):
+    """The server stopped this stream (it is shutting down, see :meth:`AsyncEngine.stop_streams`);
+    the request is aborted in the engine and its final record goes to the abandoned listeners."""
+
+
 def raise_for(error: EngineError) -> Exception:
     """The exception the API handles for an engine refusal: :class:`RequestRejected` for
     ``context_length_exceeded``, ``ValueError`` (bad prompt or sampling parameters) otherwise."""
@@ -83,6 +88,7 @@ class AsyncEngine:
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._abandoned_listeners: list[Callable[[RequestOutput], None]] = []
         self._reader: asyncio.Task | None = None
+        self._closing = False  # shutdown() began: the process exiting is no crash
         self.process: multiprocessing.Process | None = None
         self.info: dict = {}
         self.stats: dict = {}
@@ -129,7 +135,8 @@ class AsyncEngine:
         return self.info
 
     async def shutdown(self) -> None:
-        """Stop the engine process and close the sockets."""
+        """Stop the engine process and close the sockets (its exit is not reported as a death)."""
+        self._closing = True
         if self.process is not None and self.process.is_alive():
             await self._send(Shutdown(), timeout_s=1.0)
             await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
@@ -195,6 +202,7 @@ class AsyncEngine:
             RequestRejected: it can never fit the context or the KV pool.
             ValueError: bad prompt or sampling parameters.
             EngineDeadError: the engine process died.
+            StreamStopped: :meth:`stop_streams` ended it (the request is aborted).
         """
         if not self.alive:
             raise EngineDeadError(
@@ -230,7 +238,8 @@ class AsyncEngine:
                         ) from None
                     continue
                 if isinstance(item, Exception):
-                    finished = True
+                    # a stopped stream still has its request in the engine: abort it below
+                    finished = not isinstance(item, StreamStopped)
                     raise item
                 finished = item.finished
                 yield item
@@ -238,8 +247,26 @@ class AsyncEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if not finished and self.alive:
-                await self._send(AbortRequests([request_id]))
+            if not finished:
+                # outputs the stream never read: a final one is the request's last record (it
+                # finished as the stream was left); otherwise the engine aborts it and sends one
+                final = next(
+                    (o for o in _drain(queue) if isinstance(o, RequestOutput) and o.finished),
+                    None,
+                )
+                if final is not None:
+                    self._abandoned(final)
+                elif self.alive:
+                    await self._send(AbortRequests([request_id]))
+
+    def stop_streams(self, reason: str) -> int:
+        """End every open :meth:`generate` stream now with :class:`StreamStopped` (``reason``
+        as its message), after the outputs already queued for it. Each stopped request is then
+        aborted in the engine, whose final record of it (tokens produced, the abort step) goes
+        to the abandoned listeners. Returns the number of streams stopped."""
+        for queue in self._queues.values():
+            queue.put_nowait(StreamStopped(reason))
+        return len(self._queues)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with ``finish_reason='abort'``."""
@@ -306,6 +333,10 @@ class AsyncEngine:
                 self.last_message_monotonic = time.monotonic()
             if msg is None:
                 if self.process is not None and not self.process.is_alive():
+                    if self._closing:  # asked to stop: no crash; streams still open end now
+                        self.dead_reason = "shut down"
+                        self.stop_streams("the engine was shut down")
+                        return
                     self._fail_all(f"engine core process exited with code {self.process.exitcode}")
                     return
                 continue
@@ -332,11 +363,15 @@ class AsyncEngine:
             if queue is not None:
                 queue.put_nowait(out)
             elif out.finished:
-                for fn in self._abandoned_listeners:
-                    try:
-                        fn(out)
-                    except Exception:
-                        log.exception("abandoned-output listener failed")
+                self._abandoned(out)
+
+    def _abandoned(self, out: RequestOutput) -> None:
+        """Hand the final output of a request whose stream was left to the listeners."""
+        for fn in self._abandoned_listeners:
+            try:
+                fn(out)
+            except Exception:
+                log.exception("abandoned-output listener failed")
 
     def _on_step(self, record: StepRecord) -> None:
         self.stats.update(
@@ -358,3 +393,11 @@ class AsyncEngine:
         log.error("engine core died: %s", reason)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(f"engine core died: {reason}"))
+
+
+def _drain(queue: asyncio.Queue) -> list:
+    """Everything waiting in ``queue`` now, without blocking."""
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items

@@ -38,6 +38,23 @@ def step_row(record: StepRecord, engine_pid: int | None = None) -> dict:
     return row
 
 
+def billed_row(row: dict, usage: dict | None) -> dict:
+    """The ``requests`` row with its token counts replaced by what the request was metered
+    (``usage``, the OpenAI usage object), for the Prometheus token counters: they bill what
+    metering billed (a request cut in the queue bills no prompt), and nothing without usage (the
+    request never reached the engine). The stored row keeps the request's own counts."""
+    if usage is None:
+        return {**row, "input_tokens": 0, "output_tokens": 0, "cached_tokens": 0}
+    return {
+        **row,
+        "input_tokens": usage["prompt_tokens"],
+        "output_tokens": usage["completion_tokens"],
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get(
+            "cached_tokens", row.get("cached_tokens")
+        ),
+    }
+
+
 class LiveDumps:
     """Trace dumps of a live store for ``GET /admin/dump`` (the API's ``DumpWriter``).
 
@@ -186,7 +203,7 @@ class Telemetry:
             stations = station_intervals(tl)
             row = request_row(tl, "", stations, request_end_ns(tl, stations))
             itl = itl_ms(tl)
-        self.metrics.observe_request(row, itl)
+        self.metrics.observe_request(billed_row(row, tl.usage), itl)
 
     def on_step(self, record: StepRecord) -> None:
         """One engine step: an ``engine_steps`` row and the step metrics."""

@@ -253,6 +253,7 @@ def _error_station(tl: RequestTimeline, stations: dict) -> str | None:
 
 def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict]:
     n = tl.output_tokens
+    usage = tl.usage
     return {
         "gateway": _attrs({"tokenmill.tenant": tl.tenant}),
         "tokenize": _attrs({"gen_ai.usage.input_tokens": tl.input_tokens}),
@@ -283,8 +284,18 @@ def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict
         "stream": _attrs(
             {"tokenmill.stream": tl.stream, "http.response.status_code": tl.http_status}
         ),
+        # what was billed: the metered usage (a cut request's prompt counts only once its
+        # prefill began, see engine/api/stations.billed_usage)
         "metering": _attrs(
             {
+                "gen_ai.usage.input_tokens": usage["prompt_tokens"],
+                "gen_ai.usage.output_tokens": usage["completion_tokens"],
+                "tokenmill.usage.cached_tokens": (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens", tl.cached_tokens
+                ),
+            }
+            if usage
+            else {
                 "gen_ai.usage.input_tokens": tl.input_tokens,
                 "gen_ai.usage.output_tokens": n,
                 "tokenmill.usage.cached_tokens": tl.cached_tokens,

@@ -14,19 +14,26 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..async_engine import EngineDeadError
+from ..async_engine import EngineDeadError, StreamStopped
 from ..errors import RequestRejected
 from ..messages import IDLE_KV_LEAK_SHARE, RequestOutput
 from .admin import register_admin_routes
 from .errors import APIError
 from .gateway import Gateway, Tenant
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .stations import AdmissionStation, MeteringStation, TokenizeStation, usage_of
+from .stations import (
+    AdmissionStation,
+    MeteringStation,
+    TokenizeStation,
+    billed_usage,
+    usage_of,
+)
 from .timeline import RequestTimeline, block_hashes, head_hashes
 from .worker import (
     ENGINE_STALL_DEGRADED_S,
@@ -43,6 +50,13 @@ UNION_TAG_RE = re.compile(
     r"|json-or-python\[.*\]|lax-or-strict\[.*\]|nullable\[.*\]|union\[.*\]|tagged-union\[.*\])$"
 )
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: How long (s) a request cut before its end (client gone, server shutdown) waits for the
+#: engine's final record of it (sent in the step the abort arrives) before it is recorded
+#: with the tokens seen so far.
+ENGINE_FINAL_WAIT_S = 5.0
+#: Engine final records kept for responses not over yet (a bound, never reached in practice).
+MAX_EARLY_FINALS = 4096
+SHUTDOWN_MESSAGE = "the server is shutting down; this request was stopped"
 
 
 @dataclass
@@ -68,10 +82,91 @@ class ServerState:
     # /health: an engine silent this long (s) is degraded, and unavailable (503) past the second
     engine_stall_degraded_s: float = ENGINE_STALL_DEGRADED_S
     engine_stall_unavailable_s: float = ENGINE_STALL_UNAVAILABLE_S
+    shutting_down: bool = False
+    open_requests: int = 0  # completion requests whose response is not over yet
+    # engine ids of requests whose stream was left (client gone, shutdown) before the engine's
+    # final record of them: finish() waits for that record (see on_engine_final)
+    unsettled: set[str] = field(default_factory=set)
+    _early_finals: dict[str, RequestOutput] = field(default_factory=dict)
+    _awaiting: dict[str, tuple] = field(default_factory=dict)
 
     def finish(self, tl: RequestTimeline) -> None:
-        """Metering, then hand the finished timeline to telemetry (which must never fail us)."""
+        """The response is over: meter the request and hand its timeline to telemetry.
+
+        A request cut before the engine's final record of it (the client left, the server is
+        shutting down) is recorded when that record arrives (:meth:`on_engine_final`: the tokens
+        made up to the step the abort arrived in), or after :data:`ENGINE_FINAL_WAIT_S` seconds
+        with the tokens seen so far. Must run in the event loop."""
+        rid = tl.request_id
+        final = self._early_finals.pop(rid, None) if rid else None
+        if final is not None:
+            tl.observe(final)
+        elif rid in self.unsettled:
+            loop = asyncio.get_running_loop()
+            self._awaiting[rid] = (tl, loop.call_later(ENGINE_FINAL_WAIT_S, self._settle, rid))
+            return
+        self._record(tl)
+
+    def on_engine_final(self, out: RequestOutput) -> None:
+        """Abandoned-output listener (the engine worker's): the engine's final record of a
+        request whose stream was left early; its timeline is recorded with it."""
+        rid = out.request_id
+        if rid not in self.unsettled:
+            return
+        if rid in self._awaiting:
+            self._settle(rid, out)
+            return
+        self.unsettled.discard(rid)  # the response is not over yet: finish() takes it
+        self._early_finals[rid] = out
+        while len(self._early_finals) > MAX_EARLY_FINALS:
+            self._early_finals.pop(next(iter(self._early_finals)))
+
+    def _settle(self, rid: str, out: RequestOutput | None = None) -> None:
+        self.unsettled.discard(rid)
+        entry = self._awaiting.pop(rid, None)
+        if entry is None:
+            return
+        tl, timer = entry
+        timer.cancel()
+        if out is not None:
+            tl.observe(out)
+        self._record(tl)
+
+    @property
+    def unrecorded(self) -> int:
+        """Completion requests not recorded yet: responses still open, and finished ones
+        waiting for the engine's final record of their request."""
+        return self.open_requests + len(self._awaiting)
+
+    def record_awaiting(self) -> None:
+        """Record every request still waiting for its engine record, with what it has (the
+        engine is stopping)."""
+        for rid in list(self._awaiting):
+            self._settle(rid)
+
+    def begin_shutdown(self, reason: str = SHUTDOWN_MESSAGE) -> int | None:
+        """Stop serving: new requests get 503, every open stream ends now with a
+        ``server_shutdown`` error (its request aborted in the engine and recorded with error
+        type ``server_shutdown``). Returns the number of requests stopped, or None when the
+        shutdown had already begun."""
+        if self.shutting_down:
+            return None
+        self.shutting_down = True
+        return self.worker.stop_streams(reason)
+
+    def _record(self, tl: RequestTimeline) -> None:
+        """Metering, then the finished timeline to telemetry (which must never fail us).
+
+        Every request the engine queued gets one usage (its metering record), also when it was
+        cut (:func:`billed_usage`); one that never reached the engine gets none."""
         tl.metering_start_ns = time.time_ns()
+        if tl.usage is None and tl.queued_ns is not None:
+            tl.usage = billed_usage(
+                tl.input_tokens or 0,
+                tl.output_tokens if tl.first_token_ns is not None else 0,
+                tl.cached_tokens,
+                prefill_started=tl.scheduled_ns is not None,
+            )
         if tl.usage is not None and tl.tenant is not None:
             u = tl.usage
             self.metering.record(
@@ -128,6 +223,7 @@ class TimelineMiddleware:
                     tl.last_byte_ns = now
             await send(message)
 
+        self.state.open_requests += 1
         try:
             await self.app(scope, receive, timed_send)
         except BaseException:
@@ -135,6 +231,7 @@ class TimelineMiddleware:
             tl.fail("internal_error")
             raise
         finally:
+            self.state.open_requests -= 1
             if tl.http_status and tl.http_status >= 400 and tl.error_type is None:
                 tl.fail(f"http_{tl.http_status}")
             self.state.finish(tl)
@@ -196,9 +293,54 @@ class BodyLimitMiddleware:
             await too_big.response()(scope, receive, send)
 
 
-def _request_id(request: Request) -> str:
-    incoming = request.headers.get("x-request-id", "")
-    return incoming if REQUEST_ID_RE.match(incoming) else f"req-{uuid.uuid4().hex}"
+class RequestIdMiddleware:
+    """Gives every response an ``x-request-id``: the client's own (when it is 1-64 characters of
+    ``[A-Za-z0-9._:-]``) or a new ``req-<hex>``, kept in ``request.state.request_id`` (and the
+    timeline) for the error handlers. It sits outside the body limit, so a 413 carries it too.
+
+    Pure ASGI on purpose: an ``@app.middleware("http")`` layer (``BaseHTTPMiddleware``) hides the
+    client's disconnect from the route, and a non-streamed request would run on after its
+    client left."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        incoming = headers.get(b"x-request-id", b"").decode("latin-1")
+        rid = incoming if REQUEST_ID_RE.match(incoming) else f"req-{uuid.uuid4().hex}"
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
+        tp = headers.get(b"traceparent", b"").decode("latin-1")
+        state["traceparent"] = tp if TRACEPARENT_RE.match(tp) else None
+        tl = state.get("tm_timeline")
+        if tl is not None:
+            tl.client_request_id = rid
+        header = (b"x-request-id", rid.encode("latin-1"))
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                kept = [h for h in message.get("headers") or [] if h[0].lower() != header[0]]
+                message = {**message, "headers": [*kept, header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A :class:`StreamingResponse` that closes its body iterator however the response ends.
+    Starlette leaves an iterator cut off while a chunk was being sent to the garbage collector,
+    so the stream's own cleanup (abort, the disconnect record) would run after the request was
+    recorded."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -230,20 +372,9 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tokenmill", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.tm = state
 
-    @app.middleware("http")
-    async def request_id_mw(request: Request, call_next):
-        rid = _request_id(request)
-        request.state.request_id = rid
-        tl = getattr(request.state, "tm_timeline", None)
-        if tl is not None:
-            tl.client_request_id = rid
-        tp = request.headers.get("traceparent", "")
-        request.state.traceparent = tp if TRACEPARENT_RE.match(tp) else None
-        response = await call_next(request)
-        response.headers["x-request-id"] = rid
-        return response
-
+    # outermost first: timeline (arrival), request id (every response, 413 included), body limit
     app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)
     app.add_middleware(TimelineMiddleware, state=state)
 
     @app.exception_handler(APIError)
@@ -446,20 +577,19 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
                 tenant=tenant.name,
             )
         except EngineUnavailable as exc:
-            raise APIError(
-                503, str(exc), code="engine_unavailable", retry_after=exc.retry_after
-            ) from None
+            code = "server_shutdown" if state.shutting_down else "engine_unavailable"
+            raise APIError(503, str(exc), code=code, retry_after=exc.retry_after) from None
         tl.admission_end_ns = time.time_ns()
     except BaseException:
         release()
         raise
     created = int(time.time())
-    outputs = _observed(outputs, tl)
+    outputs = _observed(outputs, tl, state.unsettled)
     if body.stream:
         gen = _stream(
             state, outputs, engine_id, chat, created, tenant, tok, body.include_usage, release, tl
         )
-        return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+        return _ClosingStreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         return await _collect_unless_gone(
             state, request, outputs, engine_id, chat, created, tenant, tok, tl
@@ -468,25 +598,35 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
         release()
 
 
-async def _observed(outputs: AsyncIterator[RequestOutput], tl: RequestTimeline):
-    """The engine's outputs, each folded into the timeline on the way through."""
+async def _observed(outputs: AsyncIterator[RequestOutput], tl: RequestTimeline, unsettled: set):
+    """The engine's outputs, each folded into the timeline on the way through. A stream left
+    before the request's final output (client gone, server shutdown) adds its engine id to
+    ``unsettled``: the engine's final record of it is still to come (see ServerState.finish)."""
+    settled = False
     try:
         async for out in outputs:
             tl.observe(out)
+            settled = out.finished
             yield out
+    except (EngineDeadError, RequestRejected, ValueError):
+        settled = True  # the engine refused the request or died: no final record will come
+        raise
     finally:
+        if not settled and tl.request_id:
+            unsettled.add(tl.request_id)
         await outputs.aclose()
 
 
 async def _collect_unless_gone(
     state, request: Request, outputs, rid, chat, created, tenant, tok, tl: RequestTimeline
 ):
-    """Collect a non-streamed answer; if the client goes away first, abort the engine request."""
+    """Collect a non-streamed answer; if the client goes away first, abort the engine request
+    at once (the body is read, so the next ASGI message can only be the disconnect)."""
     collect = asyncio.ensure_future(_collect(state, outputs, rid, chat, created, tenant, tok, tl))
 
     async def gone():
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.25)
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     watch = asyncio.ensure_future(gone())
     try:
@@ -601,6 +741,12 @@ async def _stream(
                     )
         yield "data: [DONE]\n\n"
         done = True
+    except StreamStopped as exc:  # the server is shutting down
+        err = APIError(503, str(exc), code="server_shutdown")
+        tl.fail("server_shutdown", err.message)
+        yield sse(err.body())
+        yield "data: [DONE]\n\n"
+        done = True
     except (EngineDeadError, RequestRejected, ValueError) as exc:
         status = 503 if isinstance(exc, EngineDeadError) else 400
         err = APIError(status, str(exc), code="engine_died" if status == 503 else None)
@@ -625,6 +771,8 @@ async def _collect(state, outputs, rid, chat, created, tenant: Tenant, tok, tl: 
             last = out
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="engine_died", retry_after=5) from None
+    except StreamStopped as exc:
+        raise APIError(503, str(exc), code="server_shutdown", retry_after=5) from None
     except RequestRejected as exc:
         raise APIError(
             400, str(exc), param=tok.prompt_param, code="context_length_exceeded"

@@ -15,7 +15,9 @@ MAX_STOP_STRINGS = 8
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    """``stream_options``: only with ``"stream": true`` (see ``check_supported``)."""
+
+    include_usage: StrictBool = False
 
 
 class ContentPart(BaseModel):
@@ -76,7 +78,15 @@ class _CommonRequest(BaseModel):
         return v
 
     def check_supported(self) -> None:
-        """Raises APIError(400) for options we do not implement."""
+        """Raises APIError(400) for options we do not implement, and for ``stream_options``
+        without ``"stream": true`` (as OpenAI does)."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                400,
+                "stream_options is only allowed when stream is true",
+                param="stream_options",
+                code="invalid_value",
+            )
         if self.n != 1:
             raise APIError(
                 400, f"n={self.n} is not supported; only n=1", param="n", code="unsupported"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import signal
+import time
 from pathlib import Path
 
 import uvicorn
@@ -18,6 +21,55 @@ from .stations import AdmissionStation, MeteringStation, TokenizeStation
 from .worker import EngineWorker
 
 log = logging.getLogger("tokenmill.serve")
+
+#: At shutdown, how long (s) to wait for the stopped streams to end and for the engine's final
+#: records of their requests.
+SHUTDOWN_SETTLE_S = 3.0
+
+
+class TokenmillServer(uvicorn.Server):
+    """uvicorn's server with tokenmill's shutdown.
+
+    The first SIGINT or SIGTERM calls ``on_stop(signal_name)`` in the event loop (it ends every
+    open stream with a ``server_shutdown`` error), then uvicorn stops as usual. A second SIGINT
+    skips waiting for connections but never the cleanup (engine stop, store flush), which uvicorn
+    alone would skip. A signal that stopped the server is not raised again afterwards, so the
+    process exits 0 (:attr:`stop_signals` lists them).
+    """
+
+    def __init__(self, config: uvicorn.Config, on_stop=None):
+        super().__init__(config)
+        self.on_stop = on_stop
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stop_signals: list[int] = []
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first and self.on_stop is not None and self.loop is not None:
+            try:
+                name = signal.Signals(sig).name
+            except ValueError:
+                name = str(sig)
+            self.loop.call_soon_threadsafe(self.on_stop, name)
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:  # a second Ctrl-C: uvicorn skipped the lifespan shutdown
+            await self.lifespan.shutdown()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            try:
+                yield
+            finally:  # handled: uvicorn would raise them again once serve() returns
+                self.stop_signals = list(self._captured_signals)
+                self._captured_signals.clear()
 
 
 def make_server(
@@ -75,6 +127,7 @@ def make_server(
     )
     worker.add_step_listener(telemetry.on_step)
     worker.add_abandoned_listener(telemetry.on_abandoned)
+    worker.add_abandoned_listener(lambda out: state.on_engine_final(out))
     worker.add_event_listener(lambda kind, sev, msg: telemetry.event(kind, sev, msg))
 
     @contextlib.asynccontextmanager
@@ -104,8 +157,25 @@ def make_server(
         try:
             yield
         finally:
+            stop("lifespan end")  # no-op after a signal began it
+            deadline = time.monotonic() + SHUTDOWN_SETTLE_S
+            while state.unrecorded and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)  # the stopped streams end, the engine's records come
             await worker.stop()
+            state.record_awaiting()
             telemetry.close()
+
+    def stop(cause: str) -> None:
+        """Begin the shutdown once: record it, end the open streams (``server_shutdown``)."""
+        n = state.begin_shutdown()
+        if n is not None:
+            telemetry.event(
+                "server_shutdown",
+                "info",
+                f"server shutting down ({cause}); {n} open requests stopped",
+                cause=cause,
+                open_requests=n,
+            )
 
     state = ServerState(
         worker=worker,
@@ -129,4 +199,4 @@ def make_server(
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
     )
-    return uvicorn.Server(uv_config)
+    return TokenmillServer(uv_config, on_stop=stop)

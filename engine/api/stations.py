@@ -166,6 +166,25 @@ def usage_of(out) -> dict:
     }
 
 
+def billed_usage(
+    prompt_tokens: int, output_tokens: int, cached_tokens: int, *, prefill_started: bool
+) -> dict:
+    """The OpenAI ``usage`` object a request is metered with when it did not finish on its own
+    (the client left, the server shut down, the engine failed it), from the engine's final
+    record of it. The rule, the same as for a finished request: the prompt counts (in full, its
+    prefix-cache hits as ``cached_tokens``) once the engine began computing it
+    (``prefill_started``), not while it only waited in the queue; the output counts every token
+    the engine generated, those of the step the abort arrived in included. All counts in tokens.
+    """
+    prompt = prompt_tokens if prefill_started else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": output_tokens,
+        "total_tokens": prompt + output_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens if prefill_started else 0},
+    }
+
+
 class MeteringStation:
     """Turns a finished request's token counts into its OpenAI ``usage`` object. Per-tenant
     totals are the Prometheus counters (``tokenmill_prompt_tokens_total``,

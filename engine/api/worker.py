@@ -63,6 +63,7 @@ class EngineWorker:
         self._abandoned_listeners = []
         self._event_listeners = []
         self._stopping = False
+        self.closing = False  # the server is shutting down: no new requests, no restarts
 
     def add_step_listener(self, fn) -> None:
         self._listeners.append(fn)
@@ -112,6 +113,9 @@ class EngineWorker:
             if self.engine is not None and self.engine.alive:
                 continue
             reason = self.engine.dead_reason if self.engine else "not running"
+            if self.closing:  # the shutdown's signal reached the engine too: no crash
+                log.info("%s: engine core exited during shutdown (%s)", self.name, reason)
+                return
             self.last_error = reason
             log.error("%s: engine core died (%s); restarting", self.name, reason)
             self._emit("engine_crash", "error", f"{self.name}: {reason}")
@@ -132,8 +136,17 @@ class EngineWorker:
                     self.last_error = str(exc)
                     await asyncio.sleep(RESTART_BACKOFF_S)
 
+    def stop_streams(self, reason: str) -> int:
+        """Refuse new requests from now on and end every open stream with ``StreamStopped``
+        (``reason``), each request aborted in the engine (see :meth:`AsyncEngine.stop_streams`).
+        Returns the number of streams stopped."""
+        self.closing = True
+        return self.engine.stop_streams(reason) if self.engine is not None else 0
+
     async def stop(self) -> None:
+        """Stop watching and shut the engine process down."""
         self._stopping = True
+        self.closing = True
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -149,8 +162,10 @@ class EngineWorker:
         """The engine's output stream for one request.
 
         Raises:
-            EngineUnavailable: the worker is restarting or down.
+            EngineUnavailable: the worker is restarting or down, or the server is shutting down.
         """
+        if self.closing:
+            raise EngineUnavailable("the server is shutting down; retry on another server")
         if not self.ready:
             raise EngineUnavailable(f"engine worker is {self.state}; retry shortly")
         return self.engine.generate(*args, **kwargs)
