@@ -115,7 +115,9 @@ class _DropsCollector:
     """``tokenmill_telemetry_dropped_total{model_name,table}``: rows the trace store dropped.
 
     Read at every scrape from ``source() -> {table: count}`` (the store's own per-table drop
-    counter), so the exported number can never drift from the store's.
+    counter), so the exported number can never drift from the store's. The scrape may run in a
+    worker thread while other threads add a table's first drop; a copy that meets that
+    (``RuntimeError``) is retried.
     """
 
     NAME = PREFIX + "telemetry_dropped"
@@ -134,11 +136,14 @@ class _DropsCollector:
     def collect(self) -> Iterable[Metric]:
         fam = self._family()
         counts: dict[str, int] = {}
-        if self.source is not None:
+        for _ in range(3 if self.source is not None else 0):
             try:
                 counts = dict(self.source() or {})
+                break
+            except RuntimeError:  # a table's first drop landed mid-copy (another thread): again
+                continue
             except Exception:  # a failing source must not break the whole scrape
-                counts = {}
+                break
         for table in sorted(counts):
             fam.add_metric([self.model_name, str(table)], float(counts[table]))
         return [fam]

@@ -325,3 +325,90 @@ def test_vllm_ladder_alone_misreads_an_idle_queue():
         m.observe_request(dict(COMPLETED[0][0], queue_ms=0.1), [])
     new = _buckets(_samples(m.render()[0]), "tokenmill_request_queue_time_seconds")
     assert 0.00005 <= histogram_quantile(0.5, new) <= 0.0002
+
+
+# ----- /metrics renders off the event loop and is current -----------------------------------------
+
+
+def test_metrics_route_renders_in_a_thread_and_is_current():
+    """The route sets the gauges on the loop, renders in a worker thread (not the loop's), and
+    the body holds a counter incremented just before the scrape (no cache)."""
+    import threading
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from tokenmill.engine.api.app import ServerState, build_app
+    from tokenmill.engine.api.gateway import Gateway
+    from tokenmill.engine.api.stations import AdmissionStation, MeteringStation
+
+    m = ServingMetrics(MODEL)
+    threads = []
+    render = m.render
+
+    def spy_render():
+        threads.append(threading.current_thread())
+        return render()
+
+    m.render = spy_render
+    worker = SimpleNamespace(
+        health=lambda: {"stats": {"num_running": 1, "num_waiting": 2, "kv_usage": 0.5}},
+        restarts=0,
+        heartbeat_age_s=0.25,
+    )
+    telemetry = SimpleNamespace(metrics=m, dumps=SimpleNamespace(can_dump=False))
+    state = ServerState(
+        worker=worker,
+        gateway=Gateway(None),
+        tokenize=None,
+        admission=AdmissionStation(4, 4),
+        metering=MeteringStation(),
+        model_name=MODEL,
+        max_body_bytes=1 << 20,
+        block_size=16,
+        telemetry=telemetry,
+    )
+    with TestClient(build_app(state)) as client:
+        loop_thread = client.portal.call(lambda: threading.current_thread())
+        for n in (1, 2):
+            m.observe_request(COMPLETED[0][0], [])
+            s = _samples(client.get("/metrics").content)
+            assert _get(s, "tokenmill_requests_total", tenant="acme", status="200") == n
+            assert _get(s, "tokenmill_num_requests_waiting") == 2
+            assert _get(s, "tokenmill_engine_heartbeat_age_seconds") == 0.25
+        state.metrics_off_loop = False  # the old path, kept for the benchmark: same body
+        s = _samples(client.get("/metrics").content)
+        assert _get(s, "tokenmill_requests_total", tenant="acme", status="200") == 2
+    assert len(threads) == 3
+    assert threads[0] is not loop_thread and threads[1] is not loop_thread
+    assert threads[2] is loop_thread
+
+
+def test_render_in_a_thread_while_observing_loses_nothing():
+    """Renders on another thread while this one observes (what the server now does): every
+    render parses, and the last one holds every observation."""
+    import threading
+
+    m = ServingMetrics(MODEL)
+    m.set_drops_source(lambda: {"spans": 1})
+    bodies = []
+    stop = threading.Event()
+
+    def scrape():
+        while not stop.is_set():
+            bodies.append(m.render()[0])
+
+    t = threading.Thread(target=scrape)
+    t.start()
+    try:
+        for i in range(300):
+            m.observe_request(dict(COMPLETED[0][0], tenant=f"t{i % 50}"), [20.0])
+    finally:
+        stop.set()
+        t.join()
+    for body in bodies:
+        _samples(body)  # parses
+    s = _samples(m.render()[0])
+    assert sum(v for (n, _), v in s.items() if n == "tokenmill_requests_total") == 300
+    assert _get(s, "tokenmill_inter_token_latency_seconds_count") == 300
+    assert len(bodies) >= 1

@@ -18,6 +18,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..async_engine import EngineDeadError, StreamStopped
@@ -82,6 +83,9 @@ class ServerState:
     # /health: an engine silent this long (s) is degraded, and unavailable (503) past the second
     engine_stall_degraded_s: float = ENGINE_STALL_DEGRADED_S
     engine_stall_unavailable_s: float = ENGINE_STALL_UNAVAILABLE_S
+    # /metrics renders in a worker thread; False renders on the event loop (the behaviour before,
+    # kept only so benchmarks/metrics_scrape.py can measure the difference in one run)
+    metrics_off_loop: bool = True
     shutting_down: bool = False
     open_requests: int = 0  # completion requests whose response is not over yet
     # engine ids of requests whose stream was left (client gone, shutdown) before the engine's
@@ -469,8 +473,19 @@ def build_app(state: ServerState) -> FastAPI:
         body["telemetry_dropped"] = body["telemetry"]["dropped_total"]
         return JSONResponse(body, status_code=http_status)
 
+    metrics_render = asyncio.Lock()  # one render at a time; a scrape waiting renders its own
+
     @app.get("/metrics")
     async def metrics():
+        """The Prometheus exposition, rendered per scrape (current: nothing is cached).
+
+        The gauges read from the worker are set here on the event loop; the text is rendered in
+        a worker thread, since with many tenants (1,853 series) it takes 16-48 ms that would
+        otherwise stall every stream. prometheus_client is thread-safe for this (each metric's
+        children and each value sit behind their own locks); a histogram observed during the
+        render may show its new count before its new sum, as with any threaded exporter.
+        Renders are serialized so concurrent scrapers never hold several threads at once.
+        """
         stats = state.worker.health()["stats"]
         m = state.telemetry.metrics
         m.set_engine_state(
@@ -481,7 +496,11 @@ def build_app(state: ServerState) -> FastAPI:
             in_flight=state.admission.in_flight,
         )
         m.set_heartbeat_age(state.worker.heartbeat_age_s)
-        body, content_type = m.render()
+        if not state.metrics_off_loop:
+            body, content_type = m.render()
+        else:
+            async with metrics_render:
+                body, content_type = await run_in_threadpool(m.render)
         return Response(body, media_type=content_type)
 
     def openapi():
