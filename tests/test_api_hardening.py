@@ -313,11 +313,14 @@ def test_every_response_carries_the_request_id(server):
         ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
         ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream_options": {"include_usage": False}}, "stream_options"),
+        ({"temperature": "0.5"}, "temperature"),  # the same kind: strict numbers
+        ({"top_p": True}, "top_p"),
     ],
 )
 def test_stream_options_are_strict(server, extra, param):
     """Item 9: strict booleans in `stream_options`, and `stream_options` only with streaming
-    (OpenAI's behaviour): a 400 naming the field. Before: accepted silently."""
+    (OpenAI's behaviour): a 400 naming the field. Before: accepted silently. The same for
+    sampling numbers sent as strings or booleans."""
     for endpoint, body in (
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
         (

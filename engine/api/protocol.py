@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+)
 
 from ..sampling import SamplingParams
 from .errors import APIError
@@ -43,22 +51,23 @@ class _CommonRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    # integers and booleans are strict: "5", 2.0 or true for max_tokens is a client bug
+    # numbers and booleans are strict: "5", 2.0 or true for max_tokens, "0.5" or true for
+    # temperature is a client bug (a JSON integer is a fine float)
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None = None
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
     logprobs: bool | int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
     user: str | None = None
     # tokenmill extensions (vLLM spells them the same way)
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
     ignore_eos: StrictBool = False
     # OpenAI options we do not implement: accepted only at their "off" value (check_supported)
     logit_bias: Any = None
