@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -178,6 +179,25 @@ def _run_steps(sc: Scenario, target: str, out: Path, log) -> list[Path]:
     return results
 
 
+def server_launch(
+    sc: Scenario, out: Path, port: int, model: str | None = None
+) -> tuple[list[str], Path, dict[str, str]]:
+    """The ``tokenmill serve`` command for a scenario, the folder it runs in (``out``) and its
+    environment. The server runs with ``cwd=out``, so every path it is given is made absolute
+    first, against this process's working directory: ``--trace-db``, ``--model`` and a relative
+    ``$TOKENMILL_HOME`` (before, a relative ``--out`` gave the server ``out/out/traces.duckdb``
+    and "database does not exist")."""
+    out = Path(out).resolve()
+    cmd = [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port)]
+    cmd += ["--trace-db", str(out / "traces.duckdb")]
+    if model:
+        cmd += ["--model", str(Path(model).expanduser().resolve())]
+    env = dict(os.environ)
+    if env.get("TOKENMILL_HOME"):
+        env["TOKENMILL_HOME"] = str(Path(env["TOKENMILL_HOME"]).expanduser().resolve())
+    return [*cmd, *sc.server], out, env
+
+
 def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
     """Run one scenario into ``out`` (server log, bench JSON, the store, result.json).
 
@@ -192,15 +212,16 @@ def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ScenarioError(f"--out {out}: cannot make the folder: {exc.strerror}") from None
+    port = _free_port()
+    cmd, out, env = server_launch(sc, out, port, model)
     store = out / "traces.duckdb"
     for p in out.glob("traces.duckdb*"):
         p.unlink()
-    port = _free_port()
-    cmd = [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port)]
-    cmd += ["--trace-db", str(store), *(["--model", model] if model else []), *sc.server]
     log(f"[{name}] starting the server: tokenmill serve {' '.join(sc.server)}")
     with open(out / "server.log", "w") as server_log:
-        server = subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT, cwd=out)
+        server = subprocess.Popen(
+            cmd, stdout=server_log, stderr=subprocess.STDOUT, cwd=out, env=env
+        )
     url = f"http://127.0.0.1:{port}"
     proxy = None
     try:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run
+from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, server_launch
 
 # every scenario but kv_pressure_preemption (about 3 minutes alone); the rest take 30-90 s each
 FAST = [
@@ -85,10 +86,29 @@ def test_unknown_scenario_is_one_line_exit_2():
     assert r.returncode == 2 and len(lines) == 1 and "unknown scenario 'nope'" in lines[0]
 
 
+def test_server_gets_absolute_paths_from_a_relative_out(tmp_path, monkeypatch):
+    """Issue 19 item 11: the server runs with cwd=out, so a relative --out (the default,
+    tokenmill-data/scenarios/NAME), --model or $TOKENMILL_HOME must be made absolute against
+    the caller's working directory first; before, the server got out/out/traces.duckdb."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TOKENMILL_HOME", "home")
+    cmd, cwd, env = server_launch(load("healthy"), Path("runs/healthy"), 8123, "models/m")
+    assert cwd == tmp_path / "runs" / "healthy"
+    assert cmd[cmd.index("--trace-db") + 1] == str(tmp_path / "runs" / "healthy" / "traces.duckdb")
+    assert cmd[cmd.index("--model") + 1] == str(tmp_path / "models" / "m")
+    assert env["TOKENMILL_HOME"] == str(tmp_path / "home")
+    assert cmd[cmd.index("--port") + 1] == "8123"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAST)
-def test_fast_scenario_names_the_expected_rule(name, tmp_path, smollm2_dir):
-    result = run(name, tmp_path / name, model=str(smollm2_dir), log=lambda m: None)
+def test_fast_scenario_names_the_expected_rule(name, tmp_path, smollm2_dir, monkeypatch):
+    # a relative --out from another working directory, as `tokenmill scenario run NAME` gives
+    # by default (tokenmill-data/scenarios/NAME): the server, run in that folder, must still
+    # find its store (issue 19 item 11)
+    monkeypatch.chdir(tmp_path)
+    result = run(name, Path("tokenmill-data") / name, model=str(smollm2_dir), log=lambda m: None)
+    assert (tmp_path / "tokenmill-data" / name / "result.json").is_file()
     assert result["passed"], (result["top"], result["expect"], result["findings"][:3])
     if result["expect"]:
         top = result["findings"][0]
