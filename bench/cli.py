@@ -300,7 +300,8 @@ def bench(
     phases: Annotated[
         str | None,
         typer.Option(
-            help="e.g. warmup:20s,steady:60s,overload:30s@3x,recovery:40s, or a YAML file."
+            metavar="SPEC|PATH",
+            help="e.g. warmup:20s,steady:60s,overload:30s@3x,recovery:40s, or a YAML file.",
         ),
     ] = None,
     prompt_tokens: Annotated[
@@ -311,10 +312,14 @@ def bench(
     ] = "128",
     shared_prefix: Annotated[
         str | None,
-        typer.Option(help="L:G[:volatile]: a system prompt of L tokens shared by G requests."),
+        typer.Option(
+            metavar="L:G[:volatile]",
+            help="A system prompt of L tokens shared by G requests (volatile: a timestamp first).",
+        ),
     ] = None,
     multi_turn: Annotated[
-        str | None, typer.Option(help="T[:C]: chats growing over T turns, C at a time.")
+        str | None,
+        typer.Option(metavar="T[:C]", help="Chats growing over T turns, C at a time."),
     ] = None,
     dataset: Annotated[
         Path | None,
@@ -326,7 +331,10 @@ def bench(
     ] = None,
     goodput: Annotated[
         list[str] | None,
-        typer.Option(help="SLOs in ms for goodput: --goodput ttft:500 itl:100 e2e:5000."),
+        typer.Option(
+            metavar="METRIC:MS",
+            help="SLOs in ms for goodput: --goodput ttft:500 itl:100 e2e:5000.",
+        ),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seeds arrivals and prompts.")] = 0,
     output: Annotated[Path | None, typer.Option("--out", "-o", help="Write the JSON here.")] = None,

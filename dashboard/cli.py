@@ -23,8 +23,9 @@ def dashboard(
     source: Annotated[
         str,
         typer.Option(
+            metavar="PATH|URL",
             help="A trace dump or closed store file, or a running server's URL (then a fresh "
-            "dump is fetched every --refresh s with the admin key)."
+            "dump is fetched every --refresh s with the admin key).",
         ),
     ] = "./tokenmill-data/traces.duckdb",
     host: Annotated[str, typer.Option(help="Address the console listens on.")] = "127.0.0.1",

@@ -150,7 +150,10 @@ def diagnose(
     format: Annotated[str, typer.Option("--format", help="text | json | markdown")] = "text",
     fail_on: Annotated[
         str | None,
-        typer.Option(help="Exit 1 when a finding is at least this severe: warning | critical."),
+        typer.Option(
+            metavar="SEVERITY",
+            help="Exit 1 when a finding is at least this severe: warning | critical.",
+        ),
     ] = None,
 ) -> None:
     """Name the likely bottlenecks in a trace dump, with evidence, example traces and a runbook."""

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import re
 import sys
 import typing
 from difflib import get_close_matches
@@ -25,7 +26,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from .config import EngineConfig
 from .errors import TokenmillError
@@ -41,12 +42,88 @@ COMMANDS = {
 }
 
 
+# help placeholders read from an option's help text (the unit it is given in)
+_UNIT_METAVARS = (
+    (re.compile(r"\bseconds?\b|\bin s\b|\(s[;)]", re.I), "SECONDS"),
+    (re.compile(r"\bin ms\b|\(ms\)"), "MS"),
+    (re.compile(r"\bbytes\b", re.I), "BYTES"),
+    (re.compile(r"\b\d+s[,/] ?\d+m\b"), "DURATION"),
+    (re.compile(r"\b(fraction|share) of\b", re.I), "FRACTION"),
+)
+# ... and from what the value is, named before any parenthesis
+_PATH_WORDS = re.compile(r"\b(folder|file|store|toml|jsonl)\b", re.I)
+
+
+def help_metavar(param) -> str:
+    """The placeholder ``--help`` shows after an option: one that says what the value is
+    (``SECONDS``, ``MS``, ``PATH``, ``URL``, ``N``, ``HOST``...), or none for a flag.
+
+    typer 0.29 shows the Python type instead (``<str>``, ``<bool>``, ``<int range>``), even for
+    flags that take no value. An explicit ``typer.Option(metavar=...)`` wins; otherwise the
+    placeholder comes from the option's type, its name (``url``, ``port``) and the unit its
+    help text gives (``(s)``, ``in ms``, ``bytes``, ``fraction``, ``folder``/``file``).
+    """
+    if param.metavar is not None:
+        return param.metavar
+    if param.is_flag or param.count:
+        return ""
+    desc = param.type_descriptor
+    name, text = param.name or "", param.help or ""
+    last = name.rsplit("_", 1)[-1].upper()
+    if last == "URL" or (last == "ENDPOINT" and "http" in text):
+        return "URL"
+    if desc.is_path:
+        return "PATH"
+    if last == "PORT":
+        return "PORT"
+    for pattern, metavar in _UNIT_METAVARS:
+        if pattern.search(text):
+            return metavar
+    if _PATH_WORDS.search(text.split("(", 1)[0]):
+        return "PATH"
+    kind = desc.annotation
+    if kind is int:
+        return "N"
+    if kind is float:
+        return "NUMBER"
+    return last
+
+
+def _tidy(param) -> None:
+    if isinstance(param, TyperOption):
+        param.metavar = help_metavar(param)
+    elif isinstance(param, TyperArgument):
+        # the name column already names an argument; its type column said <str> too
+        label = "PATH" if param.type_descriptor.is_path else ""
+        param.display_type_rich = lambda ctx=None, label=label: label
+
+
+def tidy_help(command, ctx=None) -> None:
+    """Give every option of ``command`` (and of its subcommands, and their ``--help`` when
+    ``ctx`` is given) the placeholder :func:`help_metavar` chooses; arguments show no type
+    but ``PATH``. Idempotent."""
+    params = list(command.params)
+    if ctx is not None:
+        params.append(command.get_help_option(ctx))
+    for param in params:
+        _tidy(param)
+    for sub in getattr(command, "commands", {}).values():
+        tidy_help(sub, ctx)
+
+
 class LazyGroup(TyperGroup):
     """The root group: this module's commands, then those of :data:`COMMANDS`, each imported
-    on first use (click's documented LazyGroup pattern)."""
+    on first use (click's documented LazyGroup pattern). Every command it hands out has its
+    help placeholders tidied (:func:`tidy_help`)."""
 
     def list_commands(self, ctx) -> list[str]:
         return list(dict.fromkeys([*super().list_commands(ctx), *COMMANDS]))
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            _tidy(param)
+        return params
 
     def get_command(self, ctx, cmd_name: str):
         if cmd_name not in self.commands and cmd_name in COMMANDS:
@@ -54,7 +131,10 @@ class LazyGroup(TyperGroup):
             command = typer.main.get_command(getattr(importlib.import_module(module), attr))
             command.name = cmd_name
             self.add_command(command, cmd_name)
-        return super().get_command(ctx, cmd_name)
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            tidy_help(command, ctx)
+        return command
 
     def resolve_command(self, ctx, args):
         try:
@@ -203,11 +283,16 @@ def prompt_params(n: int, *, seed: int | None, **params: Any) -> list:
 @engine_options("model", "dtype", "device", "attention_backend", "load_format", "block_size")
 def generate(
     prompt: Annotated[
-        list[str] | None, typer.Option("--prompt", help="Raw text to continue (repeatable).")
+        list[str] | None,
+        typer.Option("--prompt", metavar="TEXT", help="Raw text to continue (repeatable)."),
     ] = None,
     chat: Annotated[
         list[str] | None,
-        typer.Option("--chat", help="A user message, sent through the chat template (repeatable)."),
+        typer.Option(
+            "--chat",
+            metavar="MESSAGE",
+            help="A user message, sent through the chat template (repeatable).",
+        ),
     ] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens per prompt at most.")] = 64,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,

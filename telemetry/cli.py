@@ -45,7 +45,8 @@ def dump(
         typer.Option(help="Start of the window, before now: 30s, 10m, 2h, 1d (default: all)."),
     ] = None,
     until: Annotated[
-        str | None, typer.Option(help="End of the window, before now (default: now).")
+        str | None,
+        typer.Option(metavar="DURATION", help="End of the window, before now (default: now)."),
     ] = None,
     api_key: Annotated[
         str | None,

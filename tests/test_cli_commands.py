@@ -178,3 +178,55 @@ def test_generate_seed_is_seed_plus_index():
 )
 def test_one_url_normalisation(url, base):
     assert normalize_url(url) == base
+
+
+HELP_PAGES = [
+    [],
+    ["model", "fetch"],
+    ["generate"],
+    ["serve"],
+    ["dump"],
+    ["diagnose"],
+    ["dashboard"],
+    ["bench"],
+    ["scenario", "run"],
+    ["scenario", "list"],
+    ["demo"],
+]
+
+
+def _option_rows(text: str) -> dict[str, str]:
+    """``--flag`` -> the rest of its row in a rich help panel (first row only)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = line.strip("│ ").split()
+        if cells and cells[0].startswith("--"):
+            rows.setdefault(cells[0], " ".join(cells[1:]))
+    return rows
+
+
+@pytest.mark.parametrize("argv", HELP_PAGES, ids=lambda a: " ".join(a) or "root")
+def test_help_shows_placeholders_only_where_they_say_something(argv):
+    """Issue 19 item 13: typer 0.29 printed `<str>`, `<bool>`, `<int range>` after every option
+    (flags included). Now a flag has none, and a value has one that says what it is."""
+    r = CliRunner().invoke(cli.app, [*argv, "--help"], env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    for placeholder in ("<str>", "<bool>", "<int", "<float", "<path>", "<list"):
+        assert placeholder not in r.output, (argv, placeholder, r.output)
+    rows = _option_rows(r.output)
+    assert rows["--help"].startswith("Show this message"), rows["--help"]
+
+
+def test_serve_help_names_units_and_paths():
+    r = CliRunner().invoke(cli.app, ["serve", "--help"], env={"COLUMNS": "300"})
+    rows = _option_rows(r.output)
+    assert rows["--device-sample-interval"].startswith("SECONDS [x>=0.0]")
+    assert rows["--fault-stream-delay-ms"].startswith("MS ")
+    assert rows["--trace-db"].startswith("PATH ") and rows["--tenants"].startswith("PATH ")
+    assert rows["--model"].startswith("PATH ") and rows["--otlp-endpoint"].startswith("URL ")
+    assert rows["--port"].startswith("PORT [1<=x<=65535]") and rows["--host"].startswith("HOST ")
+    assert rows["--max-num-seqs"].startswith("N [x>=1]")
+    assert rows["--max-body-bytes"].startswith("BYTES ")
+    assert rows["--kv-watermark"].startswith("FRACTION ")
+    assert rows["--no-trace-db"].startswith("Keep no trace store")  # a flag: no placeholder
+    assert rows["--enable-prefix-caching"].startswith("--no-enable-prefix-caching Reuse")
