@@ -324,16 +324,25 @@ def warnings(doc: dict) -> list[str]:
 
 
 class BenchProgress:
-    """A rich progress bar during the run: time through the phases (or requests done, without
-    phases), with the current phase and counts of sent / done / failed / in flight."""
+    """Progress during the run: time through the phases (or requests done, without phases),
+    with the current phase and counts of sent / done / failed / in flight.
 
-    def __init__(self, console: Console, phases, num_requests: int | None):
+    On a terminal it is a rich progress bar. Elsewhere (a pipe, a log file, ``make demo``'s
+    output captured) it prints one plain line when a phase starts and every ``every_s``
+    seconds, so a long run is never silent.
+    """
+
+    def __init__(self, console: Console, phases, num_requests: int | None, every_s: float = 10.0):
+        self.console = console
         self.phases = phases
         total_s = sum(p.duration_s for p in phases)
         self.by_time = math.isfinite(total_s)
         self.total = total_s if self.by_time else (num_requests or None)
         self.sent_n = self.done_n = self.failed_n = 0
         self.started = False
+        self.plain = not console.is_terminal
+        self.every_s = every_s
+        self._printed: tuple[str, float] | None = None  # (phase, elapsed s) of the last line
         self.progress = Progress(
             TextColumn("[bold]{task.fields[phase]}"),
             BarColumn(),
@@ -350,13 +359,14 @@ class BenchProgress:
         return self
 
     def __exit__(self, *exc):
-        if self.started:
+        if self.started and not self.plain:
             self.progress.stop()
 
     def _start(self) -> None:  # on the first event: the probe before the clock shows nothing
         if not self.started:
             self.started = True
-            self.progress.start()
+            if not self.plain:
+                self.progress.start()
 
     def _counts(self) -> str:
         inflight = self.sent_n - self.done_n
@@ -376,16 +386,37 @@ class BenchProgress:
         kw = {} if self.by_time else {"completed": self.done_n}
         self.progress.update(self.task, counts=self._counts(), **kw)
 
-    def tick(self, elapsed_s: float) -> None:
-        self._start()
+    def phase_at(self, elapsed_s: float) -> str:
+        """The phase running ``elapsed_s`` seconds into the run (``draining`` after the last)."""
         if not self.by_time:
-            return
-        t, name = 0.0, "draining"
+            return self.phases[0].name
+        t = 0.0
         for p in self.phases:
             if elapsed_s < t + p.duration_s:
-                name = p.name
-                break
+                return p.name
             t += p.duration_s
+        return "draining"
+
+    def line(self, elapsed_s: float) -> str:
+        """The plain progress line at ``elapsed_s`` seconds: phase, elapsed time, counts."""
+        name = self.phase_at(elapsed_s)
+        if self.by_time:
+            when = f"{elapsed_s:.0f} s of {self.total:.0f} s"
+        else:
+            when = f"{elapsed_s:.0f} s, {self.done_n} of {self.total or '?'} requests"
+        return f"  [{name}] {when} · {self._counts()}"
+
+    def tick(self, elapsed_s: float) -> None:
+        self._start()
+        name = self.phase_at(elapsed_s)
+        if self.plain:
+            last = self._printed
+            if last is None or last[0] != name or elapsed_s - last[1] >= self.every_s:
+                self._printed = (name, elapsed_s)
+                self.console.print(self.line(elapsed_s), highlight=False, markup=False)
+            return
+        if not self.by_time:
+            return
         self.progress.update(
             self.task, completed=min(elapsed_s, self.total), phase=name, counts=self._counts()
         )

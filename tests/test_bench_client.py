@@ -640,3 +640,30 @@ def test_error_lines_print_the_input_as_typed():
     """Rich's emoji codes (":joy:") in a user's value are not turned into emoji."""
     line = _one_error_line(_cli("--url", "http://127.0.0.1:1", "--phases", "x:joy:1s"))
     assert "'x:joy:1s'" in line and "\U0001f602" not in line
+
+
+def test_progress_without_a_terminal_prints_phase_elapsed_and_counts():
+    """Issue 19 item 13: a run whose output is not a terminal (make demo's tour, a CI log) says
+    where it is — phase, elapsed time, requests sent/done/failed/in flight — at each phase
+    start and every 10 s, instead of nothing until the table."""
+    import io
+
+    from tokenmill.bench.report import BenchProgress
+
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=False, width=200)
+    bar = BenchProgress(console, parse_phases("healthy:25s,overload:25s@5x"), None, every_s=10)
+    with bar:
+        for k in range(301):  # 0..60 s in the client's 0.2 s ticks
+            t = k / 5
+            if k % 10 == 0:  # a request every 2 s, done 4 s later; every 5th fails
+                bar.sent(_result(k, 0.1, [0.01], 1.0, 2))
+            if k % 10 == 0 and k >= 20:
+                bar.done(_result(k - 20, 0.1, [0.01], 1.0, 2, ok=(k // 10) % 5 != 0))
+            bar.tick(t)
+    lines = buf.getvalue().splitlines()
+    phases = [re.match(r"\s+\[(\w+)\] ", line).group(1) for line in lines]
+    assert phases == ["healthy"] * 3 + ["overload"] * 3 + ["draining"] * 2, lines
+    assert lines[0] == "  [healthy] 0 s of 50 s · sent 1 · done 0 · failed 0 · in flight 1"
+    assert lines[3].startswith("  [overload] 25 s of 50 s · sent 13 · done 9 · failed 2")
+    assert lines[-1].endswith("sent 31 · done 23 · failed 6 · in flight 2")

@@ -37,4 +37,9 @@ def test_demo_runs_the_tour_and_prints_the_diagnosis_and_console(smollm2_dir):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "tokenmill diagnosis" in r.stdout and "key numbers" in r.stdout
     assert "console: http://127.0.0.1:" in r.stdout
+    # the tour is never silent (issue 19 item 13): the load generator's progress lines, one per
+    # phase and every 10 s, with the requests done
+    for phase in ("[healthy] ", "[overload] "):
+        assert phase in r.stderr and " of 50 s · sent " in r.stderr, r.stderr[-2000:]
+    assert "· done " in r.stderr and "fetching a dump" in r.stdout
     assert "Traceback" not in r.stderr
