@@ -196,6 +196,18 @@ def test_batch_rule_reads_the_steps_batch_and_never_a_constant_zero(tmp_path):
     con.close()
 
 
+def test_step_durations_all_zero_are_no_periodic_spikes(tmp_path):
+    """The same kind as item 10a: with every step duration 0 (nothing measured), each step was
+    "≥ 5x the median step" and periodic_itl_spikes fired "819 decode steps ... every 0.04 s"."""
+    path = tmp_path / "zero_steps.duckdb"
+    write_store(path, [HEALTHY], seed=2)
+    con = duckdb.connect(str(path))
+    con.execute("UPDATE engine_steps SET end_ns = start_ns, schedule_ms = 0, sample_ms = 0")
+    fired = {f.rule_id for f in diagnose(con).findings}
+    con.close()
+    assert not fired & {"periodic_itl_spikes", "batch_too_large", "host_bound_steps"}, fired
+
+
 def test_prefix_shorter_than_one_block_is_named_with_the_block_size(tmp_path):
     """Issue 19 item 10b: 50 completions sharing a 12-token prefix get 0 cached tokens; the
     report must say the shared prefix is below one 16-token block. A shared 12-token prefix

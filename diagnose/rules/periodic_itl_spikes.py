@@ -10,13 +10,14 @@ from ._common import Evidence, Param, Rule, _confidence
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
+    # a median step of 0 ms (durations not measured) would make every step a "spike"
     rows = sig.con.execute(
         """
         WITH s AS (SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms, num_running
                    FROM engine_steps WHERE start_ns >= ? AND start_ns < ?
                      AND num_prefill_tokens = 0 AND num_decode_tokens > 0)
-        SELECT start_ns, ms, num_running FROM s
-        WHERE ms >= ? * (SELECT quantile_cont(ms, 0.5) FROM s) ORDER BY start_ns
+        SELECT start_ns, ms, num_running FROM s, (SELECT quantile_cont(ms, 0.5) AS med FROM s)
+        WHERE med > 0 AND ms >= ? * med ORDER BY start_ns
         """,
         [sig.since_ns, sig.until_ns, p["spike"]],
     ).fetchall()
