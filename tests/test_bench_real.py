@@ -46,7 +46,8 @@ def test_phased_open_loop_builds_and_drains_a_queue(tmp_path, smollm2_dir):
                    "--out", calib)  # fmt: skip
         assert p.returncode == 0, p.stderr
         capacity = json.loads(calib.read_text())["request_throughput"]
-        rate = 0.3 * capacity  # steady holds; overload (6x) is 1.8x what the server can do
+        # as sent (4 decimals); steady holds; overload (6x) is 1.8x what the server can do
+        rate = round(0.3 * capacity, 4)
         # phases long enough for ~8 steady arrivals (6 s on an idle machine, at most 40 s); the
         # queue built in overload drains in about 1.2 phase lengths, recovery lasts 3: margins
         # for a capacity measured a little off, or a machine slowed down by other work
