@@ -245,7 +245,8 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still stop the server
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "--serve", str(port), str(work / "tenants.toml")],
+        [sys.executable, str(Path(__file__).resolve()), "--serve", str(port),
+         str(work / "tenants.toml")],
         stdout=log, stderr=subprocess.STDOUT, cwd=work, env=env,
     )  # fmt: skip
     try:
@@ -332,7 +333,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"{series} series, {body_bytes} bytes per scrape")
     print(
-        f"{'condition':10s} {'ITL p50':>8s} {'ITL p99':>8s} {'lag p99':>8s} {'lag max':>8s} {'scrape p50':>10s} {'health p99':>10s}"
+        f"{'condition':10s} {'ITL p50':>8s} {'ITL p99':>8s} {'lag p99':>8s} {'lag max':>8s} "
+        f"{'scrape p50':>10s} {'health p99':>10s}"
     )
     for cond, s in summary.items():
         print(

@@ -114,7 +114,8 @@ def test_histogram_quantiles_match_the_store(server, tmp_path):
 def test_scrape_is_current(server):
     """A request finished before a scrape is in that scrape (rendered per scrape, no cache),
     and the heartbeat-age gauge is exported."""
-    key = ("tokenmill_requests_total", frozenset({("model_name", MODEL), ("tenant", "local"), ("status", "200")}))  # fmt: skip
+    labels = {("model_name", MODEL), ("tenant", "local"), ("status", "200")}
+    key = ("tokenmill_requests_total", frozenset(labels))
     before = _scrape(server).get(key, 0.0)
     r = httpx.post(
         server.url + "/v1/completions",

@@ -237,7 +237,8 @@ LATENCY_HISTOGRAMS = (
 PROFILES = {
     "idle_cpu": dict(queue_ms=(0.1, 3), prefill_ms=(40, 2), decode_ms=(900, 2), tpot_ms=(30, 1.5)),
     "idle_gpu": dict(queue_ms=(0.05, 3), prefill_ms=(2, 2), decode_ms=(60, 2), tpot_ms=(2, 1.5)),
-    "overloaded": dict(queue_ms=(4000, 3), prefill_ms=(300, 2), decode_ms=(5000, 2), tpot_ms=(80, 2)),
+    "overloaded": dict(queue_ms=(4000, 3), prefill_ms=(300, 2), decode_ms=(5000, 2),
+                       tpot_ms=(80, 2)),
 }  # fmt: skip
 
 

@@ -196,7 +196,8 @@ class EngineWorker:
         reason = (
             f"no message from the engine core (pid {self.engine.pid}) for {age:.1f} s: it is "
             f"frozen or in one very long step (it sends one per step and a heartbeat every "
-            f"{IDLE_POLL_MS / 1000:g} s when idle); degraded past {degraded_s:g} s, 503 past {unavailable_s:g} s"
+            f"{IDLE_POLL_MS / 1000:g} s when idle); degraded past {degraded_s:g} s, "
+            f"503 past {unavailable_s:g} s"
         )
         return severity, reason
 
