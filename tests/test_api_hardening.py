@@ -24,7 +24,14 @@ from tokenmill.bench.demo import DemoError, wait_for_stop
 from tokenmill.engine.api.gateway import hash_key
 
 MODEL = "smollm2-135m-instruct"
-KEYS = {"solo": "sk-solo-1", "meter": "sk-meter-2", "queued": "sk-queued-3", "hog": "sk-hog-4"}
+KEYS = {
+    "solo": "sk-solo-1",
+    "meter": "sk-meter-2",
+    "queued": "sk-queued-3",
+    "hog": "sk-hog-4",
+    "spell": "sk-spell-5",
+    "capped": "sk-capped-6",
+}
 ADMIN_KEY = "sk-admin-9"
 STORY = "Tell me a long story about a lighthouse keeper and the sea."
 
@@ -40,6 +47,7 @@ def server(tmp_path_factory, smollm2_dir):
     tenants = "".join(
         f'[tenants.{name}]\nkey_sha256 = "{hash_key(key)}"\n'
         + ("max_concurrent = 1\n" if name == "solo" else "")
+        + ("max_output_tokens = 8\n" if name == "capped" else "")
         for name, key in KEYS.items()
     )
     (tmp / "tenants.toml").write_text(tenants + f'[admin]\nkey_sha256 = "{hash_key(ADMIN_KEY)}"\n')
@@ -334,6 +342,46 @@ def test_stream_options_are_strict(server, extra, param):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
         assert r.headers["x-request-id"]
+
+
+def _body(endpoint: str, **extra) -> dict:
+    if endpoint == "/v1/completions":
+        return {"model": MODEL, "prompt": "Hi", "ignore_eos": True, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("spelling", ["max_tokens", "max_completion_tokens"])
+def test_both_spellings_of_the_output_cap_hold_on_both_endpoints(server, endpoint, spelling):
+    """Item 3: ``max_completion_tokens`` on ``/v1/completions`` was ignored (1,657+ tokens, to the
+    end of the context); both spellings now mean the same on both endpoints, and the tenant's
+    ``max_output_tokens`` caps either (a request over it is a 400 naming the spelling used)."""
+    r = httpx.post(
+        server.url + endpoint, json=_body(endpoint, **{spelling: 5}), headers=_auth("spell"),
+        timeout=300,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5
+    r = httpx.post(
+        server.url + endpoint, json=_body(endpoint, **{spelling: 9}), headers=_auth("capped"),
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == spelling and "limit of 8" in r.json()["error"]["message"]
+
+
+def test_the_tenant_cap_applies_when_no_cap_is_sent(server):
+    r = httpx.post(
+        server.url + "/v1/completions", json=_body("/v1/completions"), headers=_auth("capped"),
+        timeout=300,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
 
 
 @pytest.mark.slow

@@ -54,6 +54,9 @@ class _CommonRequest(BaseModel):
     # numbers and booleans are strict: "5", 2.0 or true for max_tokens, "0.5" or true for
     # temperature is a client bug (a JSON integer is a fine float)
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    # OpenAI's newer spelling, accepted on both endpoints with the same meaning; it wins when
+    # both are sent (the tenant's max_output_tokens caps either: TokenizeStation)
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None = None
     n: StrictInt = 1
@@ -124,7 +127,9 @@ class _CommonRequest(BaseModel):
                 )
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        """The output-token cap the client asked for (``max_completion_tokens`` or
+        ``max_tokens``), None for none."""
+        return self.max_completion_tokens or self.max_tokens
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -148,10 +153,6 @@ class ChatCompletionRequest(_CommonRequest):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_CommonRequest):
