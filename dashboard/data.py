@@ -389,19 +389,29 @@ FROM engine_steps WHERE start_ns >= $since AND start_ns < $until GROUP BY b ORDE
 """
 
 
+def _step_bucket_s(
+    con, since_ns: int, until_ns: int, max_points: int, where: str = "TRUE"
+) -> float | None:
+    """None when the window holds at most ``max_points`` matching steps (draw each one), else the
+    time bucket (s) to average them in."""
+    (n,) = _q(
+        con,
+        f"SELECT count(*) FROM engine_steps WHERE start_ns >= $since AND start_ns < $until "
+        f"AND {where}",
+        since=since_ns,
+        until=until_ns,
+    ).fetchone()
+    return None if n <= max_points else pick_bucket_s(since_ns, until_ns, points=max_points // 2)
+
+
 def engine_steps(
     con, since_ns: int, until_ns: int, max_points: int = 2000
 ) -> tuple[pd.DataFrame, float | None]:
     """Engine steps in the window: one row per step when there are at most ``max_points``,
     else per time bucket (means per step; preemptions, prefix hits, allocation failures and
     sampled tokens summed). Returns the frame and the bucket length in s (None: per step)."""
-    (n,) = _q(
-        con,
-        "SELECT count(*) FROM engine_steps WHERE start_ns >= $since AND start_ns < $until",
-        since=since_ns,
-        until=until_ns,
-    ).fetchone()
-    if n <= max_points:
+    bucket_s = _step_bucket_s(con, since_ns, until_ns, max_points)
+    if bucket_s is None:
         df = _df(
             con,
             f"SELECT start_ns AS t_ns, step_id, 1 AS steps, {_STEP_COLS} FROM engine_steps "
@@ -410,7 +420,6 @@ def engine_steps(
             until=until_ns,
         )
         return _time(df), None
-    bucket_s = pick_bucket_s(since_ns, until_ns, points=max_points // 2)
     w = max(1, int(bucket_s * NS))
     df = _df(con, _STEP_BUCKET_SQL, since=since_ns, until=until_ns, w=w)
     df["t_ns"] = since_ns + df["b"] * w
@@ -449,14 +458,8 @@ def step_field_series(
         raise ValueError(f"unknown step field {field!r}; one of {', '.join(STEP_FIELDS)}")
     state = field.startswith(("num_running", "num_waiting", "kv_blocks"))
     where = "TRUE" if state else WORKING_STEP_SQL
-    (n,) = _q(
-        con,
-        f"SELECT count(*) FROM engine_steps WHERE start_ns >= $since AND start_ns < $until "
-        f"AND {where}",
-        since=since_ns,
-        until=until_ns,
-    ).fetchone()
-    if n <= max_points:
+    bucket_s = _step_bucket_s(con, since_ns, until_ns, max_points, where)
+    if bucket_s is None:
         df = _df(
             con,
             f"SELECT start_ns AS t_ns, {field} AS value FROM engine_steps "
@@ -465,7 +468,6 @@ def step_field_series(
             until=until_ns,
         )
         return _time(df), None
-    bucket_s = pick_bucket_s(since_ns, until_ns, points=max_points // 2)
     w = max(1, int(bucket_s * NS))
     df = _df(
         con,
