@@ -14,6 +14,7 @@ from typing import Any
 
 from .messages import DEFAULT_BLOCK_SIZE
 
+QUANTIZATIONS = ("none", "int8", "int4")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ADMISSION_POLICIES = ("strict", "skip_ahead")
 PREFIX_CACHE_SCOPES = ("tenant", "global")
@@ -40,7 +41,16 @@ class EngineConfig:
     does (``EngineConfig.field_help(name)``)."""
 
     model: str | None = knob(None, "Hugging Face model folder (default: the fetched SmolLM2).")
-    dtype: str = knob("auto", "auto | float32 | bfloat16 | float16")
+    dtype: str = knob(
+        "auto",
+        "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA); the "
+        "activation dtype when --quantization is set.",
+    )
+    quantization: str = knob(
+        "none",
+        "none | int8 | int4: weight-only quantization of every linear layer and the LM head "
+        "(int8 per channel, int4 in groups of 32).",
+    )
     device: str = knob("auto", "auto | cpu | cuda[:N]")
     load_format: str = knob("auto", "auto | safetensors | dummy (random weights)")
     attention_backend: str = knob(
@@ -130,6 +140,8 @@ class EngineConfig:
             raise ValueError("num_gpu_blocks_override must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.admission_policy not in ADMISSION_POLICIES:
             raise ValueError(f"admission_policy must be one of {', '.join(ADMISSION_POLICIES)}")
         if self.max_admission_skips < 0:

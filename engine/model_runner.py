@@ -38,6 +38,7 @@ class ModelRunner:
             device=config.device,
             dtype=config.dtype,
             load_format=config.load_format,
+            quantization=config.quantization,
             attention_backend=config.attention_backend,
         )
         param = next(self.model.parameters())

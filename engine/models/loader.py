@@ -12,6 +12,7 @@ from safetensors import safe_open
 from ..attention import get_attention_backend
 from ..errors import ModelLoadError
 from ..model_config import ModelConfig, load_model_config
+from ..quantization import check_quantization, quantize_model
 from . import get_model_class
 from .decoder import DecoderForCausalLM
 from .ops import get_ops
@@ -187,6 +188,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     load_format: str = "auto",
     attention_backend: str = "auto",
+    quantization: str = "none",
 ) -> DecoderForCausalLM:
     """Load a Llama-family model from a Hugging Face folder.
 
@@ -196,6 +198,8 @@ def load_model(
         dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` or a torch dtype.
         load_format: ``auto``/``safetensors`` reads the weights; ``dummy`` makes random ones.
         attention_backend: ``auto`` | ``torch`` (more with the kernels package).
+        quantization: ``none`` | ``int8`` | ``int4``: weight-only quantization of every linear
+            layer after loading (:mod:`tokenmill.engine.quantization`).
 
     Raises:
         ModelLoadError: any problem with the folder, its config or its weights (one line).
@@ -207,9 +211,12 @@ def load_model(
     path = Path(model_dir).expanduser()
     cfg = load_model_config(path)
     dev = resolve_device(device if device is None else str(device))
-    model = build_model(cfg, dev, resolve_dtype(dtype, dev), attention_backend)
+    torch_dtype = resolve_dtype(dtype, dev)
+    check_quantization(quantization, dev, torch_dtype)
+    model = build_model(cfg, dev, torch_dtype, attention_backend)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
         load_safetensors_weights(model, safetensors_files(path))
+    quantize_model(model, quantization)
     return model

@@ -1,0 +1,314 @@
+"""Weight-only quantization of the decoder's linear layers (``--quantization int8|int4``).
+
+Decode is bandwidth-bound: a batch-1 step reads every weight once, so storing weights in fewer
+bytes shortens the step in proportion (seed 003 §4.4). Prefill is compute-bound and gains
+nothing; there a quantized layer dequantizes its weight and runs the dense GEMM.
+
+The kernels are torch's own packed weight-only matmuls, not torchao's: torchao's weight-only
+configs dispatch to the same aten ops on CPU (``_weight_int8pack_mm``,
+``_weight_int4pack_mm_for_cpu``) and on CUDA (``_weight_int4pack_mm``, tinygemm), and calling
+them directly keeps a dependency (and its torch-version pin) out of the engine.
+``benchmarks/quantization.py`` measures each path.
+
+Schemes (activations stay in the model dtype; small-batch CPU calls round them to bf16, the
+dtype the packed CPU kernels take):
+
+* ``int8``: symmetric per output channel, ``w ≈ q · s``, ``q ∈ [-127, 127]``, ``s = max|w|/127``.
+* ``int4``: asymmetric groups of :data:`INT4_GROUP_SIZE` along the input dim (the tinygemm
+  convention): ``w ≈ (q - 8) · s + z``, ``q ∈ [0, 15]``, ``s = (max - min)/15``,
+  ``z = min + 8 s``.
+
+Every linear layer of every decoder block is quantized, and the LM head too (a separate
+quantized copy when tied: the input embedding stays in the model dtype, since a lookup reads
+one row per token and is not on the bandwidth path).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .config import QUANTIZATIONS
+from .errors import ModelLoadError
+
+__all__ = ["QUANTIZATIONS", "QuantizedLinear", "quantize_model", "weight_bytes_by_dtype"]
+# Input-dim group of the int4 scheme. torch's packed int4 kernels take 32, 64, 128 or 256;
+# 32 keeps the error lowest (the default model's perplexity, benchmarks/RESULTS.md).
+INT4_GROUP_SIZE = 32
+# Rows (tokens) at or below which a CPU layer runs the packed kernel; above it the layer
+# dequantizes its weight and runs the dense GEMM in the activation dtype. The packed kernels
+# are GEMV-shaped: on the 2-core AVX2 machine they beat the float32 GEMM up to about 32 rows
+# (30 layers of the default model's shapes: 1 row 11 vs 31 ms, 32 rows 105 vs 106 ms) and lose
+# beyond it (256 rows 725 vs 417 ms).
+PACKED_MAX_ROWS = 32
+
+
+def check_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a scheme or combination this device cannot run, in one line.
+
+    Raises:
+        ModelLoadError: unknown ``quantization``; int4 on CUDA without bfloat16 activations
+            or on a GPU older than sm80 (tinygemm needs Ampere); float16 activations on CPU.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"unknown quantization {quantization!r}; choose from {', '.join(QUANTIZATIONS)}"
+        )
+    if quantization == "none":
+        return
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ModelLoadError(
+            f"--quantization {quantization} on CPU runs with float32 or bfloat16 activations, "
+            "not float16; use --dtype float32 or bfloat16"
+        )
+    if device.type == "cuda" and quantization == "int4":
+        if dtype != torch.bfloat16:
+            raise ModelLoadError(
+                "--quantization int4 on CUDA needs --dtype bfloat16 (the tinygemm kernel's "
+                f"activation dtype), not {str(dtype).removeprefix('torch.')}"
+            )
+        major, _ = torch.cuda.get_device_capability(device)
+        if major < 8:
+            raise ModelLoadError(
+                "--quantization int4 on CUDA needs an sm80+ GPU (Ampere or newer); "
+                f"{torch.cuda.get_device_name(device)} is sm{major}x"
+            )
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8.
+
+    Args:
+        weight: ``[N, K]`` float.
+
+    Returns:
+        ``(q, scales)``: ``q`` ``[N, K]`` int8 in [-127, 127], ``scales`` ``[N]`` float32, so
+        that ``weight ≈ q * scales[:, None]``.
+    """
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of ``group_size`` along the input dim.
+
+    Args:
+        weight: ``[N, K]`` float, ``K % group_size == 0``.
+
+    Returns:
+        ``(q, scales, zeros)``: ``q`` ``[N, K]`` int32 in [0, 15]; ``scales`` and ``zeros``
+        ``[N, K // group_size]`` float32, so that ``weight ≈ (q - 8) * s + z`` per group.
+    """
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-8)
+    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+    return q.reshape(n, k), scales, lo + 8.0 * scales
+
+
+@functools.cache
+def _cpu_int4_block_n() -> int | None:
+    """The output-row block of torch's packed CPU int4 layout, learnt by packing a probe.
+
+    The layout (this torch): ``[N/B, K, B/2]`` bytes, byte ``j`` of row ``k`` in block ``b``
+    holding ``q[b·B + j, k]`` in its low nibble and ``q[b·B + B/2 + j, k]`` in its high one.
+    None when the probe matches no block size (a torch that changed the layout): layers then
+    always run the packed kernel.
+    """
+    n, k = 128, 32
+    probe = ((torch.arange(n * k).reshape(n, k) + torch.arange(n)[:, None] // 16) % 16).to(
+        torch.int32
+    )
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+    for block in (16, 32, 64):
+        if n % block == 0 and torch.equal(_unpack_cpu_int4(packed, n, k, block), probe):
+            return block
+    return None
+
+
+def _unpack_cpu_int4(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """``[N, K/2]`` uint8 in torch's CPU int4 layout → ``[N, K]`` int32 in [0, 15]."""
+    tiles = packed.reshape(n // block, k, block // 2).to(torch.int32)
+    rows = torch.cat([tiles & 15, tiles >> 4], dim=-1)  # [N/B, K, B]
+    return rows.permute(0, 2, 1).reshape(n, k)
+
+
+class QuantizedLinear(nn.Module):
+    """A weight-only quantized ``nn.Linear``: ``[..., K]`` → ``[..., N]`` in the input dtype.
+
+    Built by :meth:`from_linear` from a loaded float layer; keeps ``shards`` (the stacked
+    projections' rows) so the module reads like the layer it replaced.
+
+    Args:
+        method: ``int8`` or ``int4``.
+        weight: ``[N, K]`` float weight to quantize.
+        bias: ``[N]`` or None, kept in its dtype.
+    """
+
+    def __init__(self, method: str, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.method = method
+        self.out_features, self.in_features = weight.shape
+        self.device = weight.device
+        self.act_dtype = weight.dtype
+        n, k = weight.shape
+        self.group_size = INT4_GROUP_SIZE
+        # "packed": the packed kernel at every size; "hybrid": packed up to PACKED_MAX_ROWS
+        # rows, dequantize + dense GEMM above; "dequant": always dequantize (shapes or devices
+        # the packed kernels do not take).
+        self.path = "dequant"
+        self.block_n: int | None = None
+        if method == "int8":
+            q, scales = quantize_int8(weight)
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scales)
+            if self.device.type == "cpu":
+                self.register_buffer("packed_scales", scales.to(torch.bfloat16))
+                self.path = "hybrid"
+            elif _cuda_int8_packed_ok(self.device):
+                self.register_buffer("packed_scales", scales.to(weight.dtype))
+                self.path = "packed"
+        elif method == "int4":
+            if k % self.group_size:
+                raise ModelLoadError(
+                    f"--quantization int4 needs in_features divisible by {self.group_size}; "
+                    f"a layer has {k}"
+                )
+            q, scales, zeros = quantize_int4(weight, self.group_size)
+            # tinygemm's [K/G, N, 2] (scale, zero) table, in the kernel's activation dtype
+            table = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
+            if self.device.type == "cpu":
+                self.register_buffer(
+                    "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+                )
+                self.register_buffer("scales_and_zeros", table.to(torch.bfloat16))
+                self.block_n = _cpu_int4_block_n()
+                if self.block_n is not None and n % self.block_n == 0:
+                    self.register_buffer("scales", scales)
+                    self.register_buffer("zeros", zeros)
+                    self.path = "hybrid"
+                else:
+                    self.path = "packed"
+            else:
+                nibbles = (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8)
+                inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+                self.register_buffer(
+                    "qweight", torch.ops.aten._convert_weight_to_int4pack(nibbles, inner_k_tiles)
+                )
+                self.register_buffer("scales_and_zeros", table.to(torch.bfloat16))
+                self.path = "packed"
+        else:
+            raise ModelLoadError(f"unknown quantization {method!r}")
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+
+    @classmethod
+    def from_linear(cls, method: str, linear: nn.Linear) -> QuantizedLinear:
+        """Quantize a loaded ``nn.Linear`` (its float weight is not kept)."""
+        module = cls(method, linear.weight.detach(), linear.bias)
+        if hasattr(linear, "shards"):
+            module.shards = linear.shards
+        return module
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The ``[N, K]`` weight this layer computes with, in ``dtype`` (default: activations')."""
+        dtype = dtype or self.act_dtype
+        n, k = self.out_features, self.in_features
+        if self.method == "int8":
+            return (self.qweight.to(torch.float32) * self.scales[:, None]).to(dtype)
+        if self.path != "hybrid":
+            eye = torch.eye(k, dtype=torch.bfloat16, device=self.qweight.device)
+            return self._packed(eye).t().to(dtype)
+        q = _unpack_cpu_int4(self.qweight, n, k, self.block_n).reshape(n, -1, self.group_size)
+        w = (q - 8).to(torch.float32) * self.scales[..., None] + self.zeros[..., None]
+        return w.reshape(n, k).to(dtype)
+
+    def _packed(self, x2d: torch.Tensor) -> torch.Tensor:
+        """The packed kernel on ``[M, K]`` activations (cast to its dtype) → ``[M, N]``."""
+        if self.method == "int8":
+            x = x2d.to(self.packed_scales.dtype)
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.packed_scales)
+        x = x2d.to(torch.bfloat16)
+        if self.qweight.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.qweight, self.group_size, self.scales_and_zeros
+            )
+        return torch.ops.aten._weight_int4pack_mm(
+            x, self.qweight, self.group_size, self.scales_and_zeros
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        rows = x2d.shape[0]
+        if self.path == "packed" or (self.path == "hybrid" and rows <= PACKED_MAX_ROWS):
+            out = self._packed(x2d).to(x.dtype)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = nn.functional.linear(x2d, self.dequantize(x.dtype), self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.method}, path={self.path}"
+
+
+@functools.cache
+def _cuda_int8_packed_ok(device: torch.device) -> bool:
+    """Whether this torch has a CUDA ``_weight_int8pack_mm`` (else int8 dequantizes)."""
+    try:
+        a = torch.ones(2, 64, dtype=torch.bfloat16, device=device)
+        w = torch.ones(64, 64, dtype=torch.int8, device=device)
+        s = torch.ones(64, dtype=torch.bfloat16, device=device)
+        torch.ops.aten._weight_int8pack_mm(a, w, s)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Replace every ``nn.Linear`` under ``model`` (decoder blocks and LM head) with a
+    :class:`QuantizedLinear` in place; a tied LM head gets its own quantized copy.
+
+    Returns:
+        The number of layers quantized.
+
+    Raises:
+        ModelLoadError: a layer shape the scheme cannot take.
+    """
+    if method == "none":
+        return 0
+    targets = [
+        (name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
+    ]
+    for name, module in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        with torch.no_grad():
+            setattr(parent, attr, QuantizedLinear.from_linear(method, module))
+    return len(targets)
+
+
+def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
+    """Bytes of the model's weights (parameters and weight buffers, each tensor counted once)
+    by storage dtype, e.g. ``{"int8": 103_000_000, "float32": 28_400_000}``; int4 weights are
+    stored two per byte in ``uint8`` and reported as ``int4``."""
+    seen: set[int] = set()
+    totals: dict[str, int] = {}
+    tensors = [(n, t) for n, t in model.named_parameters()] + [
+        (n, t) for n, t in model.named_buffers() if not n.endswith(("inv_freq", "cos_sin_cache"))
+    ]
+    for name, t in tensors:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        key = str(t.dtype).removeprefix("torch.")
+        if name.endswith("qweight") and t.dtype in (torch.uint8, torch.int32):
+            key = "int4"
+        totals[key] = totals.get(key, 0) + t.numel() * t.element_size()
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
