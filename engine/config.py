@@ -95,6 +95,18 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = knob(
         None, "Exact number of KV blocks (experiments, tests).", min=1
     )
+    peak_bandwidth_gbps: float | None = knob(
+        None,
+        "Roofline: the device's peak memory bandwidth in GB/s (default: the GPU's datasheet "
+        "figure, or a probe on the CPU).",
+        min=0.001,
+    )
+    peak_gflops: float | None = knob(
+        None,
+        "Roofline: the device's peak compute in GFLOP/s for the model's dtype (default: the "
+        "GPU's datasheet figure, or a probe on the CPU).",
+        min=0.001,
+    )
     admission_policy: str = knob(
         "strict",
         "strict (FCFS admission stops at a request that does not fit) | skip_ahead "
@@ -144,6 +156,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.admission_policy not in ADMISSION_POLICIES:
             raise ValueError(f"admission_policy must be one of {', '.join(ADMISSION_POLICIES)}")
+        for name in ("peak_bandwidth_gbps", "peak_gflops"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_admission_skips < 0:
             raise ValueError("max_admission_skips must be >= 0")
         if not 0 <= self.fault_nan_fraction <= 1:

@@ -9,6 +9,7 @@ telemetry needs; the engine knows nothing of storage.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import zlib
@@ -18,10 +19,15 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .messages import EngineStats, RequestOutput, StepRecord
+from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .request import Request, RequestStatus
+from .roofline import ModelCost, StepCost, step_cost
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
+NO_COST = StepCost(0, 0, 0, 0)
 
 
 class EngineCore:
@@ -61,6 +67,17 @@ class EngineCore:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.started_ns = time.time_ns()
         self.pid = os.getpid()
+        self.cost = model_cost(self.runner)
+        self.model_info = model_info(self.runner)
+        if self.model_info:
+            log.info(
+                "weights %d bytes %s; KV cache %d bytes (%d per token) on %s",
+                self.model_info["weight_bytes_total"],
+                self.model_info["weight_bytes_by_dtype"],
+                self.model_info["kv_cache_bytes"],
+                self.model_info["kv_bytes_per_token"],
+                self.model_info["engine_device"],
+            )
 
     # ----- requests -----
     def add_request(
@@ -124,6 +141,8 @@ class EngineCore:
         start_ns = time.time_ns()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        # before the forward: a chunk's `samples` reads the request, which sampling extends
+        cost = step_cost(self.cost, sched.chunks) if self.cost is not None else NO_COST
         t1 = time.perf_counter()
         num_sampled = sum(1 for c in sched.chunks if c.samples)
         logits = self.runner.execute(sched) if sched.chunks else None
@@ -153,6 +172,10 @@ class EngineCore:
             prefix_hit_tokens=sched.prefix_hit_tokens,
             allocation_failures=sched.allocation_failures,
             num_finished=sum(1 for o in outputs if o.finished),
+            weight_bytes=cost.weight_bytes,
+            kv_read_bytes=cost.kv_read_bytes,
+            kv_write_bytes=cost.kv_write_bytes,
+            flops=cost.flops,
         )
         return outputs, record
 
@@ -267,6 +290,72 @@ class EngineCore:
             max_model_len=self.max_model_len,
             block_size=self.config.block_size,
         )
+
+
+def _linear_bytes(module) -> int:
+    """Bytes one linear layer's forward reads as stored: its weight (a quantized layer: the
+    packed weight and the scale table its kernel reads) and its bias."""
+    if getattr(module, "qweight", None) is not None:
+        names = ("packed_scales", "scales_and_zeros", "scales")
+        scales = next(
+            (getattr(module, n) for n in names if getattr(module, n, None) is not None), None
+        )
+        tensors = [module.qweight, scales]
+    else:
+        tensors = [module.weight]
+    tensors.append(getattr(module, "bias", None))
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def model_cost(runner) -> ModelCost | None:
+    """The roofline constants of the runner's model (:class:`~.roofline.ModelCost`): the bytes
+    its decoder linear layers and LM head store, KV bytes per token from the cache's dtype.
+    None for a runner without a model (a test stub): its steps then report zero bytes/FLOPs."""
+    model = getattr(runner, "model", None)
+    cfg = getattr(runner, "model_config", None)
+    if model is None or not isinstance(cfg, ModelConfig):
+        return None
+    head = getattr(model, "lm_head", None)
+    linear = sum(
+        _linear_bytes(m)
+        for m in model.modules()
+        if m is not head and hasattr(m, "in_features") and hasattr(m, "out_features")
+    )
+    kv_token = runner.bytes_per_block // runner.block_size  # K and V, all layers
+    kv_elem = kv_token // (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim)
+    return ModelCost.from_config(
+        cfg,
+        kv_dtype_bytes=kv_elem,
+        linear_weight_bytes=linear,
+        lm_head_weight_bytes=_linear_bytes(head) if head is not None else None,
+    )
+
+
+def model_info(runner) -> dict:
+    """Memory facts of the loaded model (``EngineReady.model_info``; the server's ``config``
+    event, ``/health`` and ``tokenmill_model_weight_bytes``): ``weight_bytes_total`` and
+    ``weight_bytes_by_dtype`` (bytes by storage dtype, int4 reported as ``int4``),
+    ``kv_cache_bytes`` (the pool), ``kv_bytes_per_token`` (K and V over all layers),
+    ``model_dtype`` and ``engine_device``. Empty for a runner without a model.
+
+    The KV pool is what is left for it: on CUDA the runner sizes it after a profiling forward,
+    as ``total × gpu_memory_utilization`` minus the peak use, which includes the weights (so
+    smaller weights under ``--quantization`` leave more KV blocks); on CPU it is
+    ``--kv-cache-memory`` bytes, whatever the weights take."""
+    model = getattr(runner, "model", None)
+    if model is None or not hasattr(runner, "bytes_per_block"):
+        return {}
+    from .quantization import weight_bytes_by_dtype
+
+    by_dtype = weight_bytes_by_dtype(model)
+    return {
+        "weight_bytes_total": sum(by_dtype.values()),
+        "weight_bytes_by_dtype": by_dtype,
+        "kv_cache_bytes": runner.num_blocks * runner.bytes_per_block,
+        "kv_bytes_per_token": runner.bytes_per_block // runner.block_size,
+        "model_dtype": str(runner.dtype).removeprefix("torch."),
+        "engine_device": str(runner.device),
+    }
 
 
 def resolve_model_dir(model: str | None) -> Path:

@@ -3,9 +3,9 @@ sends back each step's outputs and step record, over two ZeroMQ sockets.
 
 Every message is a typed Struct of :mod:`tokenmill.engine.messages`, msgpack-encoded. In:
 :class:`AddRequest`, :class:`AbortRequests`, :class:`StatsQuery`, :class:`Shutdown`. Out:
-:class:`EngineReady` once the model is loaded, :class:`EngineOutputs` per step (and for aborts),
-:class:`RequestFailed` for a refused add, :class:`StatsReply`, and :class:`EngineFatal` when it
-cannot start. While idle it sends a :class:`Heartbeat` (stats and an idle step record, see
+:class:`EngineReady` once the model is loaded (with its weight bytes and the device's roofline
+peaks), :class:`EngineOutputs` per step (and for aborts), :class:`RequestFailed` for a refused
+add, :class:`StatsReply`, and :class:`EngineFatal` when it cannot start. While idle it sends a :class:`Heartbeat` (stats and an idle step record, see
 :meth:`EngineCore.idle_record`) at least every ``IDLE_POLL_MS``.
 """
 
@@ -47,6 +47,25 @@ def rejection(exc: Exception) -> EngineError:
     return EngineError(kind, str(exc))
 
 
+def ready_model_info(core, config: EngineConfig) -> dict:
+    """``EngineReady.model_info``: the core's memory facts (``EngineCore.model_info``) and the
+    device's roofline peaks (``device_peaks.resolve_peaks``: the flags, the GPU table or a
+    cached probe of this machine)."""
+    info = dict(core.model_info)
+    if info:
+        from .device_peaks import resolve_peaks
+
+        info.update(
+            resolve_peaks(
+                info["engine_device"],
+                info["model_dtype"],
+                config.peak_bandwidth_gbps,
+                config.peak_gflops,
+            )
+        )
+    return info
+
+
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
     """Process entry point: build the :class:`EngineCore` and serve until :class:`Shutdown`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
@@ -79,6 +98,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
             vocab_size=core.runner.model_config.vocab_size,
             config=config.to_dict(),
             stats=core.stats(),
+            model_info=ready_model_info(core, config),
         )
     )
     poller = zmq.Poller()

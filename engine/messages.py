@@ -144,6 +144,18 @@ class StepRecord(msgspec.Struct, kw_only=True):
     prefix_hit_tokens: int = 0
     allocation_failures: int = 0
     num_finished: int = 0
+    weight_bytes: BigInt = 0
+    """bytes of weights this step read: every decoder linear layer once in its storage dtype,
+    plus the LM head when a row sampled (``engine/roofline.py``)"""
+    kv_read_bytes: BigInt = 0
+    """KV-cache bytes attention read: each chunk's context (start + new tokens) x KV bytes per
+    token over all layers"""
+    kv_write_bytes: BigInt = 0
+    """KV-cache bytes written: new tokens x KV bytes per token over all layers"""
+    flops: BigInt = 0
+    """FLOP of the forward: linear layers 2 x params x tokens (LM head per sampled row) plus
+    attention QK^T and PV; intensity, GB/s and GFLOP/s over ``forward_ms`` are SQL in
+    ``telemetry/schema.py`` (``ROOFLINE_*``)"""
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -193,7 +205,14 @@ EngineInput = AddRequest | AbortRequests | StatsQuery | Shutdown
 
 # ----- engine → API -----
 class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
-    """The model is loaded and the core takes requests."""
+    """The model is loaded and the core takes requests.
+
+    ``model_info`` holds the memory and roofline facts of the loaded model (``EngineCore.
+    model_info`` plus the device peaks): ``weight_bytes_total``, ``weight_bytes_by_dtype``
+    (bytes by storage dtype, int4 as ``int4``), ``kv_cache_bytes``, ``kv_bytes_per_token``,
+    ``model_dtype``, ``engine_device``, ``device_name``, ``device_peak_gbps`` (GB/s),
+    ``device_peak_gflops`` (GFLOP/s) and their ``*_source``; empty from an older sender.
+    """
 
     pid: int
     started_ns: int
@@ -202,6 +221,7 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     vocab_size: int
     config: dict[str, Any]
     stats: EngineStats
+    model_info: dict[str, Any] = {}
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
