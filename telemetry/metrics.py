@@ -232,6 +232,12 @@ class ServingMetrics:
             "0.5 s when idle); absent while no engine is up.",
         )
 
+        self.g_weight_bytes = gauge(
+            "model_weight_bytes",
+            "Bytes of the model's weights by storage dtype (int4 packs two weights per byte).",
+            ["model_name", "dtype"],
+        )
+
         # -- per-GPU gauges (label gpu = device index) ------------------------------------------
         self.g_gpu = {
             "power_w": gauge("gpu_power_watts", "GPU power draw in watts (NVML).", mg),
@@ -453,6 +459,14 @@ class ServingMetrics:
         ):
             if value is not None:
                 gauge.labels(model).set(float(value))
+
+    def set_weight_bytes(self, by_dtype: dict[str, int]) -> None:
+        """Sets ``tokenmill_model_weight_bytes{dtype}``: the loaded model's weight bytes per
+        storage dtype (``EngineReady.model_info["weight_bytes_by_dtype"]``); a dtype no longer
+        present loses its series."""
+        self.g_weight_bytes.clear()
+        for dtype, n in by_dtype.items():
+            self.g_weight_bytes.labels(self.model_name, dtype).set(float(n))
 
     def set_heartbeat_age(self, age_s: float | None) -> None:
         """Sets ``tokenmill_engine_heartbeat_age_seconds``: seconds since the engine core's last

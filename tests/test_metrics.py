@@ -111,6 +111,7 @@ def _fed() -> tuple[ServingMetrics, dict[str, int]]:
     m.observe_device(GPU)
     m.observe_device(HOST)
     m.set_engine_state(restarts=1, in_flight=0)
+    m.set_weight_bytes({"int4": 53_084_160, "float32": 113_281_280})
     return m, drops
 
 
@@ -209,6 +210,20 @@ def test_numbers_match_rows():
     drops["spans"] = 11
     s = _samples(m.render()[0])
     assert _get(s, "tokenmill_telemetry_dropped_total", table="spans") == 11
+
+
+def test_weight_bytes_gauge_by_dtype():
+    m, _ = _fed()
+    s = _samples(m.render()[0])
+    assert _get(s, "tokenmill_model_weight_bytes", dtype="int4") == 53_084_160
+    assert _get(s, "tokenmill_model_weight_bytes", dtype="float32") == 113_281_280
+    m.set_weight_bytes({"float32": 537_954_048})  # a restart with another model: int4 gone
+    s = _samples(m.render()[0])
+    assert _get(s, "tokenmill_model_weight_bytes", dtype="float32") == 537_954_048
+    assert (
+        "tokenmill_model_weight_bytes",
+        frozenset({"model_name": MODEL, "dtype": "int4"}.items()),
+    ) not in s
 
 
 def test_unknown_device_value_removes_stale_series():

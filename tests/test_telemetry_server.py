@@ -123,8 +123,9 @@ def traced(tmp_path_factory, smollm2_dir):
         health = server.health()
     finally:
         server.stop()
+    log = (tmp / f"server-{server.port}.log").read_text()
     con = duckdb.connect(str(db), read_only=True)
-    yield {"con": con, "metrics": metrics_text, "health": health, "load": load}
+    yield {"con": con, "metrics": metrics_text, "health": health, "load": load, "log": log}
     con.close()
 
 
@@ -283,6 +284,47 @@ def test_metrics_pass_promtool_and_count_completed_requests(traced):
     (stored,) = traced["con"].execute("SELECT sum(num_preempted) FROM engine_steps").fetchone()
     assert preemptions == stored > 0
     assert traced["health"]["telemetry"]["dropped_total"] == 0
+
+
+# SmolLM2-135M in float32: 106,168,320 linear + 28,311,552 embedding (tied LM head) + 35,136
+# norm weights, 4 bytes each
+WEIGHT_BYTES_TOTAL = (106_168_320 + 28_311_552 + 35_136) * 4  # 538,060,032
+
+
+def test_weight_bytes_and_peaks_in_config_event_health_and_metrics(traced):
+    """Memory accounting end to end: the engine's weight bytes by dtype reach the config event,
+    /health, the startup line and tokenmill_model_weight_bytes; the config event names the
+    device's peaks and their sources; every working step carries its roofline numbers."""
+    con = traced["con"]
+    (attrs,) = con.execute(
+        "SELECT attributes FROM events WHERE kind = 'config' ORDER BY time_ns DESC LIMIT 1"
+    ).fetchone()
+    cfg = json.loads(attrs)
+    assert cfg["weight_bytes_total"] == WEIGHT_BYTES_TOTAL
+    assert cfg["weight_bytes_by_dtype"] == {"float32": WEIGHT_BYTES_TOTAL}
+    assert cfg["kv_cache_bytes"] == 10 * 16 * 46_080  # 10 blocks of 16 tokens
+    assert cfg["device_peak_gbps"] > 0 and cfg["device_peak_gflops"] > 0
+    assert cfg["device_peak_gbps_source"] in ("probe", "flag") or cfg[
+        "device_peak_gbps_source"
+    ].startswith("table:")
+    assert cfg["device_name"] and cfg["model_dtype"] == "float32"
+    health = traced["health"]
+    assert health["weight_bytes_total"] == WEIGHT_BYTES_TOTAL
+    assert health["weight_bytes_by_dtype"] == {"float32": WEIGHT_BYTES_TOTAL}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(traced["metrics"])
+        for s in fam.samples
+    }
+    key = ("tokenmill_model_weight_bytes", (("dtype", "float32"), ("model_name", MODEL)))
+    assert samples[key] == WEIGHT_BYTES_TOTAL
+    assert "weights 513.1 MiB (float32 513.1 MiB)" in traced["log"]
+    (bad,) = con.execute(
+        "SELECT count(*) FROM engine_steps WHERE num_prefill_tokens + num_decode_tokens > 0 "
+        "AND NOT (weight_bytes >= 106_168_320 * 4 AND kv_read_bytes > 0 "
+        "AND kv_write_bytes = (num_prefill_tokens + num_decode_tokens) * 46_080 AND flops > 0)"
+    ).fetchone()
+    assert bad == 0
 
 
 def test_unwritable_trace_store_never_stops_serving(tmp_path, smollm2_dir):

@@ -241,6 +241,17 @@ class TimelineMiddleware:
             self.state.finish(tl)
 
 
+def memory_fields(model_info: dict) -> dict:
+    """``/health``'s memory fields from ``EngineReady.model_info``: ``weight_bytes_total``,
+    ``weight_bytes_by_dtype`` (bytes by storage dtype, int4 as ``int4``) and
+    ``kv_cache_bytes`` (the KV pool); None while no engine has reported them."""
+    return {
+        "weight_bytes_total": model_info.get("weight_bytes_total"),
+        "weight_bytes_by_dtype": model_info.get("weight_bytes_by_dtype"),
+        "kv_cache_bytes": model_info.get("kv_cache_bytes"),
+    }
+
+
 def _timeline(request: Request) -> RequestTimeline:
     tl = getattr(request.state, "tm_timeline", None)
     if tl is None:  # a route reached without the middleware (tests building the app by hand)
@@ -467,6 +478,7 @@ def build_app(state: ServerState) -> FastAPI:
             "kv_usage": stats.get("kv_usage"),
             "kv_blocks_used": stats.get("kv_blocks_used"),
             "kv_blocks_total": stats.get("kv_blocks_total"),
+            **memory_fields(state.worker.info.get("model_info") or {}),
             "telemetry": state.telemetry.health(),
             "reasons": reasons,
         }

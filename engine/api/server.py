@@ -72,6 +72,35 @@ class TokenmillServer(uvicorn.Server):
                 self._captured_signals.clear()
 
 
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes as MiB (under 1 GiB) or GiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def memory_line(model_info: dict) -> str:
+    """The startup line's memory and roofline part: weight bytes by dtype, the KV pool, the
+    device's peaks and their sources (``EngineReady.model_info``); empty without it."""
+    if not model_info.get("weight_bytes_by_dtype"):
+        return ""
+    by_dtype = ", ".join(
+        f"{dtype} {fmt_bytes(n)}" for dtype, n in model_info["weight_bytes_by_dtype"].items()
+    )
+    line = f"weights {fmt_bytes(model_info['weight_bytes_total'])} ({by_dtype})"
+    if model_info.get("kv_cache_bytes"):
+        line += f", KV cache {fmt_bytes(model_info['kv_cache_bytes'])}"
+    gbps, gflops = model_info.get("device_peak_gbps"), model_info.get("device_peak_gflops")
+    if gbps and gflops:
+        sources = {
+            model_info.get("device_peak_gbps_source"),
+            model_info.get("device_peak_gflops_source"),
+        }
+        line += (
+            f"; roofline peaks {gbps:,.0f} GB/s, {gflops:,.0f} GFLOP/s "
+            f"({', '.join(sorted(s for s in sources if s))})"
+        )
+    return line + "; "
+
+
 def make_server(
     config: EngineConfig,
     *,
@@ -139,7 +168,9 @@ def make_server(
             raise
         telemetry.engine_pid = info["pid"]
         telemetry.start(engine_pids=[info["pid"]])
-        telemetry.event("config", "info", "engine flags at start", **config.to_dict())
+        model_info = info.get("model_info") or {}
+        telemetry.event("config", "info", "engine flags at start", **config.to_dict(), **model_info)
+        telemetry.metrics.set_weight_bytes(model_info.get("weight_bytes_by_dtype") or {})
         if telemetry.store_error:
             announce(
                 f"warning: trace store unavailable ({telemetry.store_error}); serving without it"
@@ -150,7 +181,7 @@ def make_server(
         announce(
             f"tokenmill serving {name!r} at http://{host}:{port}/v1  "
             f"(engine pid {info['pid']}, KV capacity {kv_tokens} tokens in {info['num_blocks']} blocks, "
-            f"context {info['max_model_len']}; "
+            f"context {info['max_model_len']}; {memory_line(model_info)}"
             f"{'tenants from ' + tenants_file if tenants_file else 'open local mode, no API keys'}; "
             f"telemetry: /metrics, /health, trace store {telemetry.trace_db or 'off'})"
         )
