@@ -1,18 +1,79 @@
-"""Attention backend ``torch``: the kernels' plain-torch references (:mod:`tokenmill.kernels.
-reference`, which imports no triton) driven by the step's :class:`AttentionMetadata`.
+"""Attention backend ``torch``: plain torch driven by the step's :class:`AttentionMetadata`.
 
-The default on CPU, and what the ``triton`` backend is tested against.
+The default on CPU. Decode rows (one new token) take a batched path: the step's gather indices
+and visibility mask are built once per step (:class:`DecodePlan`, cached on the metadata) and
+every layer runs one ``scaled_dot_product_attention`` over its gathered context, so the
+per-layer cost of a small step is a gather and one attention call. Prefill chunks run the
+kernels' reference (:mod:`tokenmill.kernels.reference`, which imports no triton), which is also
+what ``tests/test_paged_attention_torch.py`` holds this backend to.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from tokenmill.kernels.reference import paged_attention, store_kv
+import torch
+from torch.nn import functional as F
+
+from tokenmill.kernels.reference import _attend, _gather_context, _visibility, store_kv
 
 from .metadata import AttentionMetadata
 
-__all__ = ["TorchAttentionBackend", "store_kv"]
+__all__ = ["DecodePlan", "TorchAttentionBackend", "store_kv"]
+
+
+@dataclass
+class DecodePlan:
+    """What every layer of one step shares (built once per step, on the cache's device).
+
+    Attributes:
+        rows: ``[B]`` int64 query rows of the decode sequences (None: rows ``0..B-1``).
+        tables: ``[B, nblk]`` int64 block ids covering the longest decode context.
+        length: ``L``, the longest decode context (tokens).
+        mask: ``[B, 1, 1, L]`` bool, True where a decode query may see a key (causal, within
+            its context and sliding window), or None when every key is visible.
+        other: indices of the sequences that are not decodes (prefill chunks).
+        all_slots_valid: the step's ``slot_mapping`` has no ``-1`` padding.
+    """
+
+    rows: torch.Tensor | None
+    tables: torch.Tensor | None
+    length: int
+    mask: torch.Tensor | None
+    other: list[int]
+    all_slots_valid: bool
+
+
+def decode_plan(m: AttentionMetadata, block_size: int, sliding_window: int | None) -> DecodePlan:
+    """The step's :class:`DecodePlan` for ``sliding_window``, cached on ``m``."""
+    cache = m.__dict__.setdefault("_torch_plans", {})
+    plan = cache.get(sliding_window)
+    if plan is not None:
+        return plan
+    starts, lens = m.query_start_loc_host, m.seq_lens_host
+    n = len(lens)
+    decode = [i for i in range(n) if starts[i + 1] - starts[i] == 1]
+    other = [i for i in range(n) if starts[i + 1] - starts[i] != 1]
+    device = m.slot_mapping.device
+    rows = tables = mask = None
+    length = 0
+    if decode:
+        length = max(lens[i] for i in decode)
+        nblk = -(-length // block_size)
+        idx = torch.tensor(decode, device=device)
+        tables = m.block_tables.to(device)[idx, :nblk].long()
+        q_rows = [starts[i] for i in decode]
+        if q_rows != list(range(len(decode))):
+            rows = torch.tensor(q_rows, device=device)
+        seq = torch.tensor([lens[i] for i in decode], device=device)
+        key_pos = torch.arange(length, device=device)
+        allowed = _visibility((seq - 1)[:, None], key_pos, sliding_window)  # [B, 1, L]
+        allowed &= (key_pos[None, :] < seq[:, None])[:, None, :]
+        if not bool(allowed.all()):
+            mask = allowed[:, None]  # [B, 1, 1, L]
+    plan = DecodePlan(rows, tables, length, mask, other, bool((m.slot_mapping >= 0).all()))
+    cache[sliding_window] = plan
+    return plan
 
 
 class TorchAttentionBackend:
@@ -32,21 +93,57 @@ class TorchAttentionBackend:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V by slot mapping, then attend; shapes as in
-        :func:`tokenmill.kernels.reference.paged_attention`. The host copies of the metadata
-        drive the per-sequence loop, so a step on CUDA never syncs to read them."""
+        :func:`tokenmill.kernels.reference.paged_attention` (query ``[T, Hq, D]``, caches
+        ``[num_blocks, block_size, Hkv, D]``; returns ``[T, Hq, D]`` in query's dtype). The
+        host copies of the metadata drive the loops, so a step on CUDA never syncs on them."""
         m = metadata
-        store_kv(key, value, k_cache, v_cache, m.slot_mapping)
-        return paged_attention(
-            query,
-            k_cache,
-            v_cache,
-            m.query_start_loc,
-            m.seq_lens,
-            m.block_tables,
-            m.max_query_len,
-            m.max_seq_len,
-            scale,
-            sliding_window,
-            query_start_loc_host=m.query_start_loc_host,
-            seq_lens_host=m.seq_lens_host,
+        plan = decode_plan(m, k_cache.shape[1], sliding_window)
+        if plan.all_slots_valid:
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(
+                0, m.slot_mapping, key.to(k_cache.dtype)
+            )
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(
+                0, m.slot_mapping, value.to(v_cache.dtype)
+            )
+        else:
+            store_kv(key, value, k_cache, v_cache, m.slot_mapping)
+        out = torch.empty_like(query)
+        if plan.tables is not None:
+            nb = plan.tables.shape[0]
+            q = query[:nb] if plan.rows is None else query[plan.rows]
+            rows = slice(0, nb) if plan.rows is None else plan.rows
+            out[rows] = self._decode(q, k_cache, v_cache, plan, scale)
+        starts, lens = m.query_start_loc_host, m.seq_lens_host
+        for i in plan.other:
+            s, e, length = starts[i], starts[i + 1], lens[i]
+            k = _gather_context(k_cache, m.block_tables[i], length)
+            v = _gather_context(v_cache, m.block_tables[i], length)
+            query_pos = torch.arange(length - (e - s), length, device=query.device)
+            allowed = _visibility(
+                query_pos, torch.arange(length, device=query.device), sliding_window
+            )
+            out[s:e] = _attend(query[s:e][None], k[None], v[None], allowed[None], scale)[0]
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: DecodePlan,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q [B, Hq, D]`` → ``[B, Hq, D]``: one SDPA call (float32 math, as the reference)."""
+        hq = q.shape[1]
+        k = k_cache[plan.tables].flatten(1, 2)[:, : plan.length]  # [B, L, Hkv, D]
+        v = v_cache[plan.tables].flatten(1, 2)[:, : plan.length]
+        hkv = k.shape[2]
+        out = F.scaled_dot_product_attention(
+            q.float()[:, :, None],  # [B, Hq, 1, D]
+            k.float().transpose(1, 2),  # [B, Hkv, L, D]
+            v.float().transpose(1, 2),
+            attn_mask=plan.mask,
+            scale=scale,
+            enable_gqa=hq != hkv,
         )
+        return out[:, :, 0].to(q.dtype)
