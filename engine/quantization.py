@@ -181,6 +181,14 @@ class QuantizedLinear(nn.Module):
                     f"--quantization int4 needs in_features divisible by {self.group_size}; "
                     f"a layer has {k}"
                 )
+            # torch's packed int4 layouts tile the output rows (CPU: 16, CUDA tinygemm: 8) and
+            # otherwise fail with a bare RuntimeError, e.g. on an LM head over 32001 tokens
+            tile = 16 if self.device.type == "cpu" else 8
+            if n % tile:
+                raise ModelLoadError(
+                    f"--quantization int4 on {self.device.type} needs out_features divisible by "
+                    f"{tile}; a layer has {n}"
+                )
             q, scales, zeros = quantize_int4(weight, self.group_size)
             # tinygemm's [K/G, N, 2] (scale, zero) table, in the kernel's activation dtype
             table = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
@@ -191,8 +199,6 @@ class QuantizedLinear(nn.Module):
                 self.register_buffer("scales_and_zeros", table.to(torch.bfloat16))
                 self.block_n = _cpu_int4_block_n()
                 if self.block_n is not None and n % self.block_n == 0:
-                    self.register_buffer("scales", scales)
-                    self.register_buffer("zeros", zeros)
                     self.path = "hybrid"
                 else:
                     self.path = "packed"
@@ -226,7 +232,9 @@ class QuantizedLinear(nn.Module):
             eye = torch.eye(k, dtype=torch.bfloat16, device=self.qweight.device)
             return self._packed(eye).t().to(dtype)
         q = _unpack_cpu_int4(self.qweight, n, k, self.block_n).reshape(n, -1, self.group_size)
-        w = (q - 8).to(torch.float32) * self.scales[..., None] + self.zeros[..., None]
+        table = self.scales_and_zeros.to(torch.float32)  # [K/G, N, 2], what the kernel uses
+        scales, zeros = table[..., 0].t(), table[..., 1].t()  # [N, K/G]
+        w = (q - 8).to(torch.float32) * scales[..., None] + zeros[..., None]
         return w.reshape(n, k).to(dtype)
 
     def _packed(self, x2d: torch.Tensor) -> torch.Tensor:
@@ -251,11 +259,64 @@ class QuantizedLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         else:
-            out = nn.functional.linear(x2d, self.dequantize(x.dtype), self.bias)
+            out = dense_linear(x2d, self.dequantize(_gemm_dtype(x)), self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.method}, path={self.path}"
+
+
+def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a dense GEMM on ``x``'s device runs fast in: float32 on a CPU without native
+    bf16/fp16 GEMM (oneDNN's check), else ``x``'s dtype."""
+    if x.device.type == "cpu" and x.dtype != torch.float32 and not _cpu_has_bf16_gemm():
+        return torch.float32
+    return x.dtype
+
+
+@functools.cache
+def _cpu_has_bf16_gemm() -> bool:
+    """oneDNN runs bf16 GEMMs natively here (AVX512-BF16/AMX class CPUs). Without it, torch's
+    bf16 GEMM is emulated: on the 2-core AVX2 machine 7x slower than float32 at 256 rows."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K]^T (+ bias)`` computed in ``weight``'s dtype, returned in
+    ``x``'s (the upcast path of half-precision layers on a CPU without bf16 GEMM)."""
+    if weight.dtype == x.dtype:
+        return nn.functional.linear(x, weight, bias)
+    b = None if bias is None else bias.to(weight.dtype)
+    return nn.functional.linear(x.to(weight.dtype), weight, b).to(x.dtype)
+
+
+class HalfPrecisionLinear(nn.Module):
+    """A bf16/fp16 ``nn.Linear`` for a CPU without native half-precision GEMM: up to
+    :data:`PACKED_MAX_ROWS` rows it multiplies in the weight's dtype (half the bytes to read,
+    which is what a decode step is bound by); above, it upcasts the weight and runs the float32
+    GEMM (prefill is compute-bound and the emulated bf16 GEMM is several times slower).
+
+    Shares the wrapped layer's weight (a tied LM head stays tied). ``[..., K]`` → ``[..., N]``.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if hasattr(linear, "shards"):
+            self.shards = linear.shards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        if x2d.shape[0] <= PACKED_MAX_ROWS:
+            out = nn.functional.linear(x2d, self.weight, self.bias)
+        else:
+            out = dense_linear(x2d, self.weight.float(), self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 @functools.cache
@@ -273,16 +334,18 @@ def _cuda_int8_packed_ok(device: torch.device) -> bool:
 
 def quantize_model(model: nn.Module, method: str) -> int:
     """Replace every ``nn.Linear`` under ``model`` (decoder blocks and LM head) with a
-    :class:`QuantizedLinear` in place; a tied LM head gets its own quantized copy.
+    :class:`QuantizedLinear` in place; a tied LM head gets its own quantized copy. With
+    ``none``, a half-precision model on a CPU without native bf16 GEMM gets
+    :class:`HalfPrecisionLinear` layers instead.
 
     Returns:
-        The number of layers quantized.
+        The number of layers replaced.
 
     Raises:
         ModelLoadError: a layer shape the scheme cannot take.
     """
     if method == "none":
-        return 0
+        return _wrap_half_precision(model)
     targets = [
         (name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
     ]
@@ -291,6 +354,20 @@ def quantize_model(model: nn.Module, method: str) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         with torch.no_grad():
             setattr(parent, attr, QuantizedLinear.from_linear(method, module))
+    return len(targets)
+
+
+def _wrap_half_precision(model: nn.Module) -> int:
+    """On a CPU without native bf16/fp16 GEMM, wrap half-precision linears in
+    :class:`HalfPrecisionLinear`; returns how many were wrapped (0 elsewhere)."""
+    first = next(model.parameters())
+    if first.device.type != "cpu" or first.dtype == torch.float32 or _cpu_has_bf16_gemm():
+        return 0
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, module in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, HalfPrecisionLinear(module))
     return len(targets)
 
 
