@@ -2,7 +2,7 @@
 
 Time axes are UTC datetimes; a figure with several rows shares one time axis so that a spike
 can be followed from row to row. Units are in the axis titles (ms, tokens, blocks, W, J/token,
-MHz, %, °C, GiB).
+MHz, %, °C, GiB; the roofline's FLOP/byte and GFLOP/s).
 """
 
 from __future__ import annotations
@@ -251,6 +251,81 @@ def engine(steps: pd.DataFrame, hits: pd.DataFrame, per_step: bool) -> go.Figure
         title_text="hit rate", row=5, col=1, secondary_y=True, range=[0, 1], tickformat=".0%"
     )
     return _layout(fig, 1150)
+
+
+def fmt_peak(x: float) -> str:
+    """A peak figure for a label: thousands separated from 100 up (``4,800``), else 3 digits."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def roofline(steps: pd.DataFrame, peaks: dict, per_step: bool) -> go.Figure:
+    """Engine steps on a log-log roofline: x = arithmetic intensity (FLOP/byte), y = achieved
+    GFLOP/s over the forward; prefill-containing and decode-only steps in their own colours.
+    With the device's peaks (``data.device_peaks``): the bandwidth ceiling ``y = peak GB/s × x``
+    up to the ridge point, the compute ceiling ``y = peak GFLOP/s`` from it, and the ridge
+    point (FLOP/byte) marked."""
+    fig = go.Figure()
+    what = "step" if per_step else "bucket"
+    for kind, label in (("prefill", "prefill-containing steps"), ("decode", "decode-only steps")):
+        d = steps[steps["kind"] == kind]
+        fig.add_trace(
+            go.Scatter(
+                x=d["arith_intensity"],
+                y=d["achieved_gflops"],
+                name=label,
+                mode="markers",
+                marker={"color": _COLORS[kind], "size": 6, "opacity": 0.6},
+                customdata=d[["achieved_gbps", "steps"]],
+                hovertemplate=(
+                    f"{kind} {what}<br>%{{x:.3g}} FLOP/byte<br>%{{y:.4g}} GFLOP/s"
+                    "<br>%{customdata[0]:.4g} GB/s<br>%{customdata[1]} step(s)<extra></extra>"
+                ),
+            )
+        )
+    gbps, gflops, ridge = peaks.get("peak_gbps"), peaks.get("peak_gflops"), peaks.get("ridge")
+    if ridge:
+        xs = [x for x in steps["arith_intensity"].dropna() if x > 0]
+        lo = min([*xs, ridge]) / 4
+        hi = max([*xs, ridge]) * 4
+        sources = {peaks.get("peak_gbps_source"), peaks.get("peak_gflops_source")}
+        src = ", ".join(sorted(str(s) for s in sources if s))
+        fig.add_trace(
+            go.Scatter(
+                x=[lo, ridge],
+                y=[gbps * lo, gflops],
+                name=f"bandwidth ceiling {fmt_peak(gbps)} GB/s",
+                mode="lines",
+                line={"color": "#444444", "width": 2},
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[ridge, hi],
+                y=[gflops, gflops],
+                name=f"compute ceiling {fmt_peak(gflops)} GFLOP/s",
+                mode="lines",
+                line={"color": "#444444", "width": 2, "dash": "dash"},
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[ridge],
+                y=[gflops],
+                name=f"ridge point {fmt_peak(ridge)} FLOP/byte",
+                mode="markers+text",
+                marker={"color": "#d62728", "size": 10, "symbol": "diamond"},
+                text=[f"ridge {fmt_peak(ridge)} FLOP/byte"],
+                textposition="bottom right",
+            )
+        )
+        title = f"Roofline ({peaks.get('device_name') or 'device'}; peaks: {src})"
+    else:
+        title = "Roofline (no device peaks recorded: steps only)"
+    fig.update_xaxes(type="log", title_text="arithmetic intensity (FLOP/byte)")
+    fig.update_yaxes(type="log", title_text="achieved GFLOP/s")
+    fig = _layout(fig, 450, title)
+    fig.update_layout(hovermode="closest")
+    return fig
 
 
 def step_field(df: pd.DataFrame, field: str, per_step: bool) -> go.Figure:

@@ -24,9 +24,17 @@ import pandas as pd
 
 from tokenmill.telemetry.schema import (
     COMPLETED_SQL,
+    DEVICE_PEAKS_SQL,
+    ROOFLINE_STEP_SQL,
     ROW_TYPES,
     STATIONS,
+    STEP_BYTES_SQL,
+    STEP_GBPS_SQL,
+    STEP_GFLOPS_SQL,
+    STEP_INTENSITY_SQL,
     WORKING_STEP_SQL,
+    columns,
+    roofline_agg_sql,
     sql_type,
 )
 
@@ -511,6 +519,75 @@ def engine_summary(con, since_ns: int, until_ns: int) -> dict:
         )
     )
     return s
+
+
+_ROOFLINE_KIND = "CASE WHEN num_prefill_tokens > 0 THEN 'prefill' ELSE 'decode' END"
+_ROOFLINE_COLS = (
+    "kind",
+    "steps",
+    "step_bytes",
+    "flops_sum",
+    "arith_intensity",
+    "achieved_gbps",
+    "achieved_gflops",
+)
+
+
+def roofline_steps(
+    con, since_ns: int, until_ns: int, max_points: int = 2000
+) -> tuple[pd.DataFrame, float | None]:
+    """The window's steps on the roofline: ``kind`` (``prefill`` for a step with prefill
+    tokens, ``decode`` for a decode-only one), ``steps``, ``step_bytes`` (bytes moved: weights +
+    KV read + KV written), ``flops_sum`` (FLOP), ``arith_intensity`` (FLOP/byte),
+    ``achieved_gbps`` (GB/s) and ``achieved_gflops`` (GFLOP/s) over ``forward_ms`` — one row per
+    step when there are at most ``max_points``, else per time bucket and kind (sums over the
+    bucket's forward time). The derivations are the store's (``telemetry.schema``: the
+    ``STEP_*_SQL`` expressions and ``roofline_agg_sql``). Empty for a store from before the
+    roofline fields. Returns the frame and the bucket length in s (None: per step)."""
+    if "flops" not in columns(con, "engine_steps"):
+        return pd.DataFrame(columns=["t_ns", *_ROOFLINE_COLS, "time"]), None
+    bucket_s = _step_bucket_s(con, since_ns, until_ns, max_points, ROOFLINE_STEP_SQL)
+    if bucket_s is None:
+        df = _df(
+            con,
+            f"""SELECT start_ns AS t_ns, step_id, {_ROOFLINE_KIND} AS kind, 1 AS steps,
+                   {STEP_BYTES_SQL} AS step_bytes, flops AS flops_sum,
+                   {STEP_INTENSITY_SQL} AS arith_intensity, {STEP_GBPS_SQL} AS achieved_gbps,
+                   {STEP_GFLOPS_SQL} AS achieved_gflops,
+                   num_prefill_tokens AS prefill_tokens, num_decode_tokens AS decode_tokens,
+                   forward_ms
+                FROM engine_steps
+                WHERE start_ns >= $since AND start_ns < $until AND {ROOFLINE_STEP_SQL}
+                ORDER BY start_ns""",
+            since=since_ns,
+            until=until_ns,
+        )
+        return _time(df), None
+    w = max(1, int(bucket_s * NS))
+    df = _df(
+        con,
+        f"""SELECT $since + (start_ns - $since) // $w * $w AS t_ns, {_ROOFLINE_KIND} AS kind,
+               {roofline_agg_sql()}
+            FROM engine_steps
+            WHERE start_ns >= $since AND start_ns < $until AND {ROOFLINE_STEP_SQL}
+            GROUP BY ALL ORDER BY 1""",
+        since=since_ns,
+        until=until_ns,
+        w=w,
+    )
+    df = df.rename(columns={"roofline_steps": "steps"})
+    return _time(df), bucket_s
+
+
+def device_peaks(con) -> dict:
+    """The roofline's ceilings from the latest ``config`` event (``telemetry.schema.
+    DEVICE_PEAKS_SQL``): ``peak_gbps`` (GB/s), ``peak_gflops`` (GFLOP/s), their sources
+    (``flag``, ``table:<GPU>``, ``probe``), ``device_name`` and ``ridge`` (FLOP/byte: where the
+    two ceilings meet); the figures None when the store has none."""
+    peaks = _one(con, DEVICE_PEAKS_SQL)
+    gbps, gflops = peaks.get("peak_gbps"), peaks.get("peak_gflops")
+    peaks["ridge"] = gflops / gbps if gbps and gflops and gbps > 0 and gflops > 0 else None
+    return peaks
 
 
 def prefix_hit_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd.DataFrame:

@@ -44,6 +44,51 @@ COMPLETED_SQL = (
     "AND error_type IS NULL)"
 )
 
+# ---- the roofline of engine steps: the one place its derived values are defined ----
+# The engine counts each step's bytes and FLOPs (engine/roofline.py: weight_bytes,
+# kv_read_bytes, kv_write_bytes, flops); forward_ms is the forward's wall time. The console's
+# roofline and the diagnoser's signals both read these expressions.
+#: bytes a step moved: weights read + KV read + KV written
+STEP_BYTES_SQL = "(weight_bytes + kv_read_bytes + kv_write_bytes)"
+#: arithmetic intensity of a step, FLOP/byte
+STEP_INTENSITY_SQL = f"(flops::DOUBLE / nullif({STEP_BYTES_SQL}, 0))"
+#: achieved memory bandwidth of a step, GB/s (bytes per ms / 1e6)
+STEP_GBPS_SQL = f"({STEP_BYTES_SQL}::DOUBLE / nullif(forward_ms, 0) / 1e6)"
+#: achieved compute of a step, GFLOP/s (FLOP per ms / 1e6)
+STEP_GFLOPS_SQL = "(flops::DOUBLE / nullif(forward_ms, 0) / 1e6)"
+#: a step the roofline counts: it ran tokens and carries its counts (older rows are NULL)
+ROOFLINE_STEP_SQL = f"({WORKING_STEP_SQL} AND flops > 0 AND forward_ms > 0)"
+
+
+def roofline_agg_sql(where: str = "TRUE") -> str:
+    """SELECT columns of the roofline over a group of steps (those matching ``where`` and
+    :data:`ROOFLINE_STEP_SQL`): ``roofline_steps``, ``step_bytes`` (sum, bytes), ``flops_sum``,
+    ``arith_intensity`` (FLOP/byte), ``achieved_gbps`` (GB/s) and ``achieved_gflops`` (GFLOP/s),
+    the latter as sums over the summed ``forward_ms``: time-weighted, as one long step would
+    read."""
+    f = f"FILTER (WHERE {ROOFLINE_STEP_SQL} AND ({where}))"
+    return (
+        f"count(*) {f} AS roofline_steps, "
+        f"sum({STEP_BYTES_SQL}) {f} AS step_bytes, "
+        f"sum(flops) {f} AS flops_sum, "
+        f"sum(flops) {f} / nullif(sum({STEP_BYTES_SQL}) {f}, 0) AS arith_intensity, "
+        f"sum({STEP_BYTES_SQL}) {f} / nullif(sum(forward_ms) {f}, 0) / 1e6 AS achieved_gbps, "
+        f"sum(flops) {f} / nullif(sum(forward_ms) {f}, 0) / 1e6 AS achieved_gflops"
+    )
+
+
+#: The device's roofline ceilings recorded at server start (the latest ``config`` event):
+#: ``peak_gbps`` (GB/s), ``peak_gflops`` (GFLOP/s), their sources (``flag``, ``table:<GPU>``,
+#: ``probe``) and ``device_name``; no row for a store without a config event.
+DEVICE_PEAKS_SQL = """
+SELECT TRY_CAST(attributes->>'device_peak_gbps' AS DOUBLE) AS peak_gbps,
+       TRY_CAST(attributes->>'device_peak_gflops' AS DOUBLE) AS peak_gflops,
+       attributes->>'device_peak_gbps_source' AS peak_gbps_source,
+       attributes->>'device_peak_gflops_source' AS peak_gflops_source,
+       attributes->>'device_name' AS device_name
+FROM events WHERE kind = 'config' ORDER BY time_ns DESC LIMIT 1
+"""
+
 #: The tables generated from a row type, in the order they are created.
 ROW_TYPES: dict[str, type[msgspec.Struct]] = {"requests": RequestRow, "engine_steps": StepRecord}
 
@@ -51,16 +96,23 @@ __all__ = [
     "COMPLETED_FINISH_REASONS",
     "COMPLETED_SQL",
     "DEFAULT_BLOCK_SIZE",
+    "DEVICE_PEAKS_SQL",
     "IDLE_KV_LEAK_SHARE",
+    "ROOFLINE_STEP_SQL",
     "ROW_TYPES",
     "SCHEMA_VERSION",
     "STATIONS",
+    "STEP_BYTES_SQL",
+    "STEP_GBPS_SQL",
+    "STEP_GFLOPS_SQL",
+    "STEP_INTENSITY_SQL",
     "TABLES",
     "WORKING_STEP_SQL",
     "SchemaError",
     "apply_schema",
     "check_schema",
     "ddl",
+    "roofline_agg_sql",
     "sql_type",
     "struct_ddl",
 ]

@@ -97,6 +97,24 @@ def charts(at: AppTest) -> list[dict]:
     return [json.loads(el.proto.spec) for el in at.get("plotly_chart")]
 
 
+def chart_with(at: AppTest, trace_name: str) -> dict:
+    """The page's one plotly figure holding a trace named ``trace_name``."""
+    found = [f for f in charts(at) if any(t.get("name") == trace_name for t in f["data"])]
+    assert len(found) == 1, f"{len(found)} charts with a trace {trace_name!r}"
+    return found[0]
+
+
+def _values(v) -> list:
+    """A plotly trace's x or y as a list (decoding plotly's typed-array encoding)."""
+    if isinstance(v, dict):
+        import base64
+
+        import numpy as np
+
+        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=v["dtype"]).tolist()
+    return list(v)
+
+
 def test_overview_tiles_equal_the_store(monkeypatch, gpu_store):
     at = open_page(monkeypatch, gpu_store)
     lo, hi = bounds(gpu_store)
@@ -199,7 +217,7 @@ def test_engine_tiles_equal_the_store(monkeypatch, gpu_store):
     assert num(metric(at, "Steps")) == steps
     assert num(metric(at, "Preemptions")) == pre
     assert_ms(metric(at, "Step time mean"), step_ms)
-    (fig,) = charts(at)
+    fig = chart_with(at, "prefill tokens")
     names = {t.get("name") for t in fig["data"]}
     assert {"prefill tokens", "decode tokens", "forward ms", "running", "waiting"} <= names
     assert {"KV used blocks", "KV free blocks", "preemptions", "prefix-cache hit rate"} <= names
@@ -426,16 +444,8 @@ def test_any_step_field_charts_the_store_values(monkeypatch, gpu_store):
     at.selectbox(key="tm_step_field").set_value("num_decode_tokens")
     at.run()
     assert not at.exception
-    figs = charts(at)
-    assert len(figs) == 2
-    (trace,) = figs[1]["data"]
-    y = trace["y"]
-    if isinstance(y, dict):  # plotly's typed-array encoding
-        import base64
-
-        import numpy as np
-
-        y = np.frombuffer(base64.b64decode(y["bdata"]), dtype=y["dtype"]).tolist()
+    (trace,) = chart_with(at, "num_decode_tokens")["data"]
+    y = _values(trace["y"])
     (total, n) = sql(
         gpu_store,
         "SELECT sum(num_decode_tokens), count(*) FROM engine_steps "
@@ -448,3 +458,111 @@ def test_any_step_field_charts_the_store_values(monkeypatch, gpu_store):
         duckdb.connect(str(gpu_store), read_only=True) as con,
     ):
         data.step_field_series(con, *bounds(gpu_store), "step_id; DROP TABLE requests")
+
+
+# the roofline fields as the engine counts them for float32 SmolLM2-135M (tests/test_roofline.py):
+# weights (linear + LM head) read once, decodes at context 500, attention left out
+_ROOFLINE_UPDATE = """
+UPDATE engine_steps SET weight_bytes = 537919488,
+    kv_read_bytes = (num_prefill_tokens + 500 * num_decode_tokens) * 46080::BIGINT,
+    kv_write_bytes = (num_prefill_tokens + num_decode_tokens) * 46080::BIGINT,
+    flops = 2 * 134479872::BIGINT * (num_prefill_tokens + num_decode_tokens)
+WHERE num_prefill_tokens + num_decode_tokens > 0
+"""
+
+
+@pytest.fixture(scope="module")
+def roofline_store(tmp_path_factory) -> Path:
+    """A store whose steps carry roofline fields and whose latest config event has peaks."""
+    path = tmp_path_factory.mktemp("dash") / "roofline.duckdb"
+    write_store(path, [Phase(duration_s=20)], seed=7)
+    peaks = {
+        "device_name": "NVIDIA H200",
+        "device_peak_gbps": 4800.0,
+        "device_peak_gflops": 989000.0,
+        "device_peak_gbps_source": "table:NVIDIA H200",
+        "device_peak_gflops_source": "table:NVIDIA H200",
+    }
+    with duckdb.connect(str(path)) as con:
+        con.execute(_ROOFLINE_UPDATE)
+        (t,) = con.execute("SELECT max(time_ns) + 1 FROM events").fetchone()
+        con.execute(
+            "INSERT INTO events (time_ns, kind, severity, message, attributes) "
+            "VALUES (?, 'config', 'info', 'engine flags at start', ?)",
+            [t, json.dumps(peaks)],
+        )
+    return path
+
+
+def test_engine_roofline_plots_every_step_under_the_peaks(monkeypatch, roofline_store):
+    """The Engine page's roofline: log-log, one point per step at the store's own intensity and
+    GFLOP/s (telemetry.schema's SQL), prefill and decode steps apart, the two ceilings from the
+    config event meeting at the ridge point (989,000 / 4,800 = 206 FLOP/byte)."""
+    at = open_page(monkeypatch, roofline_store, "engine")
+    fig = chart_with(at, "decode-only steps")
+    assert fig["layout"]["xaxis"]["type"] == "log" and fig["layout"]["yaxis"]["type"] == "log"
+    traces = {t["name"]: t for t in fig["data"]}
+    for kind, where in (
+        ("prefill-containing", "num_prefill_tokens > 0"),
+        ("decode-only", "num_prefill_tokens = 0"),
+    ):
+        (n, gflops) = sql(
+            roofline_store,
+            f"SELECT count(*), sum(flops / forward_ms / 1e6) FROM engine_steps "
+            f"WHERE flops > 0 AND {where}",
+        )
+        y = _values(traces[f"{kind} steps"]["y"])
+        assert n > 0 and len(y) == n and sum(y) == pytest.approx(gflops)
+    (x_max,) = sql(
+        roofline_store,
+        "SELECT max(flops::DOUBLE / (weight_bytes + kv_read_bytes + kv_write_bytes)) "
+        "FROM engine_steps WHERE flops > 0",
+    )
+    assert max(_values(traces["prefill-containing steps"]["x"])) == pytest.approx(x_max)
+    bandwidth = traces["bandwidth ceiling 4,800 GB/s"]
+    bx, by = _values(bandwidth["x"]), _values(bandwidth["y"])
+    assert by[0] == pytest.approx(4800 * bx[0]) and by[1] == pytest.approx(989_000)
+    compute = traces["compute ceiling 989,000 GFLOP/s"]
+    assert _values(compute["y"]) == [989_000, 989_000]
+    ridge = traces["ridge point 206 FLOP/byte"]
+    assert _values(ridge["x"]) == [pytest.approx(989_000 / 4800)]
+    assert any("table:NVIDIA H200" in c.value for c in at.caption)
+
+
+def test_engine_roofline_without_counts_says_so(monkeypatch, tmp_path):
+    """A store whose steps carry no bytes/FLOPs (written before the roofline) shows a note in
+    place of the roofline, and the rest of the page as before."""
+    path = tmp_path / "old.duckdb"
+    write_store(path, [Phase(duration_s=10)], seed=8)
+    with duckdb.connect(str(path)) as con:
+        con.execute("UPDATE engine_steps SET weight_bytes = NULL, flops = NULL")
+    at = open_page(monkeypatch, path, "engine")
+    assert any("No roofline" in i.value for i in at.info)
+    assert chart_with(at, "prefill tokens")
+
+
+def test_roofline_buckets_sum_their_steps(roofline_store):
+    """Past max_points the roofline sums steps per time bucket and kind: the counts add up and
+    each bucket's GFLOP/s is its FLOPs over its forward time."""
+    from tokenmill.dashboard import charts as dash_charts
+
+    since, until = bounds(roofline_store)
+    with duckdb.connect(str(roofline_store), read_only=True) as con:
+        per_step, none = data.roofline_steps(con, since, until + 1)
+        buckets, bucket_s = data.roofline_steps(con, since, until + 1, max_points=10)
+        peaks = data.device_peaks(con)
+    assert none is None and bucket_s is not None
+    assert buckets["steps"].sum() == len(per_step) and set(buckets["kind"]) <= {"prefill", "decode"}
+    b = buckets.iloc[0]
+    w = int(bucket_s * 1e9)
+    (flops, ms) = sql(
+        roofline_store,
+        "SELECT sum(flops), sum(forward_ms) FROM engine_steps WHERE flops > 0 AND "
+        "start_ns >= ? AND start_ns < ? AND (CASE WHEN num_prefill_tokens > 0 THEN 'prefill' "
+        "ELSE 'decode' END) = ?",
+        [int(b["t_ns"]), int(b["t_ns"]) + w, b["kind"]],
+    )
+    assert b["achieved_gflops"] == pytest.approx(flops / ms / 1e6)
+    assert peaks["ridge"] == pytest.approx(989_000 / 4800)
+    fig = dash_charts.roofline(buckets, peaks, per_step=False)
+    assert {t.name for t in fig.data} >= {"decode-only steps", "ridge point 206 FLOP/byte"}

@@ -1,7 +1,8 @@
 """The console in a real browser: a real server under a small load writes its trace store, then
 ``tokenmill dashboard`` serves it on 127.0.0.1 and headless Chromium (Debian's ``chromium``,
-driven by playwright) opens Overview and a request's waterfall, waits for the plotly charts,
-finds no Streamlit exception box and saves screenshots into the test's tmp folder."""
+driven by playwright) opens Overview, a request's waterfall and the Engine page's roofline,
+waits for the plotly charts, finds no Streamlit exception box and saves screenshots into the
+test's tmp folder."""
 
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ def test_console_pages_in_headless_chromium(console, real_store, tmp_path):
             "SELECT trace_id, request_id FROM requests WHERE finish_reason = 'length' "
             "ORDER BY e2e_ms DESC LIMIT 1 OFFSET 1"
         ).fetchone()
+        (steps,) = con.execute("SELECT count(*) FROM engine_steps WHERE flops > 0").fetchone()
     shots = tmp_path / "screenshots"
     shots.mkdir()
     with sync_playwright() as p:
@@ -151,6 +153,16 @@ def test_console_pages_in_headless_chromium(console, real_store, tmp_path):
             assert page.get_by_text(f"Request {request_id}").count() == 1
             plot = page.locator(".js-plotly-plot").first
             assert plot.locator("g.trace.bars").count() >= 1  # the stations' bars were drawn
+
+            # the Engine page: the steps on the roofline under the device's peaks
+            page.goto(f"{console}/engine", wait_until="domcontentloaded")
+            _settle(page, shots, "engine", min_charts=2)
+            roof = page.locator(".js-plotly-plot", has_text="Roofline")
+            assert roof.count() == 1, "no roofline chart on the Engine page"
+            assert roof.get_by_text("arithmetic intensity (FLOP/byte)").count() == 1
+            assert roof.locator("path.point").count() >= steps  # one marker per step (+ ridge)
+            for name in ("decode-only steps", "bandwidth ceiling", "compute ceiling", "ridge"):
+                assert roof.locator("g.legend text", has_text=name).count() >= 1, name
         finally:
             browser.close()
     assert (shots / "overview.png").stat().st_size > 10_000

@@ -1,5 +1,6 @@
 """Engine: per-step batch composition (prefill vs decode tokens), step time split, running vs
-waiting, KV blocks used/free/cached, preemptions and the prefix-cache hit rate."""
+waiting, KV blocks used/free/cached, preemptions and the prefix-cache hit rate; the steps on a
+roofline against the device's peaks."""
 
 import streamlit as st
 
@@ -34,6 +35,38 @@ if ctx is not None:
             else f"{s['steps']:,} steps: averaged per {bucket_s:g} s bucket (preemptions summed); "
             "narrow the time window to see single steps."
         )
+        roof, roof_bucket_s = ui.q(ctx, "roofline_steps", since, until)
+        if roof.empty:
+            st.info(
+                "No roofline: the steps in this window carry no bytes/FLOPs (a store written "
+                "before the engine counted them)."
+            )
+        else:
+            peaks = ui.q(ctx, "device_peaks")
+            ui.chart(charts.roofline(roof, peaks, per_step=roof_bucket_s is None), key="roofline")
+            if peaks["ridge"]:
+                gbps, gflops = (
+                    charts.fmt_peak(peaks["peak_gbps"]),
+                    charts.fmt_peak(peaks["peak_gflops"]),
+                )
+                ceilings = (
+                    f"Ceilings: {gbps} GB/s ({peaks['peak_gbps_source']}) and {gflops} GFLOP/s "
+                    f"({peaks['peak_gflops_source']}) on {peaks['device_name']}; steps left of the "
+                    f"ridge ({charts.fmt_peak(peaks['ridge'])} FLOP/byte) are bound by memory "
+                    "bandwidth, right of it by compute."
+                )
+            else:
+                ceilings = "The store records no device peaks (no config event with them)."
+            st.caption(
+                "x: FLOP per byte moved (weights + KV read + KV written); y: FLOP per second of "
+                "the step's forward. "
+                + (
+                    "One point per step. "
+                    if roof_bucket_s is None
+                    else f"Steps summed per {roof_bucket_s:g} s bucket and kind. "
+                )
+                + ceilings
+            )
         field = st.selectbox(
             "Chart any step field",
             data.STEP_FIELDS,
