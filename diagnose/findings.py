@@ -1,8 +1,10 @@
 """Run the rules over a store and rank what they find.
 
 A :class:`Finding` is a rule that fired, with its evidence, window, up to five example trace ids,
-causes, checks, the knob and the runbook. :func:`diagnose` returns a :class:`Report`; its
-``to_json()`` is the stable JSON output (``schema_version`` below; fields are only ever added).
+causes, checks, the knob and the runbook. A :class:`Note` is a rule's companion hint (a knob the
+data says would help; not a problem, never counted by ``--fail-on`` or the status).
+:func:`diagnose` returns a :class:`Report`; its ``to_json()`` is the stable JSON output
+(``schema_version`` below; fields are only ever added).
 """
 
 from __future__ import annotations
@@ -59,6 +61,26 @@ class Finding:
 
 
 @dataclass
+class Note:
+    """A rule's hint that held (see :attr:`Rule.hint`)."""
+
+    rule_id: str
+    summary: str
+    evidence: dict
+    knob: str
+    runbook: str
+
+    def to_json(self) -> dict:
+        return {
+            "rule": self.rule_id,
+            "summary": self.summary,
+            "evidence": self.evidence,
+            "knob": self.knob,
+            "runbook": self.runbook,
+        }
+
+
+@dataclass
 class Report:
     """Findings ranked by severity then confidence, plus the healthy numbers."""
 
@@ -68,6 +90,7 @@ class Report:
     window_s: float
     summary: dict
     rule_errors: dict[str, str] = field(default_factory=dict)
+    notes: list[Note] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -78,6 +101,7 @@ class Report:
             "summary": self.summary,
             "findings": [f.to_json() for f in self.findings],
             "rule_errors": self.rule_errors,
+            "notes": [n.to_json() for n in self.notes],
         }
 
 
@@ -140,6 +164,20 @@ def evaluate(rule: Rule, sig: Signals, overrides: dict | None = None) -> Finding
     )
 
 
+def hint_note(rule: Rule, sig: Signals, overrides: dict | None = None) -> Note | None:
+    """Run one rule's hint; None when it has none or it does not hold."""
+    if rule.hint is None:
+        return None
+    params = {k: v.default for k, v in rule.params.items()}
+    params.update(overrides or {})
+    h = rule.hint(sig, params)
+    if h is None:
+        return None
+    return Note(
+        rule.id, h.summary, {k: _plain(v) for k, v in h.numbers.items()}, h.knob, rule.runbook
+    )
+
+
 def _plain(v):
     if isinstance(v, float):
         return round(v, 4)
@@ -175,6 +213,18 @@ def diagnose(
         if f is not None:
             findings.append(f)
     fired = {f.rule_id for f in findings}
+    notes = []
+    for rule in rules:  # a rule's hint only where the rule itself did not fire
+        if rule.hint is None or rule.id in fired or rule.id in errors:
+            continue
+        try:
+            note = hint_note(rule, sig)
+        except Exception as exc:
+            log.exception("hint of rule %s failed", rule.id)
+            errors[rule.id] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            continue
+        if note is not None:
+            notes.append(note)
     for f in findings:  # a specific finding explains a general one: rank the general one later
         f.explained_by = sorted(r.id for r in rules if r.id in fired and f.rule_id in r.explains)
     findings.sort(
@@ -185,4 +235,4 @@ def diagnose(
             f.rule_id,
         )
     )
-    return Report(findings, sig.start_ns, sig.end_ns, window_s, _summary(sig), errors)
+    return Report(findings, sig.start_ns, sig.end_ns, window_s, _summary(sig), errors, notes)

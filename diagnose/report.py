@@ -74,6 +74,15 @@ def to_markdown(report: Report) -> str:
             f"- Runbook: [{f.runbook}]({f.runbook})",
             "",
         ]
+    if report.notes:
+        lines += ["## Hints", ""]
+    for n in report.notes:
+        lines += [
+            f"- **`{n.rule_id}`:** {n.summary}",
+            "  Evidence: " + ", ".join(f"`{k}`={v}" for k, v in n.evidence.items()) + ".",
+            f"  Knob: {n.knob}. Runbook: [{n.runbook}]({n.runbook})",
+            "",
+        ]
     lines += ["## Key numbers", ""]
     for key, label, fmt in _HEALTHY_KEYS:
         lines.append(f"- {label}: {_fmt(fmt, report.summary.get(key))}")
@@ -106,6 +115,24 @@ def print_text(report: Report, console: Console) -> None:
                 title=f"{i}. [bold]{f.rule_id}[/] — {escape(f.title)}",
                 subtitle=f"{f.severity}, confidence {f.confidence:.0%}",
                 border_style=color,
+            )
+        )
+    for n in report.notes:
+        console.print(
+            Panel(
+                "\n".join(
+                    [
+                        escape(n.summary),
+                        "",
+                        "[dim]evidence[/] "
+                        + escape(", ".join(f"{k}={v}" for k, v in n.evidence.items())),
+                        "[dim]knob[/] " + escape(n.knob),
+                        "[dim]runbook[/] " + escape(n.runbook),
+                    ]
+                ),
+                title=f"hint: [bold]{n.rule_id}[/]",
+                subtitle="a knob that would help, not a problem",
+                border_style="cyan",
             )
         )
     table = Table(title="key numbers", show_header=False)

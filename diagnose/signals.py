@@ -23,7 +23,16 @@ from dataclasses import dataclass, field
 
 import duckdb
 
-from tokenmill.telemetry.schema import COMPLETED_SQL, DEFAULT_BLOCK_SIZE, WORKING_STEP_SQL
+from tokenmill.telemetry.schema import (
+    COMPLETED_SQL,
+    DEFAULT_BLOCK_SIZE,
+    ROOFLINE_STEP_SQL,
+    STEP_BYTES_SQL,
+    STEP_GBPS_SQL,
+    STEP_INTENSITY_SQL,
+    WORKING_STEP_SQL,
+    columns,
+)
 
 NS = 1_000_000_000
 
@@ -170,6 +179,32 @@ FROM engine_steps WHERE start_ns >= $since AND start_ns < $until
 GROUP BY win
 """
 
+# Roofline of the working steps (engine_steps.weight_bytes/kv_*_bytes/flops, the config event's
+# device peaks; the derived values are telemetry/schema.py's STEP_*_SQL): a step is
+# compute-bound when its intensity (FLOP per byte moved) is at or above the ridge point
+# ($ridge = peak GFLOP/s / peak GB/s). Decode-only: no prefill tokens. Shares are of the
+# window's forward time over the steps with counts (ROOFLINE_STEP_SQL).
+_DECODE_ONLY = f"{ROOFLINE_STEP_SQL} AND num_prefill_tokens = 0"
+_COMPUTE_BOUND_PREFILL = (
+    f"{ROOFLINE_STEP_SQL} AND num_prefill_chunks > 0 AND {STEP_INTENSITY_SQL} >= $ridge"
+)
+_ROOFLINE_WINDOW_SQL = f"""
+SELECT (start_ns - $t0) // $w AS win,
+    sum(forward_ms) FILTER (WHERE {_COMPUTE_BOUND_PREFILL})
+        / nullif(sum(forward_ms) FILTER (WHERE {ROOFLINE_STEP_SQL}), 0) AS compute_bound_prefill_share,
+    count(*) FILTER (WHERE {_COMPUTE_BOUND_PREFILL}) AS compute_bound_prefill_steps,
+    quantile_cont({STEP_INTENSITY_SQL}, 0.5) FILTER (WHERE {_COMPUTE_BOUND_PREFILL}) AS prefill_intensity_p50,
+    sum(forward_ms) FILTER (WHERE {_DECODE_ONLY})
+        / nullif(sum(forward_ms) FILTER (WHERE {ROOFLINE_STEP_SQL}), 0) AS decode_forward_share,
+    count(*) FILTER (WHERE {_DECODE_ONLY}) AS decode_steps,
+    quantile_cont({STEP_INTENSITY_SQL}, 0.5) FILTER (WHERE {_DECODE_ONLY}) AS decode_intensity_p50,
+    quantile_cont({STEP_GBPS_SQL}, 0.5) FILTER (WHERE {_DECODE_ONLY}) AS decode_gbps_p50,
+    sum(weight_bytes) FILTER (WHERE {_DECODE_ONLY})
+        / nullif(sum({STEP_BYTES_SQL}) FILTER (WHERE {_DECODE_ONLY}), 0) AS decode_weight_byte_share
+FROM engine_steps WHERE start_ns >= $since AND start_ns < $until
+GROUP BY win
+"""
+
 _DEVICE_WINDOW_SQL = """
 SELECT (time_ns - $t0) // $w AS win,
     avg(power_w) AS power_w_mean,
@@ -284,6 +319,11 @@ def load(
         [since, until],
     ).fetchone()
     params = {"t0": since, "w": w_ns, "since": since, "until": until}
+    config = _engine_config(con)
+    peaks = roofline_peaks(config)
+    # a store written before the roofline step fields lacks their columns: no roofline signals
+    roofline = "flops" in {c.lower() for c in columns(con, "engine_steps")}
+    roof_params = {**params, "ridge": peaks[2] if peaks else None}
     req = _rows(
         con,
         _REQ_WINDOW_SQL,
@@ -291,6 +331,7 @@ def load(
     )
     ends = _rows(con, _END_WINDOW_SQL, params)
     steps = _rows(con, _STEP_WINDOW_SQL, params)
+    roof = _rows(con, _ROOFLINE_WINDOW_SQL, roof_params) if roofline else {}
     kinds = [k for (k,) in con.execute("SELECT DISTINCT kind FROM device_samples").fetchall()]
     device_kind = "gpu" if "gpu" in kinds else ("host" if "host" in kinds else None)
     dev = _rows(con, _DEVICE_WINDOW_SQL, {**params, "kind": device_kind or "none"})
@@ -305,7 +346,7 @@ def load(
     windows = []
     for i in range(n_windows):
         values: dict = {}
-        for src in (req, ends, steps, dev):
+        for src in (req, ends, steps, roof, dev):
             values.update(src.get(i, {}))
         ended = values.get("ended") or 0
         values["error_rate"] = (values.get("errors") or 0) / ended if ended else None
@@ -335,6 +376,12 @@ def load(
     overall.update(
         _rows(con, _END_WINDOW_SQL.replace("(end_ns - $t0) // $w", "0"), params).get(0, {})
     )
+    if roofline:
+        overall.update(
+            _rows(
+                con, _ROOFLINE_WINDOW_SQL.replace("(start_ns - $t0) // $w", "0"), roof_params
+            ).get(0, {})
+        )
     overall["short_prompt_tokens"] = short_prompt_tokens
     ended = overall.get("ended") or 0
     overall["error_rate"] = (overall.get("errors") or 0) / ended if ended else None
@@ -352,7 +399,7 @@ def load(
         windows=windows,
         overall=overall,
         baseline=baseline,
-        config=_engine_config(con),
+        config=config,
         errors_by_type=errors_by_type,
         errors_by_window=errors_by_window,
         device_kind=device_kind,
@@ -360,6 +407,20 @@ def load(
         since_ns=since,
         until_ns=until,
     )
+
+
+def roofline_peaks(config: dict) -> tuple[float, float, float] | None:
+    """``(peak GB/s, peak GFLOP/s, ridge FLOP/byte)`` from the ``config`` event's
+    ``device_peak_gbps``/``device_peak_gflops`` (the ridge: GFLOP/s ÷ GB/s); None when either
+    is missing or not positive (a store from before the roofline, a failed probe)."""
+    try:
+        gbps = float(config.get("device_peak_gbps"))
+        gflops = float(config.get("device_peak_gflops"))
+    except (TypeError, ValueError):
+        return None
+    if not (gbps > 0 and gflops > 0):
+        return None
+    return gbps, gflops, gflops / gbps
 
 
 def _engine_config(con) -> dict:

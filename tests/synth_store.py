@@ -22,6 +22,10 @@ from tokenmill.telemetry.hub import Telemetry
 MS = 1_000_000
 S = 1_000_000_000
 T0 = 1_790_000_000 * S  # a fixed wall-clock origin (2026-09-21)
+# the default model's roofline constants (engine/roofline.py for SmolLM2-135M's shapes)
+PARAMS = 134_500_000  # decoder linear layers + LM head
+KV_BYTES_PER_TOKEN = 46_080  # K and V, 30 layers x 3 KV heads x 64 dims x float32
+ATTN_FLOP_PER_PAIR = 69_120  # 4 x 9 heads x 64 dims x 30 layers, per (query, key) pair
 
 
 @dataclass
@@ -66,6 +70,13 @@ class Phase:
     sm_clock_mhz: float = 1980.0
     throttle_reasons: tuple[str, ...] = ()
     gpu_util: float = 90.0
+    # roofline (engine_steps.weight_bytes/kv_*_bytes/flops, the config event's peaks): the
+    # default model's shapes; the run's quantization and peaks come from its first phase
+    quantization: str = "none"
+    weight_bytes: int = 538_000_000  # weights read per step (float32 SmolLM2-135M)
+    peak_gbps: float = 40.0
+    peak_gflops: float = 400.0  # ridge 10 FLOP/byte
+    context_tokens: int = 150  # KV context of each running decode
 
     def but(self, **changes) -> Phase:
         return replace(self, **changes)
@@ -86,11 +97,25 @@ class SyntheticRun:
         tel = Telemetry(self.model, trace_db=str(path), device_sample_interval_s=0)
         if not spans:
             tel.provider = tel.tracer = None
+        first = phases[0]
         cfg = {
-            "max_num_seqs": phases[0].max_num_seqs,
+            "max_num_seqs": first.max_num_seqs,
             "max_num_batched_tokens": 2048,
             "enable_chunked_prefill": True,
             "enable_prefix_caching": True,
+            "dtype": "auto",
+            "quantization": first.quantization,
+            "model_dtype": "float32",
+            "weight_bytes_total": first.weight_bytes,
+            "weight_bytes_by_dtype": {
+                "float32" if first.quantization == "none" else first.quantization: (
+                    first.weight_bytes
+                )
+            },
+            "device_peak_gbps": first.peak_gbps,
+            "device_peak_gflops": first.peak_gflops,
+            "device_peak_gbps_source": "probe",
+            "device_peak_gflops_source": "probe",
         }
         tel.store.submit(
             "events",
@@ -173,10 +198,26 @@ class SyntheticRun:
                 "num_finished": 0,
             }
             row["num_waiting"] += int(ph.waiting_growth_per_s * (t - start) / S) if not idle else 0
+            row.update(self._roofline(ph, prefill, running))
             tel.store.submit("engine_steps", row)
             step_id += 1
             t += int(dur * MS) + (int(0.5 * S) if idle else 0)
         return step_id
+
+    @staticmethod
+    def _roofline(ph: Phase, prefill: int, running: int) -> dict:
+        """A step's bytes and FLOPs as ``engine/roofline.py`` counts them (one prefill chunk of
+        ``prefill`` tokens from position 0, ``running`` decodes at ``context_tokens``)."""
+        tokens = prefill + running
+        if not tokens:
+            return {"weight_bytes": 0, "kv_read_bytes": 0, "kv_write_bytes": 0, "flops": 0}
+        pairs = prefill * (prefill + 1) // 2 + running * ph.context_tokens
+        return {
+            "weight_bytes": ph.weight_bytes,
+            "kv_read_bytes": (prefill + running * ph.context_tokens) * KV_BYTES_PER_TOKEN,
+            "kv_write_bytes": tokens * KV_BYTES_PER_TOKEN,
+            "flops": 2 * PARAMS * tokens + ATTN_FLOP_PER_PAIR * pairs,
+        }
 
     def _device(self, tel, ph: Phase, start: int, end: int) -> None:
         t = start

@@ -13,6 +13,8 @@ from tokenmill.diagnose.findings import diagnose
 from tokenmill.diagnose.rules import RULES, RULES_BY_ID
 
 HEALTHY = Phase(duration_s=40)
+# the default model with int4 weights (~0.75 byte a weight with its scales), 2 running decodes
+INT4 = HEALTHY.but(quantization="int4", weight_bytes=100_000_000, running=2)
 
 SCENARIOS: dict[str, list[Phase]] = {
     "ttft_queueing": [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=2000)],
@@ -68,6 +70,8 @@ SCENARIOS: dict[str, list[Phase]] = {
         ),
     ],
     "host_bound_steps": [HEALTHY, HEALTHY.but(duration_s=30, host_share=0.5, step_ms=100)],
+    # int4 weights (100 MB a step), ~1,500-token prompts: prefill chunks take ~90% of the forward
+    "quantization_no_gain": [INT4.but(prompt_tokens=(1000, 2000), prefill_tok_per_s=500)],
 }
 
 # the evidence each rule must carry, as (key, predicate)
@@ -90,6 +94,7 @@ EXPECTED = {
     "periodic_itl_spikes": ("period_s", lambda v: 4.5 < v < 5.5),
     "gpu_throttling": ("clock_event_reasons", lambda v: v == ["hw_thermal_slowdown"]),
     "host_bound_steps": ("host_share_of_step", lambda v: v >= 0.45),
+    "quantization_no_gain": ("compute_bound_prefill_share", lambda v: v > 0.8),
 }
 
 
@@ -275,6 +280,8 @@ MILD: dict[str, list[Phase]] = {
         HEALTHY.but(duration_s=30, gpu=True, sm_clock_mhz=1900, throttle_reasons=("sw_power_cap",)),
     ],
     "host_bound_steps": [HEALTHY, HEALTHY.but(duration_s=30, host_share=0.2, step_ms=100)],
+    # int4, short prompts, long answers: decode-only steps (below the ridge) hold most of the time
+    "quantization_no_gain": [INT4.but(output_tokens=(200, 400))],
 }
 
 
@@ -286,3 +293,103 @@ def test_rule_stays_quiet_below_its_threshold(tmp_path, rule_id):
     report = diagnose(con)
     con.close()
     assert rule_id not in {f.rule_id for f in report.findings}
+
+
+def _report(tmp_path, name: str, phases: list[Phase], seed: int = 4):
+    path = tmp_path / f"{name}.duckdb"
+    write_store(path, phases, seed=seed)
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        return diagnose(con)
+    finally:
+        con.close()
+
+
+def test_quantization_no_gain_names_the_quantization_and_the_ridge(stores):
+    """Issue 14 item 4: int4 weights, long prompts: the evidence carries the scheme, the
+    dtype, the compute-bound prefill share, its median intensity against the ridge (peak
+    GFLOP/s / peak GB/s from the config event) and the decode share; long prompts first."""
+    con = stores("quantization_no_gain")
+    report = diagnose(con)
+    con.close()
+    (f,) = [f for f in report.findings if f.rule_id == "quantization_no_gain"]
+    ev = f.evidence
+    assert ev["quantization"] == "int4" and ev["dtype"] == "float32"
+    assert ev["ridge_flop_per_byte"] == 10.0 and ev["peak_source"] == "probe"
+    assert ev["prefill_intensity_p50"] > 100 * ev["ridge_flop_per_byte"]
+    assert ev["decode_forward_share"] < 0.2 and ev["compute_bound_decode_share"] == 0
+    assert ev["weight_bytes_by_dtype"] == {"int4": 100_000_000}
+    assert ev["smallest_compute_bound_chunk"] >= 1000
+    assert "weights are int4" in f.summary and "ridge of 10.0 FLOP/byte" in f.summary
+    assert f.causes[0].startswith("prefill-heavy traffic")
+    assert "prefix caching" in f.knob and "do not cut FLOPs" in f.knob
+    assert report.notes == []  # no hint on a quantized model
+
+
+def test_quantization_no_gain_quiet_on_float_weights_and_without_peaks(tmp_path):
+    """The same long-prompt traffic on float32 weights is not this rule (nothing was
+    quantized); nor is a store whose config event has no device peaks (an older server)."""
+    long = dict(prompt_tokens=(1000, 2000), prefill_tok_per_s=500)
+    for phase in (HEALTHY.but(**long), INT4.but(peak_gbps=0, **long)):
+        report = _report(tmp_path, f"quiet{phase.peak_gbps:g}", [phase])
+        assert "quantization_no_gain" not in {f.rule_id for f in report.findings}
+
+
+def test_quantization_no_gain_on_a_batch_that_makes_decode_compute_bound(tmp_path):
+    """Cause 2: int4 decodes at a batch of 32 read 100 MB of weights (and ~220 MB of KV) for 32
+    tokens, ~28 FLOP a byte, past twice the ridge; the finding leads with the batch. At a batch
+    of 2 (~5 FLOP a byte) the same traffic stays quiet (MILD above)."""
+    report = _report(tmp_path, "batch", [INT4.but(running=32)])
+    (f,) = [f for f in report.findings if f.rule_id == "quantization_no_gain"]
+    assert f.evidence["compute_bound_decode_share"] > 0.5
+    assert f.evidence["decode_intensity_p50"] > 2 * f.evidence["ridge_flop_per_byte"]
+    assert f.causes[0].startswith("a batch so large that decode itself is compute-bound")
+    assert "decode-only steps" in f.summary and "batch of 32" in f.summary
+
+
+def test_weights_dominate_decode_hint_on_a_float_model(tmp_path):
+    """The companion hint: float32 weights, decode-only steps reading ~90% weights at ~78% of
+    the peak bandwidth, below the ridge: a note (not a finding) in every output format, saying
+    that --quantization int8/int4 would help; absent at 35% of the peak (the healthy default),
+    and never on an already quantized model."""
+    from rich.console import Console
+
+    from tokenmill.diagnose.report import print_text, to_json, to_markdown
+
+    report = _report(tmp_path, "hint", [HEALTHY.but(peak_gbps=20.0)])
+    assert report.findings == [] and len(report.notes) == 1
+    (n,) = report.notes
+    assert n.rule_id == "quantization_no_gain" and n.runbook == "runbooks/quantization_no_gain.md"
+    assert n.summary.startswith("weights dominate decode")
+    assert "--quantization int8/int4" in n.summary and "--quantization int8" in n.knob
+    assert 0.6 < n.evidence["decode_bandwidth_share"] < 0.9
+    assert n.evidence["decode_weight_byte_share"] > 0.85
+    assert n.evidence["decode_intensity_p50"] < n.evidence["ridge_flop_per_byte"] == 20.0
+    js = __import__("json").loads(to_json(report))
+    assert js["status"] == "healthy" and js["findings"] == []
+    assert js["notes"][0]["rule"] == "quantization_no_gain"
+    assert js["notes"][0]["summary"].startswith("weights dominate decode")
+    md = to_markdown(report)
+    assert "**No problems found.**" in md and "## Hints" in md
+    assert "weights dominate decode" in md and "--quantization int8/int4" in md
+    console = Console(record=True, width=200)
+    print_text(report, console)
+    text = console.export_text()
+    assert "hint: quantization_no_gain" in text and "weights dominate decode" in text
+    # the healthy default (35% of the peak) and a quantized model at 70%: no hint
+    assert _report(tmp_path, "nohint", [HEALTHY]).notes == []
+    assert _report(tmp_path, "q", [HEALTHY.but(peak_gbps=20.0, quantization="int8")]).notes == []
+
+
+def test_a_store_without_roofline_columns_still_diagnoses(tmp_path):
+    """A store written before the roofline step fields (same schema version, no columns):
+    the diagnosis runs, this rule and its hint stay silent."""
+    path = tmp_path / "old.duckdb"
+    write_store(path, [INT4.but(prompt_tokens=(1000, 2000), prefill_tok_per_s=500)], seed=1)
+    con = duckdb.connect(str(path))
+    for col in ("weight_bytes", "kv_read_bytes", "kv_write_bytes", "flops"):
+        con.execute(f"ALTER TABLE engine_steps DROP COLUMN {col}")
+    report = diagnose(con)
+    con.close()
+    assert "quantization_no_gain" not in {f.rule_id for f in report.findings}
+    assert report.notes == [] and report.rule_errors == {}

@@ -34,10 +34,11 @@ from . import (
     overload,
     periodic_itl_spikes,
     prefix_cache_miss,
+    quantization_no_gain,
     ttft_prefill_bound,
     ttft_queueing,
 )
-from ._common import Evidence, Param, Rule
+from ._common import Evidence, Hint, Param, Rule
 
 RULES: tuple[Rule, ...] = (
     ttft_queueing.RULE,
@@ -58,8 +59,9 @@ RULES: tuple[Rule, ...] = (
     periodic_itl_spikes.RULE,
     gpu_throttling.RULE,
     host_bound_steps.RULE,
+    quantization_no_gain.RULE,
 )
 
 RULES_BY_ID: dict[str, Rule] = {r.id: r for r in RULES}
 
-__all__ = ["RULES", "RULES_BY_ID", "Evidence", "Param", "Rule"]
+__all__ = ["RULES", "RULES_BY_ID", "Evidence", "Hint", "Param", "Rule"]

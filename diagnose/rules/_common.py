@@ -38,6 +38,16 @@ class Evidence:
     knob: str | None = None
 
 
+@dataclass
+class Hint:
+    """A suggestion, not a problem: something the dump shows could be faster with a knob
+    (a note in the report; it never counts toward ``--fail-on`` or the report's status)."""
+
+    summary: str
+    numbers: dict
+    knob: str
+
+
 @dataclass(frozen=True)
 class Rule:
     """One diagnosis rule: its text, named thresholds, detector, the rules it explains and the
@@ -55,6 +65,9 @@ class Rule:
     explains: tuple[str, ...] = ()
     # per-window signals (``Window.values`` keys) the console charts as this rule's evidence
     evidence_signals: tuple[str, ...] = ()
+    # the rule's companion note: when the rule does not fire, what the data says would help
+    # instead (reads the same ``params``); None for rules without one
+    hint: Callable[[Signals, dict], Hint | None] | None = None
 
     @property
     def runbook(self) -> str:
