@@ -7,9 +7,10 @@
 # 2. the engine's greedy equality on the default model in bfloat16,
 #    triton backend vs torch backend                                -> OUTDIR/greedy_bf16.{log,json}
 # 3. benchmarks/kernels.py (kernel vs torch vs SDPA, % of H200 peaks) -> OUTDIR/kernels_bench.{log,json}
+# 4. scripts/gpu_quant_check.py: int8/int4 layers and engine vs bf16 -> OUTDIR/quantization.{log,json}
 # plus OUTDIR/env.txt (versions, nvidia-smi) and OUTDIR/summary.txt (one line per step, targets).
 #
-# Exit status: 0 when all three steps pass, 1 when one fails, 2 when there is no usable CUDA
+# Exit status: 0 when all four steps pass, 1 when one fails, 2 when there is no usable CUDA
 # Python. Missed performance targets are reported in summary.txt, not in the exit status.
 #
 # Environment:
@@ -118,6 +119,12 @@ fi
 step "benchmarks/kernels.py" "$OUTDIR/kernels_bench.log" \
     "$PYTHON" benchmarks/kernels.py "${BENCH_ARGS[@]}"
 grep -E '^(targets|slower than torch|best )' "$OUTDIR/kernels_bench.log" | sed 's/^/     /' >>"$SUMMARY"
+
+# 4. weight-only quantization on CUDA (issue 14): layers, engine agreement and speed
+step "quantization (bf16 vs int8 vs int4)" "$OUTDIR/quantization.log" \
+    "$PYTHON" scripts/gpu_quant_check.py --model "${TOKENMILL_MODEL:-$("$PYTHON" -m tokenmill.engine.cli model path)}" \
+    --out "$OUTDIR/quantization.json"
+grep -E '^(engine|greedy)' "$OUTDIR/quantization.log" | sed 's/^/     /' >>"$SUMMARY"
 
 echo "results in $OUTDIR"
 cat "$SUMMARY"

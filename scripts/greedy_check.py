@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -67,6 +68,10 @@ def build_engine(args, backend: str):
         max_num_batched_tokens=args.step_tokens,
         enable_prefix_caching=False,
     )
+    if args.model and not any(Path(args.model).glob("*.safetensors")):
+        # a folder of config + tokenizer only (a device machine that cannot fetch the model):
+        # the same seeded random weights in both engines
+        engine_args["load_format"] = "dummy"
     if torch.device(args.device).type == "cuda":
         # two engines live side by side: a fixed cache (the profiled budget would count the
         # first engine's cache as the second one's peak use)
