@@ -107,12 +107,19 @@ def _best_of(fn, budget_s: float, max_runs: int = 20) -> float:
 def probe(device: str = "cpu", dtype: str = "float32") -> tuple[float, float]:
     """Measure ``(GB/s, GFLOP/s)`` on ``device``: the best of repeated copies of a
     :data:`PROBE_COPY_BYTES` tensor (bytes read + bytes written per second, STREAM's Copy
-    convention) and of :data:`PROBE_GEMM_N`³ GEMMs in ``dtype`` (``2·N³`` FLOP each). About
+    convention) and of :data:`PROBE_GEMM_N`³ GEMMs in ``dtype`` (``2·N³`` FLOP each; float32
+    on a CPU without native bf16 GEMM, where the engine's large GEMMs run in float32). About
     ``2 × PROBE_BUDGET_S`` seconds."""
     import torch
 
     dev = torch.device(device)
     tdtype = getattr(torch, dtype)
+    if dev.type == "cpu" and tdtype != torch.float32:
+        from .quantization import cpu_has_bf16_gemm
+
+        if not cpu_has_bf16_gemm():
+            # the engine's large GEMMs run in float32 on such a CPU (HalfPrecisionLinear)
+            tdtype = torch.float32
 
     def sync():
         if dev.type == "cuda":

@@ -269,13 +269,13 @@ class QuantizedLinear(nn.Module):
 def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a dense GEMM on ``x``'s device runs fast in: float32 on a CPU without native
     bf16/fp16 GEMM (oneDNN's check), else ``x``'s dtype."""
-    if x.device.type == "cpu" and x.dtype != torch.float32 and not _cpu_has_bf16_gemm():
+    if x.device.type == "cpu" and x.dtype != torch.float32 and not cpu_has_bf16_gemm():
         return torch.float32
     return x.dtype
 
 
 @functools.cache
-def _cpu_has_bf16_gemm() -> bool:
+def cpu_has_bf16_gemm() -> bool:
     """oneDNN runs bf16 GEMMs natively here (AVX512-BF16/AMX class CPUs). Without it, torch's
     bf16 GEMM is emulated: on the 2-core AVX2 machine 7x slower than float32 at 256 rows."""
     try:
@@ -361,7 +361,7 @@ def _wrap_half_precision(model: nn.Module) -> int:
     """On a CPU without native bf16/fp16 GEMM, wrap half-precision linears in
     :class:`HalfPrecisionLinear`; returns how many were wrapped (0 elsewhere)."""
     first = next(model.parameters())
-    if first.device.type != "cpu" or first.dtype == torch.float32 or _cpu_has_bf16_gemm():
+    if first.device.type != "cpu" or first.dtype == torch.float32 or cpu_has_bf16_gemm():
         return 0
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, module in targets:
