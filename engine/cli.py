@@ -280,7 +280,9 @@ def prompt_params(n: int, *, seed: int | None, **params: Any) -> list:
 
 
 @app.command()
-@engine_options("model", "dtype", "device", "attention_backend", "load_format", "block_size")
+@engine_options(
+    "model", "dtype", "device", "attention_backend", "load_format", "quantization", "block_size"
+)
 def generate(
     prompt: Annotated[
         list[str] | None,
