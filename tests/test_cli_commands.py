@@ -110,7 +110,7 @@ def _params(command: str) -> dict:
 def test_engine_flags_come_from_the_config_fields(command):
     params = _params(command)
     names = EngineConfig.field_names() if command == "serve" else [
-        "model", "dtype", "device", "attention_backend", "load_format", "block_size"
+        "model", "dtype", "device", "attention_backend", "load_format", "quantization", "block_size"
     ]  # fmt: skip
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     for name in names:

@@ -290,11 +290,6 @@ def test_serve_bad_quantization_is_one_line(tiny_cli_model):
     assert "quantization must be one of none, int8, int4" in line
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tokenmill generate has no --quantization flag yet (engine/cli.py generate's "
-    "engine_options; test_cli_commands pins that list)",
-)
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
