@@ -13,7 +13,8 @@ them directly keeps a dependency (and its torch-version pin) out of the engine.
 Schemes (activations stay in the model dtype; small-batch CPU calls round them to bf16, the
 dtype the packed CPU kernels take):
 
-* ``int8``: symmetric per output channel, ``w ≈ q · s``, ``q ∈ [-127, 127]``, ``s = max|w|/127``.
+* ``int8``: symmetric per output channel, ``w ≈ q · s``, ``q ∈ [-127, 127]``,
+  ``s = max|w|/127``.
 * ``int4``: asymmetric groups of :data:`INT4_GROUP_SIZE` along the input dim (the tinygemm
   convention): ``w ≈ (q - 8) · s + z``, ``q ∈ [0, 15]``, ``s = (max - min)/15``,
   ``z = min + 8 s``.
@@ -37,9 +38,9 @@ __all__ = ["QUANTIZATIONS", "QuantizedLinear", "quantize_model", "weight_bytes_b
 # Input-dim group of the int4 scheme. torch's packed int4 kernels take 32, 64, 128 or 256;
 # 32 keeps the error lowest (the default model's perplexity, benchmarks/RESULTS.md).
 INT4_GROUP_SIZE = 32
-# Rows (tokens) at or below which a layer (CPU; CUDA int8) runs the packed kernel; above it the layer
-# dequantizes its weight and runs the dense GEMM in the activation dtype. The packed kernels
-# are GEMV-shaped: on the 2-core AVX2 machine they beat the float32 GEMM up to about 32 rows
+# Rows (tokens) at or below which a layer (CPU; CUDA int8) runs the packed kernel; above it
+# the layer dequantizes its weight and runs the dense GEMM in the activation dtype. The packed
+# kernels are GEMV-shaped: on the 2-core AVX2 machine they beat the float32 GEMM up to about 32 rows
 # (30 layers of the default model's shapes: 1 row 11 vs 31 ms, 32 rows 105 vs 106 ms) and lose
 # beyond it (256 rows 725 vs 417 ms).
 PACKED_MAX_ROWS = 32

@@ -178,7 +178,8 @@ def main() -> int:
             first_divergence(a, b) for a, b in zip(base, res["greedy_tokens"], strict=True)
         ]
         print(
-            f"greedy {res['quantization']} vs none: first divergence {res['first_divergence_vs_none']}"
+            f"greedy {res['quantization']} vs none: first divergence "
+            f"{res['first_divergence_vs_none']}"
         )
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     return 0
