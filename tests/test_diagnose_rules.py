@@ -308,7 +308,8 @@ def _report(tmp_path, name: str, phases: list[Phase], seed: int = 4):
 def test_quantization_no_gain_names_the_quantization_and_the_ridge(stores):
     """Issue 14 item 4: int4 weights, long prompts: the evidence carries the scheme, the
     dtype, the compute-bound prefill share, its median intensity against the ridge (peak
-    GFLOP/s / peak GB/s from the config event) and the decode share; long prompts first."""
+    GFLOP/s / peak GB/s from the config event) and the decode share; long prompts first, and
+    the dequantizing kernels second when those steps run far under the peak GFLOP/s."""
     con = stores("quantization_no_gain")
     report = diagnose(con)
     con.close()
@@ -322,6 +323,9 @@ def test_quantization_no_gain_names_the_quantization_and_the_ridge(stores):
     assert ev["smallest_compute_bound_chunk"] >= 1000
     assert "weights are int4" in f.summary and "ridge of 10.0 FLOP/byte" in f.summary
     assert f.causes[0].startswith("prefill-heavy traffic")
+    # ~170 GFLOP/s in those steps, under half the 400 GFLOP/s peak: unpacking ranks second
+    assert ev["prefill_gflops_share_of_peak"] < 0.5
+    assert f.causes[1].startswith("the device's kernels dequantize")
     assert "prefix caching" in f.knob and "do not cut FLOPs" in f.knob
     assert report.notes == []  # no hint on a quantized model
 

@@ -76,7 +76,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if prefill:
         parts.append(
             f"prefill chunks {prefill:.0%} (median {o.get('prefill_intensity_p50') or 0:,.0f} "
-            "FLOP/byte)"
+            f"FLOP/byte at {o.get('prefill_gflops_p50') or 0:,.1f} GFLOP/s)"
         )
     if decode:
         parts.append(
@@ -95,9 +95,14 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             f"time (median {decode_intensity or 0:,.1f} FLOP/byte)"
         )
     )
-    causes = RULE.causes
+    # compute-bound prefill far under the peak GFLOP/s: the layers unpack their weights
+    prefill_gflops = o.get("prefill_gflops_p50")
+    slow = prefill_gflops is not None and prefill_gflops < p["dequant_gflops_share"] * gflops
+    traffic, batch, dequant = RULE.causes
     if decode_heavy:
-        causes = (causes[1], causes[0], *causes[2:])
+        causes = (batch, dequant, traffic) if slow else (batch, traffic, dequant)
+    else:
+        causes = (traffic, dequant, batch) if slow else (traffic, batch, dequant)
     return Evidence(
         summary,
         {
@@ -111,6 +116,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "decode_forward_share": decode_share,
             "prefill_intensity_p50": o.get("prefill_intensity_p50"),
             "decode_intensity_p50": o.get("decode_intensity_p50"),
+            "prefill_gflops_p50": prefill_gflops,
+            "prefill_gflops_share_of_peak": prefill_gflops / gflops if prefill_gflops else None,
             "ridge_flop_per_byte": ridge,
             "peak_gbps": gbps,
             "peak_gflops": gflops,
@@ -167,8 +174,8 @@ def hint(sig: Signals, p: dict) -> Hint | None:
             "ridge_flop_per_byte": ridge,
             "peak_source": _source(sig),
         },
-        "--quantization int8 (1 byte a weight) or int4 (about 0.6 with its scales); check "
-        "quality first (benchmarks/RESULTS.md: perplexity per scheme)",
+        "--quantization int8 (1 byte a weight) or int4 (under 1 byte with its scales); check "
+        "output quality on your own prompts first",
     )
 
 
@@ -206,6 +213,11 @@ RULE = Rule(
             0.5, "share of forward time in compute-bound steps (seed: 'most step time')"
         ),
         "min_steps": Param(5, "compute-bound steps needed before the share means anything"),
+        "dequant_gflops_share": Param(
+            0.5,
+            "compute-bound prefill steps under this share of the peak GFLOP/s rank the "
+            "dequantizing kernels second",
+        ),
         "decode_ridge_margin": Param(
             2.0,
             "decode-only steps count as compute-bound at a median intensity ≥ this × the ridge "
@@ -213,9 +225,11 @@ RULE = Rule(
         ),
         "hint_decode_share": Param(0.5, "hint: decode-only steps' share of the forward time"),
         "hint_bandwidth_share": Param(
-            0.5,
-            "hint: decode's median achieved GB/s / the device's peak (a probe's peak is "
-            "reachable; 70-90% of a datasheet peak is good)",
+            0.4,
+            "hint: decode's median achieved GB/s / the device's peak; under it something "
+            "other than bytes (launches, the host, contention) holds decode back (float32 "
+            "decode on the 2-core VM: ~8 of a probed 16 GB/s; good GPU kernels: 70-90% of "
+            "the datasheet)",
         ),
         "hint_weight_share": Param(0.5, "hint: weights' share of the bytes decode steps read"),
     },
