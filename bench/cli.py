@@ -408,7 +408,8 @@ def scenario_run(
         Path | None, typer.Option("--out", help="Folder for the store, logs and result.json.")
     ] = None,
 ) -> None:
-    """Run one scenario; exit 0 when the expected rule is the top finding, 1 when not."""
+    """Run one scenario; exit 0 when the expected rule is the top finding (or the absent rules
+    stay silent), 1 when not."""
     from .scenario import ScenarioError, load, run
 
     try:
@@ -418,7 +419,9 @@ def scenario_run(
     except ScenarioError as exc:
         fail(str(exc))
     verdict = "PASS" if result["passed"] else "FAIL"
-    expect = ", ".join(result["expect"]) or "no findings"
+    expect = ", ".join(result["expect"]) or (
+        "none of " + ", ".join(result["absent"]) if result.get("absent") else "no findings"
+    )
     out.print(
         f"{verdict} {name}: top finding {result['top'] or 'none'} (expected {expect}); "
         f"{len(result['findings'])} finding(s); details in {folder / 'result.json'}",
@@ -429,6 +432,8 @@ def scenario_run(
         out.print(
             f"  - {f['rule']} ({f['severity']}): {f['summary']}", highlight=False, markup=False
         )
+    for n in result.get("notes") or []:
+        out.print(f"  hint ({n['rule']}): {n['summary']}", highlight=False, markup=False)
     health = result.get("health_after") or {}
     if health.get("status") not in (None, "ok"):
         why = "; ".join(health.get("reasons") or [])

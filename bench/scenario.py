@@ -1,12 +1,13 @@
 """Symptom scenarios: start a real server with given flags, drive a workload with
 ``tokenmill bench``, stop the server, diagnose its trace store, and check that the expected rule
-is the top finding (``healthy``: no finding at all).
+is the top finding (``healthy``: no finding at all; a scenario with ``absent``: none of those).
 
 Scenarios are data: one YAML file per scenario in ``bench/scenarios/``::
 
     name: ttft_queueing
     case: C-overload                 # the symptom case it reproduces (shared/cases/symptoms.md)
     expect: [ttft_queueing, overload]   # top finding must be one of these; [] = healthy
+    absent: [quantization_no_gain]   # with expect []: only these rules must stay silent
     server: ["--max-num-seqs", "4"]     # extra `tokenmill serve` flags
     proxy: false                     # put the 16 KB buffering proxy between client and server
     window: 5s                       # diagnosis window
@@ -50,6 +51,8 @@ class Scenario:
     name: str
     expect: list[str]
     steps: list[list[str] | dict]
+    # with no expect: the rules that must not fire (others may); empty = nothing may fire
+    absent: list[str] = field(default_factory=list)
     server: list[str] = field(default_factory=list)
     proxy: bool = False
     window: str = "5s"
@@ -86,6 +89,7 @@ def load(name: str) -> Scenario:
         return Scenario(
             name=data["name"],
             expect=list(data.get("expect") or []),
+            absent=list(data.get("absent") or []),
             steps=[
                 {"start_s": float(s.get("start_s", 0)), "args": _args(s["args"])}
                 if isinstance(s, dict)
@@ -202,7 +206,7 @@ def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
     """Run one scenario into ``out`` (server log, bench JSON, the store, result.json).
 
     Returns the result dict: ``passed``, ``top`` (rule id or None), ``expect``, findings with
-    their evidence.
+    their evidence, the report's hints (``notes``; they never decide ``passed``).
 
     Raises:
         ScenarioError: unknown scenario, or the server did not start.
@@ -266,11 +270,17 @@ def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
     finally:
         con.close()
     top = report.findings[0].rule_id if report.findings else None
-    passed = (top is None) if not sc.expect else (top in sc.expect)
+    if sc.expect:
+        passed = top in sc.expect
+    elif sc.absent:
+        passed = not {f.rule_id for f in report.findings} & set(sc.absent)
+    else:
+        passed = top is None
     result = {
         "scenario": name,
         "case": sc.case,
         "expect": sc.expect,
+        "absent": sc.absent,
         "top": top,
         "passed": passed,
         "findings": [
@@ -283,6 +293,7 @@ def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
             }
             for f in report.findings
         ],
+        "notes": [n.to_json() for n in report.notes],
         "summary": report.summary,
         "health_after": health,
     }

@@ -37,6 +37,13 @@ def test_scenario_files_are_well_formed():
         assert sc.steps and all(step for step in sc.steps)
     with pytest.raises(ScenarioError, match="unknown scenario 'nope'"):
         load("nope")
+    # every rule a scenario expects or rules out exists; only rule-free scenarios rule out
+    from tokenmill.diagnose.rules import RULES_BY_ID
+
+    for sc in list_scenarios():
+        assert set(sc.expect) | set(sc.absent) <= set(RULES_BY_ID), sc.name
+        assert not (sc.expect and sc.absent), sc.name
+    assert load("quantization_decode_heavy").absent == ["quantization_no_gain"]
 
 
 def test_scenario_list_is_one_line_per_scenario():
