@@ -445,7 +445,14 @@ def serve(
         )
     except (TokenmillError, ValueError) as exc:
         fail(str(exc))
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits 3 when the lifespan fails to start
+        if server.startup_error:
+            fail(server.startup_error)
+        raise
+    if server.startup_error:
+        fail(server.startup_error)
     if not server.started:
         fail(f"the server did not start (is port {port} free, and did the engine load?)")
 

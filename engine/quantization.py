@@ -35,14 +35,15 @@ from .config import QUANTIZATIONS
 from .errors import ModelLoadError
 
 __all__ = ["QUANTIZATIONS", "QuantizedLinear", "quantize_model", "weight_bytes_by_dtype"]
-# Input-dim group of the int4 scheme. torch's packed int4 kernels take 32, 64, 128 or 256;
-# 32 keeps the error lowest (the default model's perplexity, benchmarks/RESULTS.md).
+# Input-dim group of the int4 scheme: the smallest torch's packed int4 kernels take (32, 64,
+# 128, 256), so the most scales and the least error; with it the default model's perplexity
+# rises 6.7% over float32 (benchmarks/RESULTS.md). Other sizes were not measured.
 INT4_GROUP_SIZE = 32
 # Rows (tokens) at or below which a layer (CPU; CUDA int8) runs the packed kernel; above it
 # the layer dequantizes its weight and runs the dense GEMM in the activation dtype. The packed
-# kernels are GEMV-shaped: on the 2-core AVX2 machine they beat the float32 GEMM up to about 32 rows
-# (30 layers of the default model's shapes: 1 row 11 vs 31 ms, 32 rows 105 vs 106 ms) and lose
-# beyond it (256 rows 725 vs 417 ms).
+# kernels are GEMV-shaped: on the 2-core AVX2 machine they beat the float32 GEMM up to about
+# 32 rows (30 layers of the default model's shapes: 1 row 11 vs 31 ms, 32 rows 105 vs 106 ms)
+# and lose beyond it (256 rows 725 vs 417 ms).
 PACKED_MAX_ROWS = 32
 
 
@@ -230,7 +231,10 @@ class QuantizedLinear(nn.Module):
         dtype = dtype or self.act_dtype
         n, k = self.out_features, self.in_features
         if self.method == "int8":
-            return (self.qweight.to(torch.float32) * self.scales[:, None]).to(dtype)
+            # the packed kernel's own (rounded) scales where it has them: both paths compute
+            # with one weight, so a row's result does not depend on the batch it ran in
+            scales = getattr(self, "packed_scales", self.scales).to(torch.float32)
+            return (self.qweight.to(torch.float32) * scales[:, None]).to(dtype)
         if self.path != "hybrid":
             eye = torch.eye(k, dtype=torch.bfloat16, device=self.qweight.device)
             return self._packed(eye).t().to(dtype)

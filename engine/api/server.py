@@ -42,6 +42,7 @@ class TokenmillServer(uvicorn.Server):
         self.on_stop = on_stop
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_signals: list[int] = []
+        self.startup_error: str | None = None  # why the lifespan could not start the engine
 
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -163,8 +164,11 @@ def make_server(
     async def lifespan(app):
         try:
             info = await worker.start()
-        except BaseException:
+        except BaseException as exc:
             telemetry.close()
+            # the CLI prints this as its one error line; uvicorn would add a traceback
+            server.startup_error = str(exc)
+            logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
             raise
         telemetry.engine_pid = info["pid"]
         telemetry.start(engine_pids=[info["pid"]])
@@ -230,4 +234,5 @@ def make_server(
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
     )
-    return TokenmillServer(uv_config, on_stop=stop)
+    server = TokenmillServer(uv_config, on_stop=stop)
+    return server
