@@ -14,6 +14,7 @@ import pytest
 from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, server_launch
 
 # every scenario but kv_pressure_preemption (about 3 minutes alone); the rest take 30-90 s each
+# on a quiet 2-core VM (the two quantization ones 60 and 77 s)
 FAST = [
     "healthy",
     "batching_ineffective",
@@ -25,6 +26,8 @@ FAST = [
     "kv_block_leak",
     "oom_low_average_memory",
     "prefix_cache_miss",
+    "quantization_decode_heavy",
+    "quantization_no_gain",
     "queueing_overload",
     "ttft_prefill_bound",
 ]
