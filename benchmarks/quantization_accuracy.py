@@ -48,7 +48,7 @@ from tokenmill.engine.tokenizer import load_tokenizer
 OUT = Path(__file__).parent / "results"
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 WINDOW, STRIDE, BLOCK = 512, 256, 16
-CHUNK = PACKED_MAX_ROWS  # the largest step a CPU quantized layer runs packed
+CHUNK = min(PACKED_MAX_ROWS.values())  # the largest step a CPU quantized layer runs packed
 MAX_TOKENS, AGREE_TOKENS, AGREE_PROMPTS = 24, 16, 4
 
 # (name, activation dtype, quantization)

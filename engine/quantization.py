@@ -39,12 +39,17 @@ __all__ = ["QUANTIZATIONS", "QuantizedLinear", "quantize_model", "weight_bytes_b
 # 128, 256), so the most scales and the least error; with it the default model's perplexity
 # rises 6.7% over float32 (benchmarks/RESULTS.md). Other sizes were not measured.
 INT4_GROUP_SIZE = 32
-# Rows (tokens) at or below which a layer (CPU; CUDA int8) runs the packed kernel; above it
-# the layer dequantizes its weight and runs the dense GEMM in the activation dtype. The packed
-# kernels are GEMV-shaped: on the 2-core AVX2 machine they beat the float32 GEMM up to about
-# 32 rows (30 layers of the default model's shapes: 1 row 11 vs 31 ms, 32 rows 105 vs 106 ms)
-# and lose beyond it (256 rows 725 vs 417 ms).
-PACKED_MAX_ROWS = 32
+# Rows (tokens) at or below which a quantized layer (CPU; CUDA int8) runs the packed kernel;
+# above it the layer dequantizes its weight and runs the dense GEMM. The packed kernels are
+# GEMV-shaped. Measured on the 2-core AVX2 machine, one 576x3072 layer, quiet: int8 packed
+# 2.0 ms vs dequantize 0.9 + GEMM 1.3 ms at 32 rows, 3.9 vs 0.9 + 2.1 at 64; int4 (whose
+# unpacking costs 3.1 ms) packed 2.9 vs 3.1 + 1.7 at 64 rows, 6.7 vs 3.1 + 3.5 at 128, 11.6 vs
+# 3.1 + 6.0 at 256.
+PACKED_MAX_ROWS = {"int8": 32, "int4": 128}
+# Rows up to which a bf16 layer on a CPU without bf16 GEMM multiplies in bf16; above it the
+# emulated bf16 GEMM loses to upcasting the weight and running float32 (one 576x3072 layer on
+# the 2-core AVX2 machine: 0.22 vs 0.36 ms at 1 row, 0.94 vs 0.75 at 4, 5.9 vs 1.4 at 32).
+HALF_GEMV_MAX_ROWS = 2
 
 
 def check_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -261,7 +266,9 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
         rows = x2d.shape[0]
-        if self.path == "packed" or (self.path == "hybrid" and rows <= PACKED_MAX_ROWS):
+        if self.path == "packed" or (
+            self.path == "hybrid" and rows <= PACKED_MAX_ROWS[self.method]
+        ):
             out = self._packed(x2d).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias
@@ -302,7 +309,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 class HalfPrecisionLinear(nn.Module):
     """A bf16/fp16 ``nn.Linear`` for a CPU without native half-precision GEMM: up to
-    :data:`PACKED_MAX_ROWS` rows it multiplies in the weight's dtype (half the bytes to read,
+    :data:`HALF_GEMV_MAX_ROWS` rows it multiplies in the weight's dtype (half the bytes to read,
     which is what a decode step is bound by); above, it upcasts the weight and runs the float32
     GEMM (prefill is compute-bound and the emulated bf16 GEMM is several times slower).
 
@@ -319,7 +326,7 @@ class HalfPrecisionLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
-        if x2d.shape[0] <= PACKED_MAX_ROWS:
+        if x2d.shape[0] <= HALF_GEMV_MAX_ROWS:
             out = nn.functional.linear(x2d, self.weight, self.bias)
         else:
             out = dense_linear(x2d, self.weight.float(), self.bias)

@@ -2,7 +2,7 @@
 
 Tiny random checkpoints of the four architectures load quantized and keep their logits near
 float32's; each QuantizedLinear computes with the weight it dequantizes to, on its packed path
-(up to ``PACKED_MAX_ROWS`` rows) and its dequantize + GEMM path; the int4 CPU packing layout
+(up to ``PACKED_MAX_ROWS[method]`` rows) and its dequantize + GEMM path; the int4 CPU packing layout
 the module learnt unpacks to the reference quantization; bad values and combinations fail in
 one line.
 
@@ -139,12 +139,14 @@ def _random_linear(method: str, n: int, k: int, bias: bool = True) -> QuantizedL
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("n", [64, 96, 48])
-@pytest.mark.parametrize("rows", [1, 5, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 80])
+@pytest.mark.parametrize("rows", [1, 5, "max", "max+1", 150])
 def test_packed_and_dequantized_paths_agree(method, n, rows):
     """Both paths compute with the weight ``dequantize()`` returns: the packed kernel (rows <=
-    PACKED_MAX_ROWS on CPU) rounds activations and scales to bf16, so it matches the float32 GEMM
+    PACKED_MAX_ROWS[method] on CPU) rounds activations and scales to bf16, so it matches the float32 GEMM
     on that weight to bf16 precision; above the threshold the layer is that GEMM exactly.
     n=48 is not a multiple of int4's learnt 32-row block: that layer always runs packed."""
+    limit = PACKED_MAX_ROWS[method]
+    rows = {"max": limit, "max+1": limit + 1}.get(rows, rows)
     layer = _random_linear(method, n, 64)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
     dense = nn.functional.linear(x, layer.dequantize(torch.float32), layer.bias)
@@ -153,7 +155,7 @@ def test_packed_and_dequantized_paths_agree(method, n, rows):
     assert got.shape == (rows, n) and got.dtype == torch.float32
     scale = dense.abs().max().item()
     assert (packed - dense).abs().max().item() <= 2e-2 * scale  # bf16 activations (8-bit)
-    if layer.path == "packed" or rows <= PACKED_MAX_ROWS:
+    if layer.path == "packed" or rows <= limit:
         torch.testing.assert_close(got, packed, atol=1e-6, rtol=0)
     else:
         torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
