@@ -278,6 +278,19 @@ def test_diagnosis_page_shows_findings_evidence_and_runbook(monkeypatch, gpu_sto
     assert num(metric(at, "Findings")) == len(report.findings)
 
 
+def test_diagnosis_page_shows_the_reports_hints(monkeypatch, tmp_path):
+    """A float model whose decode reads mostly weights near the peak GB/s: the report's
+    "weights dominate decode" note shows as a hint with its knob; no finding."""
+    path = tmp_path / "hint.duckdb"
+    write_store(path, [Phase(duration_s=40, peak_gbps=20.0)], seed=4)
+    at = open_page(monkeypatch, path, "diagnosis")
+    assert not at.exception
+    hints = [i.value for i in at.info if i.value.startswith("Hint (quantization_no_gain)")]
+    assert len(hints) == 1 and "weights dominate decode" in hints[0], [i.value for i in at.info]
+    assert any("--quantization" in c.value for c in at.caption)
+    assert num(metric(at, "Findings")) == 0
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_every_page_renders_an_empty_store(monkeypatch, empty_store, page):
     at = open_page(monkeypatch, empty_store, page)

@@ -69,6 +69,12 @@ if ctx is not None:
                     st.markdown(text)
                 else:
                     st.info(f"No runbook shipped for {f.rule_id}.")
+        for note in report.notes:
+            st.info(f"Hint ({note.rule_id}): {note.summary}")
+            st.caption(
+                f"Knob: {note.knob} · Evidence: "
+                + ", ".join(f"{k} = {v}" for k, v in note.evidence.items())
+            )
         c = st.columns(2)
         c[0].download_button(
             "Report (Markdown)", to_markdown(report), file_name="diagnosis.md", key="dg_md"
