@@ -288,49 +288,31 @@ def tiny_cli_model(tmp_path, smollm2_dir):
     return tmp_path
 
 
+# what each command needs besides the model to get as far as loading it
+COMMAND_ARGS = {
+    "serve": lambda: ["--port", str(free_port()), "--no-trace-db"],
+    "generate": lambda: ["--prompt", "x", "--max-tokens", "2"],
+}
+
+
+@pytest.mark.parametrize("command", list(COMMAND_ARGS))
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
         (["--quantization", "int3"], "quantization must be one of none, int8, int4"),
-        # caught in the engine core process at load: the lifespan's failure is the one line
+        # serve: caught in the engine core process at load, the lifespan's failure is the line
         (["--quantization", "int8", "--dtype", "float16", "--device", "cpu"], "not float16"),
     ],
     ids=["bad-value", "float16-int8-cpu"],
 )
-def test_serve_quantization_errors_are_one_line(tiny_cli_model, args, needle):
+def test_quantization_errors_are_one_line(tiny_cli_model, command, args, needle):
     proc = cli(
-        "serve",
+        command,
         "--model",
         str(tiny_cli_model),
         "--load-format",
         "dummy",
-        "--port",
-        str(free_port()),
-        "--no-trace-db",
-        *args,
-    )
-    assert needle in one_error_line(proc)
-
-
-@pytest.mark.parametrize(
-    ("args", "needle"),
-    [
-        (["--quantization", "int3"], "quantization"),
-        (["--quantization", "int8", "--dtype", "float16", "--device", "cpu"], "float16"),
-    ],
-    ids=["bad-value", "float16-int8-cpu"],
-)
-def test_generate_quantization_errors_are_one_line(tiny_cli_model, args, needle):
-    proc = cli(
-        "generate",
-        "--model",
-        str(tiny_cli_model),
-        "--load-format",
-        "dummy",
-        "--prompt",
-        "x",
-        "--max-tokens",
-        "2",
+        *COMMAND_ARGS[command](),
         *args,
     )
     assert needle in one_error_line(proc)
