@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
+    "attend_chunk",
     "fused_add_rms_norm",
     "paged_attention",
     "rms_norm",
@@ -158,13 +159,30 @@ def paged_attention(
         out[q_rows] = _attend(query[q_rows][:, None], k, v, allowed, scale)[:, 0]
 
     for i in other_rows:
-        s, e, length = starts[i], starts[i + 1], lens[i]
-        k = _gather_context(k_cache, block_tables[i], length)
-        v = _gather_context(v_cache, block_tables[i], length)
-        query_pos = torch.arange(length - (e - s), length, device=device)
-        allowed = _visibility(query_pos, torch.arange(length, device=device), sliding_window)
-        out[s:e] = _attend(query[s:e][None], k[None], v[None], allowed[None], scale)[0]
+        s, e = starts[i], starts[i + 1]
+        out[s:e] = attend_chunk(
+            query[s:e], k_cache, v_cache, block_tables[i], lens[i], scale, sliding_window
+        )
     return out
+
+
+def attend_chunk(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One sequence's chunk of new tokens ``query [Q, Hq, D]`` (the last Q of its ``length``
+    tokens, already in the cache) attending causally over its context; ``[Q, Hq, D]``."""
+    device = query.device
+    k = _gather_context(k_cache, block_table, length)
+    v = _gather_context(v_cache, block_table, length)
+    query_pos = torch.arange(length - query.shape[0], length, device=device)
+    allowed = _visibility(query_pos, torch.arange(length, device=device), sliding_window)
+    return _attend(query[None], k[None], v[None], allowed[None], scale)[0]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from tokenmill.kernels.reference import _attend, _gather_context, _visibility, store_kv
+from tokenmill.kernels.reference import _visibility, attend_chunk, store_kv
 
 from .metadata import AttentionMetadata
 
@@ -115,14 +115,10 @@ class TorchAttentionBackend:
             out[rows] = self._decode(q, k_cache, v_cache, plan, scale)
         starts, lens = m.query_start_loc_host, m.seq_lens_host
         for i in plan.other:
-            s, e, length = starts[i], starts[i + 1], lens[i]
-            k = _gather_context(k_cache, m.block_tables[i], length)
-            v = _gather_context(v_cache, m.block_tables[i], length)
-            query_pos = torch.arange(length - (e - s), length, device=query.device)
-            allowed = _visibility(
-                query_pos, torch.arange(length, device=query.device), sliding_window
+            s, e = starts[i], starts[i + 1]
+            out[s:e] = attend_chunk(
+                query[s:e], k_cache, v_cache, m.block_tables[i], lens[i], scale, sliding_window
             )
-            out[s:e] = _attend(query[s:e][None], k[None], v[None], allowed[None], scale)[0]
         return out
 
     @staticmethod
