@@ -51,7 +51,15 @@ fails, or NVML sees 0 devices (:attr:`DeviceSampler.fallback_reason` says which)
 0..100) from ``psutil.cpu_percent(None)`` since the previous tick, ``rss_bytes`` (bytes) the summed RSS of this process, its children
 (recursive; the engine core runs as a child) and the ``pids`` given, ``load_1m`` from
 ``os.getloadavg()[0]``, ``mem_used_bytes``/``mem_total_bytes`` (bytes) from
-``psutil.virtual_memory()``.
+``psutil.virtual_memory()``; for the noisy-neighbour rule (``host_contention``):
+``cpu_others_pct`` (%, 0..100 of all CPUs) the system-wide CPU use minus this server's process
+tree's (this process, its children and the ``pids`` given; ``psutil.Process.cpu_percent`` summed
+and divided by the CPU count), ``steal_pct`` (%) from ``psutil.cpu_times_percent(None).steal``
+(Linux guests; ``None`` elsewhere) and ``run_queue`` the runnable tasks the kernel counts now
+(``/proc/loadavg``'s 4th field; the sampler itself is one of them).
+
+GPU rows carry ``other_processes``: the compute and graphics processes NVML lists on the device
+whose pids are not this server's (``None`` where NVML cannot list them).
 
 Errors: an NVML query that raises ``NVMLError`` gives ``None`` for its column(s) only. Any other
 exception in a tick, and any exception raised by ``sink``, is caught: :attr:`last_error` holds it
@@ -97,6 +105,10 @@ COLUMNS: tuple[str, ...] = (
     "cpu_pct",
     "rss_bytes",
     "load_1m",
+    "cpu_others_pct",
+    "steal_pct",
+    "run_queue",
+    "other_processes",
 )
 
 #: Clock-event (throttle) reason bits: (pynvml constant suffix, bit value, name in the row).
@@ -123,6 +135,15 @@ def _empty_row(time_ns: int, kind: str) -> dict[str, Any]:
     row["time_ns"] = time_ns
     row["kind"] = kind
     return row
+
+
+def _run_queue() -> int | None:
+    """Runnable tasks now (``/proc/loadavg``: ``running/total``); None off Linux."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -194,6 +215,7 @@ class DeviceSampler:
         self._gpus: list[_Gpu] = []
         self._hostname = socket.gethostname()
         self._self_proc = psutil.Process()
+        self._cpu_procs: dict[int, psutil.Process] = {}  # kept: cpu_percent counts per object
         if use_nvml:
             self._init_nvml(nvml)
         else:
@@ -201,6 +223,8 @@ class DeviceSampler:
         if self._nvml is None:
             with contextlib.suppress(Exception):
                 psutil.cpu_percent(None)  # the first call only sets the reference point
+                psutil.cpu_times_percent(None)
+                self._own_cpu_pct()
 
     # ----------------------------------------------------------------- public API
 
@@ -450,7 +474,27 @@ class DeviceSampler:
             g, "pcie_tx", lambda: nvml.nvmlDeviceGetPcieThroughput(h, nvml.NVML_PCIE_UTIL_TX_BYTES)
         )
         row["pcie_tx_bytes_s"] = None if tx is None else float(tx) * _KB
+        row["other_processes"] = self._other_processes(g)
         return row
+
+    def _other_processes(self, g: _Gpu) -> int | None:
+        """Processes NVML lists on the device (compute and graphics) that are not this
+        server's; None when NVML cannot list them."""
+        nvml, h = self._nvml, g.handle
+        pids: set[int] = set()
+        listed = False
+        for name in (
+            "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetGraphicsRunningProcesses",
+        ):
+            fn = getattr(nvml, name, None)
+            procs = None if fn is None else self._query(g, name, lambda fn=fn: fn(h))
+            if procs is not None:
+                listed = True
+                pids.update(int(p.pid) for p in procs)
+        if not listed:
+            return None
+        return len(pids - set(self._tree()))
 
     def _clock_event_mask(self, g: _Gpu) -> int | None:
         nvml, h = self._nvml, g.handle
@@ -541,11 +585,17 @@ class DeviceSampler:
         vm = psutil.virtual_memory()
         row["mem_used_bytes"] = int(vm.used)
         row["mem_total_bytes"] = int(vm.total)
+        own = self._own_cpu_pct()
+        row["cpu_others_pct"] = None if own is None else max(0.0, row["cpu_pct"] - own)
+        try:
+            row["steal_pct"] = float(getattr(psutil.cpu_times_percent(None), "steal", None))
+        except (TypeError, ValueError):
+            row["steal_pct"] = None
+        row["run_queue"] = _run_queue()
         return row
 
-    def _rss_bytes(self) -> int | None:
-        """Summed RSS (bytes) of this process, its children and the given pids; vanished or
-        inaccessible processes are skipped."""
+    def _tree(self) -> dict[int, psutil.Process]:
+        """This process, its children (recursive) and the given pids, by pid."""
         gone = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
         procs: dict[int, psutil.Process] = {self._self_proc.pid: self._self_proc}
         try:
@@ -559,6 +609,35 @@ class DeviceSampler:
                     procs[pid] = psutil.Process(pid)
                 except gone:
                     continue
+        return procs
+
+    def _own_cpu_pct(self) -> float | None:
+        """CPU % (0..100 of all CPUs) this server's process tree used since the previous call.
+        Process objects are kept between calls: ``cpu_percent`` measures from the previous call
+        on the same object (a new process reads 0 on its first tick)."""
+        gone = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
+        tree = self._tree()
+        known = self._cpu_procs
+        for pid in list(known):
+            if pid not in tree:
+                del known[pid]
+        total, seen = 0.0, 0
+        for pid, proc in tree.items():
+            proc = known.setdefault(pid, proc)
+            try:
+                total += proc.cpu_percent(None)
+                seen += 1
+            except gone:
+                known.pop(pid, None)
+        if not seen:
+            return None
+        return total / (psutil.cpu_count() or 1)
+
+    def _rss_bytes(self) -> int | None:
+        """Summed RSS (bytes) of this process, its children and the given pids; vanished or
+        inaccessible processes are skipped."""
+        gone = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
+        procs = self._tree()
         total, seen = 0, 0
         for proc in procs.values():
             try:

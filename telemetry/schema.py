@@ -25,7 +25,7 @@ from tokenmill.engine.messages import (
 
 from .rows import RequestRow
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 TABLES = ("spans", "requests", "engine_steps", "device_samples", "events")
 # the child spans of every `request` span, in the order a request passes them (DESIGN.md §2)
 STATIONS = (

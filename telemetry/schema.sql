@@ -57,7 +57,11 @@ CREATE TABLE IF NOT EXISTS device_samples (
     pcie_tx_bytes_s     DOUBLE,
     cpu_pct             DOUBLE,             -- host rows
     rss_bytes           BIGINT,             -- host rows: the server process (+ engine)
-    load_1m             DOUBLE              -- host rows
+    load_1m             DOUBLE,             -- host rows
+    cpu_others_pct      DOUBLE,             -- host rows: CPU % used outside this server's process tree
+    steal_pct           DOUBLE,             -- host rows: CPU % stolen by the hypervisor
+    run_queue           INTEGER,            -- host rows: runnable tasks (/proc/loadavg)
+    other_processes     INTEGER             -- gpu rows: processes on the device outside this server
 );
 
 -- Engine and server events: worker start/crash/restart, OOM, allocation failure, config, drops.

@@ -24,6 +24,7 @@ from tokenmill.engine.api.admin import register_admin_routes
 from tokenmill.engine.api.errors import APIError
 from tokenmill.engine.api.gateway import Gateway, TenantsFileError, hash_key, load_tenants
 from tokenmill.telemetry.dump import DumpError, open_dump, parse_since, write_dump
+from tokenmill.telemetry.schema import SCHEMA_VERSION
 from tokenmill.telemetry.hub import LiveDumps
 from tokenmill.telemetry.store import TraceStore
 
@@ -196,7 +197,7 @@ def test_window_counts_and_whole_traces(hour, tmp_path):
             ["idle"],
         )
         meta = dict(d.execute("SELECT key, value FROM meta").fetchall())
-        assert meta["schema_version"] == "3"
+        assert meta["schema_version"] == str(SCHEMA_VERSION)
         assert meta["window_start_ns"] == str(since)
         assert meta["window_end_ns"] == str(until)
         assert meta["source"] == "unit test"
