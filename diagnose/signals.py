@@ -219,8 +219,34 @@ SELECT (time_ns - $t0) // $w AS win,
     count(*) FILTER (WHERE list_has_any(clock_event_reasons,
         ['sw_power_cap', 'hw_slowdown', 'sw_thermal_slowdown', 'hw_thermal_slowdown', 'hw_power_brake_slowdown'])) AS throttled_samples,
     count(*) AS device_samples_n,
-    avg(cpu_pct) AS host_cpu_mean
+    avg(cpu_pct) AS host_cpu_mean,
+    avg(cpu_others_pct) AS cpu_others_mean,
+    avg(steal_pct) AS steal_mean,
+    avg(run_queue) AS run_queue_mean,
+    max(other_processes) AS other_processes_max
 FROM device_samples WHERE time_ns >= $since AND time_ns < $until AND kind = $kind
+GROUP BY win
+"""
+
+# The same work, slower: each working step against the quickest quarter of the steps that did the
+# same work (same batch: prefill chunks + decodes; tokens in the same power of two), over the
+# whole range; classes with fewer than 5 steps are left out. A window's `same_work_slowdown` is
+# the median of its steps' ratios: 1.0 when the steps ran as fast as the dump's usual best for
+# their work, 2.0 when the same work took twice as long (host_contention).
+_SAME_WORK_WINDOW_SQL = f"""
+WITH s AS (
+    SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms,
+        num_prefill_chunks + num_decode_tokens AS batch,
+        CAST(floor(log2(greatest(num_prefill_tokens + num_decode_tokens, 1))) AS INTEGER) AS tok_class
+    FROM engine_steps WHERE start_ns >= $since AND start_ns < $until AND {WORKING_STEP_SQL}
+), ref AS (
+    SELECT batch, tok_class, quantile_cont(ms, 0.25) AS ref_ms
+    FROM s GROUP BY batch, tok_class HAVING count(*) >= 5
+)
+SELECT (start_ns - $t0) // $w AS win,
+    quantile_cont(ms / ref_ms, 0.5) AS same_work_slowdown,
+    count(*) AS same_work_steps
+FROM s JOIN ref USING (batch, tok_class) WHERE ref_ms > 0
 GROUP BY win
 """
 
@@ -337,6 +363,7 @@ def load(
     kinds = [k for (k,) in con.execute("SELECT DISTINCT kind FROM device_samples").fetchall()]
     device_kind = "gpu" if "gpu" in kinds else ("host" if "host" in kinds else None)
     dev = _rows(con, _DEVICE_WINDOW_SQL, {**params, "kind": device_kind or "none"})
+    same_work = _rows(con, _SAME_WORK_WINDOW_SQL, params)
     errors_by_window: dict[int, dict[str, int]] = {}
     for win, etype, n in con.execute(
         "SELECT (end_ns - $t0) // $w, error_type, count(*) FROM requests "
@@ -348,7 +375,7 @@ def load(
     windows = []
     for i in range(n_windows):
         values: dict = {}
-        for src in (req, ends, steps, roof, dev):
+        for src in (req, ends, steps, roof, dev, same_work):
             values.update(src.get(i, {}))
         ended = values.get("ended") or 0
         values["error_rate"] = (values.get("errors") or 0) / ended if ended else None

@@ -65,6 +65,8 @@ class Phase:
     first_block_varies: bool = False  # prompts share blocks 2.. but differ in block 0
     shared_head_tokens: int = 0  # prompts share only their first N tokens (hashes from tokens)
     host_share: float = 0.05  # (schedule + sample) / step time
+    cpu_others_pct: float = 2.0  # host CPU % used outside the server (a noisy neighbour)
+    gpu_other_processes: int = 0  # processes on the GPU that are not the server's
     step_ms: float | None = None  # decode step time (default: itl_ms)
     gpu: bool = False
     sm_clock_mhz: float = 1980.0
@@ -236,13 +238,17 @@ class SyntheticRun:
                     "clock_event_reasons": list(ph.throttle_reasons),
                     "mem_used_bytes": 100 << 30,
                     "mem_total_bytes": 141 << 30,
+                    "other_processes": ph.gpu_other_processes,
                 }
             else:
                 row = {
                     "time_ns": t,
                     "kind": "host",
                     "device_name": "synthetic",
-                    "cpu_pct": 180.0,
+                    "cpu_pct": min(100.0, 90.0 + ph.cpu_others_pct),
+                    "cpu_others_pct": ph.cpu_others_pct,
+                    "steal_pct": 0.0,
+                    "run_queue": 2 + round(ph.cpu_others_pct / 50),
                     "rss_bytes": 2 << 30,
                     "load_1m": 2.0,
                     "mem_used_bytes": 4 << 30,

@@ -72,6 +72,8 @@ SCENARIOS: dict[str, list[Phase]] = {
     "host_bound_steps": [HEALTHY, HEALTHY.but(duration_s=30, host_share=0.5, step_ms=100)],
     # int4 weights (100 MB a step), ~1,500-token prompts: prefill chunks take ~90% of the forward
     "quantization_no_gain": [INT4.but(prompt_tokens=(1000, 2000), prefill_tok_per_s=500)],
+    # the same batch and tokens, 2.5x slower while a neighbour uses 60% of the CPU
+    "host_contention": [HEALTHY, HEALTHY.but(duration_s=30, step_ms=100, cpu_others_pct=60)],
 }
 
 # the evidence each rule must carry, as (key, predicate)
@@ -92,6 +94,7 @@ EXPECTED = {
     "batch_too_large": ("batch", lambda v: v >= 30),
     "midstream_stall": ("stalled_and_preempted", lambda v: v >= 1),
     "periodic_itl_spikes": ("period_s", lambda v: 4.5 < v < 5.5),
+    "host_contention": ("same_work_slowdown", lambda v: 2.0 < v < 3.0),
     "gpu_throttling": ("clock_event_reasons", lambda v: v == ["hw_thermal_slowdown"]),
     "host_bound_steps": ("host_share_of_step", lambda v: v >= 0.45),
     "quantization_no_gain": ("compute_bound_prefill_share", lambda v: v > 0.8),
@@ -282,6 +285,8 @@ MILD: dict[str, list[Phase]] = {
     "host_bound_steps": [HEALTHY, HEALTHY.but(duration_s=30, host_share=0.2, step_ms=100)],
     # int4, short prompts, long answers: decode-only steps (below the ridge) hold most of the time
     "quantization_no_gain": [INT4.but(output_tokens=(200, 400))],
+    # the neighbour is there, but the same work is not slower; and slower without a neighbour
+    "host_contention": [HEALTHY, HEALTHY.but(duration_s=30, cpu_others_pct=60)],
 }
 
 

@@ -25,6 +25,7 @@ from . import (
     gpu_throttling,
     head_of_line_blocking,
     host_bound_steps,
+    host_contention,
     itl_frontend_overhead,
     itl_prefill_interference,
     kv_block_leak,
@@ -60,6 +61,7 @@ RULES: tuple[Rule, ...] = (
     gpu_throttling.RULE,
     host_bound_steps.RULE,
     quantization_no_gain.RULE,
+    host_contention.RULE,
 )
 
 RULES_BY_ID: dict[str, Rule] = {r.id: r for r in RULES}
