@@ -32,7 +32,7 @@ def _latest_ns(con) -> int:
 
 
 def run(
-    source: Path | None,
+    source: Path | list[Path] | None,
     *,
     db: Path | None = None,
     url: str | None = None,
@@ -51,6 +51,10 @@ def run(
     ``--since`` counts back from the latest row of the dump (not from now), so an old dump
     can be read with the same flags as a fresh one.
 
+    Several dumps (or a folder of them) are a fleet (:mod:`.fleet`): each dump is diagnosed on
+    its own (``--since`` from its own latest row) and the reports merged; ``--fail-on`` looks
+    at the worst finding over all of them.
+
     Raises:
         DiagnoseInputError: bad flags, an unreadable or foreign file, an empty store or window.
     """
@@ -59,10 +63,15 @@ def run(
     from tokenmill.telemetry.dump import DumpError, open_dump, parse_since
 
     from .findings import SEVERITY_RANK, diagnose
+    from .fleet import FleetError, collect_dumps, merge, source_names
     from .report import print_text, to_json, to_markdown
     from .signals import NoTraffic
 
     console = console or Console(emoji=False)
+    if isinstance(source, list):
+        source = source or None
+    elif source is not None:
+        source = [source]
     if sum(x is not None for x in (source, db, url)) != 1:
         raise DiagnoseInputError("give exactly one of DUMP, --db PATH or --url URL")
     if fmt not in ("text", "json", "markdown"):
@@ -84,22 +93,36 @@ def run(
         if url is not None:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "live.duckdb"
             _fetch(url, tmp, api_key=api_key)
-            path = tmp
+            paths = [tmp]
+        elif source is not None and (len(source) > 1 or source[0].is_dir()):
+            try:
+                paths = collect_dumps(source)
+            except FleetError as exc:
+                raise DiagnoseInputError(str(exc)) from None
         else:
-            path = source if source is not None else db
-        try:
-            con = open_dump(path, verify=False)
-        except DumpError as exc:
-            raise DiagnoseInputError(str(exc)) from None
-        stack.callback(con.close)
-        try:
-            since_ns = _latest_ns(con) - since_s * 1_000_000_000 if since_s is not None else None
-            report = diagnose(con, since_ns=since_ns, window_s=window_s)
-        except NoTraffic as exc:
-            raise DiagnoseInputError(f"{path}: {exc}") from None
-        except duckdb.Error as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise DiagnoseInputError(f"{path}: cannot read the store ({first})") from None
+            paths = source if source is not None else [db]
+        cons = []
+        for path in paths:  # open (and check) them all before the first diagnosis
+            try:
+                cons.append(open_dump(path, verify=False))
+            except DumpError as exc:
+                raise DiagnoseInputError(str(exc)) from None
+            stack.callback(cons[-1].close)
+        metas = [_meta_source(con) for con in cons]
+        named = []
+        for path, name, con in zip(paths, source_names(paths, metas), cons, strict=True):
+            try:
+                since_ns = (
+                    _latest_ns(con) - since_s * 1_000_000_000 if since_s is not None else None
+                )
+                named.append((name, str(path), diagnose(con, since_ns=since_ns, window_s=window_s)))
+            except NoTraffic as exc:
+                raise DiagnoseInputError(f"{path}: {exc}") from None
+            except duckdb.Error as exc:
+                msg = str(exc).strip()
+                first = msg.splitlines()[0] if msg else type(exc).__name__
+                raise DiagnoseInputError(f"{path}: cannot read the store ({first})") from None
+        report = merge(named)
     if fmt == "json":
         console.print_json(to_json(report)) if console.is_terminal else print(to_json(report))
     elif fmt == "markdown":
@@ -111,6 +134,12 @@ def run(
         if worst >= SEVERITY_RANK[fail_on]:
             return 1
     return 0
+
+
+def _meta_source(con) -> str:
+    """The dump's ``meta`` ``source`` (who wrote it: ``server HOST pid ...``, ``file PATH``)."""
+    row = con.execute("SELECT value FROM meta WHERE key = 'source'").fetchone()
+    return row[0] if row else ""
 
 
 def _fetch(url: str, path: Path, *, api_key: str | None) -> None:
@@ -128,7 +157,12 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def diagnose(
     dump_file: Annotated[
-        Path | None, typer.Argument(metavar="DUMP", help="A trace dump or closed store file.")
+        list[Path] | None,
+        typer.Argument(
+            metavar="DUMP...",
+            help="A trace dump or closed store file; several dumps or a folder of them (one "
+            "per replica) for a fleet; a Parquet dump folder is one dump.",
+        ),
     ] = None,
     db: Annotated[
         Path | None, typer.Option(help="A trace-store file no server holds open.")

@@ -41,6 +41,7 @@ class Finding:
     knob: str
     runbook: str
     explained_by: list[str] = field(default_factory=list)
+    source: str | None = None  # the dump (replica/host) it fired on (diagnose/fleet.py)
 
     def to_json(self) -> dict:
         return {
@@ -57,6 +58,7 @@ class Finding:
             "knob": self.knob,
             "runbook": self.runbook,
             "explained_by": self.explained_by,
+            "source": self.source,
         }
 
 
@@ -69,6 +71,7 @@ class Note:
     evidence: dict
     knob: str
     runbook: str
+    source: str | None = None  # the dump (replica/host) it holds on (diagnose/fleet.py)
 
     def to_json(self) -> dict:
         return {
@@ -77,6 +80,7 @@ class Note:
             "evidence": self.evidence,
             "knob": self.knob,
             "runbook": self.runbook,
+            "source": self.source,
         }
 
 
@@ -91,6 +95,10 @@ class Report:
     summary: dict
     rule_errors: dict[str, str] = field(default_factory=dict)
     notes: list[Note] = field(default_factory=list)
+    # the dumps diagnosed (name, dump, status, range, summary, rules_fired; diagnose/fleet.py)
+    # and the rules that fired on every one of two or more
+    sources: list[dict] = field(default_factory=list)
+    fleet_wide: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -102,6 +110,8 @@ class Report:
             "findings": [f.to_json() for f in self.findings],
             "rule_errors": self.rule_errors,
             "notes": [n.to_json() for n in self.notes],
+            "sources": self.sources,
+            "fleet_wide": self.fleet_wide,
         }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 
 from rich.console import Console
@@ -46,6 +47,30 @@ def _fmt(fmt: str, v) -> str:
         return str(v)
 
 
+def _fleet(report: Report) -> bool:
+    """Two or more sources: name each finding's source (one dump reads as it always did)."""
+    return len(report.sources) > 1
+
+
+def _where(report: Report, f) -> str:
+    """``" on SOURCE"`` (or ``" on SOURCE, fleet-wide"``) for a fleet's finding, else ``""``."""
+    if not _fleet(report) or f.source is None:
+        return ""
+    wide = (
+        f", fleet-wide: all {len(report.sources)} sources" if f.rule_id in report.fleet_wide else ""
+    )
+    return f" on {f.source}{wide}"
+
+
+def _fleet_lines(report: Report) -> list[str]:
+    """One line per source: its status and the rules that fired on it."""
+    return [
+        f"{s['name']} ({s['dump']}): "
+        + (", ".join(s["rules_fired"]) if s["rules_fired"] else "no problems found")
+        for s in report.sources
+    ]
+
+
 def to_json(report: Report) -> str:
     return json.dumps(report.to_json(), indent=2, default=str)
 
@@ -57,11 +82,15 @@ def to_markdown(report: Report) -> str:
         f"Range {_ts(report.start_ns)} – {_ts(report.end_ns)}, windows of {report.window_s:g} s.",
         "",
     ]
+    if _fleet(report):
+        lines += [f"Fleet of {len(report.sources)} sources (each diagnosed on its own):", ""]
+        lines += [f"- {line}" for line in _fleet_lines(report)] + [""]
     if not report.findings:
         lines += ["**No problems found.**", ""]
     for i, f in enumerate(report.findings, 1):
         lines += [
-            f"## {i}. `{f.rule_id}` — {f.title} ({f.severity}, confidence {f.confidence:.0%})",
+            f"## {i}. `{f.rule_id}`{_where(report, f)} — {f.title} "
+            f"({f.severity}, confidence {f.confidence:.0%})",
             "",
             f.summary,
             "",
@@ -78,12 +107,19 @@ def to_markdown(report: Report) -> str:
         lines += ["## Hints", ""]
     for n in report.notes:
         lines += [
-            f"- **`{n.rule_id}`:** {n.summary}",
+            f"- **`{n.rule_id}`{_where(report, n)}:** {n.summary}",
             "  Evidence: " + ", ".join(f"`{k}`={v}" for k, v in n.evidence.items()) + ".",
             f"  Knob: {n.knob}. Runbook: [{n.runbook}]({n.runbook})",
             "",
         ]
     lines += ["## Key numbers", ""]
+    if _fleet(report):
+        names = [s["name"] for s in report.sources]
+        lines += ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for key, label, fmt in _HEALTHY_KEYS:
+            row = [_fmt(fmt, s["summary"].get(key)) for s in report.sources]
+            lines.append(f"| {label} | " + " | ".join(row) + " |")
+        return "\n".join(lines) + "\n"
     for key, label, fmt in _HEALTHY_KEYS:
         lines.append(f"- {label}: {_fmt(fmt, report.summary.get(key))}")
     return "\n".join(lines) + "\n"
@@ -94,6 +130,10 @@ def print_text(report: Report, console: Console) -> None:
         f"[bold]tokenmill diagnosis[/] {_ts(report.start_ns)} – {_ts(report.end_ns)} "
         f"(windows of {report.window_s:g} s)"
     )
+    if _fleet(report):
+        console.print(f"fleet of {len(report.sources)} sources (each diagnosed on its own):")
+        for line in _fleet_lines(report):
+            console.print("  " + escape(line), highlight=False)
     if not report.findings:
         console.print("[bold green]No problems found.[/]")
     for i, f in enumerate(report.findings, 1):
@@ -112,7 +152,7 @@ def print_text(report: Report, console: Console) -> None:
         console.print(
             Panel(
                 "\n".join(body),
-                title=f"{i}. [bold]{f.rule_id}[/] — {escape(f.title)}",
+                title=f"{i}. [bold]{f.rule_id}[/]{escape(_where(report, f))} — {escape(f.title)}",
                 subtitle=f"{f.severity}, confidence {f.confidence:.0%}",
                 border_style=color,
             )
@@ -130,14 +170,119 @@ def print_text(report: Report, console: Console) -> None:
                         "[dim]runbook[/] " + escape(n.runbook),
                     ]
                 ),
-                title=f"hint: [bold]{n.rule_id}[/]",
+                title=f"hint: [bold]{n.rule_id}[/]{escape(_where(report, n))}",
                 subtitle="a knob that would help, not a problem",
                 border_style="cyan",
             )
         )
-    table = Table(title="key numbers", show_header=False)
-    for key, label, fmt in _HEALTHY_KEYS:
-        table.add_row(label, _fmt(fmt, report.summary.get(key)))
+    if _fleet(report):
+        table = Table(title="key numbers")
+        table.add_column("")
+        for s in report.sources:
+            table.add_column(escape(s["name"]))
+        for key, label, fmt in _HEALTHY_KEYS:
+            table.add_row(label, *(_fmt(fmt, s["summary"].get(key)) for s in report.sources))
+    else:
+        table = Table(title="key numbers", show_header=False)
+        for key, label, fmt in _HEALTHY_KEYS:
+            table.add_row(label, _fmt(fmt, report.summary.get(key)))
     console.print(table)
     for rule_id, msg in report.rule_errors.items():
         console.print(f"[red]rule {rule_id} failed:[/] {escape(msg)}")
+
+
+# ----- evidence values with their units (the reports and the console's Diagnosis page) -----
+
+_RATIO_ENDINGS = (
+    "rise", "slowdown", "ratio", "growth", "trend", "excess", "spike", "degrade", "margin",
+    "stream_vs_engine_tpot",
+)  # fmt: skip
+_SHARE_ENDINGS = ("share", "usage")
+_UNIT_ENDINGS = (
+    ("_gbps", "GB/s"),
+    ("_gflops", "GFLOP/s"),
+    ("_mhz", "MHz"),
+    ("_util", "%"),
+    ("_w", "W"),
+    ("_c", "°C"),
+    ("flop_per_byte", "FLOP/byte"),
+)
+_IEC = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def _number(v: float) -> str:
+    """About three significant digits, thousands separated: 0.0123, 1.23, 12.3, 1,234."""
+    a = abs(v)
+    if a == 0 or a >= 100:
+        return f"{v:,.0f}"
+    if a >= 10:
+        return f"{v:,.1f}"
+    if a >= 1:
+        return f"{v:,.2f}"
+    return f"{v:.3g}"
+
+
+def _ms(v: float) -> str:
+    return f"{_number(v)} ms"
+
+
+def _bytes(v: float) -> str:
+    for unit, size in _IEC:
+        if abs(v) >= size:
+            return f"{v / size:,.2f} {unit}" if abs(v) < 100 * size else f"{v / size:,.0f} {unit}"
+    return f"{v:,.0f} B"
+
+
+def format_value(key: str, value) -> str:
+    """One evidence number with its unit and a sensible precision, the unit read from the key:
+    ``*_ms`` (also ``step_ms_p50``, ``spike_ms_max``) → ``5,398 ms``; ``*_s`` → seconds;
+    ``*_bytes`` (also the ``*_bytes_by_dtype`` dicts) → KiB/MiB/GiB; ``*_pct`` (already 0..100)
+    → ``64.6 %``; shares 0..1 (``*share*``, ``*usage*``, ``hit_rate``, ``error_rate``)
+    → ``42.3 %``; ``*_per_s``, ``*_tok_s``, ``*_gbps``, ``*_gflops``, ``*_mhz``, ``*_util``
+    (0..100), ``*_w``, ``*_c`` with those units (read before a ``_p50``/``_mean``/``_max``
+    suffix); ratios to a baseline (``*rise``, ``*slowdown``, ``*ratio``, …)
+    → ``3.21×``; other integers as counts (``1,234``), other floats to about three significant
+    digits. A value that is no number (a dtype, a list, a dict) is shown as it is, a dict's
+    numbers each with the key's unit; None is ``n/a``."""
+    if value is None:
+        return "n/a"
+    k = key.lower()
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{n}: {format_value(k, v)}" for n, v in value.items()) + "}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, float) and value != value:  # NaN
+        return "n/a"
+    # the unit is the name's before a statistic's suffix: decode_gbps_p50 is in GB/s
+    k = re.sub(r"(_(p\d+|mean|max|min|at_peak|first|last))+$", "", k) or k
+    if k.endswith("_ms") or "_ms_" in k:
+        return _ms(value)
+    if k.endswith("_s") and not k.endswith(("_per_s", "_tok_s")):
+        return f"{_number(value)} s"
+    if "bytes" in k and "share" not in k:
+        return _bytes(value)
+    if k.endswith("_pct") or k.endswith("_pct_mean"):
+        return f"{value:.1f} %"
+    if k.endswith(("_per_s", "_tok_s", "arrival_rate", "completion_rate")):
+        unit = "tok/s" if k.endswith("_tok_s") else "/s"
+        return f"{_number(value)} {unit}"
+    if any(s in k for s in ("share", "hit_rate", "error_rate", "usage")) or k.endswith(
+        _SHARE_ENDINGS
+    ):
+        return f"{100 * value:.1f} %"
+    for ending, unit in _UNIT_ENDINGS:
+        if k.endswith(ending):
+            return f"{_number(value)} {unit}"
+    if k.endswith(_RATIO_ENDINGS):
+        return f"{value:.2f}×"
+    if isinstance(value, int) or float(value).is_integer():
+        return f"{int(value):,}"
+    return _number(value)
+
+
+def format_evidence(evidence: dict, *, code: bool = False) -> str:
+    """``key = value unit, …`` for a finding's or note's evidence (:func:`format_value` per
+    value); ``code`` puts each key in Markdown backticks."""
+    return ", ".join(
+        f"{f'`{k}`' if code else k} = {format_value(k, v)}" for k, v in evidence.items()
+    )

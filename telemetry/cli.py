@@ -32,7 +32,12 @@ app = typer.Typer(add_completion=False)
 
 @app.command()
 def dump(
-    output: Annotated[Path, typer.Option("--output", "-o", help="The dump file to write.")],
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output", "-o", help="The dump file to write (a folder with --format parquet)."
+        ),
+    ],
     db: Annotated[
         Path | None,
         typer.Option(help="A trace-store file no server holds open (for a live one, use --url)."),
@@ -56,9 +61,20 @@ def dump(
     timeout: Annotated[
         float, typer.Option(min=1.0, help="Seconds to wait for the server (with --url).")
     ] = 300.0,
+    format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            metavar="FORMAT",
+            help="duckdb (one file) | parquet (a folder: one Parquet file per table, for "
+            "DuckDB, Spark or Trino).",
+        ),
+    ] = "duckdb",
 ) -> None:
-    """Write a trace dump (a self-contained DuckDB file of a time window) from a closed store
-    file (--db) or a running server (--url, admin key)."""
+    """Write a trace dump (a self-contained DuckDB file of a time window, or a folder of
+    Parquet files) from a closed store file (--db) or a running server (--url, admin key)."""
+    import shutil
+    import tempfile
     import time
 
     from .dump import DumpError, describe_dump, format_summary, open_dump, parse_since
@@ -66,6 +82,9 @@ def dump(
 
     if (db is None) == (url is None):
         fail("give exactly one of --db (a store file) or --url (a running server)")
+    if format not in ("duckdb", "parquet"):
+        fail(f"--format must be duckdb or parquet, not {format!r}")
+    parquet = format == "parquet"
     try:
         since_s = parse_since(since) if since is not None else None
     except ValueError as exc:
@@ -76,13 +95,19 @@ def dump(
         fail(f"--until: {exc}")
     if since_s is not None and until_s is not None and until_s >= since_s:
         fail("--until must be later than --since (both are durations before now)")
-    if output.is_dir():
+    if output.is_dir() and not parquet:
         fail(f"{output} is a folder; give a file name with -o")
+    if output.exists() and not output.is_dir() and parquet:
+        fail(f"{output} is a file; --format parquet writes a folder")
     if output.exists() and not force:
         fail(f"{output} already exists (choose another name, or --force)")
     if not output.parent.is_dir():
         fail(f"folder {output.parent} does not exist")
 
+    final, tmp_dir = output, None
+    if parquet:  # the DuckDB dump first, in a private folder beside the output, then exported
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+        output = tmp_dir / "dump.duckdb"
     try:
         if db is not None:
             from .dump import write_dump
@@ -115,12 +140,22 @@ def dump(
                 fail(fetch_message(exc, url, timeout_option=True))
         con = open_dump(output)
         try:
+            if parquet:
+                from .parquet_dump import ParquetDumpError, export_parquet
+
+                try:
+                    export_parquet(con, final, overwrite=force)
+                except ParquetDumpError as exc:
+                    fail(str(exc))
             info = describe_dump(con)
         finally:
             con.close()
     except DumpError as exc:
         fail(str(exc))
-    out.print(format_summary(output, info), highlight=False, markup=False, soft_wrap=True)
+    finally:
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    out.print(format_summary(final, info), highlight=False, markup=False, soft_wrap=True)
 
 
 def fetch_message(exc, url: str, *, timeout_option: bool = False) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import duckdb
 
+from .parquet_dump import ParquetDumpError, is_parquet_dump, load_parquet
 from .schema import TABLES, SchemaError, apply_schema, check_schema
 
 DUCKDB_MAGIC = b"DUCK"  # bytes 8..12 of every DuckDB database file
@@ -230,7 +231,8 @@ def duckdb_file_problem(p: Path, folder_noun: str, what: str) -> str | None:
 
 
 def open_dump(path: str | Path, *, verify: bool = True) -> duckdb.DuckDBPyConnection:
-    """Open a dump (or a closed trace-store file) read-only.
+    """Open a dump (or a closed trace-store file) read-only; a Parquet dump folder
+    (:mod:`.parquet_dump`) opens as an in-memory DuckDB holding the same tables.
 
     Args:
         verify: read every row once so that a damaged block surfaces here, as a
@@ -239,9 +241,14 @@ def open_dump(path: str | Path, *, verify: bool = True) -> duckdb.DuckDBPyConnec
     Raises:
         DumpError: missing file, not a DuckDB file, a corrupt or truncated file, a file locked
             by a running server, another schema version, or missing tables (one line, naming
-            the file).
+            the file); a Parquet folder of another version or lacking a table file.
     """
     p = Path(path)
+    if is_parquet_dump(p):  # a folder written by ``tokenmill dump --format parquet``
+        try:
+            return load_parquet(p)
+        except ParquetDumpError as exc:
+            raise DumpError(str(exc)) from None
     problem = duckdb_file_problem(p, "dump file", "tokenmill dump")
     if problem:
         raise DumpError(problem)
