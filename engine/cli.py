@@ -39,6 +39,7 @@ COMMANDS = {
     "bench": "tokenmill.bench.cli:bench_app",
     "scenario": "tokenmill.bench.cli:scenario_app",
     "demo": "tokenmill.bench.cli:demo_app",
+    "export": "tokenmill.diagnose.export_cli:app",
 }
 
 

@@ -49,6 +49,30 @@ class Hint:
 
 
 @dataclass(frozen=True)
+class Alert:
+    """How a rule reads as a Prometheus alerting rule over the ``tokenmill_`` metrics, for the
+    rules ``/metrics`` can express (``tokenmill export prometheus-rules``,
+    ``diagnose/alerts.py``).
+
+    ``expr`` is PromQL with ``$name`` placeholders (:class:`string.Template`): the rule's own
+    ``params`` (their defaults, so the alert and the diagnoser share one threshold), ``$by``
+    (the labels every series is aggregated by; ``$by_le`` with ``le``), ``$window`` (the rate window) and the shared
+    recorded series of :data:`tokenmill.diagnose.alerts.SERIES` (``$ttft_p99``,
+    ``$ttft_p99_base``, ...); a rule with a ``min_windows`` param (a trend over that many
+    consecutive windows) also gets ``$run`` (that many windows) and ``$run_offset`` (the offset
+    of the run's first window). The expression's value (its first operand) is what ``value``
+    names, shown as a ratio (``unit="x"``) or a percentage (``unit="%"``, from a 0..1 share).
+    """
+
+    name: str
+    expr: str
+    value: str
+    unit: str = "x"  # x | %
+    for_: str = "2m"
+    severity: str = "warning"
+
+
+@dataclass(frozen=True)
 class Rule:
     """One diagnosis rule: its text, named thresholds, detector, the rules it explains and the
     signals the console shows for it. Its runbook is ``runbooks/<id>.md``."""
@@ -68,6 +92,9 @@ class Rule:
     # the rule's companion note: when the rule does not fire, what the data says would help
     # instead (reads the same ``params``); None for rules without one
     hint: Callable[[Signals, dict], Hint | None] | None = None
+    # the rule as a Prometheus alert over /metrics; None where the metrics cannot express it
+    # (it reads per-request or per-step rows only the trace store has)
+    alert: Alert | None = None
 
     @property
     def runbook(self) -> str:

@@ -10,7 +10,7 @@ server's own holdback is most of the gap, the finding names it instead of a prox
 from __future__ import annotations
 
 from ..signals import Signals
-from ._common import Evidence, Param, Rule, _confidence, _ms, _ratio, _severity
+from ._common import Alert, Evidence, Param, Rule, _confidence, _ms, _ratio, _severity
 
 PROXY = "a proxy or load balancer that buffers the stream"
 HOLDBACK = (
@@ -88,5 +88,11 @@ RULE = Rule(
         "client_ttft_p50",
         "server_ttft_p50_with_client",
         "server_first_text_p50_with_client",
+    ),
+    # only with a client-side TTFT histogram (tokenmill export --client-ttft-metric)
+    alert=Alert(
+        name="TokenmillClientServerTTFTGap",
+        expr="$client_ttft_p50 / $ttft_p50 >= $ratio",
+        value="client TTFT p50 / server TTFT p50",
     ),
 )

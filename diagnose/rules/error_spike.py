@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..signals import Signals, Window
-from ._common import _BASE, Evidence, Param, Rule, _confidence, _ratio, _when, _worst
+from ._common import _BASE, Alert, Evidence, Param, Rule, _confidence, _ratio, _when, _worst
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -69,4 +69,18 @@ RULE = Rule(
     },
     detect=detect,
     evidence_signals=("error_rate", "throughput_tok_s"),
+    alert=Alert(
+        name="TokenmillErrorSpike",
+        expr=(
+            "(\n"
+            "  ($error_ratio >= clamp_min($rise * $error_ratio_base, $min_rate))\n"
+            "  or ($error_ratio >= $absolute_rate)\n"
+            ")\n"
+            "and (sum by ($by) (increase(tokenmill_request_errors_total[$window])) >= $min_errors)\n"
+            "unless ($tokens_per_s / $tokens_per_s_base < $throughput_normal)"
+        ),
+        value="share of requests ending in an error",
+        unit="%",
+        severity="critical",
+    ),
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tokenmill.telemetry.schema import IDLE_KV_LEAK_SHARE
 
 from ..signals import Signals
-from ._common import Evidence, Param, Rule, _confidence, _when
+from ._common import Alert, Evidence, Param, Rule, _confidence, _when
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -46,4 +46,15 @@ RULE = Rule(
     detect=detect,
     explains=("oom_low_average_memory",),
     evidence_signals=("idle_kv_usage_max", "running_mean"),
+    alert=Alert(
+        name="TokenmillKVBlockLeak",
+        expr=(
+            "(max by ($by) (tokenmill_kv_cache_usage_perc) >= $idle_usage)\n"
+            "and (sum by ($by) (tokenmill_num_requests_running)"
+            " + sum by ($by) (tokenmill_num_requests_waiting) == 0)"
+        ),
+        value="KV-cache usage with nothing running or waiting",
+        unit="%",
+        for_="5m",
+    ),
 )

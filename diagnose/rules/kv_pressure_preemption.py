@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..signals import Signals, Window
 from ._common import (
     _BASE,
+    Alert,
     Evidence,
     Param,
     Rule,
@@ -78,4 +79,16 @@ RULE = Rule(
     detect=detect,
     explains=("midstream_stall", "ttft_queueing", "overload"),
     evidence_signals=("kv_usage_max", "preemptions", "ttft_p99"),
+    alert=Alert(
+        name="TokenmillKVPressurePreemption",
+        expr=(
+            "(max by ($by) (max_over_time(tokenmill_kv_cache_usage_perc[$window])) >= $kv_full)\n"
+            "and (sum by ($by) (increase(tokenmill_num_preemptions_total[$window]))"
+            " >= $min_preemptions)\n"
+            "and ($ttft_p99 / $ttft_p99_base >= $degrade)\n"
+            "and ($tpot_p99 / $tpot_p99_base >= $degrade)"
+        ),
+        value="peak KV-cache usage",
+        unit="%",
+    ),
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 from ..signals import Signals
-from ._common import Evidence, Param, Rule, _clock, _confidence, _ms, _severity
+from ._common import Alert, Evidence, Param, Rule, _clock, _confidence, _ms, _severity
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -78,4 +78,26 @@ RULE = Rule(
     detect=detect,
     explains=("ttft_queueing",),
     evidence_signals=("arrival_rate", "completion_rate", "waiting_mean"),
+    # arrivals over the run = finished requests + growth of the requests in flight; the
+    # queue's and TTFT p50's first window is the one $run_offset back
+    alert=Alert(
+        name="TokenmillOverload",
+        expr=(
+            "(\n"
+            "  (sum by ($by) (increase(tokenmill_requests_total[$run]))\n"
+            "    + sum by ($by) (tokenmill_requests_in_flight"
+            " - tokenmill_requests_in_flight offset $run))\n"
+            "  / clamp_min(sum by ($by) (increase(tokenmill_requests_total[$run])), 1)\n"
+            "  >= $arrival_excess\n"
+            ")\n"
+            "and (\n"
+            "  sum by ($by) (avg_over_time(tokenmill_num_requests_waiting[$window]))\n"
+            "  - sum by ($by) (avg_over_time(tokenmill_num_requests_waiting[$window]"
+            " offset $run_offset))\n"
+            "  >= $min_queue_growth\n"
+            ")\n"
+            "and ($ttft_p50 / ($ttft_p50 offset $run_offset) >= $ttft_trend)"
+        ),
+        value="arrivals / completions",
+    ),
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..signals import Signals, Window
 from ._common import (
     _BASE,
+    Alert,
     Evidence,
     Param,
     Rule,
@@ -81,4 +82,13 @@ RULE = Rule(
     },
     detect=detect,
     evidence_signals=("ttft_p99", "prefill_p99", "prefix_hit_rate"),
+    alert=Alert(
+        name="TokenmillTTFTPrefillBound",
+        expr=(
+            "($ttft_p99 / $ttft_p99_base >= $ttft_rise)\n"
+            "and ($prefill_share_of_ttft >= $prefill_share)\n"
+            "and ($prefill_p99 / $prefill_p99_base >= $prefill_rise)"
+        ),
+        value="TTFT p99 over its baseline",
+    ),
 )

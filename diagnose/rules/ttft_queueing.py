@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..signals import Signals, Window
 from ._common import (
     _BASE,
+    Alert,
     Evidence,
     Param,
     Rule,
@@ -80,4 +81,13 @@ RULE = Rule(
     },
     detect=detect,
     evidence_signals=("ttft_p99", "queue_p99", "waiting_mean"),
+    alert=Alert(
+        name="TokenmillTTFTQueueing",
+        expr=(
+            "($ttft_p99 / $ttft_p99_base >= $ttft_rise)\n"
+            "and ($queue_share_of_ttft >= $queue_share)\n"
+            "unless ($itl_p99 / $itl_p99_base > $itl_flat)"
+        ),
+        value="TTFT p99 over its baseline",
+    ),
 )
