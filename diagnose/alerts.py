@@ -19,7 +19,9 @@ Prometheus rule file of two groups:
   that is slow throughout has).
 - ``tokenmill-alerts``: one alert per exported rule, labelled ``rule_id`` and ``severity``, with
   the rule's title, symptom, thresholds and knob and a ``runbook_url`` to
-  ``runbooks/<rule_id>.md`` (prefixed with ``--runbook-base-url``).
+  ``runbooks/<rule_id>.md`` (prefixed with ``--runbook-base-url``). The severity is the
+  ``Alert``'s: ``critical`` where requests fail, ``warning`` where they are slow (the
+  diagnoser's report grades each finding's severity from its margin itself).
 
 Rules without an ``Alert`` read rows only the trace store has (prompt lengths per request,
 the make-up and host time of each step, block hashes, throttle reasons, the engine's

@@ -81,6 +81,6 @@ RULE = Rule(
         ),
         value="share of requests ending in an error",
         unit="%",
-        severity="critical",
+        severity="critical",  # requests fail here; the other alerts' requests are slow
     ),
 )
