@@ -18,11 +18,15 @@ Scenarios are data: one YAML file per scenario in ``bench/scenarios/``::
     #   - {start_s: 0, args: [...]}
     #   - {start_s: 5, args: [...]}
     # "{scenarios}" in an argument is this folder (for datasets shipped next to the YAML)
+    host_load:                       # noisy-neighbour drills (bench/cpu_hog.py), from the first step
+      - {start_s: 20, duration_s: 20, procs: 2}                        # a CPU hog mid-run
+      - {start_s: 0, duration_s: 60, procs: 2, every_s: 4, busy_s: 0.5}  # a periodic job
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -59,6 +63,8 @@ class Scenario:
     idle_s: float = 0.0
     case: str = ""
     description: str = ""
+    # CPU hogs outside the server: {start_s, duration_s, procs[, every_s, busy_s]}
+    host_load: list[dict] = field(default_factory=list)
 
 
 def _files() -> dict[str, Path]:
@@ -102,9 +108,71 @@ def load(name: str) -> Scenario:
             idle_s=float(data.get("idle_s", 0)),
             case=str(data.get("case", "")),
             description=str(data.get("description", "")).strip(),
+            host_load=[_host_load(h) for h in data.get("host_load") or []],
         )
     except (KeyError, TypeError, ValueError, yaml.YAMLError) as exc:
         raise ScenarioError(f"scenario file {files[name]} is malformed: {exc}") from None
+
+
+def _host_load(h: dict) -> dict:
+    """One ``host_load`` entry, checked (KeyError/TypeError/ValueError name what is wrong)."""
+    extra = set(h) - {"start_s", "duration_s", "procs", "every_s", "busy_s"}
+    if extra:
+        raise ValueError(f"host_load: unknown key(s) {', '.join(sorted(extra))}")
+    out = {
+        "start_s": float(h.get("start_s", 0)),
+        "duration_s": float(h["duration_s"]),
+        "procs": int(h.get("procs", 1)),
+        "every_s": None if h.get("every_s") is None else float(h["every_s"]),
+        "busy_s": None if h.get("busy_s") is None else float(h["busy_s"]),
+    }
+    if out["duration_s"] <= 0 or out["procs"] < 1 or out["start_s"] < 0:
+        raise ValueError("host_load: duration_s > 0, procs >= 1 and start_s >= 0 are needed")
+    if out["every_s"] is not None and not (out["busy_s"] and 0 < out["busy_s"] <= out["every_s"]):
+        raise ValueError("host_load: a periodic load needs 0 < busy_s <= every_s")
+    return out
+
+
+class _HostLoad:
+    """The scenario's CPU hogs (``python -m tokenmill.bench.cpu_hog``), each started at its
+    ``start_s`` after :meth:`start` in its own session (not the server's process tree), all
+    killed by :meth:`stop`."""
+
+    def __init__(self, loads: list[dict], out: Path, log):
+        self.loads, self.out, self.log = loads, out, log
+        self.procs: list[subprocess.Popen] = []
+        self.timers: list[threading.Timer] = []
+        self.lock = threading.Lock()
+        self.stopped = False
+
+    def _launch(self, i: int, h: dict) -> None:
+        cmd = [sys.executable, "-m", "tokenmill.bench.cpu_hog", "--procs", str(h["procs"])]
+        cmd += ["--duration", f"{h['duration_s']:g}"]
+        if h["every_s"] is not None:
+            cmd += ["--every", f"{h['every_s']:g}", "--busy", f"{h['busy_s']:g}"]
+        with self.lock:
+            if self.stopped:
+                return
+            self.log(f"host load {i + 1}: {' '.join(cmd[3:])}")
+            self.procs.append(subprocess.Popen(cmd, start_new_session=True))
+
+    def start(self) -> None:
+        for i, h in enumerate(self.loads):
+            t = threading.Timer(h["start_s"], self._launch, (i, h))
+            t.daemon = True
+            self.timers.append(t)
+            t.start()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+        for t in self.timers:
+            t.cancel()
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def _free_port() -> int:
@@ -246,7 +314,12 @@ def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
         if sc.proxy:
             proxy = _ProxyThread(port)
             target = f"http://127.0.0.1:{proxy.proxy.port}"
-        results = _run_steps(sc, target, out, log)
+        host_load = _HostLoad(sc.host_load, out, lambda m: log(f"[{name}] {m}"))
+        host_load.start()
+        try:
+            results = _run_steps(sc, target, out, log)
+        finally:
+            host_load.stop()
         if sc.idle_s:
             log(f"[{name}] idle for {sc.idle_s:g} s")
             time.sleep(sc.idle_s)

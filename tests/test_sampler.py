@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -168,6 +169,12 @@ class FakeNVML:
 
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
         return self.throttle_reasons[self._check("nvmlDeviceGetCurrentClocksThrottleReasons", h)]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        # device 0: this process (the server) and one stranger; device 1: nothing
+        i = self._check("nvmlDeviceGetComputeRunningProcesses", h)
+        procs = [os.getpid(), 2**31 - 3] if i == 0 else []
+        return [types.SimpleNamespace(pid=pid, usedGpuMemory=1 << 30) for pid in procs]
 
     def nvmlDeviceGetPcieThroughput(self, h, counter):
         i = self._check("nvmlDeviceGetPcieThroughput", h)
@@ -372,6 +379,8 @@ def test_nvml_rows_from_fake_two_devices():
     assert d1["clock_event_reasons"] == ["gpu_idle"]  # via the throttle-reasons fallback
     assert (d0["pcie_rx_bytes_s"], d0["pcie_tx_bytes_s"]) == (2000 * 1024.0, 500 * 1024.0)
     assert (d1["pcie_rx_bytes_s"], d1["pcie_tx_bytes_s"]) == (10 * 1024.0, 0.0)
+    # processes on the device that are not this server's (graphics list absent in the fake)
+    assert (d0["other_processes"], d1["other_processes"]) == (1, 0)
     # GPM: nothing on the first tick (one sample), the value from two consecutive samples
     # afterwards; never on the device without GPM
     assert first[0]["dram_bw_util_pct"] is None and first[1]["dram_bw_util_pct"] is None
@@ -550,3 +559,36 @@ def test_sampler_thread_is_a_daemon():
         assert threads and all(t.daemon for t in threads)
     finally:
         sampler.stop()
+
+
+def _host_samples(sampler: DeviceSampler, seconds: float) -> list[dict]:
+    rows = []
+    sampler.sample_once()  # the reference point of the CPU counters
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.5)
+        rows += sampler.sample_once()
+    return rows
+
+
+def test_cpu_used_outside_the_server_is_the_neighbours():
+    """A spinning process outside the server's tree shows in ``cpu_others_pct``; the same spin
+    inside the tree (a child, like the engine core) does not."""
+    hog = [sys.executable, "-m", "tokenmill.bench.cpu_hog", "--procs", "1", "--duration", "3"]
+    sampler = DeviceSampler(lambda r: None, use_nvml=False)
+    # a grandchild whose parent exits at once: reparented, no longer in this process's tree
+    subprocess.run(["sh", "-c", " ".join(hog) + " >/dev/null 2>&1 &"], check=True)
+    outside = _host_samples(sampler, 2.0)
+    child = subprocess.Popen(hog)
+    try:
+        inside = _host_samples(sampler, 2.0)
+    finally:
+        child.kill()
+        child.wait()
+    assert all(r["run_queue"] is None or r["run_queue"] >= 1 for r in outside + inside)
+    share = 100 / (psutil.cpu_count() or 1)  # one spinning process, % of all CPUs
+    others_out = max(r["cpu_others_pct"] for r in outside)
+    assert others_out >= 0.3 * share, outside
+    # inside the tree the spin is the server's own: cpu_pct sees it, cpu_others_pct does not
+    own_in = max(r["cpu_pct"] - r["cpu_others_pct"] for r in inside)
+    assert own_in >= 0.3 * share, inside

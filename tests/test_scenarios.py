@@ -5,6 +5,7 @@ rule as its top finding (healthy: nothing)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,29 @@ def test_scenario_files_are_well_formed():
         assert set(sc.expect) | set(sc.absent) <= set(RULES_BY_ID), sc.name
         assert not (sc.expect and sc.absent), sc.name
     assert load("quantization_decode_heavy").absent == ["quantization_no_gain"]
+
+
+def test_host_load_drills_are_parsed_and_checked():
+    from tokenmill.bench.scenario import _host_load
+
+    hc = load("host_contention").host_load
+    assert hc == [
+        {"start_s": 20.0, "duration_s": 20.0, "procs": 2, "every_s": None, "busy_s": None}
+    ]
+    periodic = load("periodic_itl_spikes").host_load[0]
+    assert (periodic["every_s"], periodic["busy_s"]) == (4.0, 0.3)
+    assert load("healthy").host_load == []
+    for bad, needle in (
+        ({"duration_s": 0}, "duration_s > 0"),
+        ({"duration_s": 5, "procs": 0}, "procs >= 1"),
+        ({"duration_s": 5, "every_s": 2}, "0 < busy_s <= every_s"),
+        ({"duration_s": 5, "every_s": 2, "busy_s": 3}, "0 < busy_s <= every_s"),
+        ({"duration_s": 5, "cores": 2}, "unknown key(s) cores"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            _host_load(bad)
+    with pytest.raises(KeyError):
+        _host_load({"start_s": 1})
 
 
 def test_scenario_list_is_one_line_per_scenario():
