@@ -21,13 +21,14 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def dashboard(
     source: Annotated[
-        str,
+        list[str] | None,
         typer.Option(
             metavar="PATH|URL",
             help="A trace dump or closed store file, or a running server's URL (then a fresh "
-            "dump is fetched every --refresh s with the admin key).",
+            "dump is fetched every --refresh s with the admin key). Repeat it, or give a "
+            "folder of dumps, for a fleet (one dump per replica; the sidebar picks one or all).",
         ),
-    ] = "./tokenmill-data/traces.duckdb",
+    ] = None,
     host: Annotated[str, typer.Option(help="Address the console listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8501,
     refresh: Annotated[
@@ -43,10 +44,15 @@ def dashboard(
     import socket
     import subprocess
 
+    from .fleet_source import check_fleet
     from .source import ENV_API_KEY, ENV_REFRESH, ENV_SOURCE, SourceError, check_source
 
+    sources = source or ["./tokenmill-data/traces.duckdb"]
     try:
-        spec = check_source(source)
+        if len(sources) > 1 or Path(sources[0]).is_dir():  # a fleet (or a Parquet dump)
+            spec = check_fleet(sources)
+        else:
+            spec = check_source(sources[0])
     except SourceError as exc:
         fail(str(exc))
     try:
@@ -68,7 +74,7 @@ def dashboard(
            "--client.toolbarMode", "minimal"]  # fmt: skip
     shown = f"[{host}]" if ":" in host else host
     out.print(
-        f"tokenmill console: http://{shown}:{port}  (source: {spec})",
+        f"tokenmill console: http://{shown}:{port}  (source: {spec.replace(chr(10), ', ')})",
         highlight=False,
         markup=False,
         soft_wrap=True,

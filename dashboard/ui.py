@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import streamlit as st
 
 from . import data
+from .fleet_source import ALL, FleetHandle, FleetSnapshot, is_fleet
 from .source import Snapshot, SourceError, StoreHandle, from_env
 
 NS = data.NS
@@ -45,6 +46,8 @@ class Ctx:
     bucket_s: float
     slo: data.Slo
     live: bool = False
+    # a fleet with "all" picked: (name, dump path, connection, snapshot key) per source
+    sources: list[tuple[str, str, object, str]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -56,7 +59,9 @@ class Ctx:
 
 
 @st.cache_resource(show_spinner=False)
-def _handle(spec: str, api_key: str | None, refresh_s: float) -> StoreHandle:
+def _handle(spec: str, api_key: str | None, refresh_s: float) -> StoreHandle | FleetHandle:
+    if is_fleet(spec):
+        return FleetHandle(spec)
     return StoreHandle(spec, api_key=api_key, refresh_s=refresh_s)
 
 
@@ -98,20 +103,94 @@ def sidebar() -> Ctx | None:
             handle = _handle(spec, api_key, refresh_s)
             if handle.live and st.button("Refresh now", key="tm_refresh"):
                 snap = handle.snapshot(force=True)
+            elif isinstance(handle, FleetHandle):
+                snap = _fleet_pick(handle)
             else:
                 snap = handle.snapshot()
         except SourceError as exc:
             st.error(f"Cannot read the source: {exc}")
             return None
         _source_caption(snap, handle)
-        con = snap.con.cursor()
+        con = snap.cursor() if isinstance(snap, FleetSnapshot) else snap.con.cursor()
         ctx = _window(con, snap)
         ctx.live = handle.live
+        if isinstance(snap, FleetSnapshot) and snap.schema is None:
+            ctx.sources = _fleet_sources(handle)
         if handle.live:
             _poll(handle, snap.key, refresh_s)
     st.session_state["tm_since_ns"] = ctx.since_ns
     st.session_state["tm_until_ns"] = ctx.until_ns
     return ctx
+
+
+def _fleet_pick(handle: FleetHandle) -> FleetSnapshot:
+    """The sidebar's source selector of a fleet: one replica, or all (``tm_source``)."""
+    names = [m.name for m in handle.members]
+    choice = st.selectbox(
+        "Source",
+        [ALL, *names],
+        format_func=lambda n: f"All {len(names)} sources" if n == ALL else n,
+        key="tm_source",
+        help="One replica's dump, or the union of all (tables gain a `source` column; the "
+        "Diagnosis page diagnoses each source on its own).",
+    )
+    return handle.snapshot(choice)
+
+
+def _fleet_sources(handle: FleetHandle) -> list[tuple[str, str, object, str]]:
+    out = []
+    for m in handle.members:
+        snap = handle.snapshot(m.name)
+        out.append((m.name, m.path, snap.cursor(), snap.key))
+    return out
+
+
+def for_source(ctx: Ctx, name: str) -> Ctx:
+    """The context of one source of a fleet ("all" picked); ``ctx`` itself otherwise."""
+    for n, _, con, key in ctx.sources:
+        if n == name:
+            return replace(ctx, con=con, key=key, sources=[])
+    return ctx
+
+
+def fleet_diagnosis(ctx: Ctx, since_ns: int, until_ns: int, window_s: float):
+    """``data.diagnosis`` of each source of a fleet on its own, merged
+    (:func:`tokenmill.diagnose.fleet.merge`: findings name their source); None when no source
+    had requests in the window. A single source: ``data.diagnosis`` as it is."""
+    if not ctx.sources:
+        return q(ctx, "diagnosis", since_ns, until_ns, window_s)
+    from tokenmill.diagnose.fleet import merge
+
+    named = []
+    for name, path, _, _ in ctx.sources:
+        report = q(for_source(ctx, name), "diagnosis", since_ns, until_ns, window_s)
+        if report is not None:
+            named.append((name, path, report))
+    return merge(named) if named else None
+
+
+def where(report, f) -> str:
+    """``" on SOURCE"`` for a finding of a fleet's report (two or more sources), else ``""``."""
+    if len(report.sources) < 2 or not f.source:
+        return ""
+    wide = " (fleet-wide)" if f.rule_id in report.fleet_wide else ""
+    return f" on {f.source}{wide}"
+
+
+def fleet_table(report) -> pd.DataFrame:
+    """One row per source of a fleet's report: its name, status, rules fired, requests."""
+    return pd.DataFrame(
+        [
+            {
+                "source": s["name"],
+                "status": s["status"].replace("_", " "),
+                "rules fired": ", ".join(s["rules_fired"]) or "—",
+                "requests": s["summary"].get("requests"),
+                "dump": s["dump"],
+            }
+            for s in report.sources
+        ]
+    )
 
 
 def _source_caption(snap: Snapshot, handle: StoreHandle) -> None:

@@ -24,7 +24,7 @@ if ctx is not None:
         help="Length of the windows the rules compare (tokenmill diagnose --window).",
     )
     st.session_state["tm_diag_s"] = float(window_s)
-    report = ui.q(ctx, "diagnosis", since, until, float(window_s))
+    report = ui.fleet_diagnosis(ctx, since, until, float(window_s))
     if report is None:
         st.info("No data: no requests arrived in this window, so there is nothing to diagnose.")
     else:
@@ -37,11 +37,20 @@ if ctx is not None:
         c[4].metric("ITL p99", ui.fmt_ms(s.get("itl_p99_ms")))
         for rule_id, msg in report.rule_errors.items():
             st.error(f"Rule {rule_id} failed: {msg}")
+        if len(report.sources) > 1:  # a fleet: each source diagnosed on its own
+            st.dataframe(ui.fleet_table(report), hide_index=True, key="dg_sources")
         if not report.findings:
             st.success("No problems found in this window.")
         windows = ui.q(ctx, "signal_windows", since, until, float(window_s))
         for i, f in enumerate(report.findings):
-            head = f"{i + 1}. {f.rule_id} — {f.title} ({f.severity}, confidence {f.confidence:.0%})"
+            head = (
+                f"{i + 1}. {f.rule_id}{ui.where(report, f)} — {f.title} "
+                f"({f.severity}, confidence {f.confidence:.0%})"
+            )
+            if ctx.sources:  # the evidence of a fleet's finding: its own source's windows
+                windows = ui.q(
+                    ui.for_source(ctx, f.source), "signal_windows", since, until, float(window_s)
+                )
             with st.expander(head, expanded=i == 0):
                 (st.error if f.severity == "critical" else st.warning)(f.summary)
                 if f.explained_by:
@@ -58,7 +67,7 @@ if ctx is not None:
                 series = data.evidence_signals(f.rule_id, windows)
                 if series:
                     fig = charts.evidence(windows, series, f.window_start_ns, f.window_end_ns)
-                    ui.chart(fig, key=f"evidence_{f.rule_id}")
+                    ui.chart(fig, key=f"evidence_{f.rule_id}" + (f"_{i}" if ctx.sources else ""))
                 else:
                     st.info("No data: no per-window signal to chart for this rule.")
                 st.markdown("**Likely causes**\n" + "\n".join(f"1. {c}" for c in f.causes))
@@ -70,7 +79,7 @@ if ctx is not None:
                 else:
                     st.info(f"No runbook shipped for {f.rule_id}.")
         for note in report.notes:
-            st.info(f"Hint ({note.rule_id}): {note.summary}")
+            st.info(f"Hint ({note.rule_id}{ui.where(report, note)}): {note.summary}")
             st.caption(
                 f"Knob: {note.knob} · Evidence: "
                 + ", ".join(f"{k} = {v}" for k, v in note.evidence.items())
