@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import duckdb
 
 from .rules import RULES, Rule
+from .rules._common import NEEDS_BASELINE, baseline_need
 from .signals import Signals, load
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,12 @@ class Report:
     # and the rules that fired on every one of two or more
     sources: list[dict] = field(default_factory=list)
     fleet_wide: list[str] = field(default_factory=list)
+    # whether the dump had healthy windows to compare with (see signals.py), and the rules
+    # that need them and so were not judged: {"available", "reason", "healthy_windows",
+    # "busy_windows", "not_judged"}
+    healthy_baseline: dict = field(default_factory=lambda: {"available": True})
+    # warm-up set apart from the windows: {"requests": n, "intervals": [[start_ns, end_ns]]}
+    warmup: dict = field(default_factory=lambda: {"requests": 0, "intervals": []})
 
     def to_json(self) -> dict:
         return {
@@ -112,6 +119,8 @@ class Report:
             "notes": [n.to_json() for n in self.notes],
             "sources": self.sources,
             "fleet_wide": self.fleet_wide,
+            "healthy_baseline": self.healthy_baseline,
+            "warmup": self.warmup,
         }
 
 
@@ -213,7 +222,13 @@ def diagnose(
     """
     sig = load(con, since_ns=since_ns, until_ns=until_ns, window_s=window_s)
     findings, errors = [], {}
+    # without healthy windows, rules whose thresholds are ratios to them are not judged
+    not_judged = (
+        [] if sig.healthy_baseline else [r.id for r in rules if baseline_need(r) == NEEDS_BASELINE]
+    )
     for rule in rules:
+        if rule.id in not_judged:
+            continue
         try:
             f = evaluate(rule, sig)
         except Exception as exc:  # one broken rule must not hide the others
@@ -225,7 +240,7 @@ def diagnose(
     fired = {f.rule_id for f in findings}
     notes = []
     for rule in rules:  # a rule's hint only where the rule itself did not fire
-        if rule.hint is None or rule.id in fired or rule.id in errors:
+        if rule.hint is None or rule.id in fired or rule.id in errors or rule.id in not_judged:
             continue
         try:
             note = hint_note(rule, sig)
@@ -245,4 +260,13 @@ def diagnose(
             f.rule_id,
         )
     )
-    return Report(findings, sig.start_ns, sig.end_ns, window_s, _summary(sig), errors, notes)
+    report = Report(findings, sig.start_ns, sig.end_ns, window_s, _summary(sig), errors, notes)
+    report.healthy_baseline = {
+        "available": sig.healthy_baseline,
+        "reason": sig.healthy_baseline_reason or None,
+        "healthy_windows": sig.healthy_windows,
+        "busy_windows": sig.busy_windows,
+        "not_judged": not_judged,
+    }
+    report.warmup = sig.warmup
+    return report

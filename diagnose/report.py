@@ -75,6 +75,34 @@ def to_json(report: Report) -> str:
     return json.dumps(report.to_json(), indent=2, default=str)
 
 
+def baseline_lines(report: Report) -> list[str]:
+    """What the windows were compared with: no healthy baseline (why, and the rules not
+    judged), the warm-up requests set apart; empty when neither applies."""
+    lines = []
+    base = report.healthy_baseline or {}
+    if base.get("available") is False:
+        skipped = ", ".join(base.get("not_judged") or []) or "none"
+        lines.append(
+            f"No healthy baseline in this dump: {base.get('reason')}. Rules that compare with "
+            f"the healthiest windows were not judged ({skipped}); findings stand on absolute "
+            "evidence."
+        )
+    warm = report.warmup or {}
+    if warm.get("requests"):
+        lines.append(
+            f"Warm-up set apart: {warm['requests']} requests that arrived after a server start "
+            "or engine restart before the first one completed (left out of the windows, kept "
+            "in the key numbers)."
+        )
+    return lines
+
+
+def _nothing_found(report: Report) -> str:
+    if (report.healthy_baseline or {}).get("available") is False:
+        return "No problems found among the rules that could be judged."
+    return "No problems found."
+
+
 def to_markdown(report: Report) -> str:
     lines = [
         "# tokenmill diagnosis",
@@ -85,8 +113,9 @@ def to_markdown(report: Report) -> str:
     if _fleet(report):
         lines += [f"Fleet of {len(report.sources)} sources (each diagnosed on its own):", ""]
         lines += [f"- {line}" for line in _fleet_lines(report)] + [""]
+    lines += [line for b in baseline_lines(report) for line in (b, "")]
     if not report.findings:
-        lines += ["**No problems found.**", ""]
+        lines += [f"**{_nothing_found(report)}**", ""]
     for i, f in enumerate(report.findings, 1):
         lines += [
             f"## {i}. `{f.rule_id}`{_where(report, f)} — {f.title} "
@@ -134,8 +163,10 @@ def print_text(report: Report, console: Console) -> None:
         console.print(f"fleet of {len(report.sources)} sources (each diagnosed on its own):")
         for line in _fleet_lines(report):
             console.print("  " + escape(line), highlight=False)
+    for line in baseline_lines(report):
+        console.print("[yellow]" + escape(line) + "[/]")
     if not report.findings:
-        console.print("[bold green]No problems found.[/]")
+        console.print(f"[bold green]{_nothing_found(report)}[/]")
     for i, f in enumerate(report.findings, 1):
         color = "red" if f.severity == "critical" else "yellow"
         body = [

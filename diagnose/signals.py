@@ -13,6 +13,23 @@ Baselines are the dump's own healthiest windows: for each latency signal, the 25
 of its per-window values over windows with traffic. Rules compare a window to that baseline as
 a ratio, so thresholds hold across machine speeds (a 2-core CPU and an H200 differ 100x in ms,
 not in ratios).
+
+A healthy baseline needs healthy windows: a dump cut to start inside an incident has none, and
+then every ratio compares trouble with trouble. A busy window is *healthy* when it shows none of
+the absolute trouble markers (a preemption, an allocation failure, errors in at least
+``HEALTHY_MAX_ERROR_RATE`` of the requests ending in it, queue time at least
+``HEALTHY_MAX_QUEUE_SHARE`` of TTFT); the baseline is usable (``Signals.healthy_baseline``) when
+at least a quarter of the busy windows (``BASELINE_QUANTILE``, and at least one) are healthy, so
+that the 25th percentile can come from them. Otherwise ``healthy_baseline_reason`` says why, and
+rules that need the baseline are not judged (``Rule.healthy_baseline``).
+
+Warm-up is set apart (seed 000, benchmark hygiene: a test states its warm-up, steady state,
+overload and recovery, and does not read its warm-up as a symptom): after each ``server_start``
+or ``engine_restart`` event, the requests that arrive before the first ``WARMUP_COMPLETIONS``
+of them complete (at most ``WARMUP_MAX_S`` after the first arrival) met cold caches, first
+allocations and any kernel compilation. They, and the engine steps that start meanwhile, are
+left out of the per-window signals (so of the baseline and of every symptom window); the
+overall signals keep them. ``Signals.warmup`` counts them.
 """
 
 from __future__ import annotations
@@ -73,6 +90,13 @@ class Signals:
     con: duckdb.DuckDBPyConnection
     since_ns: int
     until_ns: int
+    # whether the dump's healthiest windows are healthy enough to be a baseline, and why not
+    healthy_baseline: bool = True
+    healthy_baseline_reason: str = ""
+    healthy_windows: int = 0
+    busy_windows: int = 0
+    # warm-up set apart: {"requests": n, "intervals": [[start_ns, end_ns], ...]}
+    warmup: dict = field(default_factory=lambda: {"requests": 0, "intervals": []})
 
     def busy(self, min_arrivals: int = 1) -> list[Window]:
         """Windows with at least ``min_arrivals`` arrivals or completions."""
@@ -168,6 +192,7 @@ SELECT (start_ns - $t0) // $w AS win,
     min(kv_blocks_free) AS kv_free_min,
     max(kv_blocks_total) AS kv_blocks_total,
     sum(allocation_failures) AS allocation_failures,
+    count(*) FILTER (WHERE allocation_failures > 0 AND {WORKING_STEP_SQL}) AS allocation_failure_steps,
     avg(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) FILTER (WHERE allocation_failures > 0) AS kv_usage_at_failures,
     sum(num_preempted) AS preemptions,
     avg(schedule_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS schedule_ms_mean,
@@ -275,6 +300,102 @@ BASELINE_KEYS = (
     "throughput_tok_s",
 )
 BASELINE_QUANTILE = 0.25  # "the healthiest windows": the best quarter of windows with traffic
+# a healthy window's ceilings: error_spike's min_rate (5%) and ttft_queueing's queue_share (half)
+HEALTHY_MAX_ERROR_RATE = 0.05
+HEALTHY_MAX_QUEUE_SHARE = 0.5
+# warm-up after a (re)start: arrivals before the first completion, at most 30 s after the first
+# arrival (one finished request has run the whole prefill + decode path once: every kernel
+# compiled, the first blocks allocated; a server that never completes anything is not warming up)
+WARMUP_EVENTS = ("server_start", "engine_restart")
+WARMUP_COMPLETIONS = 1
+WARMUP_MAX_S = 30.0
+
+
+def warmup_intervals(con, since_ns: int, until_ns: int) -> list[tuple[int, int]]:
+    """Arrival-time intervals ``[start_ns, end_ns)`` of warm-up within ``[since_ns, until_ns)``:
+    from each ``server_start``/``engine_restart`` event (at or before ``until_ns``; one before
+    ``since_ns`` counts when its warm-up reaches into the range) to the end of the
+    ``WARMUP_COMPLETIONS``-th completed request that arrived after it, capped at
+    ``WARMUP_MAX_S`` after its first arrival and at the next start event. Empty for a store
+    without start events (a dump cut after the start, a synthetic store)."""
+    starts = [
+        t
+        for (t,) in con.execute(
+            "SELECT time_ns FROM events WHERE kind IN ? AND time_ns < ? ORDER BY time_ns",
+            [list(WARMUP_EVENTS), until_ns],
+        ).fetchall()
+    ]
+    out = []
+    for i, start in enumerate(starts):
+        nxt = starts[i + 1] if i + 1 < len(starts) else until_ns
+        (first,) = con.execute(
+            "SELECT min(arrival_ns) FROM requests WHERE arrival_ns >= ? AND arrival_ns < ?",
+            [start, nxt],
+        ).fetchone()
+        if first is None:
+            continue
+        done = con.execute(
+            f"SELECT end_ns FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
+            f"AND {COMPLETED_SQL} ORDER BY end_ns LIMIT 1 OFFSET {WARMUP_COMPLETIONS - 1}",
+            [start, nxt],
+        ).fetchone()
+        end = min(first + int(WARMUP_MAX_S * NS), nxt)
+        if done is not None:
+            end = min(end, done[0] + 1)  # the K-th completion's own arrival is inside
+        lo, hi = max(start, since_ns), min(end, until_ns)
+        if hi > lo:
+            out.append((lo, hi))
+    return out
+
+
+def _outside(column: str, intervals: list[tuple[int, int]]) -> str:
+    """SQL: ``column`` lies in none of ``intervals`` (``TRUE`` when there are none)."""
+    if not intervals:
+        return "TRUE"
+    inside = " OR ".join(f"({column} >= {int(a)} AND {column} < {int(b)})" for a, b in intervals)
+    return f"NOT ({inside})"
+
+
+def _set_apart(sql: str, column: str, cond: str) -> str:
+    """``sql`` with ``cond`` added to its one ``WHERE <column> >= $since`` filter."""
+    marker = f"WHERE {column} >= $since"
+    if sql.count(marker) != 1:
+        raise ValueError(f"warm-up filter: expected one {marker!r} in the query")
+    return sql.replace(marker, f"WHERE {cond} AND {marker.removeprefix('WHERE ')}")
+
+
+def _judge_baseline(busy: list[Window]) -> tuple[bool, int, str]:
+    """Whether the healthiest windows can serve as a baseline: ``(usable, healthy windows,
+    reason it is not)``. A healthy window is busy and shows no preemption, no allocation
+    failure, errors below ``HEALTHY_MAX_ERROR_RATE`` and queue time below
+    ``HEALTHY_MAX_QUEUE_SHARE`` of TTFT; usable when at least ``BASELINE_QUANTILE`` of the busy
+    windows (and at least one) are healthy."""
+    markers = {
+        "preemptions": lambda w: (
+            (w.get("preemptions") or 0) > 0 or (w.get("preempted_requests_n") or 0) > 0
+        ),
+        "allocation failures": lambda w: (w.get("allocation_failures") or 0) > 0,
+        f"errors in ≥ {HEALTHY_MAX_ERROR_RATE:.0%} of requests": lambda w: (
+            (w.get("error_rate") or 0) >= HEALTHY_MAX_ERROR_RATE
+        ),
+        f"queue time ≥ {HEALTHY_MAX_QUEUE_SHARE:.0%} of TTFT": lambda w: (
+            (w.get("queue_share_of_ttft") or 0) >= HEALTHY_MAX_QUEUE_SHARE
+        ),
+    }
+    healthy = [w for w in busy if not any(m(w) for m in markers.values())]
+    need = max(1, math.ceil(BASELINE_QUANTILE * len(busy)))
+    if len(healthy) >= need:
+        return True, len(healthy), ""
+    if not busy:
+        return False, 0, "no window has a completed request to compare with"
+    seen = ", ".join(
+        f"{name} in {n}" for name, m in markers.items() if (n := sum(1 for w in busy if m(w)))
+    )
+    return (
+        False,
+        len(healthy),
+        f"{len(healthy)} of {len(busy)} busy windows healthy, {need} needed ({seen})",
+    )
 
 
 def _span(con, since_ns: int | None, until_ns: int | None) -> tuple[int, int]:
@@ -352,22 +473,35 @@ def load(
     # a store written before the roofline step fields lacks their columns: no roofline signals
     roofline = "flops" in {c.lower() for c in columns(con, "engine_steps")}
     roof_params = {**params, "ridge": peaks[2] if peaks else None}
+    # warm-up set apart from the per-window signals (requests by arrival, steps by start)
+    warm = warmup_intervals(con, since, until)
+    not_warm_req, not_warm_step = _outside("arrival_ns", warm), _outside("start_ns", warm)
+    (n_warm,) = con.execute(
+        f"SELECT count(*) FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
+        f"AND NOT ({not_warm_req})",
+        [since, until],
+    ).fetchone()
     req = _rows(
         con,
-        _REQ_WINDOW_SQL,
+        _set_apart(_REQ_WINDOW_SQL, "arrival_ns", not_warm_req),
         {**params, "short": short_prompt_tokens, "fast_ttft": (fast_ttft or 0) * 2},
     )
-    ends = _rows(con, _END_WINDOW_SQL, params)
-    steps = _rows(con, _STEP_WINDOW_SQL, params)
-    roof = _rows(con, _ROOFLINE_WINDOW_SQL, roof_params) if roofline else {}
+    ends = _rows(con, _set_apart(_END_WINDOW_SQL, "end_ns", not_warm_req), params)
+    steps = _rows(con, _set_apart(_STEP_WINDOW_SQL, "start_ns", not_warm_step), params)
+    roof = (
+        _rows(con, _set_apart(_ROOFLINE_WINDOW_SQL, "start_ns", not_warm_step), roof_params)
+        if roofline
+        else {}
+    )
     kinds = [k for (k,) in con.execute("SELECT DISTINCT kind FROM device_samples").fetchall()]
     device_kind = "gpu" if "gpu" in kinds else ("host" if "host" in kinds else None)
     dev = _rows(con, _DEVICE_WINDOW_SQL, {**params, "kind": device_kind or "none"})
-    same_work = _rows(con, _SAME_WORK_WINDOW_SQL, params)
+    same_work = _rows(con, _set_apart(_SAME_WORK_WINDOW_SQL, "start_ns", not_warm_step), params)
     errors_by_window: dict[int, dict[str, int]] = {}
     for win, etype, n in con.execute(
         "SELECT (end_ns - $t0) // $w, error_type, count(*) FROM requests "
-        "WHERE end_ns >= $since AND end_ns < $until AND error_type IS NOT NULL GROUP BY ALL",
+        f"WHERE {not_warm_req} AND end_ns >= $since AND end_ns < $until "
+        "AND error_type IS NOT NULL GROUP BY ALL",
         params,
     ).fetchall():
         errors_by_window.setdefault(int(win), {})[etype] = n
@@ -394,6 +528,7 @@ def load(
             baseline[key] = _quantile(vals, 1 - BASELINE_QUANTILE)
         else:
             baseline[key] = _quantile(vals, BASELINE_QUANTILE)
+    usable, n_healthy, why_not = _judge_baseline(busy)
     overall = _rows(
         con,
         _REQ_WINDOW_SQL.replace("(arrival_ns - $t0) // $w", "0"),
@@ -435,6 +570,11 @@ def load(
         con=con,
         since_ns=since,
         until_ns=until,
+        healthy_baseline=usable,
+        healthy_baseline_reason=why_not,
+        healthy_windows=n_healthy,
+        busy_windows=len(busy),
+        warmup={"requests": int(n_warm), "intervals": [list(iv) for iv in warm]},
     )
 
 

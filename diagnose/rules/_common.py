@@ -95,6 +95,12 @@ class Rule:
     # the rule as a Prometheus alert over /metrics; None where the metrics cannot express it
     # (it reads per-request or per-step rows only the trace store has)
     alert: Alert | None = None
+    # what the rule stands on when the dump has no healthy baseline (Signals.healthy_baseline):
+    # "needs" (its thresholds are ratios to the healthiest windows: not judged without them),
+    # "absolute" (never reads them: shares within a window, trends within the dump, absolute
+    # markers) or "either" (ratios when there is a baseline, its absolute evidence when not);
+    # None counts as "needs". runbooks/README.md lists each rule's.
+    healthy_baseline: str | None = None
 
     @property
     def runbook(self) -> str:
@@ -155,3 +161,12 @@ def _in_window(w: Window) -> tuple[str, list]:
 
 # the source most thresholds name: a ratio to the dump's healthy windows
 _BASE = "ratio to the dump's healthiest windows (its 25th-percentile window)"
+
+# Rule.healthy_baseline values
+NEEDS_BASELINE, ABSOLUTE, EITHER = "needs", "absolute", "either"
+BASELINE_NEEDS = (NEEDS_BASELINE, ABSOLUTE, EITHER)
+
+
+def baseline_need(rule: Rule) -> str:
+    """A rule's :attr:`Rule.healthy_baseline`, ``"needs"`` when it declares none."""
+    return rule.healthy_baseline or NEEDS_BASELINE

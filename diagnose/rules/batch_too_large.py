@@ -56,5 +56,6 @@ RULE = Rule(
         "throughput_drop": Param(0.15, "tokens/s below the peak"),
     },
     detect=detect,
+    healthy_baseline="absolute",
     evidence_signals=("throughput_tok_s", "batch_mean", "step_ms_p50"),
 )

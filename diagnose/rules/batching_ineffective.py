@@ -59,6 +59,7 @@ RULE = Rule(
         "queue_share": Param(0.5, "queue time is the larger part of TTFT"),
     },
     detect=detect,
+    healthy_baseline="absolute",
     explains=("ttft_queueing",),
     evidence_signals=("running_max", "waiting_mean", "kv_usage_max"),
 )

@@ -84,6 +84,7 @@ RULE = Rule(
         ),
     },
     detect=detect,
+    healthy_baseline="absolute",
     evidence_signals=(
         "client_ttft_p50",
         "server_ttft_p50_with_client",

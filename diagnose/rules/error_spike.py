@@ -5,16 +5,66 @@ from __future__ import annotations
 from ..signals import Signals, Window
 from ._common import _BASE, Alert, Evidence, Param, Rule, _confidence, _ratio, _when, _worst
 
+# requests.error_type codes of a refusal (HTTP 429) and the limit that refused
+# (engine/api/gateway.py, engine/api/stations.py)
+REFUSED_BY = {
+    "rate_limit_exceeded": "the tenant rate limit (requests_per_minute)",
+    "concurrency_limit_exceeded": "the tenant concurrency limit (max_concurrent)",
+    "queue_full": "the admission queue (--max-queue-len)",
+}
+ABORTED = ("client_disconnected",)
+NUMERICAL = ("nan_logits",)
+# the rule's causes, in RULE.causes order, each with the error types that point at it
+_CAUSE_TYPES = (
+    NUMERICAL,
+    ABORTED,
+    (*REFUSED_BY, "context_length_exceeded", "prompt_too_long"),
+)
+
+
+def _refusals(sig: Signals, w: Window) -> list[tuple[str, str, int]]:
+    """``(error_type, tenant, count)`` of the refusals that ended in the window, most first."""
+    return sig.con.execute(
+        "SELECT error_type, coalesce(tenant, '?'), count(*) FROM requests "
+        "WHERE end_ns >= ? AND end_ns < ? AND error_type IN ? GROUP BY ALL ORDER BY 3 DESC, 2",
+        [w.start_ns, w.end_ns, list(REFUSED_BY)],
+    ).fetchall()
+
+
+def _refusal_text(rows: list[tuple[str, str, int]]) -> str:
+    """Who was refused by which limit, e.g. ``refused by the admission queue
+    (--max-queue-len): 12 (tenant 'a' 10, tenant 'b' 2)``; several limits joined by ``;``."""
+    parts = []
+    for code, limit in REFUSED_BY.items():
+        mine = [(t, n) for c, t, n in rows if c == code]
+        if mine:
+            who = ", ".join(f"tenant {t!r} {n}" for t, n in mine[:5])
+            parts.append(f"refused by {limit}: {sum(n for _, n in mine)} ({who})")
+    return "; ".join(parts)
+
+
+def _causes(by_type: dict[str, int]) -> tuple[str, ...]:
+    """The rule's causes, the one whose error types the window holds most first."""
+    counts = [sum(by_type.get(t, 0) for t in types) for types in _CAUSE_TYPES]
+    order = sorted(range(len(RULE.causes)), key=lambda i: -counts[i])
+    return tuple(RULE.causes[i] for i in order)
+
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
-    base_rate = sig.baseline.get("error_rate") or 0.0
-    base_tp = sig.baseline.get("throughput_tok_s")
+    healthy = sig.healthy_baseline
+    # without healthy windows only the absolute rate counts, and "normal throughput" has
+    # nothing to be compared with
+    base_rate = (sig.baseline.get("error_rate") or 0.0) if healthy else None
+    base_tp = sig.baseline.get("throughput_tok_s") if healthy else None
+
+    def threshold() -> float:
+        if base_rate is None:
+            return p["absolute_rate"]
+        return min(max(p["min_rate"], p["rise"] * base_rate), p["absolute_rate"])
 
     def hit(w: Window) -> bool:
         rate = w.get("error_rate")
-        if rate is None:
-            return False
-        if rate < max(p["min_rate"], p["rise"] * base_rate) and rate < p["absolute_rate"]:
+        if rate is None or rate < threshold():
             return False
         if (w.get("errors") or 0) < p["min_errors"]:
             return False
@@ -26,24 +76,56 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         return None
     by_type = sig.errors_by_window.get(w.index, {})
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]))
+    refused = _refusals(sig, w)
+    tp = w.get("throughput_tok_s") or 0
+    if tp > 0:
+        throughput = f"while the engine still produced {tp:.0f} tok/s"
+        if base_tp:
+            throughput += f" ({tp / base_tp:.0%} of the healthiest windows')"
+    else:  # no token in the window: not normal throughput, whatever the errors are
+        throughput = "and the engine produced no tokens in that window"
+    # severity and confidence scale: the rise over the baseline, or the absolute rate
+    scale = p["absolute_rate"] if base_rate is None else max(p["min_rate"], p["rise"] * base_rate)
+    base_text = f"baseline {base_rate:.0%}" if base_rate is not None else "no healthy baseline"
+    refusal_text = _refusal_text(refused)
+    by_tenant: dict[str, dict[str, int]] = {}
+    for code, tenant, n in refused:
+        by_tenant.setdefault(code, {})[tenant] = n
+    causes = _causes(by_type)
+    knob = None
+    if refused and causes[0] == RULE.causes[2]:
+        top = max(REFUSED_BY, key=lambda c: sum(n for x, _, n in refused if x == c))
+        # the window names the limit: the cause says it instead of "rate limits, context length"
+        causes = (f"rejections by {REFUSED_BY[top]}", *causes[1:])
+        knob = (
+            "capacity (replicas, --max-num-seqs) or a longer --max-queue-len; clients honour "
+            "Retry-After"
+            if top == "queue_full"
+            else "the refused tenants' requests_per_minute / max_concurrent in the tenants "
+            "file, if their traffic is legitimate; else they are being throttled as intended"
+        )
     return Evidence(
-        f"{w.get('error_rate'):.0%} of requests ended in errors in {_when(w)} (baseline "
-        f"{base_rate:.0%}) while throughput stayed at {w.get('throughput_tok_s') or 0:.0f} tok/s: "
-        f"{kinds}",
+        f"{w.get('error_rate'):.0%} of requests ended in errors in {_when(w)} ({base_text}) "
+        f"{throughput}: {kinds}" + (f"; {refusal_text}" if refusal_text else ""),
         {
             "error_rate": w.get("error_rate"),
+            "errors": w.get("errors"),
+            "ended": w.get("ended"),
             "baseline_error_rate": base_rate,
             "errors_by_type": by_type,
-            "throughput_tok_s": w.get("throughput_tok_s"),
+            "refused_by_tenant": by_tenant,
+            "throughput_tok_s": w.get("throughput_tok_s") or 0.0,
             "baseline_throughput_tok_s": base_tp,
+            "completions": w.get("completions") or 0,
+            "healthy_baseline": healthy,
         },
         (w.start_ns, w.end_ns),
         "end_ns >= ? AND end_ns < ? AND error_type IS NOT NULL",
         [w.start_ns, w.end_ns],
-        "critical"
-        if w.get("error_rate") >= 2 * max(p["min_rate"], base_rate * p["rise"])
-        else "warning",
-        _confidence(w.get("error_rate") / max(p["min_rate"], p["rise"] * base_rate)),
+        "critical" if w.get("error_rate") >= 2 * scale or tp <= 0 else "warning",
+        _confidence(w.get("error_rate") / scale),
+        causes=causes,
+        knob=knob,
     )
 
 
@@ -68,6 +150,7 @@ RULE = Rule(
         "throughput_normal": Param(0.7, f"tokens/s {_BASE} still counted as normal"),
     },
     detect=detect,
+    healthy_baseline="either",
     evidence_signals=("error_rate", "throughput_tok_s"),
     alert=Alert(
         name="TokenmillErrorSpike",

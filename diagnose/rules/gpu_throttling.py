@@ -62,6 +62,7 @@ RULE = Rule(
         "itl_rise": Param(1.2, f"ITL p99 {_BASE}"),
     },
     detect=detect,
+    healthy_baseline="needs",
     explains=("host_bound_steps",),
     evidence_signals=("sm_clock_mean", "power_w_mean", "temperature_max"),
 )

@@ -81,6 +81,7 @@ RULE = Rule(
         "itl_flat": Param(2.0, f"running decodes' ITL p99 {_BASE} still flat"),
     },
     detect=detect,
+    healthy_baseline="needs",
     explains=("ttft_queueing", "ttft_prefill_bound"),
     evidence_signals=("short_ttft_p99", "input_max", "waiting_max"),
 )

@@ -22,7 +22,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
     def hit(w: Window) -> bool:
         share = w.get("host_share_of_step") or 0
-        slow = _ratio(w.get("step_ms_p50"), base_step) or 0
+        # the slowdown is a ratio to the healthy windows; without them only the GPU-idle path
+        slow = (_ratio(w.get("step_ms_p50"), base_step) or 0) if sig.healthy_baseline else 0
         gpu_idle = (
             sig.device_kind == "gpu" and (w.get("gpu_util_mean") or 100) < p["gpu_busy_below"]
         )
@@ -72,5 +73,6 @@ RULE = Rule(
         "gpu_busy_below": Param(50.0, "GPU utilization % counted as low"),
     },
     detect=detect,
+    healthy_baseline="either",
     evidence_signals=("host_share_of_step", "gpu_util_mean"),
 )

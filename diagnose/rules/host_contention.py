@@ -111,6 +111,7 @@ RULE = Rule(
         "steal_pct": Param(10.0, "CPU % the hypervisor gave to other guests"),
     },
     detect=detect,
+    healthy_baseline="absolute",
     explains=(
         "host_bound_steps",
         "periodic_itl_spikes",

@@ -46,5 +46,6 @@ RULE = Rule(
         "ratio": Param(1.5, "stream-side TPOT / engine TPOT; 1.0 when the output path keeps up")
     },
     detect=detect,
+    healthy_baseline="absolute",
     evidence_signals=("stream_vs_engine_tpot", "tpot_p50"),
 )

@@ -89,6 +89,7 @@ RULE = Rule(
         "itl_spike": Param(8.0, f"max ITL {_BASE} of ITL p50 (case C02: an order of magnitude)"),
     },
     detect=detect,
+    healthy_baseline="needs",
     explains=("periodic_itl_spikes",),
     evidence_signals=("itl_max", "mixed_step_ms_max", "prefill_tokens_max"),
 )

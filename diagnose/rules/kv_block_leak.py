@@ -44,6 +44,7 @@ RULE = Rule(
         )
     },
     detect=detect,
+    healthy_baseline="absolute",
     explains=("oom_low_average_memory",),
     evidence_signals=("idle_kv_usage_max", "running_mean"),
     alert=Alert(

@@ -19,7 +19,61 @@ from ._common import (
 )
 
 
+def _failing_share(w: Window) -> float:
+    """Share of the window's working steps in which a KV block allocation failed."""
+    steps = w.get("steps") or 0
+    return (w.get("allocation_failure_steps") or 0) / steps if steps else 0.0
+
+
+def _detect_absolute(sig: Signals, p: dict) -> Evidence | None:
+    """Without a healthy baseline: the pool's own absolute markers, which need no comparison
+    (allocation failures in most steps, the pool nearly full, requests preempted)."""
+
+    def hit(w: Window) -> bool:
+        return (
+            (w.get("preemptions") or 0) >= p["min_preemptions"]
+            and (w.get("kv_usage_max") or 0) >= p["absolute_kv_full"]
+            and _failing_share(w) >= p["absolute_failing_steps"]
+        )
+
+    w = _worst(sig, "preemptions", hit)
+    if w is None:
+        return None
+    share = _failing_share(w)
+    where, params = _in_window(w)
+    return Evidence(
+        f"KV cache at {(w.get('kv_usage_max') or 0):.0%} with {w.get('preemptions'):.0f} "
+        f"preemptions ({w.get('recomputed_tokens') or 0:.0f} tokens recomputed) in {_when(w)}; a "
+        f"block allocation failed in {w.get('allocation_failure_steps'):.0f} of "
+        f"{w.get('steps'):.0f} steps ({share:.0%}); TTFT p99 {_ms(w.get('ttft_p99'))}, TPOT p99 "
+        f"{_ms(w.get('tpot_p99'))} (no healthy baseline in this dump to compare them with)",
+        {
+            "kv_usage_max": w.get("kv_usage_max"),
+            "preemptions": w.get("preemptions"),
+            "preempted_requests": w.get("preempted_requests_n"),
+            "recomputed_tokens": w.get("recomputed_tokens"),
+            "allocation_failures": w.get("allocation_failures"),
+            "allocation_failure_steps": w.get("allocation_failure_steps"),
+            "steps": w.get("steps"),
+            "allocation_failure_step_share": share,
+            "ttft_p99_ms": w.get("ttft_p99"),
+            "tpot_p99_ms": w.get("tpot_p99"),
+            "healthy_baseline": False,
+        },
+        (w.start_ns, w.end_ns),
+        where + " AND preemptions > 0",
+        params,
+        "warning",
+        _confidence(
+            share / p["absolute_failing_steps"],
+            (w.get("kv_usage_max") or 0) / p["absolute_kv_full"],
+        ),
+    )
+
+
 def detect(sig: Signals, p: dict) -> Evidence | None:
+    if not sig.healthy_baseline:
+        return _detect_absolute(sig, p)
     base_ttft, base_tpot = sig.baseline.get("ttft_p99"), sig.baseline.get("tpot_p99")
 
     def hit(w: Window) -> bool:
@@ -75,8 +129,16 @@ RULE = Rule(
         "kv_full": Param(0.9, "KV use counted as near full"),
         "min_preemptions": Param(1, "at least one preemption in the window"),
         "degrade": Param(1.5, f"TTFT p99 and TPOT p99 {_BASE} (seed: both degrade)"),
+        # without a healthy baseline (signals.py): evidence that is absolute by nature
+        "absolute_kv_full": Param(
+            0.95, "no healthy baseline: KV pool at least 95% used (next to no block left)"
+        ),
+        "absolute_failing_steps": Param(
+            0.5, "no healthy baseline: a block allocation failed in most working steps"
+        ),
     },
     detect=detect,
+    healthy_baseline="either",
     explains=("midstream_stall", "ttft_queueing", "overload"),
     evidence_signals=("kv_usage_max", "preemptions", "ttft_p99"),
     alert=Alert(

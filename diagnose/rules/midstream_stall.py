@@ -55,5 +55,6 @@ RULE = Rule(
         ),
     },
     detect=detect,
+    healthy_baseline="absolute",
     evidence_signals=("stalled_n", "itl_max"),
 )

@@ -64,5 +64,6 @@ RULE = Rule(
         ),
     },
     detect=detect,
+    healthy_baseline="absolute",
     evidence_signals=("kv_usage_mean", "allocation_failures"),
 )

@@ -76,6 +76,7 @@ RULE = Rule(
         ),
     },
     detect=detect,
+    healthy_baseline="absolute",
     explains=("ttft_queueing",),
     evidence_signals=("arrival_rate", "completion_rate", "waiting_mean"),
     # arrivals over the run = finished requests + growth of the requests in flight; the

@@ -74,5 +74,6 @@ RULE = Rule(
         "min_regular": Param(0.8, "share of spike gaps that are a multiple of the period"),
     },
     detect=detect,
+    healthy_baseline="absolute",
     evidence_signals=("step_ms_p99", "itl_max"),
 )

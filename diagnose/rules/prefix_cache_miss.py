@@ -99,6 +99,7 @@ RULE = Rule(
         "min_prompts": Param(5, "prompts needed to call it a pattern"),
     },
     detect=detect,
+    healthy_baseline="absolute",
     explains=("ttft_prefill_bound",),
     evidence_signals=("prefix_hit_rate", "ttft_p99"),
 )

@@ -234,6 +234,7 @@ RULE = Rule(
         "hint_weight_share": Param(0.5, "hint: weights' share of the bytes decode steps read"),
     },
     detect=detect,
+    healthy_baseline="absolute",
     evidence_signals=(
         "compute_bound_prefill_share",
         "prefill_intensity_p50",

@@ -81,6 +81,7 @@ RULE = Rule(
         "prefill_rise": Param(2.0, f"prefill time p99 {_BASE}: prefill itself got slower"),
     },
     detect=detect,
+    healthy_baseline="needs",
     evidence_signals=("ttft_p99", "prefill_p99", "prefix_hit_rate"),
     alert=Alert(
         name="TokenmillTTFTPrefillBound",

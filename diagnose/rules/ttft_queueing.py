@@ -80,6 +80,7 @@ RULE = Rule(
         "queue_share": Param(0.5, "queue time is the larger part of TTFT"),
     },
     detect=detect,
+    healthy_baseline="needs",
     evidence_signals=("ttft_p99", "queue_p99", "waiting_mean"),
     alert=Alert(
         name="TokenmillTTFTQueueing",
