@@ -288,3 +288,22 @@ def test_real_error_spike_dump_cut_inside_the_trouble(tmp_path, smollm2_dir):
     assert re.search(r"\(no healthy baseline\) while the engine still produced \d+ tok/s",
                      fired["error_spike"]["summary"])  # fmt: skip
     assert "No healthy baseline in this dump" in _diagnose_cli(dump, "markdown")
+
+
+def test_ttft_queueing_ranks_first_the_cause_its_window_shows(tmp_path):
+    """The running batch at max_num_seqs (8) while arrivals barely exceed completions: the cap
+    comes first. The same queueing without a cap keeps the rule's order (load first)."""
+    capped = _report(
+        tmp_path / "cap.duckdb",
+        [
+            HEALTHY.but(max_num_seqs=8),
+            HEALTHY.but(duration_s=30, queue_ms=2000, running=8, max_num_seqs=8),
+        ],
+    )
+    f = next(f for f in capped.findings if f.rule_id == "ttft_queueing")
+    assert f.evidence["max_num_seqs"] == 8 and f.evidence["running_max"] == 8
+    assert f.evidence["arrivals"] < 1.2 * f.evidence["completions"]
+    assert f.causes[0] == "max_num_seqs or the KV pool caps the running batch"
+    plain = _report(tmp_path / "plain.duckdb", [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=2000)])
+    f = next(f for f in plain.findings if f.rule_id == "ttft_queueing")
+    assert f.causes[0].startswith("offered load") and f.evidence["max_num_seqs"] == 64

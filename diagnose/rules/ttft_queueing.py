@@ -19,6 +19,38 @@ from ._common import (
 )
 
 
+def _causes(sig: Signals, w: Window, p: dict) -> tuple[tuple[str, ...], dict]:
+    """The causes in the order the window supports them (those its numbers show first, then
+    the rest in the rule's order), and those numbers: arrivals ``arrival_excess`` times the
+    completions in the window,
+    the running batch against ``max_num_seqs`` (config event) or the KV pool near full, the
+    busiest tenant's share of the arrivals."""
+    tenants = sig.con.execute(
+        "SELECT coalesce(tenant, '?'), count(*) FROM requests WHERE arrival_ns >= ? "
+        "AND arrival_ns < ? GROUP BY 1 ORDER BY 2 DESC, 1",
+        [w.start_ns, w.end_ns],
+    ).fetchall()
+    total = sum(n for _, n in tenants)
+    top_tenant, top_n = tenants[0] if tenants else (None, 0)
+    cap = sig.config.get("max_num_seqs")
+    numbers = {
+        "arrivals": w.get("arrivals") or 0,
+        "completions": w.get("completions") or 0,
+        "max_num_seqs": cap,
+        "kv_usage_max": w.get("kv_usage_max"),
+        "top_tenant": top_tenant,
+        "top_tenant_share": top_n / total if total else None,
+    }
+    shown = (
+        numbers["arrivals"] >= p["arrival_excess"] * max(numbers["completions"], 1),
+        bool(cap and (w.get("running_max") or 0) >= cap)
+        or (w.get("kv_usage_max") or 0) >= p["kv_full"],
+        len(tenants) > 1 and top_n >= p["tenant_share"] * total,
+    )
+    order = sorted(range(len(RULE.causes)), key=lambda i: not shown[i])
+    return tuple(RULE.causes[i] for i in order), numbers
+
+
 def detect(sig: Signals, p: dict) -> Evidence | None:
     base, base_itl = sig.baseline.get("ttft_p99"), sig.baseline.get("itl_p99")
 
@@ -37,6 +69,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         return None
     r = _ratio(w.get("ttft_p99"), base)
     where, params = _in_window(w)
+    causes, shown = _causes(sig, w, p)
     return Evidence(
         f"TTFT p99 rose from {_ms(base)} to {_ms(w.get('ttft_p99'))} in {_when(w)} while ITL p99 "
         f"stayed at {_ms(w.get('itl_p99'))} (baseline {_ms(base_itl)}); "
@@ -50,12 +83,14 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "queue_p99_ms": w.get("queue_p99"),
             "waiting_max": w.get("waiting_max"),
             "running_max": w.get("running_max"),
+            **shown,
         },
         (w.start_ns, w.end_ns),
         where + " AND queue_ms > 0.5 * ttft_ms",
         params,
         _severity(r, p["ttft_rise"]),
         _confidence(r / p["ttft_rise"], (w.get("queue_share_of_ttft") or 0) / p["queue_share"]),
+        causes=causes,
     )
 
 
@@ -78,6 +113,10 @@ RULE = Rule(
         "ttft_rise": Param(3.0, f"TTFT p99 {_BASE}; seed article: TTFT up with ITL flat"),
         "itl_flat": Param(1.5, f"ITL p99 {_BASE} still counted as flat"),
         "queue_share": Param(0.5, "queue time is the larger part of TTFT"),
+        # which cause the window shows first (causes ranked by them, not fixed)
+        "arrival_excess": Param(1.2, "arrivals / completions in the window (overload's)"),
+        "kv_full": Param(0.9, "KV use counted as capping the batch (kv_pressure_preemption's)"),
+        "tenant_share": Param(0.75, "one tenant of several sent this share of the arrivals"),
     },
     detect=detect,
     healthy_baseline="needs",
