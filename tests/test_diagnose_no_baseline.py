@@ -230,13 +230,13 @@ def _diagnose_cli(dump: Path, fmt: str) -> str:
 @pytest.mark.slow
 def test_real_kv_pressure_dump_cut_inside_the_trouble(tmp_path, smollm2_dir):
     """kv_pressure_preemption's scenario, short: 6 clients, 150-token prompts and 60-token
-    answers in a 40-block pool (each request needs 14 blocks). The dump starts at the first
-    preemption, so none of its windows is healthy."""
+    answers in a 40-block pool (each request needs 14 blocks: three do not fit). The dump
+    starts at the first preemption, so none of its windows is healthy."""
     store = _serve_and_bench(
         tmp_path,
         smollm2_dir,
         ["--num-gpu-blocks-override", "40"],
-        ["--concurrency", "6", "--num-requests", "18", "--prompt-tokens", "150",
+        ["--concurrency", "6", "--num-requests", "12", "--prompt-tokens", "150",
          "--output-tokens", "60", "--seed", "8", "--timeout", "1200"],
     )  # fmt: skip
     dump = tmp_path / "cut.duckdb"
@@ -270,7 +270,7 @@ def test_real_error_spike_dump_cut_inside_the_trouble(tmp_path, smollm2_dir):
         tmp_path,
         smollm2_dir,
         ["--fault-nan-fraction", "0.3"],
-        ["--concurrency", "4", "--num-requests", "32", "--prompt-tokens", "uniform:32:64",
+        ["--concurrency", "4", "--num-requests", "24", "--prompt-tokens", "uniform:32:64",
          "--output-tokens", "16", "--abort-fraction", "0.1", "--seed", "3", "--timeout", "1200"],
     )  # fmt: skip
     dump = tmp_path / "cut.duckdb"

@@ -38,12 +38,18 @@ def _detect_absolute(sig: Signals, p: dict) -> Evidence | None:
 
     w = _worst(sig, "preemptions", hit)
     if w is None:
-        return None
+        # no single window holds all three (a slow engine runs few steps a window, and the
+        # step that preempts frees blocks): the whole range, which is all incident here
+        w = Window(-1, sig.start_ns, sig.end_ns, values=dict(sig.overall))
+        if not hit(w):
+            return None
     share = _failing_share(w)
     where, params = _in_window(w)
+    span = "over the whole range, " if w.index < 0 else ""
     return Evidence(
         f"KV cache at {(w.get('kv_usage_max') or 0):.0%} with {w.get('preemptions'):.0f} "
-        f"preemptions ({w.get('recomputed_tokens') or 0:.0f} tokens recomputed) in {_when(w)}; a "
+        f"preemptions ({w.get('recomputed_tokens') or 0:.0f} tokens recomputed) {span}in "
+        f"{_when(w)}; a "
         f"block allocation failed in {w.get('allocation_failure_steps'):.0f} of "
         f"{w.get('steps'):.0f} steps ({share:.0%}); TTFT p99 {_ms(w.get('ttft_p99'))}, TPOT p99 "
         f"{_ms(w.get('tpot_p99'))} (no healthy baseline in this dump to compare them with)",
