@@ -26,6 +26,7 @@ nav = st.navigation(
         st.Page(VIEWS / "devices.py", title="Devices", icon=":material/developer_board:"),
         st.Page(VIEWS / "errors.py", title="Errors", icon=":material/error:"),
         st.Page(VIEWS / "diagnosis.py", title="Diagnosis", icon=":material/troubleshoot:"),
+        st.Page(VIEWS / "compare.py", title="Compare", icon=":material/compare_arrows:"),
     ]
 )
 st.session_state["tm_ctx"] = ui.sidebar()

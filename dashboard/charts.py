@@ -495,3 +495,28 @@ def evidence(windows: pd.DataFrame, series: list[str], start_ns, end_ns) -> go.F
             layer="below",
         )
     return _layout(fig, 180 + 170 * len(series))
+
+
+_SIDES = {"BEFORE": "#7f7f7f", "AFTER": "#d62728"}
+
+
+def compare_distributions(before: pd.DataFrame, after: pd.DataFrame, metrics: list[str],
+                          title: str) -> go.Figure:  # fmt: skip
+    """BEFORE and AFTER overlaid: one box per side for each of ``metrics`` (rows of
+    ``data.latency_samples``: ``metric``, ``ms``), on a log ms axis (a station of 0.05 ms and
+    one of 20 s in one chart)."""
+    fig = go.Figure()
+    for side, df in (("BEFORE", before), ("AFTER", after)):
+        d = df[df["metric"].isin(metrics)]
+        fig.add_trace(
+            go.Box(
+                x=d["metric"],
+                y=d["ms"].clip(lower=1e-3),
+                name=side,
+                marker_color=_SIDES[side],
+                boxpoints="outliers",
+            )
+        )
+    fig.update_xaxes(categoryorder="array", categoryarray=metrics)
+    fig.update_yaxes(type="log", title_text="ms (log)")
+    return _layout(fig, 420, title).update_layout(boxmode="group", hovermode="closest")

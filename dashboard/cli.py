@@ -38,6 +38,13 @@ def dashboard(
         str | None,
         typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (URL sources)."),
     ] = None,
+    baseline: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATH",
+            help="An earlier dump to set beside the source on the Compare page (BEFORE).",
+        ),
+    ] = None,
 ) -> None:
     """Open the operations console (Streamlit) over a dump, a closed store or a live server."""
     import os
@@ -45,7 +52,14 @@ def dashboard(
     import subprocess
 
     from .fleet_source import check_fleet
-    from .source import ENV_API_KEY, ENV_REFRESH, ENV_SOURCE, SourceError, check_source
+    from .source import (
+        ENV_API_KEY,
+        ENV_BASELINE,
+        ENV_REFRESH,
+        ENV_SOURCE,
+        SourceError,
+        check_source,
+    )
 
     sources = source or ["./tokenmill-data/traces.duckdb"]
     try:
@@ -55,6 +69,11 @@ def dashboard(
             spec = check_source(sources[0])
     except SourceError as exc:
         fail(str(exc))
+    if baseline is not None:  # the Compare page's BEFORE (views/compare.py)
+        try:
+            baseline = check_source(baseline)
+        except SourceError as exc:
+            fail(f"--baseline: {exc}")
     try:
         import streamlit  # noqa: F401
     except ImportError:
@@ -68,6 +87,8 @@ def dashboard(
     env = {**os.environ, ENV_SOURCE: spec, ENV_REFRESH: f"{refresh:g}"}
     if api_key:
         env[ENV_API_KEY] = api_key
+    if baseline is not None:
+        env[ENV_BASELINE] = baseline
     cmd = [sys.executable, "-m", "streamlit", "run", str(script),
            "--server.address", host, "--server.port", str(port), "--server.headless", "true",
            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",

@@ -28,6 +28,8 @@ from tokenmill.telemetry.remote import FetchError, fetch_dump, normalize_url
 ENV_SOURCE = "TOKENMILL_DASHBOARD_SOURCE"
 ENV_REFRESH = "TOKENMILL_DASHBOARD_REFRESH"
 ENV_API_KEY = "TOKENMILL_ADMIN_KEY"
+#: the Compare page's baseline (BEFORE) dump, from ``tokenmill dashboard --baseline``
+ENV_BASELINE = "TOKENMILL_DASHBOARD_BASELINE"
 
 
 class SourceError(Exception):

@@ -303,3 +303,19 @@ def fmt_num(v, unit: str = "", digits: int = 1) -> str:
 def chart(fig, key: str) -> None:
     """A plotly figure across the page width."""
     st.plotly_chart(fig, width="stretch", key=key)
+
+
+def trace_links(trace_ids) -> None:
+    """Each trace id as a link to the Requests page opened on it (``?trace=<id>``: its
+    waterfall); "none" when there is none."""
+    if not trace_ids:
+        st.markdown("none")
+        return
+    for t in trace_ids:
+        st.page_link(
+            "views/requests.py",
+            label=f"`{t}`",
+            icon=":material/waterfall_chart:",
+            query_params={"trace": t},
+            help="Open this request's waterfall on the Requests page",
+        )

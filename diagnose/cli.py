@@ -189,8 +189,45 @@ def diagnose(
             help="Exit 1 when a finding is at least this severe: warning | critical.",
         ),
     ] = None,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="BEFORE",
+            help="Compare the dump (AFTER) with this earlier dump of comparable traffic: "
+            "config, traffic, latency, station, throughput and rule shifts.",
+        ),
+    ] = None,
+    fail_on_regression: Annotated[
+        float | None,
+        typer.Option(
+            metavar="PCT",
+            min=0.0,
+            help="With --baseline: exit 1 when comparable runs regressed by more than PCT % "
+            "(TTFT/ITL/E2E p99 up, throughput/goodput down).",
+        ),
+    ] = None,
 ) -> None:
     """Name the likely bottlenecks in a trace dump, with evidence, example traces and a runbook."""
+    if baseline is not None or fail_on_regression is not None:  # a comparison (compare_cli.py)
+        from .compare_cli import run_compare
+
+        try:
+            code = run_compare(
+                baseline,
+                dump_file,
+                db=db,
+                url=url,
+                api_key=api_key,
+                since=since,
+                window=window,
+                fmt=format,
+                fail_on=fail_on,
+                fail_on_regression=fail_on_regression,
+                console=out,
+            )
+        except DiagnoseInputError as exc:
+            fail(str(exc))
+        raise typer.Exit(code)
     try:
         code = run(
             dump_file,

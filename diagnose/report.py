@@ -124,7 +124,7 @@ def to_markdown(report: Report) -> str:
             f.summary,
             "",
             f"- Window: {_ts(f.window_start_ns)} – {_ts(f.window_end_ns)}",
-            "- Evidence: " + ", ".join(f"`{k}`={v}" for k, v in f.evidence.items()),
+            "- Evidence: " + format_evidence(f.evidence, code=True),
             "- Example traces: " + (", ".join(f"`{t}`" for t in f.example_trace_ids) or "none"),
             "- Likely causes: " + "; ".join(f.causes),
             "- Checks: " + "; ".join(f.checks),
@@ -137,7 +137,7 @@ def to_markdown(report: Report) -> str:
     for n in report.notes:
         lines += [
             f"- **`{n.rule_id}`{_where(report, n)}:** {n.summary}",
-            "  Evidence: " + ", ".join(f"`{k}`={v}" for k, v in n.evidence.items()) + ".",
+            "  Evidence: " + format_evidence(n.evidence, code=True) + ".",
             f"  Knob: {n.knob}. Runbook: [{n.runbook}]({n.runbook})",
             "",
         ]
@@ -173,7 +173,7 @@ def print_text(report: Report, console: Console) -> None:
             escape(f.summary),
             "",
             f"[dim]window[/] {_ts(f.window_start_ns)} – {_ts(f.window_end_ns)}",
-            "[dim]evidence[/] " + escape(", ".join(f"{k}={v}" for k, v in f.evidence.items())),
+            "[dim]evidence[/] " + escape(format_evidence(f.evidence)),
             "[dim]examples[/] " + escape(", ".join(f.example_trace_ids) or "none"),
             "[dim]causes[/] " + escape("; ".join(f"{n}. {c}" for n, c in enumerate(f.causes, 1))),
             "[dim]checks[/] " + escape("; ".join(f.checks)),
@@ -195,8 +195,7 @@ def print_text(report: Report, console: Console) -> None:
                     [
                         escape(n.summary),
                         "",
-                        "[dim]evidence[/] "
-                        + escape(", ".join(f"{k}={v}" for k, v in n.evidence.items())),
+                        "[dim]evidence[/] " + escape(format_evidence(n.evidence)),
                         "[dim]knob[/] " + escape(n.knob),
                         "[dim]runbook[/] " + escape(n.runbook),
                     ]
@@ -228,7 +227,6 @@ _RATIO_ENDINGS = (
     "rise", "slowdown", "ratio", "growth", "trend", "excess", "spike", "degrade", "margin",
     "stream_vs_engine_tpot",
 )  # fmt: skip
-_SHARE_ENDINGS = ("share", "usage")
 _UNIT_ENDINGS = (
     ("_gbps", "GB/s"),
     ("_gflops", "GFLOP/s"),
@@ -292,14 +290,12 @@ def format_value(key: str, value) -> str:
         return f"{_number(value)} s"
     if "bytes" in k and "share" not in k:
         return _bytes(value)
-    if k.endswith("_pct") or k.endswith("_pct_mean"):
+    if k.endswith("_pct"):
         return f"{value:.1f} %"
     if k.endswith(("_per_s", "_tok_s", "arrival_rate", "completion_rate")):
         unit = "tok/s" if k.endswith("_tok_s") else "/s"
         return f"{_number(value)} {unit}"
-    if any(s in k for s in ("share", "hit_rate", "error_rate", "usage")) or k.endswith(
-        _SHARE_ENDINGS
-    ):
+    if any(s in k for s in ("share", "hit_rate", "error_rate", "usage")):
         return f"{100 * value:.1f} %"
     for ending, unit in _UNIT_ENDINGS:
         if k.endswith(ending):

@@ -24,7 +24,7 @@ from tokenmill.dashboard.source import SourceError, StoreHandle
 from tokenmill.telemetry.schema import apply_schema
 
 APP = Path(data.__file__).parent / "app.py"
-PAGES = ("overview", "requests", "engine", "devices", "errors", "diagnosis")
+PAGES = ("overview", "requests", "engine", "devices", "errors", "diagnosis", "compare")
 OK = "finish_reason IN ('stop', 'length') AND error_type IS NULL"
 HEALTHY = Phase(duration_s=40, gpu=True, error_share=0.1, preempt_share=0.2)
 
@@ -276,6 +276,23 @@ def test_diagnosis_page_shows_findings_evidence_and_runbook(monkeypatch, gpu_sto
 
         report = diagnose(con, window_s=10.0)
     assert num(metric(at, "Findings")) == len(report.findings)
+
+
+def test_diagnosis_page_links_example_traces_and_shows_units(monkeypatch, gpu_store):
+    """Each example trace id of the first finding is a link to its waterfall on the Requests
+    page (``?trace=<id>``); its evidence numbers carry units ("2,041 ms", not "2041.3456")."""
+    at = open_page(monkeypatch, gpu_store, "diagnosis")
+    with duckdb.connect(str(gpu_store), read_only=True) as con:
+        from tokenmill.diagnose.findings import diagnose
+
+        top = diagnose(con, window_s=10.0).findings[0]
+    links = [(pl.proto.page, pl.proto.query_string) for pl in at.get("page_link")]
+    assert top.example_trace_ids
+    assert links[: len(top.example_trace_ids)] == [
+        ("requests", f"trace={t}") for t in top.example_trace_ids
+    ]
+    evidence = next(m.value for m in at.markdown if m.value.startswith("**Evidence**"))
+    assert re.search(r"_ms` = [\d,.]+ ms", evidence) and not re.search(r"\d\.\d{4}", evidence)
 
 
 def test_diagnosis_page_shows_the_reports_hints(monkeypatch, tmp_path):

@@ -1,13 +1,15 @@
 """Diagnosis: the findings of ``tokenmill diagnose`` for the selected window, each with its
 evidence, an evidence chart (the diagnoser's per-window signals, the finding's window shaded)
-and its runbook rendered."""
+and its runbook rendered. Evidence numbers show with their units
+(``diagnose/report.py``: ``format_evidence``); each example trace id links to its waterfall on
+the Requests page."""
 
 import json
 
 import streamlit as st
 
 from tokenmill.dashboard import charts, data, ui
-from tokenmill.diagnose.report import to_markdown
+from tokenmill.diagnose.report import format_evidence, to_markdown
 
 WINDOWS_S = (5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -57,13 +59,11 @@ if ctx is not None:
                     st.caption("Explained by: " + ", ".join(f.explained_by))
                 st.markdown(
                     f"**Window** {ui.ts(f.window_start_ns)} – {ui.ts(f.window_end_ns)}  \n"
-                    f"**Knob** {f.knob}  \n"
-                    "**Example traces** "
-                    + (", ".join(f"`{t}`" for t in f.example_trace_ids) or "none")
+                    f"**Knob** {f.knob}"
                 )
-                st.markdown(
-                    "**Evidence** " + ", ".join(f"`{k}` = {v}" for k, v in f.evidence.items())
-                )
+                st.markdown("**Evidence** " + format_evidence(f.evidence, code=True))
+                st.markdown("**Example traces** (each opens its waterfall)")
+                ui.trace_links(f.example_trace_ids)
                 series = data.evidence_signals(f.rule_id, windows)
                 if series:
                     fig = charts.evidence(windows, series, f.window_start_ns, f.window_end_ns)
@@ -80,10 +80,7 @@ if ctx is not None:
                     st.info(f"No runbook shipped for {f.rule_id}.")
         for note in report.notes:
             st.info(f"Hint ({note.rule_id}{ui.where(report, note)}): {note.summary}")
-            st.caption(
-                f"Knob: {note.knob} · Evidence: "
-                + ", ".join(f"{k} = {v}" for k, v in note.evidence.items())
-            )
+            st.caption(f"Knob: {note.knob} · Evidence: " + format_evidence(note.evidence))
         c = st.columns(2)
         c[0].download_button(
             "Report (Markdown)", to_markdown(report), file_name="diagnosis.md", key="dg_md"

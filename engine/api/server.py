@@ -73,6 +73,23 @@ class TokenmillServer(uvicorn.Server):
                 self._captured_signals.clear()
 
 
+def runtime_versions() -> dict[str, str | None]:
+    """The versions a run's numbers depend on, for the ``config`` event (a comparison of two
+    dumps names a changed one): tokenmill, torch, triton, transformers (installed package
+    metadata; None when a package is not installed) and Python."""
+    import platform
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in ("tokenmill", "torch", "triton", "transformers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    out["python"] = platform.python_version()
+    return out
+
+
 def fmt_bytes(n: float) -> str:
     """``n`` bytes as MiB (under 1 GiB) or GiB."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
@@ -173,7 +190,14 @@ def make_server(
         telemetry.engine_pid = info["pid"]
         telemetry.start(engine_pids=[info["pid"]])
         model_info = info.get("model_info") or {}
-        telemetry.event("config", "info", "engine flags at start", **config.to_dict(), **model_info)
+        telemetry.event(
+            "config",
+            "info",
+            "engine flags at start",
+            **config.to_dict(),
+            **model_info,
+            versions=runtime_versions(),
+        )
         telemetry.metrics.set_weight_bytes(model_info.get("weight_bytes_by_dtype") or {})
         if telemetry.store_error:
             announce(
