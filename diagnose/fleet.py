@@ -107,6 +107,8 @@ def merge(named: list[tuple[str, str, Report]]) -> Report:
             "range": {"start_ns": r.start_ns, "end_ns": r.end_ns},
             "summary": r.summary,
             "rules_fired": sorted({f.rule_id for f in r.findings}),
+            "healthy_baseline": r.healthy_baseline,
+            "warmup": r.warmup,
         }
         for name, path, r in named
     ]
@@ -140,4 +142,22 @@ def merge(named: list[tuple[str, str, Report]]) -> Report:
         notes=[n for r in reports for n in r.notes],
         sources=sources,
         fleet_wide=fleet_wide,
+        # each source judged on its own healthy windows: the fleet lacks a baseline where any
+        # source does, and names which
+        healthy_baseline={
+            "available": all(r.healthy_baseline.get("available", True) for r in reports),
+            "reason": "; ".join(
+                f"{name}: {r.healthy_baseline.get('reason')}"
+                for name, _, r in named
+                if r.healthy_baseline.get("available") is False
+            )
+            or None,
+            "not_judged": sorted(
+                {rid for r in reports for rid in r.healthy_baseline.get("not_judged") or []}
+            ),
+        },
+        warmup={
+            "requests": sum(r.warmup.get("requests") or 0 for r in reports),
+            "intervals": [iv for r in reports for iv in r.warmup.get("intervals") or []],
+        },
     )

@@ -307,3 +307,19 @@ def test_ttft_queueing_ranks_first_the_cause_its_window_shows(tmp_path):
     plain = _report(tmp_path / "plain.duckdb", [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=2000)])
     f = next(f for f in plain.findings if f.rule_id == "ttft_queueing")
     assert f.causes[0].startswith("offered load") and f.evidence["max_num_seqs"] == 64
+
+
+def test_a_fleet_lacks_a_baseline_where_one_source_does(tmp_path):
+    """Each source is judged on its own windows; the merged report names the source without."""
+    from tokenmill.diagnose.fleet import merge
+
+    ok = _report(tmp_path / "a.duckdb", [HEALTHY, PRESSURE.but(duration_s=30)])
+    bad = _report(tmp_path / "b.duckdb", [PRESSURE])
+    fleet = merge([("replica-a", "a.duckdb", ok), ("replica-b", "b.duckdb", bad)])
+    assert fleet.healthy_baseline["available"] is False
+    assert fleet.healthy_baseline["reason"].startswith("replica-b: 0 of ")
+    assert "ttft_queueing" in fleet.healthy_baseline["not_judged"]
+    by_name = {s["name"]: s for s in fleet.to_json()["sources"]}
+    assert by_name["replica-a"]["healthy_baseline"]["available"] is True
+    assert by_name["replica-b"]["healthy_baseline"]["available"] is False
+    assert "No healthy baseline in this dump: replica-b: " in to_markdown(fleet)
