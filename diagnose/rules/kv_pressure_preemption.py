@@ -46,10 +46,12 @@ def _detect_absolute(sig: Signals, p: dict) -> Evidence | None:
     share = _failing_share(w)
     where, params = _in_window(w)
     span = "over the whole range, " if w.index < 0 else ""
+    # recompute is counted on the requests that arrived in the window: say it only when seen
+    n_re = w.get("recomputed_tokens") or 0
+    recomputed = f" ({n_re:.0f} tokens recomputed)" if n_re else ""
     return Evidence(
         f"KV cache at {(w.get('kv_usage_max') or 0):.0%} with {w.get('preemptions'):.0f} "
-        f"preemptions ({w.get('recomputed_tokens') or 0:.0f} tokens recomputed) {span}in "
-        f"{_when(w)}; a "
+        f"preemptions{recomputed} {span}in {_when(w)}; a "
         f"block allocation failed in {w.get('allocation_failure_steps'):.0f} of "
         f"{w.get('steps'):.0f} steps ({share:.0%}); TTFT p99 {_ms(w.get('ttft_p99'))}, TPOT p99 "
         f"{_ms(w.get('tpot_p99'))} (no healthy baseline in this dump to compare them with)",
