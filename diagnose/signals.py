@@ -308,6 +308,9 @@ HEALTHY_MAX_QUEUE_SHARE = 0.5
 # kv_pressure_preemption's absolute_failing_steps: allocations failing in most steps
 HEALTHY_MAX_FAILING_STEPS = 0.5
 MIN_HEALTHY_WINDOWS = 1
+# a window with fewer requests ending than this cannot show an error rate under 5% on its own
+# (one error in 10 is already 10%): it is judged on the whole range's error rate instead
+HEALTHY_MIN_ENDED = 10
 # warm-up after a (re)start: arrivals before the first completion, at most 30 s after the first
 # arrival (one finished request has run the whole prefill + decode path once: every kernel
 # compiled, the first blocks allocated; a server that never completes anything is not warming up)
@@ -369,12 +372,20 @@ def _set_apart(sql: str, column: str, cond: str) -> str:
     return sql.replace(marker, f"WHERE {cond} AND {marker.removeprefix('WHERE ')}")
 
 
-def _judge_baseline(busy: list[Window]) -> tuple[bool, int, str]:
+def _judge_baseline(busy: list[Window], range_error_rate: float | None) -> tuple[bool, int, str]:
     """Whether the healthiest windows can serve as a baseline: ``(usable, healthy windows,
     reason it is not)``. A healthy window is busy and shows no preemption, allocation failures
     in fewer than ``HEALTHY_MAX_FAILING_STEPS`` of its working steps, errors below
-    ``HEALTHY_MAX_ERROR_RATE`` and queue time below ``HEALTHY_MAX_QUEUE_SHARE`` of TTFT; usable
-    with at least ``MIN_HEALTHY_WINDOWS`` of them."""
+    ``HEALTHY_MAX_ERROR_RATE`` (a window with fewer than ``HEALTHY_MIN_ENDED`` requests ending:
+    ``range_error_rate``, the whole range's, when higher) and queue time below
+    ``HEALTHY_MAX_QUEUE_SHARE`` of TTFT; usable with at least ``MIN_HEALTHY_WINDOWS`` of them."""
+
+    def error_rate(w: Window) -> float:
+        rate = w.get("error_rate") or 0
+        if (w.get("ended") or 0) < HEALTHY_MIN_ENDED:
+            rate = max(rate, range_error_rate or 0)
+        return rate
+
     markers = {
         "preemptions": lambda w: (
             (w.get("preemptions") or 0) > 0 or (w.get("preempted_requests_n") or 0) > 0
@@ -384,7 +395,7 @@ def _judge_baseline(busy: list[Window]) -> tuple[bool, int, str]:
             >= HEALTHY_MAX_FAILING_STEPS * max(w.get("steps") or 0, 1)
         ),
         f"errors in ≥ {HEALTHY_MAX_ERROR_RATE:.0%} of requests": lambda w: (
-            (w.get("error_rate") or 0) >= HEALTHY_MAX_ERROR_RATE
+            error_rate(w) >= HEALTHY_MAX_ERROR_RATE
         ),
         f"queue time ≥ {HEALTHY_MAX_QUEUE_SHARE:.0%} of TTFT": lambda w: (
             (w.get("queue_share_of_ttft") or 0) >= HEALTHY_MAX_QUEUE_SHARE
@@ -536,7 +547,6 @@ def load(
             baseline[key] = _quantile(vals, 1 - BASELINE_QUANTILE)
         else:
             baseline[key] = _quantile(vals, BASELINE_QUANTILE)
-    usable, n_healthy, why_not = _judge_baseline(busy)
     overall = _rows(
         con,
         _REQ_WINDOW_SQL.replace("(arrival_ns - $t0) // $w", "0"),
@@ -557,6 +567,7 @@ def load(
     overall["short_prompt_tokens"] = short_prompt_tokens
     ended = overall.get("ended") or 0
     overall["error_rate"] = (overall.get("errors") or 0) / ended if ended else None
+    usable, n_healthy, why_not = _judge_baseline(busy, overall["error_rate"])
     errors_by_type = dict(
         con.execute(
             "SELECT error_type, count(*) FROM requests WHERE end_ns >= ? AND end_ns < ? "

@@ -216,9 +216,9 @@ def _cut(store: Path, out: Path, since_sql: str) -> int:
     return since
 
 
-def _diagnose_cli(dump: Path, fmt: str) -> str:
+def _diagnose_cli(dump: Path, fmt: str, window: str = "5s") -> str:
     r = subprocess.run(
-        [sys.executable, "-m", "tokenmill.engine.cli", "diagnose", str(dump), "--window", "5s",
+        [sys.executable, "-m", "tokenmill.engine.cli", "diagnose", str(dump), "--window", window,
          "--format", fmt],
         capture_output=True,
         text=True,
@@ -275,7 +275,7 @@ def test_real_error_spike_dump_cut_inside_the_trouble(tmp_path, smollm2_dir):
     )  # fmt: skip
     dump = tmp_path / "cut.duckdb"
     _cut(store, dump, "SELECT min(arrival_ns) FROM requests WHERE error_type IS NOT NULL")
-    report = json.loads(_diagnose_cli(dump, "json"))
+    report = json.loads(_diagnose_cli(dump, "json", "10s"))  # the scenario's window
     base = report["healthy_baseline"]
     assert base["available"] is False, base
     fired = {f["rule"]: f for f in report["findings"]}
@@ -287,7 +287,7 @@ def test_real_error_spike_dump_cut_inside_the_trouble(tmp_path, smollm2_dir):
     assert ev["throughput_tok_s"] > 0
     assert re.search(r"\(no healthy baseline\) while the engine still produced \d+ tok/s",
                      fired["error_spike"]["summary"])  # fmt: skip
-    assert "No healthy baseline in this dump" in _diagnose_cli(dump, "markdown")
+    assert "No healthy baseline in this dump" in _diagnose_cli(dump, "markdown", "10s")
 
 
 def test_ttft_queueing_ranks_first_the_cause_its_window_shows(tmp_path):
@@ -323,3 +323,20 @@ def test_a_fleet_lacks_a_baseline_where_one_source_does(tmp_path):
     assert by_name["replica-a"]["healthy_baseline"]["available"] is True
     assert by_name["replica-b"]["healthy_baseline"]["available"] is False
     assert "No healthy baseline in this dump: replica-b: " in to_markdown(fleet)
+
+
+def test_a_quiet_window_of_an_erroring_dump_is_not_healthy_by_luck(tmp_path):
+    """Five requests a window, 40% failing: some windows end without an error by chance. Fewer
+    than 10 requests cannot show a rate under 5%, so such a window takes the range's rate."""
+    path = tmp_path / "e.duckdb"
+    write_store(path, [HEALTHY.but(duration_s=120, rate_per_s=0.5, error_share=0.4)], seed=6)
+    with duckdb.connect(str(path), read_only=True) as con:
+        (clean,) = con.execute(
+            "SELECT count(*) FROM (SELECT (end_ns - (SELECT min(arrival_ns) FROM requests)) "
+            "// 10000000000 AS w, count(*) FILTER (WHERE error_type IS NOT NULL) AS e "
+            "FROM requests GROUP BY w) WHERE e = 0"
+        ).fetchone()
+        report = diagnose(con)
+    assert clean >= 1  # windows without an error exist
+    assert report.healthy_baseline["available"] is False, report.healthy_baseline
+    assert report.healthy_baseline["healthy_windows"] == 0
