@@ -340,3 +340,8 @@ def test_a_quiet_window_of_an_erroring_dump_is_not_healthy_by_luck(tmp_path):
     assert clean >= 1  # windows without an error exist
     assert report.healthy_baseline["available"] is False, report.healthy_baseline
     assert report.healthy_baseline["healthy_windows"] == 0
+    # no window ends 5 errors (error_spike's min_errors): the whole range is judged instead
+    f = next(f for f in report.findings if f.rule_id == "error_spike")
+    assert "over the whole range" in f.summary and f.evidence["errors"] >= 5
+    assert f.evidence["errors"] == sum(f.evidence["errors_by_type"].values())
+    assert 0.2 <= f.evidence["error_rate"] <= 0.6

@@ -72,9 +72,19 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         return tp is None or tp >= p["throughput_normal"]
 
     w = _worst(sig, "error_rate", hit)
+    by_type = sig.errors_by_window.get(w.index, {}) if w is not None else {}
+    if w is None and not healthy:
+        # no window holds min_errors (a slow engine ends few requests a window): without a
+        # healthy period the whole range is the incident, judged on the same absolute rate
+        o = sig.overall
+        seconds = max((sig.end_ns - sig.start_ns) / 1e9, 1e-9)
+        w = Window(-1, sig.start_ns, sig.end_ns, values=dict(o))
+        w.values["throughput_tok_s"] = (o.get("sampled_tokens") or 0) / seconds or None
+        if not hit(w):
+            return None
+        by_type = dict(sig.errors_by_type)
     if w is None:
         return None
-    by_type = sig.errors_by_window.get(w.index, {})
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]))
     refused = _refusals(sig, w)
     tp = w.get("throughput_tok_s") or 0
@@ -105,7 +115,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "file, if their traffic is legitimate; else they are being throttled as intended"
         )
     return Evidence(
-        f"{w.get('error_rate'):.0%} of requests ended in errors in {_when(w)} ({base_text}) "
+        f"{w.get('error_rate'):.0%} of requests ended in errors "
+        f"{'over the whole range, ' if w.index < 0 else ''}in {_when(w)} ({base_text}) "
         f"{throughput}: {kinds}" + (f"; {refusal_text}" if refusal_text else ""),
         {
             "error_rate": w.get("error_rate"),
