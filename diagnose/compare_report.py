@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .compare import GATED, LABELS, Check, Comparison, Run, Shift
+from .compare import GATED, LABELS, MEDIAN_OF, Check, Comparison, Run, Shift
 from .report import format_value
 
 _MARK = {"regressed": "REGRESSED", "improved": "improved", "worse": "worse", "better": "better"}
@@ -39,8 +39,13 @@ def fmt(key: str, v) -> str:
     return format_value(key, v)
 
 
-def _shift_text(s: Shift) -> str:
-    return f"{s.label} {pct(s.change_pct)} ({fmt(s.key, s.before)} → {fmt(s.key, s.after)})"
+def _shift_text(s: Shift, c: Comparison | None = None) -> str:
+    text = f"{s.label} {pct(s.change_pct)} ({fmt(s.key, s.before)} → {fmt(s.key, s.after)})"
+    median = MEDIAN_OF.get(s.key)
+    if c is not None and median:
+        m = next(x for x in c.latency if x.key == median)
+        text += f", p50 {pct(m.change_pct)}"
+    return text
 
 
 def _check_text(c: Check) -> str:
@@ -53,7 +58,10 @@ def _check_text(c: Check) -> str:
 def gated_text(c: Comparison) -> str:
     ups = [LABELS[k] for k, d in GATED.items() if d == "up"]
     downs = [LABELS[k] for k, d in GATED.items() if d == "down"]
-    return f"{', '.join(ups)} up or {', '.join(downs)} down by more than {c.threshold_pct:g} %"
+    return (
+        f"{', '.join(ups)} up (with its p50) or {', '.join(downs)} down by more than "
+        f"{c.threshold_pct:g} %"
+    )
 
 
 def headline(c: Comparison) -> str:
@@ -65,7 +73,9 @@ def headline(c: Comparison) -> str:
             "against the engine."
         )
     if c.verdict == "regression":
-        return f"REGRESSION ({gated_text(c)}): " + "; ".join(_shift_text(s) for s in c.regressions)
+        return f"REGRESSION ({gated_text(c)}): " + "; ".join(
+            _shift_text(s, c) for s in c.regressions
+        )
     return f"No regression: nothing gated moved that far ({gated_text(c)})."
 
 
