@@ -228,6 +228,7 @@ def _diagnose_cli(dump: Path, fmt: str, window: str = "5s") -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a loaded 2-core VM ran it 14 min; quiet: 1 min
 def test_real_kv_pressure_dump_cut_inside_the_trouble(tmp_path, smollm2_dir):
     """kv_pressure_preemption's scenario, short: 6 clients, 150-token prompts and 60-token
     answers in a 40-block pool (each request needs 14 blocks: three do not fit). The dump
@@ -263,6 +264,7 @@ def test_real_kv_pressure_dump_cut_inside_the_trouble(tmp_path, smollm2_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a loaded 2-core VM ran it 14 min; quiet: 1 min
 def test_real_error_spike_dump_cut_inside_the_trouble(tmp_path, smollm2_dir):
     """error_spike's scenario, short: the NaN drill on a third of the requests, a tenth of the
     clients closing their stream; the dump starts at the first failed request."""
