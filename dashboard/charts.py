@@ -519,4 +519,5 @@ def compare_distributions(before: pd.DataFrame, after: pd.DataFrame, metrics: li
         )
     fig.update_xaxes(categoryorder="array", categoryarray=metrics)
     fig.update_yaxes(type="log", title_text="ms (log)")
-    return _layout(fig, 420, title).update_layout(boxmode="group", hovermode="closest")
+    fig = _layout(fig, 420, title).update_layout(boxmode="group", hovermode="closest")
+    return fig.update_layout(legend={"y": -0.14})  # below the station names
