@@ -27,7 +27,9 @@ from server_proc import Server, free_port
 from tokenmill.dashboard import data
 from tokenmill.diagnose.compare import DEFAULT_REGRESSION_PCT
 
-pytestmark = pytest.mark.slow
+# the five runs take about 2 minutes alone and 25 on a VM shared with other engines: the first
+# test (which builds them) gets 40 minutes, not pytest-timeout's 900 s
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 # closed loop, 12 in flight: with --max-num-seqs 4 two thirds of them queue for a turn
 BENCH = ("--concurrency", "12", "--num-requests", "24", "--prompt-tokens", "60",
@@ -52,7 +54,7 @@ def tm(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "tokenmill.engine.cli", *args],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,
         env={**os.environ, "COLUMNS": "200"},
     )
 
