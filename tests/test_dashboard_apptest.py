@@ -35,7 +35,9 @@ def gpu_store(tmp_path_factory) -> Path:
     queued = HEALTHY.but(
         duration_s=30, queue_ms=2000, throttle_reasons=("sw_power_cap",), sm_clock_mhz=1400
     )
-    write_store(path, [HEALTHY, queued], seed=5)
+    # a clean stretch first: the diagnoser judges ratio rules (ttft_queueing) only against a
+    # healthy window, one without preemptions or errors
+    write_store(path, [Phase(duration_s=10, gpu=True), HEALTHY.but(duration_s=30), queued], seed=5)
     return path
 
 
