@@ -24,8 +24,8 @@ from tokenmill.engine.api.admin import register_admin_routes
 from tokenmill.engine.api.errors import APIError
 from tokenmill.engine.api.gateway import Gateway, TenantsFileError, hash_key, load_tenants
 from tokenmill.telemetry.dump import DumpError, open_dump, parse_since, write_dump
-from tokenmill.telemetry.schema import SCHEMA_VERSION
 from tokenmill.telemetry.hub import LiveDumps
+from tokenmill.telemetry.schema import SCHEMA_VERSION
 from tokenmill.telemetry.store import TraceStore
 
 TOKENMILL = str(Path(sys.executable).with_name("tokenmill"))

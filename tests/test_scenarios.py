@@ -14,14 +14,17 @@ import pytest
 
 from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, server_launch
 
-# every scenario but kv_pressure_preemption (about 3 minutes alone); the rest take 30-90 s each
-# on a quiet 2-core VM (the two quantization ones 60 and 77 s)
+# every scenario that passed a quiet run but kv_pressure_preemption (about 3 minutes alone); the
+# rest take 30-90 s each on a quiet 2-core VM (the two quantization ones 60 and 77 s,
+# host_contention 87 s). The scenarios of issue 18 not yet passing on a quiet VM are left out
+# (benchmarks/RESULTS.md says which and what they showed)
 FAST = [
     "healthy",
     "batching_ineffective",
     "client_server_ttft_gap",
     "error_spike",
     "head_of_line_blocking",
+    "host_contention",
     "itl_frontend_overhead",
     "itl_prefill_interference",
     "kv_block_leak",
@@ -58,7 +61,7 @@ def test_host_load_drills_are_parsed_and_checked():
         {"start_s": 20.0, "duration_s": 20.0, "procs": 2, "every_s": None, "busy_s": None}
     ]
     periodic = load("periodic_itl_spikes").host_load[0]
-    assert (periodic["every_s"], periodic["busy_s"]) == (4.0, 0.3)
+    assert (periodic["every_s"], periodic["busy_s"]) == (5.0, 0.7)
     assert load("healthy").host_load == []
     for bad, needle in (
         ({"duration_s": 0}, "duration_s > 0"),
