@@ -19,7 +19,6 @@ from ._common import (
     _confidence,
     _in_window,
     _when,
-    _worst,
 )
 
 
@@ -35,14 +34,13 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     def hit(w: Window) -> bool:
         return (w.get("same_work_slowdown") or 0) >= p["slowdown"] and _neighbour(sig, w, p)
 
-    w = _worst(sig, "same_work_slowdown", hit)
+    # every window in which steps ran, not only those with arrivals or completions: a hog that
+    # slows steps 20x leaves windows where no request starts or ends
+    ran = [x for x in sig.windows if x.get("same_work_slowdown") is not None]
+    w = max((x for x in ran if hit(x)), key=lambda x: x.get("same_work_slowdown"), default=None)
     if w is None:
         return None
-    quiet = [
-        x
-        for x in sig.busy()
-        if x.get("same_work_slowdown") is not None and not _neighbour(sig, x, p)
-    ]
+    quiet = [x for x in ran if not _neighbour(sig, x, p)]
     quiet_slowdown = min((x.get("same_work_slowdown") for x in quiet), default=None)
     slow = w.get("same_work_slowdown")
     if sig.device_kind == "gpu":
