@@ -208,38 +208,23 @@ def diagnose(
     ] = None,
 ) -> None:
     """Name the likely bottlenecks in a trace dump, with evidence, example traces and a runbook."""
-    if baseline is not None or fail_on_regression is not None:  # a comparison (compare_cli.py)
-        from .compare_cli import run_compare
-
-        try:
-            code = run_compare(
-                baseline,
-                dump_file,
-                db=db,
-                url=url,
-                api_key=api_key,
-                since=since,
-                window=window,
-                fmt=format,
-                fail_on=fail_on,
-                fail_on_regression=fail_on_regression,
-                console=out,
-            )
-        except DiagnoseInputError as exc:
-            fail(str(exc))
-        raise typer.Exit(code)
+    common = dict(
+        db=db,
+        url=url,
+        api_key=api_key,
+        since=since,
+        window=window,
+        fmt=format,
+        fail_on=fail_on,
+        console=out,
+    )
     try:
-        code = run(
-            dump_file,
-            db=db,
-            url=url,
-            api_key=api_key,
-            since=since,
-            window=window,
-            fmt=format,
-            fail_on=fail_on,
-            console=out,
-        )
+        if baseline is not None or fail_on_regression is not None:  # a comparison
+            from .compare_cli import run_compare
+
+            code = run_compare(baseline, dump_file, fail_on_regression=fail_on_regression, **common)
+        else:
+            code = run(dump_file, **common)
     except DiagnoseInputError as exc:
         fail(str(exc))
     raise typer.Exit(code)
