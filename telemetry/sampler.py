@@ -577,7 +577,8 @@ class DeviceSampler:
         row = _empty_row(now_ns, "host")
         row["device_name"] = self._hostname
         row["cpu_pct"] = float(psutil.cpu_percent(None))
-        row["rss_bytes"] = self._rss_bytes()
+        tree = self._tree()  # walked once a tick, for the RSS and the CPU split
+        row["rss_bytes"] = self._rss_bytes(tree)
         try:
             row["load_1m"] = float(os.getloadavg()[0])
         except (OSError, AttributeError):
@@ -585,7 +586,7 @@ class DeviceSampler:
         vm = psutil.virtual_memory()
         row["mem_used_bytes"] = int(vm.used)
         row["mem_total_bytes"] = int(vm.total)
-        own = self._own_cpu_pct()
+        own = self._own_cpu_pct(tree)
         row["cpu_others_pct"] = None if own is None else max(0.0, row["cpu_pct"] - own)
         try:
             row["steal_pct"] = float(getattr(psutil.cpu_times_percent(None), "steal", None))
@@ -611,12 +612,12 @@ class DeviceSampler:
                     continue
         return procs
 
-    def _own_cpu_pct(self) -> float | None:
+    def _own_cpu_pct(self, tree: dict[int, psutil.Process] | None = None) -> float | None:
         """CPU % (0..100 of all CPUs) this server's process tree used since the previous call.
         Process objects are kept between calls: ``cpu_percent`` measures from the previous call
         on the same object (a new process reads 0 on its first tick)."""
         gone = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
-        tree = self._tree()
+        tree = self._tree() if tree is None else tree
         known = self._cpu_procs
         for pid in list(known):
             if pid not in tree:
@@ -633,13 +634,12 @@ class DeviceSampler:
             return None
         return total / (psutil.cpu_count() or 1)
 
-    def _rss_bytes(self) -> int | None:
+    def _rss_bytes(self, tree: dict[int, psutil.Process]) -> int | None:
         """Summed RSS (bytes) of this process, its children and the given pids; vanished or
         inaccessible processes are skipped."""
         gone = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
-        procs = self._tree()
         total, seen = 0, 0
-        for proc in procs.values():
+        for proc in tree.values():
             try:
                 total += proc.memory_info().rss
                 seen += 1
