@@ -216,6 +216,44 @@ def test_step_durations_all_zero_are_no_periodic_spikes(tmp_path):
     assert not fired & {"periodic_itl_spikes", "batch_too_large", "host_bound_steps"}, fired
 
 
+def test_a_queue_filled_once_and_held_is_no_overload(tmp_path):
+    """Issue 18: a closed-loop jump in clients fills the engine queue once, then each completion
+    brings the next arrival and the queue holds level. Arrivals outran completions over the
+    three windows at the jump, so overload fired first and hid ttft_queueing; overload now
+    needs the queue to grow from each window to the next. The growing queue still fires."""
+    held = HEALTHY.but(duration_s=40, rate_per_s=6, queue_growth_ms_per_s=500, waiting=6)
+    path = tmp_path / "held.duckdb"
+    write_store(path, [HEALTHY, held], seed=4)
+    con = duckdb.connect(str(path), read_only=True)
+    fired = {f.rule_id for f in diagnose(con).findings}
+    con.close()
+    assert "overload" not in fired and "ttft_queueing" in fired, fired
+    path = tmp_path / "growing.duckdb"
+    write_store(path, [HEALTHY, held.but(waiting=0, waiting_growth_per_s=1)], seed=4)
+    con = duckdb.connect(str(path), read_only=True)
+    assert "overload" in {f.rule_id for f in diagnose(con).findings}
+    con.close()
+
+
+def test_slow_steps_back_to_back_are_no_periodic_spike(tmp_path):
+    """Issue 18: a neighbour that slows every step 20x for 20 s makes a run of slow steps whose
+    gaps are the steps themselves, as regular as a period. In the first CI run of the
+    host_contention scenario periodic_itl_spikes came first on exactly that; a spike must now
+    be a brief stall (at most half its period). Brief stalls every 5 s still fire."""
+    path = tmp_path / "sustained.duckdb"
+    write_store(path, [HEALTHY, HEALTHY.but(duration_s=20, step_ms=800), HEALTHY], seed=6)
+    con = duckdb.connect(str(path), read_only=True)
+    fired = {f.rule_id for f in diagnose(con).findings}
+    con.close()
+    assert "periodic_itl_spikes" not in fired, fired
+    path = tmp_path / "brief.duckdb"
+    write_store(path, [HEALTHY.but(duration_s=60, periodic_spike_s=5, periodic_spike_ms=800)], seed=6)
+    con = duckdb.connect(str(path), read_only=True)
+    (f,) = [f for f in diagnose(con).findings if f.rule_id == "periodic_itl_spikes"]
+    con.close()
+    assert 4.5 < f.evidence["period_s"] < 5.5 and f.evidence["spike_ms_p50"] >= 800
+
+
 def test_prefix_shorter_than_one_block_is_named_with_the_block_size(tmp_path):
     """Issue 19 item 10b: 50 completions sharing a 12-token prefix get 0 cached tokens; the
     report must say the shared prefix is below one 16-token block. A shared 12-token prefix

@@ -112,7 +112,6 @@ RULE = Rule(
     healthy_baseline="absolute",
     explains=(
         "host_bound_steps",
-        "periodic_itl_spikes",
         "ttft_prefill_bound",
         "ttft_queueing",
         "batch_too_large",

@@ -18,8 +18,14 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         done = sum(w.get("completions", 0) or 0 for w in run)
         waits = [w.get("waiting_mean") or 0 for w in run]
         ttfts = [w.get("ttft_p50") for w in run if w.get("ttft_p50") is not None]
+        # sustained: the queue grows from each window to the next. A closed-loop jump in
+        # clients fills the queue once; after it each completion brings the next arrival and
+        # the queue holds, which is a cap on the batch (ttft_queueing), not arrivals outgrowing it
+        step = p["min_queue_growth"] / (n - 1)
+        growing = all(b - a >= step for a, b in zip(waits, waits[1:]))
         if (
-            arr >= p["arrival_excess"] * max(done, 1)
+            growing
+            and arr >= p["arrival_excess"] * max(done, 1)
             and waits[-1] - waits[0] >= p["min_queue_growth"]
             and len(ttfts) >= 2
             and ttfts[-1] >= p["ttft_trend"] * ttfts[0]
@@ -60,7 +66,10 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 RULE = Rule(
     id="overload",
     title="arrivals exceed completions",
-    symptom="arrivals outpace completions while the queue and TTFT trend up together",
+    symptom=(
+        "arrivals outpace completions in every window of a run while the queue and TTFT trend "
+        "up together"
+    ),
     causes=(
         "offered load above capacity",
         "capacity dropped (fewer workers, throttling, restart)",
@@ -72,7 +81,9 @@ RULE = Rule(
         "arrival_excess": Param(1.2, "arrivals / completions over those windows"),
         "ttft_trend": Param(2.0, "TTFT p50 at the end / at the start of the run"),
         "min_queue_growth": Param(
-            1.0, "mean requests waiting in the engine grows by at least one over the run"
+            1.0,
+            "mean requests waiting in the engine grows by at least one over the run, and by "
+            "its share (1 / (min_windows - 1)) from each window to the next",
         ),
     },
     detect=detect,

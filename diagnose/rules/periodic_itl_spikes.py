@@ -8,15 +8,55 @@ import statistics
 from ..signals import Signals
 from ._common import Evidence, Param, Rule, _confidence
 
+# the host's CPU use outside the server (or, on a GPU, other processes on the device) during
+# the spike steps and during the other steps of the same span
+_NEIGHBOUR_SQL = """
+WITH spikes AS (SELECT unnest(?::BIGINT[]) AS s, unnest(?::BIGINT[]) AS e),
+     d AS (SELECT time_ns, {value} AS v FROM device_samples
+           WHERE kind = ? AND time_ns >= ? AND time_ns <= ? AND {value} IS NOT NULL)
+SELECT avg(v) FILTER (WHERE EXISTS (SELECT 1 FROM spikes WHERE time_ns BETWEEN s AND e)),
+       avg(v) FILTER (WHERE NOT EXISTS (SELECT 1 FROM spikes WHERE time_ns BETWEEN s AND e))
+FROM d
+"""
+
+
+def _neighbour(sig: Signals, rows: list) -> tuple[float | None, float | None]:
+    """Mean ``cpu_others_pct`` (host) or ``other_processes`` (GPU) in the device samples taken
+    during the spike steps, and in those taken between them; None where there are none."""
+    if sig.device_kind is None:
+        return None, None
+    value = "other_processes" if sig.device_kind == "gpu" else "cpu_others_pct"
+    starts = [r[0] for r in rows]
+    ends = [r[3] for r in rows]
+    return sig.con.execute(
+        _NEIGHBOUR_SQL.format(value=value),
+        [starts, ends, sig.device_kind, starts[0], ends[-1]],
+    ).fetchone()
+
+
+def _causes(sig: Signals, p: dict, during: float | None, between: float | None):
+    """A periodic job on the host first when the samples show a neighbour busy during the
+    spikes and not between them; otherwise the rule's order."""
+    host_job = during is not None and (
+        during >= 1
+        if sig.device_kind == "gpu"
+        else during >= p["others_cpu_pct"] and during >= 2 * (between or 0)
+    )
+    if not host_job:
+        return RULE.causes
+    first = RULE.causes[1]
+    return (first, *(c for c in RULE.causes if c != first))
+
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
     # a median step of 0 ms (durations not measured) would make every step a "spike"
     rows = sig.con.execute(
         """
-        WITH s AS (SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms, num_running
+        WITH s AS (SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms, num_running, end_ns
                    FROM engine_steps WHERE start_ns >= ? AND start_ns < ?
                      AND num_prefill_tokens = 0 AND num_decode_tokens > 0)
-        SELECT start_ns, ms, num_running FROM s, (SELECT quantile_cont(ms, 0.5) AS med FROM s)
+        SELECT start_ns, ms, num_running, end_ns
+        FROM s, (SELECT quantile_cont(ms, 0.5) AS med FROM s)
         WHERE med > 0 AND ms >= ? * med ORDER BY start_ns
         """,
         [sig.since_ns, sig.until_ns, p["spike"]],
@@ -36,23 +76,39 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if regular < p["min_regular"] or cv > p["max_cv"]:
         return None
     mean = statistics.mean(on_period)
+    # a spike is a brief stall that recurs: slow steps back to back (a sustained slowdown, the
+    # noisy neighbour of host_contention) have a "period" as long as the steps themselves
+    spike_s = statistics.median(r[1] for r in rows) / 1e3
+    if spike_s > p["max_duty"] * period:
+        return None
     running = [r[2] for r in rows]
+    during, between = _neighbour(sig, rows)
     return Evidence(
         f"{len(rows)} decode steps took ≥ {p['spike']:.0f}x the median step, every "
         f"{mean:.2f} s (period varies by {cv:.0%}), without a load change (running "
         f"{min(running)}–{max(running)}): something periodic (GC, a sampler, a cron, a checkpoint) "
-        f"stalls the loop",
+        f"stalls the loop"
+        + (
+            f"; processes outside the server used {during:.0f}% of the CPU during the spikes "
+            f"and {between or 0:.0f}% between them"
+            if during is not None and sig.device_kind == "host"
+            else ""
+        ),
         {
             "spikes": len(rows),
             "period_s": mean,
             "period_cv": cv,
             "spike_ms_max": max(r[1] for r in rows),
+            "spike_ms_p50": spike_s * 1e3,
+            "neighbour_during_spikes": during,
+            "neighbour_between_spikes": between,
         },
         (times[0], times[-1]),
         "first_token_ns < ? AND last_token_ns > ?",
         [times[-1], times[0]],
         "warning",
         _confidence(p["max_cv"] / max(cv, 1e-3), len(rows) / p["min_spikes"]),
+        causes=_causes(sig, p, during, between),
     )
 
 
@@ -72,8 +128,20 @@ RULE = Rule(
         "min_spikes": Param(5, "spikes needed"),
         "max_cv": Param(0.2, "coefficient of variation of the spike period"),
         "min_regular": Param(0.8, "share of spike gaps that are a multiple of the period"),
+        "max_duty": Param(
+            0.5,
+            "median spike step / the period: above it the slow steps run back to back, a "
+            "sustained slowdown rather than a recurring stall",
+        ),
+        "others_cpu_pct": Param(
+            20.0,
+            "CPU % used outside the server during the spikes that names a host job first "
+            "(host_contention's threshold), and at least twice that between them",
+        ),
     },
     detect=detect,
     healthy_baseline="absolute",
+    # the periodic job is the more specific diagnosis: its period is how to find it
+    explains=("host_contention",),
     evidence_signals=("step_ms_p99", "itl_max"),
 )
