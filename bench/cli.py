@@ -63,6 +63,7 @@ def run_bench(
     drain_timeout: float = 300.0,
     ignore_eos: bool = True,
     temperature: float = 0.0,
+    top_p: float = 1.0,
     abort_fraction: float = 0.0,
     progress: bool = True,
     console: Console | None = None,
@@ -127,6 +128,8 @@ def run_bench(
         )
     if not 0.0 <= temperature <= 2.0:
         raise BenchInputError("--temperature must be in [0, 2]")
+    if not 0.0 < top_p <= 1.0:
+        raise BenchInputError("--top-p must be in (0, 1]")
 
     if phases is not None:
         try:
@@ -202,6 +205,7 @@ def run_bench(
         drain_timeout=drain_timeout,
         ignore_eos=ignore_eos,
         temperature=temperature,
+        top_p=top_p,
         abort_fraction=abort_fraction,
     )
     try:
@@ -351,6 +355,9 @@ def bench(
     ] = 300.0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos/--no-ignore-eos")] = True,
     temperature: Annotated[float, typer.Option()] = 0.0,
+    top_p: Annotated[
+        float, typer.Option(help="Nucleus sampling share sent with each request (0..1].")
+    ] = 1.0,
     abort_fraction: Annotated[
         float,
         typer.Option(help="Share of requests the client aborts mid-stream (0..1; drills)."),
@@ -369,7 +376,7 @@ def bench(
             dataset=dataset, tokenizer=tokenizer, goodput=goodput, extra=slos, seed=seed,
             out=output, record_to=record_to, from_results=from_results, timeout=timeout,
             drain_timeout=drain_timeout, ignore_eos=ignore_eos, temperature=temperature,
-            abort_fraction=abort_fraction, progress=progress, console=out, err_console=err,
+            top_p=top_p, abort_fraction=abort_fraction, progress=progress, console=out, err_console=err,
         )  # fmt: skip
     except BenchInputError as exc:
         fail(str(exc))

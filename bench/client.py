@@ -141,6 +141,7 @@ class BenchConfig:
     drain_timeout: float = 300.0
     ignore_eos: bool = True
     temperature: float = 0.0
+    top_p: float = 1.0
     abort_fraction: float = 0.0
 
     @property
@@ -219,7 +220,13 @@ async def send_one(
 ) -> RequestResult:
     """Send ``req``, stream the answer and fill ``res`` (never raises but CancelledError)."""
     traceparent, res.trace_id = new_traceparent()
-    body = req.body(cfg.endpoint, model, ignore_eos=cfg.ignore_eos, temperature=cfg.temperature)
+    body = req.body(
+        cfg.endpoint,
+        model,
+        ignore_eos=cfg.ignore_eos,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+    )
     headers = _headers(cfg.api_key, res.request_id, traceparent)
     content_key = "delta" if cfg.endpoint == "chat" else None
     chunks: list[float] = []

@@ -211,6 +211,7 @@ def workload_description(cfg) -> dict:
         "output_tokens": str(w.output_tokens),
         "ignore_eos": cfg.ignore_eos,
         "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
     }
     if w.shared_prefix:
         length, group, volatile = w.shared_prefix

@@ -237,9 +237,16 @@ class BenchRequest:
         return "\n\n".join(m["content"] for m in self.messages)
 
     def body(
-        self, endpoint: str, model: str, *, ignore_eos: bool = True, temperature: float = 0.0
+        self,
+        endpoint: str,
+        model: str,
+        *,
+        ignore_eos: bool = True,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
     ) -> dict:
-        """The JSON body of a streamed request with usage at the end."""
+        """The JSON body of a streamed request with usage at the end (``top_p`` only when
+        below 1)."""
         b: dict = {
             "model": model,
             "max_tokens": self.max_tokens,
@@ -247,6 +254,8 @@ class BenchRequest:
             "stream_options": {"include_usage": True},
             "temperature": temperature,
         }
+        if top_p < 1.0:
+            b["top_p"] = top_p
         if ignore_eos:
             b["ignore_eos"] = True
         if endpoint == "chat":

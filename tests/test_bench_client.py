@@ -406,6 +406,9 @@ def test_dataset_prompts_and_sharegpt(tmp_path):
     assert r1.messages[-1]["content"] == "Name a color." and r1.max_tokens == 4
     assert r1.tag == "line-3" and r2.messages == r0.messages  # cycled
     assert r1.body("completions", "m")["prompt"] == "Be brief.\n\nHi\n\nHello!\n\nName a color."
+    # nucleus sampling is sent only when asked for (the server's default is 1)
+    assert "top_p" not in r1.body("chat", "m")
+    assert r1.body("chat", "m", temperature=1.0, top_p=0.9)["top_p"] == 0.9
 
 
 @pytest.mark.parametrize(
@@ -602,6 +605,8 @@ def test_cli_bad_input_is_one_line(tmp_path):
         ),
         ({"concurrency": 4, "phases": "a:1s@1000000x"}, "asks for 4e+06 clients"),
         ({"request_rate": 1.0, "phases": "a:nans"}, "bad duration"),
+        ({"top_p": 0.0}, "--top-p must be in (0, 1]"),
+        ({"top_p": 1.5}, "--top-p must be in (0, 1]"),
     ],
 )
 def test_bad_numbers_are_refused_before_anything_is_sent(kwargs, message):
