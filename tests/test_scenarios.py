@@ -61,7 +61,7 @@ def test_host_load_drills_are_parsed_and_checked():
         {"start_s": 20.0, "duration_s": 20.0, "procs": 2, "every_s": None, "busy_s": None}
     ]
     periodic = load("periodic_itl_spikes").host_load[0]
-    assert (periodic["every_s"], periodic["busy_s"]) == (5.0, 0.7)
+    assert (periodic["every_s"], periodic["busy_s"]) == (6.0, 1.5)
     assert load("healthy").host_load == []
     for bad, needle in (
         ({"duration_s": 0}, "duration_s > 0"),

@@ -3,41 +3,69 @@
 from __future__ import annotations
 
 from ..signals import Signals
-from ._common import Evidence, Param, Rule, _confidence, _in_window, _varies, _when
+from ._common import Evidence, Param, Rule, _confidence, _when
+
+# per window, the decode-only steps: their mean batch, their median time and the tokens they
+# made per second of step time (the engine's rate while it decodes; idle time and prefill
+# chunks left out, so neither a lull in traffic nor a burst of new prompts reads as the batch)
+_DECODE_RATE_SQL = """
+WITH w AS (SELECT unnest(?::BIGINT[]) AS ws, unnest(?::BIGINT[]) AS we)
+SELECT ws, avg(num_decode_tokens) AS batch,
+       sum(num_decode_tokens) / (sum(end_ns - start_ns) / 1e9) AS tok_s,
+       quantile_cont((end_ns - start_ns) / 1e6, 0.5) AS step_ms
+FROM w JOIN engine_steps ON start_ns >= ws AND start_ns < we
+WHERE num_prefill_tokens = 0 AND num_decode_tokens > 0 AND end_ns > start_ns
+GROUP BY ws HAVING count(*) >= ?
+ORDER BY ws
+"""
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
-    # the batch as the step ran it (prefill chunks + decodes), not num_running, which is
-    # counted after the step and reads 0 when every request finishes in its step
-    ws = [w for w in sig.busy() if w.get("throughput_tok_s") and w.get("batch_mean") is not None]
-    if len(ws) < p["min_windows"] or not _varies(ws, "batch_mean"):
+    if not sig.windows:
         return None
-    ws.sort(key=lambda w: w.get("batch_mean"))
-    peak = max(ws, key=lambda w: w.get("throughput_tok_s"))
-    if peak.get("batch_mean") <= 0:
+    rates = sig.con.execute(
+        _DECODE_RATE_SQL,
+        [[w.start_ns for w in sig.windows], [w.end_ns for w in sig.windows], p["min_steps"]],
+    ).fetchall()
+    by_start = {w.start_ns: w for w in sig.windows}
+    ws = [(by_start[r[0]], r[1], r[2], r[3]) for r in rates]
+    if len(ws) < p["min_windows"] or len({round(b, 1) for _, b, _, _ in ws}) < 2:
         return None
-    bigger = [w for w in ws if w.get("batch_mean") >= p["batch_growth"] * peak.get("batch_mean")]
+    peak = max(ws, key=lambda x: x[2])
+    bigger = [x for x in ws if x[1] >= p["batch_growth"] * peak[1]]
     if not bigger:
         return None
-    worst = min(bigger, key=lambda w: w.get("throughput_tok_s"))
-    drop = worst.get("throughput_tok_s") / peak.get("throughput_tok_s")
+    worst = min(bigger, key=lambda x: x[2])
+    drop = worst[2] / peak[2]
     if drop > 1 - p["throughput_drop"]:
         return None
+    w = worst[0]
+    weights = w.get("decode_weight_byte_share")
     return Evidence(
-        f"throughput fell from {peak.get('throughput_tok_s'):.0f} tok/s at a batch of "
-        f"{peak.get('batch_mean'):.1f} to {worst.get('throughput_tok_s'):.0f} tok/s at "
-        f"{worst.get('batch_mean'):.1f} ({_when(worst)}): past the knee, a bigger batch only "
-        f"slows every step",
+        f"decode ran at {peak[2]:.0f} tok/s with a batch of {peak[1]:.1f} "
+        f"({_when(peak[0])}, {peak[3]:.0f} ms a step) and at {worst[2]:.0f} tok/s with "
+        f"{worst[1]:.1f} ({_when(w)}, {worst[3]:.0f} ms a step): past the knee, a bigger "
+        f"batch slows every step more than it adds rows"
+        + (
+            f"; the KV cache was {1 - weights:.0%} of the bytes those decode steps read"
+            if weights is not None
+            else ""
+        ),
         {
-            "peak_throughput_tok_s": peak.get("throughput_tok_s"),
-            "peak_batch": peak.get("batch_mean"),
-            "throughput_tok_s": worst.get("throughput_tok_s"),
-            "batch": worst.get("batch_mean"),
-            "step_ms_p50_at_peak": peak.get("step_ms_p50"),
-            "step_ms_p50": worst.get("step_ms_p50"),
+            "peak_throughput_tok_s": peak[2],
+            "peak_batch": peak[1],
+            "throughput_tok_s": worst[2],
+            "batch": worst[1],
+            "step_ms_p50_at_peak": peak[3],
+            "step_ms_p50": worst[3],
+            "kv_share_of_decode_bytes": None if weights is None else 1 - weights,
+            "windows_past_the_knee": sum(
+                1 for x in bigger if x[2] <= (1 - p["throughput_drop"]) * peak[2]
+            ),
         },
-        (worst.start_ns, worst.end_ns),
-        *_in_window(worst),
+        (w.start_ns, w.end_ns),
+        "first_token_ns < ? AND last_token_ns > ?",
+        [w.end_ns, w.start_ns],
         "warning",
         _confidence((1 - drop) / p["throughput_drop"]),
     )
@@ -51,9 +79,14 @@ RULE = Rule(
     checks=("step time vs batch across windows",),
     knob="--max-num-seqs down to the batch with the peak tokens/s",
     params={
-        "min_windows": Param(4, "windows with traffic needed"),
-        "batch_growth": Param(1.5, "batch vs the peak-throughput batch"),
-        "throughput_drop": Param(0.15, "tokens/s below the peak"),
+        "min_windows": Param(4, "windows with decode steps needed"),
+        "min_steps": Param(2, "decode-only steps a window needs to count"),
+        "batch_growth": Param(1.5, "decode batch vs the batch of the peak decode rate"),
+        "throughput_drop": Param(
+            0.15,
+            "decode tokens per second of step time below the peak (seed 003 §5.2: a bigger "
+            "batch need not raise throughput once KV reads outgrow the weight reads)",
+        ),
     },
     detect=detect,
     healthy_baseline="absolute",

@@ -48,19 +48,40 @@ def _causes(sig: Signals, p: dict, during: float | None, between: float | None):
     return (first, *(c for c in RULE.causes if c != first))
 
 
+def _spikes(slow: list, spike: float) -> list[tuple[int, float, int, int]]:
+    """Slow decode steps (``(i, start_ns, ms, num_running, end_ns, median_ms)``, ``i`` the
+    step's place among the decode steps) → spikes ``(start_ns, ms, num_running, end_ns)``.
+    A spike is a run of consecutive slow steps lasting ``spike`` x the median step in all: a
+    process stalled outright stretches one step, a CPU shared for a second slows the few
+    steps it overlaps, and the client sees one bump in ITL either way."""
+    out: list[tuple[int, float, int, int]] = []
+    run: list = []
+    for row in [*slow, None]:
+        if run and (row is None or row[0] != run[-1][0] + 1):
+            ms = sum(r[2] for r in run)
+            if ms >= spike * run[0][5]:
+                out.append((run[0][1], ms, max(r[3] for r in run), run[-1][4]))
+            run = []
+        if row is not None:
+            run.append(row)
+    return out
+
+
 def detect(sig: Signals, p: dict) -> Evidence | None:
     # a median step of 0 ms (durations not measured) would make every step a "spike"
-    rows = sig.con.execute(
+    slow = sig.con.execute(
         """
-        WITH s AS (SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms, num_running, end_ns
+        WITH s AS (SELECT row_number() OVER (ORDER BY start_ns) AS i, start_ns, end_ns,
+                          (end_ns - start_ns) / 1e6 AS ms, num_running
                    FROM engine_steps WHERE start_ns >= ? AND start_ns < ?
                      AND num_prefill_tokens = 0 AND num_decode_tokens > 0)
-        SELECT start_ns, ms, num_running, end_ns
+        SELECT i, start_ns, ms, num_running, end_ns, med
         FROM s, (SELECT quantile_cont(ms, 0.5) AS med FROM s)
         WHERE med > 0 AND ms >= ? * med ORDER BY start_ns
         """,
-        [sig.since_ns, sig.until_ns, p["spike"]],
+        [sig.since_ns, sig.until_ns, p["slow_step"]],
     ).fetchall()
+    rows = _spikes(slow, p["spike"])
     if len(rows) < p["min_spikes"]:
         return None
     times = [r[0] for r in rows]
@@ -84,7 +105,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     running = [r[2] for r in rows]
     during, between = _neighbour(sig, rows)
     return Evidence(
-        f"{len(rows)} decode steps took ≥ {p['spike']:.0f}x the median step, every "
+        f"{len(rows)} times decode stalled for ≥ {p['spike']:.0f}x the median step, every "
         f"{mean:.2f} s (period varies by {cv:.0%}), without a load change (running "
         f"{min(running)}–{max(running)}): something periodic (GC, a sampler, a cron, a checkpoint) "
         f"stalls the loop"
@@ -124,7 +145,10 @@ RULE = Rule(
     checks=("spike period vs known periodic jobs",),
     knob="find the periodic job; pin the engine to its own cores",
     params={
-        "spike": Param(5.0, "decode step vs the median decode step"),
+        "spike": Param(5.0, "a spike's time (its slow steps in a row) vs the median decode step"),
+        "slow_step": Param(
+            2.0, "a decode step this many times the median is slow; slow steps in a row are one spike"
+        ),
         "min_spikes": Param(5, "spikes needed"),
         "max_cv": Param(0.2, "coefficient of variation of the spike period"),
         "min_regular": Param(0.8, "share of spike gaps that are a multiple of the period"),
