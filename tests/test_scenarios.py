@@ -14,26 +14,28 @@ import pytest
 
 from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, server_launch
 
-# every scenario that passed a quiet run but kv_pressure_preemption (about 3 minutes alone); the
-# rest take 30-90 s each on a quiet 2-core VM (the two quantization ones 60 and 77 s,
-# host_contention 87 s). The scenarios of issue 18 not yet passing on a quiet VM are left out
-# (benchmarks/RESULTS.md says which and what they showed)
+# the scenarios that take up to ~90 s each on a quiet 2-core VM. `make scenarios` runs these
+# and the slow ones: kv_pressure_preemption (~3 minutes), batch_too_large (~3 minutes: 64
+# rows of 1,000-token contexts), midstream_stall (~130 s) and queueing_overload (~130 s; its
+# traffic is the demo's tour, and tests/test_demo.py checks that `overload` comes first there)
 FAST = [
     "healthy",
     "batching_ineffective",
     "client_server_ttft_gap",
     "error_spike",
     "head_of_line_blocking",
+    "host_bound_steps",
     "host_contention",
     "itl_frontend_overhead",
     "itl_prefill_interference",
     "kv_block_leak",
     "oom_low_average_memory",
+    "periodic_itl_spikes",
     "prefix_cache_miss",
     "quantization_decode_heavy",
     "quantization_no_gain",
-    "queueing_overload",
     "ttft_prefill_bound",
+    "ttft_queueing",
 ]
 
 
