@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import time
 
 
 def _burn(until: float, every_s: float | None, busy_s: float | None) -> None:
-    """Spin until ``until`` (``time.monotonic()``); periodic: ``busy_s`` of every ``every_s``."""
+    """Spin until ``until`` (``time.monotonic()``); periodic: ``busy_s`` of every ``every_s``.
+
+    Each spinning process starts its own session, as separate services do (systemd gives each
+    its own cgroup): with the kernel's autogroup scheduling, processes of one session share one
+    fair share of the CPU, so N spinners in one session weigh like one neighbour, not N."""
+    os.setsid()
     x = 0
     if not every_s:
         while time.monotonic() < until:

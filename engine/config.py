@@ -86,6 +86,12 @@ class EngineConfig:
         "fcfs", "fcfs | priority (lower value = served first, then arrival)"
     )
     kv_cache_memory: int = knob(DEFAULT_KV_CACHE_MEMORY, "KV cache bytes on CPU.", min=1)
+    cpu_threads: int = knob(
+        0,
+        "CPU threads for the forward; 0 = the cores other processes leave free, re-read every "
+        "second (engine/cpu_threads.py). CPU only.",
+        min=0,
+    )
     gpu_memory_utilization: float = knob(
         0.9,
         "Fraction of GPU memory the engine may use (weights, activations and KV cache) on CUDA.",

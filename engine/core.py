@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .cpu_threads import ThreadGovernor
 from .detokenizer import IncrementalDetokenizer
 from .messages import EngineStats, RequestOutput, StepRecord
 from .model_config import ModelConfig
@@ -69,6 +70,8 @@ class EngineCore:
         self.pid = os.getpid()
         self.cost = model_cost(self.runner)
         self.model_info = model_info(self.runner)
+        on_cpu = getattr(getattr(self.runner, "device", None), "type", "cpu") == "cpu"
+        self.threads = ThreadGovernor(fixed=config.cpu_threads) if on_cpu else None
         if self.model_info:
             log.info(
                 "weights %d bytes %s; KV cache %d bytes (%d per token) on %s",
@@ -138,6 +141,8 @@ class EngineCore:
         and the step record (None when there was nothing to do)."""
         if not self.scheduler.has_work():
             return [], None
+        if self.threads is not None:
+            self.threads.tick()
         start_ns = time.time_ns()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -289,6 +294,7 @@ class EngineCore:
             prefix_cache_hits=bm.prefix_hits,
             max_model_len=self.max_model_len,
             block_size=self.config.block_size,
+            cpu_threads=self.threads.threads if self.threads is not None else 0,
         )
 
 

@@ -172,6 +172,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prefix_cache_hits: int
     max_model_len: int
     block_size: int
+    cpu_threads: int = 0  # the forward's CPU threads now (0 on CUDA)
 
 
 # ----- API → engine -----

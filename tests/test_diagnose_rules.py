@@ -247,7 +247,9 @@ def test_slow_steps_back_to_back_are_no_periodic_spike(tmp_path):
     con.close()
     assert "periodic_itl_spikes" not in fired, fired
     path = tmp_path / "brief.duckdb"
-    write_store(path, [HEALTHY.but(duration_s=60, periodic_spike_s=5, periodic_spike_ms=800)], seed=6)
+    write_store(
+        path, [HEALTHY.but(duration_s=60, periodic_spike_s=5, periodic_spike_ms=800)], seed=6
+    )
     con = duckdb.connect(str(path), read_only=True)
     (f,) = [f for f in diagnose(con).findings if f.rule_id == "periodic_itl_spikes"]
     con.close()

@@ -60,7 +60,7 @@ def test_host_load_drills_are_parsed_and_checked():
 
     hc = load("host_contention").host_load
     assert hc == [
-        {"start_s": 20.0, "duration_s": 20.0, "procs": 2, "every_s": None, "busy_s": None}
+        {"start_s": 20.0, "duration_s": 20.0, "procs": 4, "every_s": None, "busy_s": None}
     ]
     periodic = load("periodic_itl_spikes").host_load[0]
     assert (periodic["every_s"], periodic["busy_s"]) == (6.0, 1.5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 from ..signals import Signals
@@ -22,7 +23,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         # clients fills the queue once; after it each completion brings the next arrival and
         # the queue holds, which is a cap on the batch (ttft_queueing), not arrivals outgrowing it
         step = p["min_queue_growth"] / (n - 1)
-        growing = all(b - a >= step for a, b in zip(waits, waits[1:]))
+        growing = all(b - a >= step for a, b in itertools.pairwise(waits))
         if (
             growing
             and arr >= p["arrival_excess"] * max(done, 1)

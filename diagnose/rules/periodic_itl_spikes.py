@@ -147,7 +147,8 @@ RULE = Rule(
     params={
         "spike": Param(5.0, "a spike's time (its slow steps in a row) vs the median decode step"),
         "slow_step": Param(
-            2.0, "a decode step this many times the median is slow; slow steps in a row are one spike"
+            2.0,
+            "a decode step this many times the median is slow; slow steps in a row are one spike",
         ),
         "min_spikes": Param(5, "spikes needed"),
         "max_cv": Param(0.2, "coefficient of variation of the spike period"),
