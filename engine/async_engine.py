@@ -228,8 +228,12 @@ class AsyncEngine:
                     f"engine core is not taking requests ({self.dead_reason or 'queue full'})"
                 )
             while True:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
+                # that lands as the item arrives, and a route cancelling a stream whose client
+                # left would then wait for the whole answer
                 try:
-                    item = await asyncio.wait_for(queue.get(), LIVENESS_CHECK_S)
+                    async with asyncio.timeout(LIVENESS_CHECK_S):
+                        item = await queue.get()
                 except TimeoutError:
                     if not self.alive or self._reader is None or self._reader.done():
                         finished = True
@@ -315,7 +319,8 @@ class AsyncEngine:
         # Wait on poll, never on recv: cancelling a pending zmq recv (as a timeout does) can
         # drop a message that arrived at that instant, and a lost output hangs its stream.
         try:
-            events = await asyncio.wait_for(self._pull.poll(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                events = await self._pull.poll()
         except TimeoutError:
             return None
         if not events:

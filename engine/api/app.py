@@ -665,9 +665,13 @@ async def _collect_unless_gone(
     finally:
         watch.cancel()
     if not collect.done():
-        collect.cancel()
+        # cancel until it is done: a cancel that lands as an output arrives can be lost in
+        # the stream's own waits, and the request would run on to its last token
+        while not collect.done():
+            collect.cancel()
+            await asyncio.wait({collect}, timeout=0.5)
         with contextlib.suppress(asyncio.CancelledError, Exception):
-            await collect
+            collect.result()
         await outputs.aclose()  # the engine aborts the request in its next step
         tl.client_disconnected = True
         tl.client_disconnect_ns = time.time_ns()
