@@ -35,6 +35,15 @@ def _burn(until: float, every_s: float | None, busy_s: float | None) -> None:
             time.sleep(min(every_s - phase, until - now))
 
 
+def spin_on_cpu(cpu: int, seconds: float) -> None:
+    """Spin on CPU ``cpu`` alone for ``seconds`` (a neighbour pinned to one core; run it in a
+    process of its own). Raises OSError where ``cpu`` is not in this machine's affinity set."""
+    os.sched_setaffinity(0, {cpu})
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
 def hog(procs: int, duration_s: float, every_s: float | None = None, busy_s: float | None = None):
     """Run ``procs`` spinning processes for ``duration_s`` seconds and wait for them.
 

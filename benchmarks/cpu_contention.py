@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from tokenmill.bench.cpu_hog import spin_on_cpu
+
 OUT = Path(__file__).parent / "results"
 CHILD = r"""
 import json, sys, time
@@ -44,13 +46,6 @@ print(json.dumps({"decode_tok_s": decode, "prefill_tok_s": prefill,
 """
 
 
-def _spin(seconds: float) -> None:
-    os.sched_setaffinity(0, {0})
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        pass
-
-
 def run_one(cpu_threads: int) -> dict:
     r = subprocess.run(
         [sys.executable, "-c", CHILD, str(cpu_threads)],
@@ -70,7 +65,9 @@ def main() -> None:
         for label, threads in (("--cpu-threads 2", 2), ("auto", 0)):
             hog = None
             if host == "neighbour":
-                hog = mp.get_context("spawn").Process(target=_spin, args=(600.0,), daemon=True)
+                hog = mp.get_context("spawn").Process(
+                    target=spin_on_cpu, args=(0, 600.0), daemon=True
+                )
                 hog.start()
                 time.sleep(1.0)
             try:

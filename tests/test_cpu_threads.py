@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tokenmill.bench.cpu_hog import spin_on_cpu
 from tokenmill.engine.cpu_threads import ThreadGovernor, pick_threads, read_proc
 
 
@@ -101,13 +102,6 @@ def test_fixed_count_and_long_gaps():
         ThreadGovernor(fixed=-1, set_threads=lambda n: None)
 
 
-def _spin(seconds: float) -> None:
-    os.sched_setaffinity(0, {0})
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        pass
-
-
 @pytest.mark.skipif(
     read_proc() is None or len(os.sched_getaffinity(0)) < 2, reason="needs /proc and 2 CPUs"
 )
@@ -116,7 +110,7 @@ def test_a_real_spinning_neighbour_on_one_core_takes_one_thread():
     on both cores. The governor must drop to one thread; readings are taken until it does."""
     applied: list[int] = []
     gov = ThreadGovernor(cores=2, interval_s=0.25, set_threads=applied.append)
-    hog = mp.get_context("spawn").Process(target=_spin, args=(60.0,), daemon=True)
+    hog = mp.get_context("spawn").Process(target=spin_on_cpu, args=(0, 60.0), daemon=True)
     hog.start()
     try:
         for _ in range(200):  # a liveness bound, not a speed bound

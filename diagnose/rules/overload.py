@@ -12,6 +12,11 @@ from ._common import Alert, Evidence, Param, Rule, _clock, _confidence, _ms, _se
 def detect(sig: Signals, p: dict) -> Evidence | None:
     ws = sig.busy()
     n = int(p["min_windows"])
+    # sustained: the queue grows from each window to the next (so by min_queue_growth over the
+    # run). A closed-loop jump in clients fills the queue once; after it each completion brings
+    # the next arrival and the queue holds, which is a cap on the batch (ttft_queueing), not
+    # arrivals outgrowing it
+    step = p["min_queue_growth"] / (n - 1)
     best = None
     for i in range(len(ws) - n + 1):
         run = ws[i : i + n]
@@ -19,15 +24,10 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         done = sum(w.get("completions", 0) or 0 for w in run)
         waits = [w.get("waiting_mean") or 0 for w in run]
         ttfts = [w.get("ttft_p50") for w in run if w.get("ttft_p50") is not None]
-        # sustained: the queue grows from each window to the next. A closed-loop jump in
-        # clients fills the queue once; after it each completion brings the next arrival and
-        # the queue holds, which is a cap on the batch (ttft_queueing), not arrivals outgrowing it
-        step = p["min_queue_growth"] / (n - 1)
         growing = all(b - a >= step for a, b in itertools.pairwise(waits))
         if (
             growing
             and arr >= p["arrival_excess"] * max(done, 1)
-            and waits[-1] - waits[0] >= p["min_queue_growth"]
             and len(ttfts) >= 2
             and ttfts[-1] >= p["ttft_trend"] * ttfts[0]
         ):
