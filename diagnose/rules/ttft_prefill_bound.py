@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..signals import Signals, Window
+from ..signals import COMPLETED_SQL, Signals, Window
 from ._common import (
     _BASE,
     Alert,
@@ -35,6 +35,14 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     w = _worst(sig, "ttft_p99", hit)
     if w is None:
         return None
+    # one oversized prompt is an outlier (oom_low_average_memory, tenant limits), not a trend
+    slow = sig.con.execute(
+        f"SELECT count(*) FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? AND {COMPLETED_SQL} "
+        "AND ttft_ms >= ? AND prefill_ms >= ? * ttft_ms",
+        [sig.since_ns, sig.until_ns, p["ttft_rise"] * base, p["prefill_share"]],
+    ).fetchone()[0]
+    if slow < p["min_requests"]:
+        return None
     r = _ratio(w.get("ttft_p99"), base)
     where, params = _in_window(w)
     hit_rate = w.get("prefix_hit_rate")
@@ -42,7 +50,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         f"TTFT p99 rose from {_ms(base)} to {_ms(w.get('ttft_p99'))} in {_when(w)}; "
         f"{w.get('prefill_share_of_ttft'):.0%} of it was prefill (prompt p50 "
         f"{w.get('input_p50') or 0:.0f}, p99 {w.get('input_p99') or 0:.0f} tokens; prefix-cache hit "
-        f"rate {(hit_rate or 0):.0%})",
+        f"rate {(hit_rate or 0):.0%}); {slow} requests that slow",
         {
             "ttft_p99_ms": w.get("ttft_p99"),
             "baseline_ttft_p99_ms": base,
@@ -51,6 +59,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "input_tokens_p50": w.get("input_p50"),
             "input_tokens_p99": w.get("input_p99"),
             "prefix_hit_rate": hit_rate,
+            "slow_prefill_requests": slow,
         },
         (w.start_ns, w.end_ns),
         where + " AND prefill_ms > 0.5 * ttft_ms",
@@ -79,6 +88,11 @@ RULE = Rule(
         "ttft_rise": Param(3.0, f"TTFT p99 {_BASE}"),
         "prefill_share": Param(0.5, "prefill time is the larger part of TTFT"),
         "prefill_rise": Param(2.0, f"prefill time p99 {_BASE}: prefill itself got slower"),
+        "min_requests": Param(
+            2,
+            "requests in the range with TTFT at ttft_rise x the baseline, prefill the larger part: "
+            "one oversized prompt is an outlier, not a trend",
+        ),
     },
     detect=detect,
     healthy_baseline="needs",
