@@ -8,8 +8,12 @@ become span events with their step id on the station whose interval holds them.
 
 Definitions used everywhere (the seed articles' and vLLM's):
 - TTFT: arrival at the gateway → the first output token sampled (ms).
-- ITL: the gap between consecutive output tokens (ms); ``output_tokens − 1`` of them.
-- TPOT: decode time / (output_tokens − 1) (ms), the mean ITL.
+- ITL: the gap between consecutive token arrivals (ms), as vLLM's benchmark counts it: tokens
+  the engine produced in one step (speculative decoding accepts several at once; they share one
+  timestamp) are one arrival, so they add no zero gaps. ``output_tokens − 1`` gaps without
+  speculation, fewer with it.
+- TPOT: decode time / (output_tokens − 1) (ms): the mean time per output token after the first,
+  which with multi-token steps is below the mean ITL.
 - E2E latency: arrival → the request span's end (after the last byte and metering) (ms).
 - queue time: engine queued → first scheduled; prefill time: first scheduled → first token;
   decode time: first token → last token.
@@ -46,9 +50,24 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def itl_ms(tl: RequestTimeline) -> list[float]:
-    """Inter-token latencies (ms) from the engine's per-token times: ``len(token_ns) − 1``."""
-    t = tl.token_ns
-    return [(b - a) * _MS for a, b in itertools.pairwise(t)]
+    """Inter-token latencies (ms) from the engine's per-token times: the gaps between
+    consecutive distinct times. Tokens of one engine step (speculative decoding: the sampled
+    token and the accepted draft tokens) carry the same time and count as one arrival, so a
+    request gets one gap per step that gave it tokens, never a zero gap."""
+    arrivals = [t for i, t in enumerate(tl.token_ns) if i == 0 or t != tl.token_ns[i - 1]]
+    return [(b - a) * _MS for a, b in itertools.pairwise(arrivals)]
+
+
+def decode_ms(tl: RequestTimeline) -> float | None:
+    """First token → last token (ms); None before the first token."""
+    last = tl.token_ns[-1] if tl.token_ns else None
+    return (last - tl.first_token_ns) * _MS if tl.first_token_ns and last else None
+
+
+def tpot_ms(tl: RequestTimeline) -> float | None:
+    """Decode time / (output_tokens − 1) (ms); None under two output tokens."""
+    d, n = decode_ms(tl), tl.output_tokens
+    return d / (n - 1) if d is not None and n >= 2 else None
 
 
 def station_intervals(tl: RequestTimeline) -> dict[str, tuple[int, int]]:
@@ -94,7 +113,6 @@ def request_row(
     itl = itl_ms(tl)
     n = tl.output_tokens
     last_token = tl.token_ns[-1] if tl.token_ns else None
-    decode_ms = (last_token - tl.first_token_ns) * _MS if tl.first_token_ns and last_token else None
     row = RequestRow(
         request_id=tl.request_id or tl.client_request_id or trace_id,
         client_request_id=tl.client_request_id,
@@ -117,8 +135,8 @@ def request_row(
         prefill_ms=(tl.first_token_ns - tl.scheduled_ns) * _MS
         if tl.first_token_ns and tl.scheduled_ns
         else None,
-        decode_ms=decode_ms,
-        tpot_ms=decode_ms / (n - 1) if decode_ms is not None and n >= 2 else None,
+        decode_ms=decode_ms(tl),
+        tpot_ms=tpot_ms(tl),
         itl_p50_ms=percentile(itl, 50),
         itl_p99_ms=percentile(itl, 99),
         itl_max_ms=max(itl) if itl else None,
@@ -278,7 +296,7 @@ def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict
                 "tokenmill.decode.itl_ms": itl,
                 "tokenmill.decode.itl_p50_ms": percentile(itl, 50),
                 "tokenmill.decode.itl_p99_ms": percentile(itl, 99),
-                "tokenmill.decode.tpot_ms": (sum(itl) / len(itl)) if itl else None,
+                "tokenmill.decode.tpot_ms": tpot_ms(tl),
             }
         ),
         "stream": _attrs(

@@ -4,6 +4,7 @@ OTLP export received by a real HTTP endpoint on 127.0.0.1."""
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -58,6 +59,26 @@ def test_completed_timeline_gives_root_and_eight_stations_with_engine_times():
     assert '"name": "chunk"' in spans["prefill"]["events"]
     assert '"tokenmill.step_id": 7' in spans["decode"]["events"]  # preempted mid-decode
     assert spans["request"]["trace_id"] == trace_id and spans["request"]["kind"] == "SERVER"
+
+
+def test_tokens_of_one_step_are_one_arrival_for_itl():
+    """Speculative decoding gives a request several tokens in one step, all with that step's
+    time: ITL counts arrivals (no zero gaps, as vLLM's benchmark), TPOT still divides the decode
+    time by every output token after the first."""
+    tl = _completed()
+    ms = 1_000_000
+    # tokens 1-3 in one step (2 accepted drafts), 4, then 5-6 together
+    tl.token_ns = [T0 + 5 * ms, T0 + 7 * ms, T0 + 7 * ms, T0 + 7 * ms, T0 + 9 * ms]
+    tl.token_ns += [T0 + 12 * ms, T0 + 12 * ms]
+    tl.output_tokens = 7
+    _, req, itl, spans = _spans(tl)
+    assert itl == [2.0, 2.0, 3.0]
+    assert req["itl_p50_ms"] == 2.0 and req["itl_max_ms"] == 3.0
+    assert req["decode_ms"] == 7.0 and req["tpot_ms"] == 7.0 / 6
+    attrs = json.loads(spans["decode"]["attributes"])
+    assert attrs["tokenmill.decode.itl_ms"] == [2.0, 2.0, 3.0]
+    assert attrs["tokenmill.decode.tpot_ms"] == 7.0 / 6
+    assert spans["decode"]["end_ns"] == T0 + 12 * ms
 
 
 def test_refused_request_fails_at_the_gateway():
