@@ -73,6 +73,13 @@ class RequestRow(msgspec.Struct, kw_only=True):
     preemptions: int | None = None
     recomputed_tokens: int | None = None
     prefill_chunks: int | None = None
+    spec_drafts: int | None = None
+    """speculative decoding: decode steps that verified draft tokens for this request (0 with
+    speculation off)"""
+    spec_draft_tokens: int | None = None
+    """draft tokens verified for this request"""
+    spec_accepted_tokens: int | None = None
+    """draft tokens accepted (output tokens that cost no step of their own)"""
     finish_reason: str | None = None
     """stop | length | abort | error | NULL (rejected)"""
     error_type: str | None = None

@@ -152,6 +152,9 @@ def request_row(
         preemptions=tl.preemptions,
         recomputed_tokens=tl.recomputed_tokens,
         prefill_chunks=sum(1 for e in tl.events if e.name == "chunk"),
+        spec_drafts=tl.spec_drafts,
+        spec_draft_tokens=tl.spec_draft_tokens,
+        spec_accepted_tokens=tl.spec_accepted_tokens,
         finish_reason=tl.finish_reason or ("abort" if tl.client_disconnected else None),
         error_type=tl.error_type,
         prompt_block_hashes=tl.prompt_block_hashes,
@@ -297,6 +300,12 @@ def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict
                 "tokenmill.decode.itl_p50_ms": percentile(itl, 50),
                 "tokenmill.decode.itl_p99_ms": percentile(itl, 99),
                 "tokenmill.decode.tpot_ms": tpot_ms(tl),
+                "tokenmill.decode.spec_drafts": tl.spec_drafts,
+                "tokenmill.decode.spec_draft_tokens": tl.spec_draft_tokens,
+                "tokenmill.decode.spec_accepted_tokens": tl.spec_accepted_tokens,
+                "tokenmill.decode.spec_acceptance_rate": (
+                    tl.spec_accepted_tokens / tl.spec_draft_tokens if tl.spec_draft_tokens else None
+                ),
             }
         ),
         "stream": _attrs(

@@ -10,6 +10,7 @@ import threading
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokenmill.engine.api.timeline import RequestTimeline
+from tokenmill.engine.messages import RequestOutput
 from tokenmill.engine.request import RequestEvent
 from tokenmill.telemetry.hub import Telemetry
 from tokenmill.telemetry.spans import (
@@ -79,6 +80,65 @@ def test_tokens_of_one_step_are_one_arrival_for_itl():
     assert attrs["tokenmill.decode.itl_ms"] == [2.0, 2.0, 3.0]
     assert attrs["tokenmill.decode.tpot_ms"] == 7.0 / 6
     assert spans["decode"]["end_ns"] == T0 + 12 * ms
+
+
+def _output(
+    token_ns: list[int],
+    n_out: int,
+    drafts: int,
+    draft_tokens: int,
+    accepted: int,
+    finished: bool = False,
+) -> RequestOutput:
+    return RequestOutput(
+        request_id="cmpl-1",
+        new_token_ids=[1] * len(token_ns),
+        new_text="x",
+        token_ns=token_ns,
+        finished=finished,
+        finish_reason="stop" if finished else None,
+        stop_reason=None,
+        error_type=None,
+        error_message=None,
+        num_prompt_tokens=20,
+        num_output_tokens=n_out,
+        num_cached_tokens=0,
+        num_preemptions=0,
+        num_recomputed_tokens=0,
+        arrival_ns=T0,
+        queued_ns=T0 + 400,
+        scheduled_ns=T0 + 2_000_000,
+        first_token_ns=T0 + 5_000_000,
+        finished_ns=token_ns[-1] if finished else None,
+        num_drafts=drafts,
+        num_draft_tokens=draft_tokens,
+        num_accepted_tokens=accepted,
+    )
+
+
+def test_speculative_counters_reach_the_decode_span_and_the_row():
+    """The engine's cumulative draft counters (RequestOutput) fold into the timeline; the decode
+    span and the requests row carry them, the span also the acceptance rate."""
+    tl = RequestTimeline(arrival_ns=T0, method="POST", path="/v1/completions")
+    tl.gateway_end_ns, tl.tokenize_end_ns, tl.admission_end_ns = T0 + 100, T0 + 200, T0 + 300
+    ms = 1_000_000
+    tl.observe(_output([T0 + 5 * ms], 1, 0, 0, 0))
+    tl.observe(_output([T0 + 7 * ms] * 3, 4, 1, 3, 2))  # 3 drafts verified, 2 accepted
+    tl.observe(_output([T0 + 9 * ms], 5, 2, 6, 2, finished=True))  # none accepted
+    assert (tl.spec_drafts, tl.spec_draft_tokens, tl.spec_accepted_tokens) == (2, 6, 2)
+    _, req, itl, spans = _spans(tl)
+    assert itl == [2.0, 2.0] and req["tpot_ms"] == 1.0
+    assert (req["spec_drafts"], req["spec_draft_tokens"], req["spec_accepted_tokens"]) == (2, 6, 2)
+    attrs = json.loads(spans["decode"]["attributes"])
+    assert attrs["tokenmill.decode.spec_drafts"] == 2
+    assert attrs["tokenmill.decode.spec_draft_tokens"] == 6
+    assert attrs["tokenmill.decode.spec_accepted_tokens"] == 2
+    assert attrs["tokenmill.decode.spec_acceptance_rate"] == 2 / 6
+    # speculation off: zero counts, no rate
+    _, req, _, spans = _spans(_completed())
+    attrs = json.loads(spans["decode"]["attributes"])
+    assert req["spec_draft_tokens"] == 0 and attrs["tokenmill.decode.spec_draft_tokens"] == 0
+    assert "tokenmill.decode.spec_acceptance_rate" not in attrs
 
 
 def test_refused_request_fails_at_the_gateway():

@@ -63,6 +63,10 @@ class RequestTimeline:
     cached_tokens: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0
+    # speculative decoding (cumulative, from RequestOutput; 0 with speculation off)
+    spec_drafts: int = 0  # decode steps that verified draft tokens for this request
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # draft tokens accepted
     finish_reason: str | None = None
     events: list[RequestEvent] = field(default_factory=list)
     # response
@@ -91,6 +95,9 @@ class RequestTimeline:
         self.cached_tokens = out.num_cached_tokens
         self.preemptions = out.num_preemptions
         self.recomputed_tokens = out.num_recomputed_tokens
+        self.spec_drafts = out.num_drafts
+        self.spec_draft_tokens = out.num_draft_tokens
+        self.spec_accepted_tokens = out.num_accepted_tokens
         self.events.extend(out.events)
         if self.record_content and out.new_text:
             self.output_text.append(out.new_text)
