@@ -291,6 +291,24 @@ class ServingMetrics:
         self.c_requests = counter(
             "requests", "Finished HTTP requests by tenant and HTTP status code.", [*mt, "status"]
         )
+        # speculative decoding, vLLM's spec_decode_* counters fed from the step records
+        self.c_spec_drafts = counter(
+            "spec_decode_num_drafts",
+            "Speculative decoding: drafts verified (one per request per step that verified "
+            "draft tokens).",
+        )
+        self.c_spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."
+        )
+        self.c_spec_accepted = counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."
+        )
+        self.c_spec_accepted_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by draft position (0 = the first "
+            "draft token).",
+            [*m, "position"],
+        )
         self._drops = _DropsCollector(model_name)
         r.register(self._drops)
 
@@ -307,6 +325,9 @@ class ServingMetrics:
             self.c_prefix_queries,
             self.c_prefix_hits,
             self.c_preemptions,
+            self.c_spec_drafts,
+            self.c_spec_draft_tokens,
+            self.c_spec_accepted,
         ):
             metric.labels(model_name)
 
@@ -386,7 +407,12 @@ class ServingMetrics:
         with 0 tokens skipped); ``num_requests_running/waiting`` from ``num_running`` /
         ``num_waiting`` (requests); ``kv_cache_usage_perc`` = ``kv_blocks_used /
         kv_blocks_total`` (0..1, left as is when the total is unknown or 0);
-        ``num_preemptions_total`` += ``num_preempted`` (requests).
+        ``num_preemptions_total`` += ``num_preempted`` (requests); speculative decoding:
+        ``spec_decode_num_drafts_total`` += ``num_drafts``, ``spec_decode_num_draft_tokens_total``
+        += ``num_draft_tokens``, ``spec_decode_num_accepted_tokens_total`` +=
+        ``num_accepted_tokens`` and ``spec_decode_num_accepted_tokens_per_pos_total{position=i}``
+        += ``num_accepted_tokens_per_pos[i]`` (a position's series appears with its first
+        verified draft).
         """
         g = row.get
         model = self.model_name
@@ -402,6 +428,14 @@ class ServingMetrics:
         preempted = int(g("num_preempted") or 0)
         if preempted > 0:
             self.c_preemptions.labels(model).inc(preempted)
+        draft_tokens = int(g("num_draft_tokens") or 0)
+        if draft_tokens > 0:
+            self.c_spec_drafts.labels(model).inc(int(g("num_drafts") or 0))
+            self.c_spec_draft_tokens.labels(model).inc(draft_tokens)
+            self.c_spec_accepted.labels(model).inc(int(g("num_accepted_tokens") or 0))
+            for pos, n in enumerate(g("num_accepted_tokens_per_pos") or ()):
+                # every position verified gets its series, zero acceptances included
+                self.c_spec_accepted_pos.labels(model, str(pos)).inc(int(n or 0))
 
     def observe_device(self, row: dict) -> None:
         """Records one ``device_samples`` row.

@@ -212,6 +212,39 @@ def test_numbers_match_rows():
     assert _get(s, "tokenmill_telemetry_dropped_total", table="spans") == 11
 
 
+def test_spec_decode_counters_from_step_records():
+    """vLLM's spec_decode_* counters, fed from real StepRecords (the engine_steps row)."""
+    from tokenmill.engine.messages import StepRecord, to_row
+
+    m = ServingMetrics(MODEL)
+    s = _samples(m.render()[0])
+    # speculation off: the totals exist at zero, no position series yet
+    assert _get(s, "tokenmill_spec_decode_num_drafts_total") == 0
+    assert _get(s, "tokenmill_spec_decode_num_draft_tokens_total") == 0
+    assert _get(s, "tokenmill_spec_decode_num_accepted_tokens_total") == 0
+    assert _absent(s, "tokenmill_spec_decode_num_accepted_tokens_per_pos_total")
+    base = dict(step_id=0, start_ns=1, end_ns=2, schedule_ms=0.1, forward_ms=1.0, sample_ms=0.1)
+    steps = [
+        # 2 requests verified 3 drafts each: 2 + 1 accepted at position 0, 1 at 1, 0 at 2
+        StepRecord(**base, num_decode_tokens=8, num_sampled=2, num_drafts=2, num_draft_tokens=6,
+                   num_accepted_tokens=3, num_accepted_tokens_per_pos=[2, 1, 0]),
+        StepRecord(**base, num_decode_tokens=3),  # a decode step without drafts
+        StepRecord(**base, num_decode_tokens=4, num_sampled=1, num_drafts=1, num_draft_tokens=3,
+                   num_accepted_tokens=3, num_accepted_tokens_per_pos=[1, 1, 1]),
+    ]  # fmt: skip
+    for rec in steps:
+        m.observe_step(to_row(rec))
+    s = _samples(m.render()[0])
+    assert _get(s, "tokenmill_spec_decode_num_drafts_total") == 3
+    assert _get(s, "tokenmill_spec_decode_num_draft_tokens_total") == 9
+    assert _get(s, "tokenmill_spec_decode_num_accepted_tokens_total") == 6
+    per_pos = "tokenmill_spec_decode_num_accepted_tokens_per_pos_total"
+    assert [_get(s, per_pos, position=str(i)) for i in range(3)] == [3, 2, 1]
+    assert _absent(s, per_pos) is False and ("position", "3") not in {
+        kv for n, lbl in s if n == per_pos for kv in lbl
+    }
+
+
 def test_weight_bytes_gauge_by_dtype():
     m, _ = _fed()
     s = _samples(m.render()[0])
