@@ -206,6 +206,17 @@ class BlockManager:
             request.block_ids.append(block.block_id)
         return True
 
+    def trim(self, request: Request) -> None:
+        """Free the request's blocks past those its computed tokens fill (the slots of rejected
+        draft tokens), tail first. Those blocks were taken fresh for the drafts and never
+        registered in the prefix cache."""
+        keep = self.blocks_needed(request.num_computed_tokens)
+        while len(request.block_ids) > keep:
+            block = self.blocks[request.block_ids.pop()]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
     def free(self, request: Request) -> None:
         """Return the request's blocks. Tail blocks are freed first, so they are reused first
         and the shared head of a prefix stays cached longest."""

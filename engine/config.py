@@ -113,6 +113,12 @@ class EngineConfig:
         "GPU's datasheet figure, or a probe on the CPU).",
         min=0.001,
     )
+    speculative_config: str | None = knob(
+        None,
+        'Speculative decoding as JSON, vLLM\'s spelling: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} '
+        "(n-gram prompt lookup; engine/spec_decode.py). Off when unset.",
+    )
     admission_policy: str = knob(
         "strict",
         "strict (FCFS admission stops at a request that does not fit) | skip_ahead "
@@ -167,6 +173,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_admission_skips < 0:
             raise ValueError("max_admission_skips must be >= 0")
+        from .spec_config import parse_speculative_config
+
+        parse_speculative_config(self.speculative_config)  # ValueError naming the field
         if not 0 <= self.fault_nan_fraction <= 1:
             raise ValueError(f"fault_nan_fraction must be in [0, 1], got {self.fault_nan_fraction}")
 

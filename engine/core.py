@@ -15,6 +15,8 @@ import time
 import zlib
 from pathlib import Path
 
+import torch
+
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .cpu_threads import ThreadGovernor
@@ -26,9 +28,19 @@ from .request import Request, RequestStatus
 from .roofline import ModelCost, StepCost, step_cost
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode import parse_speculative_config, propose_ngram, verify
 
 log = logging.getLogger(__name__)
 NO_COST = StepCost(0, 0, 0, 0)
+
+
+class SpecCounts:
+    """One step's speculative-decoding tallies (the step record's ``num_accepted_*``)."""
+
+    def __init__(self, k: int):
+        self.accepted = 0  # drafts the verifier accepted
+        self.accepted_kept = 0  # tokens past the first one a request got this step
+        self.per_pos = [0] * k
 
 
 class EngineCore:
@@ -66,6 +78,7 @@ class EngineCore:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.spec = parse_speculative_config(config.speculative_config)
         self.started_ns = time.time_ns()
         self.pid = os.getpid()
         self.cost = model_cost(self.runner)
@@ -145,6 +158,8 @@ class EngineCore:
             self.threads.tick()
         start_ns = time.time_ns()
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         # before the forward: a chunk's `samples` reads the request, which sampling extends
         cost = step_cost(self.cost, sched.chunks) if self.cost is not None else NO_COST
@@ -152,7 +167,8 @@ class EngineCore:
         num_sampled = sum(1 for c in sched.chunks if c.samples)
         logits = self.runner.execute(sched) if sched.chunks else None
         t2 = time.perf_counter()
-        outputs = self._process(sched, logits)
+        spec = SpecCounts(self.spec.num_speculative_tokens if self.spec else 0)
+        outputs = self._process(sched, logits, spec)
         t3 = time.perf_counter()
         bm = self.block_manager
         record = StepRecord(
@@ -168,7 +184,7 @@ class EngineCore:
             num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens,
             num_prefill_chunks=sched.num_prefill_chunks,
-            num_sampled=num_sampled,
+            num_sampled=num_sampled + spec.accepted_kept,
             num_preempted=len(sched.preempted),
             kv_blocks_total=bm.num_blocks,
             kv_blocks_used=bm.num_used_blocks,
@@ -181,32 +197,99 @@ class EngineCore:
             kv_read_bytes=cost.kv_read_bytes,
             kv_write_bytes=cost.kv_write_bytes,
             flops=cost.flops,
+            num_drafts=sched.num_drafts,
+            num_draft_tokens=sched.num_draft_tokens,
+            num_accepted_tokens=spec.accepted,
+            num_accepted_tokens_per_pos=spec.per_pos,
         )
         return outputs, record
 
-    def _process(self, sched: SchedulerOutput, logits) -> list[RequestOutput]:
+    def _propose(self) -> None:
+        """Draft tokens for every running decode (n-gram prompt lookup), capped so that the
+        verified run cannot pass ``max_tokens`` or the context."""
+        spec = self.spec
+        for request in self.scheduler.running:
+            request.spec_token_ids = []
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # a prefill chunk, not a decode
+            room = min(
+                spec.num_speculative_tokens,
+                request.params.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+            )
+            if room > 0:
+                request.spec_token_ids = propose_ngram(
+                    request.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max
+                )
+
+    def _process(self, sched: SchedulerOutput, logits, spec: SpecCounts) -> list[RequestOutput]:
         sampling = self.scheduler.update_after_step(sched)
         outputs: list[RequestOutput] = []
         if not sampling:
             return outputs
-        requests = [c.request for c in sampling]
-        tokens, bad = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        # row offsets: a chunk verifying K drafts has 1 + K logit rows, the others one
+        offsets, row = [], 0
+        for c in sched.chunks:
+            if c.samples:
+                offsets.append((c, row))
+            row += c.num_logit_rows
+        live = {id(c) for c in sampling}  # a chunk whose request is still running
+        plain = [(c, r) for c, r in offsets if not c.draft_token_ids and id(c) in live]
+        picked: dict[int, tuple[list[int], int]] = {}  # id(chunk) -> (tokens, accepted drafts)
+        bad_rows = ~torch.isfinite(logits).all(dim=-1) if logits is not None else None
+        if plain:
+            reqs = [c.request for c, _ in plain]
+            tokens, bad = sample(
+                logits[[r for _, r in plain]],
+                [q.params for q in reqs],
+                [q.generator for q in reqs],
+            )
+            for (c, _), token, is_bad in zip(plain, tokens, bad):
+                picked[id(c)] = ([], -1) if is_bad else ([token], 0)
+        for c, r in offsets:
+            if not c.draft_token_ids or id(c) not in live:
+                continue
+            k = len(c.draft_token_ids)
+            if bool(bad_rows[r : r + k + 1].any()):
+                picked[id(c)] = ([], -1)
+                continue
+            q = c.request
+            toks, accepted = verify(logits[r : r + k + 1], c.draft_token_ids, q.params, q.generator)
+            picked[id(c)] = (toks, accepted)
+            q.num_drafts += 1
+            q.num_draft_tokens += k
+            q.num_accepted_tokens += accepted
+            spec.accepted += accepted
+            for pos in range(accepted):
+                spec.per_pos[pos] += 1
         now = time.time_ns()
         fault = self.config.fault_nan_fraction
-        for request, token, is_bad in zip(requests, tokens, bad):
+        for c in sampling:
+            request = c.request
+            tokens, accepted = picked[id(c)]
             new_tokens: list[int] = []
+            is_bad = accepted < 0
             if fault and not request.output_token_ids and _faulty(request.request_id, fault):
                 is_bad = True  # fault injection: as if this request's logits were NaN
             if is_bad:
                 request.error_type = "nan_logits"
                 request.error_message = "the model produced NaN or infinite logits"
                 self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-            else:
+                outputs.append(self._output(request, new_tokens))
+                continue
+            status = None
+            for token in tokens:  # a stop inside an accepted run cuts it there
                 request.append_token(token, now)
                 new_tokens.append(token)
                 status = self._check_stop(request, token)
                 if status is not None:
-                    self.scheduler.finish(request, status)
+                    break
+            if status is not None:
+                self.scheduler.finish(request, status)
+            elif c.draft_token_ids:
+                # the accepted drafts' K/V are valid; the rejected ones' slots are given back
+                self.scheduler.accept_drafts(request, accepted)
+            spec.accepted_kept += len(new_tokens) - 1 if new_tokens else 0
             outputs.append(self._output(request, new_tokens))
         return outputs
 
@@ -251,6 +334,9 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
             num_recomputed_tokens=request.num_recomputed_tokens,
+            num_drafts=request.num_drafts,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
             arrival_ns=request.arrival_ns,
             queued_ns=request.queued_ns,
             scheduled_ns=request.scheduled_ns,

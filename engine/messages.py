@@ -110,6 +110,13 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     first_token_ns: int | None
     finished_ns: int | None
     events: list[RequestEvent] = []
+    # speculative decoding, cumulative over the request (0 with speculation off)
+    num_drafts: int = 0
+    """decode steps in which this request verified draft tokens"""
+    num_draft_tokens: int = 0
+    """draft tokens it verified"""
+    num_accepted_tokens: int = 0
+    """draft tokens accepted (each is one output token that cost no step of its own)"""
 
 
 class StepRecord(msgspec.Struct, kw_only=True):
@@ -156,6 +163,14 @@ class StepRecord(msgspec.Struct, kw_only=True):
     """FLOP of the forward: linear layers 2 x params x tokens (LM head per sampled row) plus
     attention QK^T and PV; intensity, GB/s and GFLOP/s over ``forward_ms`` are SQL in
     ``telemetry/schema.py`` (``ROOFLINE_*``)"""
+    num_drafts: int = 0
+    """requests that verified draft tokens in this step (speculative decoding)"""
+    num_draft_tokens: int = 0
+    """draft tokens verified in this step (part of ``num_decode_tokens``)"""
+    num_accepted_tokens: int = 0
+    """draft tokens accepted in this step"""
+    num_accepted_tokens_per_pos: list[int] = []
+    """accepted draft tokens by draft position (index 0 = the first draft token), this step"""
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

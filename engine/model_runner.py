@@ -113,14 +113,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns ``[num_sampling_chunks, vocab]`` float32 logits, one row per
-        chunk whose ``samples`` is True, in the order of ``out.chunks``."""
+        """Run one step; returns float32 logits ``[sum of num_logit_rows, vocab]``: one row per
+        chunk whose ``samples`` is True, and ``1 + K`` rows for a chunk that verifies ``K``
+        draft tokens (its last sampled token and each draft), in the order of ``out.chunks``."""
         chunks, tokens, rows = [], [], []
         for c in out.chunks:
             chunks.append(SeqChunk(c.start, c.num_new_tokens, c.request.block_ids))
-            tokens.extend(c.request.all_token_ids[c.start : c.start + c.num_new_tokens])
-            if c.samples:
-                rows.append(len(tokens) - 1)
+            known = c.num_new_tokens - len(c.draft_token_ids)
+            tokens.extend(c.request.all_token_ids[c.start : c.start + known])
+            tokens.extend(c.draft_token_ids)
+            n = c.num_logit_rows
+            rows.extend(range(len(tokens) - n, len(tokens)))
         step = build_step_inputs(chunks, self.block_size, self.device)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, step.positions, self.kv_caches, step.metadata)

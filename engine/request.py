@@ -87,6 +87,12 @@ class Request:
         self.token_ns: list[int] = []
         self.finished_ns: int | None = None
 
+        # speculative decoding: drafts proposed for the next step, and cumulative counters
+        self.spec_token_ids: list[int] = []
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
         self.num_preemptions = 0
         self.num_cached_tokens = 0
         self.num_recomputed_tokens = 0

@@ -166,7 +166,7 @@ def step_cost(cost: ModelCost, chunks: Iterable) -> StepCost:
         if q <= 0:
             continue
         tokens += q
-        sampled += bool(c.samples)
+        sampled += getattr(c, "num_logit_rows", int(bool(c.samples)))
         for w, layers in windows.items():
             context = s + q if w is None else min(s + q, w + q - 1)
             kv_read_tokens += context * layers

@@ -29,16 +29,25 @@ __all__ = ["RequestRejected", "ScheduledChunk", "Scheduler", "SchedulerOutput"]
 
 @dataclass
 class ScheduledChunk:
-    """``num_new_tokens`` of ``request`` computed this step, starting at ``start``."""
+    """``num_new_tokens`` of ``request`` computed this step, starting at ``start``.
+
+    A speculating decode's chunk is its last sampled token followed by ``draft_token_ids``
+    (counted in ``num_new_tokens``): positions ``start .. start + K``, verified together."""
 
     request: Request
     start: int
     num_new_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's known tokens."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits this chunk needs: 0, 1, or 1 + K for a speculating decode."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
 
 
 @dataclass
@@ -53,6 +62,8 @@ class SchedulerOutput:
     num_prefill_chunks: int = 0
     prefix_hit_tokens: int = 0
     allocation_failures: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -172,15 +183,22 @@ class Scheduler:
         )
         victim.num_recomputed_tokens += victim.num_computed_tokens
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
         self._enqueue(victim, front=True)
         out.preempted.append(victim)
 
-    def _add_chunk(self, out: SchedulerOutput, request: Request, n: int) -> None:
-        chunk = ScheduledChunk(request, request.num_computed_tokens, n)
+    def _add_chunk(
+        self, out: SchedulerOutput, request: Request, n: int, drafts: list[int] = ()
+    ) -> None:
+        chunk = ScheduledChunk(request, request.num_computed_tokens, n, list(drafts))
         out.chunks.append(chunk)
-        if n > 1 or chunk.start < request.num_prompt_tokens:
+        if drafts:  # a decode that verifies drafts: decode tokens, not a prefill chunk
+            out.num_decode_tokens += n
+            out.num_drafts += 1
+            out.num_draft_tokens += len(drafts)
+        elif n > 1 or chunk.start < request.num_prompt_tokens:
             out.num_prefill_tokens += n
             out.num_prefill_chunks += 1
             request.events.append(
@@ -197,9 +215,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = request.num_tokens - request.num_computed_tokens
+            # a decode may carry draft tokens (speculative decoding), as far as the budget goes
+            drafts = request.spec_token_ids[: budget - 1] if n == 1 else []
             if threshold:
                 n = min(n, threshold)
             n = min(n, budget)
+            if drafts and not self.bm.allocate_slots(request, n + len(drafts)):
+                drafts = []  # no room for the drafts: a plain decode, before preempting anyone
+            elif drafts:
+                n += len(drafts)
+                self._add_chunk(out, request, n, drafts)
+                budget -= n
+                i += 1
+                continue
             while not self.bm.allocate_slots(request, n):
                 out.allocation_failures += 1
                 victim = self.running[-1]  # lowest ranked, not yet scheduled this step
@@ -207,7 +235,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self._add_chunk(out, request, n)
+                self._add_chunk(out, request, n, drafts)
                 budget -= n
                 i += 1
         return budget
@@ -291,6 +319,16 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    def accept_drafts(self, request: Request, num_accepted: int) -> None:
+        """After verification: the first ``num_accepted`` drafts of the request's last chunk
+        (already appended to its tokens) count as computed; the blocks that only the rejected
+        drafts' slots reached are freed, so the block table again holds exactly the blocks its
+        computed tokens fill. Full blocks are registered in the prefix cache."""
+        request.num_computed_tokens += num_accepted
+        request.spec_token_ids = []
+        self.bm.cache_full_blocks(request)
+        self.bm.trim(request)
+
     def update_after_step(self, out: SchedulerOutput) -> list[ScheduledChunk]:
         """Advance computed-token counts; return the chunks that sampled a token.
 
@@ -301,7 +339,10 @@ class Scheduler:
             request = chunk.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            # drafts count once verified (EngineCore, after sampling)
+            request.num_computed_tokens = (
+                chunk.start + chunk.num_new_tokens - len(chunk.draft_token_ids)
+            )
             self.bm.cache_full_blocks(request)
             if chunk.samples:
                 sampling.append(chunk)

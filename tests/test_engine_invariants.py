@@ -1,4 +1,5 @@
-"""Property test: any interleaving of add / step / abort / preempt keeps the block pool sound."""
+"""Property test: any interleaving of add / step / abort / preempt keeps the block pool sound,
+with and without speculative decoding (drafts verified, some rejected and rolled back)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ def check_invariants(s: Scheduler) -> None:
         assert len(set(r.block_ids)) == len(r.block_ids), "a request owns a block twice"
         owners.update(r.block_ids)
         if r.status == RequestStatus.RUNNING:
-            assert len(r.block_ids) * BLOCK_SIZE >= r.num_computed_tokens
+            # exactly the blocks its computed tokens fill: no block that only a rejected
+            # draft's slot reached stays in the table
+            assert len(r.block_ids) == bm.blocks_needed(r.num_computed_tokens), r
         else:
             assert r.block_ids == [] and r.num_computed_tokens == 0
     for block in bm.blocks:
@@ -37,6 +40,28 @@ def check_invariants(s: Scheduler) -> None:
     assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
     for h, block in bm.cached.items():
         assert block.block_hash == h and block.token_ids is not None
+
+
+def _step(s: Scheduler, x: int, spec: int) -> None:
+    """One engine step as EngineCore runs it, with ``x`` choosing the tokens: decodes carry
+    ``spec`` drafts (capped as the engine caps them); the verifier accepts ``x`` mod (K + 1) of
+    them, then one token of its own; a request ends at max_tokens, even inside an accepted run."""
+    for r in s.running:
+        room = min(spec, r.params.max_tokens - r.num_output_tokens - 1, 64 - r.num_tokens - 1)
+        decoding = r.num_computed_tokens == r.num_tokens - 1
+        r.spec_token_ids = [(x + i) % 97 for i in range(room)] if decoding and room > 0 else []
+    out = s.schedule()
+    for chunk in s.update_after_step(out):
+        r = chunk.request
+        accepted = x % (len(chunk.draft_token_ids) + 1)
+        for token in [*chunk.draft_token_ids[:accepted], x % 97]:
+            r.append_token(token, 0)
+            if r.num_output_tokens >= r.params.max_tokens:
+                s.finish(r, RequestStatus.FINISHED_LENGTH)
+                break
+        else:
+            if chunk.draft_token_ids:
+                s.accept_drafts(r, accepted)
 
 
 ops = st.lists(
@@ -52,8 +77,9 @@ ops = st.lists(
     prefix=st.booleans(),
     budget=st.sampled_from([5, 16, 64]),
     admission=st.sampled_from(["strict", "skip_ahead"]),
+    spec=st.sampled_from([0, 3]),
 )
-def test_random_interleavings_keep_pool_invariants(ops, chunked, prefix, budget, admission):
+def test_random_interleavings_keep_pool_invariants(ops, chunked, prefix, budget, admission, spec):
     config = EngineConfig(
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=budget,
@@ -75,12 +101,7 @@ def test_random_interleavings_keep_pool_invariants(ops, chunked, prefix, budget,
             with contextlib.suppress(RequestRejected):
                 s.add_request(Request(f"r{n}", prompt, SamplingParams(max_tokens=1 + x % 9)))
         elif op == "step":
-            out = s.schedule()
-            for chunk in s.update_after_step(out):
-                r = chunk.request
-                r.append_token(x % 97, 0)
-                if r.num_output_tokens >= r.params.max_tokens:
-                    s.finish(r, RequestStatus.FINISHED_LENGTH)
+            _step(s, x, spec)
         elif op == "abort" and s.requests:
             s.abort(sorted(s.requests)[x % len(s.requests)])
         elif op == "preempt" and s.running:
@@ -90,12 +111,7 @@ def test_random_interleavings_keep_pool_invariants(ops, chunked, prefix, budget,
     for _ in range(500):
         if not s.has_work():
             break
-        out = s.schedule()
-        for chunk in s.update_after_step(out):
-            r = chunk.request
-            r.append_token(3, 0)
-            if r.num_output_tokens >= r.params.max_tokens:
-                s.finish(r, RequestStatus.FINISHED_LENGTH)
+        _step(s, 3, spec)
         check_invariants(s)
     assert not s.has_work(), "the scheduler stalled with work left"  # liveness
     check_invariants(s)
