@@ -343,6 +343,69 @@ def step_field(df: pd.DataFrame, field: str, per_step: bool) -> go.Figure:
     return _layout(fig, 300, f"{field} per step" if per_step else f"{field}, mean per bucket")
 
 
+def spec_decode(df: pd.DataFrame) -> go.Figure:
+    """Speculative decoding over time (``data.spec_decode_series``): the acceptance rate
+    (accepted / draft tokens per bucket) with the accepted tokens per draft, and output tokens
+    per decode sequence in decode-only steps with drafts vs without."""
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.1,
+        specs=[[{"secondary_y": True}], [{}]],
+        subplot_titles=(
+            "Draft acceptance rate (accepted / draft tokens)",
+            "Output tokens per decode sequence per step",
+        ),
+    )
+    x = df["time"]
+    fig.add_trace(
+        go.Scatter(
+            x=x, y=df["spec_acceptance_rate"], name="acceptance rate", mode="lines+markers",
+            marker={"size": 4}, line={"color": "#2ca02c"},
+        ),
+        row=1, col=1,
+    )  # fmt: skip
+    fig.add_trace(
+        go.Scatter(
+            x=x, y=df["spec_accepted_per_draft"], name="accepted tokens per draft",
+            mode="lines", line={"color": "#9467bd", "dash": "dot"},
+        ),
+        row=1, col=1, secondary_y=True,
+    )  # fmt: skip
+    for col, name, color in (
+        ("tokens_per_seq_draft_steps", "steps with drafts", "#ff7f0e"),
+        ("tokens_per_seq_plain_steps", "steps without drafts", "#1f77b4"),
+    ):
+        fig.add_trace(
+            go.Scatter(x=x, y=df[col], name=name, mode="lines+markers", marker={"size": 4},
+                       line={"color": color}),
+            row=2, col=1,
+        )  # fmt: skip
+    fig.update_yaxes(title_text="rate", range=[0, 1], tickformat=".0%", row=1, col=1)
+    fig.update_yaxes(
+        title_text="tokens / draft", row=1, col=1, secondary_y=True, rangemode="tozero"
+    )
+    fig.update_yaxes(title_text="tokens", rangemode="tozero", row=2, col=1)
+    return _layout(fig, 520)
+
+
+def spec_by_position(df: pd.DataFrame) -> go.Figure:
+    """Acceptance by draft position (``data.spec_acceptance_by_position``): the share of drafts
+    whose token at that position was accepted (position 0 = the first draft token)."""
+    fig = go.Figure(
+        go.Bar(
+            x=df["position"], y=df["rate"], name="accepted share", marker_color="#2ca02c",
+            customdata=df[["accepted"]],
+            hovertemplate="position %{x}<br>%{y:.1%} of drafts<br>%{customdata[0]:,.0f} "
+            "tokens accepted<extra></extra>",
+        )
+    )  # fmt: skip
+    fig.update_xaxes(title_text="draft position (0 = first draft token)", dtick=1)
+    fig.update_yaxes(title_text="share of drafts accepted", range=[0, 1], tickformat=".0%")
+    return _layout(fig, 300, "Acceptance by draft position")
+
+
 def _throttle_band(fig, d: pd.DataFrame, top: float, row: int, first: bool) -> None:
     fig.add_trace(
         go.Scatter(

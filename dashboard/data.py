@@ -24,17 +24,21 @@ import pandas as pd
 
 from tokenmill.telemetry.schema import (
     COMPLETED_SQL,
+    DECODE_ONLY_STEP_SQL,
     DEVICE_PEAKS_SQL,
     ROOFLINE_STEP_SQL,
     ROW_TYPES,
+    SPEC_STEP_SQL,
     STATIONS,
     STEP_BYTES_SQL,
+    STEP_DECODE_SEQS_SQL,
     STEP_GBPS_SQL,
     STEP_GFLOPS_SQL,
     STEP_INTENSITY_SQL,
     WORKING_STEP_SQL,
     columns,
     roofline_agg_sql,
+    spec_agg_sql,
     sql_type,
 )
 
@@ -307,7 +311,8 @@ def requests_table(
 
 def request_detail(con, trace_id: str) -> dict | None:
     """One request: its ``requests`` row, its spans (ms from arrival), its span events and its
-    per-token times (ms from arrival: the first token, then the decode span's ITL list).
+    per-token times (ms from arrival: the first token, then the decode span's ITL list; one
+    time per arrival, so the tokens of one speculative step share one tick).
 
     Returns None when no span or row has this trace id.
     """
@@ -604,6 +609,106 @@ def prefix_hit_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd.
     )
     df["t_ns"] = since_ns + df["b"] * w
     return _time(df)
+
+
+# ----- speculative decoding -----
+
+# output tokens per decode sequence: decode-only steps with drafts vs those without
+_SPEC_TOKENS = f"""
+    sum(num_sampled::DOUBLE) FILTER (WHERE {DECODE_ONLY_STEP_SQL} AND {SPEC_STEP_SQL})
+        / nullif(sum({STEP_DECODE_SEQS_SQL})
+                 FILTER (WHERE {DECODE_ONLY_STEP_SQL} AND {SPEC_STEP_SQL}), 0)
+        AS tokens_per_seq_draft_steps,
+    sum(num_sampled::DOUBLE) FILTER (WHERE {DECODE_ONLY_STEP_SQL} AND NOT {SPEC_STEP_SQL})
+        / nullif(sum({STEP_DECODE_SEQS_SQL})
+                 FILTER (WHERE {DECODE_ONLY_STEP_SQL} AND NOT {SPEC_STEP_SQL}), 0)
+        AS tokens_per_seq_plain_steps,
+    avg(forward_ms) FILTER (WHERE {DECODE_ONLY_STEP_SQL} AND {SPEC_STEP_SQL})
+        AS forward_ms_draft_steps,
+    avg(forward_ms) FILTER (WHERE {DECODE_ONLY_STEP_SQL} AND NOT {SPEC_STEP_SQL})
+        AS forward_ms_plain_steps"""
+_SPEC_COLS = (
+    "spec_steps",
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "spec_acceptance_rate",
+    "spec_accepted_per_draft",
+    "tokens_per_seq_draft_steps",
+    "tokens_per_seq_plain_steps",
+    "forward_ms_draft_steps",
+    "forward_ms_plain_steps",
+)
+
+
+def _has_spec(con) -> bool:
+    """Whether the store's steps carry the speculative-decoding columns (a store written before
+    them does not)."""
+    cols = set(columns(con, "engine_steps"))
+    return {"num_draft_tokens", "num_accepted_tokens_per_pos"} <= cols
+
+
+def spec_decode_summary(con, since_ns: int, until_ns: int) -> dict:
+    """Speculative decoding over the window's steps (``telemetry.schema.spec_agg_sql``):
+    ``spec_steps`` (steps that verified drafts; 0 or None: speculation off in this window or
+    store), drafts, draft and accepted tokens, ``spec_acceptance_rate`` (accepted / draft
+    tokens), ``spec_accepted_per_draft``; and over decode-only steps, with drafts vs without,
+    output tokens per decode sequence (``tokens_per_seq_*``: 1 + accepted tokens per sequence in
+    a step with drafts; ``num_sampled`` counts every token a step produced) and the mean
+    ``forward_ms_*``."""
+    if not _has_spec(con):
+        return {c: None for c in _SPEC_COLS}
+    return _one(
+        con,
+        f"SELECT {spec_agg_sql()}, {_SPEC_TOKENS} FROM engine_steps "
+        "WHERE start_ns >= $since AND start_ns < $until",
+        since=since_ns,
+        until=until_ns,
+    )
+
+
+def spec_decode_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd.DataFrame:
+    """Per time bucket (by step start) with steps that verified drafts or decode-only steps:
+    the columns of :func:`spec_decode_summary` (acceptance rate = accepted / draft tokens in the
+    bucket; tokens per decode sequence with and without drafts). Empty without the columns."""
+    if not _has_spec(con):
+        return _time(pd.DataFrame(columns=["b", "t_ns", *_SPEC_COLS]))
+    w = max(1, int(bucket_s * NS))
+    df = _df(
+        con,
+        f"SELECT (start_ns - $since) // $w AS b, {spec_agg_sql()}, {_SPEC_TOKENS} "
+        "FROM engine_steps WHERE start_ns >= $since AND start_ns < $until "
+        f"AND ({DECODE_ONLY_STEP_SQL} OR {SPEC_STEP_SQL}) GROUP BY b ORDER BY b",
+        since=since_ns,
+        until=until_ns,
+        w=w,
+    )
+    df["t_ns"] = since_ns + df["b"] * w
+    return _time(df)
+
+
+def spec_acceptance_by_position(con, since_ns: int, until_ns: int) -> pd.DataFrame:
+    """Accepted draft tokens by draft position (``position`` 0 = the first draft token) over the
+    window's steps, from ``num_accepted_tokens_per_pos``: ``accepted`` and ``rate`` = accepted
+    / drafts verified (vLLM's per-position acceptance rate: the share of drafts whose token at
+    that position was accepted; a draft shorter than the position counts as not accepted).
+    Empty when no step verified drafts."""
+    cols = ["position", "accepted", "rate"]
+    if not _has_spec(con):
+        return pd.DataFrame(columns=cols)
+    return _df(
+        con,
+        f"""WITH s AS (
+                SELECT num_drafts, num_accepted_tokens_per_pos AS per_pos FROM engine_steps
+                WHERE start_ns >= $since AND start_ns < $until AND {SPEC_STEP_SQL}),
+            p AS (SELECT unnest(per_pos) AS n, generate_subscripts(per_pos, 1) - 1 AS position
+                  FROM s)
+            SELECT position, sum(n) AS accepted,
+                   sum(n)::DOUBLE / nullif((SELECT sum(num_drafts) FROM s), 0) AS rate
+            FROM p GROUP BY position ORDER BY position""",
+        since=since_ns,
+        until=until_ns,
+    )
 
 
 # ----- devices -----

@@ -77,6 +77,40 @@ def roofline_agg_sql(where: str = "TRUE") -> str:
     )
 
 
+# ---- speculative decoding of engine steps (StepRecord.num_drafts, num_draft_tokens,
+# num_accepted_tokens, num_accepted_tokens_per_pos): the console's panel and the diagnoser's
+# spec_decode_ineffective read these. Draft tokens are counted inside num_decode_tokens (a
+# request verifying K drafts runs 1 + K decode tokens) and num_sampled counts every token a step
+# produced, accepted drafts included. Rows from before the fields read NULL (coalesce).
+#: a step that verified draft tokens
+SPEC_STEP_SQL = "(coalesce(num_draft_tokens, 0) > 0)"
+#: decode sequences a step ran: its decode tokens less the draft tokens verified
+STEP_DECODE_SEQS_SQL = "(num_decode_tokens - coalesce(num_draft_tokens, 0))"
+#: a working step of decodes only (no prefill chunk), with or without drafts
+DECODE_ONLY_STEP_SQL = f"({WORKING_STEP_SQL} AND num_prefill_tokens = 0 AND num_decode_tokens > 0)"
+#: output tokens per decode sequence of a decode-only step (1 without drafts)
+STEP_TOKENS_PER_SEQ_SQL = f"(num_sampled::DOUBLE / nullif({STEP_DECODE_SEQS_SQL}, 0))"
+
+
+def spec_agg_sql(where: str = "TRUE") -> str:
+    """SELECT columns of speculative decoding over a group of steps (those matching ``where``):
+    ``spec_steps`` (steps that verified drafts), ``spec_drafts``, ``spec_draft_tokens``,
+    ``spec_accepted_tokens`` (sums), ``spec_acceptance_rate`` (accepted / draft tokens, 0..1)
+    and ``spec_accepted_per_draft`` (accepted tokens per request-step that verified drafts, the
+    tokens a draft adds to the one the step samples anyway)."""
+    f = f"FILTER (WHERE {SPEC_STEP_SQL} AND ({where}))"
+    return (
+        f"count(*) {f} AS spec_steps, "
+        f"sum(num_drafts) {f} AS spec_drafts, "
+        f"sum(num_draft_tokens) {f} AS spec_draft_tokens, "
+        f"sum(num_accepted_tokens) {f} AS spec_accepted_tokens, "
+        f"sum(num_accepted_tokens::DOUBLE) {f} / nullif(sum(num_draft_tokens) {f}, 0) "
+        "AS spec_acceptance_rate, "
+        f"sum(num_accepted_tokens::DOUBLE) {f} / nullif(sum(num_drafts) {f}, 0) "
+        "AS spec_accepted_per_draft"
+    )
+
+
 #: The device's roofline ceilings recorded at server start (the latest ``config`` event):
 #: ``peak_gbps`` (GB/s), ``peak_gflops`` (GFLOP/s), their sources (``flag``, ``table:<GPU>``,
 #: ``probe``) and ``device_name``; no row for a store without a config event.
@@ -95,17 +129,21 @@ ROW_TYPES: dict[str, type[msgspec.Struct]] = {"requests": RequestRow, "engine_st
 __all__ = [
     "COMPLETED_FINISH_REASONS",
     "COMPLETED_SQL",
+    "DECODE_ONLY_STEP_SQL",
     "DEFAULT_BLOCK_SIZE",
     "DEVICE_PEAKS_SQL",
     "IDLE_KV_LEAK_SHARE",
     "ROOFLINE_STEP_SQL",
     "ROW_TYPES",
     "SCHEMA_VERSION",
+    "SPEC_STEP_SQL",
     "STATIONS",
     "STEP_BYTES_SQL",
+    "STEP_DECODE_SEQS_SQL",
     "STEP_GBPS_SQL",
     "STEP_GFLOPS_SQL",
     "STEP_INTENSITY_SQL",
+    "STEP_TOKENS_PER_SEQ_SQL",
     "TABLES",
     "WORKING_STEP_SQL",
     "SchemaError",
@@ -113,6 +151,7 @@ __all__ = [
     "check_schema",
     "ddl",
     "roofline_agg_sql",
+    "spec_agg_sql",
     "sql_type",
     "struct_ddl",
 ]

@@ -79,6 +79,14 @@ class Phase:
     peak_gbps: float = 40.0
     peak_gflops: float = 400.0  # ridge 10 FLOP/byte
     context_tokens: int = 150  # KV context of each running decode
+    # speculative decoding (engine_steps.num_drafts/num_draft_tokens/num_accepted_tokens[_per_pos]
+    # and the requests' spec_* columns): spec_k draft tokens per request in a share of the
+    # decode-only steps; each draft token accepted with spec_accept_rate (accepted ones counted
+    # from position 0); those steps take spec_step_slowdown x a plain decode step. 0: off.
+    spec_k: int = 0
+    spec_draft_share: float = 0.7
+    spec_accept_rate: float = 0.0
+    spec_step_slowdown: float = 1.0
 
     def but(self, **changes) -> Phase:
         return replace(self, **changes)
@@ -169,10 +177,25 @@ class SyntheticRun:
             if not idle and ph.long_prompt_every and i % (10 * ph.long_prompt_every) == 5:
                 prefill = ph.long_prompt_tokens
                 dur += ph.prefill_spike_ms
+            running = 0 if idle else ph.running
+            decode_tokens, spec = running, {}
+            if not idle and not prefill and ph.spec_k and rng.random() < ph.spec_draft_share:
+                per_pos = [0] * ph.spec_k
+                for _ in range(running):
+                    n_acc = sum(rng.random() < ph.spec_accept_rate for _ in range(ph.spec_k))
+                    for j in range(n_acc):
+                        per_pos[j] += 1
+                decode_tokens = running * (1 + ph.spec_k)
+                spec = {
+                    "num_drafts": running,
+                    "num_draft_tokens": running * ph.spec_k,
+                    "num_accepted_tokens": sum(per_pos),
+                    "num_accepted_tokens_per_pos": per_pos,
+                }
+                dur *= ph.spec_step_slowdown
             if next_spike is not None and t >= next_spike:
                 dur += ph.periodic_spike_ms
                 next_spike += int(ph.periodic_spike_s * S)
-            running = 0 if idle else ph.running
             kv = ph.idle_kv_usage if idle else ph.kv_usage * (0.9 + 0.1 * rng.random())
             used = round(kv * total)
             host = ph.host_share * dur
@@ -187,9 +210,9 @@ class SyntheticRun:
                 "num_running": running,
                 "num_waiting": 0 if idle else round(ph.waiting),
                 "num_prefill_tokens": prefill,
-                "num_decode_tokens": running,
+                "num_decode_tokens": decode_tokens,
                 "num_prefill_chunks": 1 if prefill else 0,
-                "num_sampled": running,
+                "num_sampled": running + spec.get("num_accepted_tokens", 0),
                 "num_preempted": 1 if (not idle and rng.random() < ph.preempt_share / 5) else 0,
                 "kv_blocks_total": total,
                 "kv_blocks_used": used,
@@ -200,7 +223,8 @@ class SyntheticRun:
                 "num_finished": 0,
             }
             row["num_waiting"] += int(ph.waiting_growth_per_s * (t - start) / S) if not idle else 0
-            row.update(self._roofline(ph, prefill, running))
+            row.update(spec)
+            row.update(self._roofline(ph, prefill, decode_tokens))
             tel.store.submit("engine_steps", row)
             step_id += 1
             t += int(dur * MS) + (int(0.5 * S) if idle else 0)
@@ -209,7 +233,8 @@ class SyntheticRun:
     @staticmethod
     def _roofline(ph: Phase, prefill: int, running: int) -> dict:
         """A step's bytes and FLOPs as ``engine/roofline.py`` counts them (one prefill chunk of
-        ``prefill`` tokens from position 0, ``running`` decodes at ``context_tokens``)."""
+        ``prefill`` tokens from position 0, ``running`` decode tokens at ``context_tokens``,
+        draft tokens included)."""
         tokens = prefill + running
         if not tokens:
             return {"weight_bytes": 0, "kv_read_bytes": 0, "kv_write_bytes": 0, "flops": 0}
@@ -297,6 +322,10 @@ class SyntheticRun:
         tl.token_ns = tokens
         tl.first_text_ns = tl.first_token_ns + int(ph.text_holdback_ms * MS)
         tl.output_tokens = n_out
+        if ph.spec_k:
+            tl.spec_drafts = round((n_out - 1) * ph.spec_draft_share)
+            tl.spec_draft_tokens = tl.spec_drafts * ph.spec_k
+            tl.spec_accepted_tokens = round(tl.spec_draft_tokens * ph.spec_accept_rate)
         tl.preemptions = 1 if stall_at is not None else 0
         tl.recomputed_tokens = (n_in + (stall_at or 0)) if stall_at is not None else 0
         tl.events.insert(

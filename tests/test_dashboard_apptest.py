@@ -223,6 +223,88 @@ def test_engine_tiles_equal_the_store(monkeypatch, gpu_store):
     names = {t.get("name") for t in fig["data"]}
     assert {"prefill tokens", "decode tokens", "forward ms", "running", "waiting"} <= names
     assert {"KV used blocks", "KV free blocks", "preemptions", "prefix-cache hit rate"} <= names
+    # no step verified drafts: the speculative-decoding panel says so instead of its charts
+    assert any("Speculation is off in this store" in i.value for i in at.info)
+    assert not [f for f in charts(at) if any(t.get("name") == "acceptance rate" for t in f["data"])]
+
+
+# speculative decoding: 3 draft tokens a request in 70% of the decode-only steps, 60% accepted
+SPEC = Phase(duration_s=20, running=4, spec_k=3, spec_accept_rate=0.6, spec_step_slowdown=1.3)
+
+
+@pytest.fixture(scope="module")
+def spec_store(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dash") / "spec.duckdb"
+    write_store(path, [SPEC], seed=9)
+    return path
+
+
+def test_spec_decode_data_equals_the_store(spec_store):
+    """The speculative-decoding queries: totals, acceptance per bucket and by draft position,
+    tokens per decode sequence with and without drafts, all equal to plain SQL on the steps."""
+    since, until = bounds(spec_store)
+    with duckdb.connect(str(spec_store), read_only=True) as con:
+        s = data.spec_decode_summary(con, since, until)
+        series = data.spec_decode_series(con, since, until, 5.0)
+        by_pos = data.spec_acceptance_by_position(con, since, until)
+        per_pos = con.execute(
+            "SELECT num_drafts, num_accepted_tokens_per_pos FROM engine_steps "
+            "WHERE num_draft_tokens > 0"
+        ).fetchall()
+    steps, drafts, draft_tokens, accepted = sql(
+        spec_store,
+        "SELECT count(*), sum(num_drafts), sum(num_draft_tokens), sum(num_accepted_tokens) "
+        "FROM engine_steps WHERE num_draft_tokens > 0",
+    )
+    assert s["spec_steps"] == steps > 50 and s["spec_drafts"] == drafts
+    assert s["spec_draft_tokens"] == draft_tokens == 3 * drafts
+    assert s["spec_acceptance_rate"] == pytest.approx(accepted / draft_tokens)
+    assert 0.5 < s["spec_acceptance_rate"] < 0.7
+    assert s["spec_accepted_per_draft"] == pytest.approx(accepted / drafts)
+    # a decode sequence gets 1 + its accepted tokens in a step with drafts, 1 without
+    assert s["tokens_per_seq_draft_steps"] == pytest.approx(1 + accepted / drafts)
+    assert s["tokens_per_seq_plain_steps"] == 1.0
+    assert s["forward_ms_draft_steps"] / s["forward_ms_plain_steps"] == pytest.approx(1.3, rel=0.1)
+    assert series["spec_draft_tokens"].sum() == draft_tokens
+    assert series["spec_accepted_tokens"].sum() == accepted and len(series) == 4
+    want = [sum(p[i] for _, p in per_pos) for i in range(3)]
+    assert by_pos["position"].tolist() == [0, 1, 2] and by_pos["accepted"].tolist() == want
+    assert by_pos["rate"].tolist() == pytest.approx([w / drafts for w in want])
+    assert sum(want) == accepted and want == sorted(want, reverse=True)
+
+
+def test_spec_decode_on_a_store_from_before_the_fields(monkeypatch, tmp_path):
+    """A store written before the speculative-decoding step fields: empty answers, and the
+    Engine page shows the note."""
+    path = tmp_path / "old.duckdb"
+    write_store(path, [Phase(duration_s=10)], seed=8)
+    with duckdb.connect(str(path)) as con:
+        for col in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            con.execute(f"ALTER TABLE engine_steps DROP COLUMN {col}")
+        con.execute("ALTER TABLE engine_steps DROP COLUMN num_accepted_tokens_per_pos")
+        since, until = data.time_range(con)
+        assert data.spec_decode_summary(con, since, until)["spec_steps"] is None
+        assert data.spec_decode_series(con, since, until, 5.0).empty
+        assert data.spec_acceptance_by_position(con, since, until).empty
+    at = open_page(monkeypatch, path, "engine")
+    assert any("Speculation is off in this store" in i.value for i in at.info)
+
+
+def test_engine_page_spec_decode_panel(monkeypatch, spec_store):
+    at = open_page(monkeypatch, spec_store, "engine")
+    steps, rate = sql(
+        spec_store,
+        "SELECT count(*), sum(num_accepted_tokens) / sum(num_draft_tokens) FROM engine_steps "
+        "WHERE num_draft_tokens > 0",
+    )
+    assert num(metric(at, "Steps with drafts")) == steps
+    assert num(metric(at, "Acceptance rate")) == pytest.approx(rate * 100, abs=0.05)
+    fig = chart_with(at, "acceptance rate")
+    names = {t.get("name") for t in fig["data"]}
+    assert {"steps with drafts", "steps without drafts", "accepted tokens per draft"} <= names
+    (bars,) = chart_with(at, "accepted share")["data"]
+    assert _values(bars["x"]) == [0, 1, 2]
+    assert not any("Speculation is off" in i.value for i in at.info)
 
 
 def test_devices_gpu_view(monkeypatch, gpu_store):
@@ -469,7 +551,10 @@ def test_any_step_field_charts_the_store_values(monkeypatch, gpu_store):
 
     from tokenmill.engine.messages import StepRecord
 
-    fields = [f.name for f in msgspec.inspect.type_info(StepRecord).fields]
+    info = msgspec.inspect.type_info(StepRecord).fields
+    fields = [f.name for f in info if not isinstance(f.type, msgspec.inspect.ListType)]
+    # list-typed fields (num_accepted_tokens_per_pos) are no time series: left out of the list
+    assert "num_accepted_tokens_per_pos" not in data.STEP_FIELDS
     assert set(data.STEP_FIELDS) == set(fields) - {"step_id", "engine_pid", "start_ns", "end_ns"}
     at = open_page(monkeypatch, gpu_store, "engine")
     assert list(at.selectbox(key="tm_step_field").options) == list(data.STEP_FIELDS)

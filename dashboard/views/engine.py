@@ -1,6 +1,7 @@
 """Engine: per-step batch composition (prefill vs decode tokens), step time split, running vs
 waiting, KV blocks used/free/cached, preemptions and the prefix-cache hit rate; the steps on a
-roofline against the device's peaks."""
+roofline against the device's peaks; speculative decoding (acceptance over time and by draft
+position, tokens per decode sequence with and without drafts)."""
 
 import streamlit as st
 
@@ -66,6 +67,35 @@ if ctx is not None:
                     else f"Steps summed per {roof_bucket_s:g} s bucket and kind. "
                 )
                 + ceilings
+            )
+        st.subheader("Speculative decoding")
+        spec = ui.q(ctx, "spec_decode_summary", since, until)
+        if not spec["spec_steps"]:
+            st.info(
+                "Speculation is off in this store: no step in this window verified draft tokens "
+                "(`--speculative-config` turns it on)."
+            )
+        else:
+            c = st.columns(5)
+            c[0].metric("Acceptance rate", ui.fmt_pct(spec["spec_acceptance_rate"]))
+            c[1].metric("Accepted per draft", f"{spec['spec_accepted_per_draft'] or 0:.2f}")
+            c[2].metric("Steps with drafts", f"{spec['spec_steps']:,}")
+            c[3].metric(
+                "Tokens/seq/step with drafts", f"{spec['tokens_per_seq_draft_steps'] or 0:.2f}"
+            )
+            c[4].metric(
+                "Forward ms with / without",
+                f"{ui.fmt_ms(spec['forward_ms_draft_steps'])} / "
+                f"{ui.fmt_ms(spec['forward_ms_plain_steps'])}",
+            )
+            series = ui.q(ctx, "spec_decode_series", since, until, ctx.bucket_s)
+            ui.chart(charts.spec_decode(series), key="spec_decode")
+            by_pos = ui.q(ctx, "spec_acceptance_by_position", since, until)
+            ui.chart(charts.spec_by_position(by_pos), key="spec_by_position")
+            st.caption(
+                f"Per {ctx.bucket_s:g} s bucket. A step with drafts pays when its output tokens "
+                "per decode sequence (1 + accepted) outgrow its forward time over a step without "
+                "drafts (decode-only steps, prefill left out)."
             )
         field = st.selectbox(
             "Chart any step field",
