@@ -15,6 +15,7 @@ from tokenmill.engine.tokenizer import encode_chat
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 SHARED = (
     "You are a careful assistant for a logistics company. Answer briefly, cite the rule you used, "
     "and never invent tracking numbers. "
@@ -96,8 +97,11 @@ def test_sixteen_alone_equal_transformers(base):
             "num_gpu_blocks_override": 24,
             "max_num_batched_tokens": 96,
         },  # tiny pool: forced preemption
+        # chunked prefill (a budget that spreads the prompts over steps) and prefix caching on
+        {"speculative_config": SPEC, "max_num_batched_tokens": 128},
+        {"speculative_config": SPEC, "num_gpu_blocks_override": 24, "max_num_batched_tokens": 96},
     ],
-    ids=["default", "chunked-off", "prefix-off", "small-chunks", "preemption"],
+    ids=["default", "chunked-off", "prefix-off", "small-chunks", "preemption", "spec", "spec-preemption"],
 )
 def test_sixteen_concurrent_equal_alone(base, overrides):
     llm, ps, expected = base
@@ -107,6 +111,10 @@ def test_sixteen_concurrent_equal_alone(base, overrides):
     assert sum(len(t) for t in expected) > 12 * MAX_TOKENS  # real answers, not an early EOS
     records = engine.step_records
     assert max(r.num_running for r in records) > 1  # really batched
+    if "speculative_config" in overrides:  # drafts verified in steps mixed with prefill chunks
+        assert sum(r.num_accepted_tokens for r in records) > 0
+        assert sum(r.num_draft_tokens > r.num_accepted_tokens for r in records) > 0
+        assert any(r.num_draft_tokens and r.num_prefill_tokens for r in records)
     if "num_gpu_blocks_override" in overrides:
         assert sum(r.num_preemptions for r in results) > 0
         assert sum(r.num_recomputed_tokens for r in results) > 0
@@ -137,3 +145,32 @@ def test_prefix_cache_serves_a_shared_system_prompt(base):
     assert second.num_cached_tokens >= 192
     assert prefill_second == len(second_prompt) - second.num_cached_tokens
     assert prefill_second < prefill_first / 10
+
+
+def test_stop_string_inside_an_accepted_run_cuts_it_there(base):
+    """Speculation: a stop string that falls in the middle of a run of accepted drafts ends the
+    request at that token, exactly as without speculation (same tokens, text, stop reason)."""
+    llm, _, _ = base
+    passage = "The quick brown fox jumps over the lazy dog near the quiet river bank at dawn."
+    prompt = encode_chat(llm.tokenizer, f"Repeat this sentence exactly, once: {passage}")
+    spec = engine_like(llm, speculative_config=SPEC)
+    (free,) = spec.generate([prompt], SamplingParams(max_tokens=40))
+    assert sum(r.num_accepted_tokens for r in spec.step_records) >= 8  # it copies in runs
+    stop = None
+    for j in range(1, len(free.token_ids) - 1):
+        # token j arrived with the tokens before and after it: the middle of an accepted run
+        if not free.token_ns[j - 1] == free.token_ns[j] == free.token_ns[j + 1]:
+            continue
+        word = llm.tokenizer.decode([free.token_ids[j]]).strip()
+        before = llm.tokenizer.decode(free.token_ids[:j])
+        if len(word) >= 3 and word not in before:
+            stop = word
+            break
+    assert stop is not None, llm.tokenizer.decode(free.token_ids)
+    params = SamplingParams(max_tokens=40, stop=[stop])
+    (cut,) = engine_like(llm, speculative_config=SPEC).generate([prompt], params)
+    (plain,) = engine_like(llm).generate([prompt], params)
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+    assert cut.token_ids == plain.token_ids and cut.text == plain.text
+    assert len(cut.token_ids) <= j + 1 < len(free.token_ids)
+    assert stop not in cut.text  # the stop string itself is not returned
