@@ -225,7 +225,7 @@ def print_text(report: Report, console: Console) -> None:
 
 _RATIO_ENDINGS = (
     "rise", "slowdown", "ratio", "growth", "trend", "excess", "spike", "degrade", "margin",
-    "stream_vs_engine_tpot",
+    "stream_vs_engine_tpot", "_cost", "_gain",
 )  # fmt: skip
 _UNIT_ENDINGS = (
     ("_gbps", "GB/s"),
@@ -266,10 +266,11 @@ def format_value(key: str, value) -> str:
     """One evidence number with its unit and a sensible precision, the unit read from the key:
     ``*_ms`` (also ``step_ms_p50``, ``spike_ms_max``) → ``5,398 ms``; ``*_s`` → seconds;
     ``*_bytes`` (also the ``*_bytes_by_dtype`` dicts) → KiB/MiB/GiB; ``*_pct`` (already 0..100)
-    → ``64.6 %``; shares 0..1 (``*share*``, ``*usage*``, ``hit_rate``, ``error_rate``)
-    → ``42.3 %``; ``*_per_s``, ``*_tok_s``, ``*_gbps``, ``*_gflops``, ``*_mhz``, ``*_util``
-    (0..100), ``*_w``, ``*_c`` with those units (read before a ``_p50``/``_mean``/``_max``
-    suffix); ratios to a baseline (``*rise``, ``*slowdown``, ``*ratio``, …)
+    → ``64.6 %``; shares 0..1 (``*share*``, ``*usage*``, ``hit_rate``, ``error_rate``,
+    ``acceptance_rate``) → ``42.3 %``; ``*_per_s``, ``*_tok_s``, ``*_gbps``, ``*_gflops``,
+    ``*_mhz``, ``*_util`` (0..100), ``*_w``, ``*_c`` with those units (read before a
+    ``_p50``/``_mean``/``_max`` suffix); ratios to a baseline or between two costs (``*rise``,
+    ``*slowdown``, ``*ratio``, ``*_cost``, ``*_gain``, …)
     → ``3.21×``; other integers as counts (``1,234``), other floats to about three significant
     digits. A value that is no number (a dtype, a list, a dict) is shown as it is, a dict's
     numbers each with the key's unit; None is ``n/a``."""
@@ -295,7 +296,7 @@ def format_value(key: str, value) -> str:
     if k.endswith(("_per_s", "_tok_s", "arrival_rate", "completion_rate")):
         unit = "tok/s" if k.endswith("_tok_s") else "/s"
         return f"{_number(value)} {unit}"
-    if any(s in k for s in ("share", "hit_rate", "error_rate", "usage")):
+    if any(s in k for s in ("share", "hit_rate", "error_rate", "acceptance_rate", "usage")):
         return f"{100 * value:.1f} %"
     for ending, unit in _UNIT_ENDINGS:
         if k.endswith(ending):

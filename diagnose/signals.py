@@ -44,14 +44,18 @@ import duckdb
 
 from tokenmill.telemetry.schema import (
     COMPLETED_SQL,
+    DECODE_ONLY_STEP_SQL,
     DEFAULT_BLOCK_SIZE,
     ROOFLINE_STEP_SQL,
+    SPEC_STEP_SQL,
     STEP_BYTES_SQL,
+    STEP_DECODE_SEQS_SQL,
     STEP_GBPS_SQL,
     STEP_GFLOPS_SQL,
     STEP_INTENSITY_SQL,
     WORKING_STEP_SQL,
     columns,
+    spec_agg_sql,
 )
 
 NS = 1_000_000_000
@@ -233,6 +237,49 @@ SELECT (start_ns - $t0) // $w AS win,
 FROM engine_steps WHERE start_ns >= $since AND start_ns < $until
 GROUP BY win
 """
+
+# Speculative decoding (telemetry/schema.py: SPEC_STEP_SQL, spec_agg_sql): what drafts gain and
+# what they cost. Decode-only steps that verified drafts against those that did not, compared
+# within the same batch class (decode sequences in the same power of two): `spec_step_cost` is
+# the draft steps' mean forward_ms over the plain steps' in their class, weighted by draft steps
+# (NULL when no class holds both kinds); `spec_gain_per_cost` is (1 + accepted tokens per draft)
+# over that cost: the output tokens a draft step yields per unit of a plain step's time, relative
+# to a plain step's one token (below 1, speculation slows decode). `spec_intensity_p50` is the
+# median FLOP/byte of the decode-only draft steps (the roofline; NULL without its columns).
+_SPEC_WINDOW_SQL = f"""
+WITH s AS (
+    SELECT (start_ns - $t0) // $w AS win, *, {SPEC_STEP_SQL} AS spec,
+        {DECODE_ONLY_STEP_SQL} AS decode_only, {STEP_DECODE_SEQS_SQL} AS batch,
+        CAST(floor(log2(greatest({STEP_DECODE_SEQS_SQL}, 1))) AS INTEGER) AS batch_class,
+        $intensity AS intensity
+    FROM engine_steps WHERE start_ns >= $since AND start_ns < $until
+), cls AS (
+    SELECT win, batch_class, count(*) FILTER (WHERE spec) AS n_spec,
+        avg(forward_ms) FILTER (WHERE spec) AS spec_ms,
+        avg(forward_ms) FILTER (WHERE NOT spec) AS plain_ms
+    FROM s WHERE decode_only GROUP BY win, batch_class
+), cost AS (
+    SELECT win, sum(n_spec * spec_ms / plain_ms) / nullif(sum(n_spec), 0) AS spec_step_cost,
+        sum(n_spec) AS spec_matched_steps
+    FROM cls WHERE n_spec > 0 AND plain_ms > 0 GROUP BY win
+), agg AS (
+    SELECT win, {spec_agg_sql()},
+        count(*) FILTER (WHERE decode_only AND spec) AS spec_decode_steps,
+        count(*) FILTER (WHERE decode_only AND NOT spec) AS plain_decode_steps,
+        avg(forward_ms) FILTER (WHERE decode_only AND spec) AS spec_step_ms,
+        avg(forward_ms) FILTER (WHERE decode_only AND NOT spec) AS plain_decode_step_ms,
+        avg(batch) FILTER (WHERE decode_only AND spec) AS spec_batch_mean,
+        quantile_cont(intensity, 0.5) FILTER (WHERE decode_only AND spec) AS spec_intensity_p50,
+        sum(forward_ms) FILTER (WHERE spec) / nullif(sum(forward_ms) FILTER (WHERE {WORKING_STEP_SQL}), 0)
+            AS spec_forward_share
+    FROM s GROUP BY win
+)
+SELECT win, agg.* EXCLUDE (win), cost.spec_step_cost, cost.spec_matched_steps,
+    (1 + agg.spec_accepted_per_draft) / nullif(cost.spec_step_cost, 0) AS spec_gain_per_cost
+FROM agg LEFT JOIN cost USING (win)
+"""
+# the intensity of a step counted on the roofline, NULL otherwise (or without its columns)
+_SPEC_INTENSITY = f"CASE WHEN {ROOFLINE_STEP_SQL} THEN {STEP_INTENSITY_SQL} END"
 
 _DEVICE_WINDOW_SQL = """
 SELECT (time_ns - $t0) // $w AS win,
@@ -516,6 +563,9 @@ def load(
     device_kind = "gpu" if "gpu" in kinds else ("host" if "host" in kinds else None)
     dev = _rows(con, _DEVICE_WINDOW_SQL, {**params, "kind": device_kind or "none"})
     same_work = _rows(con, _set_apart(_SAME_WORK_WINDOW_SQL, "start_ns", not_warm_step), params)
+    # a store written before the speculative-decoding step fields: no spec signals
+    spec_sql = _spec_sql(con, roofline)
+    spec = _rows(con, _set_apart(spec_sql, "start_ns", not_warm_step), params) if spec_sql else {}
     errors_by_window: dict[int, dict[str, int]] = {}
     for win, etype, n in con.execute(
         "SELECT (end_ns - $t0) // $w, error_type, count(*) FROM requests "
@@ -528,7 +578,7 @@ def load(
     windows = []
     for i in range(n_windows):
         values: dict = {}
-        for src in (req, ends, steps, roof, dev, same_work):
+        for src in (req, ends, steps, roof, dev, same_work, spec):
             values.update(src.get(i, {}))
         ended = values.get("ended") or 0
         values["error_rate"] = (values.get("errors") or 0) / ended if ended else None
@@ -564,6 +614,10 @@ def load(
                 con, _ROOFLINE_WINDOW_SQL.replace("(start_ns - $t0) // $w", "0"), roof_params
             ).get(0, {})
         )
+    if spec_sql:
+        overall.update(
+            _rows(con, spec_sql.replace("(start_ns - $t0) // $w", "0"), params).get(0, {})
+        )
     overall["short_prompt_tokens"] = short_prompt_tokens
     ended = overall.get("ended") or 0
     overall["error_rate"] = (overall.get("errors") or 0) / ended if ended else None
@@ -595,6 +649,15 @@ def load(
         busy_windows=len(busy),
         warmup={"requests": int(n_warm), "intervals": [list(iv) for iv in warm]},
     )
+
+
+def _spec_sql(con, roofline: bool) -> str | None:
+    """The speculative-decoding window query for this store (the draft steps' intensity only
+    with the roofline columns); None without the speculative-decoding columns."""
+    cols = {c.lower() for c in columns(con, "engine_steps")}
+    if not {"num_drafts", "num_draft_tokens", "num_accepted_tokens"} <= cols:
+        return None
+    return _SPEC_WINDOW_SQL.replace("$intensity", _SPEC_INTENSITY if roofline else "NULL")
 
 
 def roofline_peaks(config: dict) -> tuple[float, float, float] | None:

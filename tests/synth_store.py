@@ -127,6 +127,20 @@ class SyntheticRun:
             "device_peak_gbps_source": "probe",
             "device_peak_gflops_source": "probe",
         }
+        spec_k = next((ph.spec_k for ph in phases if ph.spec_k), 0)
+        # the server's flag as the config event carries it: vLLM's JSON, or None when off
+        cfg["speculative_config"] = (
+            json.dumps(
+                {
+                    "method": "ngram",
+                    "num_speculative_tokens": spec_k,
+                    "prompt_lookup_min": 2,
+                    "prompt_lookup_max": 4,
+                }
+            )
+            if spec_k
+            else None
+        )
         tel.store.submit(
             "events",
             {

@@ -15,6 +15,8 @@ from tokenmill.diagnose.rules import RULES, RULES_BY_ID
 HEALTHY = Phase(duration_s=40)
 # the default model with int4 weights (~0.75 byte a weight with its scales), 2 running decodes
 INT4 = HEALTHY.but(quantization="int4", weight_bytes=100_000_000, running=2)
+# 4 running decodes: 3 draft tokens each stay below the ridge (~7 FLOP/byte against 10)
+SPEC = HEALTHY.but(running=4)
 
 SCENARIOS: dict[str, list[Phase]] = {
     "ttft_queueing": [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=2000)],
@@ -74,6 +76,11 @@ SCENARIOS: dict[str, list[Phase]] = {
     "quantization_no_gain": [INT4.but(prompt_tokens=(1000, 2000), prefill_tok_per_s=500)],
     # the same batch and tokens, 2.5x slower while a neighbour uses 60% of the CPU
     "host_contention": [HEALTHY, HEALTHY.but(duration_s=30, step_ms=100, cpu_others_pct=60)],
+    # n-gram drafts of 3 tokens, ~5% accepted, the steps verifying them 1.5x slower
+    "spec_decode_ineffective": [
+        SPEC,
+        SPEC.but(duration_s=30, spec_k=3, spec_accept_rate=0.05, spec_step_slowdown=1.5),
+    ],
 }
 
 # the evidence each rule must carry, as (key, predicate)
@@ -98,6 +105,7 @@ EXPECTED = {
     "gpu_throttling": ("clock_event_reasons", lambda v: v == ["hw_thermal_slowdown"]),
     "host_bound_steps": ("host_share_of_step", lambda v: v >= 0.45),
     "quantization_no_gain": ("compute_bound_prefill_share", lambda v: v > 0.8),
+    "spec_decode_ineffective": ("spec_gain_per_cost", lambda v: 0.6 < v < 0.9),
 }
 
 
@@ -353,6 +361,11 @@ MILD: dict[str, list[Phase]] = {
     "quantization_no_gain": [INT4.but(output_tokens=(200, 400))],
     # the neighbour is there, but the same work is not slower; and slower without a neighbour
     "host_contention": [HEALTHY, HEALTHY.but(duration_s=30, cpu_others_pct=60)],
+    # ~70% of the drafts accepted: 1.2x slower draft steps give 2.1 tokens each, so it pays
+    "spec_decode_ineffective": [
+        SPEC,
+        SPEC.but(duration_s=30, spec_k=3, spec_accept_rate=0.7, spec_step_slowdown=1.2),
+    ],
 }
 
 
@@ -468,3 +481,35 @@ def test_a_store_without_roofline_columns_still_diagnoses(tmp_path):
     con.close()
     assert "quantization_no_gain" not in {f.rule_id for f in report.findings}
     assert report.notes == [] and report.rule_errors == {}
+
+
+def test_spec_decode_ineffective_evidence_names_the_acceptance_and_the_step_times(stores):
+    """Issue 15 item 5 (a): low acceptance, draft steps slower than they gain; the evidence
+    carries the acceptance (overall and by position), both step times, the batch and the flag."""
+    con = stores("spec_decode_ineffective")
+    report = diagnose(con)
+    con.close()
+    (f,) = [f for f in report.findings if f.rule_id == "spec_decode_ineffective"]
+    e = f.evidence
+    assert e["spec_acceptance_rate"] < 0.1 and e["spec_accepted_per_draft"] < 0.3
+    assert e["spec_step_ms"] / e["plain_decode_step_ms"] == pytest.approx(1.5, rel=0.1)
+    assert e["spec_step_cost"] == pytest.approx(1.5, rel=0.1) and e["spec_batch_mean"] == 4
+    assert len(e["acceptance_by_position"]) == 3 and e["compute_bound"] is False
+    assert e["ridge_flop_per_byte"] == 10 and e["spec_intensity_p50"] < 10
+    assert '"num_speculative_tokens": 3' in e["speculative_config"]
+    assert "were accepted" in f.summary and "without" in f.summary
+    assert "num_speculative_tokens" in f.knob and "prompt_lookup_min" in f.knob
+
+
+def test_spec_decode_ineffective_on_compute_bound_verification(tmp_path):
+    """(b): every decode step verifies drafts (nothing to time them against), and at 32 running
+    requests x 5 tokens the draft steps sit above the ridge: named compute-bound, the batch cause
+    first. The same drafts at 2 running requests stay below the ridge and quiet."""
+    big = HEALTHY.but(running=32, spec_k=4, spec_accept_rate=0.5, spec_draft_share=1.0)
+    report = _report(tmp_path, "spec_bound", [big])
+    (f,) = [f for f in report.findings if f.rule_id == "spec_decode_ineffective"]
+    assert f.evidence["compute_bound"] is True and f.evidence["spec_step_cost"] is None
+    assert f.evidence["spec_intensity_p50"] >= f.evidence["ridge_flop_per_byte"] == 10
+    assert "compute-bound" in f.summary and f.causes[0].startswith("the batch makes")
+    small = _report(tmp_path, "spec_small", [big.but(running=2)], seed=5)
+    assert "spec_decode_ineffective" not in {f.rule_id for f in small.findings}
