@@ -65,10 +65,12 @@ def test_backend_equals_dense_attention_on_a_mixed_batch(window):
     torch.manual_seed(0)
     hq, hkv, d, bs = 6, 2, 16, 4
     # (cached, new): a decode, a chunk crossing blocks from mid-block, a fresh prefill, a decode
-    shapes = [(9, 1), (3, 7), (0, 11), (4, 1)]
-    tables = [[7, 1, 10], [2, 8, 0], [3, 9, 5], [4, 6]]
-    k_cache = torch.zeros(11, bs, hkv, d)
-    v_cache = torch.zeros(11, bs, hkv, d)
+    # (these four share the batched short-chunk path, padded to 11 queries), a decode verifying
+    # 4 drafts, and a 20-token chunk (longer than SHORT_CHUNK: the reference path)
+    shapes = [(9, 1), (3, 7), (0, 11), (4, 1), (6, 5), (2, 20)]
+    tables = [[7, 1, 10], [2, 8, 0], [3, 9, 5], [4, 6], [11, 12, 13], [14, 15, 16, 17, 18, 19]]
+    k_cache = torch.zeros(20, bs, hkv, d)
+    v_cache = torch.zeros(20, bs, hkv, d)
     full_k = [torch.randn(c + n, hkv, d) for c, n in shapes]
     full_v = [torch.randn(c + n, hkv, d) for c, n in shapes]
     # pre-fill the cached part

@@ -1,9 +1,11 @@
 """Attention backend ``torch``: plain torch driven by the step's :class:`AttentionMetadata`.
 
-The default on CPU. Decode rows (one new token) take a batched path: the step's gather indices
-and visibility mask are built once per step (:class:`DecodePlan`, cached on the metadata) and
-every layer runs one ``scaled_dot_product_attention`` over its gathered context, so the
-per-layer cost of a small step is a gather and one attention call. Prefill chunks run the
+The default on CPU. Decode rows (one new token) and other short chunks (up to
+:data:`SHORT_CHUNK` tokens: a decode verifying speculative drafts, the tail of a prompt) take a
+batched path: the step's gather indices and visibility mask are built once per step
+(:class:`DecodePlan`, cached on the metadata; short chunks padded to the longest) and every
+layer runs one ``scaled_dot_product_attention`` over its gathered context, so the per-layer
+cost of a small step is a gather and one attention call. Longer prefill chunks run the
 kernels' reference (:mod:`tokenmill.kernels.reference`, which imports no triton), which is also
 what ``tests/test_paged_attention_torch.py`` holds this backend to.
 """
@@ -19,7 +21,11 @@ from tokenmill.kernels.reference import _visibility, attend_chunk, store_kv
 
 from .metadata import AttentionMetadata
 
-__all__ = ["DecodePlan", "TorchAttentionBackend", "store_kv"]
+__all__ = ["SHORT_CHUNK", "DecodePlan", "TorchAttentionBackend", "store_kv"]
+
+# chunks of at most this many new tokens share the batched path: a decode with up to 16 draft
+# tokens (engine/spec_config.py: MAX_SPECULATIVE_TOKENS) is 17
+SHORT_CHUNK = 17
 
 
 @dataclass
@@ -27,16 +33,22 @@ class DecodePlan:
     """What every layer of one step shares (built once per step, on the cache's device).
 
     Attributes:
-        rows: ``[B]`` int64 query rows of the decode sequences (None: rows ``0..B-1``).
-        tables: ``[B, nblk]`` int64 block ids covering the longest decode context.
-        length: ``L``, the longest decode context (tokens).
-        mask: ``[B, 1, 1, L]`` bool, True where a decode query may see a key (causal, within
-            its context and sliding window), or None when every key is visible.
-        other: indices of the sequences that are not decodes (prefill chunks).
+        rows: ``[B * Q]`` int64 query rows of the short chunks, ``Q`` per sequence (a shorter
+            chunk repeats its last row as padding); None when ``Q == 1`` and the rows are
+            ``0..B-1``.
+        valid: ``[B * Q]`` bool, False on padding rows; None when there is none.
+        qmax: ``Q``, the longest short chunk (1 when every short chunk is a plain decode).
+        tables: ``[B, nblk]`` int64 block ids covering the longest short-chunk context.
+        length: ``L``, the longest short-chunk context (tokens).
+        mask: ``[B, 1, Q, L]`` bool, True where a query may see a key (causal, within its
+            context and sliding window), or None when every key is visible.
+        other: indices of the sequences that take the reference path (longer chunks).
         all_slots_valid: the step's ``slot_mapping`` has no ``-1`` padding.
     """
 
     rows: torch.Tensor | None
+    valid: torch.Tensor | None
+    qmax: int
     tables: torch.Tensor | None
     length: int
     mask: torch.Tensor | None
@@ -52,26 +64,40 @@ def decode_plan(m: AttentionMetadata, block_size: int, sliding_window: int | Non
         return plan
     starts, lens = m.query_start_loc_host, m.seq_lens_host
     n = len(lens)
-    decode = [i for i in range(n) if starts[i + 1] - starts[i] == 1]
-    other = [i for i in range(n) if starts[i + 1] - starts[i] != 1]
+    qlen = [starts[i + 1] - starts[i] for i in range(n)]
+    short = [i for i in range(n) if 1 <= qlen[i] <= SHORT_CHUNK]
+    other = [i for i in range(n) if not 1 <= qlen[i] <= SHORT_CHUNK]
     device = m.slot_mapping.device
-    rows = tables = mask = None
-    length = 0
-    if decode:
-        length = max(lens[i] for i in decode)
+    rows = valid = tables = mask = None
+    length, qmax = 0, 1
+    if short:
+        length = max(lens[i] for i in short)
+        qmax = max(qlen[i] for i in short)
         nblk = -(-length // block_size)
-        idx = torch.tensor(decode, device=device)
+        idx = torch.tensor(short, device=device)
         tables = m.block_tables.to(device)[idx, :nblk].long()
-        q_rows = [starts[i] for i in decode]
-        if q_rows != list(range(len(decode))):
+        # query j of chunk i (padding repeats the chunk's last query) and its position
+        pick = [[min(j, qlen[i] - 1) for j in range(qmax)] for i in short]
+        q_rows = [starts[i] + j for i, js in zip(short, pick) for j in js]
+        if q_rows != list(range(len(q_rows))):
             rows = torch.tensor(q_rows, device=device)
-        seq = torch.tensor([lens[i] for i in decode], device=device)
+        if any(qlen[i] < qmax for i in short):
+            valid = torch.tensor(
+                [j < qlen[i] for i in short for j in range(qmax)], device=device
+            )
+            rows = torch.tensor(q_rows, device=device)
+        seq = torch.tensor([lens[i] for i in short], device=device)
+        qpos = torch.tensor(
+            [[lens[i] - qlen[i] + j for j in js] for i, js in zip(short, pick)], device=device
+        )
         key_pos = torch.arange(length, device=device)
-        allowed = _visibility((seq - 1)[:, None], key_pos, sliding_window)  # [B, 1, L]
+        allowed = _visibility(qpos, key_pos, sliding_window)  # [B, Q, L]
         allowed &= (key_pos[None, :] < seq[:, None])[:, None, :]
         if not bool(allowed.all()):
-            mask = allowed[:, None]  # [B, 1, 1, L]
-    plan = DecodePlan(rows, tables, length, mask, other, bool((m.slot_mapping >= 0).all()))
+            mask = allowed[:, None]  # [B, 1, Q, L]
+    plan = DecodePlan(
+        rows, valid, qmax, tables, length, mask, other, bool((m.slot_mapping >= 0).all())
+    )
     cache[sliding_window] = plan
     return plan
 
@@ -109,10 +135,16 @@ class TorchAttentionBackend:
             store_kv(key, value, k_cache, v_cache, m.slot_mapping)
         out = torch.empty_like(query)
         if plan.tables is not None:
-            nb = plan.tables.shape[0]
-            q = query[:nb] if plan.rows is None else query[plan.rows]
-            rows = slice(0, nb) if plan.rows is None else plan.rows
-            out[rows] = self._decode(q, k_cache, v_cache, plan, scale)
+            nb, qmax = plan.tables.shape[0], plan.qmax
+            q = query[: nb * qmax] if plan.rows is None else query[plan.rows]
+            res = self._decode(q.view(nb, qmax, *q.shape[1:]), k_cache, v_cache, plan, scale)
+            res = res.reshape(nb * qmax, *res.shape[2:])
+            if plan.rows is None:
+                out[: nb * qmax] = res
+            elif plan.valid is None:
+                out[plan.rows] = res
+            else:
+                out[plan.rows[plan.valid]] = res[plan.valid]
         starts, lens = m.query_start_loc_host, m.seq_lens_host
         for i in plan.other:
             s, e = starts[i], starts[i + 1]
@@ -129,17 +161,18 @@ class TorchAttentionBackend:
         plan: DecodePlan,
         scale: float,
     ) -> torch.Tensor:
-        """``q [B, Hq, D]`` → ``[B, Hq, D]``: one SDPA call (float32 math, as the reference)."""
-        hq = q.shape[1]
+        """``q [B, Q, Hq, D]`` → ``[B, Q, Hq, D]``: one SDPA call (float32 math, as the
+        reference)."""
+        hq = q.shape[2]
         k = k_cache[plan.tables].flatten(1, 2)[:, : plan.length]  # [B, L, Hkv, D]
         v = v_cache[plan.tables].flatten(1, 2)[:, : plan.length]
         hkv = k.shape[2]
         out = F.scaled_dot_product_attention(
-            q.float()[:, :, None],  # [B, Hq, 1, D]
+            q.float().transpose(1, 2),  # [B, Hq, Q, D]
             k.float().transpose(1, 2),  # [B, Hkv, L, D]
             v.float().transpose(1, 2),
             attn_mask=plan.mask,
             scale=scale,
             enable_gqa=hq != hkv,
         )
-        return out[:, :, 0].to(q.dtype)
+        return out.transpose(1, 2).to(q.dtype)

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..attention.metadata import AttentionMetadata
 from ..model_config import ModelConfig
+from .linear import Linear
 from .ops import TorchOps
 from .rope import RotaryEmbedding
 
@@ -38,7 +39,7 @@ class RMSNorm(nn.Module):
         return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class StackedLinear(nn.Linear):
+class StackedLinear(Linear):
     """A linear layer holding several checkpoint projections stacked on the output dim
     (q/k/v or gate/up), so one matmul computes them all.
 
@@ -71,7 +72,7 @@ class Attention(nn.Module):
             {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
             bias=cfg.qkv_bias,
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -106,7 +107,7 @@ class MLP(nn.Module):
         self.gate_up_proj = StackedLinear(
             cfg.hidden_size, {"gate_proj": size, "up_proj": size}, bias=cfg.mlp_bias
         )
-        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.ops = TorchOps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +160,7 @@ class DecoderForCausalLM(nn.Module):
         self.config = cfg
         self.backend = backend
         self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         self.tie_weights()
 
