@@ -18,6 +18,7 @@ from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, s
 # and the slow ones: kv_pressure_preemption (~3 minutes), batch_too_large (~3 minutes: 64
 # rows of 1,000-token contexts), midstream_stall (~130 s) and queueing_overload (~130 s; its
 # traffic is the demo's tour, and tests/test_demo.py checks that `overload` comes first there)
+# and spec_decode_healthy (~60 s; speculation where it pays, nothing fires)
 FAST = [
     "healthy",
     "batching_ineffective",
@@ -34,6 +35,7 @@ FAST = [
     "prefix_cache_miss",
     "quantization_decode_heavy",
     "quantization_no_gain",
+    "spec_decode_ineffective",
     "ttft_prefill_bound",
     "ttft_queueing",
 ]
