@@ -30,7 +30,7 @@ SPEC = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,
 MAX_TOKENS = 160
 CONCURRENT = 32
 
-CODE = '''def moving_average(values, window):
+CODE = """def moving_average(values, window):
     if window <= 0:
         raise ValueError("window must be positive")
     out = []
@@ -42,7 +42,7 @@ CODE = '''def moving_average(values, window):
         if i >= window - 1:
             out.append(total / window)
     return out
-'''
+"""
 PASSAGE = (
     "The harbour wakes before the town does. At five the first trawlers come in under a grey "
     "sky, the gulls follow them, and the fish market opens its doors to the buyers from the "
@@ -56,11 +56,38 @@ COPY_PROMPTS = [
     f"Add a docstring to this function and return the whole function:\n\n{CODE}",
     f"Here is a shopping note: {PASSAGE} Now write the same note again, unchanged.",
 ]
-WORDS = (
-    "amber basin cedar dune ember fjord gravel hollow iris juniper kelp lantern meadow nectar "
-    "orbit pebble quartz ridge saffron tundra umber violet willow xenon yarrow zephyr anchor "
-    "bramble cobalt delta"
-).split()
+WORDS = [
+    "amber",
+    "basin",
+    "cedar",
+    "dune",
+    "ember",
+    "fjord",
+    "gravel",
+    "hollow",
+    "iris",
+    "juniper",
+    "kelp",
+    "lantern",
+    "meadow",
+    "nectar",
+    "orbit",
+    "pebble",
+    "quartz",
+    "ridge",
+    "saffron",
+    "tundra",
+    "umber",
+    "violet",
+    "willow",
+    "xenon",
+    "yarrow",
+    "zephyr",
+    "anchor",
+    "bramble",
+    "cobalt",
+    "delta",
+]
 
 
 def random_prompts(n: int, seed: int = 7) -> list[str]:
@@ -127,10 +154,21 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     OUT.mkdir(exist_ok=True)
     path = OUT / "spec_decode.json"
-    path.write_text(json.dumps({"spec_config": json.loads(SPEC), "max_tokens": MAX_TOKENS,
-                                "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
-    print("| workload | mode | off tok/s | spec tok/s | × | acceptance | steps off → spec | "
-          "forward ms off → spec | same tokens |")
+    path.write_text(
+        json.dumps(
+            {
+                "spec_config": json.loads(SPEC),
+                "max_tokens": MAX_TOKENS,
+                "date": time.strftime("%Y-%m-%d"),
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
+    print(
+        "| workload | mode | off tok/s | spec tok/s | × | acceptance | steps off → spec | "
+        "forward ms off → spec | same tokens |"
+    )
     print("|---|---|---:|---:|---:|---:|---|---|---|")
     for r in rows:
         o, s = r["off"], r["spec"]

@@ -42,7 +42,9 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's known tokens."""
-        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
+        return (
+            self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
+        )
 
     @property
     def num_logit_rows(self) -> int:

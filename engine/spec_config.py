@@ -7,7 +7,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-__all__ = ["MAX_PROMPT_LOOKUP", "MAX_SPECULATIVE_TOKENS", "SpeculativeConfig", "parse_speculative_config"]
+__all__ = [
+    "MAX_PROMPT_LOOKUP",
+    "MAX_SPECULATIVE_TOKENS",
+    "SpeculativeConfig",
+    "parse_speculative_config",
+]
 
 METHODS = ("ngram",)
 # verification of K drafts runs K + 1 positions through every layer; beyond ~10 the chance
@@ -61,8 +66,10 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
     else:
         raw = text
     if not isinstance(raw, dict):
-        raise ValueError("speculative_config: expected a JSON object such as "
-                         '{"method": "ngram", "num_speculative_tokens": 4}')
+        raise ValueError(
+            "speculative_config: expected a JSON object such as "
+            '{"method": "ngram", "num_speculative_tokens": 4}'
+        )
     known = set(SpeculativeConfig.__dataclass_fields__)
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -99,7 +106,9 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         hi = max(defaults.prompt_lookup_max, lo)
     for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
         if not 1 <= v <= MAX_PROMPT_LOOKUP:
-            raise ValueError(f"speculative_config.{name}: must be in 1..{MAX_PROMPT_LOOKUP}, got {v}")
+            raise ValueError(
+                f"speculative_config.{name}: must be in 1..{MAX_PROMPT_LOOKUP}, got {v}"
+            )
     if lo > hi:
         raise ValueError(
             f"speculative_config.prompt_lookup_min: {lo} is above prompt_lookup_max {hi}"

@@ -89,7 +89,7 @@ def verify(
         a = 0
         while a < k and drafts[a] == best[a]:
             a += 1
-        return drafts[:a] + [best[a]], a
+        return [*drafts[:a], best[a]], a
     for i, d in enumerate(drafts):
         probs = _filtered_probs(logits[i], params)
         u = torch.rand((), generator=generator)
@@ -101,8 +101,8 @@ def verify(
         if not total > 0:  # p(d) is 1 up to rounding: nothing else to draw, keep the draft
             continue
         token = int(torch.multinomial(residual / total, 1, generator=generator))
-        return drafts[:i] + [token], i
+        return [*drafts[:i], token], i
     probs = _filtered_probs(logits[k], params)
     if not (torch.isfinite(probs).all() and probs.sum() > 0):
-        return drafts + [int(torch.argmax(logits[k]))], k
-    return drafts + [int(torch.multinomial(probs, 1, generator=generator))], k
+        return [*drafts, int(torch.argmax(logits[k]))], k
+    return [*drafts, int(torch.multinomial(probs, 1, generator=generator))], k

@@ -257,9 +257,7 @@ def test_one_oversized_prompt_is_no_prefill_bound_trend(tmp_path):
         write_store(path, [HEALTHY, burst, HEALTHY], seed=5)
         con = duckdb.connect(str(path), read_only=True)
         out = {f.rule_id for f in diagnose(con).findings}
-        slow = con.execute(
-            "SELECT count(*) FROM requests WHERE input_tokens = 2300"
-        ).fetchone()[0]
+        slow = con.execute("SELECT count(*) FROM requests WHERE input_tokens = 2300").fetchone()[0]
         con.close()
         return out, slow
 

@@ -101,7 +101,15 @@ def test_sixteen_alone_equal_transformers(base):
         {"speculative_config": SPEC, "max_num_batched_tokens": 128},
         {"speculative_config": SPEC, "num_gpu_blocks_override": 24, "max_num_batched_tokens": 96},
     ],
-    ids=["default", "chunked-off", "prefix-off", "small-chunks", "preemption", "spec", "spec-preemption"],
+    ids=[
+        "default",
+        "chunked-off",
+        "prefix-off",
+        "small-chunks",
+        "preemption",
+        "spec",
+        "spec-preemption",
+    ],
 )
 def test_sixteen_concurrent_equal_alone(base, overrides):
     llm, ps, expected = base

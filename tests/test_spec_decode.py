@@ -30,9 +30,18 @@ BAD_CONFIGS = [
     ("[4]", "expected a JSON object"),
     ('{"num_speculative_tokens": 4}', "speculative_config.method: required"),
     ('{"method": "eagle"}', "speculative_config.method: unknown method 'eagle'"),
-    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens: must be in 1..16"),
-    ('{"method": "ngram", "num_speculative_tokens": 17}', "num_speculative_tokens: must be in 1..16"),
-    ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens: must be an integer"),
+    (
+        '{"method": "ngram", "num_speculative_tokens": 0}',
+        "num_speculative_tokens: must be in 1..16",
+    ),
+    (
+        '{"method": "ngram", "num_speculative_tokens": 17}',
+        "num_speculative_tokens: must be in 1..16",
+    ),
+    (
+        '{"method": "ngram", "num_speculative_tokens": "4"}',
+        "num_speculative_tokens: must be an integer",
+    ),
     (
         '{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}',
         "prompt_lookup_min: 5 is above prompt_lookup_max 3",
@@ -52,9 +61,17 @@ def test_bad_speculative_config_is_one_line_naming_the_field(text, message):
 
 def test_serve_refuses_a_bad_speculative_config_at_startup():
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--speculative-config",
-         '{"method": "ngram", "num_speculative_tokens": 0}'],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.engine.cli",
+            "serve",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 0}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
@@ -64,8 +81,14 @@ def test_serve_refuses_a_bad_speculative_config_at_startup():
 def test_config_defaults_and_partial_lookup_bounds():
     cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 5}')
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (5, 2, 4)
-    assert parse_speculative_config('{"method": "ngram", "prompt_lookup_max": 1}').prompt_lookup_min == 1
-    assert parse_speculative_config('{"method": "ngram", "prompt_lookup_min": 6}').prompt_lookup_max == 6
+    assert (
+        parse_speculative_config('{"method": "ngram", "prompt_lookup_max": 1}').prompt_lookup_min
+        == 1
+    )
+    assert (
+        parse_speculative_config('{"method": "ngram", "prompt_lookup_min": 6}').prompt_lookup_max
+        == 6
+    )
     assert parse_speculative_config(None) is None and parse_speculative_config("") is None
 
 
@@ -142,8 +165,12 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, smollm2_dir):
     two drafts. The joint distribution of (t1, t2) must equal p(t1) p(t2 | t1) from the model
     (chi-square, p = 0.001). Accepting every draft, or resampling from p without removing the
     rejected draft, moves mass onto the drafted tokens and fails it (checked by hand)."""
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 1}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 1,
+    }
     core = _tiny_core(tmp_path, smollm2_dir, spec)
     prompt = [0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 4, 6, 1, 3, 5, 7]
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
@@ -169,3 +196,73 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, smollm2_dir):
     df = len(cells) - 1
     assert df >= 20, df
     assert stat < _wilson_hilferty(df, 3.09), (stat, df)
+
+
+@pytest.mark.slow
+def test_served_stream_with_speculation(tmp_path, smollm2_dir):
+    """Through the real server: a copy prompt streamed with speculation on. Several tokens of
+    one step go out as one SSE chunk; usage.completion_tokens stays exact; the text equals a
+    non-streamed run; the trace store and /metrics count drafts and accepted tokens."""
+    import duckdb
+    import httpx
+    from server_proc import Server
+
+    db = tmp_path / "traces.duckdb"
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    server = Server(
+        tmp_path, "--model", str(smollm2_dir), "--speculative-config", spec, "--trace-db", str(db)
+    )
+    text = (
+        "Repeat exactly: the red fox ran past the old mill, over the bridge, and into the "
+        "dark wood beyond the river."
+    )
+    body = {
+        "model": "smollm2-135m-instruct",
+        "max_tokens": 48,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": text}],
+    }
+    try:
+        chunks, usage = [], None
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            timeout=120,
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        ) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices", []):
+                    if choice["delta"].get("content"):
+                        chunks.append(choice["delta"]["content"])
+        whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    finally:
+        server.stop()
+    assert "".join(chunks) == whole["choices"][0]["message"]["content"]
+    n = usage["completion_tokens"]
+    assert n == whole["usage"]["completion_tokens"]
+    assert len(chunks) < n  # some chunks carried several tokens (one chunk per engine step)
+    con = duckdb.connect(str(db), read_only=True)
+    rows = con.execute(
+        "SELECT output_tokens, spec_drafts, spec_draft_tokens, spec_accepted_tokens "
+        "FROM requests ORDER BY arrival_ns"
+    ).fetchall()
+    steps = con.execute(
+        "SELECT sum(num_draft_tokens), sum(num_accepted_tokens) FROM engine_steps"
+    ).fetchone()
+    con.close()
+    assert [r[0] for r in rows] == [n, n]
+    assert all(0 < r[3] <= r[2] and r[1] > 0 for r in rows), rows
+    assert steps == (sum(r[2] for r in rows), sum(r[3] for r in rows))
+    accepted = sum(r[3] for r in rows)
+    line = next(
+        ln
+        for ln in metrics.splitlines()
+        if ln.startswith("tokenmill_spec_decode_num_accepted_tokens_total{")
+    )
+    assert float(line.rsplit(" ", 1)[1]) == accepted

@@ -82,9 +82,7 @@ def decode_plan(m: AttentionMetadata, block_size: int, sliding_window: int | Non
         if q_rows != list(range(len(q_rows))):
             rows = torch.tensor(q_rows, device=device)
         if any(qlen[i] < qmax for i in short):
-            valid = torch.tensor(
-                [j < qlen[i] for i in short for j in range(qmax)], device=device
-            )
+            valid = torch.tensor([j < qlen[i] for i in short for j in range(qmax)], device=device)
             rows = torch.tensor(q_rows, device=device)
         seq = torch.tensor([lens[i] for i in short], device=device)
         qpos = torch.tensor(
