@@ -206,11 +206,14 @@ class EngineCore:
 
     def _propose(self) -> None:
         """Draft tokens for every running decode (n-gram prompt lookup), capped so that the
-        verified run cannot pass ``max_tokens`` or the context."""
+        verified run cannot pass ``max_tokens`` or the context; none while more requests run
+        than ``disable_by_batch_size``."""
         spec = self.spec
+        cutoff = spec.disable_by_batch_size
+        off = cutoff is not None and len(self.scheduler.running) > cutoff
         for request in self.scheduler.running:
             request.spec_token_ids = []
-            if request.num_computed_tokens != request.num_tokens - 1:
+            if off or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # a prefill chunk, not a decode
             room = min(
                 spec.num_speculative_tokens,

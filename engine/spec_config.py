@@ -32,12 +32,16 @@ class SpeculativeConfig:
         num_speculative_tokens: K, draft tokens proposed per request and step, 1..16.
         prompt_lookup_min: shortest n-gram matched, >= 1.
         prompt_lookup_max: longest n-gram matched, >= prompt_lookup_min, <= 32.
+        disable_by_batch_size: no drafts in a step that starts with more running requests
+            than this (None: never). Verification pays while a step is bandwidth-bound; a
+            large batch makes it compute-bound, and then each draft token costs its FLOPs.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -52,7 +56,8 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
     Raises:
         ValueError: one line naming the field: malformed JSON, not an object, an unknown key,
             an unknown ``method``, ``num_speculative_tokens`` outside 1..16, a lookup length
-            below 1 or above 32, or ``prompt_lookup_min > prompt_lookup_max``.
+            below 1 or above 32, ``prompt_lookup_min > prompt_lookup_max``, or
+            ``disable_by_batch_size`` below 1.
     """
     if text is None or (isinstance(text, str) and not text.strip()):
         return None
@@ -83,7 +88,12 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
             f"speculative_config.method: unknown method {raw['method']!r} (supported: ngram)"
         )
     values = {}
-    for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+    for name in (
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "disable_by_batch_size",
+    ):
         if name in raw:
             v = raw[name]
             if isinstance(v, bool) or not isinstance(v, int):
@@ -113,4 +123,7 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         raise ValueError(
             f"speculative_config.prompt_lookup_min: {lo} is above prompt_lookup_max {hi}"
         )
-    return SpeculativeConfig("ngram", k, lo, hi)
+    cutoff = values.get("disable_by_batch_size")
+    if cutoff is not None and cutoff < 1:
+        raise ValueError(f"speculative_config.disable_by_batch_size: must be >= 1, got {cutoff}")
+    return SpeculativeConfig("ngram", k, lo, hi, cutoff)

@@ -48,6 +48,7 @@ BAD_CONFIGS = [
     ),
     ('{"method": "ngram", "prompt_lookup_min": 0}', "prompt_lookup_min: must be in 1..32"),
     ('{"method": "ngram", "lookahead": 3}', "speculative_config.lookahead: unknown field"),
+    ('{"method": "ngram", "disable_by_batch_size": 0}', "disable_by_batch_size: must be >= 1"),
 ]
 
 
@@ -266,3 +267,27 @@ def test_served_stream_with_speculation(tmp_path, smollm2_dir):
         if ln.startswith("tokenmill_spec_decode_num_accepted_tokens_total{")
     )
     assert float(line.rsplit(" ", 1)[1]) == accepted
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(tmp_path, smollm2_dir):
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 1,
+        "disable_by_batch_size": 2,
+    }
+    llm = LLM(core=_tiny_core(tmp_path, smollm2_dir, spec))
+    prompt = [0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 4, 6]
+    # four requests run together, then two of them (longer answers) alone
+    lengths = [6, 6, 30, 30]
+    for i, n in enumerate(lengths):
+        llm.core.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    records = []
+    while llm.core.has_work():
+        running_before = len(llm.core.scheduler.running)
+        _, record = llm.core.step()
+        records.append((running_before, record))
+    assert any(n > 2 for n, _ in records) and any(0 < n <= 2 for n, _ in records)
+    assert all(r.num_draft_tokens == 0 for n, r in records if n > 2)
+    assert sum(r.num_draft_tokens for n, r in records if n <= 2) > 0
