@@ -282,7 +282,9 @@ def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(tmp_path, 
     # four requests run together, then two of them (longer answers) alone
     lengths = [6, 6, 30, 30]
     for i, n in enumerate(lengths):
-        llm.core.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        llm.core.add_request(
+            f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        )
     records = []
     while llm.core.has_work():
         running_before = len(llm.core.scheduler.running)
