@@ -150,6 +150,9 @@ def _summary(sig: Signals) -> dict:
         "steps": o.get("steps"),
         "output_tokens": o.get("sampled_tokens"),
         "windows": len(sig.windows),
+        # None unless speculative decoding verified drafts in the range
+        "spec_acceptance_rate": o.get("spec_acceptance_rate"),
+        "spec_accepted_per_draft": o.get("spec_accepted_per_draft"),
     }
 
 

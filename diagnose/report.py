@@ -30,6 +30,18 @@ _HEALTHY_KEYS = (
     ("kv_usage_max", "KV use peak", "{:.0%}"),
     ("preemptions", "preemptions", "{:.0f}"),
 )
+# shown only where a source has them (speculative decoding on)
+_OPTIONAL_KEYS = (
+    ("spec_acceptance_rate", "draft tokens accepted (speculative decoding)", "{:.0%}"),
+    ("spec_accepted_per_draft", "accepted tokens per draft", "{:.2f}"),
+)
+
+
+def _keys(summaries: list[dict]) -> tuple:
+    """The key-number rows for these summaries: every healthy key, and the optional ones that
+    at least one summary has."""
+    extra = tuple(k for k in _OPTIONAL_KEYS if any(s.get(k[0]) is not None for s in summaries))
+    return _HEALTHY_KEYS + extra
 
 
 def _ts(ns: int | None) -> str:
@@ -145,11 +157,11 @@ def to_markdown(report: Report) -> str:
     if _fleet(report):
         names = [s["name"] for s in report.sources]
         lines += ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        for key, label, fmt in _HEALTHY_KEYS:
+        for key, label, fmt in _keys([s["summary"] for s in report.sources]):
             row = [_fmt(fmt, s["summary"].get(key)) for s in report.sources]
             lines.append(f"| {label} | " + " | ".join(row) + " |")
         return "\n".join(lines) + "\n"
-    for key, label, fmt in _HEALTHY_KEYS:
+    for key, label, fmt in _keys([report.summary]):
         lines.append(f"- {label}: {_fmt(fmt, report.summary.get(key))}")
     return "\n".join(lines) + "\n"
 
@@ -210,11 +222,11 @@ def print_text(report: Report, console: Console) -> None:
         table.add_column("")
         for s in report.sources:
             table.add_column(escape(s["name"]))
-        for key, label, fmt in _HEALTHY_KEYS:
+        for key, label, fmt in _keys([s["summary"] for s in report.sources]):
             table.add_row(label, *(_fmt(fmt, s["summary"].get(key)) for s in report.sources))
     else:
         table = Table(title="key numbers", show_header=False)
-        for key, label, fmt in _HEALTHY_KEYS:
+        for key, label, fmt in _keys([report.summary]):
             table.add_row(label, _fmt(fmt, report.summary.get(key)))
     console.print(table)
     for rule_id, msg in report.rule_errors.items():

@@ -103,6 +103,8 @@ class Signals:
     busy_windows: int = 0
     # warm-up set apart: {"requests": n, "intervals": [[start_ns, end_ns], ...]}
     warmup: dict = field(default_factory=lambda: {"requests": 0, "intervals": []})
+    # SQL for the sequences an engine_steps row decoded (its decode tokens less draft tokens)
+    decode_seqs_sql: str = "num_decode_tokens"
 
     def busy(self, min_arrivals: int = 1) -> list[Window]:
         """Windows with at least ``min_arrivals`` arrivals or completions."""
@@ -189,7 +191,7 @@ SELECT (start_ns - $t0) // $w AS win,
     avg(num_prefill_tokens + num_decode_tokens) FILTER (WHERE {WORKING_STEP_SQL}) AS tokens_per_step,
     sum(num_sampled) AS sampled_tokens,
     avg(num_running) FILTER (WHERE {WORKING_STEP_SQL}) AS running_mean,
-    avg(num_prefill_chunks + num_decode_tokens) FILTER (WHERE {WORKING_STEP_SQL}) AS batch_mean,
+    avg(num_prefill_chunks + __DECODE_SEQS__) FILTER (WHERE {WORKING_STEP_SQL}) AS batch_mean,
     max(num_running) AS running_max,
     avg(num_waiting) AS waiting_mean,
     max(num_waiting) AS waiting_max,
@@ -310,7 +312,7 @@ GROUP BY win
 _SAME_WORK_WINDOW_SQL = f"""
 WITH s AS (
     SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms,
-        num_prefill_chunks + num_decode_tokens AS batch,
+        num_prefill_chunks + __DECODE_SEQS__ AS batch,
         CAST(floor(log2(greatest(num_prefill_tokens + num_decode_tokens, 1))) AS INTEGER) AS tok_class
     FROM engine_steps WHERE start_ns >= $since AND start_ns < $until AND {WORKING_STEP_SQL}
 ), ref AS (
@@ -537,7 +539,14 @@ def load(
     config = _engine_config(con)
     peaks = roofline_peaks(config)
     # a store written before the roofline step fields lacks their columns: no roofline signals
-    roofline = "flops" in {c.lower() for c in columns(con, "engine_steps")}
+    step_cols = {c.lower() for c in columns(con, "engine_steps")}
+    roofline = "flops" in step_cols
+    # sequences a step decoded: draft tokens (speculative decoding) are not sequences
+    seqs = STEP_DECODE_SEQS_SQL if "num_draft_tokens" in step_cols else "num_decode_tokens"
+
+    def _seqs(sql: str) -> str:
+        return sql.replace("__DECODE_SEQS__", seqs)
+
     roof_params = {**params, "ridge": peaks[2] if peaks else None}
     # warm-up set apart from the per-window signals (requests by arrival, steps by start)
     warm = warmup_intervals(con, since, until)
@@ -553,7 +562,7 @@ def load(
         {**params, "short": short_prompt_tokens, "fast_ttft": (fast_ttft or 0) * 2},
     )
     ends = _rows(con, _set_apart(_END_WINDOW_SQL, "end_ns", not_warm_req), params)
-    steps = _rows(con, _set_apart(_STEP_WINDOW_SQL, "start_ns", not_warm_step), params)
+    steps = _rows(con, _set_apart(_seqs(_STEP_WINDOW_SQL), "start_ns", not_warm_step), params)
     roof = (
         _rows(con, _set_apart(_ROOFLINE_WINDOW_SQL, "start_ns", not_warm_step), roof_params)
         if roofline
@@ -562,7 +571,9 @@ def load(
     kinds = [k for (k,) in con.execute("SELECT DISTINCT kind FROM device_samples").fetchall()]
     device_kind = "gpu" if "gpu" in kinds else ("host" if "host" in kinds else None)
     dev = _rows(con, _DEVICE_WINDOW_SQL, {**params, "kind": device_kind or "none"})
-    same_work = _rows(con, _set_apart(_SAME_WORK_WINDOW_SQL, "start_ns", not_warm_step), params)
+    same_work = _rows(
+        con, _set_apart(_seqs(_SAME_WORK_WINDOW_SQL), "start_ns", not_warm_step), params
+    )
     # a store written before the speculative-decoding step fields: no spec signals
     spec_sql = _spec_sql(con, roofline)
     spec = _rows(con, _set_apart(spec_sql, "start_ns", not_warm_step), params) if spec_sql else {}
@@ -603,7 +614,9 @@ def load(
         {**params, "short": short_prompt_tokens, "fast_ttft": (fast_ttft or 0) * 2},
     ).get(0, {})
     overall.update(
-        _rows(con, _STEP_WINDOW_SQL.replace("(start_ns - $t0) // $w", "0"), params).get(0, {})
+        _rows(con, _seqs(_STEP_WINDOW_SQL).replace("(start_ns - $t0) // $w", "0"), params).get(
+            0, {}
+        )
     )
     overall.update(
         _rows(con, _END_WINDOW_SQL.replace("(end_ns - $t0) // $w", "0"), params).get(0, {})
@@ -648,6 +661,7 @@ def load(
         healthy_windows=n_healthy,
         busy_windows=len(busy),
         warmup={"requests": int(n_warm), "intervals": [list(iv) for iv in warm]},
+        decode_seqs_sql=seqs,
     )
 
 

@@ -282,7 +282,14 @@ def prompt_params(n: int, *, seed: int | None, **params: Any) -> list:
 
 @app.command()
 @engine_options(
-    "model", "dtype", "device", "attention_backend", "load_format", "quantization", "block_size"
+    "model",
+    "dtype",
+    "device",
+    "attention_backend",
+    "load_format",
+    "quantization",
+    "block_size",
+    "speculative_config",
 )
 def generate(
     prompt: Annotated[

@@ -511,3 +511,19 @@ def test_spec_decode_ineffective_on_compute_bound_verification(tmp_path):
     assert "compute-bound" in f.summary and f.causes[0].startswith("the batch makes")
     small = _report(tmp_path, "spec_small", [big.but(running=2)], seed=5)
     assert "spec_decode_ineffective" not in {f.rule_id for f in small.findings}
+
+
+def test_key_numbers_show_draft_acceptance_only_with_speculation(stores):
+    from tokenmill.diagnose.report import to_markdown
+
+    con = stores("spec_decode_ineffective")
+    report = diagnose(con)
+    con.close()
+    rate = report.summary["spec_acceptance_rate"]
+    assert rate is not None and 0 < rate < 0.2, rate
+    assert f"- draft tokens accepted (speculative decoding): {rate:.0%}" in to_markdown(report)
+    con = stores("healthy")
+    report = diagnose(con)
+    con.close()
+    assert report.summary["spec_acceptance_rate"] is None
+    assert "speculative decoding" not in to_markdown(report)

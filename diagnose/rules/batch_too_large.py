@@ -5,13 +5,13 @@ from __future__ import annotations
 from ..signals import Signals
 from ._common import Evidence, Param, Rule, _confidence, _when
 
-# per window, the decode-only steps: their mean batch, their median time and the tokens they
-# made per second of step time (the engine's rate while it decodes; idle time and prefill
+# per window, the decode-only steps: their mean batch (sequences, not draft tokens), their median
+# time and the output tokens they made per second of step time (the engine's rate while it decodes; idle time and prefill
 # chunks left out, so neither a lull in traffic nor a burst of new prompts reads as the batch)
 _DECODE_RATE_SQL = """
 WITH w AS (SELECT unnest(?::BIGINT[]) AS ws, unnest(?::BIGINT[]) AS we)
-SELECT ws, avg(num_decode_tokens) AS batch,
-       sum(num_decode_tokens) / (sum(end_ns - start_ns) / 1e9) AS tok_s,
+SELECT ws, avg(__DECODE_SEQS__) AS batch,
+       sum(num_sampled) / (sum(end_ns - start_ns) / 1e9) AS tok_s,
        quantile_cont((end_ns - start_ns) / 1e6, 0.5) AS step_ms
 FROM w JOIN engine_steps ON start_ns >= ws AND start_ns < we
 WHERE num_prefill_tokens = 0 AND num_decode_tokens > 0 AND end_ns > start_ns
@@ -24,7 +24,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if not sig.windows:
         return None
     rates = sig.con.execute(
-        _DECODE_RATE_SQL,
+        _DECODE_RATE_SQL.replace("__DECODE_SEQS__", sig.decode_seqs_sql),
         [[w.start_ns for w in sig.windows], [w.end_ns for w in sig.windows], p["min_steps"]],
     ).fetchall()
     by_start = {w.start_ns: w for w in sig.windows}

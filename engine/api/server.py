@@ -95,6 +95,21 @@ def fmt_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def spec_line(config) -> str:
+    """``"speculative decoding ngram K=4 (n-grams 2-4); "`` when ``--speculative-config`` is
+    set, else ``""`` (the start line)."""
+    from ..spec_config import parse_speculative_config
+
+    spec = parse_speculative_config(config.speculative_config)
+    if spec is None:
+        return ""
+    cut = f", off above {spec.disable_by_batch_size} running" if spec.disable_by_batch_size else ""
+    return (
+        f"speculative decoding {spec.method} K={spec.num_speculative_tokens} "
+        f"(n-grams {spec.prompt_lookup_min}-{spec.prompt_lookup_max}{cut}); "
+    )
+
+
 def memory_line(model_info: dict) -> str:
     """The startup line's memory and roofline part: weight bytes by dtype, the KV pool, the
     device's peaks and their sources (``EngineReady.model_info``); empty without it."""
@@ -209,7 +224,7 @@ def make_server(
         announce(
             f"tokenmill serving {name!r} at http://{host}:{port}/v1  "
             f"(engine pid {info['pid']}, KV capacity {kv_tokens} tokens in {info['num_blocks']} blocks, "
-            f"context {info['max_model_len']}; {memory_line(model_info)}"
+            f"context {info['max_model_len']}; {memory_line(model_info)}{spec_line(config)}"
             f"{'tenants from ' + tenants_file if tenants_file else 'open local mode, no API keys'}; "
             f"telemetry: /metrics, /health, trace store {telemetry.trace_db or 'off'})"
         )
