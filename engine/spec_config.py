@@ -50,24 +50,30 @@ class SpeculativeConfig:
 def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | None:
     """Parse ``--speculative-config`` (a JSON object, or an already-decoded dict).
 
+    A field set to ``null`` counts as not given (its default), as in vLLM's config.
+
     Returns:
-        The config, or None for None / an empty string (speculation off).
+        The config, or None for None (the flag not given: speculation off).
 
     Raises:
-        ValueError: one line naming the field: malformed JSON, not an object, an unknown key,
+        ValueError: one line naming the field: an empty string, malformed JSON, not an
+            object, an unknown key,
             an unknown ``method``, ``num_speculative_tokens`` outside 1..16, a lookup length
             below 1 or above 32, ``prompt_lookup_min > prompt_lookup_max``, or
             ``disable_by_batch_size`` below 1.
     """
-    if text is None or (isinstance(text, str) and not text.strip()):
+    if text is None:
         return None
     if isinstance(text, str):
+        if not text.strip():
+            raise ValueError(
+                "speculative_config: empty; give a JSON object such as "
+                '{"method": "ngram", "num_speculative_tokens": 4}, or leave the flag out'
+            )
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"speculative_config: not valid JSON ({exc.msg} at character {exc.pos})"
-            ) from None
+            raise ValueError(f"speculative_config: not valid JSON ({exc})") from None
     else:
         raw = text
     if not isinstance(raw, dict):
@@ -94,11 +100,16 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         "prompt_lookup_max",
         "disable_by_batch_size",
     ):
-        if name in raw:
-            v = raw[name]
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"speculative_config.{name}: must be an integer, got {v!r}")
-            values[name] = v
+        v = raw.get(name)
+        if v is None:
+            continue  # not given, or null: the default
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"speculative_config.{name}: must be an integer, got {v!r}")
+        if name.startswith("prompt_lookup") and not 1 <= v <= MAX_PROMPT_LOOKUP:
+            raise ValueError(
+                f"speculative_config.{name}: must be in 1..{MAX_PROMPT_LOOKUP}, got {v}"
+            )
+        values[name] = v
     defaults = SpeculativeConfig()
     k = values.get("num_speculative_tokens", defaults.num_speculative_tokens)
     if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -114,11 +125,6 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         lo = min(defaults.prompt_lookup_min, hi)
     elif hi is None:
         hi = max(defaults.prompt_lookup_max, lo)
-    for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-        if not 1 <= v <= MAX_PROMPT_LOOKUP:
-            raise ValueError(
-                f"speculative_config.{name}: must be in 1..{MAX_PROMPT_LOOKUP}, got {v}"
-            )
     if lo > hi:
         raise ValueError(
             f"speculative_config.prompt_lookup_min: {lo} is above prompt_lookup_max {hi}"

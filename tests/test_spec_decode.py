@@ -49,6 +49,11 @@ BAD_CONFIGS = [
     ('{"method": "ngram", "prompt_lookup_min": 0}', "prompt_lookup_min: must be in 1..32"),
     ('{"method": "ngram", "lookahead": 3}', "speculative_config.lookahead: unknown field"),
     ('{"method": "ngram", "disable_by_batch_size": 0}', "disable_by_batch_size: must be >= 1"),
+    ('{"method": "ngram", "prompt_lookup_max": 0}', "prompt_lookup_max: must be in 1..32, got 0"),
+    ('{"method": "ngram", "prompt_lookup_max": 40}', "prompt_lookup_max: must be in 1..32"),
+    ("", "speculative_config: empty"),
+    ("   ", "speculative_config: empty"),
+    ('{"method": "ngram"', "not valid JSON"),
 ]
 
 
@@ -90,7 +95,9 @@ def test_config_defaults_and_partial_lookup_bounds():
         parse_speculative_config('{"method": "ngram", "prompt_lookup_min": 6}').prompt_lookup_max
         == 6
     )
-    assert parse_speculative_config(None) is None and parse_speculative_config("") is None
+    assert parse_speculative_config(None) is None
+    nulls = '{"method": "ngram", "num_speculative_tokens": null, "disable_by_batch_size": null}'
+    assert parse_speculative_config(nulls) == parse_speculative_config('{"method": "ngram"}')
 
 
 def test_propose_ngram_prefers_the_longest_then_most_recent_match():
@@ -241,6 +248,15 @@ def test_served_stream_with_speculation(tmp_path, smollm2_dir):
                     if choice["delta"].get("content"):
                         chunks.append(choice["delta"]["content"])
         whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+        # a stop token id in the middle of the answer (vLLM's extension)
+        answer = whole["choices"][0]["message"]["content"]
+        ids = load_tokenizer(smollm2_dir).encode(answer, add_special_tokens=False)
+        stop_id = next(t for t in ids[6:] if ids.index(t) >= 6)
+        cut = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={**body, "stop_token_ids": [stop_id]},
+            timeout=120,
+        ).json()
         metrics = httpx.get(server.url + "/metrics", timeout=30).text
     finally:
         server.stop()
@@ -248,6 +264,9 @@ def test_served_stream_with_speculation(tmp_path, smollm2_dir):
     n = usage["completion_tokens"]
     assert n == whole["usage"]["completion_tokens"]
     assert len(chunks) < n  # some chunks carried several tokens (one chunk per engine step)
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert 6 < cut["usage"]["completion_tokens"] < n
+    assert answer.startswith(cut["choices"][0]["message"]["content"])
     con = duckdb.connect(str(db), read_only=True)
     rows = con.execute(
         "SELECT output_tokens, spec_drafts, spec_draft_tokens, spec_accepted_tokens "
@@ -257,8 +276,8 @@ def test_served_stream_with_speculation(tmp_path, smollm2_dir):
         "SELECT sum(num_draft_tokens), sum(num_accepted_tokens) FROM engine_steps"
     ).fetchone()
     con.close()
-    assert [r[0] for r in rows] == [n, n]
-    assert all(0 < r[3] <= r[2] and r[1] > 0 for r in rows), rows
+    assert [r[0] for r in rows] == [n, n, cut["usage"]["completion_tokens"]]
+    assert all(0 < r[3] <= r[2] and r[1] > 0 for r in rows[:2]), rows
     assert steps == (sum(r[2] for r in rows), sum(r[3] for r in rows))
     accepted = sum(r[3] for r in rows)
     line = next(

@@ -72,6 +72,9 @@ class _CommonRequest(BaseModel):
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None
     min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
     ignore_eos: StrictBool = False
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(
+        default=None, max_length=MAX_STOP_STRINGS
+    )
     # OpenAI options we do not implement: accepted only at their "off" value (check_supported)
     logit_bias: Any = None
     response_format: Any = None
@@ -141,6 +144,7 @@ class _CommonRequest(BaseModel):
             min_p=self.min_p or 0.0,
             seed=self.seed,
             stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
         )
 
