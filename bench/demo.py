@@ -3,7 +3,7 @@
 1. Start ``tokenmill serve`` on the default model with tracing on (batch capped at 2 running
    requests, so the tour can provoke queueing on a CPU in seconds).
 2. Start the console (``tokenmill dashboard``) on the live server.
-3. The tour: ``tokenmill bench`` with a healthy phase, then an overload phase at 5x the rate.
+3. The tour: ``tokenmill bench`` with a healthy phase, then an overload phase at 8x the rate.
 4. Fetch a dump, print ``tokenmill diagnose``'s report and the console URL.
 5. Keep the server and the console running until Ctrl-C.
 """
@@ -25,7 +25,7 @@ TOUR = [
     "--request-rate",
     "0.4",
     "--phases",
-    "healthy:25s,overload:25s@5x",
+    "healthy:25s,overload:25s@8x",
     "--prompt-tokens",
     "uniform:32:64",
     "--output-tokens",
@@ -144,7 +144,7 @@ def run(*, port: int = 8000, console_port: int = 8501, wait: bool = True, say=pr
                 )
             )
         say(
-            "• the tour: 25 s of healthy traffic, then 25 s at 5x the rate (batch capped at 2), "
+            "• the tour: 25 s of healthy traffic, then 25 s at 8x the rate (batch capped at 2), "
             "then the backlog drains; about 1.5 minutes on a 2-core CPU"
         )
         # the load generator's own progress: a bar on a terminal, a line per phase and every

@@ -36,7 +36,7 @@ def test_demo_runs_the_tour_and_prints_the_diagnosis_and_console(smollm2_dir):
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "tokenmill diagnosis" in r.stdout and "key numbers" in r.stdout
-    # the tour's overload phase (5x the rate the 2-sequence batch keeps up with) is the first
+    # the tour's overload phase (8x the rate the 2-sequence batch keeps up with) is the first
     # finding: with the queue growing window after window, this is the CI proof of `overload`
     # (the queueing_overload scenario, the same traffic, runs in `make scenarios`)
     assert "1. overload — arrivals exceed completions" in r.stdout, r.stdout[-3000:]

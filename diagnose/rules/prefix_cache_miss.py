@@ -100,6 +100,6 @@ RULE = Rule(
     },
     detect=detect,
     healthy_baseline="absolute",
-    explains=("ttft_prefill_bound",),
+    explains=("ttft_prefill_bound", "itl_prefill_interference"),
     evidence_signals=("prefix_hit_rate", "ttft_p99"),
 )
