@@ -239,7 +239,6 @@ class EngineCore:
         live = {id(c) for c in sampling}  # a chunk whose request is still running
         plain = [(c, r) for c, r in offsets if not c.draft_token_ids and id(c) in live]
         picked: dict[int, tuple[list[int], int]] = {}  # id(chunk) -> (tokens, accepted drafts)
-        bad_rows = ~torch.isfinite(logits).all(dim=-1) if logits is not None else None
         if plain:
             reqs = [c.request for c, _ in plain]
             tokens, bad = sample(
@@ -253,7 +252,7 @@ class EngineCore:
             if not c.draft_token_ids or id(c) not in live:
                 continue
             k = len(c.draft_token_ids)
-            if bool(bad_rows[r : r + k + 1].any()):
+            if not bool(torch.isfinite(logits[r : r + k + 1]).all()):
                 picked[id(c)] = ([], -1)
                 continue
             q = c.request

@@ -222,15 +222,13 @@ class Scheduler:
             if threshold:
                 n = min(n, threshold)
             n = min(n, budget)
-            if drafts and not self.bm.allocate_slots(request, n + len(drafts)):
-                drafts = []  # no room for the drafts: a plain decode, before preempting anyone
-            elif drafts:
+            # no room for the drafts: a plain decode, before preempting anyone for them
+            placed = bool(drafts) and self.bm.allocate_slots(request, n + len(drafts))
+            if placed:
                 n += len(drafts)
-                self._add_chunk(out, request, n, drafts)
-                budget -= n
-                i += 1
-                continue
-            while not self.bm.allocate_slots(request, n):
+            else:
+                drafts = []
+            while not placed and not self.bm.allocate_slots(request, n):
                 out.allocation_failures += 1
                 victim = self.running[-1]  # lowest ranked, not yet scheduled this step
                 self._preempt(victim, out)

@@ -79,10 +79,9 @@ def decode_plan(m: AttentionMetadata, block_size: int, sliding_window: int | Non
         # query j of chunk i (padding repeats the chunk's last query) and its position
         pick = [[min(j, qlen[i] - 1) for j in range(qmax)] for i in short]
         q_rows = [starts[i] + j for i, js in zip(short, pick) for j in js]
-        if q_rows != list(range(len(q_rows))):
-            rows = torch.tensor(q_rows, device=device)
         if any(qlen[i] < qmax for i in short):
             valid = torch.tensor([j < qlen[i] for i in short for j in range(qmax)], device=device)
+        if valid is not None or q_rows != list(range(len(q_rows))):
             rows = torch.tensor(q_rows, device=device)
         seq = torch.tensor([lens[i] for i in short], device=device)
         qpos = torch.tensor(
