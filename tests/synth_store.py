@@ -48,6 +48,11 @@ class Phase:
     prefill_spike_ms: float = 0.0  # extra step time when a step carries a long prefill
     periodic_spike_s: float = 0.0  # a step spike every N s (0 = none)
     periodic_spike_ms: float = 0.0
+    # a job on the host that slows every step (and token gap) by host_burst_slowdown for
+    # host_burst_s out of every host_burst_every_s (0 = none)
+    host_burst_every_s: float = 0.0
+    host_burst_s: float = 0.0
+    host_burst_slowdown: float = 1.0
     running: int = 8
     waiting: float = 0.0
     max_num_seqs: int = 64
@@ -173,6 +178,14 @@ class SyntheticRun:
         return counts
 
     # ----- rows -----
+    @staticmethod
+    def _burst(ph: Phase, since_phase_start_ns: int) -> float:
+        """The slowdown of work that starts this far into the phase (1.0 outside a burst)."""
+        if not ph.host_burst_every_s:
+            return 1.0
+        into = (since_phase_start_ns / S) % ph.host_burst_every_s
+        return ph.host_burst_slowdown if into < ph.host_burst_s else 1.0
+
     def _steps(self, tel, rng, ph: Phase, start: int, end: int, step_id: int) -> int:
         step_ms = ph.step_ms or ph.itl_ms
         total = 1000
@@ -207,6 +220,7 @@ class SyntheticRun:
                     "num_accepted_tokens_per_pos": per_pos,
                 }
                 dur *= ph.spec_step_slowdown
+            dur *= self._burst(ph, t - start)
             if next_spike is not None and t >= next_spike:
                 dur += ph.periodic_spike_ms
                 next_spike += int(ph.periodic_spike_s * S)
@@ -332,6 +346,7 @@ class SyntheticRun:
                 tl.events.append(RequestEvent("resumed", n + 1, tokens[-1] + int(gap * MS / 2), {}))
             if spike_at is not None and k == spike_at:
                 gap += ph.prefill_spike_ms
+            gap *= self._burst(ph, tokens[-1] - self._phase_start)
             tokens.append(tokens[-1] + int(gap * MS))
         tl.token_ns = tokens
         tl.first_text_ns = tl.first_token_ns + int(ph.text_holdback_ms * MS)

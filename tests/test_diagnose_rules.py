@@ -11,6 +11,7 @@ from synth_store import Phase, write_store
 
 from tokenmill.diagnose.findings import diagnose
 from tokenmill.diagnose.rules import RULES, RULES_BY_ID
+from tokenmill.diagnose.signals import load as load_signals
 
 HEALTHY = Phase(duration_s=40)
 # the default model with int4 weights (~0.75 byte a weight with its scales), 2 running decodes
@@ -286,6 +287,40 @@ def test_slow_steps_back_to_back_are_no_periodic_spike(tmp_path):
     (f,) = [f for f in diagnose(con).findings if f.rule_id == "periodic_itl_spikes"]
     con.close()
     assert 4.5 < f.evidence["period_s"] < 5.5 and f.evidence["spike_ms_p50"] >= 800
+
+
+def test_a_host_burst_on_a_prefill_step_is_no_prefill_interference(tmp_path):
+    """Stop 24's CI: a job spinning the cores 1.5 s every 6 s met a step carrying a 46-token
+    prefill; that step was 4x the baseline decode step and ITL peaked 8x the p50, so
+    itl_prefill_interference outranked periodic_itl_spikes. The burst slows the decode steps
+    around the prefill step as much, so the prefill did not make the spike: quiet now, and
+    the periodic stall is named. A real long prefill (1,500 tokens next to 40 ms decodes)
+    still fires with the same bursts running."""
+    bursts = dict(host_burst_every_s=6, host_burst_s=1.5, host_burst_slowdown=10)
+    path = tmp_path / "burst.duckdb"
+    write_store(path, [HEALTHY.but(duration_s=60, **bursts)], seed=4)
+    con = duckdb.connect(str(path), read_only=True)
+    sig = load_signals(con)
+    # the symptom the old rule read: a step with prefill ≥ 4x, ITL ≥ 8x the baseline
+    assert any(
+        (w.get("mixed_step_ms_max") or 0) >= 4 * sig.baseline["decode_step_ms_p50"]
+        and (w.get("itl_max") or 0) >= 8 * sig.baseline["itl_p50"]
+        for w in sig.windows
+    )
+    report = diagnose(con)
+    con.close()
+    fired = [f.rule_id for f in report.findings]
+    assert "itl_prefill_interference" not in fired and fired[0] == "periodic_itl_spikes", fired
+    path = tmp_path / "burst_and_long_prompt.duckdb"
+    write_store(
+        path,
+        [HEALTHY.but(duration_s=60, long_prompt_every=4, prefill_spike_ms=1500, **bursts)],
+        seed=4,
+    )
+    con = duckdb.connect(str(path), read_only=True)
+    (f,) = [f for f in diagnose(con).findings if f.rule_id == "itl_prefill_interference"]
+    con.close()
+    assert f.evidence["mixed_step_ms_max"] >= 8 * f.evidence["neighbour_decode_step_ms"]
 
 
 def test_prefix_shorter_than_one_block_is_named_with_the_block_size(tmp_path):

@@ -17,19 +17,59 @@ from ._common import (
     _worst,
 )
 
+# Each step that carries prefill next to running decodes, with the slower of the decode-only
+# steps just before and just after it (NULL where there is none in the range).
+_MIXED_STEPS_SQL = """
+WITH s AS (SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms,
+                  num_prefill_tokens > 0 AND num_running > num_prefill_chunks AS mixed,
+                  CASE WHEN num_prefill_tokens = 0 AND num_decode_tokens > 0
+                       THEN (end_ns - start_ns) / 1e6 END AS decode_ms
+           FROM engine_steps WHERE start_ns >= ? AND start_ns < ?),
+n AS (SELECT *,
+        last_value(decode_ms IGNORE NULLS) OVER (
+            ORDER BY start_ns ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before_ms,
+        first_value(decode_ms IGNORE NULLS) OVER (
+            ORDER BY start_ns ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING) AS after_ms
+      FROM s)
+SELECT start_ns, ms, greatest(before_ms, after_ms) FROM n WHERE mixed ORDER BY start_ns
+"""
+
+
+def _prefill_stretched(
+    sig: Signals, p: dict, base_step: float | None
+) -> list[tuple[int, float, float]]:
+    """Steps carrying prefill that took ``local_spike`` x the decode-only steps on either side
+    of them: ``(start_ns, ms, neighbour_ms)``. A host stall (a neighbour process, GC) slows the
+    steps around a prefill as much as the prefill step itself; a prefill slows only its own."""
+    out = []
+    for start, ms, near in sig.con.execute(
+        _MIXED_STEPS_SQL, [sig.since_ns, sig.until_ns]
+    ).fetchall():
+        near = near if near is not None else base_step
+        if near and ms >= p["local_spike"] * near:
+            out.append((start, ms, near))
+    return out
+
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
     base_itl = sig.baseline.get("itl_p50")
     base_step = sig.baseline.get("decode_step_ms_p50")
+    stretched = _prefill_stretched(sig, p, base_step)
+
+    def in_w(w: Window) -> list[tuple[int, float, float]]:
+        return [r for r in stretched if w.start_ns <= r[0] < w.end_ns]
+
+    def step_max(w: Window) -> float | None:
+        return max((r[1] for r in in_w(w)), default=None)
 
     def spike(w: Window) -> float | None:
         # a gap longer than the slowest prefill step is not this rule's (preemption, stalls)
-        if w.get("itl_max") is None or w.get("mixed_step_ms_max") is None:
+        if w.get("itl_max") is None or step_max(w) is None:
             return None
-        return min(w.get("itl_max"), w.get("mixed_step_ms_max"))
+        return min(w.get("itl_max"), step_max(w))
 
     def hit(w: Window) -> bool:
-        step_r = _ratio(w.get("mixed_step_ms_max"), base_step)
+        step_r = _ratio(step_max(w), base_step)
         itl_r = _ratio(spike(w), base_itl)
         return (
             step_r is not None
@@ -42,19 +82,21 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if w is None:
         return None
     r = _ratio(spike(w), base_itl)
+    near = max(in_w(w), key=lambda row: row[1])[2]
     cfg = sig.config
     _where, _params = _in_window(w)
     return Evidence(
         f"ITL spiked to {_ms(w.get('itl_max'))} (baseline p50 {_ms(base_itl)}) in {_when(w)}; "
-        f"steps carrying prefill took up to {_ms(w.get('mixed_step_ms_max'))} against "
-        f"{_ms(base_step)} for decode-only steps (largest prefill in a step: "
+        f"steps carrying prefill took up to {_ms(step_max(w))} against {_ms(near)} for the "
+        f"decode-only steps around them ({_ms(base_step)} baseline; largest prefill in a step: "
         f"{w.get('prefill_tokens_max') or 0:.0f} tokens; chunked prefill "
         f"{'on' if cfg.get('enable_chunked_prefill', True) else 'off'}, step budget "
         f"{cfg.get('max_num_batched_tokens', '?')} tokens)",
         {
             "itl_max_ms": w.get("itl_max"),
             "baseline_itl_p50_ms": base_itl,
-            "mixed_step_ms_max": w.get("mixed_step_ms_max"),
+            "mixed_step_ms_max": step_max(w),
+            "neighbour_decode_step_ms": near,
             "decode_step_ms_p50": base_step,
             "prefill_tokens_max_per_step": w.get("prefill_tokens_max"),
             "max_num_batched_tokens": cfg.get("max_num_batched_tokens"),
@@ -87,6 +129,12 @@ RULE = Rule(
             4.0, "steps with prefill vs decode-only steps (seed: PD interference)"
         ),
         "itl_spike": Param(8.0, f"max ITL {_BASE} of ITL p50 (case C02: an order of magnitude)"),
+        "local_spike": Param(
+            8.0,
+            "a step with prefill vs the slower decode-only step just before or after it, as "
+            "itl_spike: a host stall slows those too (CI: a cron-like CPU burst met a 46-token "
+            "prefill step and this rule outranked periodic_itl_spikes)",
+        ),
     },
     detect=detect,
     healthy_baseline="needs",
