@@ -23,6 +23,8 @@ _COLORS = {
     "schedule": "#9467bd",
     "forward": "#2ca02c",
     "sample": "#8c564b",
+    "prepare": "#17becf",
+    "detokenize": "#e377c2",
 }
 
 
@@ -167,7 +169,8 @@ def waterfall(detail: dict) -> go.Figure:
 
 def engine(steps: pd.DataFrame, hits: pd.DataFrame, per_step: bool) -> go.Figure:
     """Engine steps over time, five rows: batch composition (prefill vs decode tokens per step),
-    step time split (schedule / forward / sample ms), running vs waiting, KV blocks (used, free,
+    step time split (schedule / prepare / forward / sample / detokenize ms; a store from before
+    prepare and detokenize had their own fields shows them inside forward and sample), running vs waiting, KV blocks (used, free,
     cached), preemptions with the prefix-cache hit rate."""
     fig = make_subplots(
         rows=5,
@@ -190,7 +193,9 @@ def engine(steps: pd.DataFrame, hits: pd.DataFrame, per_step: bool) -> go.Figure
             row=1,
             col=1,
         )
-    for col in ("schedule", "forward", "sample"):
+    for col in ("schedule", "prepare", "forward", "sample", "detokenize"):
+        if f"{col}_ms" not in steps:
+            continue
         fig.add_trace(
             go.Scatter(
                 x=x,

@@ -206,7 +206,9 @@ SELECT (start_ns - $t0) // $w AS win,
     avg(schedule_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS schedule_ms_mean,
     avg(forward_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS forward_ms_mean,
     avg(sample_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS sample_ms_mean,
-    avg((schedule_ms + sample_ms) / nullif((end_ns - start_ns) / 1e6, 0)) FILTER (WHERE {WORKING_STEP_SQL}) AS host_share_of_step,
+    avg(prepare_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS prepare_ms_mean,
+    avg(detokenize_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS detokenize_ms_mean,
+    avg((schedule_ms + coalesce(prepare_ms, 0) + sample_ms + coalesce(detokenize_ms, 0)) / nullif((end_ns - start_ns) / 1e6, 0)) FILTER (WHERE {WORKING_STEP_SQL}) AS host_share_of_step,
     max(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) FILTER (WHERE num_running = 0 AND num_waiting = 0) AS idle_kv_usage_max,
     count(*) FILTER (WHERE num_running = 0 AND num_waiting = 0) AS idle_steps
 FROM engine_steps WHERE start_ns >= $since AND start_ns < $until

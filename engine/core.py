@@ -78,6 +78,7 @@ class EngineCore:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._detokenize_s = 0.0  # this step's detokenization (StepRecord.detokenize_ms)
         self.spec = parse_speculative_config(config.speculative_config)
         self.started_ns = time.time_ns()
         self.pid = os.getpid()
@@ -158,6 +159,7 @@ class EngineCore:
             self.threads.tick()
         start_ns = time.time_ns()
         t0 = time.perf_counter()
+        self._detokenize_s = 0.0
         if self.spec is not None:
             self._propose()
         sched = self.scheduler.schedule()
@@ -167,6 +169,8 @@ class EngineCore:
         num_sampled = sum(1 for c in sched.chunks if c.samples)
         logits = self.runner.execute(sched) if sched.chunks else None
         t2 = time.perf_counter()
+        # a runner without the attribute (a test's stub) counts its preparation as forward
+        prepare_ms = getattr(self.runner, "last_prepare_ms", 0.0) if sched.chunks else 0.0
         spec = SpecCounts(self.spec.num_speculative_tokens if self.spec else 0)
         outputs = self._process(sched, logits, spec)
         t3 = time.perf_counter()
@@ -177,8 +181,10 @@ class EngineCore:
             start_ns=start_ns,
             end_ns=time.time_ns(),
             schedule_ms=(t1 - t0) * 1e3,
-            forward_ms=(t2 - t1) * 1e3,
-            sample_ms=(t3 - t2) * 1e3,
+            forward_ms=(t2 - t1) * 1e3 - prepare_ms,
+            sample_ms=(t3 - t2 - self._detokenize_s) * 1e3,
+            prepare_ms=prepare_ms,
+            detokenize_ms=self._detokenize_s * 1e3,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_prefill_tokens=sched.num_prefill_tokens,
@@ -297,7 +303,9 @@ class EngineCore:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
+        t = time.perf_counter()
         stop_str = self.detokenizers[request.request_id].add(token)
+        self._detokenize_s += time.perf_counter() - t
         if not params.ignore_eos and token in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
@@ -316,7 +324,9 @@ class EngineCore:
     def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
         finished = request.status.finished
         detok = self.detokenizers.get(request.request_id)
+        t = time.perf_counter()
         text = detok.take_delta(finished) if detok else ""
+        self._detokenize_s += time.perf_counter() - t
         if finished:
             self.detokenizers.pop(request.request_id, None)
         events, request.events = request.events, []

@@ -133,9 +133,19 @@ class StepRecord(msgspec.Struct, kw_only=True):
     start_ns: Ns
     end_ns: Ns
     schedule_ms: float = 0.0
+    """drafting (speculative decoding), scheduling and the step's cost arithmetic"""
     forward_ms: float = 0.0
+    """the model's forward and the logits' copy to the host (until 2026-12-01 it also held
+    ``prepare_ms``)"""
     sample_ms: float = 0.0
-    """sampling + detokenization + stop checks"""
+    """sampling, draft verification, token bookkeeping and stop checks (until 2026-12-01 it
+    also held ``detokenize_ms``)"""
+    prepare_ms: float = 0.0
+    """laying the step out for the model: input ids, positions, slot mapping, block tables
+    and the logit rows (NULL in dumps from before the field)"""
+    detokenize_ms: float = 0.0
+    """incremental detokenization of this step's tokens, stop-string checks and text deltas
+    (NULL in dumps from before the field)"""
     num_running: int = 0
     num_waiting: int = 0
     num_prefill_tokens: int = 0

@@ -5,6 +5,7 @@ small model's forward, so prefill-chunk rows that sample nothing skip it)."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -50,6 +51,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             self.model_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
+        # ms the last execute() spent laying its step out (StepRecord.prepare_ms)
+        self.last_prepare_ms = 0.0
 
     def determine_num_blocks(self) -> int:
         """KV blocks to allocate.
@@ -115,7 +118,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns float32 logits ``[sum of num_logit_rows, vocab]``: one row per
         chunk whose ``samples`` is True, and ``1 + K`` rows for a chunk that verifies ``K``
-        draft tokens (its last sampled token and each draft), in the order of ``out.chunks``."""
+        draft tokens (its last sampled token and each draft), in the order of ``out.chunks``.
+        Sets :attr:`last_prepare_ms` to the time spent building the inputs."""
+        t0 = time.perf_counter()
         chunks, tokens, rows = [], [], []
         for c in out.chunks:
             chunks.append(SeqChunk(c.start, c.num_new_tokens, c.request.block_ids))
@@ -126,7 +131,9 @@ class ModelRunner:
             rows.extend(range(len(tokens) - n, len(tokens)))
         step = build_step_inputs(chunks, self.block_size, self.device)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        picked = torch.tensor(rows, device=self.device) if rows else None
+        self.last_prepare_ms = (time.perf_counter() - t0) * 1e3
         hidden = self.model(input_ids, step.positions, self.kv_caches, step.metadata)
-        if not rows:
+        if picked is None:
             return torch.empty((0, self.model_config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).cpu()
+        return self.model.compute_logits(hidden[picked]).cpu()

@@ -26,7 +26,7 @@ from pathlib import Path
 import duckdb
 
 from .parquet_dump import ParquetDumpError, is_parquet_dump, load_parquet
-from .schema import TABLES, SchemaError, apply_schema, check_schema
+from .schema import TABLES, SchemaError, apply_schema, check_schema, expose_missing_columns
 
 DUCKDB_MAGIC = b"DUCK"  # bytes 8..12 of every DuckDB database file
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -261,6 +261,7 @@ def open_dump(path: str | Path, *, verify: bool = True) -> duckdb.DuckDBPyConnec
         with contextlib.suppress(duckdb.CatalogException):
             con.execute("SELECT key, value FROM meta").fetchall()
         check_schema(con)
+        expose_missing_columns(con)
         if verify:
             for t in TABLES:
                 con.execute(f"SELECT count(*), bit_xor(hash(COLUMNS(*))) FROM {t}").fetchall()

@@ -150,6 +150,7 @@ __all__ = [
     "apply_schema",
     "check_schema",
     "ddl",
+    "expose_missing_columns",
     "roofline_agg_sql",
     "spec_agg_sql",
     "sql_type",
@@ -225,6 +226,26 @@ def apply_schema(con: duckdb.DuckDBPyConnection) -> None:
             if f.required:
                 raise SchemaError(f"store table {table} lacks required column {f.name}")
             con.execute(f"ALTER TABLE {table} ADD COLUMN {f.name} {sql_type(f.type)}")
+
+
+def expose_missing_columns(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """Let a store opened read-only, written before a nullable field existed, answer queries
+    that name the field: a temporary view over each such table adds the missing columns as
+    NULL (what :func:`apply_schema` would add to a writable file). Returns the
+    ``table.column`` names added."""
+    db = con.execute("SELECT current_database()").fetchone()[0]
+    added = []
+    for table, row_type in ROW_TYPES.items():
+        have = set(columns(con, table))
+        missing = [f for f in mi.type_info(row_type).fields if f.name not in have]
+        if not missing:
+            continue
+        extra = ", ".join(f"NULL::{sql_type(f.type)} AS {f.name}" for f in missing)
+        con.execute(
+            f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT *, {extra} FROM "{db}".main.{table}'
+        )
+        added += [f"{table}.{f.name}" for f in missing]
+    return added
 
 
 def columns(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:

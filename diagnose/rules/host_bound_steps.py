@@ -35,15 +35,18 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     share = w.get("host_share_of_step")
     util = w.get("gpu_util_mean")
     return Evidence(
-        f"{share:.0%} of each engine step went to scheduling and sampling on the host in "
-        f"{_when(w)} (schedule {_ms(w.get('schedule_ms_mean'))}, sample "
-        f"{_ms(w.get('sample_ms_mean'))}, forward {_ms(w.get('forward_ms_mean'))}"
+        f"{share:.0%} of each engine step went to host work in {_when(w)} (schedule "
+        f"{_ms(w.get('schedule_ms_mean'))}, input preparation {_ms(w.get('prepare_ms_mean'))}, "
+        f"sample {_ms(w.get('sample_ms_mean'))}, detokenize "
+        f"{_ms(w.get('detokenize_ms_mean'))}; forward {_ms(w.get('forward_ms_mean'))}"
         + (f"; GPU busy {util:.0f}%" if util is not None and sig.device_kind == "gpu" else "")
         + ")",
         {
             "host_share_of_step": share,
             "schedule_ms_mean": w.get("schedule_ms_mean"),
             "sample_ms_mean": w.get("sample_ms_mean"),
+            "prepare_ms_mean": w.get("prepare_ms_mean"),
+            "detokenize_ms_mean": w.get("detokenize_ms_mean"),
             "forward_ms_mean": w.get("forward_ms_mean"),
             "step_ms_p50": w.get("step_ms_p50"),
             "baseline_step_ms_p50": base_step,
@@ -59,16 +62,21 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 RULE = Rule(
     id="host_bound_steps",
     title="steps wait on the host",
-    symptom="the host side of each step (schedule, sample) is a large share while steps are slow",
+    symptom=(
+        "the host side of each step (schedule, input preparation, sample, detokenize) is a "
+        "large share while steps are slow"
+    ),
     causes=(
         "Python scheduling overhead at large batch",
         "sampling on the host",
         "kernel launch overhead",
     ),
-    checks=("schedule_ms and sample_ms vs forward_ms",),
+    checks=("schedule_ms, prepare_ms, sample_ms and detokenize_ms vs forward_ms",),
     knob="--max-num-seqs down; CUDA graphs where available",
     params={
-        "host_share": Param(0.3, "(schedule + sample) / step time"),
+        "host_share": Param(
+            0.3, "(schedule + input preparation + sample + detokenize) / step time"
+        ),
         "step_slowdown": Param(1.5, f"step time {_BASE}"),
         "gpu_busy_below": Param(50.0, "GPU utilization % counted as low"),
     },
