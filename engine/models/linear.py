@@ -8,6 +8,13 @@ LM head takes 20.7 ms for 2 rows against 8.7 ms for one. Computed the other way 
 is faster padded to two (5.1 ms). Those are the shapes of decode steps at small batch and of
 speculative verification (1 + K rows per request), so this module picks the formulation by
 row count; prefill chunks and other devices and dtypes keep ``F.linear``.
+
+A single row (a batch-1 decode step) also goes through ``W @ xᵀ``, padded to two rows. Timed
+one layer at a time with the weight hot in cache, one row via ``F.linear`` looked fastest; but a
+real step streams 538 MB of weights from memory, and over a pass of all 121 weight matrices of
+SmolLM2-135M (``benchmarks/step_overhead.py``, "GEMV pass") one row via ``F.linear``
+(MKL's GEMV) reads 14.4 GB/s and takes ~36 ms, the same row padded to two through ``W @ xᵀ``
+~25 ms (~21 GB/s): single-stream ITL 49 -> 42 ms.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ __all__ = ["Linear", "linear"]
 
 # rows for which W @ xᵀ beats F.linear here (measured 2..64; at 128 they tie, at 256 it loses)
 TRANSPOSED_ROWS = (2, 64)
-# a single row through a layer this wide (the LM head) is faster padded to two rows
-PAD_ONE_ROW_OUT_FEATURES = 16384
+# a single row through a layer at least this wide runs padded to two rows: every layer (until
+# 2026-12-01 only the LM head, 16,384; benchmarks/step_overhead.py's "before")
+PAD_ONE_ROW_OUT_FEATURES = 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
