@@ -1,0 +1,218 @@
+"""Where a small decode step's time goes, against the memory-bandwidth floor, in one run.
+
+Issue 20. On the default model (SmolLM2-135M, float32, this CPU), one process:
+
+- **floor**: a read-bandwidth probe (``torch.sum`` over a 256 MiB float32 tensor, best of 5,
+  GB/s) and the floor of a batch-1 decode step = the weight bytes a decode step reads
+  (``StepRecord.weight_bytes``: every linear layer and the LM head once) ÷ that bandwidth.
+- **GEMV pass**: one row through all of the model's weight matrices in a row (weights streamed
+  from memory, as a real step reads them), as ``F.linear`` (MKL's GEMV) and as
+  ``models/linear.py`` computes it (padded to two rows, ``W @ xᵀ``); ms per pass and GB/s.
+- **split at batch 1, 8, 32**: that many requests (short chat prompts, 48 greedy tokens,
+  ``ignore_eos``) through ``EngineCore``; over the decode-only steps with all of them running,
+  the median of each stored part (``schedule_ms``, ``prepare_ms``, ``forward_ms``,
+  ``sample_ms``, ``detokenize_ms``) and of the step's wall time. **before** =
+  ``PAD_ONE_ROW_OUT_FEATURES`` 16,384 (a single row padded only in the LM head, the code until
+  2026-12-01), **after** = 0 (every layer).
+- **through the server**: ``tokenmill serve`` in a subprocess and one streaming client, 3 chat
+  requests one after another (96 tokens, ``ignore_eos``); ITL p50 from the SSE chunks' arrival
+  times, and its ratio to the floor (target ≤ 2×).
+
+Results: ``benchmarks/results/step_overhead.json``. Run it alone on the machine (two torch
+processes on 2 cores slow each other 10–20×): ``.venv/bin/python benchmarks/step_overhead.py``
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from torch.nn import functional as F
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.core import EngineCore, resolve_model_dir
+from tokenmill.engine.models import linear as linear_mod
+from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.tokenizer import encode_chat
+
+OUT = Path(__file__).parent / "results"
+PARTS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "detokenize_ms")
+BATCHES = (1, 8, 32)
+VARIANTS = {"before": 16384, "after": 0}
+PROMPTS = [
+    "Tell me a long story about a dragon.",
+    "Explain how a bicycle works.",
+    "Write a letter to a friend about the sea.",
+    "Describe a city at night.",
+]
+
+
+def bandwidth_probe_gbps(mib: int = 256, repeats: int = 5) -> float:
+    """Read bandwidth (GB/s): the best of ``repeats`` ``torch.sum`` calls over ``mib`` MiB."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best = min(_timed(lambda: x.sum()) for _ in range(repeats))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def gemv_pass(model: torch.nn.Module, repeats: int = 7) -> dict:
+    """ms per pass of one row through every 2-D weight of the decoder layers and the LM head,
+    as ``F.linear`` and as ``models/linear.py`` (median of ``repeats``)."""
+    weights = [
+        m.weight
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2
+    ]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    xs = {k: torch.randn(1, k) for k in {w.shape[1] for w in weights}}
+    out = {"weight_bytes": nbytes}
+    for name, fn in (
+        ("F.linear", lambda w, x: F.linear(x, w)),
+        ("padded W @ x^T", lambda w, x: linear_mod.linear(x, w)),
+    ):
+        with torch.inference_mode():
+            times = []
+            for _ in range(repeats + 1):
+                times.append(_timed(lambda fn=fn: [fn(w, xs[w.shape[1]]) for w in weights]))
+        ms = statistics.median(times[1:]) * 1e3
+        out[name] = {"ms": ms, "gbps": nbytes / ms / 1e6}
+    return out
+
+
+def split(core: EngineCore, batch: int, tokens: int = 48) -> dict:
+    """Medians of the stored parts over decode-only steps with ``batch`` requests running."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for i in range(batch):
+        msgs = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        core.add_request(f"b{batch}-{i}", encode_chat(core.tokenizer, msgs), params)
+    records = []
+    while core.has_work():
+        _, rec = core.step()
+        if rec and rec.num_prefill_tokens == 0 and rec.num_running == batch:
+            records.append(rec)
+    row = {"batch": batch, "steps": len(records)}
+    for part in PARTS:
+        row[part] = statistics.median(getattr(r, part) for r in records)
+    row["step_ms"] = statistics.median((r.end_ns - r.start_ns) / 1e6 for r in records)
+    row["weight_bytes"] = records[0].weight_bytes
+    return row
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_itl(requests: int = 3, tokens: int = 96) -> dict:
+    """Single-stream ITL through ``tokenmill serve``: one streaming client, ``requests`` chat
+    requests one after another; ITL = gaps between SSE chunks that carry text."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port)],
+            cwd=tmp,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError((Path(tmp) / "server.log").read_text()[-2000:])
+                try:
+                    if httpx.get(url + "/health", timeout=2).json()["status"] == "ok":
+                        break
+                except (httpx.HTTPError, ValueError):
+                    time.sleep(0.5)
+            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            gaps: list[float] = []
+            for i in range(requests + 1):  # the first one warms up and is left out
+                body = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                    "max_tokens": tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                times = []
+                with httpx.stream(
+                    "POST", url + "/v1/chat/completions", json=body, timeout=120
+                ) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if line.startswith("data: {") and '"content"' in line:
+                            times.append(time.perf_counter())
+                if i:
+                    gaps += [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
+        finally:
+            proc.terminate()
+            proc.wait(30)
+            log.close()
+    return {"requests": requests, "itl_p50_ms": statistics.median(gaps), "gaps": len(gaps)}
+
+
+def main() -> int:
+    torch.set_num_threads(2)
+    probe = bandwidth_probe_gbps()
+    core = EngineCore(EngineConfig(model=str(resolve_model_dir(None))))
+    result: dict = {
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "bandwidth_probe_gbps": probe,
+        "gemv_pass": gemv_pass(core.runner.model),
+        "split": {},
+    }
+    for name, pad in VARIANTS.items():
+        linear_mod.PAD_ONE_ROW_OUT_FEATURES = pad
+        split(core, 1, tokens=8)  # warm-up
+        result["split"][name] = [split(core, b) for b in BATCHES]
+    linear_mod.PAD_ONE_ROW_OUT_FEATURES = VARIANTS["after"]
+    weight_bytes = result["split"]["after"][0]["weight_bytes"]
+    result["floor_ms"] = weight_bytes / probe / 1e6
+    del core
+    result["server"] = server_itl()
+    result["server"]["itl_vs_floor"] = result["server"]["itl_p50_ms"] / result["floor_ms"]
+    OUT.mkdir(exist_ok=True)
+    (OUT / "step_overhead.json").write_text(json.dumps(result, indent=2))
+    print(
+        f"probe {probe:.1f} GB/s; decode weights {weight_bytes / 1e6:.0f} MB; "
+        f"floor {result['floor_ms']:.1f} ms"
+    )
+    for name, r in result["gemv_pass"].items():
+        if isinstance(r, dict):
+            print(f"GEMV pass {name}: {r['ms']:.1f} ms ({r['gbps']:.1f} GB/s)")
+    print("variant batch " + " ".join(f"{p:>13}" for p in (*PARTS, "step_ms")))
+    for name, rows in result["split"].items():
+        for r in rows:
+            print(
+                f"{name:>7} {r['batch']:>5} "
+                + " ".join(f"{r[p]:13.2f}" for p in (*PARTS, "step_ms"))
+            )
+    s = result["server"]
+    print(f"server single-stream ITL p50 {s['itl_p50_ms']:.1f} ms = {s['itl_vs_floor']:.2f}x floor")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
