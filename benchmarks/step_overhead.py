@@ -5,18 +5,20 @@ Issue 20. On the default model (SmolLM2-135M, float32, this CPU), one process:
 - **floor**: a read-bandwidth probe (``torch.sum`` over a 256 MiB float32 tensor, best of 5,
   GB/s) and the floor of a batch-1 decode step = the weight bytes a decode step reads
   (``StepRecord.weight_bytes``: every linear layer and the LM head once) ÷ that bandwidth.
-- **GEMV pass**: one row through all of the model's weight matrices in a row (weights streamed
-  from memory, as a real step reads them), as ``F.linear`` (MKL's GEMV) and as
-  ``models/linear.py`` computes it (padded to two rows, ``W @ xᵀ``); ms per pass and GB/s.
+- **GEMV pass**: 1, 2 and 4 rows through all of the model's weight matrices in a row (weights
+  streamed from memory, as a real step reads them), as ``F.linear`` (MKL), as ``W @ xᵀ`` (one
+  row padded to two) and through ``kernels/cpu_gemv.c``; ms per pass and GB/s.
 - **split at batch 1, 8, 32**: that many requests (short chat prompts, 48 greedy tokens,
   ``ignore_eos``) through ``EngineCore``; over the decode-only steps with all of them running,
   the median of each stored part (``schedule_ms``, ``prepare_ms``, ``forward_ms``,
-  ``sample_ms``, ``detokenize_ms``) and of the step's wall time. **before** =
-  ``PAD_ONE_ROW_OUT_FEATURES`` 16,384 (a single row padded only in the LM head, the code until
-  2026-12-01), **after** = 0 (every layer).
-- **through the server**: ``tokenmill serve`` in a subprocess and one streaming client, 3 chat
-  requests one after another (96 tokens, ``ignore_eos``); ITL p50 from the SSE chunks' arrival
-  times, and its ratio to the floor (target ≤ 2×).
+  ``sample_ms``, ``detokenize_ms``) and of the step's wall time, for three settings of
+  ``models/linear.py`` (:data:`VARIANTS`): **before** (the code until 2026-12-01), **padded**
+  (one row padded to two through ``W @ xᵀ`` in every layer), **after** (the GEMV kernel).
+- **through the server**: ``tokenmill serve`` (float32, then ``--quantization int8``) in a
+  subprocess and one streaming client, 3 chat requests one after another (96 tokens,
+  ``ignore_eos``); ITL p50 from the SSE chunks' arrival times, and its ratio to the floor
+  (targets: ≤ 2× in float32, ≤ 1.5× at the best CPU setting; int8's floor is a quarter of
+  float32's).
 
 Results: ``benchmarks/results/step_overhead.json``. Run it alone on the machine (two torch
 processes on 2 cores slow each other 10–20×): ``.venv/bin/python benchmarks/step_overhead.py``
@@ -44,11 +46,17 @@ from tokenmill.engine.core import EngineCore, resolve_model_dir
 from tokenmill.engine.models import linear as linear_mod
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.tokenizer import encode_chat
+from tokenmill.kernels import cpu as cpu_gemv
 
 OUT = Path(__file__).parent / "results"
 PARTS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "detokenize_ms")
 BATCHES = (1, 8, 32)
-VARIANTS = {"before": 16384, "after": 0}
+# (PAD_ONE_ROW_OUT_FEATURES, GEMV_ROWS) of engine/models/linear.py
+VARIANTS = {
+    "before": (16384, (1, 0)),  # the code until 2026-12-01: one row padded in the LM head only
+    "padded": (0, (1, 0)),  # one row padded to two through W @ xᵀ in every layer
+    "after": (0, (1, cpu_gemv.MAX_ROWS)),  # kernels/cpu_gemv.c up to MAX_ROWS rows
+}
 PROMPTS = [
     "Tell me a long story about a dragon.",
     "Explain how a bicycle works.",
@@ -72,26 +80,34 @@ def _timed(fn) -> float:
 
 
 def gemv_pass(model: torch.nn.Module, repeats: int = 7) -> dict:
-    """ms per pass of one row through every 2-D weight of the decoder layers and the LM head,
-    as ``F.linear`` and as ``models/linear.py`` (median of ``repeats``)."""
+    """ms per pass of 1, 2 and 4 rows through every 2-D weight of the decoder layers and the LM
+    head (weights streamed from memory, as in a step), median of ``repeats``: ``F.linear``,
+    ``W @ xᵀ`` (one row padded to two) and the kernel (``kernels/cpu_gemv.c``)."""
     weights = [
         m.weight
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2
     ]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    xs = {k: torch.randn(1, k) for k in {w.shape[1] for w in weights}}
-    out = {"weight_bytes": nbytes}
-    for name, fn in (
-        ("F.linear", lambda w, x: F.linear(x, w)),
-        ("padded W @ x^T", lambda w, x: linear_mod.linear(x, w)),
-    ):
-        with torch.inference_mode():
-            times = []
-            for _ in range(repeats + 1):
-                times.append(_timed(lambda fn=fn: [fn(w, xs[w.shape[1]]) for w in weights]))
-        ms = statistics.median(times[1:]) * 1e3
-        out[name] = {"ms": ms, "gbps": nbytes / ms / 1e6}
+    ways = {
+        "F.linear": lambda w, x: F.linear(x, w),
+        "W @ x^T": lambda w, x: (
+            torch.mm(w, torch.cat((x, x)).t())[:, :1] if x.shape[0] == 1 else torch.mm(w, x.t())
+        ),
+    }
+    if cpu_gemv.available():
+        ways["cpu_gemv kernel"] = lambda w, x: cpu_gemv.gemv(x, w)
+    out: dict = {"weight_bytes": nbytes}
+    for rows in (1, 2, 4):
+        xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+        for name, fn in ways.items():
+            with torch.inference_mode():
+                times = [
+                    _timed(lambda fn=fn, xs=xs: [fn(w, xs[w.shape[1]]) for w in weights])
+                    for _ in range(repeats + 1)
+                ]
+            ms = statistics.median(times[1:]) * 1e3
+            out.setdefault(name, {})[rows] = {"ms": ms, "gbps": nbytes / ms / 1e6}
     return out
 
 
@@ -120,15 +136,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_itl(requests: int = 3, tokens: int = 96) -> dict:
-    """Single-stream ITL through ``tokenmill serve``: one streaming client, ``requests`` chat
-    requests one after another; ITL = gaps between SSE chunks that carry text."""
+def server_itl(args: list[str], requests: int = 3, tokens: int = 96) -> dict:
+    """Single-stream ITL through ``tokenmill serve ARGS``: one streaming client, ``requests``
+    chat requests one after another; ITL = gaps between SSE chunks that carry text."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port)],
+            [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port), *args],
             cwd=tmp,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -183,25 +199,42 @@ def main() -> int:
         "gemv_pass": gemv_pass(core.runner.model),
         "split": {},
     }
-    for name, pad in VARIANTS.items():
-        linear_mod.PAD_ONE_ROW_OUT_FEATURES = pad
+    for name, (pad, rows) in VARIANTS.items():
+        linear_mod.PAD_ONE_ROW_OUT_FEATURES, linear_mod.GEMV_ROWS = pad, rows
         split(core, 1, tokens=8)  # warm-up
         result["split"][name] = [split(core, b) for b in BATCHES]
-    linear_mod.PAD_ONE_ROW_OUT_FEATURES = VARIANTS["after"]
+    linear_mod.PAD_ONE_ROW_OUT_FEATURES, linear_mod.GEMV_ROWS = VARIANTS["after"]
     weight_bytes = result["split"]["after"][0]["weight_bytes"]
     result["floor_ms"] = weight_bytes / probe / 1e6
+    result["cpu_gemv"] = cpu_gemv.unavailable_reason() or "used"
     del core
-    result["server"] = server_itl()
-    result["server"]["itl_vs_floor"] = result["server"]["itl_p50_ms"] / result["floor_ms"]
+    # int8's floor: the same step's weights in int8 (one byte a weight; the scales are noise)
+    result["floor_ms_int8"] = result["floor_ms"] / 4
+    result["server"] = {}
+    for name, args, floor in (
+        ("float32", [], result["floor_ms"]),
+        ("int8", ["--quantization", "int8"], result["floor_ms_int8"]),
+    ):
+        r = server_itl(args)
+        r["floor_ms"] = floor
+        r["itl_vs_floor"] = r["itl_p50_ms"] / floor
+        r["output_tok_s"] = 1e3 / r["itl_p50_ms"]
+        result["server"][name] = r
     OUT.mkdir(exist_ok=True)
     (OUT / "step_overhead.json").write_text(json.dumps(result, indent=2))
     print(
         f"probe {probe:.1f} GB/s; decode weights {weight_bytes / 1e6:.0f} MB; "
         f"floor {result['floor_ms']:.1f} ms"
     )
-    for name, r in result["gemv_pass"].items():
-        if isinstance(r, dict):
-            print(f"GEMV pass {name}: {r['ms']:.1f} ms ({r['gbps']:.1f} GB/s)")
+    for name, by_rows in result["gemv_pass"].items():
+        if isinstance(by_rows, dict):
+            print(
+                f"GEMV pass {name:>16}: "
+                + ", ".join(
+                    f"{rows} row(s) {r['ms']:.1f} ms ({r['gbps']:.1f} GB/s)"
+                    for rows, r in by_rows.items()
+                )
+            )
     print("variant batch " + " ".join(f"{p:>13}" for p in (*PARTS, "step_ms")))
     for name, rows in result["split"].items():
         for r in rows:
@@ -209,8 +242,12 @@ def main() -> int:
                 f"{name:>7} {r['batch']:>5} "
                 + " ".join(f"{r[p]:13.2f}" for p in (*PARTS, "step_ms"))
             )
-    s = result["server"]
-    print(f"server single-stream ITL p50 {s['itl_p50_ms']:.1f} ms = {s['itl_vs_floor']:.2f}x floor")
+    for name, s in result["server"].items():
+        print(
+            f"server {name} single stream: ITL p50 {s['itl_p50_ms']:.1f} ms = "
+            f"{s['itl_vs_floor']:.2f}x its {s['floor_ms']:.1f} ms floor, "
+            f"{s['output_tok_s']:.1f} tok/s"
+        )
     return 0
 
 

@@ -31,6 +31,8 @@ import functools
 import torch
 from torch import nn
 
+from tokenmill.kernels import cpu as cpu_gemv
+
 from .config import QUANTIZATIONS
 from .errors import ModelLoadError
 
@@ -172,12 +174,16 @@ class QuantizedLinear(nn.Module):
         # the packed kernels do not take).
         self.path = "dequant"
         self.block_n: int | None = None
+        # int8 on CPU: float32 scales for kernels/cpu_gemv.c, which takes up to
+        # cpu_gemv.MAX_ROWS rows with float32 activations (the packed kernel rounds them to bf16)
+        self.gemv_scales: torch.Tensor | None = None
         if method == "int8":
             q, scales = quantize_int8(weight)
             self.register_buffer("qweight", q)
             self.register_buffer("scales", scales)
             if self.device.type == "cpu":
                 self.register_buffer("packed_scales", scales.to(torch.bfloat16))
+                self.gemv_scales = self.packed_scales.float()
                 self.path = "hybrid"
             elif _cuda_int8_packed_ok(self.device):
                 # torch's CUDA int8 kernel is GEMV-shaped too: on the H200 at 64 rows the
@@ -266,7 +272,11 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
         rows = x2d.shape[0]
-        if self.path == "packed" or (
+        if self.gemv_scales is not None and rows <= cpu_gemv.MAX_ROWS and cpu_gemv.available():
+            out = cpu_gemv.gemv_int8(x2d.float(), self.qweight, self.gemv_scales).to(x.dtype)
+            if self.bias is not None:
+                out = out + self.bias
+        elif self.path == "packed" or (
             self.path == "hybrid" and rows <= PACKED_MAX_ROWS[self.method]
         ):
             out = self._packed(x2d).to(x.dtype)

@@ -18,6 +18,7 @@ from tokenmill.engine.attention import (
 )
 from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
 from tokenmill.engine.kv_cache import allocate_kv_caches
+from tokenmill.kernels import cpu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -69,21 +70,25 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error():
 
 
 def test_torch_path_imports_no_triton():
-    """The CPU path (torch backend, torch ops, a model, the offline engine) shares the kernels'
-    plain-torch references without importing triton or any kernel module."""
+    """The CPU path (torch backend, the C kernels' ops or torch ops, a model, the offline
+    engine) shares the kernels' plain-torch references and the C kernels' bindings without
+    importing triton or any Triton kernel module."""
     code = (
         "import sys\n"
         "from tokenmill.engine.attention import get_attention_backend\n"
         "from tokenmill.engine.models.ops import get_ops\n"
         "import tokenmill.engine.models.loader, tokenmill.engine.llm\n"
         "assert get_attention_backend('auto', 'cpu').name == 'torch'\n"
-        "assert get_ops('cpu').name == 'torch'\n"
+        "from tokenmill.kernels import cpu\n"
+        "assert get_ops('cpu').name == ('cpu' if cpu.available() else 'torch')\n"
         "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith(('triton.', "
         "'tokenmill.kernels'))))\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip() == "['tokenmill.kernels', 'tokenmill.kernels.reference']"
+    assert res.stdout.strip() == (
+        "['tokenmill.kernels', 'tokenmill.kernels.cpu', 'tokenmill.kernels.reference']"
+    )
 
 
 def greedy(model, prompts: list[list[int]], max_new: int, chunk: int, block_size: int = 16):
@@ -128,7 +133,8 @@ def greedy(model, prompts: list[list[int]], max_new: int, chunk: int, block_size
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_equal_torch_backend(smollm2_dir):
     """The default model with ``attention_backend="triton"`` (Triton attention, norms, RoPE and
-    SwiGLU; interpreted on a CPU) produces the torch backend's greedy tokens."""
+    SwiGLU; interpreted on a CPU) produces the torch backend's greedy tokens (on a CPU that one
+    runs the C kernels: decode attention, GEMV, element-wise ops)."""
     from transformers import AutoTokenizer
 
     from tokenmill.engine.models.loader import load_model
@@ -139,7 +145,9 @@ def test_smollm2_greedy_tokens_equal_torch_backend(smollm2_dir):
     for backend in ("torch", "triton"):
         model = load_model(smollm2_dir, device=DEVICE, dtype="float32", attention_backend=backend)
         assert model.backend.name == backend
-        assert model.model.norm.ops.name == backend  # the fused kernels are in use too
+        # the fused kernels are in use too (the torch backend on a CPU: the C kernels' ops)
+        cpu_ops = backend == "torch" and DEVICE == "cpu" and cpu.available()
+        assert model.model.norm.ops.name == ("cpu" if cpu_ops else backend)
         results[backend] = greedy(model, prompts, max_new=5, chunk=4)
     (ref_tokens, ref_logits), (tri_tokens, tri_logits) = results["torch"], results["triton"]
     assert tri_tokens == ref_tokens

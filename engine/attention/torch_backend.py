@@ -1,6 +1,8 @@
 """Attention backend ``torch``: plain torch driven by the step's :class:`AttentionMetadata`.
 
-The default on CPU. Decode rows (one new token) and other short chunks (up to
+The default on CPU. A step whose sequences all decode one token runs
+:func:`tokenmill.kernels.cpu.decode_attention` (one C call a layer) where the CPU kernels build
+and the tensors are float32. Otherwise decode rows (one new token) and other short chunks (up to
 :data:`SHORT_CHUNK` tokens: a decode verifying speculative drafts, the tail of a prompt) take a
 batched path: the step's gather indices and visibility mask are built once per step
 (:class:`DecodePlan`, cached on the metadata; short chunks padded to the longest) and every
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from tokenmill.kernels import cpu
 from tokenmill.kernels.reference import _visibility, attend_chunk, store_kv
 
 from .metadata import AttentionMetadata
@@ -120,6 +123,22 @@ class TorchAttentionBackend:
         ``[num_blocks, block_size, Hkv, D]``; returns ``[T, Hq, D]`` in query's dtype). The
         host copies of the metadata drive the loops, so a step on CUDA never syncs on them."""
         m = metadata
+        if m.max_query_len == 1 and query.device.type == "cpu" and cpu.available():
+            # every sequence decodes one token: the C kernel stores and attends in one call
+            out = cpu.decode_attention(
+                query,
+                key,
+                value,
+                k_cache,
+                v_cache,
+                m.slot_mapping,
+                m.block_tables,
+                m.seq_lens,
+                scale,
+                sliding_window,
+            )
+            if out is not None:
+                return out.to(query.dtype)
         plan = decode_plan(m, k_cache.shape[1], sliding_window)
         if plan.all_slots_valid:
             k_cache.view(-1, *k_cache.shape[2:]).index_copy_(

@@ -23,8 +23,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.kernels import cpu as cpu_gemv
+
 __all__ = ["Linear", "linear"]
 
+# rows that go to our AVX2 GEMV kernel (kernels/cpu_gemv.c) when it is available
+GEMV_ROWS = (1, cpu_gemv.MAX_ROWS)
 # rows for which W @ xᵀ beats F.linear here (measured 2..64; at 128 they tie, at 256 it loses)
 TRANSPOSED_ROWS = (2, 64)
 # a single row through a layer at least this wide runs padded to two rows: every layer (until
@@ -39,6 +43,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     m = x.shape[0]
+    if GEMV_ROWS[0] <= m <= GEMV_ROWS[1] and cpu_gemv.available():
+        return cpu_gemv.gemv(x, weight, bias)
     if m == 1 and weight.shape[0] >= PAD_ONE_ROW_OUT_FEATURES:
         out = torch.mm(weight, torch.cat((x, x)).t())[:, :1].t().contiguous()
     elif TRANSPOSED_ROWS[0] <= m <= TRANSPOSED_ROWS[1]:

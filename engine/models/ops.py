@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels import reference
+from tokenmill.kernels import cpu, reference
 
 
 class TorchOps:
@@ -33,15 +33,20 @@ class TorchOps:
 
 
 def get_ops(device: torch.device | str, backend: str = "auto"):
-    """Fused Triton ops on CUDA when ``tokenmill.kernels`` provides them, else :class:`TorchOps`.
+    """Fused Triton ops on CUDA when ``tokenmill.kernels`` provides them; on a CPU the C
+    kernels' :class:`tokenmill.kernels.cpu.CpuOps` where they build
+    (:func:`tokenmill.kernels.cpu.available`); else :class:`TorchOps`.
 
     ``backend="torch"`` forces the reference ops; ``"triton"`` requires the kernels package.
 
     Raises:
         ValueError: ``backend="triton"`` and the kernels cannot be imported.
     """
-    want_triton = backend == "triton" or (backend == "auto" and torch.device(device).type == "cuda")
+    kind = torch.device(device).type
+    want_triton = backend == "triton" or (backend == "auto" and kind == "cuda")
     if not want_triton:
+        if backend == "auto" and kind == "cpu" and cpu.available():
+            return cpu.CpuOps
         return TorchOps
     try:
         from tokenmill.kernels.ops import TritonOps  # type: ignore[import-not-found]

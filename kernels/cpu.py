@@ -1,0 +1,423 @@
+"""The CPU kernels for small decode steps, in C, and their torch bindings.
+
+A decode step on a CPU at small batch is bound by two things torch does not do well there
+(``benchmarks/RESULTS.md``, "A small step against its floor"):
+
+- **matrix-vector products** (``cpu_gemv.c``): it reads every weight once, so it should run at
+  the memory's read bandwidth; torch's GEMV (MKL) on one row read 10.7-13.6 GB/s on this
+  project's 2-core VM against a 24.9-29.6 GB/s ``torch.sum`` probe. :func:`gemv` (float32) and
+  :func:`gemv_int8` (weight-only int8) stream each row of ``W`` once for all rows of ``x`` with
+  AVX2 FMA on the OpenMP threads torch uses.
+- **decode attention** (``cpu_attention.c``): :func:`decode_attention` stores one new token's
+  K/V per sequence and attends it over the paged cache in one call, instead of the gathers,
+  SDPA and copies around it (~15 aten calls a layer).
+- **element-wise ops** (``cpu_ops.c``): RMSNorm, the residual add, RoPE and SwiGLU cost 4-10
+  aten calls each in torch, ~3 µs of dispatch apiece here, more than their arithmetic.
+  :class:`CpuOps` runs each as one C call, with :class:`tokenmill.engine.models.ops.TorchOps`'
+  interface.
+
+The C files are compiled together at first use with the system C compiler (``cc``, ``-O3
+-mavx2 -mfma -fopenmp``) into ``~/.cache/tokenmill/kernels/`` (keyed by the sources' hash) and
+loaded with :mod:`ctypes`: no torch headers, no build step at install. Where the CPU lacks
+AVX2/FMA, there is no compiler, or the build fails, :func:`available` is False (the reason in
+:func:`unavailable_reason`) and callers keep torch's ops. ``TOKENMILL_CPU_KERNELS=0`` turns them
+off.
+
+Imports torch only (no triton), like :mod:`.reference`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import reference
+
+__all__ = [
+    "MAX_ROWS",
+    "CpuOps",
+    "available",
+    "decode_attention",
+    "gemv",
+    "gemv_int8",
+    "reference_gemv",
+    "reference_gemv_int8",
+    "unavailable_reason",
+]
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_gemv.c", "cpu_ops.c", "cpu_attention.c")]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+# GEMV_MAX_ROWS in cpu_gemv.c
+MAX_ROWS = 4
+
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_loaded = False
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tokenmill" / "kernels"
+
+
+def _cpu_ok() -> str | None:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line
+                    break
+    except OSError:
+        return "cannot read /proc/cpuinfo"
+    words = set(flags.split())
+    missing = [f for f in ("avx2", "fma") if f not in words]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def _build() -> ctypes.CDLL:
+    src = b"".join(p.read_bytes() for p in SOURCES)
+    key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_kernels-{key}.so"
+    if not out.is_file():
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            raise OSError("no C compiler (cc/gcc) on PATH")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # build beside the target and rename: two processes starting together never load a
+        # half-written library
+        with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
+            part = Path(tmp.name)
+        try:
+            proc = subprocess.run(
+                [cc, *FLAGS, *map(str, SOURCES), "-o", str(part), "-lm"],
+                capture_output=True,
+                text=True,
+            )
+            if proc.returncode != 0:
+                raise OSError(f"{cc} failed: {proc.stderr.strip().splitlines()[-1:]}")
+            part.replace(out)
+        finally:
+            part.unlink(missing_ok=True)
+    lib = ctypes.CDLL(str(out))
+    fn = lib.tokenmill_gemv_f32
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fn = lib.tokenmill_gemv_i8
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    lib.tokenmill_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32]
+    lib.tokenmill_fused_add_rms_norm.argtypes = [ptr] * 5 + [i64, i64, f32]
+    lib.tokenmill_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
+    lib.tokenmill_silu_and_mul.argtypes = [ptr, ptr, i64, i64]
+    lib.tokenmill_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
+    lib.tokenmill_decode_attention.argtypes += [ptr, i64, i64, i64, i64, i64, f32, i64, ptr]
+    lib.tokenmill_decode_attention.argtypes += [ctypes.c_int]
+    lib.tokenmill_decode_attention.restype = ctypes.c_int
+    for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
+        getattr(lib, f"tokenmill_{name}").restype = None
+    if lib.tokenmill_gemv_max_rows() != MAX_ROWS:
+        raise OSError("cpu_gemv.c and cpu_gemv.py disagree on the row limit")
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _reason, _loaded
+    if not _loaded:
+        _loaded = True
+        if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+            _reason = "turned off (TOKENMILL_CPU_KERNELS=0)"
+        else:
+            _reason = _cpu_ok()
+        if _reason is None:
+            try:
+                _lib = _build()
+            except OSError as exc:
+                _reason = f"build failed: {exc}"
+        if _reason is not None:
+            log.info("CPU kernels not used: %s (torch's ops instead)", _reason)
+    return _lib
+
+
+def available() -> bool:
+    """Whether the kernels run here (builds them on the first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False; None when it is True."""
+    _load()
+    return _reason
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K]`` float32 (``1 <= M <= MAX_ROWS``), ``weight [N, K]`` float32, ``bias [N]``
+    → ``x @ weight.T + bias`` ``[M, N]`` float32, all on the CPU, on ``torch.get_num_threads()``
+    threads. Inputs are made contiguous if they are not.
+
+    Raises:
+        RuntimeError: the kernel is not :func:`available`.
+        ValueError: a dtype, device, row count or shape the kernel does not take.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {_reason}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {m}")
+    if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} do not match")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise ValueError(f"{name} must be float32 on the CPU, got {t.dtype} on {t.device}")
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty((m, n), dtype=torch.float32)
+    lib.tokenmill_gemv_f32(
+        weight.data_ptr(),
+        x.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        y.data_ptr(),
+        n,
+        k,
+        m,
+        torch.get_num_threads(),
+    )
+    return y
+
+
+def gemv_int8(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weight-only int8: ``x [M, K]`` float32 (``1 <= M <= MAX_ROWS``), ``qweight [N, K]``
+    int8, ``scales [N]`` float32 (``w = q * s``, :func:`tokenmill.engine.quantization.quantize_int8`),
+    ``bias [N]`` float32 → ``[M, N]`` float32 = ``scales * (x @ qweight.T) + bias``.
+
+    Raises:
+        RuntimeError: the kernel is not :func:`available`.
+        ValueError: a dtype, device, row count or shape the kernel does not take.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {_reason}")
+    m, k = x.shape
+    n = qweight.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv_int8 takes 1..{MAX_ROWS} rows, got {m}")
+    if qweight.shape[1] != k or scales.shape != (n,) or (bias is not None and bias.shape != (n,)):
+        raise ValueError(
+            f"shapes x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
+            f"{tuple(scales.shape)} do not match"
+        )
+    if qweight.dtype != torch.int8 or qweight.device.type != "cpu":
+        raise ValueError(
+            f"qweight must be int8 on the CPU, got {qweight.dtype} on {qweight.device}"
+        )
+    for name, t in (("x", x), ("scales", scales), ("bias", bias)):
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise ValueError(f"{name} must be float32 on the CPU, got {t.dtype} on {t.device}")
+    x, qweight, scales = x.contiguous(), qweight.contiguous(), scales.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty((m, n), dtype=torch.float32)
+    lib.tokenmill_gemv_i8(
+        qweight.data_ptr(),
+        scales.data_ptr(),
+        x.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        y.data_ptr(),
+        n,
+        k,
+        m,
+        torch.get_num_threads(),
+    )
+    return y
+
+
+def reference_gemv_int8(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch reference of :func:`gemv_int8`, in float64."""
+    w = qweight.double() * scales.double()[:, None]
+    b = bias.double() if bias is not None else None
+    return torch.nn.functional.linear(x.double(), w, b).float()
+
+
+def reference_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The torch reference of :func:`gemv`: ``F.linear`` in float64, cast to float32."""
+    b = bias.double() if bias is not None else None
+    return torch.nn.functional.linear(x.double(), weight.double(), b).float()
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """One decode token per sequence: write ``key``/``value`` ``[B, Hkv, D]`` at
+    ``slot_mapping [B]`` (int64, ``-1`` skipped) in the caches ``[num_blocks, block_size, Hkv,
+    D]``, then attend ``query [B, Hq, D]`` over each sequence's ``seq_lens [B]`` (int32)
+    tokens through ``block_tables [B, max_blocks]`` (int32), causal and within
+    ``sliding_window``. Returns ``[B, Hq, D]`` float32, or None (nothing stored) when an input
+    is not one the kernel takes (not float32 on the CPU, caches not contiguous, heads not
+    contiguous, index dtypes) so the caller runs its torch path. Same result as
+    :func:`tokenmill.kernels.reference.paged_attention` on one-token chunks.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`, or the kernel ran out of memory.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {_reason}")
+    b, hq, d = query.shape
+    hkv = key.shape[1]
+    ok = (
+        _f32(query, key, value, k_cache, v_cache)
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == d for t in (query, key, value))
+        and key.stride(0) == value.stride(0)
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and block_tables.dtype == torch.int32
+        and block_tables.stride(1) == 1
+        and seq_lens.dtype == torch.int32
+        and seq_lens.is_contiguous()
+        and hq % hkv == 0
+        and k_cache.shape[2:] == (hkv, d)
+    )
+    if not ok:
+        return None
+    out = torch.empty((b, hq, d), dtype=torch.float32)
+    rc = lib.tokenmill_decode_attention(
+        query.data_ptr(),
+        query.stride(0),
+        key.data_ptr(),
+        value.data_ptr(),
+        key.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        b,
+        hq,
+        hkv,
+        d,
+        k_cache.shape[1],
+        scale,
+        sliding_window or 0,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError("decode attention kernel: out of memory for the scores")
+    return out
+
+
+def _f32(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+
+
+class CpuOps:
+    """The decoder's element-wise ops as single C calls on float32 CPU tensors, with
+    :class:`tokenmill.engine.models.ops.TorchOps`' signatures; any other input (dtype, device,
+    layout) goes to the torch reference (:mod:`.reference`). Use only when :func:`available`."""
+
+    name = "cpu"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x [T, H]`` → ``[T, H]`` (rows may be strided)."""
+        if not (_f32(x, weight) and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous()):
+            return reference.rms_norm(x, weight, eps)
+        t, h = x.shape
+        out = torch.empty((t, h), dtype=torch.float32)
+        _lib.tokenmill_rms_norm(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), h, t, h, eps
+        )
+        return out
+
+    @staticmethod
+    def fused_add_rms_norm(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x + residual), x + residual)``, ``[T, H]`` each, in one pass."""
+        if not (
+            _f32(x, residual, weight)
+            and x.dim() == 2
+            and x.is_contiguous()
+            and residual.is_contiguous()
+            and residual.shape == x.shape
+            and weight.is_contiguous()
+        ):
+            return reference.fused_add_rms_norm(x, residual, weight, eps)
+        t, h = x.shape
+        out = torch.empty((t, h), dtype=torch.float32)
+        new_residual = torch.empty((t, h), dtype=torch.float32)
+        _lib.tokenmill_fused_add_rms_norm(
+            x.data_ptr(),
+            residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            new_residual.data_ptr(),
+            t,
+            h,
+            eps,
+        )
+        return out, new_residual
+
+    @staticmethod
+    def rotary(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Neox RoPE on ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` **in place** (rows may be
+        strided, heads contiguous); ``cos, sin [T, D]``; returns ``(q, k)``."""
+        ok = _f32(q, k, cos, sin) and cos.is_contiguous() and sin.is_contiguous()
+        ok = ok and all(
+            x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k)
+        )
+        if not ok:
+            return reference.rotary_embedding(q, k, cos, sin)
+        t, _, d = q.shape
+        cp, sp = cos.data_ptr(), sin.data_ptr()
+        _lib.tokenmill_rotary(q.data_ptr(), q.stride(0), t, q.shape[1], d, cp, sp)
+        _lib.tokenmill_rotary(k.data_ptr(), k.stride(0), t, k.shape[1], d, cp, sp)
+        return q, k
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        """``x [T, 2I]`` → ``silu(x[:, :I]) * x[:, I:]`` ``[T, I]``."""
+        if not (_f32(x) and x.dim() == 2 and x.is_contiguous()):
+            return reference.silu_and_mul(x)
+        t, n = x.shape[0], x.shape[1] // 2
+        out = torch.empty((t, n), dtype=torch.float32)
+        _lib.tokenmill_silu_and_mul(x.data_ptr(), out.data_ptr(), t, n)
+        return out

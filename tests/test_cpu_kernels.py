@@ -1,0 +1,203 @@
+"""The CPU kernels (kernels/cpu_*.c) against their torch references: GEMV (float32, int8),
+decode attention over the paged cache, the element-wise ops; their refusals; and the decoder's
+linear layer routing small-row products to the GEMV."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tokenmill.engine.models import linear as linear_mod
+from tokenmill.kernels import cpu, reference
+
+
+def _avx2_machine() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    return "avx2" in flags and "fma" in flags
+
+
+def test_the_kernel_builds_here():
+    """On an AVX2 machine with a C compiler (this project's CI) the kernel must build: a
+    silent fallback would leave the small-step path untested."""
+    if not (_avx2_machine() and shutil.which("cc")):
+        pytest.skip("no AVX2/FMA or no C compiler: the kernel cannot build here")
+    assert cpu.available(), cpu.unavailable_reason()
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "bias"),
+    [
+        (1, 37, 19, True),
+        (2, 64, 576, False),
+        (3, 130, 1536, True),
+        (4, 5, 8, False),
+        (1, 1, 7, True),
+    ],
+)
+def test_gemv_matches_the_reference(m, n, k, bias):
+    """Row counts 1..4, K with and without an 8-wide tail, N below and above one thread chunk;
+    within 1e-5 relative of the float64 reference."""
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = cpu.gemv(x, w, b)
+    want = cpu.reference_gemv(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 1e-5 * max(scale, 1.0)
+
+
+def test_gemv_takes_non_contiguous_inputs():
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    x = torch.randn(16, 2)[:, :1].t()  # [1, 16], stride (1, 2)
+    w = torch.randn(16, 24).t()  # [24, 16], transposed
+    got = cpu.gemv(x, w)
+    assert torch.allclose(got, cpu.reference_gemv(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("x", "w", "b", "msg"),
+    [
+        (torch.randn(5, 8), torch.randn(3, 8), None, "1..4 rows"),
+        (torch.randn(1, 8), torch.randn(3, 9), None, "do not match"),
+        (torch.randn(1, 8), torch.randn(3, 8), torch.randn(4), "do not match"),
+        (torch.randn(1, 8).double(), torch.randn(3, 8), None, "x must be float32"),
+        (torch.randn(1, 8), torch.randn(3, 8).bfloat16(), None, "weight must be float32"),
+    ],
+)
+def test_gemv_refuses_what_it_cannot_take(x, w, b, msg):
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    with pytest.raises(ValueError, match=msg):
+        cpu.gemv(x, w, b)
+
+
+def test_linear_routes_small_rows_to_the_kernel(monkeypatch):
+    """models/linear.py: rows within GEMV_ROWS go to the kernel (and equal F.linear), more rows
+    keep torch's product."""
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    calls = []
+    real = cpu.gemv
+
+    def spy(x, w, b=None):
+        calls.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(cpu, "gemv", spy)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    lo, hi = linear_mod.GEMV_ROWS
+    for m in (lo, hi, hi + 1, 40):
+        x = torch.randn(m, 64)
+        got = linear_mod.linear(x, w, b)
+        assert torch.allclose(got, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    assert calls == [lo, hi]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 4)])
+def test_decode_attention_matches_the_reference(window, hq, hkv):
+    """Three sequences of different lengths over shuffled blocks (block size 4), one with a
+    -1 slot (nothing stored): the stored K/V and the output equal the reference's store_kv +
+    paged_attention on one-token chunks within 1e-5."""
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    g = torch.Generator().manual_seed(hq * 10 + (window or 0))
+    d, bs, nb = 16, 4, 32
+    lens = [7, 1, 13]
+    b = len(lens)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables = torch.zeros((b, 4), dtype=torch.int32)
+    for i, n in enumerate(lens):
+        blocks = [perm.pop() for _ in range(-(-n // bs))]
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    slots = torch.tensor(
+        [int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)]
+    )
+    slots[1] = -1  # padding: not stored, but still attended (over whatever the cache holds)
+    kc = torch.randn(nb, bs, hkv, d, generator=g)
+    vc = torch.randn(nb, bs, hkv, d, generator=g)
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g)  # strided views, as the model's
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    reference.store_kv(k, v, kc_ref, vc_ref, slots)
+    want = reference.paged_attention(
+        q,
+        kc_ref,
+        vc_ref,
+        torch.arange(b + 1, dtype=torch.int32),
+        seq_lens,
+        tables,
+        1,
+        max(lens),
+        d**-0.5,
+        window,
+    )
+    got = cpu.decode_attention(q, k, v, kc, vc, slots, tables, seq_lens, d**-0.5, window)
+    assert got is not None
+    torch.testing.assert_close(kc, kc_ref, rtol=0, atol=0)
+    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_declines_what_it_does_not_take():
+    """bf16 caches or int32 slots: None, and the caches untouched (the caller's torch path
+    runs instead)."""
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
+    kc = torch.zeros(4, 4, 1, 8, dtype=torch.bfloat16)
+    args = (torch.tensor([0]), torch.zeros((1, 1), dtype=torch.int32))
+    lens = torch.tensor([1], dtype=torch.int32)
+    assert cpu.decode_attention(q, k, k, kc, kc.clone(), *args, lens, 0.3) is None
+    assert not kc.any()
+    kc = torch.zeros(4, 4, 1, 8)
+    slots32 = torch.tensor([0], dtype=torch.int32)
+    assert cpu.decode_attention(q, k, k, kc, kc.clone(), slots32, args[1], lens, 0.3) is None
+    assert not kc.any()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_cpu_ops_match_the_reference(rows):
+    """Each of CpuOps' element-wise ops against kernels/reference.py (float32, within 1e-5),
+    rows strided as the model passes them; RoPE works in place."""
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    g = torch.Generator().manual_seed(rows)
+    h, d = 48, 16
+    x = torch.randn(rows, 2 * h, generator=g)[:, :h]  # strided rows
+    w = torch.randn(h, generator=g)
+    torch.testing.assert_close(
+        cpu.CpuOps.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5
+    )
+    a, r = torch.randn(rows, h, generator=g), torch.randn(rows, h, generator=g)
+    got, got_res = cpu.CpuOps.fused_add_rms_norm(a, r, w, 1e-6)
+    want, want_res = reference.fused_add_rms_norm(a, r, w, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
+    qkv = torch.randn(rows, 5 * d, generator=g)
+    q, k = qkv[:, : 3 * d].view(rows, 3, d), qkv[:, 3 * d :].view(rows, 2, d)
+    cos, sin = torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g)
+    want_q, want_k = reference.rotary_embedding(q.clone(), k.clone(), cos, sin)
+    got_q, got_k = cpu.CpuOps.rotary(q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+    gu = torch.randn(rows, 2 * h, generator=g)
+    torch.testing.assert_close(
+        cpu.CpuOps.silu_and_mul(gu), reference.silu_and_mul(gu), rtol=1e-5, atol=1e-5
+    )
+    # other dtypes go to the reference unchanged
+    xb = x.contiguous().bfloat16()
+    torch.testing.assert_close(
+        cpu.CpuOps.rms_norm(xb, w.bfloat16(), 1e-5), reference.rms_norm(xb, w.bfloat16(), 1e-5)
+    )
