@@ -11,10 +11,12 @@ Issue 20. On the default model (SmolLM2-135M, float32, this CPU), one process:
 - **split at batch 1, 8, 32**: that many requests (short chat prompts, 48 greedy tokens,
   ``ignore_eos``) through ``EngineCore``; over the decode-only steps with all of them running,
   the median of each stored part (``schedule_ms``, ``prepare_ms``, ``forward_ms``,
-  ``sample_ms``, ``detokenize_ms``) and of the step's wall time, for three settings of
-  ``models/linear.py`` (:data:`VARIANTS`): **before** (the code until 2026-12-01), **padded**
-  (one row padded to two through ``W @ xᵀ`` in every layer), **after** (the GEMV kernel).
-- **through the server**: ``tokenmill serve`` (float32, then ``--quantization int8``) in a
+  ``sample_ms``, ``detokenize_ms``) and of the step's wall time, each setting in its own
+  process (:data:`VARIANTS`): **before** (torch ops, the code until 2026-12-01), **padded**
+  (torch ops, one row padded to two through ``W @ xᵀ`` in every layer), **after** (the C
+  kernels of ``kernels/cpu.py``).
+- **through the server**: ``tokenmill serve`` (float32 with torch ops, float32, then
+  ``--quantization int8``) in a
   subprocess and one streaming client, 3 chat requests one after another (96 tokens,
   ``ignore_eos``); ITL p50 from the SSE chunks' arrival times, and its ratio to the floor
   (targets: ≤ 2× in float32, ≤ 1.5× at the best CPU setting; int8's floor is a quarter of
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import platform
 import socket
 import statistics
@@ -51,11 +54,12 @@ from tokenmill.kernels import cpu as cpu_gemv
 OUT = Path(__file__).parent / "results"
 PARTS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "detokenize_ms")
 BATCHES = (1, 8, 32)
-# (PAD_ONE_ROW_OUT_FEATURES, GEMV_ROWS) of engine/models/linear.py
+# (TOKENMILL_CPU_KERNELS, PAD_ONE_ROW_OUT_FEATURES of engine/models/linear.py), each run in
+# its own process
 VARIANTS = {
-    "before": (16384, (1, 0)),  # the code until 2026-12-01: one row padded in the LM head only
-    "padded": (0, (1, 0)),  # one row padded to two through W @ xᵀ in every layer
-    "after": (0, (1, cpu_gemv.MAX_ROWS)),  # kernels/cpu_gemv.c up to MAX_ROWS rows
+    "before": ("0", 16384),  # the code until 2026-12-01: torch ops, one row padded in the LM head
+    "padded": ("0", 0),  # torch ops, one row padded to two through W @ xᵀ in every layer
+    "after": ("1", 0),  # the C kernels (GEMV, decode attention, element-wise ops)
 }
 PROMPTS = [
     "Tell me a long story about a dragon.",
@@ -136,7 +140,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_itl(args: list[str], requests: int = 3, tokens: int = 96) -> dict:
+def server_itl(args: list[str], env: dict, requests: int = 3, tokens: int = 96) -> dict:
     """Single-stream ITL through ``tokenmill serve ARGS``: one streaming client, ``requests``
     chat requests one after another; ITL = gaps between SSE chunks that carry text."""
     port = _free_port()
@@ -146,6 +150,7 @@ def server_itl(args: list[str], requests: int = 3, tokens: int = 96) -> dict:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port), *args],
             cwd=tmp,
+            env={**os.environ, **env},
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -187,7 +192,22 @@ def server_itl(args: list[str], requests: int = 3, tokens: int = 96) -> dict:
     return {"requests": requests, "itl_p50_ms": statistics.median(gaps), "gaps": len(gaps)}
 
 
+def one_variant(name: str) -> dict:
+    """The split at every batch size for ``VARIANTS[name]`` (set in this process's environment
+    by :func:`main`)."""
+    linear_mod.PAD_ONE_ROW_OUT_FEATURES = VARIANTS[name][1]
+    core = EngineCore(EngineConfig(model=str(resolve_model_dir(None))))
+    split(core, 1, tokens=8)  # warm-up
+    return {
+        "ops": core.runner.model.model.norm.ops.name,
+        "rows": [split(core, b) for b in BATCHES],
+    }
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--variant":
+        print(json.dumps(one_variant(sys.argv[2])))
+        return 0
     torch.set_num_threads(2)
     probe = bandwidth_probe_gbps()
     core = EngineCore(EngineConfig(model=str(resolve_model_dir(None))))
@@ -199,23 +219,28 @@ def main() -> int:
         "gemv_pass": gemv_pass(core.runner.model),
         "split": {},
     }
-    for name, (pad, rows) in VARIANTS.items():
-        linear_mod.PAD_ONE_ROW_OUT_FEATURES, linear_mod.GEMV_ROWS = pad, rows
-        split(core, 1, tokens=8)  # warm-up
-        result["split"][name] = [split(core, b) for b in BATCHES]
-    linear_mod.PAD_ONE_ROW_OUT_FEATURES, linear_mod.GEMV_ROWS = VARIANTS["after"]
-    weight_bytes = result["split"]["after"][0]["weight_bytes"]
-    result["floor_ms"] = weight_bytes / probe / 1e6
-    result["cpu_gemv"] = cpu_gemv.unavailable_reason() or "used"
+    weight_bytes = split(core, 1, tokens=4)["weight_bytes"]
     del core
+    for name, (kernels, _) in VARIANTS.items():
+        proc = subprocess.run(
+            [sys.executable, __file__, "--variant", name],
+            env={**os.environ, "TOKENMILL_CPU_KERNELS": kernels},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        result["split"][name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["floor_ms"] = weight_bytes / probe / 1e6
+    result["cpu_kernels"] = cpu_gemv.unavailable_reason() or "used"
     # int8's floor: the same step's weights in int8 (one byte a weight; the scales are noise)
     result["floor_ms_int8"] = result["floor_ms"] / 4
     result["server"] = {}
-    for name, args, floor in (
-        ("float32", [], result["floor_ms"]),
-        ("int8", ["--quantization", "int8"], result["floor_ms_int8"]),
+    for name, args, env, floor in (
+        ("float32, torch ops (before)", [], {"TOKENMILL_CPU_KERNELS": "0"}, result["floor_ms"]),
+        ("float32", [], {}, result["floor_ms"]),
+        ("int8", ["--quantization", "int8"], {}, result["floor_ms_int8"]),
     ):
-        r = server_itl(args)
+        r = server_itl(args, env)
         r["floor_ms"] = floor
         r["itl_vs_floor"] = r["itl_p50_ms"] / floor
         r["output_tok_s"] = 1e3 / r["itl_p50_ms"]
@@ -236,8 +261,8 @@ def main() -> int:
                 )
             )
     print("variant batch " + " ".join(f"{p:>13}" for p in (*PARTS, "step_ms")))
-    for name, rows in result["split"].items():
-        for r in rows:
+    for name, v in result["split"].items():
+        for r in v["rows"]:
             print(
                 f"{name:>7} {r['batch']:>5} "
                 + " ".join(f"{r[p]:13.2f}" for p in (*PARTS, "step_ms"))
