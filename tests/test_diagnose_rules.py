@@ -296,9 +296,11 @@ def test_a_host_burst_on_a_prefill_step_is_no_prefill_interference(tmp_path):
     around the prefill step as much, so the prefill did not make the spike: quiet now, and
     the periodic stall is named. A real long prefill (1,500 tokens next to 40 ms decodes)
     still fires with the same bursts running."""
-    bursts = dict(host_burst_every_s=6, host_burst_s=1.5, host_burst_slowdown=10)
+    # the burst outlasts the slowed prefill step, as in CI (a 1.5 s burst, a ~0.3 s step)
+    bursts = dict(host_burst_every_s=8, host_burst_s=2.5, host_burst_slowdown=9)
     path = tmp_path / "burst.duckdb"
-    write_store(path, [HEALTHY.but(duration_s=60, **bursts)], seed=4)
+    # prompts long enough to count (min_prefill_tokens): only the neighbour test keeps it quiet
+    write_store(path, [HEALTHY.but(duration_s=60, prompt_tokens=(256, 300), **bursts)], seed=4)
     con = duckdb.connect(str(path), read_only=True)
     sig = load_signals(con)
     # the symptom the old rule read: a step with prefill ≥ 4x, ITL ≥ 8x the baseline

@@ -12,6 +12,7 @@ import torch
 from tokenmill.engine.model_config import RopeConfig
 from tokenmill.engine.models.ops import TorchOps, get_ops
 from tokenmill.engine.models.rope import RotaryEmbedding
+from tokenmill.kernels import cpu
 from tokenmill.kernels.ops import TritonOps
 from tokenmill.kernels.rms_norm import (
     fused_add_rms_norm,
@@ -114,11 +115,14 @@ def test_silu_and_mul(inter, dtype):
 
 def test_triton_ops_has_the_torch_ops_interface():
     for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
-        ours = inspect.signature(getattr(TritonOps, name))
         theirs = inspect.signature(getattr(TorchOps, name))
-        assert list(ours.parameters) == list(theirs.parameters), name
+        for ops in (TritonOps, cpu.CpuOps):
+            ours = inspect.signature(getattr(ops, name))
+            assert list(ours.parameters) == list(theirs.parameters), (ops.name, name)
     assert get_ops("cpu", "triton") is TritonOps
-    assert get_ops("cpu", "auto") is TorchOps
+    # on a CPU the C kernels' ops where they build, torch's otherwise
+    assert get_ops("cpu", "auto") is (cpu.CpuOps if cpu.available() else TorchOps)
+    assert get_ops("cpu", "torch") is TorchOps
     assert get_ops("cuda", "auto") is TritonOps
     x, w = randn(2, 64), randn(64, seed=6)
     torch.testing.assert_close(TritonOps.rms_norm(x, w, 1e-5), TorchOps.rms_norm(x, w, 1e-5))

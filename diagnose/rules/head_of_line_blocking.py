@@ -82,6 +82,7 @@ RULE = Rule(
     },
     detect=detect,
     healthy_baseline="needs",
-    explains=("ttft_queueing", "ttft_prefill_bound"),
+    # the long prompts that block the queue are the prefills that stall the running decodes
+    explains=("ttft_queueing", "ttft_prefill_bound", "itl_prefill_interference"),
     evidence_signals=("short_ttft_p99", "input_max", "waiting_max"),
 )

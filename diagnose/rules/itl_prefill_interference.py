@@ -20,7 +20,7 @@ from ._common import (
 # Each step that carries prefill next to running decodes, with the slower of the decode-only
 # steps just before and just after it (NULL where there is none in the range).
 _MIXED_STEPS_SQL = """
-WITH s AS (SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms,
+WITH s AS (SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms, num_prefill_tokens AS prefill,
                   num_prefill_tokens > 0 AND num_running > num_prefill_chunks AS mixed,
                   CASE WHEN num_prefill_tokens = 0 AND num_decode_tokens > 0
                        THEN (end_ns - start_ns) / 1e6 END AS decode_ms
@@ -31,22 +31,23 @@ n AS (SELECT *,
         first_value(decode_ms IGNORE NULLS) OVER (
             ORDER BY start_ns ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING) AS after_ms
       FROM s)
-SELECT start_ns, ms, greatest(before_ms, after_ms) FROM n WHERE mixed ORDER BY start_ns
+SELECT start_ns, ms, greatest(before_ms, after_ms), prefill FROM n WHERE mixed ORDER BY start_ns
 """
 
 
 def _prefill_stretched(
     sig: Signals, p: dict, base_step: float | None
 ) -> list[tuple[int, float, float]]:
-    """Steps carrying prefill that took ``local_spike`` x the decode-only steps on either side
-    of them: ``(start_ns, ms, neighbour_ms)``. A host stall (a neighbour process, GC) slows the
-    steps around a prefill as much as the prefill step itself; a prefill slows only its own."""
+    """Steps carrying at least ``min_prefill_tokens`` of prefill that took ``local_spike`` x the
+    decode-only steps on either side of them: ``(start_ns, ms, neighbour_ms)``. A host stall (a
+    neighbour process, GC) slows the steps around a prefill as much as the prefill step itself;
+    a prefill slows only its own."""
     out = []
-    for start, ms, near in sig.con.execute(
+    for start, ms, near, prefill in sig.con.execute(
         _MIXED_STEPS_SQL, [sig.since_ns, sig.until_ns]
     ).fetchall():
         near = near if near is not None else base_step
-        if near and ms >= p["local_spike"] * near:
+        if prefill >= p["min_prefill_tokens"] and near and ms >= p["local_spike"] * near:
             out.append((start, ms, near))
     return out
 
@@ -129,6 +130,12 @@ RULE = Rule(
             4.0, "steps with prefill vs decode-only steps (seed: PD interference)"
         ),
         "itl_spike": Param(8.0, f"max ITL {_BASE} of ITL p50 (case C02: an order of magnitude)"),
+        "min_prefill_tokens": Param(
+            256,
+            "prefill tokens in the slow step: an ordinary prompt's prefill is not interference "
+            "to tune away (case C02's prompt is ~1,500 tokens; on a 2-core CPU with the C "
+            "kernels a 109-token prefill step is already 13x a decode step)",
+        ),
         "local_spike": Param(
             8.0,
             "a step with prefill vs the slower decode-only step just before or after it, as "
