@@ -161,6 +161,17 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
+def _require_f32(**tensors: torch.Tensor | None) -> None:
+    """Raises ValueError naming the first tensor given that is not float32 on the CPU."""
+    for name, t in tensors.items():
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise ValueError(f"{name} must be float32 on the CPU, got {t.dtype} on {t.device}")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` float32 (``1 <= M <= MAX_ROWS``), ``weight [N, K]`` float32, ``bias [N]``
     → ``x @ weight.T + bias`` ``[M, N]`` float32, all on the CPU, on ``torch.get_num_threads()``
@@ -179,16 +190,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {m}")
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} do not match")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
-            raise ValueError(f"{name} must be float32 on the CPU, got {t.dtype} on {t.device}")
+    _require_f32(x=x, weight=weight, bias=bias)
     x, weight = x.contiguous(), weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
     y = torch.empty((m, n), dtype=torch.float32)
     lib.tokenmill_gemv_f32(
         weight.data_ptr(),
         x.data_ptr(),
-        bias.data_ptr() if bias is not None else None,
+        _ptr(bias),
         y.data_ptr(),
         n,
         k,
@@ -228,9 +237,7 @@ def gemv_int8(
         raise ValueError(
             f"qweight must be int8 on the CPU, got {qweight.dtype} on {qweight.device}"
         )
-    for name, t in (("x", x), ("scales", scales), ("bias", bias)):
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
-            raise ValueError(f"{name} must be float32 on the CPU, got {t.dtype} on {t.device}")
+    _require_f32(x=x, scales=scales, bias=bias)
     x, qweight, scales = x.contiguous(), qweight.contiguous(), scales.contiguous()
     bias = bias.contiguous() if bias is not None else None
     y = torch.empty((m, n), dtype=torch.float32)
@@ -238,7 +245,7 @@ def gemv_int8(
         qweight.data_ptr(),
         scales.data_ptr(),
         x.data_ptr(),
-        bias.data_ptr() if bias is not None else None,
+        _ptr(bias),
         y.data_ptr(),
         n,
         k,
