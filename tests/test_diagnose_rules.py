@@ -564,3 +564,63 @@ def test_key_numbers_show_draft_acceptance_only_with_speculation(stores):
     con.close()
     assert report.summary["spec_acceptance_rate"] is None
     assert "speculative decoding" not in to_markdown(report)
+
+
+def test_a_burst_that_lets_some_steps_through_is_one_spike(tmp_path):
+    """Stop 25's CI: periodic_itl_spikes found nothing in its own scenario (a job spinning the
+    cores 1.5 s every 6 s). A shared CPU does not slow every step it overlaps: the scheduler
+    lets one through at full speed now and then, and each such step split a burst into two
+    "spikes" a fraction of the period apart, which broke the period's regularity. Slow steps
+    up to two usual-speed steps apart now make one spike; the rule names the 6 s period."""
+    bursts = dict(host_burst_every_s=6, host_burst_s=1.5, host_burst_slowdown=9)
+    path = tmp_path / "leaky_bursts.duckdb"
+    write_store(path, [HEALTHY.but(duration_s=60, **bursts)], seed=7)
+    con = duckdb.connect(str(path))
+    med = con.execute(
+        "SELECT quantile_cont((end_ns - start_ns) / 1e6, 0.5) FROM engine_steps "
+        "WHERE num_prefill_tokens = 0 AND num_decode_tokens > 0"
+    ).fetchone()[0]
+    # every third slowed decode step runs at the usual speed
+    con.execute(
+        """
+        UPDATE engine_steps SET end_ns = start_ns + CAST(? * 1e6 AS BIGINT)
+        WHERE start_ns IN (
+            SELECT start_ns FROM (
+                SELECT start_ns, row_number() OVER (ORDER BY start_ns) AS k FROM engine_steps
+                WHERE num_prefill_tokens = 0 AND num_decode_tokens > 0
+                  AND (end_ns - start_ns) / 1e6 >= 4 * ?)
+            WHERE k % 3 = 0)
+        """,
+        [med, med],
+    )
+    leaked = con.execute(
+        "SELECT count(*) FROM engine_steps WHERE (end_ns - start_ns) / 1e6 = ?", [med]
+    ).fetchone()[0]
+    assert leaked >= 5, leaked
+    (f,) = [f for f in diagnose(con).findings if f.rule_id == "periodic_itl_spikes"]
+    con.close()
+    assert 5.5 < f.evidence["period_s"] < 6.5 and f.evidence["spikes"] >= 7, f.evidence
+
+
+def test_short_requests_beside_prefill_chunks_still_show_head_of_line_blocking(tmp_path):
+    """Stop 25's CI: in the head_of_line_blocking scenario the short prompts, once let in, shared
+    a few steps with a long prompt's prefill chunks, so the ITL p99 of the requests that arrived
+    in that window jumped while decode as a whole kept its pace; the rule read ITL p99 as "decode
+    slowed too", stayed quiet, and ttft_prefill_bound came first. It reads ITL p50 now."""
+    hol = HEALTHY.but(
+        duration_s=30,
+        long_prompt_every=5,
+        short_queue_ms=3000,
+        kv_usage=0.5,
+        prefill_spike_ms=1500,
+    )
+    path = tmp_path / "hol_with_chunks.duckdb"
+    write_store(path, [HEALTHY, hol], seed=3)
+    con = duckdb.connect(str(path), read_only=True)
+    sig = load_signals(con)
+    worst = max(sig.busy(), key=lambda w: w.get("short_ttft_p99") or 0)
+    # the symptom that kept the old rule quiet: ITL p99 of that window over 2x its baseline
+    assert worst.get("itl_p99") > 2 * sig.baseline["itl_p99"], worst.values
+    fired = [f.rule_id for f in diagnose(con).findings]
+    con.close()
+    assert "head_of_line_blocking" in fired, fired

@@ -150,7 +150,14 @@ def test_fast_scenario_names_the_expected_rule(name, tmp_path, smollm2_dir, monk
     monkeypatch.chdir(tmp_path)
     result = run(name, Path("tokenmill-data") / name, model=str(smollm2_dir), log=lambda m: None)
     assert (tmp_path / "tokenmill-data" / name / "result.json").is_file()
-    assert result["passed"], (result["top"], result["expect"], result["findings"][:3])
+    # the run's own figures with the findings: a CI failure must say what the run looked like
+    assert result["passed"], (
+        result["top"],
+        result["expect"],
+        [f["rule"] for f in result["findings"]],
+        result["findings"][:2],
+        result["summary"],
+    )
     if result["expect"]:
         top = result["findings"][0]
         assert top["evidence"], top

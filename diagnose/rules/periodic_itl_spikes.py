@@ -48,16 +48,17 @@ def _causes(sig: Signals, p: dict, during: float | None, between: float | None):
     return (first, *(c for c in RULE.causes if c != first))
 
 
-def _spikes(slow: list, spike: float) -> list[tuple[int, float, int, int]]:
+def _spikes(slow: list, spike: float, max_gap: int) -> list[tuple[int, float, int, int]]:
     """Slow decode steps (``(i, start_ns, ms, num_running, end_ns, median_ms)``, ``i`` the
     step's place among the decode steps) → spikes ``(start_ns, ms, num_running, end_ns)``.
-    A spike is a run of consecutive slow steps lasting ``spike`` x the median step in all: a
-    process stalled outright stretches one step, a CPU shared for a second slows the few
-    steps it overlaps, and the client sees one bump in ITL either way."""
+    A spike is a run of slow steps, at most ``max_gap`` usual-speed decode steps apart, lasting
+    ``spike`` x the median step in all: a process stalled outright stretches one step, a CPU
+    shared for a second slows most of the steps it overlaps (the scheduler lets one through at
+    full speed now and then), and the client sees one bump in ITL either way."""
     out: list[tuple[int, float, int, int]] = []
     run: list = []
     for row in [*slow, None]:
-        if run and (row is None or row[0] != run[-1][0] + 1):
+        if run and (row is None or row[0] > run[-1][0] + 1 + max_gap):
             ms = sum(r[2] for r in run)
             if ms >= spike * run[0][5]:
                 out.append((run[0][1], ms, max(r[3] for r in run), run[-1][4]))
@@ -81,7 +82,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         """,
         [sig.since_ns, sig.until_ns, p["slow_step"]],
     ).fetchall()
-    rows = _spikes(slow, p["spike"])
+    rows = _spikes(slow, p["spike"], int(p["max_gap_steps"]))
     if len(rows) < p["min_spikes"]:
         return None
     times = [r[0] for r in rows]
@@ -149,6 +150,9 @@ RULE = Rule(
         "slow_step": Param(
             2.0,
             "a decode step this many times the median is slow; slow steps in a row are one spike",
+        ),
+        "max_gap_steps": Param(
+            2, "usual-speed decode steps that may fall between two slow steps of one spike"
         ),
         "min_spikes": Param(5, "spikes needed"),
         "max_cv": Param(0.2, "coefficient of variation of the spike period"),
