@@ -158,6 +158,7 @@ SELECT (arrival_ns - $t0) // $w AS win,
         FILTER (WHERE ok AND output_tokens >= 8) AS stream_vs_engine_tpot,
     quantile_cont(ttft_ms, 0.99) FILTER (WHERE ok AND input_tokens <= $short) AS short_ttft_p99,
     count(*) FILTER (WHERE ok AND input_tokens <= $short) AS short_n,
+    avg(queue_ms / nullif(ttft_ms, 0)) FILTER (WHERE ok AND input_tokens <= $short) AS short_queue_share,
     count(*) FILTER (WHERE ok AND input_tokens >= 4 * $short) AS long_n,
     count(*) FILTER (WHERE ok AND itl_max_ms >= 10 * itl_p50_ms AND ttft_ms <= $fast_ttft) AS stalled_n,
     count(*) FILTER (WHERE ok AND itl_max_ms >= 10 * itl_p50_ms AND ttft_ms <= $fast_ttft AND preemptions > 0) AS stalled_preempted_n

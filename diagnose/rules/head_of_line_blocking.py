@@ -20,18 +20,16 @@ from ._common import (
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
     base = sig.baseline.get("short_ttft_p99")
-    base_itl = sig.baseline.get("itl_p50")
     short = sig.overall.get("short_prompt_tokens") or 0
 
     def hit(w: Window) -> bool:
         r = _ratio(w.get("short_ttft_p99"), base)
-        itl = _ratio(w.get("itl_p50"), base_itl)
         return (
             r is not None
             and r >= p["short_ttft_rise"]
             and (w.get("long_n") or 0) >= 1
             and (w.get("kv_usage_max") or 0) < p["kv_free_below"]
-            and (itl is None or itl <= p["itl_flat"])
+            and (w.get("short_queue_share") or 0) >= p["queue_share"]
         )
 
     w = _worst(sig, "short_ttft_p99", hit)
@@ -43,8 +41,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         f"short prompts (≤ {short} tokens) waited: their TTFT p99 rose from {_ms(base)} to "
         f"{_ms(w.get('short_ttft_p99'))} in {_when(w)} behind {w.get('long_n')} long prompt(s) "
         f"(up to {w.get('input_max') or 0:.0f} tokens) while KV use peaked at "
-        f"{(w.get('kv_usage_max') or 0):.0%} and ITL p50 stayed at {_ms(w.get('itl_p50'))} "
-        f"(baseline {_ms(base_itl)})",
+        f"{(w.get('kv_usage_max') or 0):.0%}; {w.get('short_queue_share') or 0:.0%} of their TTFT "
+        f"was queue time",
         {
             "short_ttft_p99_ms": w.get("short_ttft_p99"),
             "baseline_short_ttft_p99_ms": base,
@@ -52,8 +50,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "long_prompts": w.get("long_n"),
             "input_tokens_max": w.get("input_max"),
             "kv_usage_max": w.get("kv_usage_max"),
-            "itl_p50_ms": w.get("itl_p50"),
-            "baseline_itl_p50_ms": base_itl,
+            "short_queue_share_of_ttft": w.get("short_queue_share"),
             "waiting_max": w.get("waiting_max"),
         },
         (w.start_ns, w.end_ns),
@@ -80,9 +77,12 @@ RULE = Rule(
     params={
         "short_ttft_rise": Param(5.0, f"short-prompt TTFT p99 {_BASE} (symptom case C01)"),
         "kv_free_below": Param(0.95, "KV not full: the wait is not memory pressure"),
-        # the median, not p99: a short request admitted beside a long prompt's prefill chunks
-        # sees a few stretched steps (its ITL p99 jumps) while decode as a whole keeps its pace
-        "itl_flat": Param(2.0, f"decodes' ITL p50 {_BASE} still flat"),
+        # in the queue, not in slow steps: a slowed engine (a busy host, a bigger batch) stretches
+        # prefill and ITL too, and a batch of twenty short prompts let in at once decodes at a
+        # fraction of the pace of the two streams before it, so ITL cannot tell the two apart
+        "queue_share": Param(
+            0.5, "mean share of the short prompts' TTFT spent waiting for admission"
+        ),
     },
     detect=detect,
     healthy_baseline="needs",

@@ -25,8 +25,13 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         waits = [w.get("waiting_mean") or 0 for w in run]
         ttfts = [w.get("ttft_p50") for w in run if w.get("ttft_p50") is not None]
         growing = all(b - a >= step for a, b in itertools.pairwise(waits))
+        # arrivals outpace completions in each window, not only over the run: one burst that
+        # lands at once and then drains (24 requests in 250 ms behind a blocked admission) fills
+        # the queue across the windows around it without any rate exceeding capacity
+        outpaced = all((w.get("arrivals") or 0) >= max(1, w.get("completions") or 0) for w in run)
         if (
             growing
+            and outpaced
             and arr >= p["arrival_excess"] * max(done, 1)
             and len(ttfts) >= 2
             and ttfts[-1] >= p["ttft_trend"] * ttfts[0]
