@@ -5,7 +5,7 @@ Issue 20. On the default model (SmolLM2-135M, float32, this CPU), one process:
 - **floor**: a read-bandwidth probe (``torch.sum`` over a 256 MiB float32 tensor, best of 5,
   GB/s) and the floor of a batch-1 decode step = the weight bytes a decode step reads
   (``StepRecord.weight_bytes``: every linear layer and the LM head once) ÷ that bandwidth.
-- **GEMV pass**: 1, 2 and 4 rows through all of the model's weight matrices in a row (weights
+- **GEMV pass**: 1, 2, 4, 8, 16, 24 and 32 rows through all of the model's weight matrices in a row (weights
   streamed from memory, as a real step reads them), as ``F.linear`` (MKL), as ``W @ xᵀ`` (one
   row padded to two) and through ``kernels/cpu_gemv.c``; ms per pass and GB/s.
 - **split at batch 1, 8, 32**: that many requests (short chat prompts, 48 greedy tokens,
@@ -54,6 +54,8 @@ from tokenmill.kernels import cpu as cpu_gemv
 OUT = Path(__file__).parent / "results"
 PARTS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "detokenize_ms")
 BATCHES = (1, 8, 32)
+# rows per GEMV pass: where the kernel stops beating F.linear sets cpu.FASTER_ROWS
+GEMV_ROWS = (1, 2, 4, 8, 16, 24, 32)
 # (TOKENMILL_CPU_KERNELS, PAD_ONE_ROW_OUT_FEATURES of engine/models/linear.py), each run in
 # its own process
 VARIANTS = {
@@ -84,7 +86,7 @@ def _timed(fn) -> float:
 
 
 def gemv_pass(model: torch.nn.Module, repeats: int = 7) -> dict:
-    """ms per pass of 1, 2 and 4 rows through every 2-D weight of the decoder layers and the LM
+    """ms per pass of :data:`GEMV_ROWS` rows through every 2-D weight of the decoder layers and the LM
     head (weights streamed from memory, as in a step), median of ``repeats``: ``F.linear``,
     ``W @ xᵀ`` (one row padded to two) and the kernel (``kernels/cpu_gemv.c``)."""
     weights = [
@@ -102,7 +104,7 @@ def gemv_pass(model: torch.nn.Module, repeats: int = 7) -> dict:
     if cpu_gemv.available():
         ways["cpu_gemv kernel"] = lambda w, x: cpu_gemv.gemv(x, w)
     out: dict = {"weight_bytes": nbytes}
-    for rows in (1, 2, 4):
+    for rows in GEMV_ROWS:
         xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
         for name, fn in ways.items():
             with torch.inference_mode():

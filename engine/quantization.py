@@ -175,7 +175,7 @@ class QuantizedLinear(nn.Module):
         self.path = "dequant"
         self.block_n: int | None = None
         # int8 on CPU: float32 scales for kernels/cpu_gemv.c, which takes up to
-        # cpu_gemv.MAX_ROWS rows with float32 activations (the packed kernel rounds them to bf16)
+        # cpu_gemv.FASTER_ROWS rows with float32 activations (the packed kernel rounds them to bf16)
         self.gemv_scales: torch.Tensor | None = None
         if method == "int8":
             q, scales = quantize_int8(weight)
@@ -272,7 +272,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
         rows = x2d.shape[0]
-        if self.gemv_scales is not None and rows <= cpu_gemv.MAX_ROWS and cpu_gemv.available():
+        if self.gemv_scales is not None and rows <= cpu_gemv.FASTER_ROWS and cpu_gemv.available():
             out = cpu_gemv.gemv_int8(x2d.float(), self.qweight, self.gemv_scales).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias

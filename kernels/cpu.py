@@ -42,6 +42,7 @@ import torch
 from . import reference
 
 __all__ = [
+    "FASTER_ROWS",
     "MAX_ROWS",
     "CpuOps",
     "available",
@@ -58,7 +59,12 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_gemv.c", "cpu_ops.c", "cpu_attention.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 # GEMV_MAX_ROWS in cpu_gemv.c
-MAX_ROWS = 4
+MAX_ROWS = 64
+# rows up to which gemv/gemv_int8 beat torch's product on the project's 2-core AVX2 VM (every
+# SmolLM2-135M weight shape, 2026-12-01; models/linear.py's W @ xᵀ: 2.2x at 8 rows, 1.05x at
+# 16, 0.88x at 24, 0.81x at 32; benchmarks/step_overhead.py's GEMV pass times it on a whole
+# model): the callers' cut-over. Past it the kernel is bound by FMAs, one x load each.
+FASTER_ROWS = 16
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None

@@ -10,7 +10,11 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define GEMV_MAX_ROWS 4
+/* rows of x per register block: 8 accumulators + a weight vector + an x load fit AVX2's 16 ymm
+ * registers. More rows than that run in blocks over the same row of W, which stays in L1, so
+ * DRAM still sees each weight once per call. */
+#define ROW_BLOCK 8
+#define GEMV_MAX_ROWS 64
 /* rows of W per OpenMP chunk: 64 rows x K=576 floats = 147 KB, enough work per chunk to
  * amortise the scheduling and few enough that both threads finish together */
 #define ROWS_PER_CHUNK 64
@@ -28,6 +32,61 @@ static inline float hsum(__m256 v) {
 
 int tokenmill_gemv_max_rows(void) { return GEMV_MAX_ROWS; }
 
+/* out[j] = sum_i w8(i) * x[j * k + i] for the NR rows of x at x: one function per block size,
+ * so the compiler unrolls the row loop and keeps the NR accumulators in registers. LOAD_W
+ * turns 8 weights at wr + i into a __m256; WT is the weight element type (tail loop). */
+#define DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, NR)                                                  \
+    static inline void NAME##_##NR(const WT *wr, const float *x, int64_t k, int64_t k8,         \
+                                   float *out) {                                                \
+        __m256 acc[NR];                                                                        \
+        for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();                              \
+        for (int64_t i = 0; i < k8; i += 8) {                                                  \
+            const __m256 wv = LOAD_W(wr + i);                                                  \
+            for (int j = 0; j < NR; j++)                                                       \
+                acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);          \
+        }                                                                                      \
+        for (int j = 0; j < NR; j++) {                                                         \
+            float s = hsum(acc[j]);                                                            \
+            for (int64_t i = k8; i < k; i++) s += (float)wr[i] * x[j * k + i];                 \
+            out[j] = s;                                                                        \
+        }                                                                                      \
+    }
+
+#define DEFINE_DOT_BLOCKS(NAME, WT, LOAD_W)                                                     \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 1)                                                      \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 2)                                                      \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 3)                                                      \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 4)                                                      \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 5)                                                      \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 6)                                                      \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 7)                                                      \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 8)                                                      \
+    /* all m rows of x against one row of W, ROW_BLOCK rows at a time */                        \
+    static inline void NAME(const WT *wr, const float *x, int64_t k, int64_t k8, int64_t m,     \
+                            float *out) {                                                      \
+        for (int64_t j0 = 0; j0 < m; j0 += ROW_BLOCK) {                                        \
+            const float *xb = x + j0 * k;                                                      \
+            float *ob = out + j0;                                                              \
+            switch (m - j0 < ROW_BLOCK ? m - j0 : ROW_BLOCK) {                                 \
+            case 1: NAME##_1(wr, xb, k, k8, ob); break;                                        \
+            case 2: NAME##_2(wr, xb, k, k8, ob); break;                                        \
+            case 3: NAME##_3(wr, xb, k, k8, ob); break;                                        \
+            case 4: NAME##_4(wr, xb, k, k8, ob); break;                                        \
+            case 5: NAME##_5(wr, xb, k, k8, ob); break;                                        \
+            case 6: NAME##_6(wr, xb, k, k8, ob); break;                                        \
+            case 7: NAME##_7(wr, xb, k, k8, ob); break;                                        \
+            default: NAME##_8(wr, xb, k, k8, ob); break;                                       \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+DEFINE_DOT_BLOCKS(dot_f32, float, load_f32)
+DEFINE_DOT_BLOCKS(dot_i8, int8_t, load_i8)
+
 /* Returns 0, or -1 when m is out of range (nothing written). */
 int tokenmill_gemv_f32(const float *w, const float *x, const float *bias, float *y, int64_t n,
                        int64_t k, int64_t m, int nthreads) {
@@ -37,20 +96,11 @@ int tokenmill_gemv_f32(const float *w, const float *x, const float *bias, float 
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t end = (c + 1) * ROWS_PER_CHUNK < n ? (c + 1) * ROWS_PER_CHUNK : n;
+        float out[GEMV_MAX_ROWS];
         for (int64_t r = c * ROWS_PER_CHUNK; r < end; r++) {
-            const float *wr = w + r * k;
-            __m256 acc[GEMV_MAX_ROWS];
-            for (int64_t j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < k8; i += 8) {
-                const __m256 wv = _mm256_loadu_ps(wr + i);
-                for (int64_t j = 0; j < m; j++)
-                    acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);
-            }
-            for (int64_t j = 0; j < m; j++) {
-                float s = hsum(acc[j]);
-                for (int64_t i = k8; i < k; i++) s += wr[i] * x[j * k + i];
-                y[j * n + r] = bias ? s + bias[r] : s;
-            }
+            dot_f32(w + r * k, x, k, k8, m, out);
+            const float b = bias ? bias[r] : 0.0f;
+            for (int64_t j = 0; j < m; j++) y[j * n + r] = out[j] + b;
         }
     }
     return 0;
@@ -67,22 +117,11 @@ int tokenmill_gemv_i8(const int8_t *q, const float *scale, const float *x, const
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t end = (c + 1) * ROWS_PER_CHUNK < n ? (c + 1) * ROWS_PER_CHUNK : n;
+        float out[GEMV_MAX_ROWS];
         for (int64_t r = c * ROWS_PER_CHUNK; r < end; r++) {
-            const int8_t *qr = q + r * k;
-            __m256 acc[GEMV_MAX_ROWS];
-            for (int64_t j = 0; j < m; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < k8; i += 8) {
-                const __m128i b = _mm_loadl_epi64((const __m128i *)(qr + i));
-                const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-                for (int64_t j = 0; j < m; j++)
-                    acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);
-            }
-            for (int64_t j = 0; j < m; j++) {
-                float s = hsum(acc[j]);
-                for (int64_t i = k8; i < k; i++) s += (float)qr[i] * x[j * k + i];
-                s *= scale[r];
-                y[j * n + r] = bias ? s + bias[r] : s;
-            }
+            dot_i8(q + r * k, x, k, k8, m, out);
+            const float b = bias ? bias[r] : 0.0f;
+            for (int64_t j = 0; j < m; j++) y[j * n + r] = out[j] * scale[r] + b;
         }
     }
     return 0;

@@ -35,11 +35,15 @@ def test_the_kernel_builds_here():
         (3, 130, 1536, True),
         (4, 5, 8, False),
         (1, 1, 7, True),
+        (8, 70, 576, True),
+        (13, 33, 27, False),
+        (64, 65, 40, True),
     ],
 )
 def test_gemv_matches_the_reference(m, n, k, bias):
-    """Row counts 1..4, K with and without an 8-wide tail, N below and above one thread chunk;
-    within 1e-5 relative of the float64 reference."""
+    """Row counts 1..64 (one 8-row register block, a block and a remainder of 5, eight full
+    blocks), K with and without an 8-wide tail, N below and above one thread chunk; within 1e-5
+    relative of the float64 reference."""
     if not cpu.available():
         pytest.skip(cpu.unavailable_reason())
     g = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -51,6 +55,23 @@ def test_gemv_matches_the_reference(m, n, k, bias):
     assert got.shape == (m, n) and got.dtype == torch.float32
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= 1e-5 * max(scale, 1.0)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 19), (4, 130, 576), (11, 64, 1536), (64, 9, 24)])
+def test_gemv_int8_matches_the_reference(m, n, k):
+    """Weight-only int8 for row counts 1..64 and K with and without a tail: within 1e-5
+    relative of the float64 reference (the kernel widens int8 to float32 exactly)."""
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x = torch.randn(m, k, generator=g)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) / 127
+    bias = torch.randn(n, generator=g)
+    got = cpu.gemv_int8(x, q, scales, bias)
+    want = cpu.reference_gemv_int8(x, q, scales, bias)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert (got - want).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1.0)
 
 
 def test_gemv_takes_non_contiguous_inputs():
@@ -65,7 +86,7 @@ def test_gemv_takes_non_contiguous_inputs():
 @pytest.mark.parametrize(
     ("x", "w", "b", "msg"),
     [
-        (torch.randn(5, 8), torch.randn(3, 8), None, "1..4 rows"),
+        (torch.randn(65, 8), torch.randn(3, 8), None, "1..64 rows"),
         (torch.randn(1, 8), torch.randn(3, 9), None, "do not match"),
         (torch.randn(1, 8), torch.randn(3, 8), torch.randn(4), "do not match"),
         (torch.randn(1, 8).double(), torch.randn(3, 8), None, "x must be float32"),

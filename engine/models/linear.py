@@ -28,7 +28,7 @@ from tokenmill.kernels import cpu as cpu_gemv
 __all__ = ["Linear", "linear"]
 
 # rows that go to our AVX2 GEMV kernel (kernels/cpu_gemv.c) when it is available
-GEMV_ROWS = (1, cpu_gemv.MAX_ROWS)
+GEMV_ROWS = (1, cpu_gemv.FASTER_ROWS)
 # rows for which W @ xᵀ beats F.linear here (measured 2..64; at 128 they tie, at 256 it loses)
 TRANSPOSED_ROWS = (2, 64)
 # a single row through a layer at least this wide runs padded to two rows: every layer (until
