@@ -60,11 +60,12 @@ SOURCES = [Path(__file__).with_name(n) for n in ("cpu_gemv.c", "cpu_ops.c", "cpu
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 # GEMV_MAX_ROWS in cpu_gemv.c
 MAX_ROWS = 64
-# rows up to which gemv/gemv_int8 beat torch's product on the project's 2-core AVX2 VM (every
-# SmolLM2-135M weight shape, 2026-12-01; models/linear.py's W @ xᵀ: 2.2x at 8 rows, 1.05x at
-# 16, 0.88x at 24, 0.81x at 32; benchmarks/step_overhead.py's GEMV pass times it on a whole
-# model): the callers' cut-over. Past it the kernel is bound by FMAs, one x load each.
-FASTER_ROWS = 16
+# rows up to which gemv/gemv_int8 beat torch's product on the project's 2-core AVX2 VM, the
+# callers' cut-over. benchmarks/step_overhead.py's GEMV pass (every weight of SmolLM2-135M once,
+# streamed from memory, 2026-12-01): the kernel 47.1 ms at 8 rows and 85.9 at 16 against
+# models/linear.py's W @ xᵀ at 74.4 and 76.6. Past ~12 rows the kernel is bound by its FMAs
+# (one x load each), and torch's blocked GEMM does better.
+FASTER_ROWS = 12
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None

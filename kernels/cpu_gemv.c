@@ -33,34 +33,51 @@ static inline float hsum(__m256 v) {
 int tokenmill_gemv_max_rows(void) { return GEMV_MAX_ROWS; }
 
 /* out[j] = sum_i w8(i) * x[j * k + i] for the NR rows of x at x: one function per block size,
- * so the compiler unrolls the row loop and keeps the NR accumulators in registers. LOAD_W
- * turns 8 weights at wr + i into a __m256; WT is the weight element type (tail loop). */
-#define DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, NR)                                                  \
+ * so the compiler unrolls the loops and keeps the accumulators in registers. An FMA waits ~4
+ * cycles for its accumulator and two issue per cycle, so ~8 independent sums keep a core busy:
+ * with fewer rows than that, U accumulators per row each take every U-th group of 8 along k
+ * (one row alone was bound by that chain, not by memory: int8 ran no faster than float32).
+ * LOAD_W turns 8 weights at wr + i into a __m256; WT is the weight element type (tail loop). */
+#define DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, NR, U)                                               \
     static inline void NAME##_##NR(const WT *wr, const float *x, int64_t k, int64_t k8,         \
                                    float *out) {                                                \
-        __m256 acc[NR];                                                                        \
-        for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();                              \
-        for (int64_t i = 0; i < k8; i += 8) {                                                  \
+        __m256 acc[NR][U];                                                                     \
+        for (int j = 0; j < NR; j++)                                                           \
+            for (int u = 0; u < U; u++) acc[j][u] = _mm256_setzero_ps();                        \
+        const int64_t ku = k8 - k8 % (8 * U);                                                  \
+        int64_t i = 0;                                                                         \
+        for (; i < ku; i += 8 * U) {                                                           \
+            for (int u = 0; u < U; u++) {                                                      \
+                const __m256 wv = LOAD_W(wr + i + 8 * u);                                      \
+                for (int j = 0; j < NR; j++)                                                   \
+                    acc[j][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i + 8 * u),    \
+                                                acc[j][u]);                                    \
+            }                                                                                  \
+        }                                                                                      \
+        for (; i < k8; i += 8) {                                                               \
             const __m256 wv = LOAD_W(wr + i);                                                  \
             for (int j = 0; j < NR; j++)                                                       \
-                acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j]);          \
+                acc[j][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j][0]);    \
         }                                                                                      \
         for (int j = 0; j < NR; j++) {                                                         \
-            float s = hsum(acc[j]);                                                            \
-            for (int64_t i = k8; i < k; i++) s += (float)wr[i] * x[j * k + i];                 \
+            __m256 sum = acc[j][0];                                                            \
+            for (int u = 1; u < U; u++) sum = _mm256_add_ps(sum, acc[j][u]);                   \
+            float s = hsum(sum);                                                               \
+            for (int64_t t = k8; t < k; t++) s += (float)wr[t] * x[j * k + t];                 \
             out[j] = s;                                                                        \
         }                                                                                      \
     }
 
+/* accumulators per row by block size: NR x U >= ~8, within AVX2's 16 registers */
 #define DEFINE_DOT_BLOCKS(NAME, WT, LOAD_W)                                                     \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 1)                                                      \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 2)                                                      \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 3)                                                      \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 4)                                                      \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 5)                                                      \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 6)                                                      \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 7)                                                      \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 8)                                                      \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 1, 8)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 2, 4)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 3, 3)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 4, 2)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 5, 2)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 6, 2)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 7, 1)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 8, 1)                                                   \
     /* all m rows of x against one row of W, ROW_BLOCK rows at a time */                        \
     static inline void NAME(const WT *wr, const float *x, int64_t k, int64_t k8, int64_t m,     \
                             float *out) {                                                      \
