@@ -173,7 +173,10 @@ def concurrent(server: Server, llama: bool, n: int = 32) -> dict:
     results: list[dict] = [{}] * n
 
     def run(i: int) -> None:
-        results[i] = stream(server.url, bodies[i])
+        try:
+            results[i] = stream(server.url, bodies[i])
+        except httpx.HTTPError as exc:  # a refused or broken stream counts as no tokens
+            results[i] = {"sent": 0.0, "times": [], "error": f"{type(exc).__name__}: {exc}"}
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     start = time.perf_counter()
@@ -184,8 +187,11 @@ def concurrent(server: Server, llama: bool, n: int = 32) -> dict:
     wall = time.perf_counter() - start
     tokens = sum(len(r["times"]) for r in results)
     ttfts = sorted((r["times"][0] - r["sent"]) * 1e3 for r in results if r["times"])
+    errors = [r["error"] for r in results if "error" in r]
     return {
         "requests": n,
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
         "tokens": tokens,
         "output_tok_s": tokens / wall,
         "ttft_p99_ms": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
@@ -234,7 +240,8 @@ def main() -> int:
         print(
             f"{name:>36}: single {s['output_tok_s']:5.1f} tok/s (decode {s['decode_tok_s']:5.1f}, "
             f"ITL p50 {s['itl_p50_ms']:5.1f} ms, {s['tokens_per_request']:.0f} tokens); "
-            f"32 concurrent {c['output_tok_s']:5.1f} tok/s, TTFT p99 {c['ttft_p99_ms']:,.0f} ms",
+            f"32 concurrent {c['output_tok_s']:5.1f} tok/s, TTFT p99 {c['ttft_p99_ms']:,.0f} ms"
+            + (f", {c['errors']} failed ({c['first_error']})" if c["errors"] else ""),
             flush=True,
         )
     OUT.mkdir(exist_ok=True)
