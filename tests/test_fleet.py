@@ -137,7 +137,9 @@ def test_fleet_names_the_leaky_replica_only(fleet):
     assert leak["evidence"]["kv_blocks_total"] == 100
     assert leak["evidence"]["idle_kv_usage"] >= 0.05
     # the same traffic on each replica (8 requests and bench's warm-up one, 4 cut by the
-    # client): only the drill differs; the fleet's counts are the sum of the dumps' own
+    # client): only the drill differs; the fleet's counts are the sum of the dumps' own. A cut
+    # that reaches the server after the request's last token ends it as `length`, not `abort`
+    # (a faster engine made that happen once in CI: (9, 3)), so up to 4 aborts, at least one
     counts = []
     for name in REPLICAS:
         with duckdb.connect(str(fleet["duckdb"] / f"{name}.duckdb"), read_only=True) as con:
@@ -146,7 +148,8 @@ def test_fleet_names_the_leaky_replica_only(fleet):
                     "SELECT count(*), count(*) FILTER (WHERE finish_reason = 'abort') FROM requests"
                 ).fetchone()
             )
-    assert counts == [(9, 4)] * 3
+    assert [n for n, _ in counts] == [9, 9, 9], counts
+    assert all(1 <= aborted <= 4 for _, aborted in counts), counts
     assert [s["summary"]["requests"] for s in report["sources"]] == [9, 9, 9]
     assert report["summary"]["requests"] == 27
 
