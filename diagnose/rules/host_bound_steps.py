@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..signals import Signals, Window
+from ..signals import BASELINE_QUANTILE, Signals, Window, _quantile
 from ._common import (
     _BASE,
     Evidence,
@@ -25,10 +25,9 @@ def _host_ms(w: Window) -> float:
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
     base_step = sig.baseline.get("step_ms_p50")
-    # the host time of a step in the healthiest windows (their 25th percentile, as the
-    # baseline of every latency signal)
-    hosts = sorted(_host_ms(w) for w in sig.busy() if w.get("steps"))
-    base_host = hosts[(len(hosts) - 1) // 4] if hosts else None
+    # the host time of a step in the healthiest windows, the same quantile as the baseline of
+    # every latency signal
+    base_host = _quantile([_host_ms(w) for w in sig.busy() if w.get("steps")], BASELINE_QUANTILE)
 
     def hit(w: Window) -> bool:
         share = w.get("host_share_of_step") or 0
