@@ -12,6 +12,7 @@ import torch
 from synth_store import Phase, write_store
 
 from tokenmill.diagnose.findings import diagnose
+from tokenmill.engine import core as core_mod
 from tokenmill.engine import model_runner
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core import EngineCore
@@ -20,7 +21,8 @@ from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.tokenizer import load_tokenizer
 from tokenmill.telemetry.dump import open_dump
 
-PREPARE_S, DETOKENIZE_S = 0.02, 0.005
+# binary fractions, so that the frozen clock's sums and differences are exact
+PREPARE_S, DETOKENIZE_S = 2**-6, 2**-8
 
 
 def _tiny_core(tmp_path, smollm2_dir) -> EngineCore:
@@ -43,21 +45,46 @@ def _tiny_core(tmp_path, smollm2_dir) -> EngineCore:
     return EngineCore(cfg, tokenizer=load_tokenizer(smollm2_dir))
 
 
+class _FrozenClock:
+    """The engine's clock with time standing still except for the injected delays: each part
+    of a step is then exactly the delay injected into it (0 for the rest), whatever the
+    machine's speed. ``time_ns`` and ``perf_counter`` read it; anything else is real ``time``."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.base_ns = time.time_ns()
+
+    def perf_counter(self) -> float:
+        return self.t
+
+    def time_ns(self) -> int:
+        return self.base_ns + round(self.t * 1e9)
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
 def test_prepare_and_detokenize_are_timed_apart(tmp_path, smollm2_dir, monkeypatch):
     """A known delay injected into input preparation lands in prepare_ms, not forward_ms;
     one injected into each detokenizer call lands in detokenize_ms, not sample_ms; and the
     five parts never add up to more than the step's wall time."""
     build = model_runner.build_step_inputs
     add = IncrementalDetokenizer.add
+    clock = _FrozenClock()
 
     def slow_build(*a, **k):
-        time.sleep(PREPARE_S)
+        clock.sleep(PREPARE_S)
         return build(*a, **k)
 
     def slow_add(self, token_id):
-        time.sleep(DETOKENIZE_S)
+        clock.sleep(DETOKENIZE_S)
         return add(self, token_id)
 
+    monkeypatch.setattr(core_mod, "time", clock)
+    monkeypatch.setattr(model_runner, "time", clock)
     monkeypatch.setattr(model_runner, "build_step_inputs", slow_build)
     monkeypatch.setattr(IncrementalDetokenizer, "add", slow_add)
     core = _tiny_core(tmp_path, smollm2_dir)
