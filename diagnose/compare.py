@@ -153,6 +153,7 @@ _MODEL_KEYS = {
     "kv_cache_bytes",
     "kv_bytes_per_token",
     "model_dtype",
+    "compiled_decode",
 }
 _DEVICE_KEYS = {
     "engine_device",

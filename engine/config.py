@@ -51,6 +51,11 @@ class EngineConfig:
         "none | int8 | int4: weight-only quantization of every linear layer and the LM head "
         "(int8 per channel, int4 in groups of 32).",
     )
+    enforce_eager: bool = knob(
+        False,
+        "Run every step through the eager module forward: no compiled decode step "
+        "(engine/models/native_step.py on CPU).",
+    )
     device: str = knob("auto", "auto | cpu | cuda[:N]")
     load_format: str = knob("auto", "auto | safetensors | dummy (random weights)")
     attention_backend: str = knob(

@@ -185,6 +185,7 @@ class EngineCore:
             sample_ms=(t3 - t2 - self._detokenize_s) * 1e3,
             prepare_ms=prepare_ms,
             detokenize_ms=self._detokenize_s * 1e3,
+            compiled=bool(sched.chunks and getattr(self.runner, "last_native", False)),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_prefill_tokens=sched.num_prefill_tokens,
@@ -440,7 +441,9 @@ def model_info(runner) -> dict:
     event, ``/health`` and ``tokenmill_model_weight_bytes``): ``weight_bytes_total`` and
     ``weight_bytes_by_dtype`` (bytes by storage dtype, int4 reported as ``int4``),
     ``kv_cache_bytes`` (the pool), ``kv_bytes_per_token`` (K and V over all layers),
-    ``model_dtype`` and ``engine_device``. Empty for a runner without a model.
+    ``model_dtype``, ``engine_device`` and ``compiled_decode`` (``"on"``, or why the compiled
+    decode step is off: ``--enforce-eager``, an int4 layer, …). Empty for a runner without a
+    model.
 
     The KV pool is what is left for it: on CUDA the runner sizes it after a profiling forward,
     as ``total × gpu_memory_utilization`` minus the peak use, which includes the weights (so
@@ -459,6 +462,7 @@ def model_info(runner) -> dict:
         "kv_bytes_per_token": runner.bytes_per_block // runner.block_size,
         "model_dtype": str(runner.dtype).removeprefix("torch."),
         "engine_device": str(runner.device),
+        "compiled_decode": getattr(runner, "native_off_reason", None) or "on",
     }
 
 

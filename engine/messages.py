@@ -181,6 +181,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     """draft tokens accepted in this step"""
     num_accepted_tokens_per_pos: list[int] = []
     """accepted draft tokens by draft position (index 0 = the first draft token), this step"""
+    compiled: bool | None = None
+    """the forward ran the compiled decode step (``engine/models/native_step.py``) instead of
+    the eager module forward; NULL in dumps from before the field"""
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -15,6 +15,7 @@ from .config import EngineConfig
 from .errors import TokenmillError
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .models.loader import load_model
+from .models.native_step import NativeDecode, native_decode_for
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,17 @@ class ModelRunner:
         )
         # ms the last execute() spent laying its step out (StepRecord.prepare_ms)
         self.last_prepare_ms = 0.0
+        # the compiled decode path (small all-decode steps in one C call) and why it is off
+        self.native: NativeDecode | None = None
+        self.native_off_reason: str | None = "--enforce-eager"
+        if not config.enforce_eager and self.device.type == "cpu":
+            self.native, self.native_off_reason = native_decode_for(self.model, self.kv_caches)
+        elif self.device.type != "cpu" and not config.enforce_eager:
+            self.native_off_reason = f"no compiled decode step on {self.device.type}"
+        if self.native_off_reason:
+            log.info("compiled decode step off: %s", self.native_off_reason)
+        # whether the last execute() ran the compiled decode step
+        self.last_native = False
 
     def determine_num_blocks(self) -> int:
         """KV blocks to allocate.
@@ -133,7 +145,13 @@ class ModelRunner:
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         picked = torch.tensor(rows, device=self.device) if rows else None
         self.last_prepare_ms = (time.perf_counter() - t0) * 1e3
-        hidden = self.model(input_ids, step.positions, self.kv_caches, step.metadata)
+        self.last_native = self.native is not None and NativeDecode.takes(
+            len(tokens), step.metadata
+        )
+        if self.last_native:
+            hidden = self.native.forward(input_ids, step.positions, step.metadata)
+        else:
+            hidden = self.model(input_ids, step.positions, self.kv_caches, step.metadata)
         if picked is None:
             return torch.empty((0, self.model_config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[picked]).cpu()

@@ -56,7 +56,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_gemv.c", "cpu_ops.c", "cpu_attention.c")]
+SOURCES = [
+    Path(__file__).with_name(n)
+    for n in ("cpu_gemv.c", "cpu_ops.c", "cpu_attention.c", "cpu_decode_step.c")
+]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 # GEMV_MAX_ROWS in cpu_gemv.c
 MAX_ROWS = 64
@@ -132,6 +135,11 @@ def _build() -> ctypes.CDLL:
     lib.tokenmill_decode_attention.argtypes += [ptr, i64, i64, i64, i64, i64, f32, i64, ptr]
     lib.tokenmill_decode_attention.argtypes += [ctypes.c_int]
     lib.tokenmill_decode_attention.restype = ctypes.c_int
+    # the model table is a struct (kernels/cpu_step.py) passed by reference
+    lib.tokenmill_decode_step_scratch.argtypes = [ptr, i64]
+    lib.tokenmill_decode_step_scratch.restype = i64
+    lib.tokenmill_decode_step.argtypes = [ptr] * 6 + [i64, ptr, i64, ptr, ctypes.c_int]
+    lib.tokenmill_decode_step.restype = ctypes.c_int
     for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
         getattr(lib, f"tokenmill_{name}").restype = None
     if lib.tokenmill_gemv_max_rows() != MAX_ROWS:

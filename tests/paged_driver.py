@@ -13,12 +13,20 @@ import torch
 
 from tokenmill.engine.attention import SeqChunk, build_step_inputs
 from tokenmill.engine.kv_cache import allocate_kv_caches
+from tokenmill.engine.models.native_step import NativeDecode
 
 
 def run_paged(
-    model, sequences: list[list[int]], prompt_lens: list[int], chunk: int, block_size: int = 4
+    model,
+    sequences: list[list[int]],
+    prompt_lens: list[int],
+    chunk: int,
+    block_size: int = 4,
+    native: bool = False,
 ):
-    """Returns per sequence a ``[len(seq), vocab]`` float32 tensor of the logits at every position."""
+    """Returns per sequence a ``[len(seq), vocab]`` float32 tensor of the logits at every position.
+    ``native``: the steps the compiled decode step takes (all-decode, few rows) run through it
+    (:class:`NativeDecode`), the others through the module; the count is ``run_paged.native_steps``."""
     cfg = model.config
     need = [(len(s) + block_size - 1) // block_size for s in sequences]
     ids = list(range(sum(need)))
@@ -32,6 +40,8 @@ def run_paged(
     caches = allocate_kv_caches(cfg, sum(need), block_size, dtype, device)
     done = [0] * len(sequences)
     logits: list[list[torch.Tensor]] = [[] for _ in sequences]
+    fast = NativeDecode(model, caches) if native else None
+    run_paged.native_steps = 0
     with torch.no_grad():
         while any(d < len(s) for d, s in zip(done, sequences)):
             active = [i for i, s in enumerate(sequences) if done[i] < len(s)]
@@ -41,9 +51,12 @@ def run_paged(
                 chunks.append(SeqChunk(done[i], n, tables[i]))
                 tokens.extend(sequences[i][done[i] : done[i] + n])
             step = build_step_inputs(chunks, block_size, device)
-            hidden = model(
-                torch.tensor(tokens, device=device), step.positions, caches, step.metadata
-            )
+            input_ids = torch.tensor(tokens, device=device)
+            if fast is not None and fast.takes(len(tokens), step.metadata):
+                hidden = fast.forward(input_ids, step.positions, step.metadata)
+                run_paged.native_steps += 1
+            else:
+                hidden = model(input_ids, step.positions, caches, step.metadata)
             out = model.compute_logits(hidden)
             starts = step.metadata.query_start_loc_host
             for j, i in enumerate(active):

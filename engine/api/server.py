@@ -112,7 +112,8 @@ def spec_line(config) -> str:
 
 def memory_line(model_info: dict) -> str:
     """The startup line's memory and roofline part: weight bytes by dtype, the KV pool, the
-    device's peaks and their sources (``EngineReady.model_info``); empty without it."""
+    device's peaks and their sources, whether the compiled decode step is on
+    (``EngineReady.model_info``); empty without it."""
     if not model_info.get("weight_bytes_by_dtype"):
         return ""
     by_dtype = ", ".join(
@@ -131,6 +132,9 @@ def memory_line(model_info: dict) -> str:
             f"; roofline peaks {gbps:,.0f} GB/s, {gflops:,.0f} GFLOP/s "
             f"({', '.join(sorted(s for s in sources if s))})"
         )
+    compiled = model_info.get("compiled_decode")
+    if compiled:
+        line += f"; compiled decode step {compiled if compiled == 'on' else f'off ({compiled})'}"
     return line + "; "
 
 

@@ -195,17 +195,25 @@ class DecoderForCausalLM(nn.Module):
             Final hidden states ``[num_tokens, hidden_size]`` in the model dtype; pass the rows
             you sample from to :meth:`compute_logits`.
         """
-        seq_len_per_token = None
-        if self.config.rope.rope_type == "dynamic":
-            q_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
-            seq_len_per_token = torch.repeat_interleave(metadata.seq_lens, q_lens.long())
-        cos, sin = self.rotary.cos_sin(positions, seq_len_per_token)
+        cos, sin = self.rope_tables(positions, metadata)
         h = self.model.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, cos, sin, kv, metadata, self.backend)
         h, _ = self.model.norm(h, residual)
         return h
+
+    def rope_tables(
+        self, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's RoPE ``cos, sin`` ``[num_tokens, head_dim]`` float32 for ``positions
+        [num_tokens]`` int64 (``dynamic`` scaling reads each token's sequence length from
+        ``metadata``)."""
+        seq_len_per_token = None
+        if self.config.rope.rope_type == "dynamic":
+            q_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
+            seq_len_per_token = torch.repeat_interleave(metadata.seq_lens, q_lens.long())
+        return self.rotary.cos_sin(positions, seq_len_per_token)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
