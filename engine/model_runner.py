@@ -145,6 +145,10 @@ class ModelRunner:
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         picked = torch.tensor(rows, device=self.device) if rows else None
         self.last_prepare_ms = (time.perf_counter() - t0) * 1e3
+        if self.native is not None and self.native.kv_caches is not self.kv_caches:
+            # the step's C table points into the caches it was built over: rebuild it for
+            # caches swapped in since (a test's runner sharing loaded weights)
+            self.native, self.native_off_reason = native_decode_for(self.model, self.kv_caches)
         self.last_native = self.native is not None and NativeDecode.takes(
             len(tokens), step.metadata
         )

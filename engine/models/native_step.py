@@ -93,6 +93,7 @@ class NativeDecode:
                 )
             )
         self.model = model
+        self.kv_caches = kv_caches
         self.step = DecodeStep(
             layers,
             model.model.norm.weight.detach(),
