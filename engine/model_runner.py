@@ -12,6 +12,7 @@ import torch
 
 from .attention import SeqChunk, build_step_inputs
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs, capture_sizes, decode_graphs_for
 from .errors import TokenmillError
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .models.loader import load_model
@@ -54,16 +55,40 @@ class ModelRunner:
         )
         # ms the last execute() spent laying its step out (StepRecord.prepare_ms)
         self.last_prepare_ms = 0.0
-        # the compiled decode path (small all-decode steps in one C call) and why it is off
+        # the compiled decode path and why it is off: on CPU small all-decode steps in one C
+        # call (NativeDecode), on CUDA decode steps replayed as CUDA graphs (DecodeGraphs)
         self.native: NativeDecode | None = None
+        self.graphs: DecodeGraphs | None = None
         self.native_off_reason: str | None = "--enforce-eager"
-        if not config.enforce_eager and self.device.type == "cpu":
+        if config.enforce_eager:
+            pass
+        elif self.device.type == "cpu":
             self.native, self.native_off_reason = native_decode_for(self.model, self.kv_caches)
-        elif self.device.type != "cpu" and not config.enforce_eager:
+        elif self.device.type == "cuda":
+            mcfg = self.model_config
+            max_len = min(
+                config.max_model_len or mcfg.max_position_embeddings,
+                mcfg.max_position_embeddings,
+            )
+            t0 = time.perf_counter()
+            self.graphs, self.native_off_reason = decode_graphs_for(
+                self.model,
+                self.kv_caches,
+                capture_sizes(config.max_num_seqs),
+                self.block_size,
+                max_len,
+            )
+            if self.graphs is not None:
+                log.info(
+                    "captured CUDA graphs for decode batches %s in %.1f s",
+                    self.graphs.sizes,
+                    time.perf_counter() - t0,
+                )
+        else:
             self.native_off_reason = f"no compiled decode step on {self.device.type}"
         if self.native_off_reason:
             log.info("compiled decode step off: %s", self.native_off_reason)
-        # whether the last execute() ran the compiled decode step
+        # whether the last execute() ran the compiled decode step or a CUDA graph
         self.last_native = False
 
     def determine_num_blocks(self) -> int:
@@ -154,6 +179,9 @@ class ModelRunner:
         )
         if self.last_native:
             hidden = self.native.forward(input_ids, step.positions, step.metadata)
+        elif self.graphs is not None and self.graphs.takes(len(tokens), step.metadata):
+            self.last_native = True
+            hidden = self.graphs.run(input_ids, step.positions, step.metadata)
         else:
             hidden = self.model(input_ids, step.positions, self.kv_caches, step.metadata)
         if picked is None:

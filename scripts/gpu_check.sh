@@ -8,9 +8,10 @@
 #    triton backend vs torch backend                                -> OUTDIR/greedy_bf16.{log,json}
 # 3. benchmarks/kernels.py (kernel vs torch vs SDPA, % of H200 peaks) -> OUTDIR/kernels_bench.{log,json}
 # 4. scripts/gpu_quant_check.py: int8/int4 layers and engine vs bf16 -> OUTDIR/quantization.{log,json}
+# 5. scripts/gpu_graph_check.py: CUDA graphs vs eager, decode ITL     -> OUTDIR/cuda_graphs.{log,json}
 # plus OUTDIR/env.txt (versions, nvidia-smi) and OUTDIR/summary.txt (one line per step, targets).
 #
-# Exit status: 0 when all four steps pass, 1 when one fails, 2 when there is no usable CUDA
+# Exit status: 0 when all five steps pass, 1 when one fails, 2 when there is no usable CUDA
 # Python. Missed performance targets are reported in summary.txt, not in the exit status.
 #
 # Environment:
@@ -125,6 +126,12 @@ step "quantization (bf16 vs int8 vs int4)" "$OUTDIR/quantization.log" \
     "$PYTHON" scripts/gpu_quant_check.py --model "${TOKENMILL_MODEL:-$("$PYTHON" -m tokenmill.engine.cli model path)}" \
     --out "$OUTDIR/quantization.json"
 grep -E '^(engine|greedy)' "$OUTDIR/quantization.log" | sed 's/^/     /' >>"$SUMMARY"
+
+# 5. CUDA graphs for decode steps (issue 20): greedy equality with eager, ITL at batch 1/8/64
+step "CUDA graphs (greedy vs eager, decode ITL)" "$OUTDIR/cuda_graphs.log" \
+    "$PYTHON" scripts/gpu_graph_check.py --out "$OUTDIR/cuda_graphs.json" \
+    ${TOKENMILL_MODEL:+--model "$TOKENMILL_MODEL"}
+grep -E '^(batch|graphs)' "$OUTDIR/cuda_graphs.log" | sed 's/^/     /' >>"$SUMMARY"
 
 echo "results in $OUTDIR"
 cat "$SUMMARY"
