@@ -48,6 +48,13 @@ INT4_GROUP_SIZE = 32
 # unpacking costs 3.1 ms) packed 2.9 vs 3.1 + 1.7 at 64 rows, 6.7 vs 3.1 + 3.5 at 128, 11.6 vs
 # 3.1 + 6.0 at 256.
 PACKED_MAX_ROWS = {"int8": 32, "int4": 128}
+# rows up to which int8 on CPU runs kernels/cpu_gemv.c's int8 GEMV (its whole range): it beat
+# torch's packed kernel at every size and the dequantize + GEMM far below 64 rows. One pass of
+# SmolLM2-135M's 121 int8 layers, 2 threads, best of 3 (2026-12-01): 8 rows 28.8 ms vs packed
+# 44.6 vs dequantize 198.3; 20 rows 87.6 / 108.3 / 267.7; 32 rows 145.4 / 179.6 / 287.9;
+# 64 rows 311.3 / 332.7 / 367.3. (Until then the cut-over was the float32 one, 12 rows: a
+# 20-token prefill chunk took 150 ms in the packed kernel.)
+INT8_GEMV_MAX_ROWS = cpu_gemv.MAX_ROWS
 # Rows up to which a bf16 layer on a CPU without bf16 GEMM multiplies in bf16; above it the
 # emulated bf16 GEMM loses to upcasting the weight and running float32 (one 576x3072 layer on
 # the 2-core AVX2 machine: 0.22 vs 0.36 ms at 1 row, 0.94 vs 0.75 at 4, 5.9 vs 1.4 at 32).
@@ -175,7 +182,7 @@ class QuantizedLinear(nn.Module):
         self.path = "dequant"
         self.block_n: int | None = None
         # int8 on CPU: float32 scales for kernels/cpu_gemv.c, which takes up to
-        # cpu_gemv.FASTER_ROWS rows with float32 activations (the packed kernel rounds them to bf16)
+        # INT8_GEMV_MAX_ROWS rows with float32 activations (the packed kernel rounds them to bf16)
         self.gemv_scales: torch.Tensor | None = None
         if method == "int8":
             q, scales = quantize_int8(weight)
@@ -272,7 +279,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
         rows = x2d.shape[0]
-        if self.gemv_scales is not None and rows <= cpu_gemv.FASTER_ROWS and cpu_gemv.available():
+        if self.gemv_scales is not None and rows <= INT8_GEMV_MAX_ROWS and cpu_gemv.available():
             out = cpu_gemv.gemv_int8(x2d.float(), self.qweight, self.gemv_scales).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias

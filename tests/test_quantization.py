@@ -36,6 +36,7 @@ from tokenmill.engine.errors import ModelLoadError
 from tokenmill.engine.models.loader import load_model
 from tokenmill.engine.quantization import (
     INT4_GROUP_SIZE,
+    INT8_GEMV_MAX_ROWS,
     PACKED_MAX_ROWS,
     QuantizedLinear,
     _cpu_int4_block_n,
@@ -156,7 +157,7 @@ def test_packed_and_dequantized_paths_agree(method, n, rows):
     assert got.shape == (rows, n) and got.dtype == torch.float32
     scale = dense.abs().max().item()
     assert (packed - dense).abs().max().item() <= 2e-2 * scale  # bf16 activations (8-bit)
-    if method == "int8" and rows <= cpu_gemv.FASTER_ROWS and cpu_gemv.available():
+    if method == "int8" and rows <= INT8_GEMV_MAX_ROWS and cpu_gemv.available():
         # kernels/cpu_gemv.c: float32 activations on the same weight
         torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
     elif layer.path == "packed" or rows <= limit:
