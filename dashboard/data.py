@@ -383,6 +383,7 @@ _STEP_COLS = f"""num_prefill_tokens AS prefill_tokens, num_decode_tokens AS deco
     CASE WHEN {WORKING_STEP_SQL} THEN sample_ms END AS sample_ms,
     CASE WHEN {WORKING_STEP_SQL} THEN prepare_ms END AS prepare_ms,
     CASE WHEN {WORKING_STEP_SQL} THEN detokenize_ms END AS detokenize_ms,
+    CASE WHEN {WORKING_STEP_SQL} THEN output_send_ms END AS send_ms,
     CASE WHEN {WORKING_STEP_SQL} THEN (end_ns - start_ns) / 1e6 END AS step_ms,
     num_running AS running, num_waiting AS waiting, kv_blocks_used AS kv_used,
     kv_blocks_free AS kv_free, kv_blocks_cached AS kv_cached, kv_blocks_total AS kv_total,
@@ -397,6 +398,7 @@ SELECT (start_ns - $since) // $w AS b, count(*) FILTER (WHERE {WORKING_STEP_SQL}
     avg(sample_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS sample_ms,
     avg(prepare_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS prepare_ms,
     avg(detokenize_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS detokenize_ms,
+    avg(output_send_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS send_ms,
     avg((end_ns - start_ns) / 1e6) FILTER (WHERE {WORKING_STEP_SQL}) AS step_ms, avg(num_running) AS running,
     avg(num_waiting) AS waiting, avg(kv_blocks_used) AS kv_used, avg(kv_blocks_free) AS kv_free,
     avg(kv_blocks_cached) AS kv_cached, max(kv_blocks_total) AS kv_total,
@@ -444,14 +446,15 @@ def engine_steps(
 
 
 def _step_fields() -> tuple[str, ...]:
-    """The numeric fields of the step record (``engine_steps`` columns), ids and times left out."""
+    """The numeric fields of the step record (``engine_steps`` columns), ids and times left out;
+    a boolean one (``compiled``) charts as 0/1, its bucket mean the share of steps."""
     import msgspec.inspect as mi
 
     skip = {"step_id", "engine_pid", "start_ns", "end_ns"}
     return tuple(
         f.name
         for f in mi.type_info(ROW_TYPES["engine_steps"]).fields
-        if f.name not in skip and sql_type(f.type) in ("INTEGER", "BIGINT", "DOUBLE")
+        if f.name not in skip and sql_type(f.type) in ("INTEGER", "BIGINT", "DOUBLE", "BOOLEAN")
     )
 
 
@@ -479,7 +482,7 @@ def step_field_series(
     if bucket_s is None:
         df = _df(
             con,
-            f"SELECT start_ns AS t_ns, {field} AS value FROM engine_steps "
+            f"SELECT start_ns AS t_ns, {field}::DOUBLE AS value FROM engine_steps "
             f"WHERE start_ns >= $since AND start_ns < $until AND {where} ORDER BY start_ns",
             since=since_ns,
             until=until_ns,
@@ -488,7 +491,7 @@ def step_field_series(
     w = max(1, int(bucket_s * NS))
     df = _df(
         con,
-        f"SELECT $since + (start_ns - $since) // $w * $w AS t_ns, avg({field}) AS value "
+        f"SELECT $since + (start_ns - $since) // $w * $w AS t_ns, avg({field}::DOUBLE) AS value "
         f"FROM engine_steps WHERE start_ns >= $since AND start_ns < $until AND {where} "
         "GROUP BY 1 ORDER BY 1",
         since=since_ns,

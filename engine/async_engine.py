@@ -346,6 +346,8 @@ class AsyncEngine:
                     return
                 continue
             if isinstance(msg, EngineOutputs):
+                if msg.step is not None:
+                    msg.step.output_send_ms = max(0.0, (time.time_ns() - msg.step.end_ns) / 1e6)
                 self._dispatch(msg.outputs)
                 if msg.step is not None:
                     self._on_step(msg.step)

@@ -181,6 +181,11 @@ class StepRecord(msgspec.Struct, kw_only=True):
     """draft tokens accepted in this step"""
     num_accepted_tokens_per_pos: list[int] = []
     """accepted draft tokens by draft position (index 0 = the first draft token), this step"""
+    output_send_ms: float | None = None
+    """from the step's end to the API process holding its outputs: encoding, the ZeroMQ hop,
+    decoding and the API's event loop getting to the message (wall clock, one host); set by the
+    API on receipt (``engine/async_engine.py``), NULL in-process (``LLM``) and in dumps from
+    before the field"""
     compiled: bool | None = None
     """the forward ran the compiled decode step (``engine/models/native_step.py``) instead of
     the eager module forward; NULL in dumps from before the field"""

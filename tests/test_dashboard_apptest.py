@@ -553,8 +553,10 @@ def test_any_step_field_charts_the_store_values(monkeypatch, gpu_store):
 
     info = msgspec.inspect.type_info(StepRecord).fields
     fields = [f.name for f in info if not isinstance(f.type, msgspec.inspect.ListType)]
-    # list-typed fields (num_accepted_tokens_per_pos) are no time series: left out of the list
+    # list-typed fields (num_accepted_tokens_per_pos) are no time series: left out of the list;
+    # a boolean one (compiled) charts as 0/1
     assert "num_accepted_tokens_per_pos" not in data.STEP_FIELDS
+    assert "compiled" in data.STEP_FIELDS
     assert set(data.STEP_FIELDS) == set(fields) - {"step_id", "engine_pid", "start_ns", "end_ns"}
     at = open_page(monkeypatch, gpu_store, "engine")
     assert list(at.selectbox(key="tm_step_field").options) == list(data.STEP_FIELDS)

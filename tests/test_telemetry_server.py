@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_proc import Server
 
 from tokenmill.engine.api.gateway import hash_key
+from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.telemetry.spans import STATIONS, percentile
 
 pytestmark = pytest.mark.slow
@@ -255,6 +256,17 @@ def test_engine_steps_account_for_every_generated_token(traced):
         "kv_blocks_total OR kv_blocks_total != 10) FROM engine_steps"
     ).fetchone()
     assert steps > 48 and bad == 0
+    # every working step: the API stamped its outputs' send time on receipt (issue 20 item 1);
+    # batches of at most 4 decodes ran the compiled decode step, prefill chunks did not
+    (working, sent, bad_send, compiled_decode, compiled_prefill) = con.execute(
+        "SELECT count(*), count(output_send_ms), count(*) FILTER (WHERE output_send_ms < 0 "
+        "OR output_send_ms > 60000), count(*) FILTER (WHERE compiled AND num_prefill_tokens = 0),"
+        " count(*) FILTER (WHERE compiled AND num_prefill_tokens > 0) FROM engine_steps "
+        "WHERE num_prefill_tokens + num_decode_tokens > 0"
+    ).fetchone()
+    assert sent == working and bad_send == 0
+    assert compiled_prefill == 0
+    assert compiled_decode > 0 or not cpu_kernels.available()
 
 
 def test_device_samples_hold_host_rows(traced):

@@ -54,6 +54,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         f"{_ms(w.get('schedule_ms_mean'))}, input preparation {_ms(w.get('prepare_ms_mean'))}, "
         f"sample {_ms(w.get('sample_ms_mean'))}, detokenize "
         f"{_ms(w.get('detokenize_ms_mean'))}; forward {_ms(w.get('forward_ms_mean'))}"
+        + (
+            f"; then {_ms(w.get('output_send_ms_mean'))} to send the outputs to the API"
+            if w.get("output_send_ms_mean") is not None
+            else ""
+        )
         + (f"; GPU busy {util:.0f}%" if util is not None and sig.device_kind == "gpu" else "")
         + ")",
         {
@@ -62,6 +67,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "sample_ms_mean": w.get("sample_ms_mean"),
             "prepare_ms_mean": w.get("prepare_ms_mean"),
             "detokenize_ms_mean": w.get("detokenize_ms_mean"),
+            "output_send_ms_mean": w.get("output_send_ms_mean"),
             "forward_ms_mean": w.get("forward_ms_mean"),
             "step_ms_p50": w.get("step_ms_p50"),
             "baseline_step_ms_p50": base_step,
