@@ -70,9 +70,9 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error():
 
 
 def test_torch_path_imports_no_triton():
-    """The CPU path (torch backend, the C kernels' ops or torch ops, a model, the offline
-    engine) shares the kernels' plain-torch references and the C kernels' bindings without
-    importing triton or any Triton kernel module."""
+    """The CPU path (torch backend, the C kernels' ops or torch ops, the compiled decode step,
+    a model, the offline engine) shares the kernels' plain-torch references and the C kernels'
+    bindings without importing triton or any Triton kernel module."""
     code = (
         "import sys\n"
         "from tokenmill.engine.attention import get_attention_backend\n"
@@ -87,7 +87,8 @@ def test_torch_path_imports_no_triton():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == (
-        "['tokenmill.kernels', 'tokenmill.kernels.cpu', 'tokenmill.kernels.reference']"
+        "['tokenmill.kernels', 'tokenmill.kernels.cpu', 'tokenmill.kernels.cpu_step', "
+        "'tokenmill.kernels.reference']"
     )
 
 
