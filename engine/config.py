@@ -184,6 +184,11 @@ class EngineConfig:
         if not 0 <= self.fault_nan_fraction <= 1:
             raise ValueError(f"fault_nan_fraction must be in [0, 1], got {self.fault_nan_fraction}")
 
+    def model_len(self, max_position_embeddings: int) -> int:
+        """The context limit in tokens: ``max_model_len`` when set, never above the model's
+        ``max_position_embeddings``."""
+        return min(self.max_model_len or max_position_embeddings, max_position_embeddings)
+
     def to_dict(self) -> dict:
         """Plain dict of all fields (for the config-at-start event and the health page)."""
         return asdict(self)

@@ -63,9 +63,7 @@ class EngineCore:
             tokenizer = load_tokenizer(model_dir)
         self.tokenizer = tokenizer
         mcfg = self.runner.model_config
-        self.max_model_len = min(
-            config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
-        )
+        self.max_model_len = config.model_len(mcfg.max_position_embeddings)
         self.block_manager = BlockManager(
             self.runner.num_blocks,
             config.block_size,

@@ -61,15 +61,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.native_off_reason: str | None = "--enforce-eager"
         if config.enforce_eager:
-            pass
+            pass  # the reason above stands
         elif self.device.type == "cpu":
             self.native, self.native_off_reason = native_decode_for(self.model, self.kv_caches)
         elif self.device.type == "cuda":
-            mcfg = self.model_config
-            max_len = min(
-                config.max_model_len or mcfg.max_position_embeddings,
-                mcfg.max_position_embeddings,
-            )
+            max_len = config.model_len(self.model_config.max_position_embeddings)
             t0 = time.perf_counter()
             self.graphs, self.native_off_reason = decode_graphs_for(
                 self.model,

@@ -63,3 +63,18 @@ def run_paged(
                 logits[i].append(out[starts[j] : starts[j + 1]])
                 done[i] += chunks[j].num_new
     return [torch.cat(parts) for parts in logits]
+
+
+def mixed_greedy_requests(n: int = 16):
+    """``n`` greedy chat-free prompts of 1-4 sentences with 8-40 output tokens (``ignore_eos``):
+    run together, the batch shrinks from ``n`` rows to 1 as they finish. Returns ``(prompts,
+    params)``."""
+    from tokenmill.engine.sampling import SamplingParams
+
+    words = "the quick brown fox jumps over a lazy dog while bright stars watch".split()  # noqa: SIM905
+    prompts = [" ".join(words[: 3 + i % 11]) + f" {i}." * (1 + i % 4) for i in range(n)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=8 + (i * 7) % 33, ignore_eos=True)
+        for i in range(n)
+    ]
+    return prompts, params

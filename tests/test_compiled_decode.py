@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_driver import run_paged
+from paged_driver import mixed_greedy_requests, run_paged
 from test_quantization import ARCHS, make_checkpoint
 
 from tokenmill.engine.attention import SeqChunk, build_step_inputs
@@ -24,7 +24,6 @@ from tokenmill.engine.models.native_step import (
     NativeDecode,
     native_decode_for,
 )
-from tokenmill.engine.sampling import SamplingParams
 from tokenmill.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
@@ -118,26 +117,7 @@ def test_enforce_eager_keeps_the_module_forward(llama):
 def test_default_model_greedy_tokens_match_eager(smollm2_dir):
     """16 requests at once, prompts of 1-4 sentences and 8-40 output tokens: the batch starts
     above the compiled step's 12 rows (eager) and shrinks through it as requests finish."""
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "a",
-        "lazy",
-        "dog",
-        "while",
-        "bright",
-        "stars",
-        "watch",
-    ]
-    prompts = [" ".join(words[: 3 + i % 11]) + f" {i}." * (1 + i % 4) for i in range(16)]
-    params = [
-        SamplingParams(temperature=0, max_tokens=8 + (i * 7) % 33, ignore_eos=True)
-        for i in range(16)
-    ]
+    prompts, params = mixed_greedy_requests()
     llm = LLM(str(smollm2_dir))
     compiled = [r.token_ids for r in llm.generate(prompts, params)]
     flags = [r.compiled for r in llm.step_records if r.num_sampled]

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_driver import run_paged
+from paged_driver import mixed_greedy_requests, run_paged
 from test_quantization import ARCHS, make_checkpoint
 
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.models.loader import load_model
-from tokenmill.engine.sampling import SamplingParams
 from tokenmill.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
@@ -45,26 +44,7 @@ def test_tiny_checkpoints_logits_match_torch_ops(arch, tmp_path, monkeypatch):
 def test_default_model_greedy_tokens_match_torch_ops(smollm2_dir, monkeypatch):
     """16 requests at once, prompts of 1-4 sentences and 8-40 output tokens: the batch
     shrinks from 16 rows through the GEMV's 4 to 1 as requests finish."""
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "a",
-        "lazy",
-        "dog",
-        "while",
-        "bright",
-        "stars",
-        "watch",
-    ]
-    prompts = [" ".join(words[: 3 + i % 11]) + f" {i}." * (1 + i % 4) for i in range(16)]
-    params = [
-        SamplingParams(temperature=0, max_tokens=8 + (i * 7) % 33, ignore_eos=True)
-        for i in range(16)
-    ]
+    prompts, params = mixed_greedy_requests()
     fast = [r.token_ids for r in LLM(str(smollm2_dir)).generate(prompts, params)]
     _torch_only(monkeypatch)
     slow = [r.token_ids for r in LLM(str(smollm2_dir)).generate(prompts, params)]
