@@ -184,6 +184,7 @@ class EngineCore:
             prepare_ms=prepare_ms,
             detokenize_ms=self._detokenize_s * 1e3,
             compiled=bool(sched.chunks and getattr(self.runner, "last_native", False)),
+            cpu_threads=self.threads.threads if self.threads is not None else None,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_prefill_tokens=sched.num_prefill_tokens,
@@ -374,6 +375,7 @@ class EngineCore:
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_free=bm.num_free_blocks,
             kv_blocks_cached=bm.num_cached_blocks,
+            cpu_threads=self.threads.threads if self.threads is not None else None,
         )
 
     def stats(self) -> EngineStats:

@@ -189,6 +189,10 @@ class StepRecord(msgspec.Struct, kw_only=True):
     compiled: bool | None = None
     """the forward ran the compiled decode step (``engine/models/native_step.py``) instead of
     the eager module forward; NULL in dumps from before the field"""
+    cpu_threads: int | None = None
+    """the forward's CPU threads this step (``engine/cpu_threads.py``: the cores other
+    processes leave free, or ``--cpu-threads``); NULL on CUDA and in dumps from before the
+    field"""
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import time
 
@@ -267,6 +268,12 @@ def test_engine_steps_account_for_every_generated_token(traced):
     assert sent == working and bad_send == 0
     assert compiled_prefill == 0
     assert compiled_decode > 0 or not cpu_kernels.available()
+    # every step on CPU records its forward's thread count: between 1 and the allowed cores
+    (lo, hi, missing) = con.execute(
+        "SELECT min(cpu_threads), max(cpu_threads), count(*) FILTER (WHERE cpu_threads IS NULL) "
+        "FROM engine_steps"
+    ).fetchone()
+    assert missing == 0 and 1 <= lo <= hi <= len(os.sched_getaffinity(0)), (lo, hi, missing)
 
 
 def test_device_samples_hold_host_rows(traced):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -172,8 +173,13 @@ def make_server(
     """
     model_dir = resolve_model_dir(config.model)
     config.model = str(model_dir)
-    load_model_config(model_dir)  # a missing folder or config.json says so before the tokenizer
-    tokenizer = load_tokenizer(model_dir)
+    load_model_config(model_dir)  # a missing folder or config.json says so before any start
+    # the API's tokenizer (2-3 s, most of it importing transformers) loads while the engine
+    # core starts instead of before it; the lifespan waits for both. A bad tokenizer still
+    # fails the start with the loader's one line (the engine core loads the same files).
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
+    tokenizer_load = pool.submit(load_tokenizer, model_dir)
+    pool.shutdown(wait=False)
     tenants = load_tenants(tenants_file) if tenants_file else None
     if tenants is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no --tenants file: open local mode, binding 127.0.0.1 instead of %s", host)
@@ -200,6 +206,11 @@ def make_server(
     async def lifespan(app):
         try:
             info = await worker.start()
+            try:
+                state.tokenize.tokenizer = await asyncio.wrap_future(tokenizer_load)
+            except BaseException:
+                await worker.stop()
+                raise
         except BaseException as exc:
             telemetry.close()
             # the CLI prints this as its one error line; uvicorn would add a traceback
@@ -258,7 +269,7 @@ def make_server(
     state = ServerState(
         worker=worker,
         gateway=Gateway(tenants),
-        tokenize=TokenizeStation(tokenizer, config.max_model_len or 1 << 30, 1 << 31),
+        tokenize=TokenizeStation(None, config.max_model_len or 1 << 30, 1 << 31),
         admission=AdmissionStation(config.max_num_seqs, max_queue_len),
         metering=MeteringStation(),
         model_name=name,

@@ -23,7 +23,8 @@ class TokenizeStation:
     """Chat template + encoding, then the length checks, before any engine work.
 
     Args:
-        tokenizer: the model's Hugging Face tokenizer.
+        tokenizer: the model's Hugging Face tokenizer (the server sets it once loaded, before
+            it serves: None until then).
         max_model_len: context limit (prompt + output) in tokens.
         vocab_size: token ids a completion prompt may hold are ``[0, vocab_size)``.
     """
