@@ -9,6 +9,7 @@ telemetry needs; the engine knows nothing of storage.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -19,7 +20,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .cpu_threads import ThreadGovernor
+from .cpu_threads import ThreadGovernor, read_proc
 from .detokenizer import IncrementalDetokenizer
 from .messages import EngineStats, RequestOutput, StepRecord
 from .model_config import ModelConfig
@@ -50,9 +51,19 @@ class EngineCore:
         config: the engine config. ``config.model`` None means the default model.
         runner: a prepared :class:`ModelRunner` (tests pass a stub); built from config if None.
         tokenizer: for detokenizing; loaded from the model folder if None.
+        server_pids: processes whose CPU time is the server's own, not a neighbour's, for the
+            thread governor (``engine/cpu_threads.py``): the engine core process passes the API
+            process that started it; in-process (``LLM``) there are none.
     """
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, tokenizer=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner | None = None,
+        tokenizer=None,
+        *,
+        server_pids: tuple[int, ...] = (),
+    ):
         config.validate()
         self.config = config
         model_dir = resolve_model_dir(config.model)
@@ -83,7 +94,9 @@ class EngineCore:
         self.cost = model_cost(self.runner)
         self.model_info = model_info(self.runner)
         on_cpu = getattr(getattr(self.runner, "device", None), "type", "cpu") == "cpu"
-        self.threads = ThreadGovernor(fixed=config.cpu_threads) if on_cpu else None
+        # the API process that feeds this engine is the server's own CPU use, not a neighbour's
+        read = functools.partial(read_proc, tuple(server_pids))
+        self.threads = ThreadGovernor(fixed=config.cpu_threads, read=read) if on_cpu else None
         if self.model_info:
             log.info(
                 "weights %d bytes %s; KV cache %d bytes (%d per token) on %s",

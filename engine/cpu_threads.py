@@ -9,8 +9,9 @@ decode with two threads to ~35% of its quiet speed, while one thread on the free
 (``OMP_WAIT_POLICY=PASSIVE``) also survives the neighbour but costs 25-35% of decode speed
 on a quiet machine, so the engine keeps spinning and changes the thread count instead.
 
-:class:`ThreadGovernor` reads the host's busy time (``/proc/stat``) and the engine process's
-own CPU time twice a second, takes the difference as the cores other processes use, and sets
+:class:`ThreadGovernor` reads the host's busy time (``/proc/stat``) and the server's own CPU
+time (the engine process's and the API process's that feeds it) twice a second, takes the
+difference as the cores other processes use, and sets
 ``torch.set_num_threads`` to the allowed cores (``os.sched_getaffinity``) minus the cores
 they take (:data:`TAKEN_SHARE`), at least one. Fewer threads must hold for ``settle`` readings
 in a row before they are applied, so one odd reading does not make the pool flap; more threads
@@ -18,6 +19,10 @@ in a row before they are applied, so one odd reading does not make the pool flap
 ``periodic_itl_spikes`` drill (1.5 s of two spinning processes every 6 s), one-second readings
 that had to agree twice in both directions dropped to one thread just as the burst ended and
 kept it two more seconds, at 1.7-2.2x the median decode step, longer than the burst itself.
+The API process counts as the server's own because its work comes and goes with each step
+(it streams the tokens the engine just made) rather than holding a core: counted as a
+neighbour, one stream of int8 decode (~60 tok/s) took the engine to one thread, 58.2 tok/s
+against 70.3 with two threads fixed (``benchmarks/vs_llamacpp.py``, 2026-12-01).
 ``--cpu-threads N`` fixes the count instead.
 """
 
@@ -58,10 +63,25 @@ def pick_threads(others_cores: float, cores: int) -> int:
     return max(1, min(cores, cores - max(0, taken)))
 
 
-def read_proc() -> Reading | None:
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used, from
+    ``/proc/PID/stat``; 0.0 where it cannot be read (the process is gone, not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # the command name (field 2) may hold spaces: count fields after its closing ")"
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    # utime and stime are fields 14 and 15 of the line (man 5 proc), 12 and 13 after ")"
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def read_proc(server_pids: tuple[int, ...] = ()) -> Reading | None:
     """The host's busy CPU seconds (user + nice + system + irq + softirq + steal over all CPUs,
-    from ``/proc/stat``) and this process's own CPU seconds (``os.times``, all its threads);
-    None where ``/proc/stat`` cannot be read (not Linux)."""
+    from ``/proc/stat``) and the server's own CPU seconds: this process's (``os.times``, all its
+    threads) plus those of ``server_pids`` (the API process that feeds this engine: its work
+    is the serving itself, not a neighbour's); None where ``/proc/stat`` cannot be read (not
+    Linux)."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
@@ -73,7 +93,8 @@ def read_proc() -> Reading | None:
     # user nice system idle iowait irq softirq steal (guest time is inside user already)
     busy = sum(ticks[:8]) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)
     t = os.times()
-    return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system
+    own = t.user + t.system + sum(process_cpu_s(pid) for pid in server_pids)
+    return busy / os.sysconf("SC_CLK_TCK"), own
 
 
 class ThreadGovernor:

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tokenmill.bench.cpu_hog import spin_on_cpu
-from tokenmill.engine.cpu_threads import ThreadGovernor, pick_threads, read_proc
+from tokenmill.engine.cpu_threads import ThreadGovernor, pick_threads, process_cpu_s, read_proc
 
 
 @pytest.mark.parametrize(
@@ -122,6 +122,29 @@ def test_a_real_spinning_neighbour_on_one_core_takes_one_thread():
                 break
         assert gov.threads == 1, (applied, gov.others_cores)
         assert gov.others_cores >= 0.3
+    finally:
+        hog.kill()
+        hog.join(5)
+
+
+def test_the_api_process_counts_as_the_servers_own_cpu(tmp_path):
+    """read_proc with a server pid adds that process's CPU seconds to the server's own: a child
+    that spins for a while shows in the reading with its pid, and not without it."""
+    hog = mp.get_context("spawn").Process(target=spin_on_cpu, args=(0, 60.0), daemon=True)
+    hog.start()
+    try:
+        spun = 0.0
+        for _ in range(300):  # a liveness bound while the child starts and spins, not a timing
+            time.sleep(0.1)
+            with_child, alone = read_proc((hog.pid,)), read_proc()
+            assert with_child is not None and alone is not None
+            spun = with_child[1] - alone[1]
+            if spun > 0.2:
+                break
+        # its CPU seconds are in the reading with its pid only
+        assert spun > 0.2, spun
+        # a pid that is gone reads as nothing, not an error
+        assert process_cpu_s(2**22 + 12345) == 0.0
     finally:
         hog.kill()
         hog.join(5)
