@@ -7,10 +7,15 @@ Every message is a typed Struct of :mod:`tokenmill.engine.messages`, msgpack-enc
 peaks), :class:`EngineOutputs` per step (and for aborts), :class:`RequestFailed` for a refused
 add, :class:`StatsReply`, and :class:`EngineFatal` when it cannot start. While idle it sends a :class:`Heartbeat` (stats and an idle step record, see
 :meth:`EngineCore.idle_record`) at least every ``IDLE_POLL_MS``.
+
+The process ends with its API process: when that one dies without sending :class:`Shutdown`
+(SIGKILL, an OOM kill, a crash), the loop sees itself re-parented and exits within
+``IDLE_POLL_MS``, instead of holding the model and KV cache (GBs) with nobody to serve.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -34,6 +39,8 @@ from .messages import (
     StatsReply,
     encode,
 )
+
+log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # while idle, wake this often to report stats
 
@@ -69,6 +76,7 @@ def ready_model_info(core, config: EngineConfig) -> dict:
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
     """Process entry point: build the :class:`EngineCore` and serve until :class:`Shutdown`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
+    api_pid = os.getppid()
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)
@@ -105,6 +113,9 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
     poller.register(pull, zmq.POLLIN)
     running = True
     while running:
+        if os.getppid() != api_pid:  # the API process is gone (killed): nobody to serve
+            log.warning("engine core %d: API process %d is gone; exiting", os.getpid(), api_pid)
+            break
         timeout = 0 if core.has_work() else IDLE_POLL_MS
         events = poller.poll(timeout)
         while events:

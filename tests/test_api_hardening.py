@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -444,6 +445,37 @@ def test_shutdown_with_an_open_stream_is_recorded_as_shutdown(tmp_path, smollm2_
     assert json.loads(meter["attributes"])["gen_ai.usage.output_tokens"] == row["output_tokens"]
     assert row["output_tokens"] >= 2
     con.close()
+
+
+@pytest.mark.slow
+def test_engine_core_exits_when_its_api_process_is_killed(tmp_path, smollm2_dir):
+    """SIGKILL of the API process (an OOM kill, `kill -9`) sends no Shutdown: the engine core
+    must notice it was re-parented and exit, not hold the model and KV cache with nobody to
+    serve (one such orphan, 2 GB resident, outlived a profiling run on 2026-12-01)."""
+    srv = Server(tmp_path, "--model", str(smollm2_dir), "--no-trace-db")
+    engine_pid = srv.health()["engine"]["pid"]
+    try:
+        assert _alive(engine_pid)
+        srv.proc.kill()
+        srv.proc.wait(30)
+        for _ in range(300):  # a liveness bound (the loop checks every IDLE_POLL_MS), not timing
+            if not _alive(engine_pid):
+                break
+            time.sleep(0.1)
+        assert not _alive(engine_pid), f"engine core {engine_pid} outlived its API process"
+    finally:
+        srv.log.close()
+        if _alive(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _child(code: int) -> subprocess.Popen:
