@@ -21,6 +21,11 @@ on the end-of-sequence token for llama.cpp):
 - **32 concurrent**: 32 requests sent at once (the 4 prompts in turn, 64–128 tokens, seed 0);
   output tok/s = all tokens ÷ wall time; TTFT p99.
 
+``LLAMA_SERVER_ARGS`` adds arguments to llama.cpp's server: on 2026-12-01's VM (AVX-512, AMX) the
+PyPI build segfaulted evaluating any prompt of more than one token (AMX and llamafile's sgemm
+off did not help), so that run used ``--n_batch 1 --n_ubatch 1``: prompts go one token per
+eval, which slows llama.cpp's TTFT but not its decode steps.
+
 Results: ``benchmarks/results/vs_llamacpp.json``. Run it alone:
 ``.venv/bin/python benchmarks/vs_llamacpp.py``
 """
@@ -227,8 +232,11 @@ def main() -> int:
             "2",
             "--n_ctx",
             "4096",
+            # e.g. "--n_batch 1 --n_ubatch 1" where a build crashes in batched prompt eval
+            *os.environ.get("LLAMA_SERVER_ARGS", "").split(),
         ]
-        configs.append(("llama.cpp server Q4_1", llama, {}, True))
+        extra = os.environ.get("LLAMA_SERVER_ARGS", "").strip()
+        configs.append((f"llama.cpp server Q4_1{f' ({extra})' if extra else ''}", llama, {}, True))
     except ImportError:
         print("llama-cpp-python is not installed: llama.cpp is left out", file=sys.stderr)
     rows = []
