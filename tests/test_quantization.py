@@ -164,7 +164,10 @@ def test_packed_and_dequantized_paths_agree(method, n, rows):
         torch.testing.assert_close(got, packed, atol=1e-6, rtol=0)
     else:
         torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
-    expected_path = "packed" if method == "int4" and n % 32 else "hybrid"
+    # int4's hybrid path needs whole blocks of torch's CPU layout: 32 rows on AVX2, 64 with
+    # AVX-512 (the CI machines have either)
+    block = _cpu_int4_block_n() if method == "int4" else None
+    expected_path = "packed" if method == "int4" and (block is None or n % block) else "hybrid"
     assert layer.path == expected_path
     # leading dims pass through
     torch.testing.assert_close(layer(x.reshape(1, rows, 64))[0], got, atol=1e-6, rtol=0)
@@ -172,20 +175,23 @@ def test_packed_and_dequantized_paths_agree(method, n, rows):
 
 def test_int4_cpu_layout_unpacks_to_the_reference():
     """``dequantize`` of the hybrid path reads torch's packed CPU bytes through the layout learnt
-    at import (``_cpu_int4_block_n``); it must give ``(q - 8) * s + z`` of ``quantize_int4``."""
-    assert _cpu_int4_block_n() == 32, "this torch packs int4 in another layout"
+    at import (``_cpu_int4_block_n``); it must give ``(q - 8) * s + z`` of ``quantize_int4``.
+    torch's CPU kernel packs 32 output rows a block on AVX2 machines and 64 with AVX-512: 192
+    rows are whole blocks either way."""
+    block = _cpu_int4_block_n()
+    assert block in (32, 64), f"this torch packs int4 in another layout (block {block})"
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(96, 128, generator=g) * 0.05
+    w = torch.randn(192, 128, generator=g) * 0.05
     w[5, :32] += 3.0  # one group with a large offset: its zero point matters
     q, s, z = quantize_int4(w, INT4_GROUP_SIZE)
     assert q.min() == 0 and q.max() == 15
-    exact = ((q.reshape(96, -1, 32) - 8) * s[..., None] + z[..., None]).reshape(96, 128)
+    exact = ((q.reshape(192, -1, 32) - 8) * s[..., None] + z[..., None]).reshape(192, 128)
     assert (exact - w).abs().max() <= s.max() / 2 + 1e-6  # round-to-nearest on the grid
     # the layer keeps scales and zeros only in the kernel's bf16 table, and dequantizes from it
     s16, z16 = s.bfloat16().float(), z.bfloat16().float()
-    ref = ((q.reshape(96, -1, 32) - 8) * s16[..., None] + z16[..., None]).reshape(96, 128)
+    ref = ((q.reshape(192, -1, 32) - 8) * s16[..., None] + z16[..., None]).reshape(192, 128)
     layer = QuantizedLinear("int4", w, None)
-    assert layer.path == "hybrid" and layer.block_n == 32
+    assert layer.path == "hybrid" and layer.block_n == block
     torch.testing.assert_close(layer.dequantize(torch.float32), ref, atol=1e-6, rtol=0)
     # bf16 keeps 8 bits: each weight moves by at most (8 s + |z|) * 2^-9 (the offset group most)
     bound = ((8 * s + z.abs()) * 2**-8).repeat_interleave(32, dim=1)
