@@ -222,6 +222,7 @@ def main() -> int:
     try:
         import llama_cpp  # noqa: F401
 
+        extra = os.environ.get("LLAMA_SERVER_ARGS", "").strip()
         llama = [
             sys.executable,
             "-m",
@@ -233,9 +234,8 @@ def main() -> int:
             "--n_ctx",
             "4096",
             # e.g. "--n_batch 1 --n_ubatch 1" where a build crashes in batched prompt eval
-            *os.environ.get("LLAMA_SERVER_ARGS", "").split(),
+            *extra.split(),
         ]
-        extra = os.environ.get("LLAMA_SERVER_ARGS", "").strip()
         configs.append((f"llama.cpp server Q4_1{f' ({extra})' if extra else ''}", llama, {}, True))
     except ImportError:
         print("llama-cpp-python is not installed: llama.cpp is left out", file=sys.stderr)

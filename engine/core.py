@@ -197,7 +197,7 @@ class EngineCore:
             prepare_ms=prepare_ms,
             detokenize_ms=self._detokenize_s * 1e3,
             compiled=bool(sched.chunks and getattr(self.runner, "last_native", False)),
-            cpu_threads=self.threads.threads if self.threads is not None else None,
+            cpu_threads=self.cpu_threads,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_prefill_tokens=sched.num_prefill_tokens,
@@ -370,6 +370,11 @@ class EngineCore:
             events=events,
         )
 
+    @property
+    def cpu_threads(self) -> int | None:
+        """The forward's CPU threads now (the governor's count); None off the CPU."""
+        return self.threads.threads if self.threads is not None else None
+
     def idle_record(self) -> StepRecord:
         """A heartbeat step record for an idle engine: no tokens, zero durations, and the KV
         pool as it stands. The core process sends one every ``IDLE_POLL_MS`` while idle so the
@@ -388,7 +393,7 @@ class EngineCore:
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_free=bm.num_free_blocks,
             kv_blocks_cached=bm.num_cached_blocks,
-            cpu_threads=self.threads.threads if self.threads is not None else None,
+            cpu_threads=self.cpu_threads,
         )
 
     def stats(self) -> EngineStats:
@@ -406,7 +411,7 @@ class EngineCore:
             prefix_cache_hits=bm.prefix_hits,
             max_model_len=self.max_model_len,
             block_size=self.config.block_size,
-            cpu_threads=self.threads.threads if self.threads is not None else 0,
+            cpu_threads=self.cpu_threads or 0,
         )
 
 

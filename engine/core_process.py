@@ -89,7 +89,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
     try:
         from .core import EngineCore
 
-        core = EngineCore(config, server_pids=(os.getppid(),))
+        core = EngineCore(config, server_pids=(api_pid,))
     except Exception as exc:  # report why we could not start, then exit
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
         send(EngineFatal(EngineError("engine_start_failed", reason)))

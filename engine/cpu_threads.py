@@ -63,14 +63,22 @@ def pick_threads(others_cores: float, cores: int) -> int:
     return max(1, min(cores, cores - max(0, taken)))
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) process ``pid`` has used, from
-    ``/proc/PID/stat``; 0.0 where it cannot be read (the process is gone, not Linux)."""
+def proc_stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (field 3, the state, first);
+    None where it cannot be read (the process is gone, not Linux)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             # the command name (field 2) may hold spaces: count fields after its closing ")"
-            fields = f.read().rsplit(")", 1)[1].split()
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
+        return None
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used, from
+    ``/proc/PID/stat``; 0.0 where it cannot be read (the process is gone, not Linux)."""
+    fields = proc_stat_fields(pid)
+    if fields is None:
         return 0.0
     # utime and stime are fields 14 and 15 of the line (man 5 proc), 12 and 13 after ")"
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -23,6 +23,7 @@ from server_proc import Server
 
 from tokenmill.bench.demo import DemoError, wait_for_stop
 from tokenmill.engine.api.gateway import hash_key
+from tokenmill.engine.cpu_threads import proc_stat_fields
 
 MODEL = "smollm2-135m-instruct"
 KEYS = {
@@ -471,11 +472,8 @@ def test_engine_core_exits_when_its_api_process_is_killed(tmp_path, smollm2_dir)
 
 def _alive(pid: int) -> bool:
     """The process exists and is not a zombie (an exited child not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    fields = proc_stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _child(code: int) -> subprocess.Popen:

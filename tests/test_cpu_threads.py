@@ -127,7 +127,7 @@ def test_a_real_spinning_neighbour_on_one_core_takes_one_thread():
         hog.join(5)
 
 
-def test_the_api_process_counts_as_the_servers_own_cpu(tmp_path):
+def test_the_api_process_counts_as_the_servers_own_cpu():
     """read_proc with a server pid adds that process's CPU seconds to the server's own: a child
     that spins for a while shows in the reading with its pid, and not without it."""
     hog = mp.get_context("spawn").Process(target=spin_on_cpu, args=(0, 60.0), daemon=True)
