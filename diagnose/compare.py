@@ -97,15 +97,9 @@ GATED: dict[str, str] = {
 }
 #: a gated latency p99 regresses only when its median moved the same way beyond the threshold
 MEDIAN_OF = {"ttft_p99_ms": "ttft_p50_ms", "itl_p99_ms": "itl_p50_ms", "e2e_p99_ms": "e2e_p50_ms"}
-#: the latencies the goodput SLOs read (:class:`GoodputSlo`)
-SLO_LATENCIES = (
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "e2e_p50_ms",
-    "e2e_p99_ms",
-)
+#: the medians of the latencies the goodput SLOs read (:class:`GoodputSlo`): a goodput drop
+#: regresses only when one of them moved beyond the threshold too (:func:`compare`)
+SLO_MEDIANS = ("ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms")
 LATENCY_KEYS = (
     "ttft_p50_ms",
     "ttft_p99_ms",
@@ -688,13 +682,14 @@ def compare(
             tail.status = "worse"
     # goodput counts requests under fixed SLOs: when many sit near an SLO's edge, a few ms move
     # it by half (identical runs here: TTFT p50 1.8 vs 2.1 s against 2 s, goodput 0.48 vs
-    # 0.04/s). A goodput drop regresses only with a latency the SLOs read worse beyond the
-    # threshold too, or more errors.
+    # 0.04/s). A goodput drop regresses only with the median of a latency the SLOs read worse
+    # beyond the threshold too, or more errors. Not a p99 alone: identical CI runs moved TTFT
+    # p99 +57 % (p50 +33 %) and goodput from 92 % to 48 % of the requests.
     goodput = next(s for s in throughput if s.key == "goodput_per_s")
     if goodput.status == "regressed":
         backed = any(
-            s.key in SLO_LATENCIES and s.change_pct is not None and s.change_pct > threshold_pct
-            for s in latency
+            by_key[k].change_pct is not None and by_key[k].change_pct > threshold_pct
+            for k in SLO_MEDIANS
         )
         more_errors = (after.throughput.get("error_rate") or 0) > (
             before.throughput.get("error_rate") or 0
