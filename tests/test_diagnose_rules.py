@@ -627,3 +627,34 @@ def test_short_requests_beside_prefill_chunks_still_show_head_of_line_blocking(t
     (f,) = [f for f in report.findings if f.rule_id == "head_of_line_blocking"]
     assert f.evidence["short_queue_share_of_ttft"] >= 0.5, f.evidence
     assert report.findings[0].rule_id == "head_of_line_blocking", report.findings
+
+
+def test_extra_spikes_off_the_period_do_not_hide_it(tmp_path):
+    """Stop 27's CI: in the periodic_itl_spikes scenario a one-thread step after a burst made
+    an extra "spike" 2 s after a real one; counting gaps of one period, that split period cost
+    two of nine gaps and the rule stayed quiet. Spikes are counted on the period's grid now:
+    two extra spikes (in different periods) cost two of twelve spikes, and the 6 s period is
+    still named."""
+    bursts = dict(host_burst_every_s=6, host_burst_s=1.5, host_burst_slowdown=9)
+    path = tmp_path / "bursts_and_strays.duckdb"
+    write_store(path, [HEALTHY.but(duration_s=60, **bursts)], seed=7)
+    con = duckdb.connect(str(path))
+    decode = "num_prefill_tokens = 0 AND num_decode_tokens > 0"
+    med = con.execute(
+        f"SELECT quantile_cont((end_ns - start_ns) / 1e6, 0.5) FROM engine_steps WHERE {decode}"
+    ).fetchone()[0]
+    t0 = con.execute(f"SELECT min(start_ns) FROM engine_steps WHERE {decode}").fetchone()[0]
+    before = diagnose(con).findings
+    (f,) = [f for f in before if f.rule_id == "periodic_itl_spikes"]
+    spikes = f.evidence["spikes"]
+    for at_s in (14.2, 38.1):  # 2 s into the quiet part of two different periods
+        con.execute(
+            f"""UPDATE engine_steps SET end_ns = start_ns + CAST(? * 1e6 AS BIGINT)
+                WHERE start_ns = (SELECT min(start_ns) FROM engine_steps
+                                  WHERE {decode} AND start_ns >= ?)""",
+            [8 * med, t0 + int(at_s * 1e9)],
+        )
+    (f,) = [f for f in diagnose(con).findings if f.rule_id == "periodic_itl_spikes"]
+    con.close()
+    assert f.evidence["spikes"] == spikes + 2, (spikes, f.evidence)
+    assert 5.5 < f.evidence["period_s"] < 6.5 and f.evidence["period_cv"] < 0.1, f.evidence

@@ -68,6 +68,38 @@ def _spikes(slow: list, spike: float, max_gap: int) -> list[tuple[int, float, in
     return out
 
 
+def _on_grid(times: list[int], period_s: float, tol: float) -> list[bool]:
+    """Which spikes (start times, ns) fall on one grid of about ``period_s``: each spike gets
+    a cycle number (the last spike near its cycle's plus the time since it in periods,
+    rounded), a line through (cycle, time) is fitted by least squares, refitted on the spikes
+    within ``tol`` periods of it, and those within ``tol`` of the refit are on the grid. Counting spikes on the grid
+    rather than gaps of one period lets a missed spike (it fell on a prefill step: a gap of 2
+    or 3 periods) and one extra spike off the grid (a slow step after the job: one period
+    split in two) each cost one spike, not two gaps; the fit keeps a long window's grid from
+    drifting off the period's rounding."""
+    ts = [(t - times[0]) / 1e9 for t in times]
+    cycles, ref = [0], 0  # ref: the last spike that fell near its cycle, the one to count from
+    for i in range(1, len(ts)):
+        n = (ts[i] - ts[ref]) / period_s
+        cycles.append(cycles[ref] + round(n))
+        if abs(n - round(n)) <= tol:
+            ref = i
+    on = [True] * len(ts)
+    for _ in range(2):
+        pts = [(c, t) for c, t, o in zip(cycles, ts, on, strict=True) if o]
+        if len({c for c, _ in pts}) < 2:
+            return on
+        mc = statistics.mean(c for c, _ in pts)
+        mt = statistics.mean(t for _, t in pts)
+        slope = sum((c - mc) * (t - mt) for c, t in pts) / sum((c - mc) ** 2 for c, _ in pts)
+        if slope <= 0:
+            return [False] * len(ts)
+        on = [
+            abs(t - (mt + slope * (c - mc))) <= tol * slope for c, t in zip(cycles, ts, strict=True)
+        ]
+    return on
+
+
 def detect(sig: Signals, p: dict) -> Evidence | None:
     # a median step of 0 ms (durations not measured) would make every step a "spike"
     slow = sig.con.execute(
@@ -90,10 +122,12 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     period = statistics.median(gaps)
     if period <= 0:
         return None
-    # a spike can be missed (it fell on a prefill step): gaps at 2x or 3x the period still count
-    off = [abs(g / period - round(g / period)) for g in gaps if round(g / period) >= 1]
-    regular = sum(1 for o in off if o <= p["max_cv"]) / len(gaps)
-    on_period = [g for g in gaps if abs(g / period - 1) <= p["max_cv"]]
+    grid = _on_grid(times, period, p["max_cv"])
+    regular = sum(grid) / len(times)
+    on_period = [
+        g for g, a, b in zip(gaps, grid, grid[1:], strict=False)
+        if a and b and abs(g / period - 1) <= p["max_cv"]
+    ]  # fmt: skip
     cv = statistics.pstdev(on_period) / period if len(on_period) > 1 else 1.0
     if regular < p["min_regular"] or cv > p["max_cv"]:
         return None
@@ -156,7 +190,7 @@ RULE = Rule(
         ),
         "min_spikes": Param(5, "spikes needed"),
         "max_cv": Param(0.2, "coefficient of variation of the spike period"),
-        "min_regular": Param(0.8, "share of spike gaps that are a multiple of the period"),
+        "min_regular": Param(0.8, "share of spikes on one grid of the period"),
         "max_duty": Param(
             0.5,
             "median spike step / the period: above it the slow steps run back to back, a "
