@@ -49,6 +49,7 @@ __all__ = [
     "decode_attention",
     "gemv",
     "gemv_int8",
+    "int8_isa",
     "reference_gemv",
     "reference_gemv_int8",
     "unavailable_reason",
@@ -140,6 +141,8 @@ def _build() -> ctypes.CDLL:
     lib.tokenmill_decode_step_scratch.restype = i64
     lib.tokenmill_decode_step.argtypes = [ptr] * 6 + [i64, ptr, i64, ptr, ctypes.c_int]
     lib.tokenmill_decode_step.restype = ctypes.c_int
+    lib.tokenmill_gemv_i8_isa.argtypes = [ctypes.c_int]
+    lib.tokenmill_gemv_i8_isa.restype = ctypes.c_int
     for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
         getattr(lib, f"tokenmill_{name}").restype = None
     if lib.tokenmill_gemv_max_rows() != MAX_ROWS:
@@ -174,6 +177,28 @@ def unavailable_reason() -> str | None:
     """Why :func:`available` is False; None when it is True."""
     _load()
     return _reason
+
+
+INT8_ISAS = ("avx2", "avx512")
+
+
+def int8_isa(use: str | None = None) -> str:
+    """The loop :func:`gemv_int8` (and the decode step's int8 layers) runs: ``avx512`` where the
+    CPU has AVX512F and AVX512BW, else ``avx2``. ``use`` sets it for this process (``avx2``
+    or ``avx512``; None: the CPU's best), for A/B benchmarks and for tests of both loops; the
+    AVX-512 loop widens 16 weights per instruction instead of 8 (``cpu_gemv.c``). Returns the
+    loop in use afterwards: asking for ``avx512`` on a CPU without it gives ``avx2``.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+        ValueError: ``use`` is not one of :data:`INT8_ISAS` or None.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {_reason}")
+    if use is not None and use not in INT8_ISAS:
+        raise ValueError(f"use must be one of {INT8_ISAS} or None, got {use!r}")
+    return INT8_ISAS[lib.tokenmill_gemv_i8_isa(-1 if use is None else INT8_ISAS.index(use))]
 
 
 def _require_f32(**tensors: torch.Tensor | None) -> None:

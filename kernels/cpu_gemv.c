@@ -5,7 +5,10 @@
  * M rows of x (x stays in L1/L2), 8 floats at a time with AVX2 FMA, and splits the rows of W
  * across OpenMP threads (the same libgomp runtime torch uses, so one thread pool).
  *
- * Built at run time with -O3 -mavx2 -mfma -fopenmp; the Python side checks the CPU first.
+ * Built at run time with -O3 -mavx2 -mfma -fopenmp; the Python side checks the CPU first. The
+ * int8 product also has an AVX-512 loop (function-level target, chosen at run time where the
+ * CPU has AVX512F+BW): widening int8 to float takes one shuffle and one convert per 16 weights
+ * there instead of per 8, and that widening, not the memory, bounded the AVX2 loop.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -15,9 +18,11 @@
  * DRAM still sees each weight once per call. */
 #define ROW_BLOCK 8
 #define GEMV_MAX_ROWS 64
-/* rows of W per OpenMP chunk: 64 rows x K=576 floats = 147 KB, enough work per chunk to
- * amortise the scheduling and few enough that both threads finish together */
-#define ROWS_PER_CHUNK 64
+/* rows of W per work item. The items are split into one contiguous range per thread
+ * (schedule(static)), so the threads' shares differ by at most one item. With 64-row items a
+ * 576-row layer (9 items) gave one of two threads 5/9 of it: SmolLM2-135M's qkv, o and down
+ * projections, half of each block's weights, ran ~10% longer than an even split. */
+#define ROWS_PER_ITEM 8
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v);
@@ -104,17 +109,102 @@ static inline __m256 load_i8(const int8_t *p) {
 DEFINE_DOT_BLOCKS(dot_f32, float, load_f32)
 DEFINE_DOT_BLOCKS(dot_i8, int8_t, load_i8)
 
+/* The int8 blocks again in AVX-512: 16 weights a group, NR x U accumulators of 32 registers. */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma")))
+#define DEFINE_DOT512_BLOCK(NR, U)                                                              \
+    AVX512 static inline void dot512_i8_##NR(const int8_t *wr, const float *x, int64_t k,      \
+                                             int64_t k16, float *out) {                        \
+        __m512 acc[NR][U];                                                                     \
+        for (int j = 0; j < NR; j++)                                                           \
+            for (int u = 0; u < U; u++) acc[j][u] = _mm512_setzero_ps();                        \
+        const int64_t ku = k16 - k16 % (16 * U);                                               \
+        int64_t i = 0;                                                                         \
+        for (; i < ku; i += 16 * U) {                                                          \
+            for (int u = 0; u < U; u++) {                                                      \
+                const __m512 wv = _mm512_cvtepi32_ps(                                          \
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + i + 16 * u)))); \
+                for (int j = 0; j < NR; j++)                                                   \
+                    acc[j][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + j * k + i + 16 * u),   \
+                                                acc[j][u]);                                    \
+            }                                                                                  \
+        }                                                                                      \
+        for (; i < k16; i += 16) {                                                             \
+            const __m512 wv = _mm512_cvtepi32_ps(                                              \
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + i))));             \
+            for (int j = 0; j < NR; j++)                                                       \
+                acc[j][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + j * k + i), acc[j][0]);    \
+        }                                                                                      \
+        for (int j = 0; j < NR; j++) {                                                         \
+            __m512 sum = acc[j][0];                                                            \
+            for (int u = 1; u < U; u++) sum = _mm512_add_ps(sum, acc[j][u]);                   \
+            float s = _mm512_reduce_add_ps(sum);                                               \
+            for (int64_t t = k16; t < k; t++) s += (float)wr[t] * x[j * k + t];                \
+            out[j] = s;                                                                        \
+        }                                                                                      \
+    }
+DEFINE_DOT512_BLOCK(1, 8)
+DEFINE_DOT512_BLOCK(2, 4)
+DEFINE_DOT512_BLOCK(3, 3)
+DEFINE_DOT512_BLOCK(4, 2)
+DEFINE_DOT512_BLOCK(5, 2)
+DEFINE_DOT512_BLOCK(6, 2)
+DEFINE_DOT512_BLOCK(7, 2)
+DEFINE_DOT512_BLOCK(8, 2)
+
+AVX512 static inline void dot512_i8(const int8_t *wr, const float *x, int64_t k, int64_t k16,
+                                    int64_t m, float *out) {
+    for (int64_t j0 = 0; j0 < m; j0 += ROW_BLOCK) {
+        const float *xb = x + j0 * k;
+        float *ob = out + j0;
+        switch (m - j0 < ROW_BLOCK ? m - j0 : ROW_BLOCK) {
+        case 1: dot512_i8_1(wr, xb, k, k16, ob); break;
+        case 2: dot512_i8_2(wr, xb, k, k16, ob); break;
+        case 3: dot512_i8_3(wr, xb, k, k16, ob); break;
+        case 4: dot512_i8_4(wr, xb, k, k16, ob); break;
+        case 5: dot512_i8_5(wr, xb, k, k16, ob); break;
+        case 6: dot512_i8_6(wr, xb, k, k16, ob); break;
+        case 7: dot512_i8_7(wr, xb, k, k16, ob); break;
+        default: dot512_i8_8(wr, xb, k, k16, ob); break;
+        }
+    }
+}
+
+/* the int8 loop in use: 1 = AVX-512, 0 = AVX2; -1 = not chosen yet (the CPU decides) */
+static int i8_isa = -1;
+
+/* Sets the int8 loop: 1 AVX-512, 0 AVX2, -1 the CPU's best. Returns the loop now in use (0 or
+ * 1); asking for AVX-512 on a CPU without it gives 0. */
+int tokenmill_gemv_i8_isa(int want) {
+    __builtin_cpu_init();
+    const int has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    i8_isa = want < 0 ? has512 : (want == 1 && has512);
+    return i8_isa;
+}
+
+/* rows [r0, r1) of an int8 layer: y[j, r] = scale[r] * q[r] . x[j] + bias[r] */
+AVX512 static void rows512_i8(const int8_t *q, const float *scale, const float *x,
+                              const float *bias, float *y, int64_t n, int64_t k, int64_t m,
+                              int64_t r0, int64_t r1) {
+    const int64_t k16 = k & ~(int64_t)15;
+    float out[GEMV_MAX_ROWS];
+    for (int64_t r = r0; r < r1; r++) {
+        dot512_i8(q + r * k, x, k, k16, m, out);
+        const float b = bias ? bias[r] : 0.0f;
+        for (int64_t j = 0; j < m; j++) y[j * n + r] = out[j] * scale[r] + b;
+    }
+}
+
 /* Returns 0, or -1 when m is out of range (nothing written). */
 int tokenmill_gemv_f32(const float *w, const float *x, const float *bias, float *y, int64_t n,
                        int64_t k, int64_t m, int nthreads) {
     if (m < 1 || m > GEMV_MAX_ROWS) return -1;
     const int64_t k8 = k & ~(int64_t)7;
-    const int64_t chunks = (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
+    const int64_t items = (n + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t end = (c + 1) * ROWS_PER_CHUNK < n ? (c + 1) * ROWS_PER_CHUNK : n;
+    for (int64_t c = 0; c < items; c++) {
+        const int64_t end = (c + 1) * ROWS_PER_ITEM < n ? (c + 1) * ROWS_PER_ITEM : n;
         float out[GEMV_MAX_ROWS];
-        for (int64_t r = c * ROWS_PER_CHUNK; r < end; r++) {
+        for (int64_t r = c * ROWS_PER_ITEM; r < end; r++) {
             dot_f32(w + r * k, x, k, k8, m, out);
             const float b = bias ? bias[r] : 0.0f;
             for (int64_t j = 0; j < m; j++) y[j * n + r] = out[j] + b;
@@ -125,17 +215,23 @@ int tokenmill_gemv_f32(const float *w, const float *x, const float *bias, float 
 
 /* Weight-only int8 (symmetric, one scale per output row): y[m, n] = scale[n] * sum_k x[m, k] *
  * q[n, k] (+ bias[n]). A row of q is read once (a quarter of the float32 bytes), widened to
- * float 8 at a time. Returns 0, or -1 when m is out of range. */
+ * float 16 at a time (AVX-512) or 8 (AVX2). Returns 0, or -1 when m is out of range. */
 int tokenmill_gemv_i8(const int8_t *q, const float *scale, const float *x, const float *bias,
                       float *y, int64_t n, int64_t k, int64_t m, int nthreads) {
     if (m < 1 || m > GEMV_MAX_ROWS) return -1;
+    if (i8_isa < 0) tokenmill_gemv_i8_isa(-1);
+    const int wide = i8_isa;
     const int64_t k8 = k & ~(int64_t)7;
-    const int64_t chunks = (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
+    const int64_t items = (n + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t end = (c + 1) * ROWS_PER_CHUNK < n ? (c + 1) * ROWS_PER_CHUNK : n;
+    for (int64_t c = 0; c < items; c++) {
+        const int64_t end = (c + 1) * ROWS_PER_ITEM < n ? (c + 1) * ROWS_PER_ITEM : n;
+        if (wide) {
+            rows512_i8(q, scale, x, bias, y, n, k, m, c * ROWS_PER_ITEM, end);
+            continue;
+        }
         float out[GEMV_MAX_ROWS];
-        for (int64_t r = c * ROWS_PER_CHUNK; r < end; r++) {
+        for (int64_t r = c * ROWS_PER_ITEM; r < end; r++) {
             dot_i8(q + r * k, x, k, k8, m, out);
             const float b = bias ? bias[r] : 0.0f;
             for (int64_t j = 0; j < m; j++) y[j * n + r] = out[j] * scale[r] + b;

@@ -57,12 +57,32 @@ def test_gemv_matches_the_reference(m, n, k, bias):
     assert (got - want).abs().max().item() <= 1e-5 * max(scale, 1.0)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 19), (4, 130, 576), (11, 64, 1536), (64, 9, 24)])
-def test_gemv_int8_matches_the_reference(m, n, k):
-    """Weight-only int8 for row counts 1..64 and K with and without a tail: within 1e-5
-    relative of the float64 reference (the kernel widens int8 to float32 exactly)."""
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next((line for line in f if line.startswith("flags")), "").split())
+
+
+@pytest.fixture(params=cpu.INT8_ISAS)
+def int8_loop(request):
+    """Each int8 loop in turn (AVX-512 skipped where the CPU lacks it), the CPU's best after."""
     if not cpu.available():
         pytest.skip(cpu.unavailable_reason())
+    if request.param == "avx512" and not {"avx512f", "avx512bw"} <= _cpu_flags():
+        pytest.skip("no AVX512F/BW here: the AVX-512 int8 loop cannot run")
+    assert cpu.int8_isa(request.param) == request.param
+    yield request.param
+    cpu.int8_isa(None)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 37, 19), (2, 9, 40), (3, 17, 48), (4, 130, 576), (5, 8, 33), (6, 7, 64), (7, 3, 80),
+     (11, 64, 1536), (64, 9, 24)],
+)  # fmt: skip
+def test_gemv_int8_matches_the_reference(int8_loop, m, n, k):
+    """Weight-only int8, each loop, for row counts 1..64 (every register block size, a full
+    block and a remainder) and K with and without a 16- and 8-wide tail: within 1e-5 relative
+    of the float64 reference (both loops widen int8 to float32 exactly)."""
     g = torch.Generator().manual_seed(m * 7 + n + k)
     x = torch.randn(m, k, generator=g)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
@@ -72,6 +92,17 @@ def test_gemv_int8_matches_the_reference(m, n, k):
     want = cpu.reference_gemv_int8(x, q, scales, bias)
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert (got - want).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1.0)
+
+
+def test_int8_loop_is_the_cpus_best_by_default():
+    """AVX-512 where the CPU has AVX512F and BW (it widens twice the weights per instruction),
+    AVX2 elsewhere; an unknown loop is refused by name."""
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    want = "avx512" if {"avx512f", "avx512bw"} <= _cpu_flags() else "avx2"
+    assert cpu.int8_isa() == want
+    with pytest.raises(ValueError, match="use must be one of"):
+        cpu.int8_isa("sse")
 
 
 def test_gemv_takes_non_contiguous_inputs():
