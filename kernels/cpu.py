@@ -21,7 +21,8 @@ The C files are compiled together at first use with the system C compiler (``cc`
 loaded with :mod:`ctypes`: no torch headers, no build step at install. Where the CPU lacks
 AVX2/FMA, there is no compiler, or the build fails, :func:`available` is False (the reason in
 :func:`unavailable_reason`) and callers keep torch's ops. ``TOKENMILL_CPU_KERNELS=0`` turns them
-off.
+off; ``TOKENMILL_INT8_ISA=avx2|avx512`` picks the int8 loop (:func:`int8_isa`) and
+``TOKENMILL_GEMV_PREFETCH=BYTES`` the GEMVs' prefetch distance (:func:`prefetch_ahead`).
 
 Imports torch only (no triton), like :mod:`.reference`.
 """
@@ -50,6 +51,7 @@ __all__ = [
     "gemv",
     "gemv_int8",
     "int8_isa",
+    "prefetch_ahead",
     "reference_gemv",
     "reference_gemv_int8",
     "unavailable_reason",
@@ -141,6 +143,8 @@ def _build() -> ctypes.CDLL:
     lib.tokenmill_decode_step_scratch.restype = i64
     lib.tokenmill_decode_step.argtypes = [ptr] * 6 + [i64, ptr, i64, ptr, ctypes.c_int]
     lib.tokenmill_decode_step.restype = ctypes.c_int
+    lib.tokenmill_gemv_prefetch.argtypes = [ctypes.c_int64]
+    lib.tokenmill_gemv_prefetch.restype = ctypes.c_int64
     lib.tokenmill_gemv_i8_isa.argtypes = [ctypes.c_int]
     lib.tokenmill_gemv_i8_isa.restype = ctypes.c_int
     for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
@@ -163,6 +167,12 @@ def _load() -> ctypes.CDLL | None:
                 _lib = _build()
             except OSError as exc:
                 _reason = f"build failed: {exc}"
+        isa = os.environ.get("TOKENMILL_INT8_ISA")
+        if _lib is not None and isa in INT8_ISAS:  # an A/B of the int8 loops (int8_isa)
+            _lib.tokenmill_gemv_i8_isa(INT8_ISAS.index(isa))
+        ahead = os.environ.get("TOKENMILL_GEMV_PREFETCH", "")
+        if _lib is not None and ahead.isdigit():  # an A/B of the prefetch (prefetch_ahead)
+            _lib.tokenmill_gemv_prefetch(int(ahead))
         if _reason is not None:
             log.info("CPU kernels not used: %s (torch's ops instead)", _reason)
     return _lib
@@ -199,6 +209,25 @@ def int8_isa(use: str | None = None) -> str:
     if use is not None and use not in INT8_ISAS:
         raise ValueError(f"use must be one of {INT8_ISAS} or None, got {use!r}")
     return INT8_ISAS[lib.tokenmill_gemv_i8_isa(-1 if use is None else INT8_ISAS.index(use))]
+
+
+def prefetch_ahead(nbytes: int | None = None) -> int:
+    """How far ahead of the row being read the GEMVs prefetch a row's weights (bytes; 0 =
+    off, the hardware prefetcher alone). ``nbytes`` sets it for this process (A/B benchmarks;
+    ``TOKENMILL_GEMV_PREFETCH`` at load); returns the distance in use. Default 2,048: the
+    hardware prefetcher alone kept too few lines in flight while the core widened int8 and
+    multiplied (``cpu_gemv.c``: PREFETCH_AHEAD).
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+        ValueError: a negative distance.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {_reason}")
+    if nbytes is not None and nbytes < 0:
+        raise ValueError(f"nbytes must be 0 or more, got {nbytes}")
+    return int(lib.tokenmill_gemv_prefetch(-1 if nbytes is None else nbytes))
 
 
 def _require_f32(**tensors: torch.Tensor | None) -> None:

@@ -253,3 +253,26 @@ def test_cpu_ops_match_the_reference(rows):
     torch.testing.assert_close(
         cpu.CpuOps.rms_norm(xb, w.bfloat16(), 1e-5), reference.rms_norm(xb, w.bfloat16(), 1e-5)
     )
+
+
+def test_prefetch_distance_is_settable_and_leaves_the_values_alone():
+    """The GEMVs' prefetch (``cpu.prefetch_ahead``) moves only when the weights arrive: off and
+    at the default 2,048 bytes the products are bitwise equal; a negative distance is refused."""
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 576, generator=g)
+    w = torch.randn(300, 576, generator=g)
+    q = torch.randint(-127, 128, (300, 576), generator=g, dtype=torch.int8)
+    s = torch.rand(300, generator=g) / 127
+    default = cpu.prefetch_ahead()
+    try:
+        assert cpu.prefetch_ahead(0) == 0
+        off = (cpu.gemv(x, w), cpu.gemv_int8(x, q, s))
+        assert cpu.prefetch_ahead(default) == default == 2048
+        on = (cpu.gemv(x, w), cpu.gemv_int8(x, q, s))
+    finally:
+        cpu.prefetch_ahead(default)
+    assert torch.equal(off[0], on[0]) and torch.equal(off[1], on[1])
+    with pytest.raises(ValueError, match="nbytes must be 0 or more"):
+        cpu.prefetch_ahead(-1)
