@@ -178,6 +178,14 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
+def _loaded_or_raise() -> ctypes.CDLL:
+    """The loaded kernels; RuntimeError naming why where they are not :func:`available`."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {_reason}")
+    return lib
+
+
 def available() -> bool:
     """Whether the kernels run here (builds them on the first call)."""
     return _load() is not None
@@ -203,9 +211,7 @@ def int8_isa(use: str | None = None) -> str:
         RuntimeError: the kernels are not :func:`available`.
         ValueError: ``use`` is not one of :data:`INT8_ISAS` or None.
     """
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"CPU kernels unavailable: {_reason}")
+    lib = _loaded_or_raise()
     if use is not None and use not in INT8_ISAS:
         raise ValueError(f"use must be one of {INT8_ISAS} or None, got {use!r}")
     return INT8_ISAS[lib.tokenmill_gemv_i8_isa(-1 if use is None else INT8_ISAS.index(use))]
@@ -222,9 +228,7 @@ def prefetch_ahead(nbytes: int | None = None) -> int:
         RuntimeError: the kernels are not :func:`available`.
         ValueError: a negative distance.
     """
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"CPU kernels unavailable: {_reason}")
+    lib = _loaded_or_raise()
     if nbytes is not None and nbytes < 0:
         raise ValueError(f"nbytes must be 0 or more, got {nbytes}")
     return int(lib.tokenmill_gemv_prefetch(-1 if nbytes is None else nbytes))
@@ -250,9 +254,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         RuntimeError: the kernel is not :func:`available`.
         ValueError: a dtype, device, row count or shape the kernel does not take.
     """
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"CPU kernels unavailable: {_reason}")
+    lib = _loaded_or_raise()
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
@@ -290,9 +292,7 @@ def gemv_int8(
         RuntimeError: the kernel is not :func:`available`.
         ValueError: a dtype, device, row count or shape the kernel does not take.
     """
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"CPU kernels unavailable: {_reason}")
+    lib = _loaded_or_raise()
     m, k = x.shape
     n = qweight.shape[0]
     if not 1 <= m <= MAX_ROWS:
@@ -368,9 +368,7 @@ def decode_attention(
     Raises:
         RuntimeError: the kernels are not :func:`available`, or the kernel ran out of memory.
     """
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"CPU kernels unavailable: {_reason}")
+    lib = _loaded_or_raise()
     b, hq, d = query.shape
     hkv = key.shape[1]
     ok = (

@@ -94,6 +94,28 @@ int tokenmill_gemv_max_rows(void) { return GEMV_MAX_ROWS; }
         }                                                                                      \
     }
 
+/* NAME: all m rows of x against one row of W, ROW_BLOCK rows at a time, through the blocks
+ * NAME_1 .. NAME_8; ATTR: the function's target attribute (empty: the build's flags); kt: the
+ * end of the vector part of k the blocks take (k8 or k16). */
+#define DEFINE_DOT_ROWS(ATTR, NAME, WT)                                                         \
+    ATTR static inline void NAME(const WT *wr, const float *x, int64_t k, int64_t kt,          \
+                                 int64_t m, float *out) {                                      \
+        for (int64_t j0 = 0; j0 < m; j0 += ROW_BLOCK) {                                        \
+            const float *xb = x + j0 * k;                                                      \
+            float *ob = out + j0;                                                              \
+            switch (m - j0 < ROW_BLOCK ? m - j0 : ROW_BLOCK) {                                 \
+            case 1: NAME##_1(wr, xb, k, kt, ob); break;                                        \
+            case 2: NAME##_2(wr, xb, k, kt, ob); break;                                        \
+            case 3: NAME##_3(wr, xb, k, kt, ob); break;                                        \
+            case 4: NAME##_4(wr, xb, k, kt, ob); break;                                        \
+            case 5: NAME##_5(wr, xb, k, kt, ob); break;                                        \
+            case 6: NAME##_6(wr, xb, k, kt, ob); break;                                        \
+            case 7: NAME##_7(wr, xb, k, kt, ob); break;                                        \
+            default: NAME##_8(wr, xb, k, kt, ob); break;                                       \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
 /* accumulators per row by block size: NR x U >= ~8, within AVX2's 16 registers */
 #define DEFINE_DOT_BLOCKS(NAME, WT, LOAD_W)                                                     \
     DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 1, 8)                                                   \
@@ -104,24 +126,7 @@ int tokenmill_gemv_max_rows(void) { return GEMV_MAX_ROWS; }
     DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 6, 2)                                                   \
     DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 7, 1)                                                   \
     DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 8, 1)                                                   \
-    /* all m rows of x against one row of W, ROW_BLOCK rows at a time */                        \
-    static inline void NAME(const WT *wr, const float *x, int64_t k, int64_t k8, int64_t m,     \
-                            float *out) {                                                      \
-        for (int64_t j0 = 0; j0 < m; j0 += ROW_BLOCK) {                                        \
-            const float *xb = x + j0 * k;                                                      \
-            float *ob = out + j0;                                                              \
-            switch (m - j0 < ROW_BLOCK ? m - j0 : ROW_BLOCK) {                                 \
-            case 1: NAME##_1(wr, xb, k, k8, ob); break;                                        \
-            case 2: NAME##_2(wr, xb, k, k8, ob); break;                                        \
-            case 3: NAME##_3(wr, xb, k, k8, ob); break;                                        \
-            case 4: NAME##_4(wr, xb, k, k8, ob); break;                                        \
-            case 5: NAME##_5(wr, xb, k, k8, ob); break;                                        \
-            case 6: NAME##_6(wr, xb, k, k8, ob); break;                                        \
-            case 7: NAME##_7(wr, xb, k, k8, ob); break;                                        \
-            default: NAME##_8(wr, xb, k, k8, ob); break;                                       \
-            }                                                                                  \
-        }                                                                                      \
-    }
+    DEFINE_DOT_ROWS(, NAME, WT)
 
 static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline __m256 load_i8(const int8_t *p) {
@@ -172,23 +177,7 @@ DEFINE_DOT512_BLOCK(6, 2)
 DEFINE_DOT512_BLOCK(7, 2)
 DEFINE_DOT512_BLOCK(8, 2)
 
-AVX512 static inline void dot512_i8(const int8_t *wr, const float *x, int64_t k, int64_t k16,
-                                    int64_t m, float *out) {
-    for (int64_t j0 = 0; j0 < m; j0 += ROW_BLOCK) {
-        const float *xb = x + j0 * k;
-        float *ob = out + j0;
-        switch (m - j0 < ROW_BLOCK ? m - j0 : ROW_BLOCK) {
-        case 1: dot512_i8_1(wr, xb, k, k16, ob); break;
-        case 2: dot512_i8_2(wr, xb, k, k16, ob); break;
-        case 3: dot512_i8_3(wr, xb, k, k16, ob); break;
-        case 4: dot512_i8_4(wr, xb, k, k16, ob); break;
-        case 5: dot512_i8_5(wr, xb, k, k16, ob); break;
-        case 6: dot512_i8_6(wr, xb, k, k16, ob); break;
-        case 7: dot512_i8_7(wr, xb, k, k16, ob); break;
-        default: dot512_i8_8(wr, xb, k, k16, ob); break;
-        }
-    }
-}
+DEFINE_DOT_ROWS(AVX512, dot512_i8, int8_t)
 
 /* the int8 loop in use: 1 = AVX-512, 0 = AVX2; -1 = not chosen yet (the CPU decides) */
 static int i8_isa = -1;

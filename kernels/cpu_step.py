@@ -155,10 +155,7 @@ class DecodeStep:
         eps: float,
         scale: float,
     ):
-        lib = cpu._load()
-        if lib is None:
-            raise RuntimeError(f"CPU kernels unavailable: {cpu.unavailable_reason()}")
-        self._lib = lib
+        self._lib = cpu._loaded_or_raise()
         if not layers:
             raise ValueError("no layers")
         if num_heads % num_kv_heads:

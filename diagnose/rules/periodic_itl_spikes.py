@@ -72,11 +72,11 @@ def _on_grid(times: list[int], period_s: float, tol: float) -> list[bool]:
     """Which spikes (start times, ns) fall on one grid of about ``period_s``: each spike gets
     a cycle number (the last spike near its cycle's plus the time since it in periods,
     rounded), a line through (cycle, time) is fitted by least squares, refitted on the spikes
-    within ``tol`` periods of it, and those within ``tol`` of the refit are on the grid. Counting spikes on the grid
-    rather than gaps of one period lets a missed spike (it fell on a prefill step: a gap of 2
-    or 3 periods) and one extra spike off the grid (a slow step after the job: one period
-    split in two) each cost one spike, not two gaps; the fit keeps a long window's grid from
-    drifting off the period's rounding."""
+    within ``tol`` periods of it, and those within ``tol`` of the refit are on the grid.
+    Counting spikes on the grid rather than gaps of one period lets a missed spike (it fell on
+    a prefill step: a gap of 2 or 3 periods) and one extra spike off the grid (a slow step
+    after the job: one period split in two) each cost one spike, not two gaps; the fit keeps
+    a long window's grid from drifting off the period's rounding."""
     ts = [(t - times[0]) / 1e9 for t in times]
     cycles, ref = [0], 0  # ref: the last spike that fell near its cycle, the one to count from
     for i in range(1, len(ts)):
