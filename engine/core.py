@@ -419,7 +419,7 @@ def _linear_bytes(module) -> int:
     """Bytes one linear layer's forward reads as stored: its weight (a quantized layer: the
     packed weight and the scale table its kernel reads) and its bias."""
     if getattr(module, "qweight", None) is not None:
-        names = ("packed_scales", "scales_and_zeros", "scales")
+        names = ("packed_scales", "scales_and_zeros", "group_scales", "scales")
         scales = next(
             (getattr(module, n) for n in names if getattr(module, n, None) is not None), None
         )

@@ -4,14 +4,16 @@ Decode is bandwidth-bound: a batch-1 step reads every weight once, so storing we
 bytes shortens the step in proportion (seed 003 §4.4). Prefill is compute-bound and gains
 nothing; there a quantized layer dequantizes its weight and runs the dense GEMM.
 
-The kernels are torch's own packed weight-only matmuls, not torchao's: torchao's weight-only
-configs dispatch to the same aten ops on CPU (``_weight_int8pack_mm``,
-``_weight_int4pack_mm_for_cpu``) and on CUDA (``_weight_int4pack_mm``, tinygemm), and calling
-them directly keeps a dependency (and its torch-version pin) out of the engine.
-``benchmarks/quantization.py`` measures each path.
+Kernels: on a CPU where ``kernels/cpu_gemv.c`` builds, its int8 and int4 GEMVs take decode
+rows (float32 activations; both beat torch's packed kernels, which are GEMV-shaped too, at
+every row count up to 64 on the model's shapes) and a dequantize + dense GEMM takes prefill.
+Elsewhere, torch's own packed weight-only matmuls, not torchao's: torchao's weight-only configs
+dispatch to the same aten ops on CPU (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
+and on CUDA (``_weight_int4pack_mm``, tinygemm), and calling them directly keeps a dependency
+(and its torch-version pin) out of the engine. ``benchmarks/quantization.py`` measures each path.
 
-Schemes (activations stay in the model dtype; small-batch CPU calls round them to bf16, the
-dtype the packed CPU kernels take):
+Schemes (activations stay in the model dtype; torch's small-batch CPU kernels round them to
+bf16, the dtype they take):
 
 * ``int8``: symmetric per output channel, ``w ≈ q · s``, ``q ∈ [-127, 127]``,
   ``s = max|w|/127``.
@@ -36,7 +38,13 @@ from tokenmill.kernels import cpu as cpu_gemv
 from .config import QUANTIZATIONS
 from .errors import ModelLoadError
 
-__all__ = ["QUANTIZATIONS", "QuantizedLinear", "quantize_model", "weight_bytes_by_dtype"]
+__all__ = [
+    "QUANTIZATIONS",
+    "QuantizedLinear",
+    "int4_cpu_gemv",
+    "quantize_model",
+    "weight_bytes_by_dtype",
+]
 # Input-dim group of the int4 scheme: the smallest torch's packed int4 kernels take (32, 64,
 # 128, 256), so the most scales and the least error; with it the default model's perplexity
 # rises 6.7% over float32 (benchmarks/RESULTS.md). Other sizes were not measured.
@@ -55,6 +63,11 @@ PACKED_MAX_ROWS = {"int8": 32, "int4": 128}
 # 64 rows 311.3 / 332.7 / 367.3. (Until then the cut-over was the float32 one, 12 rows: a
 # 20-token prefill chunk took 150 ms in the packed kernel.)
 INT8_GEMV_MAX_ROWS = cpu_gemv.MAX_ROWS
+# rows up to which int4 on CPU runs kernels/cpu_gemv.c's int4 GEMV (its whole range); above, its
+# dequantize + the dense GEMM. One pass of SmolLM2-135M's 121 int4 layers (84 MB as stored)
+# against the same layers in int8 (134 MB), 2 threads, best of 5 (2026-12-02, Xeon AVX-512):
+# 1 row 6.0-7.6 ms vs 9.5-9.7; 4 rows 10.2 vs 10.3; 8 rows 19.9 vs 15.1; 32 rows 102 vs 95.
+INT4_GEMV_MAX_ROWS = cpu_gemv.MAX_ROWS
 # Rows up to which a bf16 layer on a CPU without bf16 GEMM multiplies in bf16; above it the
 # emulated bf16 GEMM loses to upcasting the weight and running float32 (one 576x3072 layer on
 # the 2-core AVX2 machine: 0.22 vs 0.36 ms at 1 row, 0.94 vs 0.75 at 4, 5.9 vs 1.4 at 32).
@@ -129,6 +142,12 @@ def quantize_int4(
     return q.reshape(n, k), scales, lo + 8.0 * scales
 
 
+def int4_cpu_gemv() -> bool:
+    """Whether int4 layers on this CPU use the C kernels' layout and GEMV
+    (``kernels/cpu_gemv.c``; they build here), else torch's packed int4 kernel."""
+    return cpu_gemv.available()
+
+
 @functools.cache
 def _cpu_int4_block_n() -> int | None:
     """The output-row block of torch's packed CPU int4 layout, learnt by packing a probe.
@@ -174,11 +193,12 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.device = weight.device
         self.act_dtype = weight.dtype
-        n, k = weight.shape
+        k = weight.shape[1]
         self.group_size = INT4_GROUP_SIZE
         # "packed": the packed kernel at every size; "hybrid": packed up to PACKED_MAX_ROWS
-        # rows, dequantize + dense GEMM above; "dequant": always dequantize (shapes or devices
-        # the packed kernels do not take).
+        # rows, dequantize + dense GEMM above; "gemv" (int4 on CPU with the C kernels): the
+        # kernels' GEMV up to INT4_GEMV_MAX_ROWS rows, their dequantize + dense GEMM above;
+        # "dequant": always dequantize (shapes or devices the packed kernels do not take).
         self.path = "dequant"
         self.block_n: int | None = None
         # int8 on CPU: float32 scales for kernels/cpu_gemv.c, which takes up to
@@ -203,38 +223,51 @@ class QuantizedLinear(nn.Module):
                     f"--quantization int4 needs in_features divisible by {self.group_size}; "
                     f"a layer has {k}"
                 )
-            # torch's packed int4 layouts tile the output rows (CPU: 16, CUDA tinygemm: 8) and
-            # otherwise fail with a bare RuntimeError, e.g. on an LM head over 32001 tokens
-            tile = 16 if self.device.type == "cpu" else 8
-            if n % tile:
-                raise ModelLoadError(
-                    f"--quantization int4 on {self.device.type} needs out_features divisible by "
-                    f"{tile}; a layer has {n}"
-                )
             q, scales, zeros = quantize_int4(weight, self.group_size)
-            # tinygemm's [K/G, N, 2] (scale, zero) table, in the kernel's activation dtype
-            table = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
-            if self.device.type == "cpu":
-                self.register_buffer(
-                    "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-                )
-                self.register_buffer("scales_and_zeros", table.to(torch.bfloat16))
-                self.block_n = _cpu_int4_block_n()
-                if self.block_n is not None and n % self.block_n == 0:
-                    self.path = "hybrid"
-                else:
-                    self.path = "packed"
+            if self.device.type == "cpu" and int4_cpu_gemv():
+                # kernels/cpu_gemv.c's layout: its GEMV up to INT4_GEMV_MAX_ROWS rows, its
+                # dequantize + the dense GEMM above; any out_features
+                qweight, group_scales = cpu_gemv.pack_int4(q, scales, zeros)
+                self.register_buffer("qweight", qweight)
+                self.register_buffer("group_scales", group_scales)
+                self.path = "gemv"
             else:
-                nibbles = (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8)
-                inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
-                self.register_buffer(
-                    "qweight", torch.ops.aten._convert_weight_to_int4pack(nibbles, inner_k_tiles)
-                )
-                self.register_buffer("scales_and_zeros", table.to(torch.bfloat16))
-                self.path = "packed"
+                self._torch_int4(q, scales, zeros)
         else:
             raise ModelLoadError(f"unknown quantization {method!r}")
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+
+    def _torch_int4(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """int4 in torch's packed layouts: CPU without the C kernels, and CUDA (tinygemm)."""
+        n, k = self.out_features, self.in_features
+        # torch's packed int4 layouts tile the output rows (CPU: 16, CUDA tinygemm: 8) and
+        # otherwise fail with a bare RuntimeError, e.g. on an LM head over 32001 tokens
+        tile = 16 if self.device.type == "cpu" else 8
+        if n % tile:
+            raise ModelLoadError(
+                f"--quantization int4 on {self.device.type} needs out_features divisible by "
+                f"{tile}; a layer has {n}"
+            )
+        # tinygemm's [K/G, N, 2] (scale, zero) table, in the kernel's activation dtype
+        table = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
+        if self.device.type == "cpu":
+            self.register_buffer(
+                "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            )
+            self.register_buffer("scales_and_zeros", table.to(torch.bfloat16))
+            self.block_n = _cpu_int4_block_n()
+            if self.block_n is not None and n % self.block_n == 0:
+                self.path = "hybrid"
+            else:
+                self.path = "packed"
+        else:
+            nibbles = (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+            self.register_buffer(
+                "qweight", torch.ops.aten._convert_weight_to_int4pack(nibbles, inner_k_tiles)
+            )
+            self.register_buffer("scales_and_zeros", table.to(torch.bfloat16))
+            self.path = "packed"
 
     @classmethod
     def from_linear(cls, method: str, linear: nn.Linear) -> QuantizedLinear:
@@ -253,6 +286,8 @@ class QuantizedLinear(nn.Module):
             # with one weight, so a row's result does not depend on the batch it ran in
             scales = getattr(self, "packed_scales", self.scales).to(torch.float32)
             return (self.qweight.to(torch.float32) * scales[:, None]).to(dtype)
+        if self.path == "gemv":
+            return cpu_gemv.dequantize_int4(self.qweight, self.group_scales).to(dtype)
         if self.path != "hybrid":
             eye = torch.eye(k, dtype=torch.bfloat16, device=self.qweight.device)
             return self._packed(eye).t().to(dtype)
@@ -263,7 +298,13 @@ class QuantizedLinear(nn.Module):
         return w.reshape(n, k).to(dtype)
 
     def _packed(self, x2d: torch.Tensor) -> torch.Tensor:
-        """The packed kernel on ``[M, K]`` activations (cast to its dtype) → ``[M, N]``."""
+        """The packed kernel on ``[M, K]`` activations (cast to its dtype) → ``[M, N]``.
+
+        Raises:
+            RuntimeError: an int4 layer in the C kernels' layout (``path == "gemv"``).
+        """
+        if self.path == "gemv":
+            raise RuntimeError("an int4 layer in the CPU kernels' layout has no packed kernel")
         if self.method == "int8":
             x = x2d.to(self.packed_scales.dtype)
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.packed_scales)
@@ -281,6 +322,10 @@ class QuantizedLinear(nn.Module):
         rows = x2d.shape[0]
         if self.gemv_scales is not None and rows <= INT8_GEMV_MAX_ROWS and cpu_gemv.available():
             out = cpu_gemv.gemv_int8(x2d.float(), self.qweight, self.gemv_scales).to(x.dtype)
+            if self.bias is not None:
+                out = out + self.bias
+        elif self.path == "gemv" and rows <= INT4_GEMV_MAX_ROWS:
+            out = cpu_gemv.gemv_int4(x2d.float(), self.qweight, self.group_scales).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias
         elif self.path == "packed" or (
@@ -405,7 +450,8 @@ def _wrap_half_precision(model: nn.Module) -> int:
 def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
     """Bytes of the model's weights (parameters and weight buffers, each tensor counted once)
     by storage dtype, e.g. ``{"int8": 103_000_000, "float32": 28_400_000}``; int4 weights are
-    stored two per byte in ``uint8`` and reported as ``int4``."""
+    stored two per byte in ``uint8`` and reported as ``int4``, their (scale, zero) words as
+    ``bfloat16``."""
     seen: set[int] = set()
     totals: dict[str, int] = {}
     tensors = [(n, t) for n, t in model.named_parameters()] + [
@@ -418,5 +464,7 @@ def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
         key = str(t.dtype).removeprefix("torch.")
         if name.endswith("qweight") and t.dtype in (torch.uint8, torch.int32):
             key = "int4"
+        elif name.endswith("group_scales"):  # int4's (scale, zero) words: two bf16 each
+            key = "bfloat16"
         totals[key] = totals.get(key, 0) + t.numel() * t.element_size()
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))

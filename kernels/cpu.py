@@ -7,7 +7,8 @@ A decode step on a CPU at small batch is bound by two things torch does not do w
   the memory's read bandwidth; torch's GEMV (MKL) on one row read 10.7-13.6 GB/s on this
   project's 2-core VM against a 24.9-29.6 GB/s ``torch.sum`` probe. :func:`gemv` (float32) and
   :func:`gemv_int8` (weight-only int8) stream each row of ``W`` once for all rows of ``x`` with
-  AVX2 FMA on the OpenMP threads torch uses.
+  AVX2 FMA on the OpenMP threads torch uses; :func:`gemv_int4` (weight-only int4, groups of
+  32) reads half int8's bytes and looks each weight up in its group's 16 dequantized values.
 - **decode attention** (``cpu_attention.c``): :func:`decode_attention` stores one new token's
   K/V per sequence and attends it over the paged cache in one call, instead of the gathers,
   SDPA and copies around it (~15 aten calls a layer).
@@ -48,13 +49,18 @@ __all__ = [
     "CpuOps",
     "available",
     "decode_attention",
+    "dequantize_int4",
     "gemv",
+    "gemv_int4",
     "gemv_int8",
     "int8_isa",
+    "pack_int4",
     "prefetch_ahead",
     "reference_gemv",
+    "reference_gemv_int4",
     "reference_gemv_int8",
     "unavailable_reason",
+    "unpack_int4",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,6 +72,8 @@ SOURCES = [
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 # GEMV_MAX_ROWS in cpu_gemv.c
 MAX_ROWS = 64
+# INT4_GROUP in cpu_gemv.c: weights along k sharing one int4 scale and zero
+INT4_GROUP = 32
 # rows up to which gemv/gemv_int8 beat torch's product on the project's 2-core AVX2 VM, the
 # callers' cut-over. benchmarks/step_overhead.py's GEMV pass (every weight of SmolLM2-135M once,
 # streamed from memory, 2026-12-01): the kernel 47.1 ms at 8 rows and 85.9 at 16 against
@@ -126,9 +134,9 @@ def _build() -> ctypes.CDLL:
     fn = lib.tokenmill_gemv_f32
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     fn.restype = ctypes.c_int
-    fn = lib.tokenmill_gemv_i8
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    fn.restype = ctypes.c_int
+    for fn in (lib.tokenmill_gemv_i8, lib.tokenmill_gemv_i4):
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.tokenmill_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32]
     lib.tokenmill_fused_add_rms_norm.argtypes = [ptr] * 5 + [i64, i64, f32]
@@ -143,6 +151,8 @@ def _build() -> ctypes.CDLL:
     lib.tokenmill_decode_step_scratch.restype = i64
     lib.tokenmill_decode_step.argtypes = [ptr] * 6 + [i64, ptr, i64, ptr, ctypes.c_int]
     lib.tokenmill_decode_step.restype = ctypes.c_int
+    lib.tokenmill_dequant_i4.argtypes = [ptr] * 3 + [i64, i64, ctypes.c_int]
+    lib.tokenmill_dequant_i4.restype = ctypes.c_int
     lib.tokenmill_gemv_prefetch.argtypes = [ctypes.c_int64]
     lib.tokenmill_gemv_prefetch.restype = ctypes.c_int64
     lib.tokenmill_gemv_i8_isa.argtypes = [ctypes.c_int]
@@ -150,7 +160,9 @@ def _build() -> ctypes.CDLL:
     for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
         getattr(lib, f"tokenmill_{name}").restype = None
     if lib.tokenmill_gemv_max_rows() != MAX_ROWS:
-        raise OSError("cpu_gemv.c and cpu_gemv.py disagree on the row limit")
+        raise OSError("cpu_gemv.c and cpu.py disagree on the row limit")
+    if lib.tokenmill_gemv_int4_group() != INT4_GROUP:
+        raise OSError("cpu_gemv.c and cpu.py disagree on the int4 group")
     return lib
 
 
@@ -201,8 +213,8 @@ INT8_ISAS = ("avx2", "avx512")
 
 
 def int8_isa(use: str | None = None) -> str:
-    """The loop :func:`gemv_int8` (and the decode step's int8 layers) runs: ``avx512`` where the
-    CPU has AVX512F and AVX512BW, else ``avx2``. ``use`` sets it for this process (``avx2``
+    """The loop :func:`gemv_int8` and :func:`gemv_int4` (and the decode step's int8/int4
+    layers) run: ``avx512`` where the CPU has AVX512F and AVX512BW, else ``avx2``. ``use`` sets it for this process (``avx2``
     or ``avx512``; None: the CPU's best), for A/B benchmarks and for tests of both loops; the
     AVX-512 loop widens 16 weights per instruction instead of 8 (``cpu_gemv.c``). Returns the
     loop in use afterwards: asking for ``avx512`` on a CPU without it gives ``avx2``.
@@ -322,6 +334,141 @@ def gemv_int8(
         torch.get_num_threads(),
     )
     return y
+
+
+def pack_int4(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 layout :func:`gemv_int4` reads, from :func:`tokenmill.engine.quantization.
+    quantize_int4`'s ``q [N, K]`` (integers in [0, 15]), ``scales`` and ``zeros`` ``[N, K/32]``
+    float (``w = (q - 8) * s + z``).
+
+    Returns:
+        ``(qweight, group_scales)``: ``qweight [N, K/2]`` uint8, in each group's 16 bytes byte
+        ``i`` holding ``q[i]`` (low nibble) and ``q[16 + i]`` (high); ``group_scales [N, K/32]``
+        int32, one word per group: ``z8 = z - 8 s`` as bf16 bits in the high half, ``s`` as bf16
+        in the low. The layer computes with ``w = q * s + z8`` in those bf16 values (bf16 keeps
+        a scale table at 4 bytes a group, as torch's packed kernels do).
+
+    Raises:
+        ValueError: ``K`` not a multiple of 32, or shapes that do not match.
+    """
+    n, k = q.shape
+    if k % INT4_GROUP or scales.shape != (n, k // INT4_GROUP) or zeros.shape != scales.shape:
+        raise ValueError(
+            f"q {tuple(q.shape)} needs K divisible by {INT4_GROUP} and scales/zeros of shape "
+            f"{(n, k // INT4_GROUP)}; got {tuple(scales.shape)}, {tuple(zeros.shape)}"
+        )
+    halves = q.to(torch.int32).reshape(n, k // INT4_GROUP, 2, INT4_GROUP // 2)
+    qweight = (halves[:, :, 0] | halves[:, :, 1] << 4).to(torch.uint8).reshape(n, k // 2)
+    s16 = scales.float().to(torch.bfloat16)
+    z8 = (zeros.float() - 8.0 * s16.float()).to(torch.bfloat16)
+    high = z8.view(torch.int16).to(torch.int32) << 16
+    words = high | (s16.view(torch.int16).to(torch.int32) & 0xFFFF)
+    return qweight.contiguous(), words.contiguous()
+
+
+def unpack_int4(
+    qweight: torch.Tensor, group_scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`pack_int4` undone in torch: ``(q [N, K] int32, s [N, K/32] float32, z8 [N, K/32]
+    float32)`` with ``w = q * s + z8`` per group."""
+    n = qweight.shape[0]
+    b = qweight.to(torch.int32).reshape(n, -1, INT4_GROUP // 2)
+    q = torch.cat([b & 15, b >> 4], dim=-1).reshape(n, -1)
+    words = group_scales.to(torch.int32)
+    s = (words << 16).view(torch.float32)
+    z8 = (words & ~0xFFFF).view(torch.float32)
+    return q, s, z8
+
+
+def _check_int4(
+    qweight: torch.Tensor, group_scales: torch.Tensor, k: int | None = None
+) -> tuple[int, int]:
+    """``(N, K)`` of an int4 layer in :func:`pack_int4`'s layout; ValueError naming what is off."""
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.device.type != "cpu":
+        raise ValueError(f"qweight must be [N, K/2] uint8 on the CPU, got {qweight.dtype}")
+    n, kk = qweight.shape[0], qweight.shape[1] * 2
+    if k is not None and k != kk:
+        raise ValueError(f"x has {k} columns, qweight {tuple(qweight.shape)} holds {kk}")
+    if kk % INT4_GROUP or group_scales.dtype != torch.int32:
+        raise ValueError(f"int4 needs K divisible by {INT4_GROUP} and int32 group_scales")
+    if tuple(group_scales.shape) != (n, kk // INT4_GROUP):
+        raise ValueError(
+            f"group_scales {tuple(group_scales.shape)}, expected {(n, kk // INT4_GROUP)}"
+        )
+    return n, kk
+
+
+def gemv_int4(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    group_scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weight-only int4: ``x [M, K]`` float32 (``1 <= M <= MAX_ROWS``), ``qweight [N, K/2]``
+    uint8 and ``group_scales [N, K/32]`` int32 (:func:`pack_int4`), ``bias [N]`` float32 →
+    ``[M, N]`` float32 = ``x @ wᵀ + bias`` with ``w = q * s + z8`` per group of 32.
+
+    Raises:
+        RuntimeError: the kernel is not :func:`available`.
+        ValueError: a dtype, device, row count or shape the kernel does not take.
+    """
+    lib = _loaded_or_raise()
+    m, k = x.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv_int4 takes 1..{MAX_ROWS} rows, got {m}")
+    n, _ = _check_int4(qweight, group_scales, k)
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)}, expected {(n,)}")
+    _require_f32(x=x, bias=bias)
+    x, qweight, group_scales = x.contiguous(), qweight.contiguous(), group_scales.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty((m, n), dtype=torch.float32)
+    lib.tokenmill_gemv_i4(
+        qweight.data_ptr(),
+        group_scales.data_ptr(),
+        x.data_ptr(),
+        _ptr(bias),
+        y.data_ptr(),
+        n,
+        k,
+        m,
+        torch.get_num_threads(),
+    )
+    return y
+
+
+def dequantize_int4(qweight: torch.Tensor, group_scales: torch.Tensor) -> torch.Tensor:
+    """The ``[N, K]`` float32 weight an int4 layer in :func:`pack_int4`'s layout computes with
+    (``q * s + z8``), in one C pass (prefill's dense GEMM path).
+
+    Raises:
+        RuntimeError: the kernel is not :func:`available`.
+        ValueError: a dtype or shape the kernel does not take.
+    """
+    lib = _loaded_or_raise()
+    n, k = _check_int4(qweight, group_scales)
+    qweight, group_scales = qweight.contiguous(), group_scales.contiguous()
+    w = torch.empty((n, k), dtype=torch.float32)
+    lib.tokenmill_dequant_i4(
+        qweight.data_ptr(), group_scales.data_ptr(), w.data_ptr(), n, k, torch.get_num_threads()
+    )
+    return w
+
+
+def reference_gemv_int4(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    group_scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch reference of :func:`gemv_int4`, in float64 over :func:`unpack_int4`."""
+    q, s, z8 = unpack_int4(qweight, group_scales)
+    n = q.shape[0]
+    w = q.double().reshape(n, -1, INT4_GROUP) * s.double()[..., None] + z8.double()[..., None]
+    b = bias.double() if bias is not None else None
+    return torch.nn.functional.linear(x.double(), w.reshape(n, -1), b).float()
 
 
 def reference_gemv_int8(

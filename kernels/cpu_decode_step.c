@@ -16,6 +16,8 @@ int tokenmill_gemv_f32(const float *w, const float *x, const float *bias, float 
                        int64_t k, int64_t m, int nthreads);
 int tokenmill_gemv_i8(const int8_t *q, const float *scale, const float *x, const float *bias,
                       float *y, int64_t n, int64_t k, int64_t m, int nthreads);
+int tokenmill_gemv_i4(const uint8_t *q, const uint32_t *sz, const float *x, const float *bias,
+                      float *y, int64_t n, int64_t k, int64_t m, int nthreads);
 void tokenmill_rms_norm(const float *x, int64_t x_stride, const float *w, float *out,
                         int64_t out_stride, int64_t t, int64_t h, float eps);
 void tokenmill_fused_add_rms_norm(const float *x, const float *res, const float *w, float *out,
@@ -30,11 +32,12 @@ int tokenmill_decode_attention(const float *q, int64_t q_stride, const float *k_
                                int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                                float scale, int64_t window, float *out, int nthreads);
 
-/* kind 0: float32 weight [n, k]; kind 1: int8 weight [n, k] with float32 scale [n] */
+/* kind 0: float32 weight [n, k]; kind 1: int8 weight [n, k] with float32 scale [n]; kind 2:
+ * int4 weight [n, k/2] bytes with its group words [n, k/32] as scale (cpu_gemv.c's layout) */
 typedef struct {
     int64_t kind;
     const void *weight;
-    const float *scale;
+    const void *scale;
     const float *bias; /* [n] or NULL */
     int64_t n, k;
 } tm_linear;
@@ -57,6 +60,8 @@ typedef struct {
 static int linear(const tm_linear *l, const float *x, float *y, int64_t b, int nthreads) {
     if (l->kind == 1)
         return tokenmill_gemv_i8(l->weight, l->scale, x, l->bias, y, l->n, l->k, b, nthreads);
+    if (l->kind == 2)
+        return tokenmill_gemv_i4(l->weight, l->scale, x, l->bias, y, l->n, l->k, b, nthreads);
     return tokenmill_gemv_f32(l->weight, x, l->bias, y, l->n, l->k, b, nthreads);
 }
 

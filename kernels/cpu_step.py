@@ -8,7 +8,8 @@ down, then the final norm) over scratch it keeps, so a step costs one ctypes cal
 the same order; the compiler may fuse an int8 bias add or a norm differently: within 5e-7 on
 the tests' tiny checkpoints); the tests compare it with the engine's eager path.
 
-Float32 activations; each linear layer float32 or weight-only int8 (one scale per output row).
+Float32 activations; each linear layer float32, weight-only int8 (one scale per output row) or
+weight-only int4 (groups of 32, :func:`.cpu.pack_int4`'s layout).
 Imports torch only.
 """
 
@@ -25,7 +26,7 @@ __all__ = ["DecodeStep", "StepLayer", "StepLinear"]
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
-KIND_F32, KIND_INT8 = 0, 1
+KIND_F32, KIND_INT8, KIND_INT4 = 0, 1, 2
 
 
 class _Linear(ctypes.Structure):
@@ -73,8 +74,9 @@ class _Model(ctypes.Structure):
 
 @dataclass
 class StepLinear:
-    """One linear layer: ``weight [N, K]`` float32, or int8 with ``scale [N]`` float32
-    (``w = q * scale``); ``bias [N]`` float32 or None. All contiguous on the CPU."""
+    """One linear layer: ``weight [N, K]`` float32; or int8 with ``scale [N]`` float32 (``w = q
+    * scale``); or int4, ``weight [N, K/2]`` uint8 with ``scale [N, K/32]`` int32 (the group
+    words of :func:`.cpu.pack_int4`); ``bias [N]`` float32 or None. All contiguous on the CPU."""
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None
@@ -82,19 +84,26 @@ class StepLinear:
 
     def _struct(self, name: str, n: int, k: int) -> _Linear:
         w = self.weight
-        if tuple(w.shape) != (n, k):
-            raise ValueError(f"{name}: weight {tuple(w.shape)}, expected {(n, k)}")
-        if w.dtype == torch.int8:
-            kind = KIND_INT8
+        if w.dtype == torch.uint8:
+            kind, shape = KIND_INT4, (n, k // 2)
+            if k % cpu.INT4_GROUP:
+                raise ValueError(f"{name}: int4 needs K divisible by {cpu.INT4_GROUP}, got {k}")
+            _check(f"{name}.scale", self.scale, (n, k // cpu.INT4_GROUP), torch.int32)
+        elif w.dtype == torch.int8:
+            kind, shape = KIND_INT8, (n, k)
             _check(f"{name}.scale", self.scale, (n,))
         elif w.dtype == torch.float32:
-            kind = KIND_F32
+            kind, shape = KIND_F32, (n, k)
         else:
-            raise ValueError(f"{name}: weight dtype {w.dtype}; the step takes float32 or int8")
-        _check(f"{name}.weight", w, (n, k), w.dtype)
+            raise ValueError(
+                f"{name}: weight dtype {w.dtype}; the step takes float32, int8 or int4 (uint8)"
+            )
+        if tuple(w.shape) != shape:
+            raise ValueError(f"{name}: weight {tuple(w.shape)}, expected {shape}")
+        _check(f"{name}.weight", w, shape, w.dtype)
         if self.bias is not None:
             _check(f"{name}.bias", self.bias, (n,))
-        scale = self.scale.data_ptr() if kind == KIND_INT8 else None
+        scale = self.scale.data_ptr() if kind != KIND_F32 else None
         bias = self.bias.data_ptr() if self.bias is not None else None
         return _Linear(kind, w.data_ptr(), scale, bias, n, k)
 

@@ -1,6 +1,6 @@
 """Issue 20 item 3: the compiled decode step on CPU (``engine/models/native_step.py`` over
 ``kernels/cpu_decode_step.c``) and the eager module forward run the same model. Logits stay
-within 1e-4 on the four architectures' tiny checkpoints in float32 and int8 (sequences of
+within 1e-4 on the four architectures' tiny checkpoints in float32, int8 and int4 (sequences of
 different lengths advancing together, a sliding window, Qwen3's q/k norms and biases); the
 default model gives identical greedy tokens for 16 concurrent requests; ``--enforce-eager`` and
 the models the step cannot take keep the eager path and say why."""
@@ -12,6 +12,7 @@ import torch
 from paged_driver import mixed_greedy_requests, run_paged
 from test_quantization import ARCHS, make_checkpoint
 
+from tokenmill.engine import quantization
 from tokenmill.engine.attention import SeqChunk, build_step_inputs
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core import model_info
@@ -29,7 +30,7 @@ from tokenmill.kernels import cpu
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_tiny_checkpoints_logits_match_eager(arch, quantization, tmp_path):
     make_checkpoint(arch, tmp_path)
@@ -75,8 +76,12 @@ def test_models_the_step_cannot_take_say_why(llama, monkeypatch):
         torch.device("cpu"),
     )
     int4 = load_model(llama, device="cpu", dtype="float32", quantization="int4")
+    path, _ = native_decode_for(int4, caches)
+    assert path is not None  # the C kernels' int4 layout
+    monkeypatch.setattr(quantization, "int4_cpu_gemv", lambda: False)
+    int4 = load_model(llama, device="cpu", dtype="float32", quantization="int4")
     path, reason = native_decode_for(int4, caches)
-    assert path is None and "int4" in reason
+    assert path is None and "int4 in torch's packed layout" in reason
     bf16 = load_model(llama, device="cpu", dtype="bfloat16")
     bf16_caches = allocate_kv_caches(bf16.config, 8, 4, torch.bfloat16, torch.device("cpu"))
     path, reason = native_decode_for(bf16, bf16_caches)

@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels/cpu_*.c) against their torch references: GEMV (float32, int8),
+"""The CPU kernels (kernels/cpu_*.c) against their torch references: GEMV (float32, int8, int4),
 decode attention over the paged cache, the element-wise ops; their refusals; and the decoder's
 linear layer routing small-row products to the GEMV."""
 
@@ -92,6 +92,75 @@ def test_gemv_int8_matches_the_reference(int8_loop, m, n, k):
     want = cpu.reference_gemv_int8(x, q, scales, bias)
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert (got - want).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1.0)
+
+
+def _int4_layer(n: int, k: int, g: torch.Generator):
+    """Random int4 codes, scales and zeros of ``quantize_int4``'s scheme (one group far from
+    zero, so ``z8`` matters) and their :func:`cpu.pack_int4` layout."""
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    s = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4
+    z = torch.randn(n, k // 32, generator=g) * 0.02
+    z[0, -1] += 3.0
+    return q, s, z, *cpu.pack_int4(q, s, z)
+
+
+def test_int4_layout_packs_two_codes_a_byte_and_unpacks():
+    """``pack_int4``: byte i of a group holds codes i (low nibble) and 16 + i (high); the scale
+    word holds bf16(s) low and bf16(z - 8 bf16(s)) high; ``unpack_int4`` gives them back."""
+    g = torch.Generator().manual_seed(11)
+    q, s, z, qweight, words = _int4_layer(5, 96, g)
+    assert qweight.shape == (5, 48) and qweight.dtype == torch.uint8
+    assert words.shape == (5, 3) and words.dtype == torch.int32
+    assert qweight[2, 33].item() == q[2, 65].item() | q[2, 65 + 16].item() << 4  # group 2, i=1
+    q2, s2, z8 = cpu.unpack_int4(qweight, words)
+    assert torch.equal(q2, q)
+    s16 = s.bfloat16().float()
+    assert torch.equal(s2, s16)
+    assert torch.equal(z8, (z - 8 * s16).bfloat16().float())
+    with pytest.raises(ValueError, match="K divisible by 32"):
+        cpu.pack_int4(q[:, :40], s[:, :1], z[:, :1])
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 37, 32), (2, 9, 64), (3, 17, 96), (4, 130, 576), (5, 8, 160), (6, 7, 64), (7, 3, 96),
+     (8, 24, 32), (11, 64, 1536), (64, 9, 64)],
+)  # fmt: skip
+def test_gemv_int4_matches_the_reference(int8_loop, m, n, k):
+    """Weight-only int4, each loop (the int8 switch picks both): row counts 1..64 (every
+    register block size, a full block and a remainder), one group to 48: within 1e-5 relative
+    of the float64 reference on the unpacked weight; the kernel's dequantize equals it."""
+    g = torch.Generator().manual_seed(m * 13 + n + k)
+    q, s, z, qweight, words = _int4_layer(n, k, g)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    got = cpu.gemv_int4(x, qweight, words, bias)
+    want = cpu.reference_gemv_int4(x, qweight, words, bias)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert (got - want).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1.0)
+    # and the reference is the quantized weight: q * s + z8 within bf16 of (q - 8) s + z
+    exact = ((q.reshape(n, -1, 32) - 8) * s[..., None] + z[..., None]).reshape(n, k)
+    w = cpu.dequantize_int4(qweight, words)
+    bound = ((15 * s + z.abs() + 8 * s) * 2**-8).repeat_interleave(32, dim=1)
+    assert ((w - exact).abs() <= bound).all()
+    ref_w = cpu.reference_gemv_int4(torch.eye(k), qweight, words).t()
+    torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "qdtype", "msg"),
+    [
+        (65, 64, torch.uint8, "1..64 rows"),
+        (1, 64, torch.int8, "qweight must be"),
+        (1, 96, torch.uint8, "x has 96 columns"),
+    ],
+)
+def test_gemv_int4_refuses_what_it_cannot_take(m, k, qdtype, msg):
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    _, _, _, qweight, words = _int4_layer(4, 64, torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match=msg):
+        cpu.gemv_int4(torch.randn(m, k), qweight.to(qdtype), words)
 
 
 def test_int8_loop_is_the_cpus_best_by_default():

@@ -31,10 +31,12 @@ import transformers
 from paged_driver import run_paged
 from torch import nn
 
+from tokenmill.engine import quantization
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.errors import ModelLoadError
 from tokenmill.engine.models.loader import load_model
 from tokenmill.engine.quantization import (
+    INT4_GEMV_MAX_ROWS,
     INT4_GROUP_SIZE,
     INT8_GEMV_MAX_ROWS,
     PACKED_MAX_ROWS,
@@ -139,14 +141,27 @@ def _random_linear(method: str, n: int, k: int, bias: bool = True) -> QuantizedL
     return QuantizedLinear(method, w, b)
 
 
+@pytest.fixture
+def torch_int4(monkeypatch):
+    """int4 layers built in torch's packed CPU layout, as on a CPU where the C kernels do not
+    build (``int4_cpu_gemv`` False)."""
+    monkeypatch.setattr(quantization, "int4_cpu_gemv", lambda: False)
+
+
+needs_kernels = pytest.mark.skipif(
+    not cpu_gemv.available(), reason=f"CPU kernels: {cpu_gemv.unavailable_reason()}"
+)
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("n", [64, 96, 48])
 @pytest.mark.parametrize("rows", [1, 5, "max", "max+1", 150])
-def test_packed_and_dequantized_paths_agree(method, n, rows):
+def test_packed_and_dequantized_paths_agree(method, n, rows, torch_int4):
     """Both paths compute with the weight ``dequantize()`` returns: the packed kernel (rows <=
     PACKED_MAX_ROWS[method] on CPU) rounds activations and scales to bf16, so it matches the float32 GEMM
     on that weight to bf16 precision; above the threshold the layer is that GEMM exactly.
-    n=48 is not a multiple of int4's learnt 32-row block: that layer always runs packed."""
+    n=48 is not a multiple of int4's learnt 32-row block: that layer always runs packed.
+    (int4 in torch's layout: the C kernels' int4 layout is the next test's.)"""
     limit = PACKED_MAX_ROWS[method]
     rows = {"max": limit, "max+1": limit + 1}.get(rows, rows)
     layer = _random_linear(method, n, 64)
@@ -173,7 +188,39 @@ def test_packed_and_dequantized_paths_agree(method, n, rows):
     torch.testing.assert_close(layer(x.reshape(1, rows, 64))[0], got, atol=1e-6, rtol=0)
 
 
-def test_int4_cpu_layout_unpacks_to_the_reference():
+@needs_kernels
+@pytest.mark.parametrize("n", [48, 97])
+@pytest.mark.parametrize("rows", [1, 7, 64, 65, 150])
+def test_int4_gemv_layer_computes_with_its_dequantized_weight(n, rows):
+    """int4 on a CPU with the C kernels (path ``gemv``): up to INT4_GEMV_MAX_ROWS rows the
+    int4 GEMV with float32 activations, above it the kernels' dequantize + the float32 GEMM; both
+    on the weight ``dequantize()`` returns, which is ``q * s + z8`` of ``quantize_int4`` in the
+    layout's bf16 scales. Any out_features (97: no row tile)."""
+    g = torch.Generator().manual_seed(n + rows)
+    w = torch.randn(n, 128, generator=g) * 0.05
+    w[3, 32:64] += 2.0  # one group far from zero: z8 matters
+    b = torch.randn(n, generator=g) * 0.1
+    layer = QuantizedLinear("int4", w, b)
+    assert layer.path == "gemv" and layer.qweight.shape == (n, 64)
+    q, s, z = quantize_int4(w, INT4_GROUP_SIZE)
+    s16 = s.bfloat16().float()
+    z8 = (z - 8 * s16).bfloat16().float()
+    ref_w = (q.reshape(n, -1, 32) * s16[..., None] + z8[..., None]).reshape(n, 128)
+    torch.testing.assert_close(layer.dequantize(torch.float32), ref_w, atol=0, rtol=0)
+    # within the rounding grid of w, plus bf16 rounding of s and z8 (2^-9 relative)
+    bound = (s / 2 + (15 * s + z8.abs()) * 2**-8).repeat_interleave(32, dim=1)
+    assert ((ref_w - w).abs() <= bound + 1e-6).all()
+    x = torch.randn(rows, 128, generator=g)
+    got = layer(x)
+    dense = nn.functional.linear(x.double(), ref_w.double(), b.double()).float()
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, dense, atol=2e-5, rtol=2e-5)
+    if rows <= INT4_GEMV_MAX_ROWS:
+        with pytest.raises(RuntimeError, match="no packed kernel"):
+            layer._packed(x)
+
+
+def test_int4_cpu_layout_unpacks_to_the_reference(torch_int4):
     """``dequantize`` of the hybrid path reads torch's packed CPU bytes through the layout learnt
     at import (``_cpu_int4_block_n``); it must give ``(q - 8) * s + z`` of ``quantize_int4``.
     torch's CPU kernel packs 32 output rows a block on AVX2 machines and 64 with AVX-512: 192
@@ -229,9 +276,10 @@ def test_dummy_weights_load_quantized(tmp_path, method):
     assert logits.shape == (11, TINY["vocab_size"]) and torch.isfinite(logits).all()
 
 
-def test_int4_refuses_shapes_its_kernels_cannot_take(tmp_path):
-    """A vocabulary that is not a multiple of 16 (the CPU packing's row tile) and an in_features
-    that is not a multiple of the 32-group: one ModelLoadError line each, int8 still loads."""
+def test_int4_refuses_shapes_its_kernels_cannot_take(tmp_path, torch_int4):
+    """A vocabulary that is not a multiple of 16 (torch's CPU packing's row tile) and an
+    in_features that is not a multiple of the 32-group: one ModelLoadError line each, int8
+    still loads. (The C kernels' layout takes any out_features: the test above, n=97.)"""
     make_checkpoint("llama", tmp_path / "vocab", vocab_size=97)
     with pytest.raises(ModelLoadError, match="out_features divisible by 16; a layer has 97"):
         load_model(tmp_path / "vocab", device="cpu", quantization="int4")

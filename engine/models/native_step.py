@@ -14,7 +14,7 @@ buckets or padding either: it takes any batch up to the cut-over as it comes.
 
 :func:`native_decode_for` says whether a loaded model can take the path, and why not
 (``reason``): it needs the CPU kernels, float32 activations and every linear layer float32
-or weight-only int8 (``int4`` and ``bf16`` keep the eager path).
+or weight-only int8 or int4 (``bf16`` keeps the eager path).
 """
 
 from __future__ import annotations
@@ -40,10 +40,15 @@ def _step_linear(module, name: str) -> StepLinear:
     if isinstance(module, Linear):
         return StepLinear(module.weight.detach(), None, _bias(module))
     gemv_scales = getattr(module, "gemv_scales", None)
-    if getattr(module, "method", None) == "int8" and gemv_scales is not None:
+    method = getattr(module, "method", None)
+    if method == "int8" and gemv_scales is not None:
         return StepLinear(module.qweight, gemv_scales, _bias(module))
-    kind = getattr(module, "method", None) or type(module).__name__
-    raise ValueError(f"{name} is {kind}; the compiled decode step takes float32 or int8")
+    if method == "int4" and getattr(module, "path", None) == "gemv":
+        return StepLinear(module.qweight, module.group_scales, _bias(module))
+    kind = method or type(module).__name__
+    if method == "int4":
+        kind = "int4 in torch's packed layout"
+    raise ValueError(f"{name} is {kind}; the compiled decode step takes float32, int8 or int4")
 
 
 def _bias(module) -> torch.Tensor | None:
