@@ -64,9 +64,9 @@ PACKED_MAX_ROWS = {"int8": 32, "int4": 128}
 # 20-token prefill chunk took 150 ms in the packed kernel.)
 INT8_GEMV_MAX_ROWS = cpu_gemv.MAX_ROWS
 # rows up to which int4 on CPU runs kernels/cpu_gemv.c's int4 GEMV (its whole range); above, its
-# dequantize + the dense GEMM. One pass of SmolLM2-135M's 121 int4 layers (84 MB as stored)
-# against the same layers in int8 (134 MB), 2 threads, best of 5 (2026-12-02, Xeon AVX-512):
-# 1 row 6.0-7.6 ms vs 9.5-9.7; 4 rows 10.2 vs 10.3; 8 rows 19.9 vs 15.1; 32 rows 102 vs 95.
+# dequantize + the dense GEMM. One pass of SmolLM2-135M's 121 int4 layers (84 MB as stored),
+# 2 threads, best of 6 (2026-12-02, Xeon AVX-512): 1 row 6.4 ms, 8 rows 15.1, 32 rows 62.0, 64
+# rows 121 (int8's 134 MB in the same session: 9.6, 20.1, 95.1, and 64 rows ~200).
 INT4_GEMV_MAX_ROWS = cpu_gemv.MAX_ROWS
 # Rows up to which a bf16 layer on a CPU without bf16 GEMM multiplies in bf16; above it the
 # emulated bf16 GEMM loses to upcasting the weight and running float32 (one 576x3072 layer on
@@ -223,10 +223,19 @@ class QuantizedLinear(nn.Module):
                     f"--quantization int4 needs in_features divisible by {self.group_size}; "
                     f"a layer has {k}"
                 )
+            # every int4 layout tiles the output rows (CPU: 16, ours and torch's; CUDA
+            # tinygemm: 8); torch's otherwise fail with a bare RuntimeError, e.g. on an LM head
+            # over 32001 tokens
+            tile = 16 if self.device.type == "cpu" else 8
+            if weight.shape[0] % tile:
+                raise ModelLoadError(
+                    f"--quantization int4 on {self.device.type} needs out_features divisible "
+                    f"by {tile}; a layer has {weight.shape[0]}"
+                )
             q, scales, zeros = quantize_int4(weight, self.group_size)
             if self.device.type == "cpu" and int4_cpu_gemv():
                 # kernels/cpu_gemv.c's layout: its GEMV up to INT4_GEMV_MAX_ROWS rows, its
-                # dequantize + the dense GEMM above; any out_features
+                # dequantize + the dense GEMM above
                 qweight, group_scales = cpu_gemv.pack_int4(q, scales, zeros)
                 self.register_buffer("qweight", qweight)
                 self.register_buffer("group_scales", group_scales)
@@ -240,14 +249,6 @@ class QuantizedLinear(nn.Module):
     def _torch_int4(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         """int4 in torch's packed layouts: CPU without the C kernels, and CUDA (tinygemm)."""
         n, k = self.out_features, self.in_features
-        # torch's packed int4 layouts tile the output rows (CPU: 16, CUDA tinygemm: 8) and
-        # otherwise fail with a bare RuntimeError, e.g. on an LM head over 32001 tokens
-        tile = 16 if self.device.type == "cpu" else 8
-        if n % tile:
-            raise ModelLoadError(
-                f"--quantization int4 on {self.device.type} needs out_features divisible by "
-                f"{tile}; a layer has {n}"
-            )
         # tinygemm's [K/G, N, 2] (scale, zero) table, in the kernel's activation dtype
         table = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
         if self.device.type == "cpu":

@@ -72,8 +72,10 @@ SOURCES = [
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 # GEMV_MAX_ROWS in cpu_gemv.c
 MAX_ROWS = 64
-# INT4_GROUP in cpu_gemv.c: weights along k sharing one int4 scale and zero
+# INT4_GROUP in cpu_gemv.c: weights along k sharing one int4 scale and zero; INT4_ROWS (NB
+# there): output rows per block of the int4 layout
 INT4_GROUP = 32
+INT4_ROWS = 16
 # rows up to which gemv/gemv_int8 beat torch's product on the project's 2-core AVX2 VM, the
 # callers' cut-over. benchmarks/step_overhead.py's GEMV pass (every weight of SmolLM2-135M once,
 # streamed from memory, 2026-12-01): the kernel 47.1 ms at 8 rows and 85.9 at 16 against
@@ -161,7 +163,7 @@ def _build() -> ctypes.CDLL:
         getattr(lib, f"tokenmill_{name}").restype = None
     if lib.tokenmill_gemv_max_rows() != MAX_ROWS:
         raise OSError("cpu_gemv.c and cpu.py disagree on the row limit")
-    if lib.tokenmill_gemv_int4_group() != INT4_GROUP:
+    if (lib.tokenmill_gemv_int4_group(), lib.tokenmill_gemv_int4_rows()) != (INT4_GROUP, INT4_ROWS):
         raise OSError("cpu_gemv.c and cpu.py disagree on the int4 group")
     return lib
 
@@ -341,31 +343,35 @@ def pack_int4(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The int4 layout :func:`gemv_int4` reads, from :func:`tokenmill.engine.quantization.
     quantize_int4`'s ``q [N, K]`` (integers in [0, 15]), ``scales`` and ``zeros`` ``[N, K/32]``
-    float (``w = (q - 8) * s + z``).
+    float (``w = (q - 8) * s + z``). Output rows go in blocks of :data:`INT4_ROWS` (16).
 
     Returns:
-        ``(qweight, group_scales)``: ``qweight [N, K/2]`` uint8, in each group's 16 bytes byte
-        ``i`` holding ``q[i]`` (low nibble) and ``q[16 + i]`` (high); ``group_scales [N, K/32]``
-        int32, one word per group: ``z8 = z - 8 s`` as bf16 bits in the high half, ``s`` as bf16
-        in the low. The layer computes with ``w = q * s + z8`` in those bf16 values (bf16 keeps
-        a scale table at 4 bytes a group, as torch's packed kernels do).
+        ``(qweight, group_scales)``: ``qweight [N/16, K/32, 16, 16]`` uint8, where
+        ``qweight[b, g, p, i]`` holds ``q[16 b + i, 32 g + p]`` in its low nibble and ``q[16 b +
+        i, 32 g + 16 + p]`` in its high one (``cpu_gemv.c`` says why); ``group_scales [N/16,
+        K/32, 16]`` int32, one word per row and group: ``z8 = z - 8 s`` as bf16 bits in the high
+        half, ``s`` as bf16 in the low. The layer computes with ``w = q * s + z8`` in those bf16
+        values (bf16 keeps the table at 4 bytes a group, as torch's packed kernels do).
 
     Raises:
-        ValueError: ``K`` not a multiple of 32, or shapes that do not match.
+        ValueError: ``N`` not a multiple of 16, ``K`` not a multiple of 32, or shapes that do
+            not match.
     """
     n, k = q.shape
-    if k % INT4_GROUP or scales.shape != (n, k // INT4_GROUP) or zeros.shape != scales.shape:
+    g = k // INT4_GROUP
+    if n % INT4_ROWS or k % INT4_GROUP or scales.shape != (n, g) or zeros.shape != (n, g):
         raise ValueError(
-            f"q {tuple(q.shape)} needs K divisible by {INT4_GROUP} and scales/zeros of shape "
-            f"{(n, k // INT4_GROUP)}; got {tuple(scales.shape)}, {tuple(zeros.shape)}"
+            f"q {tuple(q.shape)} needs N divisible by {INT4_ROWS}, K by {INT4_GROUP}, and "
+            f"scales/zeros of shape {(n, g)}; got {tuple(scales.shape)}, {tuple(zeros.shape)}"
         )
-    halves = q.to(torch.int32).reshape(n, k // INT4_GROUP, 2, INT4_GROUP // 2)
-    qweight = (halves[:, :, 0] | halves[:, :, 1] << 4).to(torch.uint8).reshape(n, k // 2)
+    # [N/16, 16 rows, G, 2 halves, 16 pairs] -> [N/16, G, 16 pairs, 16 rows, 2 halves]
+    t = q.to(torch.int32).reshape(n // INT4_ROWS, INT4_ROWS, g, 2, 16).permute(0, 2, 4, 1, 3)
+    qweight = (t[..., 0] | t[..., 1] << 4).to(torch.uint8).contiguous()
     s16 = scales.float().to(torch.bfloat16)
     z8 = (zeros.float() - 8.0 * s16.float()).to(torch.bfloat16)
     high = z8.view(torch.int16).to(torch.int32) << 16
     words = high | (s16.view(torch.int16).to(torch.int32) & 0xFFFF)
-    return qweight.contiguous(), words.contiguous()
+    return qweight, words.reshape(n // INT4_ROWS, INT4_ROWS, g).transpose(1, 2).contiguous()
 
 
 def unpack_int4(
@@ -373,10 +379,11 @@ def unpack_int4(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`pack_int4` undone in torch: ``(q [N, K] int32, s [N, K/32] float32, z8 [N, K/32]
     float32)`` with ``w = q * s + z8`` per group."""
-    n = qweight.shape[0]
-    b = qweight.to(torch.int32).reshape(n, -1, INT4_GROUP // 2)
-    q = torch.cat([b & 15, b >> 4], dim=-1).reshape(n, -1)
-    words = group_scales.to(torch.int32)
+    blocks, g = qweight.shape[:2]
+    t = qweight.to(torch.int32)  # [N/16, G, 16 pairs, 16 rows]
+    halves = torch.stack([t & 15, t >> 4], dim=-1)  # [N/16, G, pairs, rows, 2]
+    q = halves.permute(0, 3, 1, 4, 2).reshape(blocks * INT4_ROWS, g * INT4_GROUP)
+    words = group_scales.to(torch.int32).transpose(1, 2).reshape(blocks * INT4_ROWS, g)
     s = (words << 16).view(torch.float32)
     z8 = (words & ~0xFFFF).view(torch.float32)
     return q, s, z8
@@ -386,16 +393,25 @@ def _check_int4(
     qweight: torch.Tensor, group_scales: torch.Tensor, k: int | None = None
 ) -> tuple[int, int]:
     """``(N, K)`` of an int4 layer in :func:`pack_int4`'s layout; ValueError naming what is off."""
-    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.device.type != "cpu":
-        raise ValueError(f"qweight must be [N, K/2] uint8 on the CPU, got {qweight.dtype}")
-    n, kk = qweight.shape[0], qweight.shape[1] * 2
+    r = INT4_ROWS
+    if (
+        qweight.dtype != torch.uint8
+        or qweight.dim() != 4
+        or qweight.shape[2:] != (16, r)
+        or qweight.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"qweight must be [N/{r}, K/{INT4_GROUP}, 16, {r}] uint8 on the CPU (pack_int4), "
+            f"got {tuple(qweight.shape)} {qweight.dtype}"
+        )
+    blocks, g = qweight.shape[:2]
+    n, kk = blocks * r, g * INT4_GROUP
     if k is not None and k != kk:
         raise ValueError(f"x has {k} columns, qweight {tuple(qweight.shape)} holds {kk}")
-    if kk % INT4_GROUP or group_scales.dtype != torch.int32:
-        raise ValueError(f"int4 needs K divisible by {INT4_GROUP} and int32 group_scales")
-    if tuple(group_scales.shape) != (n, kk // INT4_GROUP):
+    if group_scales.dtype != torch.int32 or tuple(group_scales.shape) != (blocks, g, r):
         raise ValueError(
-            f"group_scales {tuple(group_scales.shape)}, expected {(n, kk // INT4_GROUP)}"
+            f"group_scales must be {(blocks, g, r)} int32, got {tuple(group_scales.shape)} "
+            f"{group_scales.dtype}"
         )
     return n, kk
 
@@ -406,8 +422,9 @@ def gemv_int4(
     group_scales: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weight-only int4: ``x [M, K]`` float32 (``1 <= M <= MAX_ROWS``), ``qweight [N, K/2]``
-    uint8 and ``group_scales [N, K/32]`` int32 (:func:`pack_int4`), ``bias [N]`` float32 →
+    """Weight-only int4: ``x [M, K]`` float32 (``1 <= M <= MAX_ROWS``), ``qweight [N/16, K/32,
+    16, 16]`` uint8 and ``group_scales [N/16, K/32, 16]`` int32 (:func:`pack_int4`), ``bias
+    [N]`` float32 →
     ``[M, N]`` float32 = ``x @ wᵀ + bias`` with ``w = q * s + z8`` per group of 32.
 
     Raises:

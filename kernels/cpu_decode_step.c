@@ -33,7 +33,7 @@ int tokenmill_decode_attention(const float *q, int64_t q_stride, const float *k_
                                float scale, int64_t window, float *out, int nthreads);
 
 /* kind 0: float32 weight [n, k]; kind 1: int8 weight [n, k] with float32 scale [n]; kind 2:
- * int4 weight [n, k/2] bytes with its group words [n, k/32] as scale (cpu_gemv.c's layout) */
+ * int4 in cpu_gemv.c's layout, its group words as scale */
 typedef struct {
     int64_t kind;
     const void *weight;

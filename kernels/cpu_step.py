@@ -75,8 +75,9 @@ class _Model(ctypes.Structure):
 @dataclass
 class StepLinear:
     """One linear layer: ``weight [N, K]`` float32; or int8 with ``scale [N]`` float32 (``w = q
-    * scale``); or int4, ``weight [N, K/2]`` uint8 with ``scale [N, K/32]`` int32 (the group
-    words of :func:`.cpu.pack_int4`); ``bias [N]`` float32 or None. All contiguous on the CPU."""
+    * scale``); or int4, ``weight [N/16, K/32, 16, 16]`` uint8 with ``scale [N/16, K/32, 16]``
+    int32 (:func:`.cpu.pack_int4`'s layout); ``bias [N]`` float32 or None. All contiguous on
+    the CPU."""
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None
@@ -85,10 +86,11 @@ class StepLinear:
     def _struct(self, name: str, n: int, k: int) -> _Linear:
         w = self.weight
         if w.dtype == torch.uint8:
-            kind, shape = KIND_INT4, (n, k // 2)
-            if k % cpu.INT4_GROUP:
-                raise ValueError(f"{name}: int4 needs K divisible by {cpu.INT4_GROUP}, got {k}")
-            _check(f"{name}.scale", self.scale, (n, k // cpu.INT4_GROUP), torch.int32)
+            g, r = cpu.INT4_GROUP, cpu.INT4_ROWS
+            if k % g or n % r:
+                raise ValueError(f"{name}: int4 needs N divisible by {r} and K by {g}")
+            kind, shape = KIND_INT4, (n // r, k // g, 16, r)
+            _check(f"{name}.scale", self.scale, (n // r, k // g, r), torch.int32)
         elif w.dtype == torch.int8:
             kind, shape = KIND_INT8, (n, k)
             _check(f"{name}.scale", self.scale, (n,))

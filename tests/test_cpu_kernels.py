@@ -105,31 +105,37 @@ def _int4_layer(n: int, k: int, g: torch.Generator):
 
 
 def test_int4_layout_packs_two_codes_a_byte_and_unpacks():
-    """``pack_int4``: byte i of a group holds codes i (low nibble) and 16 + i (high); the scale
-    word holds bf16(s) low and bf16(z - 8 bf16(s)) high; ``unpack_int4`` gives them back."""
+    """``pack_int4``: ``qweight[b, g, p, i]`` holds row ``16 b + i``'s codes ``32 g + p`` (low
+    nibble) and ``32 g + 16 + p`` (high); the scale word of that row and group holds bf16(s)
+    low and bf16(z - 8 bf16(s)) high; ``unpack_int4`` gives them back."""
     g = torch.Generator().manual_seed(11)
-    q, s, z, qweight, words = _int4_layer(5, 96, g)
-    assert qweight.shape == (5, 48) and qweight.dtype == torch.uint8
-    assert words.shape == (5, 3) and words.dtype == torch.int32
-    assert qweight[2, 33].item() == q[2, 65].item() | q[2, 65 + 16].item() << 4  # group 2, i=1
+    q, s, z, qweight, words = _int4_layer(32, 96, g)
+    assert qweight.shape == (2, 3, 16, 16) and qweight.dtype == torch.uint8
+    assert words.shape == (2, 3, 16) and words.dtype == torch.int32
+    # row 21 = block 1, i = 5; k = 65 = group 2, p = 1
+    assert qweight[1, 2, 1, 5].item() == q[21, 65].item() | q[21, 65 + 16].item() << 4
+    s16 = s.bfloat16().float()
+    assert (words[1, 2, 5].item() << 16) & 0xFFFFFFFF == s16[21, 2].view(torch.int32).item()
     q2, s2, z8 = cpu.unpack_int4(qweight, words)
     assert torch.equal(q2, q)
-    s16 = s.bfloat16().float()
     assert torch.equal(s2, s16)
     assert torch.equal(z8, (z - 8 * s16).bfloat16().float())
-    with pytest.raises(ValueError, match="K divisible by 32"):
+    with pytest.raises(ValueError, match="K by 32"):
         cpu.pack_int4(q[:, :40], s[:, :1], z[:, :1])
+    with pytest.raises(ValueError, match="N divisible by 16"):
+        cpu.pack_int4(q[:20], s[:20], z[:20])
 
 
 @pytest.mark.parametrize(
     ("m", "n", "k"),
-    [(1, 37, 32), (2, 9, 64), (3, 17, 96), (4, 130, 576), (5, 8, 160), (6, 7, 64), (7, 3, 96),
-     (8, 24, 32), (11, 64, 1536), (64, 9, 64)],
+    [(1, 16, 32), (2, 32, 64), (3, 48, 96), (4, 128, 576), (5, 16, 160), (6, 16, 64),
+     (7, 32, 96), (8, 48, 32), (9, 16, 64), (11, 64, 1536), (64, 16, 64)],
 )  # fmt: skip
 def test_gemv_int4_matches_the_reference(int8_loop, m, n, k):
     """Weight-only int4, each loop (the int8 switch picks both): row counts 1..64 (every
-    register block size, a full block and a remainder), one group to 48: within 1e-5 relative
-    of the float64 reference on the unpacked weight; the kernel's dequantize equals it."""
+    register block size of both loops, full blocks and remainders), one to eight blocks of 16
+    output rows, one group to 48: within 1e-5 relative of the float64 reference on the
+    unpacked weight; the kernel's dequantize equals it."""
     g = torch.Generator().manual_seed(m * 13 + n + k)
     q, s, z, qweight, words = _int4_layer(n, k, g)
     x = torch.randn(m, k, generator=g)
@@ -152,15 +158,17 @@ def test_gemv_int4_matches_the_reference(int8_loop, m, n, k):
     [
         (65, 64, torch.uint8, "1..64 rows"),
         (1, 64, torch.int8, "qweight must be"),
+        (1, 64, "flat", "qweight must be"),
         (1, 96, torch.uint8, "x has 96 columns"),
     ],
 )
 def test_gemv_int4_refuses_what_it_cannot_take(m, k, qdtype, msg):
     if not cpu.available():
         pytest.skip(cpu.unavailable_reason())
-    _, _, _, qweight, words = _int4_layer(4, 64, torch.Generator().manual_seed(2))
+    _, _, _, qweight, words = _int4_layer(16, 64, torch.Generator().manual_seed(2))
+    qweight = qweight.reshape(16, 32) if qdtype == "flat" else qweight.to(qdtype)
     with pytest.raises(ValueError, match=msg):
-        cpu.gemv_int4(torch.randn(m, k), qweight.to(qdtype), words)
+        cpu.gemv_int4(torch.randn(m, k), qweight, words)
 
 
 def test_int8_loop_is_the_cpus_best_by_default():

@@ -189,19 +189,19 @@ def test_packed_and_dequantized_paths_agree(method, n, rows, torch_int4):
 
 
 @needs_kernels
-@pytest.mark.parametrize("n", [48, 97])
+@pytest.mark.parametrize("n", [48, 96])
 @pytest.mark.parametrize("rows", [1, 7, 64, 65, 150])
 def test_int4_gemv_layer_computes_with_its_dequantized_weight(n, rows):
     """int4 on a CPU with the C kernels (path ``gemv``): up to INT4_GEMV_MAX_ROWS rows the
     int4 GEMV with float32 activations, above it the kernels' dequantize + the float32 GEMM; both
     on the weight ``dequantize()`` returns, which is ``q * s + z8`` of ``quantize_int4`` in the
-    layout's bf16 scales. Any out_features (97: no row tile)."""
+    layout's bf16 scales."""
     g = torch.Generator().manual_seed(n + rows)
     w = torch.randn(n, 128, generator=g) * 0.05
     w[3, 32:64] += 2.0  # one group far from zero: z8 matters
     b = torch.randn(n, generator=g) * 0.1
     layer = QuantizedLinear("int4", w, b)
-    assert layer.path == "gemv" and layer.qweight.shape == (n, 64)
+    assert layer.path == "gemv" and layer.qweight.shape == (n // 16, 4, 16, 16)
     q, s, z = quantize_int4(w, INT4_GROUP_SIZE)
     s16 = s.bfloat16().float()
     z8 = (z - 8 * s16).bfloat16().float()
@@ -276,10 +276,13 @@ def test_dummy_weights_load_quantized(tmp_path, method):
     assert logits.shape == (11, TINY["vocab_size"]) and torch.isfinite(logits).all()
 
 
-def test_int4_refuses_shapes_its_kernels_cannot_take(tmp_path, torch_int4):
-    """A vocabulary that is not a multiple of 16 (torch's CPU packing's row tile) and an
-    in_features that is not a multiple of the 32-group: one ModelLoadError line each, int8
-    still loads. (The C kernels' layout takes any out_features: the test above, n=97.)"""
+@pytest.mark.parametrize("layout", ["ours", "torch"])
+def test_int4_refuses_shapes_its_kernels_cannot_take(tmp_path, monkeypatch, layout):
+    """A vocabulary that is not a multiple of 16 (the row tile of both CPU layouts, the C
+    kernels' and torch's) and an in_features that is not a multiple of the 32-group: one
+    ModelLoadError line each, int8 still loads."""
+    if layout == "torch":
+        monkeypatch.setattr(quantization, "int4_cpu_gemv", lambda: False)
     make_checkpoint("llama", tmp_path / "vocab", vocab_size=97)
     with pytest.raises(ModelLoadError, match="out_features divisible by 16; a layer has 97"):
         load_model(tmp_path / "vocab", device="cpu", quantization="int4")
