@@ -12,6 +12,11 @@ and sampler without HTTP), on the same prompts:
   outputs uniform 64–128 tokens (the ``engine_vs_hf.py`` workload, seed 0); output tok/s =
   output tokens ÷ wall time.
 
+The configurations run round-robin ``--rounds`` times (default 2) and each figure is the
+configuration's best round: this VM's speed drifts by 20-40 % over minutes (2026-12-02: float32
+at 32 concurrent 115 then 147 tok/s, int8 single stream 89 then 66, with nothing else running),
+so one pass in order let a slow spell land on one configuration; every round is in the JSON.
+
 Targets (issue 14): int8 single-stream ≥ 2.5× float32, int4 ≥ 3.5×; no configuration below
 float32 at 32 concurrent. Results: ``benchmarks/results/quantization.json``; run it alone on
 the machine (two torch processes on 2 cores slow each other 10–20×).
@@ -105,38 +110,52 @@ def main() -> int:
     parser.add_argument("--single-tokens", type=int, default=96)
     parser.add_argument("--concurrent", type=int, default=32)
     parser.add_argument("--only", default=None, help="DTYPE/QUANT: run one config here")
+    parser.add_argument("--rounds", type=int, default=2, help="round-robin passes over CONFIGS")
     parser.add_argument("--out", default=str(OUT / "quantization.json"))
     args = parser.parse_args()
     if args.only:
         dtype, quant = args.only.split("/")
         print(json.dumps(one_config(dtype, quant, args.single_tokens, args.concurrent)))
         return 0
+    runs: dict[tuple[str, str], list[dict]] = {c: [] for c in CONFIGS}
+    for round_no in range(1, args.rounds + 1):
+        for dtype, quant in CONFIGS:
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--only",
+                    f"{dtype}/{quant}",
+                    "--single-tokens",
+                    str(args.single_tokens),
+                    "--concurrent",
+                    str(args.concurrent),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            runs[(dtype, quant)].append(row)
+            print(
+                f"round {round_no} {dtype:>8} {quant:>4}: weights "
+                f"{row['weight_bytes_total'] / 2**20:6.1f} MiB, single "
+                f"{row['single_stream_decode_tok_s']:6.2f} tok/s (ITL p50 "
+                f"{row['single_stream_itl_p50_ms']:.1f} ms), {args.concurrent} concurrent "
+                f"{row['concurrent_output_tok_s']:6.2f} tok/s",
+                flush=True,
+            )
     rows = []
-    for dtype, quant in CONFIGS:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--only",
-                f"{dtype}/{quant}",
-                "--single-tokens",
-                str(args.single_tokens),
-                "--concurrent",
-                str(args.concurrent),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        row = json.loads(proc.stdout.strip().splitlines()[-1])
+    for each in runs.values():
+        # each figure is the config's best round: the configs ran round-robin, so a slow spell
+        # of the shared VM costs every config a round rather than one config its only run
+        best_single = max(each, key=lambda r: r["single_stream_decode_tok_s"])
+        best_conc = max(each, key=lambda r: r["concurrent_output_tok_s"])
+        row = dict(best_single)
+        for key in ("concurrent_output_tokens", "concurrent_wall_s", "concurrent_output_tok_s"):
+            row[key] = best_conc[key]
+        row["rounds"] = each
         rows.append(row)
-        print(
-            f"{dtype:>8} {quant:>4}: weights {row['weight_bytes_total'] / 2**20:6.1f} MiB, "
-            f"single {row['single_stream_decode_tok_s']:6.2f} tok/s (ITL p50 "
-            f"{row['single_stream_itl_p50_ms']:.1f} ms), {args.concurrent} concurrent "
-            f"{row['concurrent_output_tok_s']:6.2f} tok/s",
-            flush=True,
-        )
     base = rows[0]
     for row in rows:
         row["single_vs_float32"] = round(
@@ -166,6 +185,7 @@ def main() -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "python": platform.python_version(),
         "single_tokens": args.single_tokens,
+        "rounds": args.rounds,
         "rows": rows,
         "targets": targets,
     }

@@ -9,11 +9,12 @@ Two measures, each through our own engine model (``load_model``, the paged KV ca
   ``WINDOW - STRIDE`` tokens of context), and perplexity is ``exp`` of the mean next-token NLL.
   Each window runs as one prefill (``prefill``: 512 rows, so a quantized layer takes its
   dequantize + dense GEMM path) and, for the quantized configs, again as chunked prefill of
-  ``CHUNK`` tokens a step (``chunked``: rows <= ``PACKED_MAX_ROWS``, so a quantized layer on CPU
-  runs torch's packed kernel, which rounds activations to bf16). Targets, relative to float32 (its prefill figure): bf16 within
+  ``CHUNK`` tokens a step (``chunked``: rows <= 32, so a quantized layer on CPU runs its
+  small-row kernel: ``kernels/cpu_gemv.c``'s int8/int4 GEMV where the C kernels build, in
+  float32, else torch's packed kernel, which rounds activations to bf16). Targets, relative to float32 (its prefill figure): bf16 within
   +1 %, int8 within +3 %, int4 within +12 %, on both paths.
 - **greedy continuations** of 5 fixed chat prompts through ``LLM`` (prefill, then one decode
-  step per token: the packed path), ``MAX_TOKENS`` tokens past EOS: for each prompt and config the
+  step per token: the small-row path), ``MAX_TOKENS`` tokens past EOS: for each prompt and config the
   index of the first token that differs from float32's (``none``: all equal). Target: bf16 and
   int8 agree with float32 on the first 16 tokens for at least 4 of the 5 prompts.
 

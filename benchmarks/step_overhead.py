@@ -20,11 +20,11 @@ Issue 20. On the default model (SmolLM2-135M, float32, this CPU), one process:
   (the C kernels of ``kernels/cpu.py`` called layer by layer, ``--enforce-eager``),
   **compiled** (the whole step in one C call, ``engine/models/native_step.py``).
 - **through the server**: ``tokenmill serve`` (float32 with torch ops; float32 and
-  ``--quantization int8``, each eager and compiled) in a
+  ``--quantization int8``, each eager and compiled; ``--quantization int4`` compiled) in a
   subprocess and one streaming client, 3 chat requests one after another (96 tokens,
   ``ignore_eos``); ITL p50 from the SSE chunks' arrival times, and its ratio to the floor
   (targets: ≤ 2× in float32, ≤ 1.5× at the best CPU setting; int8's floor is a quarter of
-  float32's).
+  float32's, int4's 0.156 of it: half a byte a weight and a 4-byte word per 32).
 
 Results: ``benchmarks/results/step_overhead.json``. Run it alone on the machine (two torch
 processes on 2 cores slow each other 10–20×): ``.venv/bin/python benchmarks/step_overhead.py``
@@ -248,8 +248,10 @@ def main() -> int:
     result["read_gbps"] = read_gbps = max(probe, probe_end, best_pass)
     result["floor_ms"] = weight_bytes / read_gbps / 1e9 * 1e3
     result["cpu_kernels"] = cpu_gemv.unavailable_reason() or "used"
-    # int8's floor: the same step's weights in int8 (one byte a weight; the scales are noise)
+    # int8's floor: the same step's weights in int8 (one byte a weight; the scales are noise);
+    # int4's: half a byte a weight plus its (scale, zero) word per 32 (a fifth of its bytes)
     result["floor_ms_int8"] = result["floor_ms"] / 4
+    result["floor_ms_int4"] = result["floor_ms"] * (0.5 + 4 / 32) / 4
     result["server"] = {}
     for name, args, env, floor in (
         ("float32, torch ops (before)", [], {"TOKENMILL_CPU_KERNELS": "0"}, result["floor_ms"]),
@@ -262,6 +264,7 @@ def main() -> int:
             result["floor_ms_int8"],
         ),
         ("int8", ["--quantization", "int8"], {}, result["floor_ms_int8"]),
+        ("int4", ["--quantization", "int4"], {}, result["floor_ms_int4"]),
     ):
         r = server_itl(args, env)
         r["floor_ms"] = floor

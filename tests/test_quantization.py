@@ -36,9 +36,7 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.errors import ModelLoadError
 from tokenmill.engine.models.loader import load_model
 from tokenmill.engine.quantization import (
-    INT4_GEMV_MAX_ROWS,
     INT4_GROUP_SIZE,
-    INT8_GEMV_MAX_ROWS,
     PACKED_MAX_ROWS,
     QuantizedLinear,
     _cpu_int4_block_n,
@@ -142,9 +140,10 @@ def _random_linear(method: str, n: int, k: int, bias: bool = True) -> QuantizedL
 
 
 @pytest.fixture
-def torch_int4(monkeypatch):
-    """int4 layers built in torch's packed CPU layout, as on a CPU where the C kernels do not
-    build (``int4_cpu_gemv`` False)."""
+def torch_kernels(monkeypatch):
+    """int8 and int4 layers built for torch's packed CPU kernels, as on a CPU where the C
+    kernels do not build (``int8_cpu_gemv``, ``int4_cpu_gemv`` False)."""
+    monkeypatch.setattr(quantization, "int8_cpu_gemv", lambda: False)
     monkeypatch.setattr(quantization, "int4_cpu_gemv", lambda: False)
 
 
@@ -156,12 +155,12 @@ needs_kernels = pytest.mark.skipif(
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("n", [64, 96, 48])
 @pytest.mark.parametrize("rows", [1, 5, "max", "max+1", 150])
-def test_packed_and_dequantized_paths_agree(method, n, rows, torch_int4):
+def test_packed_and_dequantized_paths_agree(method, n, rows, torch_kernels):
     """Both paths compute with the weight ``dequantize()`` returns: the packed kernel (rows <=
     PACKED_MAX_ROWS[method] on CPU) rounds activations and scales to bf16, so it matches the float32 GEMM
     on that weight to bf16 precision; above the threshold the layer is that GEMM exactly.
     n=48 is not a multiple of int4's learnt 32-row block: that layer always runs packed.
-    (int4 in torch's layout: the C kernels' int4 layout is the next test's.)"""
+    (torch's kernels, as without the C kernels: the C kernels' GEMV path is the next test's.)"""
     limit = PACKED_MAX_ROWS[method]
     rows = {"max": limit, "max+1": limit + 1}.get(rows, rows)
     layer = _random_linear(method, n, 64)
@@ -172,10 +171,8 @@ def test_packed_and_dequantized_paths_agree(method, n, rows, torch_int4):
     assert got.shape == (rows, n) and got.dtype == torch.float32
     scale = dense.abs().max().item()
     assert (packed - dense).abs().max().item() <= 2e-2 * scale  # bf16 activations (8-bit)
-    if method == "int8" and rows <= INT8_GEMV_MAX_ROWS and cpu_gemv.available():
-        # kernels/cpu_gemv.c: float32 activations on the same weight
-        torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
-    elif layer.path == "packed" or rows <= limit:
+    assert layer.gemv_scales is None
+    if layer.path == "packed" or rows <= limit:
         torch.testing.assert_close(got, packed, atol=1e-6, rtol=0)
     else:
         torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
@@ -189,38 +186,48 @@ def test_packed_and_dequantized_paths_agree(method, n, rows, torch_int4):
 
 
 @needs_kernels
+@pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("n", [48, 96])
 @pytest.mark.parametrize("rows", [1, 7, 64, 65, 150])
-def test_int4_gemv_layer_computes_with_its_dequantized_weight(n, rows):
-    """int4 on a CPU with the C kernels (path ``gemv``): up to INT4_GEMV_MAX_ROWS rows the
-    int4 GEMV with float32 activations, above it the kernels' dequantize + the float32 GEMM; both
-    on the weight ``dequantize()`` returns, which is ``q * s + z8`` of ``quantize_int4`` in the
-    layout's bf16 scales."""
+def test_gemv_layer_computes_with_its_dequantized_weight(method, n, rows):
+    """int8 and int4 on a CPU with the C kernels (path ``gemv``): up to 64 rows
+    (INT8_GEMV_MAX_ROWS, INT4_GEMV_MAX_ROWS) the kernels' GEMV with float32 activations, above
+    it a dequantize + the float32 GEMM; both on the weight ``dequantize()`` returns: int8 ``q *
+    s`` with float32 scales, int4 ``q * s + z8`` of ``quantize_int4`` in the layout's bf16
+    scales."""
     g = torch.Generator().manual_seed(n + rows)
     w = torch.randn(n, 128, generator=g) * 0.05
-    w[3, 32:64] += 2.0  # one group far from zero: z8 matters
+    w[3, 32:64] += 2.0  # one group far from zero: int4's z8 matters
     b = torch.randn(n, generator=g) * 0.1
-    layer = QuantizedLinear("int4", w, b)
-    assert layer.path == "gemv" and layer.qweight.shape == (n // 16, 4, 16, 16)
-    q, s, z = quantize_int4(w, INT4_GROUP_SIZE)
-    s16 = s.bfloat16().float()
-    z8 = (z - 8 * s16).bfloat16().float()
-    ref_w = (q.reshape(n, -1, 32) * s16[..., None] + z8[..., None]).reshape(n, 128)
+    layer = QuantizedLinear(method, w, b)
+    assert layer.path == "gemv"
+    if method == "int8":
+        q, s = quantize_int8(w)
+        ref_w = q.float() * s[:, None]
+        assert layer.gemv_scales.dtype == torch.float32
+        # half a step of rounding; no bf16 rounding of the scales
+        assert (ref_w - w).abs().max() <= s.max() / 2 + 1e-7
+    else:
+        assert layer.qweight.shape == (n // 16, 4, 16, 16)
+        q, s, z = quantize_int4(w, INT4_GROUP_SIZE)
+        s16 = s.bfloat16().float()
+        z8 = (z - 8 * s16).bfloat16().float()
+        ref_w = (q.reshape(n, -1, 32) * s16[..., None] + z8[..., None]).reshape(n, 128)
+        # within the rounding grid of w, plus bf16 rounding of s and z8 (2^-9 relative)
+        bound = (s / 2 + (15 * s + z8.abs()) * 2**-8).repeat_interleave(32, dim=1)
+        assert ((ref_w - w).abs() <= bound + 1e-6).all()
     torch.testing.assert_close(layer.dequantize(torch.float32), ref_w, atol=0, rtol=0)
-    # within the rounding grid of w, plus bf16 rounding of s and z8 (2^-9 relative)
-    bound = (s / 2 + (15 * s + z8.abs()) * 2**-8).repeat_interleave(32, dim=1)
-    assert ((ref_w - w).abs() <= bound + 1e-6).all()
     x = torch.randn(rows, 128, generator=g)
     got = layer(x)
     dense = nn.functional.linear(x.double(), ref_w.double(), b.double()).float()
     assert got.shape == (rows, n) and got.dtype == torch.float32
     torch.testing.assert_close(got, dense, atol=2e-5, rtol=2e-5)
-    if rows <= INT4_GEMV_MAX_ROWS:
+    if rows <= 64:
         with pytest.raises(RuntimeError, match="no packed kernel"):
             layer._packed(x)
 
 
-def test_int4_cpu_layout_unpacks_to_the_reference(torch_int4):
+def test_int4_cpu_layout_unpacks_to_the_reference(torch_kernels):
     """``dequantize`` of the hybrid path reads torch's packed CPU bytes through the layout learnt
     at import (``_cpu_int4_block_n``); it must give ``(q - 8) * s + z`` of ``quantize_int4``.
     torch's CPU kernel packs 32 output rows a block on AVX2 machines and 64 with AVX-512: 192
@@ -253,12 +260,13 @@ def test_int4_cpu_layout_unpacks_to_the_reference(torch_int4):
     torch.testing.assert_close(packed_only.dequantize(torch.float32), ref48, atol=2e-2, rtol=1e-2)
 
 
-def test_int8_dequantize_is_per_channel_reference():
+def test_int8_dequantize_is_per_channel_reference(torch_kernels):
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(4)) * 0.05
     q, s = quantize_int8(w)
     assert q.dtype == torch.int8 and q.abs().max() == 127
     layer = QuantizedLinear("int8", w, None)
-    # on CPU both paths use the packed kernel's bf16-rounded scales (one weight for any batch)
+    # for torch's packed kernel both paths use its bf16-rounded scales (one weight for any
+    # batch); the C kernels' path uses the float32 ones (the previous test)
     s_kernel = s.to(torch.bfloat16).float()
     assert not torch.equal(s_kernel, s)
     torch.testing.assert_close(layer.dequantize(torch.float32), q.float() * s_kernel[:, None])
