@@ -57,6 +57,13 @@ class EngineConfig:
         "(engine/models/native_step.py on CPU).",
     )
     device: str = knob("auto", "auto | cpu | cuda[:N]")
+    tensor_parallel_size: int = knob(
+        1,
+        "Ranks one model is split across (heads and MLP channels; gloo on CPU), each a "
+        "process on this host; two all-reduces a layer.",
+        min=1,
+        max=64,
+    )
     load_format: str = knob("auto", "auto | safetensors | dummy (random weights)")
     attention_backend: str = knob(
         "auto", "auto | torch | triton (auto: triton on CUDA, torch on CPU)"
@@ -147,7 +154,13 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming the first invalid field."""
-        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory")
+        positive = (
+            "block_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "kv_cache_memory",
+            "tensor_parallel_size",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

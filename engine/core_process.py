@@ -149,6 +149,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
             send(EngineOutputs(outputs, record))
         elif not events:
             send(Heartbeat(core.stats(), core.idle_record()))
+    core.close()
     push.close(linger=1000)
     pull.close(linger=0)
     ctx.term()

@@ -80,6 +80,10 @@ class LLM:
         self.step_records: list[StepRecord] = []
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallel ranks), if any."""
+        self.core.close()
+
     def generate(
         self,
         prompts: list[str | list[int]],

@@ -17,6 +17,8 @@ from .errors import TokenmillError
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .models.loader import load_model
 from .models.native_step import NativeDecode, native_decode_for
+from .parallel.tensor_parallel import check_tensor_parallel
+from .parallel.workers import TensorParallelGroup
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -36,20 +38,30 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_dir: str | Path):
         self.config = config
-        self.model = load_model(
-            model_dir,
+        load = dict(
             device=config.device,
             dtype=config.dtype,
             load_format=config.load_format,
             quantization=config.quantization,
             attention_backend=config.attention_backend,
         )
+        tp = config.tensor_parallel_size
+        # ranks 1..tp-1 as processes on this host (engine/parallel/workers.py); this is rank 0
+        self.tp_group: TensorParallelGroup | None = None
+        if tp > 1:
+            check_tensor_parallel(model_dir, tp, load["device"])
+            self.tp_group = TensorParallelGroup(
+                tp, {**load, "model_dir": str(model_dir), "block_size": config.block_size}
+            )
+        self.model = load_model(model_dir, tensor_parallel=(0, tp) if tp > 1 else None, **load)
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.model_config = self.model.config
         self.block_size = config.block_size
         self.bytes_per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
         self.num_blocks = self.determine_num_blocks()
+        if self.tp_group is not None:
+            self.tp_group.send_blocks(self.num_blocks)
         self.kv_caches = allocate_kv_caches(
             self.model_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
@@ -62,6 +74,8 @@ class ModelRunner:
         self.native_off_reason: str | None = "--enforce-eager"
         if config.enforce_eager:
             pass  # the reason above stands
+        elif self.tp_group is not None:
+            self.native_off_reason = "tensor parallel (the compiled step has no all-reduce)"
         elif self.device.type == "cpu":
             self.native, self.native_off_reason = native_decode_for(self.model, self.kv_caches)
         elif self.device.type == "cuda":
@@ -86,6 +100,12 @@ class ModelRunner:
             log.info("compiled decode step off: %s", self.native_off_reason)
         # whether the last execute() ran the compiled decode step or a CUDA graph
         self.last_native = False
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any (idempotent)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
+            self.tp_group = None
 
     def determine_num_blocks(self) -> int:
         """KV blocks to allocate.
@@ -173,6 +193,8 @@ class ModelRunner:
         self.last_native = self.native is not None and NativeDecode.takes(
             len(tokens), step.metadata
         )
+        if self.tp_group is not None:
+            self.tp_group.broadcast_step(input_ids, step.positions, step.metadata)
         if self.last_native:
             hidden = self.native.forward(input_ids, step.positions, step.metadata)
         elif self.graphs is not None and self.graphs.takes(len(tokens), step.metadata):

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from ..attention import get_attention_backend
 from ..errors import ModelLoadError
 from ..model_config import ModelConfig, load_model_config
+from ..parallel.tensor_parallel import plan_shard, shard_model
 from ..quantization import check_quantization, quantize_model
 from . import get_model_class
 from .decoder import DecoderForCausalLM
@@ -189,6 +190,7 @@ def load_model(
     load_format: str = "auto",
     attention_backend: str = "auto",
     quantization: str = "none",
+    tensor_parallel: tuple[int, int] | None = None,
 ) -> DecoderForCausalLM:
     """Load a Llama-family model from a Hugging Face folder.
 
@@ -200,6 +202,10 @@ def load_model(
         attention_backend: ``auto`` | ``torch`` (more with the kernels package).
         quantization: ``none`` | ``int8`` | ``int4``: weight-only quantization of every linear
             layer after loading (:mod:`tokenmill.engine.quantization`).
+        tensor_parallel: ``(rank, world)``: keep only this rank's shard
+            (:mod:`tokenmill.engine.parallel.tensor_parallel`), cut after loading and before
+            quantization; the row-parallel layers all-reduce over torch.distributed's default
+            group, which the caller has initialised. ``model.config`` is then the rank's.
 
     Raises:
         ModelLoadError: any problem with the folder, its config or its weights (one line).
@@ -218,5 +224,11 @@ def load_model(
         init_dummy_weights(model)
     else:
         load_safetensors_weights(model, safetensors_files(path))
+    if tensor_parallel is not None and tensor_parallel[1] > 1:
+        try:
+            shard = plan_shard(cfg, *tensor_parallel)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
+        shard_model(model, shard)
     quantize_model(model, quantization)
     return model

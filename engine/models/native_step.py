@@ -72,6 +72,9 @@ class NativeDecode:
 
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache]):
         cfg = model.config
+        tp = getattr(model, "tensor_parallel", None)
+        if tp is not None and tp.world > 1:
+            raise ValueError("tensor parallel: the compiled decode step has no all-reduce")
         if next(model.parameters()).dtype != torch.float32:
             raise ValueError("the model runs in a dtype other than float32")
         if next(model.parameters()).device.type != "cpu":

@@ -1,0 +1,1 @@
+"""Parallelism on torch.distributed: tensor parallelism (:mod:`.tensor_parallel`)."""

@@ -1,0 +1,164 @@
+"""The ranks of a tensor-parallel engine: rank 0 is the engine core's own model runner, ranks
+1..N-1 are worker processes it starts on this host.
+
+Every step, rank 0 broadcasts the step's inputs (token ids, positions and the attention
+metadata, as tensors) with ``torch.distributed.broadcast_object_list``; each rank runs its
+shard's forward and the row-parallel layers all-reduce (:mod:`.tensor_parallel`). Only rank 0
+computes logits and samples. ``None`` in place of a step tells the workers to exit.
+
+The group meets through torch.distributed's TCP rendezvous on ``127.0.0.1`` and a free port
+(gloo on CPU). A rank that does not join within ``join_timeout_s`` fails the start in one line
+naming the missing ranks. A worker exits when rank 0's process is gone (a watchdog thread reads
+its parent pid), so a SIGKILLed engine core leaves no rank behind; between steps the workers
+wait in the broadcast, whose timeout is therefore long (:data:`IDLE_TIMEOUT`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ModelLoadError
+
+__all__ = ["IDLE_TIMEOUT", "TensorParallelGroup", "run_worker"]
+
+log = logging.getLogger(__name__)
+
+# how long a collective may wait: a worker waits in the step broadcast while the engine is idle,
+# so this bounds nothing in normal use; a dead rank 0 ends its workers through the watchdog
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        if os.getppid() != parent:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def run_worker(rank: int, world: int, init_method: str, parent: int, load: dict) -> None:
+    """A worker rank's life: join the group, load its shard, allocate its KV cache (rank 0
+    broadcasts the block count), then run every broadcast step until ``None``.
+
+    ``load``: the keyword arguments of :func:`~..models.loader.load_model` and ``model_dir``,
+    ``block_size``.
+    """
+    from ..kv_cache import allocate_kv_caches
+    from ..model_config import load_model_config
+    from ..models.loader import load_model
+
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    # a rank that cannot read the model (e.g. a host without the folder) exits before joining:
+    # rank 0 then names it instead of waiting on a group that will never form
+    load_model_config(load["model_dir"])
+    # the ranks share the host's cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT
+    )
+    try:
+        args = dict(load)
+        model_dir, block_size = args.pop("model_dir"), args.pop("block_size")
+        model = load_model(model_dir, tensor_parallel=(rank, world), **args)
+        param = next(model.parameters())
+        box = [None]
+        dist.broadcast_object_list(box, src=0)  # rank 0's block count
+        caches = allocate_kv_caches(model.config, box[0], block_size, param.dtype, param.device)
+        with torch.inference_mode():
+            while True:
+                box = [None]
+                dist.broadcast_object_list(box, src=0)
+                if box[0] is None:
+                    break
+                input_ids, positions, metadata = box[0]
+                model(input_ids, positions, caches, metadata)
+    finally:
+        dist.destroy_process_group()
+
+
+class TensorParallelGroup:
+    """Rank 0's side of a tensor-parallel engine on this host: starts ranks ``1..world-1`` as
+    processes, joins the group, and broadcasts each step to them.
+
+    Args:
+        world: ranks in all (``--tensor-parallel-size``), at least 2.
+        load: what :func:`run_worker` passes to ``load_model`` (``model_dir``, ``block_size``
+            and its keyword arguments).
+        join_timeout_s: how long every rank has to join (s).
+
+    Raises:
+        ModelLoadError: a rank did not join in time (naming it) or exited while starting.
+    """
+
+    def __init__(self, world: int, load: dict, join_timeout_s: float = 120.0):
+        self.world = world
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self.procs = [
+            ctx.Process(
+                target=run_worker,
+                args=(rank, world, init_method, os.getpid(), load),
+                name=f"tokenmill-tp-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(1, world)
+        ]
+        for p in self.procs:
+            p.start()
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=init_method,
+                rank=0,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=join_timeout_s),
+            )
+        except (RuntimeError, dist.DistStoreError) as exc:
+            missing = [rank for rank, p in enumerate(self.procs, 1) if not p.is_alive()]
+            self.close()
+            who = f"rank(s) {missing} exited" if missing else "a rank did not join"
+            raise ModelLoadError(
+                f"tensor parallel group of {world} did not form within {join_timeout_s:.0f} s: "
+                f"{who} ({str(exc).splitlines()[0][:120]})"
+            ) from None
+        self._joined = True
+
+    def send_blocks(self, num_blocks: int) -> None:
+        """Tell the workers how many KV blocks to allocate (rank 0 sized them)."""
+        dist.broadcast_object_list([num_blocks], src=0)
+
+    def broadcast_step(self, input_ids, positions, metadata) -> None:
+        """Send one step's inputs to every worker (they run their shard's forward with it)."""
+        dist.broadcast_object_list([(input_ids, positions, metadata)], src=0)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers (a ``None`` step), leave the group; kill a worker that lingers."""
+        if getattr(self, "_joined", False):
+            self._joined = False
+            try:
+                dist.broadcast_object_list([None], src=0)
+            finally:
+                dist.destroy_process_group()
+        for p in self.procs:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout_s)
+
+    def alive(self) -> list[bool]:
+        """Whether each worker (ranks 1..world-1) is still running."""
+        return [p.is_alive() for p in self.procs]

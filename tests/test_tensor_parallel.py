@@ -1,0 +1,135 @@
+"""Issue 16, tensor parallelism (``engine/parallel/``): the four architectures' tiny
+checkpoints split over two gloo ranks give the logits of one rank within 1e-4 (float32), KV
+heads split or replicated; each rank's KV cache holds half the bytes where the KV heads split;
+the default model on three ranks through the engine gives one rank's greedy tokens; sizes that
+do not divide the heads, and a rank that cannot start, are refused in one line naming them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_driver import mixed_greedy_requests, run_paged
+from test_quantization import ARCHS, TINY, make_checkpoint
+from tp_driver import run_tp
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.errors import ModelLoadError
+from tokenmill.engine.kv_cache import kv_bytes_per_block
+from tokenmill.engine.llm import LLM
+from tokenmill.engine.model_config import load_model_config
+from tokenmill.engine.models.loader import load_model
+from tokenmill.engine.parallel.tensor_parallel import plan_shard
+from tokenmill.engine.parallel.workers import TensorParallelGroup
+
+
+def _sequences():
+    g = torch.Generator().manual_seed(5)
+    prompts = [9, 3, 14]
+    return [torch.randint(0, 128, (n + 5,), generator=g).tolist() for n in prompts], prompts
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [(a, {}) for a in sorted(ARCHS)] + [("llama", {"num_key_value_heads": 1})],
+    ids=[*sorted(ARCHS), "llama-1kv"],
+)
+def test_two_ranks_give_one_ranks_logits(arch, overrides, tmp_path):
+    """2 query heads and 1 KV head a rank (llama-1kv: the one KV head replicated on both)."""
+    make_checkpoint(arch, tmp_path, **overrides)
+    seqs, prompts = _sequences()
+    single = load_model(tmp_path, device="cpu", dtype="float32")
+    want = run_paged(single, seqs, prompts, chunk=4)
+    ranks = run_tp(tmp_path, seqs, prompts, world=2)
+    for got, ref in zip(ranks[0]["logits"], want, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    # every rank computed the same logits (replicated LM head over all-reduced hidden states)
+    for a, b in zip(ranks[0]["logits"], ranks[1]["logits"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    full = kv_bytes_per_block(single.config, 4, torch.float32)
+    kv_split = single.config.num_key_value_heads % 2 == 0
+    for r in ranks:
+        assert r["kv_bytes_per_block"] == (full // 2 if kv_split else full)
+        # two all-reduces a layer of [tokens, hidden] float32
+        tokens = sum(len(s) for s in seqs)
+        assert r["comm_bytes"] == 2 * TINY["num_hidden_layers"] * tokens * TINY["hidden_size"] * 4
+
+
+def test_shards_cover_the_heads_once(tmp_path):
+    make_checkpoint("llama", tmp_path, num_attention_heads=8, num_key_value_heads=2)
+    cfg = load_model_config(tmp_path)
+    for world in (1, 2, 4, 8):
+        shards = [plan_shard(cfg, r, world) for r in range(world)]
+        q = [h for s in shards for h in range(*s.q_heads)]
+        assert q == list(range(8))
+        group = 8 // 2
+        for s in shards:  # every query head's KV head is on its rank
+            assert all(s.kv_heads[0] <= h // group < s.kv_heads[1] for h in range(*s.q_heads))
+        inter = [i for s in shards for i in range(*s.intermediate)]
+        assert inter == list(range(TINY["intermediate_size"]))
+    assert [plan_shard(cfg, r, 8).kv_heads for r in range(8)] == [(0, 1)] * 4 + [(1, 2)] * 4
+
+
+@pytest.mark.parametrize(
+    ("heads", "world", "needle"),
+    [
+        ((9, 3), 2, "size 2 does not divide the model's 9 query heads and 3 KV heads"),
+        ((8, 4), 8, None),
+        ((12, 4), 3, "size 3 neither divides nor is a multiple of the model's 12 query heads"),
+        ((4, 2), 0, "must be at least 1, got 0"),
+    ],
+)
+def test_sizes_that_do_not_divide_the_heads_are_one_line(tmp_path, heads, world, needle):
+    make_checkpoint(
+        "llama",
+        tmp_path,
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
+        hidden_size=16 * heads[0],
+    )
+    cfg = load_model_config(tmp_path)
+    if needle is None:
+        plan_shard(cfg, 0, world)
+        return
+    with pytest.raises(ValueError, match=needle):
+        plan_shard(cfg, 0, world)
+    if world >= 1:
+        with pytest.raises(ModelLoadError, match=needle) as info:
+            load_model(tmp_path, device="cpu", tensor_parallel=(0, world))
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+def test_default_model_three_ranks_greedy_tokens_equal_one(smollm2_dir):
+    """SmolLM2-135M has 9 query heads and 3 KV heads: three gloo ranks of 3 and 1 each, one
+    engine (rank 0 schedules and samples; ranks 1-2 are worker processes fed each step)."""
+    prompts, params = mixed_greedy_requests(6)
+    one = LLM(str(smollm2_dir))
+    want = [r.token_ids for r in one.generate(prompts, params)]
+    three = LLM(str(smollm2_dir), tensor_parallel_size=3)
+    group = three.core.runner.tp_group
+    try:
+        got = [r.token_ids for r in three.generate(prompts, params)]
+        assert all(group.alive())
+        runner = three.core.runner
+        assert runner.model_config.num_key_value_heads == 1
+        assert runner.bytes_per_block * 3 == one.core.runner.bytes_per_block
+        assert runner.native is None and "tensor parallel" in runner.native_off_reason
+    finally:
+        three.close()
+    assert got == want
+    assert not any(group.alive())  # close() ended the worker ranks
+
+
+def test_a_rank_that_cannot_start_is_named(tmp_path):
+    """A worker rank that cannot read the model exits before joining; rank 0 says which rank
+    instead of waiting for a group that will never form."""
+    with pytest.raises(ModelLoadError, match=r"group of 2 did not form .*rank\(s\) \[1\] exited"):
+        TensorParallelGroup(2, {"model_dir": str(tmp_path / "missing")}, join_timeout_s=5)
+
+
+def test_tensor_parallel_refusals_are_one_line(tmp_path):
+    make_checkpoint("llama", tmp_path)  # 4 query heads, 2 KV heads
+    with pytest.raises(ModelLoadError, match="size 3 does not divide the model's 4 query heads"):
+        LLM(str(tmp_path), load_format="dummy", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be"):
+        EngineConfig(model=str(tmp_path), tensor_parallel_size=0).validate()
