@@ -188,6 +188,7 @@ class EngineCore:
         t2 = time.perf_counter()
         # a runner without the attribute (a test's stub) counts its preparation as forward
         prepare_ms = getattr(self.runner, "last_prepare_ms", 0.0) if sched.chunks else 0.0
+        comm = getattr(self.runner, "last_collective", None) if sched.chunks else None
         spec = SpecCounts(self.spec.num_speculative_tokens if self.spec else 0)
         outputs = self._process(sched, logits, spec)
         t3 = time.perf_counter()
@@ -204,6 +205,8 @@ class EngineCore:
             detokenize_ms=self._detokenize_s * 1e3,
             compiled=bool(sched.chunks and getattr(self.runner, "last_native", False)),
             cpu_threads=self.cpu_threads,
+            collective_ms=comm[0] / 1e6 if comm else None,
+            collective_bytes=comm[1] if comm else None,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_prefill_tokens=sched.num_prefill_tokens,

@@ -193,6 +193,13 @@ class StepRecord(msgspec.Struct, kw_only=True):
     """the forward's CPU threads this step (``engine/cpu_threads.py``: the cores other
     processes leave free, or ``--cpu-threads``); NULL on CUDA and in dumps from before the
     field"""
+    collective_ms: float | None = None
+    """tensor parallelism: rank 0's wall time in collectives this step (sending the step's
+    inputs to the other ranks and the row-parallel layers' all-reduces; part of
+    ``forward_ms``); NULL on one rank and in dumps from before the field"""
+    collective_bytes: BigInt | None = None
+    """tensor parallelism: bytes rank 0 all-reduced this step (two ``[tokens, hidden]``
+    tensors a layer; the input broadcast not counted); NULL on one rank"""
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -17,7 +17,7 @@ from .errors import TokenmillError
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .models.loader import load_model
 from .models.native_step import NativeDecode, native_decode_for
-from .parallel.tensor_parallel import check_tensor_parallel
+from .parallel.tensor_parallel import check_tensor_parallel, take_comm
 from .parallel.workers import TensorParallelGroup
 from .scheduler import SchedulerOutput
 
@@ -100,6 +100,8 @@ class ModelRunner:
             log.info("compiled decode step off: %s", self.native_off_reason)
         # whether the last execute() ran the compiled decode step or a CUDA graph
         self.last_native = False
+        # tensor parallel: (ns, bytes) the last execute() spent in collectives
+        self.last_collective: tuple[int, int] | None = None
 
     def close(self) -> None:
         """Stop the tensor-parallel worker ranks, if any (idempotent)."""
@@ -194,7 +196,9 @@ class ModelRunner:
             len(tokens), step.metadata
         )
         if self.tp_group is not None:
+            t_send = time.perf_counter_ns()
             self.tp_group.broadcast_step(input_ids, step.positions, step.metadata)
+            send_ns = time.perf_counter_ns() - t_send
         if self.last_native:
             hidden = self.native.forward(input_ids, step.positions, step.metadata)
         elif self.graphs is not None and self.graphs.takes(len(tokens), step.metadata):
@@ -202,6 +206,9 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, step.positions, step.metadata)
         else:
             hidden = self.model(input_ids, step.positions, self.kv_caches, step.metadata)
+        if self.tp_group is not None:
+            ns, nbytes = take_comm(self.model)
+            self.last_collective = (send_ns + ns, nbytes)
         if picked is None:
             return torch.empty((0, self.model_config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[picked]).cpu()

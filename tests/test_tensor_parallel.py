@@ -114,6 +114,12 @@ def test_default_model_three_ranks_greedy_tokens_equal_one(smollm2_dir):
         assert runner.model_config.num_key_value_heads == 1
         assert runner.bytes_per_block * 3 == one.core.runner.bytes_per_block
         assert runner.native is None and "tensor parallel" in runner.native_off_reason
+        # each step's record has its collectives: two [tokens, 576] float32 all-reduces a layer
+        rec = next(r for r in three.step_records if r.num_sampled)
+        tokens = rec.num_prefill_tokens + rec.num_decode_tokens
+        assert rec.collective_bytes == 2 * 30 * tokens * 576 * 4
+        assert 0 < rec.collective_ms < rec.forward_ms
+        assert all(r.collective_ms is None for r in one.step_records)
     finally:
         three.close()
     assert got == want
