@@ -6,6 +6,11 @@ do not divide the heads, and a rank that cannot start, are refused in one line n
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from paged_driver import mixed_greedy_requests, run_paged
@@ -139,3 +144,39 @@ def test_tensor_parallel_refusals_are_one_line(tmp_path):
         LLM(str(tmp_path), load_format="dummy", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be"):
         EngineConfig(model=str(tmp_path), tensor_parallel_size=0).validate()
+
+
+def test_worker_ranks_exit_when_rank_zero_is_killed(tmp_path):
+    """SIGKILL of the engine core (rank 0) leaves no worker rank behind: each watches its
+    parent and exits within about a second (the API process then restarts the core)."""
+    make_checkpoint("llama", tmp_path)
+    script = (
+        "import sys, time\n"
+        "from tokenmill.engine.config import EngineConfig\n"
+        "from tokenmill.engine.model_runner import ModelRunner\n"
+        f"cfg = EngineConfig(model={str(tmp_path)!r}, load_format='dummy', device='cpu',"
+        " tensor_parallel_size=2, kv_cache_memory=1 << 20)\n"
+        f"runner = ModelRunner(cfg, {str(tmp_path)!r})\n"
+        "print(*[p.pid for p in runner.tp_group.procs], flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 1 and _running(pids[0])
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while _running(pids[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(pids[0]), "a worker rank outlived its engine core"
+    finally:
+        proc.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False

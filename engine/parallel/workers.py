@@ -1,5 +1,6 @@
 """The ranks of a tensor-parallel engine: rank 0 is the engine core's own model runner, ranks
-1..N-1 are worker processes it starts on this host.
+1..N-1 are worker processes it starts on this host (``python -m
+tokenmill.engine.parallel.workers``).
 
 Every step, rank 0 broadcasts the step's inputs (token ids, positions and the attention
 metadata, as tensors) with ``torch.distributed.broadcast_object_list``; each rank runs its
@@ -16,10 +17,12 @@ wait in the broadcast, whose timeout is therefore long (:data:`IDLE_TIMEOUT`).
 from __future__ import annotations
 
 import datetime
+import json
 import logging
-import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -94,10 +97,14 @@ class TensorParallelGroup:
     """Rank 0's side of a tensor-parallel engine on this host: starts ranks ``1..world-1`` as
     processes, joins the group, and broadcasts each step to them.
 
+    The workers are fresh interpreters (``python -m tokenmill.engine.parallel.workers``), not
+    ``multiprocessing`` children: the engine core runs as a daemonic process, which may not
+    have children of its own, and a fresh interpreter imports nothing of the parent's state.
+
     Args:
         world: ranks in all (``--tensor-parallel-size``), at least 2.
         load: what :func:`run_worker` passes to ``load_model`` (``model_dir``, ``block_size``
-            and its keyword arguments).
+            and its keyword arguments; JSON-serialisable).
         join_timeout_s: how long every rank has to join (s).
 
     Raises:
@@ -107,18 +114,18 @@ class TensorParallelGroup:
     def __init__(self, world: int, load: dict, join_timeout_s: float = 120.0):
         self.world = world
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = mp.get_context("spawn")
         self.procs = [
-            ctx.Process(
-                target=run_worker,
-                args=(rank, world, init_method, os.getpid(), load),
-                name=f"tokenmill-tp-rank{rank}",
-                daemon=True,
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tokenmill.engine.parallel.workers",
+                    json.dumps([rank, world, init_method, os.getpid(), load]),
+                ],
+                stdin=subprocess.DEVNULL,
             )
             for rank in range(1, world)
         ]
-        for p in self.procs:
-            p.start()
         try:
             dist.init_process_group(
                 "gloo",
@@ -128,7 +135,7 @@ class TensorParallelGroup:
                 timeout=datetime.timedelta(seconds=join_timeout_s),
             )
         except (RuntimeError, dist.DistStoreError) as exc:
-            missing = [rank for rank, p in enumerate(self.procs, 1) if not p.is_alive()]
+            missing = [rank for rank, p in enumerate(self.procs, 1) if p.poll() is not None]
             self.close()
             who = f"rank(s) {missing} exited" if missing else "a rank did not join"
             raise ModelLoadError(
@@ -154,11 +161,16 @@ class TensorParallelGroup:
             finally:
                 dist.destroy_process_group()
         for p in self.procs:
-            p.join(timeout_s)
-            if p.is_alive():
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
                 p.kill()
-                p.join(timeout_s)
+                p.wait(timeout_s)
 
     def alive(self) -> list[bool]:
         """Whether each worker (ranks 1..world-1) is still running."""
-        return [p.is_alive() for p in self.procs]
+        return [p.poll() is None for p in self.procs]
+
+
+if __name__ == "__main__":  # a worker rank, started by TensorParallelGroup
+    run_worker(*json.loads(sys.argv[1]))
