@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
 import os
 import socket
 import subprocess
@@ -32,8 +31,6 @@ import torch.distributed as dist
 from ..errors import ModelLoadError
 
 __all__ = ["IDLE_TIMEOUT", "TensorParallelGroup", "run_worker"]
-
-log = logging.getLogger(__name__)
 
 # how long a collective may wait: a worker waits in the step broadcast while the engine is idle,
 # so this bounds nothing in normal use; a dead rank 0 ends its workers through the watchdog
