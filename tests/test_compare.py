@@ -59,11 +59,39 @@ def tm(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def host_busy_pct(interval_s: float = 1.0) -> float:
+    """% of the host's CPU time busy (not idle, not iowait) over ``interval_s``, from
+    ``/proc/stat``'s first line."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]
+
+    t0, i0 = sample()
+    time.sleep(interval_s)
+    t1, i1 = sample()
+    return 100.0 * (1 - (i1 - i0) / max(1, t1 - t0))
+
+
+def wait_for_quiet_host(limit_s: float = 60.0, busy_pct: float = 10.0) -> None:
+    """Start a run on a settled host: in CI the first run once began while something an
+    earlier test left behind still took 22 % of the CPU, and its report read "not comparable"
+    against the later runs (78 % vs 95-97 % CPU left to the server)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and host_busy_pct() > busy_pct:
+        pass
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
     """name → the trace store of a finished real run (server stopped, store closed)."""
     out = {}
-    for name, (flags, bench) in RUNS.items():
+    # a throwaway first run: the first server and client of a fresh clone pay one-off costs
+    # (bytecode, page cache) that must not land in base1
+    runs_in_order = {"warmup": ((), (*BENCH[:2], "--num-requests", "4", *BENCH[4:])), **RUNS}
+    for name, (flags, bench) in runs_in_order.items():
+        wait_for_quiet_host()
         folder = tmp_path_factory.mktemp(name)
         db = folder / "traces.duckdb"
         server = Server(folder, "--model", str(smollm2_dir), "--trace-db", str(db), *flags)
@@ -73,6 +101,7 @@ def runs(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
         finally:
             server.stop()
         out[name] = db
+    del out["warmup"]
     return out
 
 
@@ -109,6 +138,13 @@ def test_max_num_seqs_4_is_named_with_the_ttft_rise_and_throughput_drop(runs):
     assert flags == [
         {"key": "max_num_seqs", "kind": "flag", "before": 64, "after": 4, "name": "--max-num-seqs"}
     ], rep["config_diff"]
+    md = tm("diagnose", "--baseline", str(runs["base1"]), str(runs["seqs4"]), "--format",
+            "markdown")  # fmt: skip
+    assert "| --max-num-seqs | flag | 64 | 4 |" in md.stdout
+    assert "TTFT p99 (gated)" in md.stdout
+    # the figures only mean something when the report calls the runs comparable (in one CI
+    # run a loaded host made the baseline's throughput lower than --max-num-seqs 4's)
+    quiet_host(rep)
     ttft, tput = shift(rep, "ttft_p99_ms"), shift(rep, "throughput_tok_s")
     assert ttft["after"] > ttft["before"] and ttft["change_pct"] > 0, ttft
     assert shift(rep, "ttft_p50_ms")["change_pct"] > 0
@@ -117,11 +153,6 @@ def test_max_num_seqs_4_is_named_with_the_ttft_rise_and_throughput_drop(runs):
     assert (
         rep["stations"]["schedule"]["p99"]["after"] > rep["stations"]["schedule"]["p99"]["before"]
     )
-    md = tm("diagnose", "--baseline", str(runs["base1"]), str(runs["seqs4"]), "--format",
-            "markdown")  # fmt: skip
-    assert "| --max-num-seqs | flag | 64 | 4 |" in md.stdout
-    assert "TTFT p99 (gated)" in md.stdout
-    quiet_host(rep)
     assert rep["verdict"] == "regression" and "ttft_p99_ms" in rep["regressions"], (ttft, tput)
     text = tm("diagnose", "--baseline", str(runs["base1"]), str(runs["seqs4"]))
     assert text.returncode == 0, text.stderr
