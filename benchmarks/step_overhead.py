@@ -32,10 +32,12 @@ processes on 2 cores slow each other 10–20×): ``.venv/bin/python benchmarks/s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -44,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import duckdb
 import httpx
 import torch
 from torch.nn import functional as F
@@ -57,6 +60,8 @@ from tokenmill.kernels import cpu as cpu_gemv
 
 OUT = Path(__file__).parent / "results"
 PARTS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "detokenize_ms")
+# the API process's parts of a step, stored only through the server
+API_PARTS = ("output_send_ms", "stream_write_ms")
 BATCHES = (1, 8, 32)
 # rows per GEMV pass: where the kernel stops beating F.linear sets cpu.FASTER_ROWS
 GEMV_ROWS = (1, 2, 4, 8, 16, 24, 32)
@@ -147,56 +152,97 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def serving(args: list[str], env: dict, tmp: Path):
+    """``tokenmill serve ARGS`` in a subprocess (cwd ``tmp``) until the block ends; yields
+    its URL."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port), *args],
+        cwd=tmp,
+        env={**os.environ, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((tmp / "server.log").read_text()[-2000:])
+            try:
+                if httpx.get(url + "/health", timeout=2).json()["status"] == "ok":
+                    break
+            except (httpx.HTTPError, ValueError):
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)  # a clean stop flushes the trace store
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
 def server_itl(args: list[str], env: dict, requests: int = 3, tokens: int = 96) -> dict:
     """Single-stream ITL through ``tokenmill serve ARGS``: one streaming client, ``requests``
     chat requests one after another; ITL = gaps between SSE chunks that carry text."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as tmp:
-        log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port), *args],
-            cwd=tmp,
-            env={**os.environ, **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError((Path(tmp) / "server.log").read_text()[-2000:])
-                try:
-                    if httpx.get(url + "/health", timeout=2).json()["status"] == "ok":
-                        break
-                except (httpx.HTTPError, ValueError):
-                    time.sleep(0.5)
-            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            gaps: list[float] = []
-            for i in range(requests + 1):  # the first one warms up and is left out
-                body = {
-                    "model": model,
-                    "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                    "max_tokens": tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                }
-                times = []
-                with httpx.stream(
-                    "POST", url + "/v1/chat/completions", json=body, timeout=120
-                ) as r:
-                    r.raise_for_status()
-                    for line in r.iter_lines():
-                        if line.startswith("data: {") and '"content"' in line:
-                            times.append(time.perf_counter())
-                if i:
-                    gaps += [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
-        finally:
-            proc.terminate()
-            proc.wait(30)
-            log.close()
+    with tempfile.TemporaryDirectory() as tmp, serving(args, env, Path(tmp)) as url:
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        gaps: list[float] = []
+        for i in range(requests + 1):  # the first one warms up and is left out
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                "max_tokens": tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            times = []
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and '"content"' in line:
+                        times.append(time.perf_counter())
+            if i:
+                gaps += [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
     return {"requests": requests, "itl_p50_ms": statistics.median(gaps), "gaps": len(gaps)}
+
+
+def server_split(args: list[str], tokens: int = 48) -> list[dict]:
+    """The whole split through ``tokenmill serve ARGS``: for each batch in :data:`BATCHES`,
+    ``tokenmill bench`` with that many streams at once (one request each, 32-token prompts,
+    ``tokens`` output tokens, ``ignore_eos``); then, from the server's trace store, the median
+    of each part over the decode-only steps with that many requests running: the engine's
+    parts (:data:`PARTS`) and the API's, ``output_send_ms`` (the outputs' hop to the API
+    process) and ``stream_write_ms`` (the API writing them to the streams)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        db = Path(tmp) / "traces.duckdb"
+        with serving([*args, "--trace-db", str(db)], {}, Path(tmp)) as url:
+            for batch in (1, *BATCHES):  # the first batch-1 run warms up
+                subprocess.run(
+                    [sys.executable, "-m", "tokenmill.engine.cli", "bench", "--url", url,
+                     "--concurrency", str(batch), "--num-requests", str(batch),
+                     "--prompt-tokens", "32", "--output-tokens", str(tokens), "--no-progress"],
+                    check=True, capture_output=True, cwd=tmp,
+                )  # fmt: skip
+        con = duckdb.connect(str(db), read_only=True)
+        names = (*PARTS, *API_PARTS, "step_ms")
+        rows = []
+        for batch in BATCHES:
+            sql = (
+                "SELECT count(*), "
+                + ", ".join(f"median({p})" for p in PARTS + API_PARTS)
+                + ", median((end_ns - start_ns) / 1e6) FROM engine_steps "
+                "WHERE num_prefill_tokens = 0 AND num_decode_tokens > 0 AND num_running = ?"
+            )
+            n, *values = con.execute(sql, [batch]).fetchone()
+            rows.append({"batch": batch, "steps": n, **dict(zip(names, values, strict=True))})
+        con.close()
+    return rows
 
 
 def one_variant(name: str) -> dict:
@@ -271,6 +317,10 @@ def main() -> int:
         r["itl_vs_floor"] = r["itl_p50_ms"] / floor
         r["output_tok_s"] = 1e3 / r["itl_p50_ms"]
         result["server"][name] = r
+    result["server_split"] = {
+        name: server_split(args)
+        for name, args in (("float32", []), ("int4", ["--quantization", "int4"]))
+    }
     OUT.mkdir(exist_ok=True)
     (OUT / "step_overhead.json").write_text(json.dumps(result, indent=2))
     print(
@@ -293,6 +343,14 @@ def main() -> int:
             print(
                 f"{name:>7} {r['batch']:>5} "
                 + " ".join(f"{r[p]:13.2f}" for p in (*PARTS, "step_ms"))
+            )
+    cols = (*PARTS, *API_PARTS, "step_ms")
+    print("through the server: variant batch steps " + " ".join(f"{p:>15}" for p in cols))
+    for name, rows in result["server_split"].items():
+        for r in rows:
+            print(
+                f"{name:>7} {r['batch']:>5} {r['steps']:>5} "
+                + " ".join(f"{r[p]:15.2f}" if r[p] is not None else f"{'-':>15}" for p in cols)
             )
     for name, s in result["server"].items():
         print(

@@ -26,6 +26,7 @@ _COLORS = {
     "prepare": "#17becf",
     "detokenize": "#e377c2",
     "send": "#7f7f7f",
+    "write": "#bcbd22",
 }
 
 
@@ -171,9 +172,10 @@ def waterfall(detail: dict) -> go.Figure:
 def engine(steps: pd.DataFrame, hits: pd.DataFrame, per_step: bool) -> go.Figure:
     """Engine steps over time, five rows: batch composition (prefill vs decode tokens per step),
     step time split (schedule / prepare / forward / sample / detokenize ms, then the outputs'
-    send to the API process, ``output_send_ms``, where the store has it; a store from before
-    prepare and detokenize had their own fields shows them inside forward and sample), running vs waiting, KV blocks (used, free,
-    cached), preemptions with the prefix-cache hit rate."""
+    send to the API process, ``output_send_ms``, and the API writing them to the streams,
+    ``stream_write_ms``, where the store has them; a store from before prepare and detokenize
+    had their own fields shows them inside forward and sample), running vs waiting, KV blocks
+    (used, free, cached), preemptions with the prefix-cache hit rate."""
     fig = make_subplots(
         rows=5,
         cols=1,
@@ -195,7 +197,7 @@ def engine(steps: pd.DataFrame, hits: pd.DataFrame, per_step: bool) -> go.Figure
             row=1,
             col=1,
         )
-    for col in ("schedule", "prepare", "forward", "sample", "detokenize", "send"):
+    for col in ("schedule", "prepare", "forward", "sample", "detokenize", "send", "write"):
         if f"{col}_ms" not in steps or steps[f"{col}_ms"].isna().all():
             continue
         fig.add_trace(

@@ -210,6 +210,7 @@ SELECT (start_ns - $t0) // $w AS win,
     avg(prepare_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS prepare_ms_mean,
     avg(detokenize_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS detokenize_ms_mean,
     avg(output_send_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS output_send_ms_mean,
+    avg(stream_write_ms) FILTER (WHERE {WORKING_STEP_SQL}) AS stream_write_ms_mean,
     avg((schedule_ms + coalesce(prepare_ms, 0) + sample_ms + coalesce(detokenize_ms, 0)) / nullif((end_ns - start_ns) / 1e6, 0)) FILTER (WHERE {WORKING_STEP_SQL}) AS host_share_of_step,
     max(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) FILTER (WHERE num_running = 0 AND num_waiting = 0) AS idle_kv_usage_max,
     count(*) FILTER (WHERE num_running = 0 AND num_waiting = 0) AS idle_steps

@@ -2,7 +2,8 @@
 
 ``generate()`` is an async iterator of :class:`RequestOutput` deltas; leaving it early (a client
 that disconnects) aborts the request in the engine, whose blocks are freed in that step. Step
-records go to listeners (telemetry) as they arrive; the engine never waits on them.
+records go to listeners (telemetry) once the step's outputs are written to their streams
+(``stream_writes.py``); the engine never waits on them.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .messages import (
     to_row,
 )
 from .sampling_params import SamplingParams
+from .stream_writes import StreamWriteClock
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,10 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._abandoned_listeners: list[Callable[[RequestOutput], None]] = []
+        # events of outputs a left stream never read, until the engine's final record of it
+        self._carried_events: dict[str, list] = {}
+        # a step's record goes to the listeners once its outputs are written to the streams
+        self._writes = StreamWriteClock(self._to_listeners)
         self._reader: asyncio.Task | None = None
         self._closing = False  # shutdown() began: the process exiting is no crash
         self.process: multiprocessing.Process | None = None
@@ -146,6 +152,7 @@ class AsyncEngine:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
+        self._writes.flush()
         self._push.close(linger=0)
         self._pull.close(linger=0)
         self._ctx.term()
@@ -221,6 +228,7 @@ class AsyncEngine:
             arrival_ns=arrival_ns,
         )
         finished = False
+        unwritten = None  # the output handed to the stream and not yet written by it
         try:
             if not await self._send(add):
                 finished = True
@@ -246,21 +254,33 @@ class AsyncEngine:
                     finished = not isinstance(item, StreamStopped)
                     raise item
                 finished = item.finished
+                unwritten = item
                 yield item
+                # asked for the next one: the stream has written this one
+                unwritten = None
+                self._writes.written(item)
                 if finished:
                     return
         finally:
             self._queues.pop(request_id, None)
+            if unwritten is not None:
+                self._writes.dropped(unwritten)
+            unread = [o for o in _drain(queue) if isinstance(o, RequestOutput)]
+            for o in unread:
+                self._writes.dropped(o)
             if not finished:
                 # outputs the stream never read: a final one is the request's last record (it
-                # finished as the stream was left); otherwise the engine aborts it and sends one
-                final = next(
-                    (o for o in _drain(queue) if isinstance(o, RequestOutput) and o.finished),
-                    None,
-                )
+                # finished as the stream was left); otherwise the engine aborts it and sends one.
+                # Either way the record carries the unread outputs' events (a preemption in
+                # them is counted in the record's num_preemptions)
+                carried = [e for o in unread if not o.finished for e in o.events]
+                final = next((o for o in unread if o.finished), None)
                 if final is not None:
+                    final.events = carried + final.events
                     self._abandoned(final)
                 elif self.alive:
+                    if carried:
+                        self._carried_events[request_id] = carried
                     await self._send(AbortRequests([request_id]))
 
     def stop_streams(self, reason: str) -> int:
@@ -334,6 +354,7 @@ class AsyncEngine:
     async def _read_loop(self) -> None:
         while True:
             msg = await self._recv(1.0)
+            self._writes.expire()
             if msg is not None:
                 self.last_message_monotonic = time.monotonic()
             if msg is None:
@@ -348,12 +369,14 @@ class AsyncEngine:
             if isinstance(msg, EngineOutputs):
                 if msg.step is not None:
                     msg.step.output_send_ms = max(0.0, (time.time_ns() - msg.step.end_ns) / 1e6)
-                self._dispatch(msg.outputs)
+                delivered = self._dispatch(msg.outputs)
                 if msg.step is not None:
-                    self._on_step(msg.step)
+                    self._update_stats(msg.step)
+                    self._writes.received(msg.step, delivered)
             elif isinstance(msg, Heartbeat):
                 self.stats = to_row(msg.stats)
-                self._on_step(msg.step)
+                self._update_stats(msg.step)
+                self._to_listeners(msg.step)
             elif isinstance(msg, RequestFailed):
                 queue = self._queues.get(msg.request_id)
                 if queue is not None:
@@ -364,13 +387,20 @@ class AsyncEngine:
                 self._fail_all(msg.error.message)
                 return
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Queue each output on its stream; returns those queued."""
+        delivered = []
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+                delivered.append(out)
             elif out.finished:
+                carried = self._carried_events.pop(out.request_id, None)
+                if carried:
+                    out.events = carried + out.events
                 self._abandoned(out)
+        return delivered
 
     def _abandoned(self, out: RequestOutput) -> None:
         """Hand the final output of a request whose stream was left to the listeners."""
@@ -380,7 +410,7 @@ class AsyncEngine:
             except Exception:
                 log.exception("abandoned-output listener failed")
 
-    def _on_step(self, record: StepRecord) -> None:
+    def _update_stats(self, record: StepRecord) -> None:
         self.stats.update(
             num_running=record.num_running,
             num_waiting=record.num_waiting,
@@ -389,6 +419,8 @@ class AsyncEngine:
             kv_blocks_cached=record.kv_blocks_cached,
             kv_usage=record.kv_blocks_used / max(record.kv_blocks_total, 1),
         )
+
+    def _to_listeners(self, record: StepRecord) -> None:
         for fn in self._listeners:
             try:
                 fn(record)
@@ -397,6 +429,8 @@ class AsyncEngine:
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
+        self._writes.flush()
+        self._carried_events.clear()
         log.error("engine core died: %s", reason)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(f"engine core died: {reason}"))

@@ -186,6 +186,11 @@ class StepRecord(msgspec.Struct, kw_only=True):
     decoding and the API's event loop getting to the message (wall clock, one host); set by the
     API on receipt (``engine/async_engine.py``), NULL in-process (``LLM``) and in dumps from
     before the field"""
+    stream_write_ms: float | None = None
+    """from the API process holding the step's outputs (``output_send_ms``'s end) to the last
+    stream given one having written it to its socket, event-loop waits included
+    (``engine/stream_writes.py``); 0 when no stream had one, NULL in-process (``LLM``) and in
+    dumps from before the field"""
     compiled: bool | None = None
     """the forward ran the compiled decode step (``engine/models/native_step.py``) instead of
     the eager module forward; NULL in dumps from before the field"""

@@ -230,12 +230,22 @@ def test_linear_routes_small_rows_to_the_kernel(monkeypatch):
     assert calls == [lo, hi]
 
 
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),  # --dtype bfloat16
+        (torch.float32, torch.bfloat16),  # float32 rows rounded into a bf16 cache
+    ],
+)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 4)])
-def test_decode_attention_matches_the_reference(window, hq, hkv):
+def test_decode_attention_matches_the_reference(window, hq, hkv, dtype, cache_dtype):
     """Three sequences of different lengths over shuffled blocks (block size 4), one with a
-    -1 slot (nothing stored): the stored K/V and the output equal the reference's store_kv +
-    paged_attention on one-token chunks within 1e-5."""
+    -1 slot (nothing stored): the stored K/V equal the reference's store_kv exactly (a bf16
+    cache: torch's round-to-nearest-even of the new rows), and the output equals the
+    reference's paged_attention on one-token chunks, in float32 over the same cache
+    contents, within 1e-5."""
     if not cpu.available():
         pytest.skip(cpu.unavailable_reason())
     g = torch.Generator().manual_seed(hq * 10 + (window or 0))
@@ -251,18 +261,19 @@ def test_decode_attention_matches_the_reference(window, hq, hkv):
         [int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)]
     )
     slots[1] = -1  # padding: not stored, but still attended (over whatever the cache holds)
-    kc = torch.randn(nb, bs, hkv, d, generator=g)
-    vc = torch.randn(nb, bs, hkv, d, generator=g)
-    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g)  # strided views, as the model's
+    kc = torch.randn(nb, bs, hkv, d, generator=g).to(cache_dtype)
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(cache_dtype)
+    # strided views, as the model's
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g).to(dtype)
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     reference.store_kv(k, v, kc_ref, vc_ref, slots)
     want = reference.paged_attention(
-        q,
-        kc_ref,
-        vc_ref,
+        q.float(),
+        kc_ref.float(),
+        vc_ref.float(),
         torch.arange(b + 1, dtype=torch.int32),
         seq_lens,
         tables,
@@ -279,12 +290,12 @@ def test_decode_attention_matches_the_reference(window, hq, hkv):
 
 
 def test_decode_attention_declines_what_it_does_not_take():
-    """bf16 caches or int32 slots: None, and the caches untouched (the caller's torch path
+    """float16 caches or int32 slots: None, and the caches untouched (the caller's torch path
     runs instead)."""
     if not cpu.available():
         pytest.skip(cpu.unavailable_reason())
     q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
-    kc = torch.zeros(4, 4, 1, 8, dtype=torch.bfloat16)
+    kc = torch.zeros(4, 4, 1, 8, dtype=torch.float16)
     args = (torch.tensor([0]), torch.zeros((1, 1), dtype=torch.int32))
     lens = torch.tensor([1], dtype=torch.int32)
     assert cpu.decode_attention(q, k, k, kc, kc.clone(), *args, lens, 0.3) is None

@@ -162,6 +162,10 @@ def test_fast_scenario_names_the_expected_rule(name, tmp_path, smollm2_dir, monk
     if result["expect"]:
         top = result["findings"][0]
         assert top["evidence"], top
+    if name == "itl_frontend_overhead":
+        # the API's own measure of the drill: each step's outputs waited >= 500 ms in the
+        # streams (engine_steps.stream_write_ms)
+        assert top["evidence"]["stream_write_ms_mean"] >= 500, top["evidence"]
     health = result["health_after"]
     if name == "kv_block_leak":  # case C05: /health says degraded with the blocks still held
         assert health["status"] == "degraded", health

@@ -59,6 +59,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             if w.get("output_send_ms_mean") is not None
             else ""
         )
+        + (
+            f" and {_ms(w.get('stream_write_ms_mean'))} for the API to write them to the streams"
+            if w.get("stream_write_ms_mean") is not None
+            else ""
+        )
         + (f"; GPU busy {util:.0f}%" if util is not None and sig.device_kind == "gpu" else "")
         + ")",
         {
@@ -68,6 +73,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "prepare_ms_mean": w.get("prepare_ms_mean"),
             "detokenize_ms_mean": w.get("detokenize_ms_mean"),
             "output_send_ms_mean": w.get("output_send_ms_mean"),
+            "stream_write_ms_mean": w.get("stream_write_ms_mean"),
             "forward_ms_mean": w.get("forward_ms_mean"),
             "step_ms_p50": w.get("step_ms_p50"),
             "baseline_step_ms_p50": base_step,

@@ -11,14 +11,18 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if w is None:
         return None
     r = w.get("stream_vs_engine_tpot")
+    write = w.get("stream_write_ms_mean")
     where, params = _in_window(w)
     return Evidence(
         f"the stream delivered tokens {r:.1f}x slower than the engine produced them in {_when(w)} "
-        f"(engine TPOT p50 {_ms(w.get('tpot_p50'))}): detokenize/serialize/write is the bottleneck",
+        f"(engine TPOT p50 {_ms(w.get('tpot_p50'))}"
+        + (f"; the API took {_ms(write)} a step to write the outputs" if write is not None else "")
+        + "): detokenize/serialize/write is the bottleneck",
         {
             "stream_vs_engine_tpot": r,
             "engine_tpot_p50_ms": w.get("tpot_p50"),
             "step_ms_p50": w.get("step_ms_p50"),
+            "stream_write_ms_mean": write,
         },
         (w.start_ns, w.end_ns),
         where + " AND output_tokens >= 8",
@@ -39,6 +43,7 @@ RULE = Rule(
     ),
     checks=(
         "stream vs engine TPOT per request length (growing = detokenizer)",
+        "engine_steps.stream_write_ms: the API's time from a step's outputs to their last write",
         "API process CPU in the host samples",
     ),
     knob="more API processes / fewer streams per process; check the detokenizer (symptom case C03)",

@@ -1,0 +1,104 @@
+"""The last part of a step's time: the API process writing its outputs to the streams.
+
+:class:`StreamWriteClock` holds each step's :class:`StepRecord` from the moment the API process
+read the step's outputs off the engine socket until every stream given one of them has written
+it, then sets ``StepRecord.stream_write_ms`` and hands the record on. "Written" is the moment a
+stream asks :meth:`AsyncEngine.generate` for its next output: the route has then turned the
+previous one into SSE chunks (or a JSON body's text) and its ASGI ``send`` has returned, i.e.
+the bytes are with the socket (uvicorn waits there while a slow client's socket buffer is
+full). The time spent waiting for the event loop to run each stream's task is part of it: that
+is the API process's share of a token's latency that no engine-side timer sees (issue 20's
+"API-side stream write").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from .messages import RequestOutput, StepRecord
+
+STREAM_WRITE_WAIT_S = 10.0
+"""A step whose streams have not all written after this long is handed on anyway, with the
+time waited so far (a lower bound): a client that stopped reading must not hold the step's
+record back for good."""
+
+
+class _Step:
+    __slots__ = ("last_written_ns", "received_ns", "record", "waiting")
+
+    def __init__(self, record: StepRecord, received_ns: int, waiting: int):
+        self.record = record
+        self.received_ns = received_ns  # time.monotonic_ns()
+        self.waiting = waiting  # outputs not yet written or dropped
+        self.last_written_ns: int | None = None
+
+
+class StreamWriteClock:
+    """Per step, the ms from the API holding its outputs to the last of them written.
+
+    Args:
+        emit: called with each finished record (in the event loop; it must not raise into the
+            caller: :meth:`AsyncEngine._to_listeners` catches per listener).
+        wait_s: see :data:`STREAM_WRITE_WAIT_S`.
+
+    A step with nothing to write (every output's stream gone, or none sampled) is handed on
+    at once with ``stream_write_ms = 0.0``.
+    """
+
+    def __init__(self, emit: Callable[[StepRecord], None], wait_s: float = STREAM_WRITE_WAIT_S):
+        self._emit = emit
+        self._wait_ns = int(wait_s * 1e9)
+        self._steps: dict[int, _Step] = {}  # step_id -> step still being written
+        self._of_output: dict[int, _Step] = {}  # id(RequestOutput) -> its step
+
+    def received(self, record: StepRecord, delivered: list[RequestOutput]) -> None:
+        """The step's outputs were just put on their streams' queues (``delivered``: those a
+        stream will read; outputs of streams already gone are not in it)."""
+        now = time.monotonic_ns()
+        if not delivered:
+            record.stream_write_ms = 0.0
+            self._emit(record)
+            return
+        step = _Step(record, now, len(delivered))
+        self._steps[id(step)] = step
+        for out in delivered:
+            self._of_output[id(out)] = step
+
+    def written(self, out: RequestOutput) -> None:
+        """A stream took ``out`` and has written it (it asked for the next output)."""
+        step = self._of_output.pop(id(out), None)
+        if step is not None:
+            step.last_written_ns = time.monotonic_ns()
+            self._settle(step)
+
+    def dropped(self, out: RequestOutput) -> None:
+        """``out`` will never be written (its stream ended first)."""
+        step = self._of_output.pop(id(out), None)
+        if step is not None:
+            self._settle(step)
+
+    def expire(self) -> None:
+        """Hand on the steps waited on longer than ``wait_s``, with the time waited so far."""
+        now = time.monotonic_ns()
+        for step in [s for s in self._steps.values() if now - s.received_ns > self._wait_ns]:
+            self._finish(step, now)
+
+    def flush(self) -> None:
+        """Hand on every step still waited on (the engine stopped or died)."""
+        now = time.monotonic_ns()
+        for step in list(self._steps.values()):
+            self._finish(step, now)
+
+    def _settle(self, step: _Step) -> None:
+        step.waiting -= 1
+        if step.waiting <= 0 and id(step) in self._steps:
+            self._finish(step, step.last_written_ns or step.received_ns)
+
+    def _finish(self, step: _Step, end_ns: int) -> None:
+        del self._steps[id(step)]
+        step.record.stream_write_ms = max(0.0, (end_ns - step.received_ns) / 1e6)
+        if step.waiting > 0:  # expired or flushed: forget its outputs still unwritten
+            for key in [k for k, s in self._of_output.items() if s is step]:
+                del self._of_output[key]
+        self._emit(step.record)
