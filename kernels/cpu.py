@@ -144,10 +144,10 @@ def _build() -> ctypes.CDLL:
     lib.tokenmill_fused_add_rms_norm.argtypes = [ptr] * 5 + [i64, i64, f32]
     lib.tokenmill_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
     lib.tokenmill_silu_and_mul.argtypes = [ptr, ptr, i64, i64]
-    lib.tokenmill_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
-    lib.tokenmill_decode_attention.argtypes += [ptr, i64, i64, i64, i64, i64, f32, i64, ptr]
-    lib.tokenmill_decode_attention.argtypes += [ctypes.c_int]
-    lib.tokenmill_decode_attention.restype = ctypes.c_int
+    for fn in (lib.tokenmill_decode_attention, lib.tokenmill_decode_attention_bf16):
+        fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
+        fn.argtypes += [ptr, i64, i64, i64, i64, i64, f32, i64, ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
     # the model table is a struct (kernels/cpu_step.py) passed by reference
     lib.tokenmill_decode_step_scratch.argtypes = [ptr, i64]
     lib.tokenmill_decode_step_scratch.restype = i64
@@ -524,9 +524,11 @@ def decode_attention(
     ``slot_mapping [B]`` (int64, ``-1`` skipped) in the caches ``[num_blocks, block_size, Hkv,
     D]``, then attend ``query [B, Hq, D]`` over each sequence's ``seq_lens [B]`` (int32)
     tokens through ``block_tables [B, max_blocks]`` (int32), causal and within
-    ``sliding_window``. Returns ``[B, Hq, D]`` float32, or None (nothing stored) when an input
-    is not one the kernel takes (not float32 on the CPU, caches not contiguous, heads not
-    contiguous, index dtypes) so the caller runs its torch path. Same result as
+    ``sliding_window``. The caches may be float32 or bfloat16 (then the new K/V are rounded to
+    bf16 on the way in, and bf16 query/key/value are widened to float32 first; the math is
+    float32 either way). Returns ``[B, Hq, D]`` float32, or None (nothing stored) when an
+    input is not one the kernel takes (another dtype or device, caches not contiguous, heads
+    not contiguous, index dtypes) so the caller runs its torch path. Same result as
     :func:`tokenmill.kernels.reference.paged_attention` on one-token chunks.
 
     Raises:
@@ -535,8 +537,12 @@ def decode_attention(
     lib = _loaded_or_raise()
     b, hq, d = query.shape
     hkv = key.shape[1]
+    bf16 = k_cache.dtype == v_cache.dtype == torch.bfloat16 and k_cache.device.type == "cpu"
+    if bf16 and query.dtype == key.dtype == value.dtype == torch.bfloat16:
+        # the step's rows widened once (a few KB); the cache stays bf16
+        query, key, value = query.float(), key.float(), value.float()
     ok = (
-        _f32(query, key, value, k_cache, v_cache)
+        (_f32(query, key, value, k_cache, v_cache) or (bf16 and _f32(query, key, value)))
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == d for t in (query, key, value))
@@ -553,7 +559,8 @@ def decode_attention(
     if not ok:
         return None
     out = torch.empty((b, hq, d), dtype=torch.float32)
-    rc = lib.tokenmill_decode_attention(
+    kernel = lib.tokenmill_decode_attention_bf16 if bf16 else lib.tokenmill_decode_attention
+    rc = kernel(
         query.data_ptr(),
         query.stride(0),
         key.data_ptr(),
