@@ -279,8 +279,8 @@ class AsyncEngine:
                     final.events = carried + final.events
                     self._abandoned(final)
                 elif self.alive:
-                    if carried:
-                        self._carried_events[request_id] = carried
+                    # outputs still in flight to it add their events here too (_dispatch)
+                    self._carried_events[request_id] = carried
                     await self._send(AbortRequests([request_id]))
 
     def stop_streams(self, reason: str) -> int:
@@ -400,6 +400,8 @@ class AsyncEngine:
                 if carried:
                     out.events = carried + out.events
                 self._abandoned(out)
+            elif out.request_id in self._carried_events:
+                self._carried_events[out.request_id].extend(out.events)
         return delivered
 
     def _abandoned(self, out: RequestOutput) -> None:

@@ -189,8 +189,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     stream_write_ms: float | None = None
     """from the API process holding the step's outputs (``output_send_ms``'s end) to the last
     stream given one having written it to its socket, event-loop waits included
-    (``engine/stream_writes.py``); 0 when no stream had one, NULL in-process (``LLM``) and in
-    dumps from before the field"""
+    (``engine/stream_writes.py``); 0 when no stream had one; NULL when a stream had not
+    written it after 10 s (a client that stopped reading) or the engine stopped first,
+    in-process (``LLM``) and in dumps from before the field"""
     compiled: bool | None = None
     """the forward ran the compiled decode step (``engine/models/native_step.py``) instead of
     the eager module forward; NULL in dumps from before the field"""

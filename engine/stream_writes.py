@@ -19,18 +19,19 @@ from collections.abc import Callable
 from .messages import RequestOutput, StepRecord
 
 STREAM_WRITE_WAIT_S = 10.0
-"""A step whose streams have not all written after this long is handed on anyway, with the
-time waited so far (a lower bound): a client that stopped reading must not hold the step's
-record back for good."""
+"""A step whose streams have not all written after this long is handed on anyway, with
+``stream_write_ms`` NULL: a client that stopped reading must not hold the step's record back
+for good, nor put its stall on every step it lived through as the API's write time."""
 
 
 class _Step:
-    __slots__ = ("last_written_ns", "received_ns", "record", "waiting")
+    __slots__ = ("last_written_ns", "outputs", "received_ns", "record", "waiting")
 
-    def __init__(self, record: StepRecord, received_ns: int, waiting: int):
+    def __init__(self, record: StepRecord, received_ns: int, outputs: list[int]):
         self.record = record
         self.received_ns = received_ns  # time.monotonic_ns()
-        self.waiting = waiting  # outputs not yet written or dropped
+        self.outputs = outputs  # id() of each output given to a stream
+        self.waiting = len(outputs)  # outputs not yet written or dropped
         self.last_written_ns: int | None = None
 
 
@@ -43,13 +44,16 @@ class StreamWriteClock:
         wait_s: see :data:`STREAM_WRITE_WAIT_S`.
 
     A step with nothing to write (every output's stream gone, or none sampled) is handed on
-    at once with ``stream_write_ms = 0.0``.
+    at once with ``stream_write_ms = 0.0``. An output a stream took but never asked past (it
+    ended on it: an error chunk, a client gone) counts as dropped, so a step whose only output
+    was that one reads 0 even though its chunk may have been sent. A step still waited on
+    after ``wait_s``, or when the engine stops, is handed on with ``stream_write_ms`` None.
     """
 
     def __init__(self, emit: Callable[[StepRecord], None], wait_s: float = STREAM_WRITE_WAIT_S):
         self._emit = emit
         self._wait_ns = int(wait_s * 1e9)
-        self._steps: dict[int, _Step] = {}  # step_id -> step still being written
+        self._steps: dict[int, _Step] = {}  # id(step) -> step still being written
         self._of_output: dict[int, _Step] = {}  # id(RequestOutput) -> its step
 
     def received(self, record: StepRecord, delivered: list[RequestOutput]) -> None:
@@ -60,10 +64,10 @@ class StreamWriteClock:
             record.stream_write_ms = 0.0
             self._emit(record)
             return
-        step = _Step(record, now, len(delivered))
+        step = _Step(record, now, [id(out) for out in delivered])
         self._steps[id(step)] = step
-        for out in delivered:
-            self._of_output[id(out)] = step
+        for key in step.outputs:
+            self._of_output[key] = step
 
     def written(self, out: RequestOutput) -> None:
         """A stream took ``out`` and has written it (it asked for the next output)."""
@@ -79,26 +83,29 @@ class StreamWriteClock:
             self._settle(step)
 
     def expire(self) -> None:
-        """Hand on the steps waited on longer than ``wait_s``, with the time waited so far."""
+        """Hand on the steps waited on longer than ``wait_s`` (``stream_write_ms`` None)."""
         now = time.monotonic_ns()
         for step in [s for s in self._steps.values() if now - s.received_ns > self._wait_ns]:
-            self._finish(step, now)
+            self._finish(step, None)
 
     def flush(self) -> None:
-        """Hand on every step still waited on (the engine stopped or died)."""
-        now = time.monotonic_ns()
+        """Hand on every step still waited on (the engine stopped or died; None as above)."""
         for step in list(self._steps.values()):
-            self._finish(step, now)
+            self._finish(step, None)
 
     def _settle(self, step: _Step) -> None:
         step.waiting -= 1
         if step.waiting <= 0 and id(step) in self._steps:
             self._finish(step, step.last_written_ns or step.received_ns)
 
-    def _finish(self, step: _Step, end_ns: int) -> None:
+    def _finish(self, step: _Step, end_ns: int | None) -> None:
+        """``end_ns`` None: not all written (expired, flushed)."""
         del self._steps[id(step)]
-        step.record.stream_write_ms = max(0.0, (end_ns - step.received_ns) / 1e6)
-        if step.waiting > 0:  # expired or flushed: forget its outputs still unwritten
-            for key in [k for k, s in self._of_output.items() if s is step]:
-                del self._of_output[key]
+        if end_ns is None:
+            step.record.stream_write_ms = None
+            for key in step.outputs:  # forget its outputs still unwritten
+                if self._of_output.get(key) is step:
+                    del self._of_output[key]
+        else:
+            step.record.stream_write_ms = max(0.0, (end_ns - step.received_ns) / 1e6)
         self._emit(step.record)

@@ -537,7 +537,8 @@ def decode_attention(
     lib = _loaded_or_raise()
     b, hq, d = query.shape
     hkv = key.shape[1]
-    bf16 = k_cache.dtype == v_cache.dtype == torch.bfloat16 and k_cache.device.type == "cpu"
+    bf16 = k_cache.dtype == v_cache.dtype == torch.bfloat16
+    bf16 = bf16 and k_cache.device.type == v_cache.device.type == "cpu"
     if bf16 and query.dtype == key.dtype == value.dtype == torch.bfloat16:
         # the step's rows widened once (a few KB); the cache stays bf16
         query, key, value = query.float(), key.float(), value.float()

@@ -162,6 +162,10 @@ class ServingMetrics:
 
     def __init__(self, model_name: str):
         self.model_name = model_name
+        # step id of the record the engine-state gauges came from: a step record reaches the
+        # listeners once its outputs are written (engine/stream_writes.py), so a slow stream
+        # can deliver it after a newer step's or an idle heartbeat's
+        self._state_step_id = -1
         self.registry = CollectorRegistry()
         r = self.registry
         m = ["model_name"]
@@ -406,7 +410,8 @@ class ServingMetrics:
         ``iteration_tokens`` observes ``num_prefill_tokens + num_decode_tokens`` (tokens, steps
         with 0 tokens skipped); ``num_requests_running/waiting`` from ``num_running`` /
         ``num_waiting`` (requests); ``kv_cache_usage_perc`` = ``kv_blocks_used /
-        kv_blocks_total`` (0..1, left as is when the total is unknown or 0);
+        kv_blocks_total`` (0..1, left as is when the total is unknown or 0); those three only
+        from a record at least as new (``step_id``) as the last one they came from;
         ``num_preemptions_total`` += ``num_preempted`` (requests); speculative decoding:
         ``spec_decode_num_drafts_total`` += ``num_drafts``, ``spec_decode_num_draft_tokens_total``
         += ``num_draft_tokens``, ``spec_decode_num_accepted_tokens_total`` +=
@@ -420,11 +425,14 @@ class ServingMetrics:
         if tokens > 0:
             self.h_iter_tokens.labels(model).observe(tokens)
         total, used = g("kv_blocks_total"), g("kv_blocks_used")
-        self.set_engine_state(
-            running=g("num_running"),
-            waiting=g("num_waiting"),
-            kv_usage=(used / total) if total and used is not None else None,
-        )
+        step_id = g("step_id")
+        if step_id is None or step_id >= self._state_step_id:
+            self._state_step_id = -1 if step_id is None else step_id
+            self.set_engine_state(
+                running=g("num_running"),
+                waiting=g("num_waiting"),
+                kv_usage=(used / total) if total and used is not None else None,
+            )
         preempted = int(g("num_preempted") or 0)
         if preempted > 0:
             self.c_preemptions.labels(model).inc(preempted)

@@ -461,3 +461,21 @@ def test_render_in_a_thread_while_observing_loses_nothing():
     assert sum(v for (n, _), v in s.items() if n == "tokenmill_requests_total") == 300
     assert _get(s, "tokenmill_inter_token_latency_seconds_count") == 300
     assert len(bodies) >= 1
+
+
+def test_a_late_step_record_does_not_roll_the_engine_gauges_back():
+    """Step records reach the metrics once their outputs are written to the streams
+    (engine/stream_writes.py): a slow stream can deliver step 7's after step 8's. The running,
+    waiting and KV gauges keep step 8's values; the counters still count step 7."""
+    m = ServingMetrics(MODEL)
+    step = dict(num_prefill_tokens=0, num_decode_tokens=4, kv_blocks_total=100,
+                num_preempted=0)  # fmt: skip
+    m.observe_step({**step, "step_id": 8, "num_running": 1, "num_waiting": 0,
+                    "kv_blocks_used": 10})  # fmt: skip
+    m.observe_step({**step, "step_id": 7, "num_running": 4, "num_waiting": 3,
+                    "kv_blocks_used": 40, "num_preempted": 1})  # fmt: skip
+    s = _samples(m.render()[0])
+    assert _get(s, "tokenmill_num_requests_running") == 1
+    assert _get(s, "tokenmill_num_requests_waiting") == 0
+    assert _get(s, "tokenmill_kv_cache_usage_perc") == 0.1
+    assert _get(s, "tokenmill_num_preemptions_total") == 1
