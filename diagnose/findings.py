@@ -254,7 +254,15 @@ def diagnose(
         if note is not None:
             notes.append(note)
     for f in findings:  # a specific finding explains a general one: rank the general one later
-        f.explained_by = sorted(r.id for r in rules if r.id in fired and f.rule_id in r.explains)
+        f.explained_by = sorted(
+            r.id
+            for r in rules
+            if r.id in fired
+            and (
+                f.rule_id in r.explains
+                or (f.rule_id in r.explains_when and r.explains_when[f.rule_id](f.evidence))
+            )
+        )
     findings.sort(
         key=lambda f: (
             bool(f.explained_by),

@@ -162,10 +162,10 @@ class ServingMetrics:
 
     def __init__(self, model_name: str):
         self.model_name = model_name
-        # step id of the record the engine-state gauges came from: a step record reaches the
+        # the engine and step of the record the engine-state gauges came from: a record reaches the
         # listeners once its outputs are written (engine/stream_writes.py), so a slow stream
         # can deliver it after a newer step's or an idle heartbeat's
-        self._state_step_id = -1
+        self._state_step = (None, -1)  # (engine_pid, step_id): a restarted engine counts anew
         self.registry = CollectorRegistry()
         r = self.registry
         m = ["model_name"]
@@ -411,7 +411,8 @@ class ServingMetrics:
         with 0 tokens skipped); ``num_requests_running/waiting`` from ``num_running`` /
         ``num_waiting`` (requests); ``kv_cache_usage_perc`` = ``kv_blocks_used /
         kv_blocks_total`` (0..1, left as is when the total is unknown or 0); those three only
-        from a record at least as new (``step_id``) as the last one they came from;
+        from a record at least as new (``step_id``) as the last one they came from, or from
+        a new engine (``engine_pid``: a restarted core counts its steps from 0 again);
         ``num_preemptions_total`` += ``num_preempted`` (requests); speculative decoding:
         ``spec_decode_num_drafts_total`` += ``num_drafts``, ``spec_decode_num_draft_tokens_total``
         += ``num_draft_tokens``, ``spec_decode_num_accepted_tokens_total`` +=
@@ -425,9 +426,10 @@ class ServingMetrics:
         if tokens > 0:
             self.h_iter_tokens.labels(model).observe(tokens)
         total, used = g("kv_blocks_total"), g("kv_blocks_used")
-        step_id = g("step_id")
-        if step_id is None or step_id >= self._state_step_id:
-            self._state_step_id = -1 if step_id is None else step_id
+        pid, step_id = g("engine_pid"), g("step_id")
+        last_pid, last_step = self._state_step
+        if step_id is None or pid != last_pid or step_id >= last_step:
+            self._state_step = (pid, -1 if step_id is None else step_id)
             self.set_engine_state(
                 running=g("num_running"),
                 waiting=g("num_waiting"),

@@ -479,3 +479,9 @@ def test_a_late_step_record_does_not_roll_the_engine_gauges_back():
     assert _get(s, "tokenmill_num_requests_waiting") == 0
     assert _get(s, "tokenmill_kv_cache_usage_perc") == 0.1
     assert _get(s, "tokenmill_num_preemptions_total") == 1
+    # a restarted engine core counts its steps from 0 again: its first record counts
+    m.observe_step({**step, "engine_pid": 4242, "step_id": 0, "num_running": 2,
+                    "num_waiting": 5, "kv_blocks_used": 20})  # fmt: skip
+    s = _samples(m.render()[0])
+    assert _get(s, "tokenmill_num_requests_running") == 2
+    assert _get(s, "tokenmill_num_requests_waiting") == 5

@@ -54,7 +54,7 @@ def test_rule_fields_are_complete():
             assert isinstance(param.default, int | float), (rule.id, name)
             # a threshold nobody reads is a threshold that lies
             assert f'p["{name}"]' in src, (rule.id, name, "threshold not used by its detector")
-        for other in rule.explains:
+        for other in (*rule.explains, *rule.explains_when):
             assert other in RULES_BY_ID and other != rule.id, (rule.id, other)
         assert rule.runbook == f"runbooks/{rule.id}.md"
         assert rule.evidence_signals, rule.id

@@ -87,6 +87,9 @@ class Rule:
     detect: Callable[[Signals, dict], Evidence | None]
     # more general rules this one explains when both fire (they are ranked after it)
     explains: tuple[str, ...] = ()
+    # rules this one explains only when the other finding's evidence (its ``values`` dict)
+    # passes the test, e.g. an error spike made of the queue's own refusals under overload
+    explains_when: dict[str, Callable[[dict], bool]] = field(default_factory=dict)
     # per-window signals (``Window.values`` keys) the console charts as this rule's evidence
     evidence_signals: tuple[str, ...] = ()
     # the rule's companion note: when the rule does not fire, what the data says would help

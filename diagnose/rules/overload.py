@@ -8,6 +8,18 @@ import statistics
 from ..signals import Signals
 from ._common import Alert, Evidence, Param, Rule, _clock, _confidence, _ms, _severity
 
+# error types an overload causes itself: the admission queue's refusals and clients that gave
+# up waiting (engine/api/stations.py, engine/api/app.py)
+OVERLOAD_ERRORS = ("queue_full", "client_disconnected")
+
+
+def _errors_are_overloads(evidence: dict) -> bool:
+    """An ``error_spike`` whose errors are mostly :data:`OVERLOAD_ERRORS`: the overload explains
+    it (the demo's overload phase: 429s from a full queue ranked first by 1 % of confidence)."""
+    by_type = evidence.get("errors_by_type") or {}
+    total = sum(by_type.values())
+    return total > 0 and sum(by_type.get(t, 0) for t in OVERLOAD_ERRORS) >= 0.5 * total
+
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
     ws = sig.busy()
@@ -95,6 +107,7 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="absolute",
     explains=("ttft_queueing",),
+    explains_when={"error_spike": _errors_are_overloads},
     evidence_signals=("arrival_rate", "completion_rate", "waiting_mean"),
     # arrivals over the run = finished requests + growth of the requests in flight; the
     # queue's and TTFT p50's first window is the one $run_offset back
