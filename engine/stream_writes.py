@@ -85,7 +85,12 @@ class StreamWriteClock:
     def expire(self) -> None:
         """Hand on the steps waited on longer than ``wait_s`` (``stream_write_ms`` None)."""
         now = time.monotonic_ns()
-        for step in [s for s in self._steps.values() if now - s.received_ns > self._wait_ns]:
+        # oldest first (dict order is arrival order): stop at the first step still in time, so
+        # the read loop's call per message costs one look in the common case
+        while self._steps:
+            step = next(iter(self._steps.values()))
+            if now - step.received_ns <= self._wait_ns:
+                break
             self._finish(step, None)
 
     def flush(self) -> None:
