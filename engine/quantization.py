@@ -15,8 +15,9 @@ and on CUDA (``_weight_int4pack_mm``, tinygemm), and calling them directly keeps
 Schemes (activations stay in the model dtype; torch's small-batch CPU kernels round them to
 bf16, the dtype they take):
 
-* ``int8``: symmetric per output channel, ``w ≈ q · s``, ``q ∈ [-127, 127]``,
-  ``s = max|w|/127``.
+* ``int8``: symmetric, ``w ≈ q · s``, ``q ∈ [-127, 127]``, ``s = max|w|/127`` over a group of
+  :data:`INT8_GROUP_SIZE` weights along the input dim where the C kernels run it (CPU), over a
+  whole output row where torch's packed kernel does (CUDA; CPU without the C build).
 * ``int4``: asymmetric groups of :data:`INT4_GROUP_SIZE` along the input dim (the tinygemm
   convention): ``w ≈ (q - 8) · s + z``, ``q ∈ [0, 15]``, ``s = (max - min)/15``,
   ``z = min + 8 s``.
@@ -50,6 +51,9 @@ __all__ = [
 # 128, 256), so the most scales and the least error; with it the default model's perplexity
 # rises 6.7% over float32 (benchmarks/RESULTS.md). Other sizes were not measured.
 INT4_GROUP_SIZE = 32
+# Input-dim group of int8 on CPU with the C kernels (kernels/cpu_gemv.c: INT8_GROUP): one
+# float32 scale per 32 weights, an eighth more bytes than the int8 codes (see QuantizedLinear).
+INT8_GROUP_SIZE = cpu_gemv.INT8_GROUP
 # Rows (tokens) at or below which a quantized layer (CPU; CUDA int8) runs the packed kernel;
 # above it the layer dequantizes its weight and runs the dense GEMM. The packed kernels are
 # GEMV-shaped. Measured on the 2-core AVX2 machine, one 576x3072 layer, quiet: int8 packed
@@ -107,20 +111,32 @@ def check_quantization(quantization: str, device: torch.device, dtype: torch.dty
             )
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel symmetric int8.
+def quantize_int8(
+    weight: torch.Tensor, group_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8, one scale per output row or per group of ``group_size`` along K.
 
     Args:
         weight: ``[N, K]`` float.
+        group_size: None for one scale per row (torch's packed int8 kernels); else a divisor
+            of ``K`` (the CPU kernels' :data:`INT8_GROUP_SIZE`).
 
     Returns:
-        ``(q, scales)``: ``q`` ``[N, K]`` int8 in [-127, 127], ``scales`` ``[N]`` float32, so
-        that ``weight ≈ q * scales[:, None]``.
+        ``(q, scales)``: ``q`` ``[N, K]`` int8 in [-127, 127]; ``scales`` ``[N]`` float32 (per
+        row, ``weight ≈ q * scales[:, None]``) or ``[N, K // group_size]`` (``weight[n, k] ≈
+        q[n, k] * scales[n, k // group_size]``).
+
+    Raises:
+        ValueError: ``group_size`` does not divide ``K``.
     """
-    w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scales
+    n, k = weight.shape
+    g = k if group_size is None else group_size
+    if k % g:
+        raise ValueError(f"int8 group size {g} does not divide in_features {k}")
+    w = weight.float().reshape(n, k // g, g)
+    scales = (w.abs().amax(dim=-1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return q, (scales[:, 0] if group_size is None else scales)
 
 
 def quantize_int4(
@@ -208,20 +224,23 @@ class QuantizedLinear(nn.Module):
         # "dequant": always dequantize (shapes or devices the packed kernels do not take).
         self.path = "dequant"
         self.block_n: int | None = None
-        # int8 on CPU with the C kernels: the float32 scales kernels/cpu_gemv.c multiplies by
-        # (up to INT8_GEMV_MAX_ROWS rows, float32 activations). torch's packed kernel takes bf16
-        # scales (and rounds activations to bf16); rounding a row's scale to bf16 moves the whole
-        # row by up to 2^-9: the default model's perplexity rose from +0.37% to +0.72% over
-        # float32 and greedy tokens kept float32's first 16 on 3 of 5 prompts instead of 4
-        # (benchmarks/quantization_accuracy.py, 2026-12-02)
+        # int8 on CPU with the C kernels: float32 scales, one per INT8_GROUP_SIZE weights along
+        # K, which kernels/cpu_gemv.c multiplies by (up to INT8_GEMV_MAX_ROWS rows, float32
+        # activations). torch's packed kernel takes one bf16 scale per row (and rounds
+        # activations to bf16); rounding a row's scale to bf16 moves the whole row by up to
+        # 2^-9: the default model's perplexity rose from +0.37% to +0.72% over float32
+        # (benchmarks/quantization_accuracy.py, 2026-12-02). One float32 scale per row kept
+        # float32's first 16 greedy tokens on 3 of 5 prompts (the misses near-ties in float32's
+        # own logits); groups of 32, as llama.cpp's Q8_0, on 4 (2026-12-03)
         self.gemv_scales: torch.Tensor | None = None
         if method == "int8":
-            q, scales = quantize_int8(weight)
+            grouped = self.device.type == "cpu" and int8_cpu_gemv() and k % INT8_GROUP_SIZE == 0
+            q, scales = quantize_int8(weight, INT8_GROUP_SIZE if grouped else None)
             self.register_buffer("qweight", q)
             self.register_buffer("scales", scales)
-            if self.device.type == "cpu" and int8_cpu_gemv():
-                # the C GEMV up to INT8_GEMV_MAX_ROWS rows, with the float32 scales; above, the
-                # dequantize + dense GEMM on the same weight
+            if grouped:
+                # the C GEMV up to INT8_GEMV_MAX_ROWS rows, with the float32 group scales;
+                # above, the dequantize + dense GEMM on the same weight
                 self.gemv_scales = self.scales
                 self.path = "gemv"
             elif self.device.type == "cpu":
@@ -302,6 +321,9 @@ class QuantizedLinear(nn.Module):
             # bf16; the C GEMV: float32): both paths compute with one weight, so a row's result
             # does not depend on the batch it ran in
             scales = getattr(self, "packed_scales", self.scales).to(torch.float32)
+            if scales.dim() == 2:  # per group along K
+                q = self.qweight.to(torch.float32).reshape(n, scales.shape[1], -1)
+                return (q * scales[..., None]).reshape(n, k).to(dtype)
             return (self.qweight.to(torch.float32) * scales[:, None]).to(dtype)
         if self.path == "gemv":
             return cpu_gemv.dequantize_int4(self.qweight, self.group_scales).to(dtype)

@@ -73,8 +73,10 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 # GEMV_MAX_ROWS in cpu_gemv.c
 MAX_ROWS = 64
 # INT4_GROUP in cpu_gemv.c: weights along k sharing one int4 scale and zero; INT4_ROWS (NB
-# there): output rows per block of the int4 layout
+# there): output rows per block of the int4 layout; INT8_GROUP: weights along k sharing one
+# int8 scale
 INT4_GROUP = 32
+INT8_GROUP = 32
 INT4_ROWS = 16
 # rows up to which gemv/gemv_int8 beat torch's product on the project's 2-core AVX2 VM, the
 # callers' cut-over. benchmarks/step_overhead.py's GEMV pass (every weight of SmolLM2-135M once,
@@ -165,6 +167,8 @@ def _build() -> ctypes.CDLL:
         raise OSError("cpu_gemv.c and cpu.py disagree on the row limit")
     if (lib.tokenmill_gemv_int4_group(), lib.tokenmill_gemv_int4_rows()) != (INT4_GROUP, INT4_ROWS):
         raise OSError("cpu_gemv.c and cpu.py disagree on the int4 group")
+    if lib.tokenmill_gemv_int8_group() != INT8_GROUP:
+        raise OSError("cpu_gemv.c and cpu.py disagree on the int8 group")
     return lib
 
 
@@ -299,8 +303,9 @@ def gemv_int8(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weight-only int8: ``x [M, K]`` float32 (``1 <= M <= MAX_ROWS``), ``qweight [N, K]``
-    int8, ``scales [N]`` float32 (``w = q * s``, :func:`tokenmill.engine.quantization.quantize_int8`),
-    ``bias [N]`` float32 → ``[M, N]`` float32 = ``scales * (x @ qweight.T) + bias``.
+    int8, ``scales [N, K / INT8_GROUP]`` float32 (``w = q * s`` per group of :data:`INT8_GROUP`
+    along K, :func:`tokenmill.engine.quantization.quantize_int8`), ``bias [N]`` float32 →
+    ``[M, N]`` float32 = ``x @ w.T + bias``.
 
     Raises:
         RuntimeError: the kernel is not :func:`available`.
@@ -311,10 +316,16 @@ def gemv_int8(
     n = qweight.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv_int8 takes 1..{MAX_ROWS} rows, got {m}")
-    if qweight.shape[1] != k or scales.shape != (n,) or (bias is not None and bias.shape != (n,)):
+    if (
+        k % INT8_GROUP
+        or qweight.shape[1] != k
+        or scales.shape != (n, k // INT8_GROUP)
+        or (bias is not None and bias.shape != (n,))
+    ):
         raise ValueError(
             f"shapes x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
-            f"{tuple(scales.shape)} do not match"
+            f"{tuple(scales.shape)} do not match (K a multiple of {INT8_GROUP}, scales "
+            f"[N, K/{INT8_GROUP}])"
         )
     if qweight.dtype != torch.int8 or qweight.device.type != "cpu":
         raise ValueError(
@@ -495,7 +506,8 @@ def reference_gemv_int8(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch reference of :func:`gemv_int8`, in float64."""
-    w = qweight.double() * scales.double()[:, None]
+    n, k = qweight.shape
+    w = (qweight.double().reshape(n, -1, INT8_GROUP) * scales.double()[..., None]).reshape(n, k)
     b = bias.double() if bias is not None else None
     return torch.nn.functional.linear(x.double(), w, b).float()
 

@@ -32,8 +32,8 @@ int tokenmill_decode_attention(const float *q, int64_t q_stride, const float *k_
                                int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                                float scale, int64_t window, float *out, int nthreads);
 
-/* kind 0: float32 weight [n, k]; kind 1: int8 weight [n, k] with float32 scale [n]; kind 2:
- * int4 in cpu_gemv.c's layout, its group words as scale */
+/* kind 0: float32 weight [n, k]; kind 1: int8 weight [n, k] with float32 scale [n, k / 32]
+ * (cpu_gemv.c: INT8_GROUP); kind 2: int4 in cpu_gemv.c's layout, its group words as scale */
 typedef struct {
     int64_t kind;
     const void *weight;

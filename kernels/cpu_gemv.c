@@ -59,15 +59,17 @@ static inline float hsum(__m256 v) {
 
 int tokenmill_gemv_max_rows(void) { return GEMV_MAX_ROWS; }
 
-/* out[j] = sum_i w8(i) * x[j * k + i] for the NR rows of x at x: one function per block size,
+/* out[j] = sum_i w(i) * x[j * k + i] for the NR rows of x at x: one function per block size,
  * so the compiler unrolls the loops and keeps the accumulators in registers. An FMA waits ~4
  * cycles for its accumulator and two issue per cycle, so ~8 independent sums keep a core busy:
  * with fewer rows than that, U accumulators per row each take every U-th group of 8 along k
  * (one row alone was bound by that chain, not by memory: int8 ran no faster than float32).
- * LOAD_W turns 8 weights at wr + i into a __m256; WT is the weight element type (tail loop). */
-#define DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, NR, U)                                               \
-    static inline void NAME##_##NR(const WT *wr, const float *x, int64_t k, int64_t k8,         \
-                                   float *out) {                                                \
+ * LOAD_W(wr, sr, i) turns the 8 weights at wr + i into a __m256 and LOAD_S(wr, sr, t) the one
+ * at wr + t into a float (the tail), sr being the row's group scales (int8) or unused (float32);
+ * WT is the weight element type. */
+#define DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, LOAD_S, NR, U)                                       \
+    static inline void NAME##_##NR(const WT *wr, const float *sr, const float *x, int64_t k,   \
+                                   int64_t k8, float *out) {                                    \
         __m256 acc[NR][U];                                                                     \
         for (int j = 0; j < NR; j++)                                                           \
             for (int u = 0; u < U; u++) acc[j][u] = _mm256_setzero_ps();                        \
@@ -75,14 +77,14 @@ int tokenmill_gemv_max_rows(void) { return GEMV_MAX_ROWS; }
         int64_t i = 0;                                                                         \
         for (; i < ku; i += 8 * U) {                                                           \
             for (int u = 0; u < U; u++) {                                                      \
-                const __m256 wv = LOAD_W(wr + i + 8 * u);                                      \
+                const __m256 wv = LOAD_W(wr, sr, i + 8 * u);                                   \
                 for (int j = 0; j < NR; j++)                                                   \
                     acc[j][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i + 8 * u),    \
                                                 acc[j][u]);                                    \
             }                                                                                  \
         }                                                                                      \
         for (; i < k8; i += 8) {                                                               \
-            const __m256 wv = LOAD_W(wr + i);                                                  \
+            const __m256 wv = LOAD_W(wr, sr, i);                                               \
             for (int j = 0; j < NR; j++)                                                       \
                 acc[j][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * k + i), acc[j][0]);    \
         }                                                                                      \
@@ -90,7 +92,7 @@ int tokenmill_gemv_max_rows(void) { return GEMV_MAX_ROWS; }
             __m256 sum = acc[j][0];                                                            \
             for (int u = 1; u < U; u++) sum = _mm256_add_ps(sum, acc[j][u]);                   \
             float s = hsum(sum);                                                               \
-            for (int64_t t = k8; t < k; t++) s += (float)wr[t] * x[j * k + t];                 \
+            for (int64_t t = k8; t < k; t++) s += LOAD_S(wr, sr, t) * x[j * k + t];            \
             out[j] = s;                                                                        \
         }                                                                                      \
     }
@@ -99,48 +101,67 @@ int tokenmill_gemv_max_rows(void) { return GEMV_MAX_ROWS; }
  * NAME_1 .. NAME_8; ATTR: the function's target attribute (empty: the build's flags); kt: the
  * end of the vector part of k the blocks take (k8 or k16). */
 #define DEFINE_DOT_ROWS(ATTR, NAME, WT)                                                         \
-    ATTR static inline void NAME(const WT *wr, const float *x, int64_t k, int64_t kt,          \
-                                 int64_t m, float *out) {                                      \
+    ATTR static inline void NAME(const WT *wr, const float *sr, const float *x, int64_t k,     \
+                                 int64_t kt, int64_t m, float *out) {                          \
         for (int64_t j0 = 0; j0 < m; j0 += ROW_BLOCK) {                                        \
             const float *xb = x + j0 * k;                                                      \
             float *ob = out + j0;                                                              \
             switch (m - j0 < ROW_BLOCK ? m - j0 : ROW_BLOCK) {                                 \
-            case 1: NAME##_1(wr, xb, k, kt, ob); break;                                        \
-            case 2: NAME##_2(wr, xb, k, kt, ob); break;                                        \
-            case 3: NAME##_3(wr, xb, k, kt, ob); break;                                        \
-            case 4: NAME##_4(wr, xb, k, kt, ob); break;                                        \
-            case 5: NAME##_5(wr, xb, k, kt, ob); break;                                        \
-            case 6: NAME##_6(wr, xb, k, kt, ob); break;                                        \
-            case 7: NAME##_7(wr, xb, k, kt, ob); break;                                        \
-            default: NAME##_8(wr, xb, k, kt, ob); break;                                       \
+            case 1: NAME##_1(wr, sr, xb, k, kt, ob); break;                                        \
+            case 2: NAME##_2(wr, sr, xb, k, kt, ob); break;                                        \
+            case 3: NAME##_3(wr, sr, xb, k, kt, ob); break;                                        \
+            case 4: NAME##_4(wr, sr, xb, k, kt, ob); break;                                        \
+            case 5: NAME##_5(wr, sr, xb, k, kt, ob); break;                                        \
+            case 6: NAME##_6(wr, sr, xb, k, kt, ob); break;                                        \
+            case 7: NAME##_7(wr, sr, xb, k, kt, ob); break;                                        \
+            default: NAME##_8(wr, sr, xb, k, kt, ob); break;                                       \
             }                                                                                  \
         }                                                                                      \
     }
 
 /* accumulators per row by block size: NR x U >= ~8, within AVX2's 16 registers */
-#define DEFINE_DOT_BLOCKS(NAME, WT, LOAD_W)                                                     \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 1, 8)                                                   \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 2, 4)                                                   \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 3, 3)                                                   \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 4, 2)                                                   \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 5, 2)                                                   \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 6, 2)                                                   \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 7, 1)                                                   \
-    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, 8, 1)                                                   \
+#define DEFINE_DOT_BLOCKS(NAME, WT, LOAD_W, LOAD_S)                                             \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, LOAD_S, 1, 8)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, LOAD_S, 2, 4)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, LOAD_S, 3, 3)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, LOAD_S, 4, 2)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, LOAD_S, 5, 2)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, LOAD_S, 6, 2)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, LOAD_S, 7, 1)                                                   \
+    DEFINE_DOT_BLOCK(NAME, WT, LOAD_W, LOAD_S, 8, 1)                                                   \
     DEFINE_DOT_ROWS(, NAME, WT)
 
-static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline __m256 load_i8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-DEFINE_DOT_BLOCKS(dot_f32, float, load_f32)
-DEFINE_DOT_BLOCKS(dot_i8, int8_t, load_i8)
+/* int8 weights share one float32 scale per INT8_GROUP along k (engine/quantization.py:
+ * quantize_int8), as llama.cpp's Q8_0 blocks of 32 do: a weight widens to q * s before its
+ * FMAs, one multiply per vector for all NR rows of x. One scale per output row kept float32's
+ * greedy tokens on 3 of 5 prompts of benchmarks/quantization_accuracy.py, groups of 32 on 4. */
+#define INT8_GROUP 32
+int tokenmill_gemv_int8_group(void) { return INT8_GROUP; }
 
-/* The int8 blocks again in AVX-512: 16 weights a group, NR x U accumulators of 32 registers. */
+static inline __m256 load_f32(const float *w, const float *sr, int64_t i) {
+    (void)sr;
+    return _mm256_loadu_ps(w + i);
+}
+static inline float load_s_f32(const float *w, const float *sr, int64_t t) {
+    (void)sr;
+    return w[t];
+}
+static inline __m256 load_i8(const int8_t *w, const float *sr, int64_t i) {
+    const __m256 q =
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + i))));
+    return _mm256_mul_ps(q, _mm256_broadcast_ss(sr + i / INT8_GROUP));
+}
+static inline float load_s_i8(const int8_t *w, const float *sr, int64_t t) {
+    return (float)w[t] * sr[t / INT8_GROUP];
+}
+DEFINE_DOT_BLOCKS(dot_f32, float, load_f32, load_s_f32)
+DEFINE_DOT_BLOCKS(dot_i8, int8_t, load_i8, load_s_i8)
+
+/* The int8 blocks again in AVX-512: 16 weights a vector, NR x U accumulators of 32 registers. */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma")))
 #define DEFINE_DOT512_BLOCK(NR, U)                                                              \
-    AVX512 static inline void dot512_i8_##NR(const int8_t *wr, const float *x, int64_t k,      \
-                                             int64_t k16, float *out) {                        \
+    AVX512 static inline void dot512_i8_##NR(const int8_t *wr, const float *sr, const float *x, \
+                                             int64_t k, int64_t k16, float *out) {             \
         __m512 acc[NR][U];                                                                     \
         for (int j = 0; j < NR; j++)                                                           \
             for (int u = 0; u < U; u++) acc[j][u] = _mm512_setzero_ps();                        \
@@ -148,16 +169,19 @@ DEFINE_DOT_BLOCKS(dot_i8, int8_t, load_i8)
         int64_t i = 0;                                                                         \
         for (; i < ku; i += 16 * U) {                                                          \
             for (int u = 0; u < U; u++) {                                                      \
-                const __m512 wv = _mm512_cvtepi32_ps(                                          \
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + i + 16 * u)))); \
+                const __m512 wv = _mm512_mul_ps(                                               \
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                   \
+                        _mm_loadu_si128((const __m128i *)(wr + i + 16 * u)))),                 \
+                    _mm512_set1_ps(sr[(i + 16 * u) / INT8_GROUP]));                            \
                 for (int j = 0; j < NR; j++)                                                   \
                     acc[j][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + j * k + i + 16 * u),   \
                                                 acc[j][u]);                                    \
             }                                                                                  \
         }                                                                                      \
         for (; i < k16; i += 16) {                                                             \
-            const __m512 wv = _mm512_cvtepi32_ps(                                              \
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + i))));             \
+            const __m512 wv = _mm512_mul_ps(                                                   \
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + i)))), \
+                _mm512_set1_ps(sr[i / INT8_GROUP]));                                           \
             for (int j = 0; j < NR; j++)                                                       \
                 acc[j][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + j * k + i), acc[j][0]);    \
         }                                                                                      \
@@ -165,7 +189,7 @@ DEFINE_DOT_BLOCKS(dot_i8, int8_t, load_i8)
             __m512 sum = acc[j][0];                                                            \
             for (int u = 1; u < U; u++) sum = _mm512_add_ps(sum, acc[j][u]);                   \
             float s = _mm512_reduce_add_ps(sum);                                               \
-            for (int64_t t = k16; t < k; t++) s += (float)wr[t] * x[j * k + t];                \
+            for (int64_t t = k16; t < k; t++) s += load_s_i8(wr, sr, t) * x[j * k + t];        \
             out[j] = s;                                                                        \
         }                                                                                      \
     }
@@ -192,7 +216,7 @@ int tokenmill_gemv_i8_isa(int want) {
     return i8_isa;
 }
 
-/* rows [r0, r1) of an int8 layer: y[j, r] = scale[r] * q[r] . x[j] + bias[r] */
+/* rows [r0, r1) of an int8 layer: y[j, r] = (q[r] * scale[r]) . x[j] + bias[r] */
 AVX512 static void rows512_i8(const int8_t *q, const float *scale, const float *x,
                               const float *bias, float *y, int64_t n, int64_t k, int64_t m,
                               int64_t r0, int64_t r1) {
@@ -200,9 +224,9 @@ AVX512 static void rows512_i8(const int8_t *q, const float *scale, const float *
     float out[GEMV_MAX_ROWS];
     for (int64_t r = r0; r < r1; r++) {
         prefetch_row(q + r * k, k);
-        dot512_i8(q + r * k, x, k, k16, m, out);
+        dot512_i8(q + r * k, scale + r * (k / INT8_GROUP), x, k, k16, m, out);
         const float b = bias ? bias[r] : 0.0f;
-        for (int64_t j = 0; j < m; j++) y[j * n + r] = out[j] * scale[r] + b;
+        for (int64_t j = 0; j < m; j++) y[j * n + r] = out[j] + b;
     }
 }
 
@@ -218,7 +242,7 @@ int tokenmill_gemv_f32(const float *w, const float *x, const float *bias, float 
         float out[GEMV_MAX_ROWS];
         for (int64_t r = c * ROWS_PER_ITEM; r < end; r++) {
             prefetch_row(w + r * k, k * (int64_t)sizeof(float));
-            dot_f32(w + r * k, x, k, k8, m, out);
+            dot_f32(w + r * k, NULL, x, k, k8, m, out);
             const float b = bias ? bias[r] : 0.0f;
             for (int64_t j = 0; j < m; j++) y[j * n + r] = out[j] + b;
         }
@@ -226,12 +250,13 @@ int tokenmill_gemv_f32(const float *w, const float *x, const float *bias, float 
     return 0;
 }
 
-/* Weight-only int8 (symmetric, one scale per output row): y[m, n] = scale[n] * sum_k x[m, k] *
- * q[n, k] (+ bias[n]). A row of q is read once (a quarter of the float32 bytes), widened to
- * float 16 at a time (AVX-512) or 8 (AVX2). Returns 0, or -1 when m is out of range. */
+/* Weight-only int8 (symmetric, one scale per INT8_GROUP weights along k): y[m, n] = sum_k
+ * x[m, k] * q[n, k] * scale[n, k / INT8_GROUP] (+ bias[n]), scale [N, K / INT8_GROUP]. A row of
+ * q is read once (a quarter of the float32 bytes, plus an eighth for the scales), widened to
+ * float 16 at a time (AVX-512) or 8 (AVX2). Returns 0, or -1 when m or k is out of range. */
 int tokenmill_gemv_i8(const int8_t *q, const float *scale, const float *x, const float *bias,
                       float *y, int64_t n, int64_t k, int64_t m, int nthreads) {
-    if (m < 1 || m > GEMV_MAX_ROWS) return -1;
+    if (m < 1 || m > GEMV_MAX_ROWS || k < INT8_GROUP || k % INT8_GROUP) return -1;
     if (i8_isa < 0) tokenmill_gemv_i8_isa(-1);
     const int wide = i8_isa;
     const int64_t k8 = k & ~(int64_t)7;
@@ -246,9 +271,9 @@ int tokenmill_gemv_i8(const int8_t *q, const float *scale, const float *x, const
         float out[GEMV_MAX_ROWS];
         for (int64_t r = c * ROWS_PER_ITEM; r < end; r++) {
             prefetch_row(q + r * k, k);
-            dot_i8(q + r * k, x, k, k8, m, out);
+            dot_i8(q + r * k, scale + r * (k / INT8_GROUP), x, k, k8, m, out);
             const float b = bias ? bias[r] : 0.0f;
-            for (int64_t j = 0; j < m; j++) y[j * n + r] = out[j] * scale[r] + b;
+            for (int64_t j = 0; j < m; j++) y[j * n + r] = out[j] + b;
         }
     }
     return 0;

@@ -74,8 +74,8 @@ class _Model(ctypes.Structure):
 
 @dataclass
 class StepLinear:
-    """One linear layer: ``weight [N, K]`` float32; or int8 with ``scale [N]`` float32 (``w = q
-    * scale``); or int4, ``weight [N/16, K/32, 16, 16]`` uint8 with ``scale [N/16, K/32, 16]``
+    """One linear layer: ``weight [N, K]`` float32; or int8 with ``scale [N, K/32]`` float32
+    (``w = q * scale`` per group of 32 along K, :data:`.cpu.INT8_GROUP`); or int4, ``weight [N/16, K/32, 16, 16]`` uint8 with ``scale [N/16, K/32, 16]``
     int32 (:func:`.cpu.pack_int4`'s layout); ``bias [N]`` float32 or None. All contiguous on
     the CPU."""
 
@@ -92,8 +92,11 @@ class StepLinear:
             kind, shape = KIND_INT4, (n // r, k // g, 16, r)
             _check(f"{name}.scale", self.scale, (n // r, k // g, r), torch.int32)
         elif w.dtype == torch.int8:
+            g = cpu.INT8_GROUP
+            if k % g:
+                raise ValueError(f"{name}: int8 needs K divisible by {g}")
             kind, shape = KIND_INT8, (n, k)
-            _check(f"{name}.scale", self.scale, (n,))
+            _check(f"{name}.scale", self.scale, (n, k // g))
         elif w.dtype == torch.float32:
             kind, shape = KIND_F32, (n, k)
         else:

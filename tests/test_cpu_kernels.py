@@ -76,22 +76,39 @@ def int8_loop(request):
 
 @pytest.mark.parametrize(
     ("m", "n", "k"),
-    [(1, 37, 19), (2, 9, 40), (3, 17, 48), (4, 130, 576), (5, 8, 33), (6, 7, 64), (7, 3, 80),
-     (11, 64, 1536), (64, 9, 24)],
+    [(1, 37, 32), (2, 9, 96), (3, 17, 160), (4, 130, 576), (5, 8, 32), (6, 7, 64), (7, 3, 224),
+     (11, 64, 1536), (64, 9, 96)],
 )  # fmt: skip
 def test_gemv_int8_matches_the_reference(int8_loop, m, n, k):
-    """Weight-only int8, each loop, for row counts 1..64 (every register block size, a full
-    block and a remainder) and K with and without a 16- and 8-wide tail: within 1e-5 relative
-    of the float64 reference (both loops widen int8 to float32 exactly)."""
+    """Weight-only int8 in groups of 32 along K, each loop, for row counts 1..64 (every register
+    block size, a full block and a remainder) and K that does and does not fill the loops'
+    unrolled stride: within 1e-5 relative of the float64 reference (both loops widen int8 to
+    float32 exactly). Every group has its own random scale, so a kernel that took one scale a
+    row, or the wrong group's, is off by far more."""
     g = torch.Generator().manual_seed(m * 7 + n + k)
     x = torch.randn(m, k, generator=g)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scales = torch.rand(n, generator=g) / 127
+    scales = torch.rand(n, k // cpu.INT8_GROUP, generator=g) / 127
     bias = torch.randn(n, generator=g)
     got = cpu.gemv_int8(x, q, scales, bias)
     want = cpu.reference_gemv_int8(x, q, scales, bias)
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert (got - want).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1.0)
+    one_scale = cpu.reference_gemv_int8(x, q, scales[:, :1].expand_as(scales).contiguous(), bias)
+    assert k == 32 or (one_scale - want).abs().max().item() > 1e-2
+
+
+def test_gemv_int8_refuses_k_off_the_group_and_scales_per_row():
+    """K must be a multiple of the group and the scales ``[N, K/32]``: anything else is a
+    ValueError naming the shapes, before the kernel reads a byte."""
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    x = torch.randn(1, 48)
+    with pytest.raises(ValueError, match="K a multiple of 32"):
+        cpu.gemv_int8(x, torch.zeros(4, 48, dtype=torch.int8), torch.ones(4, 1))
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match=r"scales \(4,\)"):
+        cpu.gemv_int8(x, torch.zeros(4, 64, dtype=torch.int8), torch.ones(4))
 
 
 def _int4_layer(n: int, k: int, g: torch.Generator):
@@ -352,7 +369,7 @@ def test_prefetch_distance_is_settable_and_leaves_the_values_alone():
     x = torch.randn(3, 576, generator=g)
     w = torch.randn(300, 576, generator=g)
     q = torch.randint(-127, 128, (300, 576), generator=g, dtype=torch.int8)
-    s = torch.rand(300, generator=g) / 127
+    s = torch.rand(300, 576 // cpu.INT8_GROUP, generator=g) / 127
     default = cpu.prefetch_ahead()
     try:
         assert cpu.prefetch_ahead(0) == 0

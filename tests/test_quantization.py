@@ -37,6 +37,7 @@ from tokenmill.engine.errors import ModelLoadError
 from tokenmill.engine.models.loader import load_model
 from tokenmill.engine.quantization import (
     INT4_GROUP_SIZE,
+    INT8_GROUP_SIZE,
     PACKED_MAX_ROWS,
     QuantizedLinear,
     _cpu_int4_block_n,
@@ -193,8 +194,8 @@ def test_gemv_layer_computes_with_its_dequantized_weight(method, n, rows):
     """int8 and int4 on a CPU with the C kernels (path ``gemv``): up to 64 rows
     (INT8_GEMV_MAX_ROWS, INT4_GEMV_MAX_ROWS) the kernels' GEMV with float32 activations, above
     it a dequantize + the float32 GEMM; both on the weight ``dequantize()`` returns: int8 ``q *
-    s`` with float32 scales, int4 ``q * s + z8`` of ``quantize_int4`` in the layout's bf16
-    scales."""
+    s`` with one float32 scale per 32 weights along K, int4 ``q * s + z8`` of ``quantize_int4``
+    in the layout's bf16 scales."""
     g = torch.Generator().manual_seed(n + rows)
     w = torch.randn(n, 128, generator=g) * 0.05
     w[3, 32:64] += 2.0  # one group far from zero: int4's z8 matters
@@ -202,11 +203,16 @@ def test_gemv_layer_computes_with_its_dequantized_weight(method, n, rows):
     layer = QuantizedLinear(method, w, b)
     assert layer.path == "gemv"
     if method == "int8":
-        q, s = quantize_int8(w)
-        ref_w = q.float() * s[:, None]
+        q, s = quantize_int8(w, INT8_GROUP_SIZE)
+        assert s.shape == (n, 128 // INT8_GROUP_SIZE)
+        ref_w = (q.float().reshape(n, -1, 32) * s[..., None]).reshape(n, 128)
         assert layer.gemv_scales.dtype == torch.float32
-        # half a step of rounding; no bf16 rounding of the scales
-        assert (ref_w - w).abs().max() <= s.max() / 2 + 1e-7
+        torch.testing.assert_close(layer.gemv_scales, s, atol=0, rtol=0)
+        # half a step of each group's own rounding grid; no bf16 rounding of the scales. The
+        # offset group's large step does not reach the row's other groups
+        bound = (s / 2).repeat_interleave(32, dim=1)
+        assert ((ref_w - w).abs() <= bound + 1e-7).all()
+        assert (ref_w - w)[3, :32].abs().max() < s[3, 1] / 8
     else:
         assert layer.qweight.shape == (n // 16, 4, 16, 16)
         q, s, z = quantize_int4(w, INT4_GROUP_SIZE)
@@ -225,6 +231,26 @@ def test_gemv_layer_computes_with_its_dequantized_weight(method, n, rows):
     if rows <= 64:
         with pytest.raises(RuntimeError, match="no packed kernel"):
             layer._packed(x)
+
+
+@needs_kernels
+def test_int8_layer_off_the_group_keeps_one_scale_a_row():
+    """An int8 layer whose in_features is not a multiple of 32 cannot take the C kernels'
+    groups: it quantizes per row for torch's packed kernel, and still computes with the weight
+    ``dequantize()`` returns."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 48, generator=g) * 0.05
+    layer = QuantizedLinear("int8", w, None)
+    assert layer.path == "hybrid" and layer.gemv_scales is None
+    assert layer.scales.shape == (64,)
+    x = torch.randn(3, 48, generator=g)
+    dense = nn.functional.linear(x, layer.dequantize(torch.float32))
+    assert (layer(x) - dense).abs().max().item() <= 2e-2 * dense.abs().max().item()
+
+
+def test_quantize_int8_refuses_a_group_that_does_not_divide_k():
+    with pytest.raises(ValueError, match="group size 32 does not divide in_features 48"):
+        quantize_int8(torch.ones(4, 48), 32)
 
 
 def test_int4_cpu_layout_unpacks_to_the_reference(torch_kernels):
