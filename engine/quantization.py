@@ -231,7 +231,7 @@ class QuantizedLinear(nn.Module):
         # 2^-9: the default model's perplexity rose from +0.37% to +0.72% over float32
         # (benchmarks/quantization_accuracy.py, 2026-12-02). One float32 scale per row kept
         # float32's first 16 greedy tokens on 3 of 5 prompts (the misses near-ties in float32's
-        # own logits); groups of 32, as llama.cpp's Q8_0, on 4 (2026-12-03)
+        # own logits); groups of 32, as llama.cpp's Q8_0, on 4 (2026-12-02)
         self.gemv_scales: torch.Tensor | None = None
         if method == "int8":
             grouped = self.device.type == "cpu" and int8_cpu_gemv() and k % INT8_GROUP_SIZE == 0

@@ -207,7 +207,7 @@ DEFINE_DOT_ROWS(AVX512, dot512_i8, int8_t)
 /* Two rows of W against NR rows of x, 16 weights a step: each x vector loaded feeds two FMAs.
  * With many rows of x the one-row blocks above are bound by an x load per FMA, not by memory:
  * one pass over SmolLM2-135M's int8 layers at 32 rows took 87.5 ms against 67.4 for torch's
- * float32 GEMM of the same shapes (oneDNN tiles both ways). In pairs (2026-12-03, same VM,
+ * float32 GEMM of the same shapes (oneDNN tiles both ways). In pairs (2026-12-02, same VM,
  * best of 4): 8 rows 20.1 -> 12.3 ms, 16 rows 37.9 -> 21.5, 32 rows 87.5 -> 46.2 (float32
  * 59.5); at 48 and 64 rows still above float32 (96 vs 77, 125 vs 90 ms). */
 #define DEFINE_DOT512_PAIR(NR)                                                                  \
