@@ -51,8 +51,13 @@ def sample(
         inf (that request must fail with ``nan_logits``; its token is meaningless).
     """
     logits = logits.float()
-    bad = (~torch.isfinite(logits).all(dim=-1)).tolist()
-    tokens = torch.argmax(logits, dim=-1).tolist()
+    # max and min propagate NaN, so a row is finite exactly when both are: two reductions and
+    # one isfinite on 2N values instead of isfinite over every logit, and max's indices are the
+    # argmax (first of ties). 67 µs against 185 for isfinite().all + argmax over SmolLM2's
+    # 49,152 logits, one row (2026-12-02), a step's fixed cost at batch 1
+    top, argmax = torch.max(logits, dim=-1)
+    bad = (~(torch.isfinite(top) & torch.isfinite(torch.amin(logits, dim=-1)))).tolist()
+    tokens = argmax.tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy and not bad[i]]
     if rows:
         host = logits[rows].cpu()

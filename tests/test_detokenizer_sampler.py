@@ -130,6 +130,9 @@ def test_sampler_greedy_filters_seed_and_nan_rows():
     assert tokens[0] == 1
     assert tokens[3] == 2
     assert bad == [False, False, True, False, True]
+    # greedy takes the first of tied maxima; a -inf anywhere in a row fails it like NaN and inf
+    ties = torch.tensor([[0.0, 7.0, 7.0, 1.0], [float("-inf"), 1.0, 4.0, 4.0]])
+    assert sample(ties, [SamplingParams()] * 2, [None] * 2) == ([1, 2], [False, True])
     # a top_p that rounds to 0 in float32 keeps the most likely token instead of failing the batch
     tiny = sample(
         torch.log(torch.tensor([[0.2, 0.7, 0.1]])),
