@@ -294,9 +294,10 @@ def main() -> int:
     result["read_gbps"] = read_gbps = max(probe, probe_end, best_pass)
     result["floor_ms"] = weight_bytes / read_gbps / 1e9 * 1e3
     result["cpu_kernels"] = cpu_gemv.unavailable_reason() or "used"
-    # int8's floor: the same step's weights in int8 (one byte a weight; the scales are noise);
-    # int4's: half a byte a weight plus its (scale, zero) word per 32 (a fifth of its bytes)
-    result["floor_ms_int8"] = result["floor_ms"] / 4
+    # int8's floor: the same step's weights in int8, one byte a weight plus a float32 scale per
+    # 32 (the C kernels' groups); int4's: half a byte a weight plus its (scale, zero) word per
+    # 32 (a fifth of its bytes)
+    result["floor_ms_int8"] = result["floor_ms"] * (1 + 4 / 32) / 4
     result["floor_ms_int4"] = result["floor_ms"] * (0.5 + 4 / 32) / 4
     result["server"] = {}
     for name, args, env, floor in (
