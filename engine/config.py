@@ -49,7 +49,8 @@ class EngineConfig:
     quantization: str = knob(
         "none",
         "none | int8 | int4: weight-only quantization of every linear layer and the LM head "
-        "(int8 per channel, int4 in groups of 32).",
+        "(int8 symmetric and int4 asymmetric, a scale per 32 weights along the input; int8 per "
+        "output row where torch's packed kernel runs it).",
     )
     enforce_eager: bool = knob(
         False,
@@ -63,6 +64,20 @@ class EngineConfig:
         "process on this host; two all-reduces a layer.",
         min=1,
         max=64,
+    )
+    data_parallel_size: int = knob(
+        1,
+        "Engine cores behind one API (tokenmill serve), each a full copy of the model (and "
+        "tensor-parallel itself when --tensor-parallel-size > 1); requests go to the one with "
+        "the fewest outstanding tokens.",
+        min=1,
+        max=64,
+    )
+    router_prefix_affinity: bool = knob(
+        False,
+        "With --data-parallel-size > 1: send a request to the replica that served the same "
+        "first KV block of prompt last (its prefix cache may hold it), unless that replica has "
+        "twice the outstanding tokens of the least loaded.",
     )
     load_format: str = knob("auto", "auto | safetensors | dummy (random weights)")
     attention_backend: str = knob(
@@ -160,6 +175,7 @@ class EngineConfig:
             "max_num_seqs",
             "kv_cache_memory",
             "tensor_parallel_size",
+            "data_parallel_size",
         )
         for name in positive:
             if getattr(self, name) < 1:

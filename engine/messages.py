@@ -195,6 +195,10 @@ class StepRecord(msgspec.Struct, kw_only=True):
     compiled: bool | None = None
     """the forward ran the compiled decode step (``engine/models/native_step.py``) instead of
     the eager module forward; NULL in dumps from before the field"""
+    replica: int | None = None
+    """the data-parallel replica (engine core, ``0 .. --data-parallel-size - 1``) that ran the
+    step, stamped by the API process on receipt (``engine/api/worker.py``); NULL in-process
+    (``LLM``) and in dumps from before the field"""
     cpu_threads: int | None = None
     """the forward's CPU threads this step (``engine/cpu_threads.py``: the cores other
     processes leave free, or ``--cpu-threads``); NULL on CUDA and in dumps from before the

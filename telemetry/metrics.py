@@ -226,6 +226,28 @@ class ServingMetrics:
 
         # -- engine / API gauges ----------------------------------------------------------------
         self.g_running = gauge("num_requests_running", "Requests running in the engine.")
+        # data parallelism (engine/api/replicas.py): one series per replica, bounded by
+        # --data-parallel-size (<= 64); the unlabelled gauges above are the sums
+        mr = ["model_name", "replica"]
+        self.g_replica = {
+            "running": gauge(
+                "replica_num_requests_running", "Requests running in one replica.", mr
+            ),
+            "waiting": gauge(
+                "replica_num_requests_waiting", "Requests waiting in one replica's queue.", mr
+            ),
+            "kv_usage": gauge(
+                "replica_kv_cache_usage_perc", "One replica's KV-cache usage, 0..1.", mr
+            ),
+            "outstanding_tokens": gauge(
+                "replica_outstanding_tokens",
+                "Tokens routed to one replica and not yet done: prompts not yet prefilled "
+                "plus outputs still to come (the router's load).",
+                mr,
+            ),
+        }
+        self.data_parallel_size = 1  # above 1, step records set the replica gauges only
+        self._replica_step: dict[int, tuple] = {}
         self.g_waiting = gauge("num_requests_waiting", "Requests waiting in the engine queue.")
         self.g_kv = gauge("kv_cache_usage_perc", "KV-cache usage, 0..1 (1 means 100 percent).")
         self.g_in_flight = gauge("requests_in_flight", "Requests admitted by the API, not done.")
@@ -427,14 +449,24 @@ class ServingMetrics:
             self.h_iter_tokens.labels(model).observe(tokens)
         total, used = g("kv_blocks_total"), g("kv_blocks_used")
         pid, step_id = g("engine_pid"), g("step_id")
-        last_pid, last_step = self._state_step
+        replica = g("replica")
+        many = self.data_parallel_size > 1
+        last_pid, last_step = (
+            self._replica_step.get(replica, (None, -1)) if many else self._state_step
+        )
         if step_id is None or pid != last_pid or step_id >= last_step:
-            self._state_step = (pid, -1 if step_id is None else step_id)
-            self.set_engine_state(
-                running=g("num_running"),
-                waiting=g("num_waiting"),
-                kv_usage=(used / total) if total and used is not None else None,
-            )
+            seen = (pid, -1 if step_id is None else step_id)
+            state = {
+                "running": g("num_running"),
+                "waiting": g("num_waiting"),
+                "kv_usage": (used / total) if total and used is not None else None,
+            }
+            if not many:
+                self._state_step = seen
+                self.set_engine_state(**state)
+            elif replica is not None:  # the sums come from the server's refresh
+                self._replica_step[replica] = seen
+                self.set_replica_state(replica, **state)
         preempted = int(g("num_preempted") or 0)
         if preempted > 0:
             self.c_preemptions.labels(model).inc(preempted)
@@ -503,6 +535,19 @@ class ServingMetrics:
         ):
             if value is not None:
                 gauge.labels(model).set(float(value))
+
+    def set_replica_state(self, replica: int, **values: float | None) -> None:
+        """Sets one replica's ``tokenmill_replica_*`` gauges (keys ``running``, ``waiting``,
+        ``kv_usage`` (0..1), ``outstanding_tokens``); None leaves a gauge as it is.
+
+        Raises:
+            KeyError: an unknown key.
+        """
+        labels = (self.model_name, str(int(replica)))
+        for key, value in values.items():
+            gauge = self.g_replica[key]
+            if value is not None:
+                gauge.labels(*labels).set(float(value))
 
     def set_weight_bytes(self, by_dtype: dict[str, int]) -> None:
         """Sets ``tokenmill_model_weight_bytes{dtype}``: the loaded model's weight bytes per

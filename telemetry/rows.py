@@ -30,6 +30,9 @@ class RequestRow(msgspec.Struct, kw_only=True):
     trace_id: str
     tenant: str | None = None
     model: str | None = None
+    replica: int | None = None
+    """the data-parallel replica (engine core) the router sent it to
+    (``engine/api/replicas.py``; 0 with one engine core); NULL when no engine took it"""
     endpoint: str | None = None
     """chat | completions"""
     stream: bool | None = None

@@ -119,6 +119,7 @@ def request_row(
         trace_id=trace_id,
         tenant=tl.tenant,
         model=tl.model,
+        replica=tl.replica,
         endpoint=tl.endpoint,
         stream=tl.stream,
         http_status=tl.http_status,
@@ -196,6 +197,7 @@ def emit_trace(tracer: trace.Tracer, tl: RequestTimeline) -> tuple[str, dict, li
             "tokenmill.request_id": tl.request_id,
             "tokenmill.client_request_id": tl.client_request_id,
             "tokenmill.tenant": tl.tenant,
+            "tokenmill.replica": tl.replica,
             "tokenmill.stream": tl.stream,
             "tokenmill.usage.cached_tokens": tl.cached_tokens if tl.queued_ns else None,
             "tokenmill.preemptions": tl.preemptions if tl.queued_ns else None,
@@ -281,6 +283,7 @@ def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict
         "admission": _attrs(
             {
                 "tokenmill.pool": tl.pool,
+                "tokenmill.replica": tl.replica,
                 "tokenmill.admission.queue_depth": tl.queue_depth_seen,
                 "tokenmill.admission.in_flight": tl.in_flight_seen,
             }

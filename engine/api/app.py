@@ -498,8 +498,18 @@ def build_app(state: ServerState) -> FastAPI:
         render may show its new count before its new sum, as with any threaded exporter.
         Renders are serialized so concurrent scrapers never hold several threads at once.
         """
-        stats = state.worker.health()["stats"]
+        w = state.worker.health()
+        stats = w["stats"]
         m = state.telemetry.metrics
+        for r in w.get("replicas", ()):
+            rs = r["stats"]
+            m.set_replica_state(
+                r["replica"],
+                running=rs.get("num_running"),
+                waiting=rs.get("num_waiting"),
+                kv_usage=rs.get("kv_usage"),
+                outstanding_tokens=r["outstanding_tokens"],
+            )
         m.set_engine_state(
             running=stats.get("num_running", 0),
             waiting=stats.get("num_waiting", 0),
@@ -596,7 +606,6 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
             tl.prompt_text = state.tokenize.tokenizer.decode(tok.prompt_token_ids)
         tl.queue_depth_seen = state.admission.queue_depth
         tl.in_flight_seen = state.admission.in_flight
-        tl.pool = state.worker.name
         state.admission.enter()
         admitted = True
         try:
@@ -610,6 +619,9 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
         except EngineUnavailable as exc:
             code = "server_shutdown" if state.shutting_down else "engine_unavailable"
             raise APIError(503, str(exc), code=code, retry_after=exc.retry_after) from None
+        routed = state.worker.replica_of(engine_id)  # the replica the router picked
+        if routed is not None:
+            tl.pool, tl.replica = routed.name, routed.replica
         tl.admission_end_ns = time.time_ns()
     except BaseException:
         release()

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from ..model_config import load_model_config
 from ..tokenizer import load_tokenizer
 from .app import ServerState, build_app
 from .gateway import Gateway, load_tenants
+from .replicas import ReplicaPool, check_data_parallel
 from .stations import AdmissionStation, MeteringStation, TokenizeStation
 from .worker import EngineWorker
 
@@ -139,6 +141,26 @@ def memory_line(model_info: dict) -> str:
     return line + "; "
 
 
+def engine_workers(config) -> EngineWorker | ReplicaPool:
+    """One engine worker, or a :class:`ReplicaPool` of ``--data-parallel-size`` of them.
+
+    Raises:
+        ValueError: the machine cannot hold that many replicas (one line).
+    """
+    if config.data_parallel_size == 1:
+        return EngineWorker(config)
+    cpus = os.cpu_count() or 1
+    cuda = 0
+    if config.device != "cpu":
+        import torch  # only here: a one-replica API process never loads it
+
+        cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_data_parallel(config, cpus, cuda)
+    if config.device == "auto" and cuda:
+        config.device = "cuda"
+    return ReplicaPool(config, cpu_count=cpus)
+
+
 def make_server(
     config: EngineConfig,
     *,
@@ -184,7 +206,7 @@ def make_server(
     if tenants is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no --tenants file: open local mode, binding 127.0.0.1 instead of %s", host)
         host = "127.0.0.1"
-    worker = EngineWorker(config)
+    worker = engine_workers(config)
     name = served_model_name or Path(model_dir).name
     # the composition root: the API sees telemetry only through on_request/on_step/health
     from tokenmill.telemetry.hub import Telemetry
@@ -197,6 +219,7 @@ def make_server(
         device_sample_interval_s=device_sample_interval_s,
         trace_content=trace_content,
     )
+    telemetry.metrics.data_parallel_size = config.data_parallel_size
     worker.add_step_listener(telemetry.on_step)
     worker.add_abandoned_listener(telemetry.on_abandoned)
     worker.add_abandoned_listener(lambda out: state.on_engine_final(out))
@@ -218,7 +241,7 @@ def make_server(
             logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
             raise
         telemetry.engine_pid = info["pid"]
-        telemetry.start(engine_pids=[info["pid"]])
+        telemetry.start(engine_pids=info.get("pids") or [info["pid"]])
         model_info = info.get("model_info") or {}
         telemetry.event(
             "config",

@@ -50,6 +50,7 @@ class RequestTimeline:
     queue_depth_seen: int | None = None
     in_flight_seen: int | None = None
     pool: str | None = None
+    replica: int | None = None  # the data-parallel replica the router picked
     # engine (from RequestOutput)
     queued_ns: int | None = None
     scheduled_ns: int | None = None

@@ -1,7 +1,8 @@
 """The engine worker: one engine-core process, watched and restarted when it dies.
 
-Admission routes to a worker through :meth:`EngineWorker.generate`; a later issue can hold
-several workers behind the same interface.
+Admission routes to a worker through :meth:`EngineWorker.generate`; with
+``--data-parallel-size N`` a :class:`~.replicas.ReplicaPool` holds N workers behind the same
+interface, worker ``i`` being replica ``i``.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ class EngineWorker:
     fails (it keeps retrying with backoff).
     """
 
-    def __init__(self, config: EngineConfig, name: str = "worker-0"):
+    def __init__(self, config: EngineConfig, name: str | None = None, replica: int = 0):
         self.config = config
-        self.name = name
+        self.replica = replica
+        self.name = name or f"worker-{replica}"
         self.engine: AsyncEngine | None = None
         self.state = "starting"
         self.restarts = 0
@@ -93,8 +95,12 @@ class EngineWorker:
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
         return self.info
 
+    def _stamp(self, record) -> None:
+        record.replica = self.replica
+
     async def _spawn(self) -> None:
         engine = AsyncEngine(self.config)
+        engine.add_step_listener(self._stamp)  # first: every listener sees the replica
         for fn in self._listeners:
             engine.add_step_listener(fn)
         for fn in self._abandoned_listeners:
@@ -158,6 +164,10 @@ class EngineWorker:
     def ready(self) -> bool:
         return self.state == "ready" and self.engine is not None and self.engine.alive
 
+    def replica_of(self, request_id: str) -> EngineWorker:
+        """The worker serving ``request_id``: this one (see :meth:`.ReplicaPool.replica_of`)."""
+        return self
+
     def generate(self, *args, **kwargs):
         """The engine's output stream for one request.
 
@@ -206,6 +216,7 @@ class EngineWorker:
         age = self.heartbeat_age_s
         return {
             "name": self.name,
+            "replica": self.replica,
             "state": self.state,
             "pid": engine.pid if engine else None,
             "uptime_s": round(engine.uptime_s, 1) if engine else 0.0,

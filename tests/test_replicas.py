@@ -1,0 +1,152 @@
+"""Issue 16, data parallelism's router and replica plan (``engine/api/replicas.py``): the
+request goes to the replica with the fewest outstanding tokens, prefix affinity holds only
+within its slack, the count falls as outputs come and returns to zero however a stream ends,
+and a size the machine cannot hold is one line naming what there is. The real engine's
+replicas are ``test_data_parallel.py``'s."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from tokenmill.engine.api.replicas import (
+    AFFINITY_KEYS,
+    AFFINITY_SLACK_TOKENS,
+    ReplicaPool,
+    Router,
+    check_data_parallel,
+    replica_config,
+)
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.messages import RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+
+BLOCK = 16
+
+
+def test_least_outstanding_tokens_wins_and_ties_go_to_the_lowest_replica():
+    router = Router(3, BLOCK)
+    assert router.pick([0, 1, 2], [1] * 40) == 0
+    router.add(0, 500)
+    router.add(1, 200)
+    assert router.pick([0, 1, 2], [1] * 40) == 2
+    router.add(2, 300)
+    assert router.pick([0, 1, 2], [1] * 40) == 1
+    assert router.pick([0, 2], [1] * 40) == 2  # replica 1 not ready
+
+
+def test_prefix_affinity_pins_within_the_slack_and_spills_past_it():
+    router = Router(2, BLOCK, prefix_affinity=True)
+    shared = [*range(BLOCK), 7, 8, 9]
+    assert router.pick([0, 1], shared) == 0
+    router.add(0, AFFINITY_SLACK_TOKENS)  # replica 0 busy, but within the slack
+    assert router.pick([0, 1], shared) == 0
+    assert router.affine == 1
+    # another prefix goes by load
+    assert router.pick([0, 1], list(range(100, 100 + BLOCK))) == 1
+    router.add(0, 1)  # one token past the slack: load wins, and the key moves
+    assert router.pick([0, 1], shared) == 1
+    router.add(0, -AFFINITY_SLACK_TOKENS - 1)
+    assert router.pick([0, 1], shared) == 1  # now remembered on replica 1
+    # a prompt shorter than a block has no key; without the flag nothing is pinned
+    assert router.pick([0, 1], [1, 2, 3]) == 0
+    plain = Router(2, BLOCK)
+    plain.add(0, 1)
+    assert plain.pick([0, 1], shared) == 1 and plain.pick([0, 1], shared) == 1
+
+
+def test_affinity_keys_are_bounded():
+    router = Router(2, 1, prefix_affinity=True)
+    for t in range(AFFINITY_KEYS + 10):
+        router.pick([0, 1], [t])
+    assert len(router._last) == AFFINITY_KEYS
+    assert (0,) not in router._last and (AFFINITY_KEYS + 9,) in router._last
+
+
+def _out(rid: str, tokens: int, finished: bool) -> RequestOutput:
+    return RequestOutput(
+        request_id=rid,
+        new_token_ids=[5] * tokens,
+        new_text="",
+        token_ns=[0] * tokens,
+        finished=finished,
+        finish_reason=None,
+        stop_reason=None,
+        error_type=None,
+        error_message=None,
+        num_prompt_tokens=10,
+        num_output_tokens=tokens,
+        num_cached_tokens=0,
+        num_preemptions=0,
+        num_recomputed_tokens=0,
+        arrival_ns=0,
+        queued_ns=0,
+        scheduled_ns=None,
+        first_token_ns=None,
+        finished_ns=None,
+    )
+
+
+class _Worker:
+    """An engine worker's routing surface: ready, and a stream of scripted outputs."""
+
+    def __init__(self, replica: int, script: list[RequestOutput]):
+        self.replica, self.name, self.ready, self.state = (
+            replica,
+            f"worker-{replica}",
+            True,
+            "ready",
+        )
+        self.script = script
+
+    def generate(self, request_id, prompt_token_ids, params, **kw):
+        async def stream():
+            for out in self.script:
+                yield out
+
+        return stream()
+
+
+def test_outstanding_tokens_fall_as_outputs_come_and_return_to_zero():
+    """10 prompt tokens + max_tokens 8 = 18 at routing; the first output (2 tokens) takes the
+    prompt and its tokens off, the next 3 more; a stream left early gives back the rest."""
+    pool = ReplicaPool.__new__(ReplicaPool)
+    pool.router, pool._where, pool.closing = Router(2, BLOCK), {}, False
+    pool.workers = [_Worker(0, [_out("a", 2, False), _out("a", 3, False)]), _Worker(1, [])]
+    params = SamplingParams(max_tokens=8)
+
+    async def run():
+        seen = []
+        stream = pool.generate("a", [1] * 10, params)
+        assert pool.router.outstanding == [18, 0] and pool.replica_of("a").replica == 0
+        async for _ in stream:
+            seen.append(list(pool.router.outstanding))
+        return seen
+
+    assert asyncio.run(run()) == [[6, 0], [3, 0]]
+    assert pool.router.outstanding == [0, 0] and pool.replica_of("a") is None
+    assert pool.router.pick([0, 1], [1] * 10) == 0  # both idle again: a tie, replica 0
+
+
+def test_a_size_the_machine_cannot_hold_is_one_line():
+    cpu = EngineConfig(device="cpu", data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^--data-parallel-size 2 x --tensor-parallel-size 2 "
+                       r"needs 4 CPU cores \(one per rank\); this machine has 2$"):  # fmt: skip
+        check_data_parallel(cpu, cpu_count=2, cuda_count=0)
+    check_data_parallel(dataclasses.replace(cpu, tensor_parallel_size=1), 2, 0)
+    gpu = EngineConfig(device="auto", data_parallel_size=3)
+    with pytest.raises(ValueError, match="needs 3 CUDA devices; this machine has 2"):
+        check_data_parallel(gpu, cpu_count=16, cuda_count=2)
+    with pytest.raises(ValueError, match="data_parallel_size must be >= 1, got 0"):
+        EngineConfig(data_parallel_size=0).validate()
+
+
+def test_each_replica_gets_its_devices_or_its_share_of_the_cores():
+    cpu = EngineConfig(device="cpu", data_parallel_size=2)
+    assert [replica_config(cpu, i, 2).cpu_threads for i in range(2)] == [1, 1]
+    fixed = dataclasses.replace(cpu, cpu_threads=2)  # --cpu-threads is the operator's call
+    assert replica_config(fixed, 1, 2).cpu_threads == 2
+    gpu = EngineConfig(device="cuda:1", data_parallel_size=2, tensor_parallel_size=2)
+    assert [replica_config(gpu, i, 16).device for i in range(2)] == ["cuda:1", "cuda:3"]
