@@ -177,6 +177,25 @@ FROM requests WHERE end_ns >= $since AND end_ns < $until
 GROUP BY win
 """
 
+# Data parallelism (engine/api/replicas.py): per window and replica, the requests the router
+# sent there (by arrival) and the replica's mean running requests over its step records (idle
+# heartbeats included: a replica with nothing to do sends one every 0.5 s).
+_REPLICA_REQ_SQL = f"""
+SELECT (arrival_ns - $t0) // $w AS win, replica,
+    count(*) AS arrivals,
+    quantile_cont(ttft_ms, 0.5) FILTER (WHERE {COMPLETED_SQL}) AS ttft_p50,
+    quantile_cont(queue_ms, 0.5) FILTER (WHERE {COMPLETED_SQL}) AS queue_p50
+FROM requests
+WHERE arrival_ns >= $since AND arrival_ns < $until AND replica IS NOT NULL
+GROUP BY ALL
+"""
+_REPLICA_STEP_SQL = """
+SELECT (start_ns - $t0) // $w AS win, replica, avg(num_running) AS running_mean
+FROM engine_steps
+WHERE start_ns >= $since AND start_ns < $until AND replica IS NOT NULL
+GROUP BY ALL
+"""
+
 # Idle heartbeats (not WORKING_STEP_SQL) count only for the KV and idle columns.
 _STEP_WINDOW_SQL = f"""
 SELECT (start_ns - $t0) // $w AS win,
@@ -484,6 +503,50 @@ def _span(con, since_ns: int | None, until_ns: int | None) -> tuple[int, int]:
     )
 
 
+def _replica_windows(con, params: dict, size: int, not_warm_req: str) -> dict[int, dict]:
+    """Per window, the spread between data-parallel replicas (``size`` of them, ids ``0 ..
+    size - 1``): ``replicas``; ``replica_hot`` (the one the most requests arrived at) with its
+    ``replica_arrivals_max``, ``replica_ttft_p50_hot`` and ``replica_queue_p50_hot`` (ms);
+    ``replica_cool`` (the fewest arrivals, 0 for a replica that got none) with
+    ``replica_arrivals_min`` and ``replica_ttft_p50_cool``; ``replica_running_mean_min`` /
+    ``_max`` (mean running requests over each replica's step records; a replica with no
+    record in the window counts 0). Empty below two replicas or in a store without the
+    ``replica`` columns."""
+    if size < 2:
+        return {}
+    if "replica" not in {c.lower() for c in columns(con, "requests")}:
+        return {}
+    by_win: dict[int, dict[int, dict]] = {}
+    cur = con.execute(_set_apart(_REPLICA_REQ_SQL, "arrival_ns", not_warm_req), params)
+    names = [d[0] for d in cur.description]
+    for row in cur.fetchall():
+        r = dict(zip(names, row, strict=True))
+        by_win.setdefault(int(r["win"]), {})[int(r["replica"])] = r
+    running: dict[int, dict[int, float]] = {}
+    for win, replica, mean in con.execute(_REPLICA_STEP_SQL, params).fetchall():
+        running.setdefault(int(win), {})[int(replica)] = float(mean or 0.0)
+    out = {}
+    for win in set(by_win) | set(running):
+        reqs = by_win.get(win, {})
+        arrivals = {r: (reqs.get(r) or {}).get("arrivals") or 0 for r in range(size)}
+        hot = max(arrivals, key=lambda r: (arrivals[r], -r))
+        cool = min(arrivals, key=lambda r: (arrivals[r], r))
+        run = [running.get(win, {}).get(r, 0.0) for r in range(size)]
+        out[win] = {
+            "replicas": size,
+            "replica_hot": hot,
+            "replica_arrivals_max": arrivals[hot],
+            "replica_ttft_p50_hot": (reqs.get(hot) or {}).get("ttft_p50"),
+            "replica_queue_p50_hot": (reqs.get(hot) or {}).get("queue_p50"),
+            "replica_cool": cool,
+            "replica_arrivals_min": arrivals[cool],
+            "replica_ttft_p50_cool": (reqs.get(cool) or {}).get("ttft_p50"),
+            "replica_running_mean_min": min(run),
+            "replica_running_mean_max": max(run),
+        }
+    return out
+
+
 def _rows(con, sql: str, params: dict) -> dict[int, dict]:
     cur = con.execute(sql, {k: v for k, v in params.items() if f"${k}" in sql})
     cols = [d[0] for d in cur.description]
@@ -582,6 +645,9 @@ def load(
     # a store written before the speculative-decoding step fields: no spec signals
     spec_sql = _spec_sql(con, roofline)
     spec = _rows(con, _set_apart(spec_sql, "start_ns", not_warm_step), params) if spec_sql else {}
+    replicas = _replica_windows(
+        con, params, int(config.get("data_parallel_size") or 1), not_warm_req
+    )
     errors_by_window: dict[int, dict[str, int]] = {}
     for win, etype, n in con.execute(
         "SELECT (end_ns - $t0) // $w, error_type, count(*) FROM requests "
@@ -594,7 +660,7 @@ def load(
     windows = []
     for i in range(n_windows):
         values: dict = {}
-        for src in (req, ends, steps, roof, dev, same_work, spec):
+        for src in (req, ends, steps, roof, dev, same_work, spec, replicas):
             values.update(src.get(i, {}))
         ended = values.get("ended") or 0
         values["error_rate"] = (values.get("errors") or 0) / ended if ended else None

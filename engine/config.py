@@ -75,9 +75,9 @@ class EngineConfig:
     )
     router_prefix_affinity: bool = knob(
         False,
-        "With --data-parallel-size > 1: send a request to the replica that served the same "
-        "first KV block of prompt last (its prefix cache may hold it), unless that replica has "
-        "twice the outstanding tokens of the least loaded.",
+        "With --data-parallel-size > 1: send a request to the replica that last served the "
+        "same first 4 KV blocks of prompt (its prefix cache may hold them) while it holds at "
+        "most 8192 outstanding tokens more than the least loaded replica.",
     )
     load_format: str = knob("auto", "auto | safetensors | dummy (random weights)")
     attention_backend: str = knob(

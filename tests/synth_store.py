@@ -92,6 +92,15 @@ class Phase:
     spec_draft_share: float = 0.7
     spec_accept_rate: float = 0.0
     spec_step_slowdown: float = 1.0
+    # data parallelism (requests.replica, engine_steps.replica, the config event's
+    # data_parallel_size): replicas > 1 sends hot_share of the requests to replica 0 (with
+    # hot_queue_ms more queue wait each) and the rest spread over the others; the step rows
+    # alternate between the replicas, replica 0's with `running` and the others' with
+    # cool_running (None: `running` too)
+    replicas: int = 1
+    hot_share: float | None = None
+    hot_queue_ms: float = 0.0
+    cool_running: float | None = None
 
     def but(self, **changes) -> Phase:
         return replace(self, **changes)
@@ -131,6 +140,7 @@ class SyntheticRun:
             "device_peak_gflops": first.peak_gflops,
             "device_peak_gbps_source": "probe",
             "device_peak_gflops_source": "probe",
+            "data_parallel_size": max(ph.replicas for ph in phases),
         }
         spec_k = next((ph.spec_k for ph in phases if ph.spec_k), 0)
         # the server's flag as the config event carries it: vLLM's JSON, or None when off
@@ -205,6 +215,9 @@ class SyntheticRun:
                 prefill = ph.long_prompt_tokens
                 dur += ph.prefill_spike_ms
             running = 0 if idle else ph.running
+            replica = i % ph.replicas
+            if replica and ph.cool_running is not None and not idle:
+                running = round(ph.cool_running)
             decode_tokens, spec = running, {}
             if not idle and not prefill and ph.spec_k and rng.random() < ph.spec_draft_share:
                 per_pos = [0] * ph.spec_k
@@ -249,6 +262,7 @@ class SyntheticRun:
                 "prefix_hit_tokens": 0,
                 "allocation_failures": int(ph.alloc_failures_per_step > rng.random()),
                 "num_finished": 0,
+                "replica": replica if ph.replicas > 1 else None,
             }
             row["num_waiting"] += int(ph.waiting_growth_per_s * (t - start) / S) if not idle else 0
             row.update(spec)
@@ -326,6 +340,10 @@ class SyntheticRun:
         short = ph.short_queue_ms is not None and n_in <= ph.prompt_tokens[1]
         queue = (ph.short_queue_ms if short else ph.queue_ms) * (0.8 + 0.4 * rng.random())
         queue += ph.queue_growth_ms_per_s * (arrival - self._phase_start) / S
+        if ph.replicas > 1:
+            share = 1 / ph.replicas if ph.hot_share is None else ph.hot_share
+            tl.replica = 0 if rng.random() < share else rng.randrange(1, ph.replicas)
+            queue += ph.hot_queue_ms * (0.8 + 0.4 * rng.random()) if tl.replica == 0 else 0.0
         tl.scheduled_ns = tl.queued_ns + int(queue * MS)
         cached = int(n_in * ph.prefix_cached_share) // 16 * 16
         prefill_ms = (n_in - cached) / ph.prefill_tok_per_s * 1000 + ph.itl_ms

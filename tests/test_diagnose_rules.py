@@ -18,6 +18,7 @@ HEALTHY = Phase(duration_s=40)
 INT4 = HEALTHY.but(quantization="int4", weight_bytes=100_000_000, running=2)
 # 4 running decodes: 3 draft tokens each stay below the ridge (~7 FLOP/byte against 10)
 SPEC = HEALTHY.but(running=4)
+DP2 = HEALTHY.but(replicas=2)  # two data-parallel replicas, the router spreading evenly
 
 SCENARIOS: dict[str, list[Phase]] = {
     "ttft_queueing": [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=2000)],
@@ -82,6 +83,11 @@ SCENARIOS: dict[str, list[Phase]] = {
         SPEC,
         SPEC.but(duration_s=30, spec_k=3, spec_accept_rate=0.05, spec_step_slowdown=1.5),
     ],
+    # 90% of the requests pinned to replica 0 (3 s more queue), replica 1 idle
+    "replica_imbalance": [
+        DP2,
+        DP2.but(duration_s=30, hot_share=0.9, hot_queue_ms=3000, cool_running=0),
+    ],
 }
 
 # the evidence each rule must carry, as (key, predicate)
@@ -107,6 +113,7 @@ EXPECTED = {
     "host_bound_steps": ("host_share_of_step", lambda v: v >= 0.45),
     "quantization_no_gain": ("compute_bound_prefill_share", lambda v: v > 0.8),
     "spec_decode_ineffective": ("spec_gain_per_cost", lambda v: 0.6 < v < 0.9),
+    "replica_imbalance": ("arrival_skew", lambda v: v >= 4),
 }
 
 
@@ -401,6 +408,8 @@ MILD: dict[str, list[Phase]] = {
         SPEC,
         SPEC.but(duration_s=30, spec_k=3, spec_accept_rate=0.7, spec_step_slowdown=1.2),
     ],
+    # 60 / 40 between the replicas, both busy: uneven, not one idling
+    "replica_imbalance": [DP2, DP2.but(duration_s=30, hot_share=0.6, hot_queue_ms=200)],
 }
 
 

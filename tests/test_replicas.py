@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 from tokenmill.engine.api.replicas import (
+    AFFINITY_BLOCKS,
     AFFINITY_KEYS,
     AFFINITY_SLACK_TOKENS,
     ReplicaPool,
@@ -39,19 +40,20 @@ def test_least_outstanding_tokens_wins_and_ties_go_to_the_lowest_replica():
 
 def test_prefix_affinity_pins_within_the_slack_and_spills_past_it():
     router = Router(2, BLOCK, prefix_affinity=True)
-    shared = [*range(BLOCK), 7, 8, 9]
+    shared = [*range(BLOCK * AFFINITY_BLOCKS), 7, 8, 9]
     assert router.pick([0, 1], shared) == 0
     router.add(0, AFFINITY_SLACK_TOKENS)  # replica 0 busy, but within the slack
     assert router.pick([0, 1], shared) == 0
     assert router.affine == 1
     # another prefix goes by load
-    assert router.pick([0, 1], list(range(100, 100 + BLOCK))) == 1
+    assert router.pick([0, 1], list(range(100, 100 + BLOCK * AFFINITY_BLOCKS))) == 1
     router.add(0, 1)  # one token past the slack: load wins, and the key moves
     assert router.pick([0, 1], shared) == 1
     router.add(0, -AFFINITY_SLACK_TOKENS - 1)
     assert router.pick([0, 1], shared) == 1  # now remembered on replica 1
-    # a prompt shorter than a block has no key; without the flag nothing is pinned
-    assert router.pick([0, 1], [1, 2, 3]) == 0
+    # a prompt shorter than the key has none (one block of a chat template's header would pin
+    # every chat prompt); without the flag nothing is pinned
+    assert router.pick([0, 1], shared[: BLOCK * AFFINITY_BLOCKS - 1]) == 0
     plain = Router(2, BLOCK)
     plain.add(0, 1)
     assert plain.pick([0, 1], shared) == 1 and plain.pick([0, 1], shared) == 1
@@ -59,10 +61,11 @@ def test_prefix_affinity_pins_within_the_slack_and_spills_past_it():
 
 def test_affinity_keys_are_bounded():
     router = Router(2, 1, prefix_affinity=True)
+    pad = [0] * (AFFINITY_BLOCKS - 1)
     for t in range(AFFINITY_KEYS + 10):
-        router.pick([0, 1], [t])
+        router.pick([0, 1], [t, *pad])
     assert len(router._last) == AFFINITY_KEYS
-    assert (0,) not in router._last and (AFFINITY_KEYS + 9,) in router._last
+    assert (0, *pad) not in router._last and (AFFINITY_KEYS + 9, *pad) in router._last
 
 
 def _out(rid: str, tokens: int, finished: bool) -> RequestOutput:

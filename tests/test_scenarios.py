@@ -19,9 +19,10 @@ from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, s
 # rows of 1,000-token contexts), midstream_stall (~130 s) and queueing_overload (~130 s; its
 # traffic is the demo's tour, and tests/test_demo.py checks that `overload` comes first there)
 # and spec_decode_healthy (~60 s; speculation where it pays, nothing fires). Two more run
-# there only, to keep CI under 45 minutes: ttft_queueing (~100 s, five 15 s load steps) and
+# there only, to keep CI under 45 minutes: ttft_queueing (~100 s, five 15 s load steps),
 # error_spike (~45 s; tests/test_diagnose_no_baseline.py runs its drill on the real engine
-# and checks the rule fires)
+# and checks the rule fires), and replica_imbalance / replica_balanced (~45 s each, two
+# replicas; tests/test_data_parallel.py runs the real replicas, test_diagnose_rules.py the rule)
 FAST = [
     "healthy",
     "batching_ineffective",

@@ -36,6 +36,7 @@ from . import (
     periodic_itl_spikes,
     prefix_cache_miss,
     quantization_no_gain,
+    replica_imbalance,
     spec_decode_ineffective,
     ttft_prefill_bound,
     ttft_queueing,
@@ -64,6 +65,7 @@ RULES: tuple[Rule, ...] = (
     quantization_no_gain.RULE,
     host_contention.RULE,
     spec_decode_ineffective.RULE,
+    replica_imbalance.RULE,
 )
 
 RULES_BY_ID: dict[str, Rule] = {r.id: r for r in RULES}

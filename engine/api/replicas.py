@@ -9,8 +9,9 @@ tokens**: for every request it holds, the prompt tokens until its first output p
 tokens it may still produce (``max_tokens`` minus those produced). A decode step's cost grows
 with the tokens it holds and a prefill's with the prompt, so this tracks the work waiting in a
 replica better than a request count (vLLM's and SGLang's routers balance on queue length or
-load the same way). With ``--router-prefix-affinity`` a request whose first KV block of prompt
-was last routed to replica ``r`` goes to ``r`` (its prefix cache may hold the block) while
+load the same way). With ``--router-prefix-affinity`` a request whose first
+:data:`AFFINITY_BLOCKS` KV blocks of prompt were last routed to replica ``r`` goes to ``r`` (its
+prefix cache may hold them) while
 ``r`` holds at most :data:`AFFINITY_SLACK_TOKENS` outstanding tokens more than the least loaded
 replica; past that, load wins. The slack is what lets affinity skew load: a flood of requests
 sharing a prefix piles onto one replica up to that margin, the case ``replica_imbalance`` names.
@@ -28,7 +29,7 @@ from ..config import EngineConfig
 from ..messages import RequestOutput
 from .worker import EngineUnavailable, EngineWorker
 
-__all__ = ["AFFINITY_SLACK_TOKENS", "ReplicaPool", "Router"]
+__all__ = ["AFFINITY_BLOCKS", "AFFINITY_SLACK_TOKENS", "ReplicaPool", "Router"]
 
 #: outstanding tokens a prefix-affine replica may hold beyond the least loaded one before a
 #: request sharing its prefix goes elsewhere: about 22 chat requests of 300 prompt + 64 output
@@ -50,6 +51,10 @@ ADDITIVE_STATS = frozenset(
         "cpu_threads",
     }
 )
+#: KV blocks of prompt the affinity key covers: a chat template's fixed header (and a default
+#: system prompt, ~25 tokens for SmolLM2) fills the first block of every chat prompt, so a
+#: one-block key would pin all chat traffic to one replica
+AFFINITY_BLOCKS = 4
 #: prompt-prefix keys remembered for affinity (oldest forgotten first)
 AFFINITY_KEYS = 4096
 
@@ -59,13 +64,14 @@ class Router:
 
     Args:
         size: number of replicas.
-        block_size: tokens in the KV block the affinity key covers (the engine's block size).
+        block_size: the engine's KV block size (tokens); the affinity key is the first
+            :data:`AFFINITY_BLOCKS` blocks of prompt.
         prefix_affinity: ``--router-prefix-affinity``.
     """
 
     def __init__(self, size: int, block_size: int, prefix_affinity: bool = False):
         self.outstanding = [0] * size
-        self.block_size = block_size
+        self.key_tokens = block_size * AFFINITY_BLOCKS
         self.prefix_affinity = prefix_affinity
         self._last: collections.OrderedDict[tuple[int, ...], int] = collections.OrderedDict()
         self.routed = [0] * size
@@ -75,9 +81,9 @@ class Router:
         """The replica (one of ``ready``, not empty) for a prompt: the least outstanding tokens
         (lowest index on ties), or the prefix-affine one within :data:`AFFINITY_SLACK_TOKENS`."""
         least = min(ready, key=lambda r: (self.outstanding[r], r))
-        if not self.prefix_affinity or len(prompt_token_ids) < self.block_size:
+        if not self.prefix_affinity or len(prompt_token_ids) < self.key_tokens:
             return least
-        key = tuple(prompt_token_ids[: self.block_size])
+        key = tuple(prompt_token_ids[: self.key_tokens])
         affine = self._last.get(key)
         pick = least
         if (

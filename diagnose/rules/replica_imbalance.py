@@ -1,0 +1,112 @@
+"""``replica_imbalance``: one data-parallel replica is swamped while another sits idle."""
+
+from __future__ import annotations
+
+from ..signals import Signals, Window
+from ._common import Evidence, Param, Rule, _confidence, _in_window, _ms, _severity, _when
+
+
+def _skew(w: Window) -> float:
+    """Requests that arrived at the busiest replica per request at the least busy (a replica
+    that got none counts as one)."""
+    return (w.get("replica_arrivals_max") or 0) / max(w.get("replica_arrivals_min") or 0, 1)
+
+
+def _ttft_ratio(w: Window) -> float | None:
+    hot, cool = w.get("replica_ttft_p50_hot"), w.get("replica_ttft_p50_cool")
+    return hot / cool if hot is not None and cool else None
+
+
+def detect(sig: Signals, p: dict) -> Evidence | None:
+    def hit(w: Window) -> bool:
+        if (w.get("replicas") or 0) < 2 or (w.get("replica_arrivals_max") or 0) < p["min_requests"]:
+            return False
+        ttft = _ttft_ratio(w)
+        return (
+            _skew(w) >= p["arrival_skew"]
+            and (w.get("replica_running_mean_min") or 0) <= p["idle_running"]
+            and (w.get("replica_running_mean_max") or 0) >= p["busy_running"]
+            and (ttft is None or ttft >= p["ttft_ratio"])
+        )
+
+    hits = [w for w in sig.busy() if hit(w)]
+    if not hits:
+        return None
+    w = max(hits, key=_skew)
+    skew, ttft = _skew(w), _ttft_ratio(w)
+    hot, cool = w.get("replica_hot"), w.get("replica_cool")
+    total = (w.get("arrivals") or 0) or (w.get("replica_arrivals_max") or 0)
+    ttft_part = (
+        f"its TTFT p50 {_ms(w.get('replica_ttft_p50_hot'))} against "
+        f"{_ms(w.get('replica_ttft_p50_cool'))} on replica {cool}"
+        if ttft is not None
+        else f"its TTFT p50 {_ms(w.get('replica_ttft_p50_hot'))} (queue p50 "
+        f"{_ms(w.get('replica_queue_p50_hot'))}), replica {cool} serving nothing"
+    )
+    affinity = bool(sig.config.get("router_prefix_affinity"))
+    causes = RULE.causes if affinity else (RULE.causes[1], RULE.causes[0], *RULE.causes[2:])
+    where, params = _in_window(w)
+    return Evidence(
+        f"replica {hot} took {w.get('replica_arrivals_max')} of the {total} requests that "
+        f"arrived in {_when(w)} (replica {cool}: {w.get('replica_arrivals_min')}), {ttft_part}, "
+        f"while replica {cool} ran {w.get('replica_running_mean_min'):.1f} requests on average "
+        f"(replica {hot}: {w.get('replica_running_mean_max'):.1f})",
+        {
+            "replicas": w.get("replicas"),
+            "hot_replica": hot,
+            "cool_replica": cool,
+            "hot_arrivals": w.get("replica_arrivals_max"),
+            "cool_arrivals": w.get("replica_arrivals_min"),
+            "arrival_skew": skew,
+            "hot_ttft_p50_ms": w.get("replica_ttft_p50_hot"),
+            "cool_ttft_p50_ms": w.get("replica_ttft_p50_cool"),
+            "hot_queue_p50_ms": w.get("replica_queue_p50_hot"),
+            "cool_running_mean": w.get("replica_running_mean_min"),
+            "hot_running_mean": w.get("replica_running_mean_max"),
+            "router_prefix_affinity": affinity,
+        },
+        (w.start_ns, w.end_ns),
+        where + " AND replica = ?",
+        [*params, hot],
+        _severity(skew, p["arrival_skew"]),
+        _confidence(skew / p["arrival_skew"], None if ttft is None else ttft / p["ttft_ratio"]),
+        causes=causes,
+    )
+
+
+RULE = Rule(
+    id="replica_imbalance",
+    title="One replica swamped while another sits idle",
+    symptom="one data-parallel replica's arrivals and TTFT far above another's, which idles",
+    causes=(
+        "prefix affinity pins a flood of requests sharing a prompt prefix to one replica",
+        "the router's load signal lags (long outputs counted as short, a replica restarted)",
+        "one replica is slower (fewer cores or a straggling device) and drains its queue late",
+    ),
+    checks=(
+        "requests and TTFT per replica in the window (requests.replica)",
+        "whether the hot replica's requests share a prompt prefix (prefix affinity on?)",
+        "/health: each replica's outstanding_tokens, routed and restarts",
+    ),
+    knob="serve without --router-prefix-affinity, or add replicas so the hot prefix has room",
+    params={
+        "arrival_skew": Param(
+            3.0, "requests at the busiest replica per request at the least busy (fair: 1)"
+        ),
+        "ttft_ratio": Param(
+            3.0, "busiest replica's TTFT p50 over the least busy one's, when that one had any"
+        ),
+        "idle_running": Param(0.5, "mean running requests at or below which a replica idles"),
+        "busy_running": Param(2.0, "mean running requests the busiest replica holds at least"),
+        "min_requests": Param(6, "requests at the busiest replica in the window, at least"),
+    },
+    detect=detect,
+    healthy_baseline="absolute",
+    explains=("ttft_queueing", "ttft_prefill_bound", "head_of_line_blocking"),
+    evidence_signals=(
+        "replica_arrivals_max",
+        "replica_arrivals_min",
+        "replica_ttft_p50_hot",
+        "replica_running_mean_min",
+    ),
+)
