@@ -177,6 +177,26 @@ FROM requests WHERE end_ns >= $since AND end_ns < $until
 GROUP BY win
 """
 
+# Tensor parallelism (engine/parallel/): rank 0's time in collectives (StepRecord.collective_ms:
+# the step's broadcast and the row-parallel layers' all-reduces) as a share of the forward, in
+# decode-only and in prefill steps. Seed 003 §5.2 pitfall 5: two all-reduces a layer hide
+# behind a prefill's compute and stand exposed in decode.
+_TP_DECODE = "num_prefill_tokens = 0 AND num_decode_tokens > 0 AND collective_ms IS NOT NULL"
+_TP_PREFILL = "num_prefill_tokens > 0 AND collective_ms IS NOT NULL"
+_COLLECTIVE_WINDOW_SQL = f"""
+SELECT (start_ns - $t0) // $w AS win,
+    sum(collective_ms) FILTER (WHERE {_TP_DECODE})
+        / nullif(sum(forward_ms) FILTER (WHERE {_TP_DECODE}), 0) AS decode_collective_share,
+    avg(collective_ms) FILTER (WHERE {_TP_DECODE}) AS decode_collective_ms_mean,
+    avg(forward_ms) FILTER (WHERE {_TP_DECODE}) AS decode_forward_ms_mean,
+    avg(collective_bytes) FILTER (WHERE {_TP_DECODE}) AS decode_collective_bytes_mean,
+    count(*) FILTER (WHERE {_TP_DECODE}) AS collective_decode_steps,
+    sum(collective_ms) FILTER (WHERE {_TP_PREFILL})
+        / nullif(sum(forward_ms) FILTER (WHERE {_TP_PREFILL}), 0) AS prefill_collective_share
+FROM engine_steps WHERE start_ns >= $since AND start_ns < $until
+GROUP BY win
+"""
+
 # Data parallelism (engine/api/replicas.py): per window and replica, the requests the router
 # sent there (by arrival) and the replica's mean running requests over its step records (idle
 # heartbeats included: a replica with nothing to do sends one every 0.5 s).
@@ -645,6 +665,11 @@ def load(
     # a store written before the speculative-decoding step fields: no spec signals
     spec_sql = _spec_sql(con, roofline)
     spec = _rows(con, _set_apart(spec_sql, "start_ns", not_warm_step), params) if spec_sql else {}
+    collectives = (
+        _rows(con, _set_apart(_COLLECTIVE_WINDOW_SQL, "start_ns", not_warm_step), params)
+        if "collective_ms" in step_cols
+        else {}
+    )
     replicas = _replica_windows(
         con, params, int(config.get("data_parallel_size") or 1), not_warm_req
     )
@@ -660,7 +685,7 @@ def load(
     windows = []
     for i in range(n_windows):
         values: dict = {}
-        for src in (req, ends, steps, roof, dev, same_work, spec, replicas):
+        for src in (req, ends, steps, roof, dev, same_work, spec, replicas, collectives):
             values.update(src.get(i, {}))
         ended = values.get("ended") or 0
         values["error_rate"] = (values.get("errors") or 0) / ended if ended else None

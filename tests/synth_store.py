@@ -98,6 +98,11 @@ class Phase:
     # alternate between the replicas, replica 0's with `running` and the others' with
     # cool_running (None: `running` too)
     replicas: int = 1
+    # tensor parallelism (engine_steps.collective_ms/collective_bytes, the config event's
+    # tensor_parallel_size): tp_size > 1 gives every step collectives taking collective_share
+    # of a decode step's forward and a quarter of that share of a prefill step's
+    tp_size: int = 1
+    collective_share: float = 0.0
     hot_share: float | None = None
     hot_queue_ms: float = 0.0
     cool_running: float | None = None
@@ -141,6 +146,7 @@ class SyntheticRun:
             "device_peak_gbps_source": "probe",
             "device_peak_gflops_source": "probe",
             "data_parallel_size": max(ph.replicas for ph in phases),
+            "tensor_parallel_size": max(ph.tp_size for ph in phases),
         }
         spec_k = next((ph.spec_k for ph in phases if ph.spec_k), 0)
         # the server's flag as the config event carries it: vLLM's JSON, or None when off
@@ -267,6 +273,10 @@ class SyntheticRun:
             row["num_waiting"] += int(ph.waiting_growth_per_s * (t - start) / S) if not idle else 0
             row.update(spec)
             row.update(self._roofline(ph, prefill, decode_tokens))
+            if ph.tp_size > 1 and not idle:
+                share = ph.collective_share / (4 if prefill else 1)
+                row["collective_ms"] = share * row["forward_ms"]
+                row["collective_bytes"] = 2 * 30 * (prefill + decode_tokens) * 576 * 4
             tel.store.submit("engine_steps", row)
             step_id += 1
             t += int(dur * MS) + (int(0.5 * S) if idle else 0)

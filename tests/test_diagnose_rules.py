@@ -19,6 +19,7 @@ INT4 = HEALTHY.but(quantization="int4", weight_bytes=100_000_000, running=2)
 # 4 running decodes: 3 draft tokens each stay below the ridge (~7 FLOP/byte against 10)
 SPEC = HEALTHY.but(running=4)
 DP2 = HEALTHY.but(replicas=2)  # two data-parallel replicas, the router spreading evenly
+TP2 = HEALTHY.but(tp_size=2, collective_share=0.1)  # two ranks, collectives 10% of decode
 
 SCENARIOS: dict[str, list[Phase]] = {
     "ttft_queueing": [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=2000)],
@@ -88,6 +89,8 @@ SCENARIOS: dict[str, list[Phase]] = {
         DP2,
         DP2.but(duration_s=30, hot_share=0.9, hot_queue_ms=3000, cool_running=0),
     ],
+    # the ranks' collectives take 60% of every decode step (as on more ranks than cores)
+    "tp_communication_bound": [TP2, TP2.but(duration_s=30, collective_share=0.6, step_ms=100)],
 }
 
 # the evidence each rule must carry, as (key, predicate)
@@ -114,6 +117,7 @@ EXPECTED = {
     "quantization_no_gain": ("compute_bound_prefill_share", lambda v: v > 0.8),
     "spec_decode_ineffective": ("spec_gain_per_cost", lambda v: 0.6 < v < 0.9),
     "replica_imbalance": ("arrival_skew", lambda v: v >= 4),
+    "tp_communication_bound": ("decode_collective_share", lambda v: 0.55 < v < 0.65),
 }
 
 
@@ -410,6 +414,7 @@ MILD: dict[str, list[Phase]] = {
     ],
     # 60 / 40 between the replicas, both busy: uneven, not one idling
     "replica_imbalance": [DP2, DP2.but(duration_s=30, hot_share=0.6, hot_queue_ms=200)],
+    "tp_communication_bound": [TP2, TP2.but(duration_s=30, collective_share=0.2)],
 }
 
 

@@ -21,8 +21,9 @@ from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, s
 # and spec_decode_healthy (~60 s; speculation where it pays, nothing fires). Two more run
 # there only, to keep CI under 45 minutes: ttft_queueing (~100 s, five 15 s load steps),
 # error_spike (~45 s; tests/test_diagnose_no_baseline.py runs its drill on the real engine
-# and checks the rule fires), and replica_imbalance / replica_balanced (~45 s each, two
+# and checks the rule fires), replica_imbalance / replica_balanced (~45 s each, two
 # replicas; tests/test_data_parallel.py runs the real replicas, test_diagnose_rules.py the rule)
+# and tp_communication_bound / tp_dp_same_traffic (~45 s each: three ranks, then two replicas)
 FAST = [
     "healthy",
     "batching_ineffective",

@@ -38,6 +38,7 @@ from . import (
     quantization_no_gain,
     replica_imbalance,
     spec_decode_ineffective,
+    tp_communication_bound,
     ttft_prefill_bound,
     ttft_queueing,
 )
@@ -66,6 +67,7 @@ RULES: tuple[Rule, ...] = (
     host_contention.RULE,
     spec_decode_ineffective.RULE,
     replica_imbalance.RULE,
+    tp_communication_bound.RULE,
 )
 
 RULES_BY_ID: dict[str, Rule] = {r.id: r for r in RULES}
