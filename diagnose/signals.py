@@ -567,6 +567,43 @@ def _replica_windows(con, params: dict, size: int, not_warm_req: str) -> dict[in
     return out
 
 
+_RANK_TIMES_SQL = """
+SELECT (start_ns - $t0) // $w AS win, rank_compute_ms
+FROM engine_steps
+WHERE start_ns >= $since AND start_ns < $until AND len(rank_compute_ms) > 1
+"""
+
+
+def _rank_windows(con, params: dict, not_warm_step: str) -> dict[int, dict]:
+    """Per window, how the tensor-parallel ranks' forward times outside collectives
+    (``engine_steps.rank_compute_ms``, one list every 16 steps) compare: ``rank_samples``;
+    ``slowest_rank`` (the rank slowest most often) and ``slowest_rank_share`` (the share of
+    samples it was slowest in); ``rank_spread_p50`` (median of slowest / fastest);
+    ``slowest_rank_ms`` / ``fastest_rank_ms`` (means of the slowest and fastest rank's time per
+    sample, ms). Empty in a store without the column."""
+    if "rank_compute_ms" not in {c.lower() for c in columns(con, "engine_steps")}:
+        return {}
+    by_win: dict[int, list[list[float]]] = {}
+    for win, times in con.execute(
+        _set_apart(_RANK_TIMES_SQL, "start_ns", not_warm_step), params
+    ).fetchall():
+        by_win.setdefault(int(win), []).append([float(t) for t in times])
+    out = {}
+    for win, samples in by_win.items():
+        slowest = [max(range(len(t)), key=t.__getitem__) for t in samples]
+        rank = max(set(slowest), key=lambda r: (slowest.count(r), -r))
+        spreads = [max(t) / min(t) for t in samples if min(t) > 0]
+        out[win] = {
+            "rank_samples": len(samples),
+            "slowest_rank": rank,
+            "slowest_rank_share": slowest.count(rank) / len(samples),
+            "rank_spread_p50": _quantile(spreads, 0.5),
+            "slowest_rank_ms": sum(max(t) for t in samples) / len(samples),
+            "fastest_rank_ms": sum(min(t) for t in samples) / len(samples),
+        }
+    return out
+
+
 def _rows(con, sql: str, params: dict) -> dict[int, dict]:
     cur = con.execute(sql, {k: v for k, v in params.items() if f"${k}" in sql})
     cols = [d[0] for d in cur.description]
@@ -670,6 +707,7 @@ def load(
         if "collective_ms" in step_cols
         else {}
     )
+    ranks = _rank_windows(con, params, not_warm_step)
     replicas = _replica_windows(
         con, params, int(config.get("data_parallel_size") or 1), not_warm_req
     )
@@ -685,7 +723,7 @@ def load(
     windows = []
     for i in range(n_windows):
         values: dict = {}
-        for src in (req, ends, steps, roof, dev, same_work, spec, replicas, collectives):
+        for src in (req, ends, steps, roof, dev, same_work, spec, replicas, collectives, ranks):
             values.update(src.get(i, {}))
         ended = values.get("ended") or 0
         values["error_rate"] = (values.get("errors") or 0) / ended if ended else None

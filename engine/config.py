@@ -166,6 +166,15 @@ class EngineConfig:
     fault_leak_blocks_on_abort: bool = knob(
         False, "Fault drill: aborted requests keep their KV blocks (a simulated leak, case C05)."
     )
+    fault_slow_rank: int = knob(
+        0,
+        "Fault drill (tensor parallel): this worker rank (1..N-1; 0 = none) also spends "
+        "--fault-slow-rank-ms in every step's forward, as a rank on a busy core would.",
+        min=0,
+    )
+    fault_slow_rank_ms: float = knob(
+        20.0, "Fault drill: the extra forward time of --fault-slow-rank (ms).", min=0.0
+    )
 
     def validate(self) -> None:
         """Raises ValueError naming the first invalid field."""

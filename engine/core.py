@@ -207,6 +207,9 @@ class EngineCore:
             cpu_threads=self.cpu_threads,
             collective_ms=comm[0] / 1e6 if comm else None,
             collective_bytes=comm[1] if comm else None,
+            rank_compute_ms=getattr(self.runner, "last_rank_compute", None)
+            if sched.chunks
+            else None,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_prefill_tokens=sched.num_prefill_tokens,

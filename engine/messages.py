@@ -210,6 +210,11 @@ class StepRecord(msgspec.Struct, kw_only=True):
     collective_bytes: BigInt | None = None
     """tensor parallelism: bytes rank 0 all-reduced this step (two ``[tokens, hidden]``
     tensors a layer; the input broadcast not counted); NULL on one rank"""
+    rank_compute_ms: list[float] | None = None
+    """tensor parallelism: each rank's mean forward time outside collectives over the last 16
+    steps (``engine/parallel/workers.py``: ``RankTimes``), ms, index = rank; set on every 16th
+    step, NULL on the others, without tensor parallelism and in dumps from before the field.
+    A rank the others wait for shows the longest"""
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -50,8 +50,11 @@ class ModelRunner:
         self.tp_group: TensorParallelGroup | None = None
         if tp > 1:
             check_tensor_parallel(model_dir, tp, load["device"])
+            slow = (config.fault_slow_rank, config.fault_slow_rank_ms)
             self.tp_group = TensorParallelGroup(
-                tp, {**load, "model_dir": str(model_dir), "block_size": config.block_size}
+                tp,
+                {**load, "model_dir": str(model_dir), "block_size": config.block_size},
+                fault_slow_rank=slow if config.fault_slow_rank else None,
             )
         self.model = load_model(model_dir, tensor_parallel=(0, tp) if tp > 1 else None, **load)
         param = next(self.model.parameters())
@@ -199,6 +202,7 @@ class ModelRunner:
             t_send = time.perf_counter_ns()
             self.tp_group.broadcast_step(input_ids, step.positions, step.metadata)
             send_ns = time.perf_counter_ns() - t_send
+        t_forward = time.perf_counter_ns()
         if self.last_native:
             hidden = self.native.forward(input_ids, step.positions, step.metadata)
         elif self.graphs is not None and self.graphs.takes(len(tokens), step.metadata):
@@ -209,6 +213,8 @@ class ModelRunner:
         if self.tp_group is not None:
             ns, nbytes = take_comm(self.model)
             self.last_collective = (send_ns + ns, nbytes)
+            compute_ns = time.perf_counter_ns() - t_forward - ns
+            self.last_rank_compute = self.tp_group.rank_times.add(compute_ns)
         if picked is None:
             return torch.empty((0, self.model_config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[picked]).cpu()

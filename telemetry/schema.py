@@ -164,7 +164,8 @@ class SchemaError(Exception):
 
 def sql_type(t: mi.Type) -> str:
     """The DuckDB type of one field type: an explicit ``Meta(extra={"sql": ...})`` wins, else
-    int → INTEGER, float → DOUBLE, str → VARCHAR, bool → BOOLEAN, list[int] → BIGINT[].
+    int → INTEGER, float → DOUBLE, str → VARCHAR, bool → BOOLEAN, list[int] → BIGINT[],
+    list[float] → DOUBLE[].
 
     Raises:
         TypeError: a field type with no column type (give it ``Meta(extra={"sql": ...})``).
@@ -181,6 +182,8 @@ def sql_type(t: mi.Type) -> str:
         return simple[type(t)]
     if isinstance(t, mi.ListType) and isinstance(t.item_type, mi.IntType):
         return "BIGINT[]"
+    if isinstance(t, mi.ListType) and isinstance(t.item_type, mi.FloatType):
+        return "DOUBLE[]"
     raise TypeError(f"no column type for {t!r}")
 
 

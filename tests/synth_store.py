@@ -103,6 +103,10 @@ class Phase:
     # of a decode step's forward and a quarter of that share of a prefill step's
     tp_size: int = 1
     collective_share: float = 0.0
+    # every 16th step's rank_compute_ms: each rank's forward_ms outside collectives, the
+    # straggler's (None: none) straggler_slowdown times that, the others waiting for it
+    straggler_rank: int | None = None
+    straggler_slowdown: float = 1.0
     hot_share: float | None = None
     hot_queue_ms: float = 0.0
     cool_running: float | None = None
@@ -277,6 +281,12 @@ class SyntheticRun:
                 share = ph.collective_share / (4 if prefill else 1)
                 row["collective_ms"] = share * row["forward_ms"]
                 row["collective_bytes"] = 2 * 30 * (prefill + decode_tokens) * 576 * 4
+                if step_id % 16 == 15:
+                    compute = row["forward_ms"] - row["collective_ms"]
+                    times = [compute * (1 + 0.05 * rng.random()) for _ in range(ph.tp_size)]
+                    if ph.straggler_rank is not None:
+                        times[ph.straggler_rank] = compute * ph.straggler_slowdown
+                    row["rank_compute_ms"] = times
             tel.store.submit("engine_steps", row)
             step_id += 1
             t += int(dur * MS) + (int(0.5 * S) if idle else 0)

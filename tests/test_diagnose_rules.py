@@ -91,6 +91,11 @@ SCENARIOS: dict[str, list[Phase]] = {
     ],
     # the ranks' collectives take 60% of every decode step (as on more ranks than cores)
     "tp_communication_bound": [TP2, TP2.but(duration_s=30, collective_share=0.6, step_ms=100)],
+    # rank 1 of 2 takes 2.5x the compute of rank 0 every sample; rank 0 waits for it (60%)
+    "rank_straggler": [
+        TP2,
+        TP2.but(duration_s=30, collective_share=0.6, straggler_rank=1, straggler_slowdown=2.5),
+    ],
 }
 
 # the evidence each rule must carry, as (key, predicate)
@@ -118,6 +123,7 @@ EXPECTED = {
     "spec_decode_ineffective": ("spec_gain_per_cost", lambda v: 0.6 < v < 0.9),
     "replica_imbalance": ("arrival_skew", lambda v: v >= 4),
     "tp_communication_bound": ("decode_collective_share", lambda v: 0.55 < v < 0.65),
+    "rank_straggler": ("slowest_rank", lambda v: v == 1),
 }
 
 
@@ -415,6 +421,8 @@ MILD: dict[str, list[Phase]] = {
     # 60 / 40 between the replicas, both busy: uneven, not one idling
     "replica_imbalance": [DP2, DP2.but(duration_s=30, hot_share=0.6, hot_queue_ms=200)],
     "tp_communication_bound": [TP2, TP2.but(duration_s=30, collective_share=0.2)],
+    # the ranks within 5% of each other (noise), and a 1.2x slower rank
+    "rank_straggler": [TP2, TP2.but(duration_s=30, straggler_rank=1, straggler_slowdown=1.2)],
 }
 
 

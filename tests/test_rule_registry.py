@@ -116,8 +116,10 @@ def test_evidence_signals_are_window_signals_and_the_console_shows_them(tmp_path
     from tokenmill.diagnose.signals import load
 
     path = tmp_path / "gpu.duckdb"
-    # two data-parallel replicas: the per-replica signals exist only where there are several
-    phases = [Phase(duration_s=20, gpu=True, replicas=2), Phase(duration_s=10, rate_per_s=0)]
+    # two data-parallel replicas of two tensor-parallel ranks: the per-replica and per-rank
+    # signals exist only where there are several
+    busy = Phase(duration_s=20, gpu=True, replicas=2, tp_size=2, collective_share=0.1)
+    phases = [busy, Phase(duration_s=10, rate_per_s=0)]
     write_store(path, phases, seed=3)
     con = duckdb.connect(str(path), read_only=True)
     try:

@@ -23,7 +23,8 @@ from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, s
 # error_spike (~45 s; tests/test_diagnose_no_baseline.py runs its drill on the real engine
 # and checks the rule fires), replica_imbalance / replica_balanced (~45 s each, two
 # replicas; tests/test_data_parallel.py runs the real replicas, test_diagnose_rules.py the rule)
-# and tp_communication_bound / tp_dp_same_traffic (~45 s each: three ranks, then two replicas)
+# and tp_communication_bound / tp_dp_same_traffic / rank_straggler (~45-60 s each: three
+# ranks, two replicas, three ranks with one held back)
 FAST = [
     "healthy",
     "batching_ineffective",

@@ -36,6 +36,7 @@ from . import (
     periodic_itl_spikes,
     prefix_cache_miss,
     quantization_no_gain,
+    rank_straggler,
     replica_imbalance,
     spec_decode_ineffective,
     tp_communication_bound,
@@ -68,6 +69,7 @@ RULES: tuple[Rule, ...] = (
     spec_decode_ineffective.RULE,
     replica_imbalance.RULE,
     tp_communication_bound.RULE,
+    rank_straggler.RULE,
 )
 
 RULES_BY_ID: dict[str, Rule] = {r.id: r for r in RULES}

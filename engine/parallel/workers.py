@@ -30,7 +30,12 @@ import torch.distributed as dist
 
 from ..errors import ModelLoadError
 
-__all__ = ["IDLE_TIMEOUT", "TensorParallelGroup", "run_worker"]
+__all__ = ["IDLE_TIMEOUT", "RANK_TIMES_EVERY", "RankTimes", "TensorParallelGroup", "run_worker"]
+
+#: steps over which each rank averages its forward time outside collectives before the ranks
+#: exchange them (one all-gather of one number a rank): often enough to name a straggler within
+#: seconds, rare enough to add ~1/16 of a collective to a step
+RANK_TIMES_EVERY = 16
 
 # how long a collective may wait: a worker waits in the step broadcast while the engine is idle,
 # so this bounds nothing in normal use; a dead rank 0 ends its workers through the watchdog
@@ -50,6 +55,29 @@ def _watch_parent(parent: int) -> None:
         time.sleep(0.5)
 
 
+class RankTimes:
+    """Each rank's forward time outside collectives, averaged over :data:`RANK_TIMES_EVERY`
+    steps and exchanged between the ranks: a rank the others wait for at every all-reduce shows
+    a longer compute time, the others' wait shows in their collective time. Every rank calls
+    :meth:`add` once per step, so the all-gather lines up."""
+
+    def __init__(self, every: int = RANK_TIMES_EVERY):
+        self.every, self.total_ns, self.steps = every, 0, 0
+
+    def add(self, compute_ns: int) -> list[float] | None:
+        """Count one step's compute (ns); on every ``every``-th step, the ranks' means (ms,
+        index = rank), else None."""
+        self.total_ns += compute_ns
+        self.steps += 1
+        if self.steps < self.every:
+            return None
+        mean = torch.tensor([self.total_ns / self.steps / 1e6], dtype=torch.float64)
+        self.total_ns, self.steps = 0, 0
+        out = [torch.zeros_like(mean) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, mean)
+        return [float(t.item()) for t in out]
+
+
 def run_worker(rank: int, world: int, init_method: str, parent: int, load: dict) -> None:
     """A worker rank's life: join the group, load its shard, allocate its KV cache (rank 0
     broadcasts the block count), then run every broadcast step until ``None``.
@@ -60,6 +88,7 @@ def run_worker(rank: int, world: int, init_method: str, parent: int, load: dict)
     from ..kv_cache import allocate_kv_caches
     from ..model_config import load_model_config
     from ..models.loader import load_model
+    from .tensor_parallel import take_comm
 
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     # a rank that cannot read the model (e.g. a host without the folder) exits before joining:
@@ -73,6 +102,8 @@ def run_worker(rank: int, world: int, init_method: str, parent: int, load: dict)
     try:
         args = dict(load)
         model_dir, block_size = args.pop("model_dir"), args.pop("block_size")
+        slow_rank, slow_ms = args.pop("fault_slow_rank", None) or (0, 0.0)
+        times = RankTimes()
         model = load_model(model_dir, tensor_parallel=(rank, world), **args)
         param = next(model.parameters())
         box = [None]
@@ -85,7 +116,12 @@ def run_worker(rank: int, world: int, init_method: str, parent: int, load: dict)
                 if box[0] is None:
                     break
                 input_ids, positions, metadata = box[0]
+                t0 = time.perf_counter_ns()
+                if rank == slow_rank:
+                    time.sleep(slow_ms / 1e3)  # the drill: this rank's forward runs late
                 model(input_ids, positions, caches, metadata)
+                comm_ns, _ = take_comm(model)
+                times.add(time.perf_counter_ns() - t0 - comm_ns)
     finally:
         dist.destroy_process_group()
 
@@ -103,13 +139,24 @@ class TensorParallelGroup:
         load: what :func:`run_worker` passes to ``load_model`` (``model_dir``, ``block_size``
             and its keyword arguments; JSON-serialisable).
         join_timeout_s: how long every rank has to join (s).
+        fault_slow_rank: ``(rank, ms)``: the fault drill's straggler (``--fault-slow-rank``),
+            or None.
 
     Raises:
         ModelLoadError: a rank did not join in time (naming it) or exited while starting.
     """
 
-    def __init__(self, world: int, load: dict, join_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        world: int,
+        load: dict,
+        join_timeout_s: float = 120.0,
+        fault_slow_rank: tuple[int, float] | None = None,
+    ):
         self.world = world
+        self.rank_times = RankTimes()
+        if fault_slow_rank is not None:
+            load = {**load, "fault_slow_rank": list(fault_slow_rank)}
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.procs = [
             subprocess.Popen(
