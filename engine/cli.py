@@ -290,6 +290,7 @@ def prompt_params(n: int, *, seed: int | None, **params: Any) -> list:
     "quantization",
     "block_size",
     "speculative_config",
+    "tensor_parallel_size",
 )
 def generate(
     prompt: Annotated[
@@ -463,6 +464,34 @@ def serve(
         fail(server.startup_error)
     if not server.started:
         fail(f"the server did not start (is port {port} free, and did the engine load?)")
+
+
+@app.command("tp-worker")
+def tp_worker(
+    model: Annotated[
+        str | None,
+        typer.Option(help="This host's copy of the model folder (default: rank 0's path)."),
+    ] = None,
+    join_timeout: Annotated[
+        float, typer.Option(min=1.0, help="Seconds to wait for rank 0 on each try.")
+    ] = 120.0,
+    once: Annotated[
+        bool, typer.Option(help="Exit when the group ends instead of waiting for the next.")
+    ] = False,
+) -> None:
+    """Run one tensor-parallel rank on this host for an engine on another.
+
+    The rank and the group come from torch.distributed's environment (``MASTER_ADDR`` and
+    ``MASTER_PORT``: rank 0's host and port; ``WORLD_SIZE``: ``--tensor-parallel-size``;
+    ``RANK``: 1..WORLD_SIZE-1), as ``torchrun`` sets it. Rank 0 is ``tokenmill serve`` with the
+    same variables and ``RANK=0``; it sends the model settings when the group forms.
+    """
+    from .parallel.workers import run_host_worker
+
+    try:
+        run_host_worker(model, join_timeout_s=join_timeout, once=once)
+    except (ValueError, RuntimeError) as exc:
+        fail(str(exc).splitlines()[0])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -65,6 +65,13 @@ class EngineConfig:
         min=1,
         max=64,
     )
+    tensor_parallel_join_timeout: float = knob(
+        120.0,
+        "Seconds every tensor-parallel rank has to join the group; past it the start fails "
+        "naming the ranks missing (with MASTER_ADDR set, ranks on other hosts run "
+        "`tokenmill tp-worker`).",
+        min=1.0,
+    )
     data_parallel_size: int = knob(
         1,
         "Engine cores behind one API (tokenmill serve), each a full copy of the model (and "

@@ -54,6 +54,7 @@ class ModelRunner:
             self.tp_group = TensorParallelGroup(
                 tp,
                 {**load, "model_dir": str(model_dir), "block_size": config.block_size},
+                join_timeout_s=config.tensor_parallel_join_timeout,
                 fault_slow_rank=slow if config.fault_slow_rank else None,
             )
         self.model = load_model(model_dir, tensor_parallel=(0, tp) if tp > 1 else None, **load)

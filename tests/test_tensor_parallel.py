@@ -6,6 +6,8 @@ do not divide the heads, and a rank that cannot start, are refused in one line n
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from tokenmill.engine.model_config import load_model_config
 from tokenmill.engine.models.loader import load_model
 from tokenmill.engine.parallel.tensor_parallel import plan_shard
 from tokenmill.engine.parallel.workers import TensorParallelGroup
+from tokenmill.engine.sampling_params import SamplingParams
 
 
 def _sequences():
@@ -204,3 +207,81 @@ def _running(pid: int) -> bool:
             return f.read().split(") ")[-1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _host_env(port: int, rank: int, world: int = 2) -> dict:
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+            "RANK": str(rank)}  # fmt: skip
+
+
+def _engine(path, smollm2_dir, **cfg) -> LLM:
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine.tokenizer import load_tokenizer
+
+    config = EngineConfig(model=str(path), device="cpu", kv_cache_memory=16 * 2**20, **cfg)
+    return LLM(core=EngineCore(config, tokenizer=load_tokenizer(smollm2_dir)))
+
+
+def test_two_hosts_on_localhost_with_only_the_documented_environment(
+    tmp_path, smollm2_dir, monkeypatch
+):
+    """README's two-host recipe as two processes on this host: "host B" runs ``tokenmill
+    tp-worker`` with MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK=1 and its own copy of the model;
+    "host A" runs the engine as RANK=0. Greedy tokens equal one rank's."""
+    from server_proc import free_port
+
+    make_checkpoint("llama", tmp_path / "host_a")
+    shutil.copytree(tmp_path / "host_a", tmp_path / "host_b")
+    seqs, _ = _sequences()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one = _engine(tmp_path / "host_a", smollm2_dir)
+    want = [r.token_ids for r in one.generate(seqs, params)]
+    one.close()
+    port = free_port()
+    worker = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "tokenmill.engine.cli", "tp-worker", "--once"),
+            *("--model", str(tmp_path / "host_b")),
+        ],
+        env={**os.environ, **_host_env(port, 1)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for key, value in _host_env(port, 0).items():
+            monkeypatch.setenv(key, value)
+        two = _engine(tmp_path / "host_a", smollm2_dir, tensor_parallel_size=2)
+        try:
+            assert two.core.runner.tp_group.procs == []  # no local worker: rank 1 is "host B"
+            got = [r.token_ids for r in two.generate(seqs, params)]
+            rec = next(r for r in two.step_records if r.num_decode_tokens)
+            assert rec.collective_bytes > 0
+        finally:
+            two.close()
+        output, _ = worker.communicate(timeout=60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert worker.returncode == 0, output
+    assert "rank 1 of 2 joined 127.0.0.1" in output
+    assert got == want
+
+
+def test_a_host_rank_that_never_joins_is_named(tmp_path, smollm2_dir, monkeypatch):
+    from server_proc import free_port
+
+    make_checkpoint("llama", tmp_path)
+    port = free_port()
+    for key, value in _host_env(port, 0).items():
+        monkeypatch.setenv(key, value)
+    start = time.monotonic()
+    with pytest.raises(ModelLoadError, match=rf"rank\(s\) \[1\] never joined 127.0.0.1:{port}"):
+        _engine(tmp_path, smollm2_dir, tensor_parallel_size=2, tensor_parallel_join_timeout=2)
+    assert time.monotonic() - start < 60  # a bound on the hang, not a speed target
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ModelLoadError, match="RANK 0 of WORLD_SIZE 2; the environment says "):
+        _engine(tmp_path, smollm2_dir, tensor_parallel_size=2, tensor_parallel_join_timeout=2)
+    monkeypatch.setenv("MASTER_PORT", "x")
+    with pytest.raises(ModelLoadError, match="MASTER_PORT must be a whole number"):
+        _engine(tmp_path, smollm2_dir, tensor_parallel_size=2)

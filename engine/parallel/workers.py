@@ -30,7 +30,21 @@ import torch.distributed as dist
 
 from ..errors import ModelLoadError
 
-__all__ = ["IDLE_TIMEOUT", "RANK_TIMES_EVERY", "RankTimes", "TensorParallelGroup", "run_worker"]
+__all__ = [
+    "DIST_ENV",
+    "IDLE_TIMEOUT",
+    "RANK_TIMES_EVERY",
+    "RankTimes",
+    "TensorParallelGroup",
+    "dist_env",
+    "run_host_worker",
+    "run_worker",
+]
+
+#: torch.distributed's standard rendezvous environment (torchrun sets it too): with
+#: ``MASTER_ADDR`` set, the ranks of a tensor-parallel group live on several hosts
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+_JOINED = "tokenmill/joined/{}"
 
 #: steps over which each rank averages its forward time outside collectives before the ranks
 #: exchange them (one all-gather of one number a rank): often enough to name a straggler within
@@ -85,10 +99,7 @@ def run_worker(rank: int, world: int, init_method: str, parent: int, load: dict)
     ``load``: the keyword arguments of :func:`~..models.loader.load_model` and ``model_dir``,
     ``block_size``.
     """
-    from ..kv_cache import allocate_kv_caches
     from ..model_config import load_model_config
-    from ..models.loader import load_model
-    from .tensor_parallel import take_comm
 
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     # a rank that cannot read the model (e.g. a host without the folder) exits before joining:
@@ -99,6 +110,16 @@ def run_worker(rank: int, world: int, init_method: str, parent: int, load: dict)
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT
     )
+    _serve(rank, world, load)
+
+
+def _serve(rank: int, world: int, load: dict) -> None:
+    """A joined worker rank: load its shard, allocate its KV cache (rank 0 broadcasts the block
+    count), run every broadcast step until ``None``; leaves the group on the way out."""
+    from ..kv_cache import allocate_kv_caches
+    from ..models.loader import load_model
+    from .tensor_parallel import take_comm
+
     try:
         args = dict(load)
         model_dir, block_size = args.pop("model_dir"), args.pop("block_size")
@@ -124,6 +145,79 @@ def run_worker(rank: int, world: int, init_method: str, parent: int, load: dict)
                 times.add(time.perf_counter_ns() - t0 - comm_ns)
     finally:
         dist.destroy_process_group()
+
+
+def dist_env() -> dict | None:
+    """The multi-host rendezvous from :data:`DIST_ENV`: ``{"addr", "port", "world", "rank"}``, or
+    None when ``MASTER_ADDR`` is unset (every rank on this host).
+
+    Raises:
+        ValueError: a variable missing or not a whole number (one line naming it).
+    """
+    if not os.environ.get("MASTER_ADDR"):
+        return None
+    out: dict = {"addr": os.environ["MASTER_ADDR"]}
+    for name, key, default in (("MASTER_PORT", "port", None), ("WORLD_SIZE", "world", None)):
+        raw = os.environ.get(name, default)
+        if raw is None or not raw.strip().isdigit():
+            raise ValueError(f"{name} must be a whole number with MASTER_ADDR set, got {raw!r}")
+        out[key] = int(raw)
+    raw = os.environ.get("RANK", "0")
+    if not raw.strip().isdigit() or int(raw) >= out["world"]:
+        raise ValueError(f"RANK must be 0..WORLD_SIZE-1 ({out['world'] - 1}), got {raw!r}")
+    out["rank"] = int(raw)
+    return out
+
+
+def run_host_worker(
+    model_dir: str | None = None, join_timeout_s: float = 120.0, once: bool = False
+) -> None:
+    """A worker rank on a host of its own (``tokenmill tp-worker``), from :func:`dist_env`:
+    register with rank 0's store at ``MASTER_ADDR:MASTER_PORT``, join the group, take the
+    engine's load settings from rank 0 (``model_dir`` overrides its model folder: this host's
+    copy), and serve its shard until rank 0 closes the group or goes away; then wait for the
+    next group (a restarted engine core), unless ``once``.
+
+    Raises:
+        ValueError: the environment is missing or bad, or this is rank 0 (one line).
+    """
+    env = dist_env()
+    if env is None:
+        raise ValueError("tp-worker needs MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK set")
+    rank, world = env["rank"], env["world"]
+    if rank == 0:
+        raise ValueError("RANK 0 is the engine core (tokenmill serve); a tp-worker is 1 or more")
+    while True:
+        try:
+            store = dist.TCPStore(
+                env["addr"],
+                env["port"],
+                world,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=join_timeout_s),
+            )
+            store.set(_JOINED.format(rank), "1")
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world, timeout=IDLE_TIMEOUT
+            )
+        except (RuntimeError, dist.DistStoreError) as exc:
+            if once:
+                raise
+            print(f"rank {rank}: no rank 0 yet ({str(exc).splitlines()[0][:100]})", flush=True)
+            time.sleep(1.0)
+            continue
+        box = [None]
+        dist.broadcast_object_list(box, src=0)  # the engine's load settings
+        load = dict(box[0])
+        if model_dir:
+            load["model_dir"] = model_dir
+        print(f"rank {rank} of {world} joined {env['addr']}:{env['port']}", flush=True)
+        try:
+            _serve(rank, world, load)
+        except RuntimeError as exc:  # rank 0 went away mid-group
+            print(f"rank {rank}: group ended ({str(exc).splitlines()[0][:100]})", flush=True)
+        if once:
+            return
 
 
 class TensorParallelGroup:
@@ -157,6 +251,13 @@ class TensorParallelGroup:
         self.rank_times = RankTimes()
         if fault_slow_rank is not None:
             load = {**load, "fault_slow_rank": list(fault_slow_rank)}
+        try:
+            env = dist_env()
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
+        if env is not None:
+            self._join_hosts(env, load, join_timeout_s)
+            return
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.procs = [
             subprocess.Popen(
@@ -187,6 +288,38 @@ class TensorParallelGroup:
                 f"{who} ({str(exc).splitlines()[0][:120]})"
             ) from None
         self._joined = True
+
+    def _join_hosts(self, env: dict, load: dict, join_timeout_s: float) -> None:
+        """Rank 0 of a group over several hosts: serve the rendezvous store on ``MASTER_PORT``,
+        wait for every rank to register (naming those that did not), form the group, and send
+        the workers the load settings. The workers are started on their hosts
+        (``tokenmill tp-worker``), not here."""
+        self.procs = []
+        if env["world"] != self.world or env["rank"] != 0:
+            raise ModelLoadError(
+                f"--tensor-parallel-size {self.world} runs as RANK 0 of WORLD_SIZE {self.world}; "
+                f"the environment says RANK {env['rank']} of WORLD_SIZE {env['world']}"
+            )
+        timeout = datetime.timedelta(seconds=join_timeout_s)
+        store = dist.TCPStore(
+            env["addr"], env["port"], self.world, is_master=True, timeout=timeout,
+            wait_for_workers=False,
+        )  # fmt: skip
+        keys = {r: _JOINED.format(r) for r in range(1, self.world)}
+        deadline = time.monotonic() + join_timeout_s
+        missing = list(keys)
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([keys[r]])]
+            time.sleep(0.05 if missing else 0)
+        if missing:
+            raise ModelLoadError(
+                f"tensor parallel group of {self.world} did not form within "
+                f"{join_timeout_s:.0f} s: rank(s) {missing} never joined "
+                f"{env['addr']}:{env['port']} (start `tokenmill tp-worker` with RANK set there)"
+            )
+        dist.init_process_group("gloo", store=store, rank=0, world_size=self.world, timeout=timeout)
+        self._joined = True
+        dist.broadcast_object_list([load], src=0)
 
     def send_blocks(self, num_blocks: int) -> None:
         """Tell the workers how many KV blocks to allocate (rank 0 sized them)."""
