@@ -1,6 +1,7 @@
-"""Tensor parallelism on this CPU: a step's compute against its collectives, one run.
+"""Tensor and data parallelism on this CPU: a step's compute against its collectives, and
+throughput on one engine against two replicas, one run.
 
-Issue 16 (first part). The default model (SmolLM2-135M: 9 query heads, 3 KV heads) on 1 and 3
+**Tensor parallelism** (issue 16). The default model (SmolLM2-135M: 9 query heads, 3 KV heads) on 1 and 3
 gloo ranks (``--tensor-parallel-size``; 2 does not divide 9 heads), each in a fresh process
 through the offline engine (``LLM``): 8 greedy requests at once, 48 output tokens each, and
 the same 8 one at a time. Over the decode-only steps with every request running: the median
@@ -10,6 +11,13 @@ all-reduces a layer), and the collectives' share of the forward.
 On a 2-core machine three ranks share two cores, so this cannot show a speed-up; what it shows
 is what the split costs (the seed's pitfall 5: tensor parallelism all-reduces twice a layer,
 hidden behind prefill, exposed in decode) and how the step records carry it.
+
+**Data parallelism**: ``tokenmill serve`` with ``--data-parallel-size`` 1 and 2 (two replicas
+of one core each), 32 concurrent greedy streamed requests of 48 tokens through the API;
+output tok/s (tokens / wall time) and TTFT p50 / p99. The two sizes alternate ``DP_ROUNDS``
+times in one run and each keeps its best round. Two replicas split the same two cores one
+engine already uses with two threads, so this cannot show a speed-up either: it shows what a
+second process costs or saves here.
 
 Results: ``benchmarks/results/parallel.json``. Run it alone:
 ``.venv/bin/python benchmarks/parallel.py``
@@ -29,6 +37,9 @@ from pathlib import Path
 OUT = Path(__file__).parent / "results"
 SIZES = (1, 3)
 TOKENS = 48
+DP_SIZES = (1, 2)
+DP_ROUNDS = 2
+DP_REQUESTS = 32
 
 
 def one(tp: int, batch: int) -> dict:
@@ -70,6 +81,84 @@ def one(tp: int, batch: int) -> dict:
         llm.close()
 
 
+def serve_dp(dp: int) -> dict:
+    """32 concurrent streamed greedy requests through ``tokenmill serve --data-parallel-size
+    dp`` (no trace store); output tok/s and TTFT percentiles (ms)."""
+    import asyncio
+    import os
+    import signal
+    import socket
+    import tempfile
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port)),
+                *("--data-parallel-size", str(dp), "--no-trace-db"),
+            ],
+            cwd=tmp,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(url + "/health", timeout=2).json()["status"] == "ok":
+                        break
+                except (httpx.HTTPError, ValueError):
+                    pass
+                time.sleep(0.5)
+
+            async def one(ac, i: int) -> tuple[float, int]:
+                body = {
+                    "model": "smollm2-135m-instruct",
+                    "messages": [{"role": "user", "content": f"Tell me about the number {i}."}],
+                    "max_tokens": TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                start, ttft, n = time.perf_counter(), None, 0
+                async with ac.stream("POST", "/v1/chat/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {") and '"content"' in line:
+                            ttft = ttft or time.perf_counter() - start
+                            n += 1
+                return ttft or 0.0, n
+
+            async def load():
+                async with httpx.AsyncClient(base_url=url, timeout=600) as ac:
+                    await one(ac, -1)  # warm-up
+                    start = time.perf_counter()
+                    res = await asyncio.gather(*(one(ac, i) for i in range(DP_REQUESTS)))
+                    return time.perf_counter() - start, res
+
+            wall, res = asyncio.run(load())
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    ttfts = sorted(t * 1e3 for t, _ in res)
+    return {
+        "data_parallel_size": dp,
+        "requests": DP_REQUESTS,
+        "output_tokens": sum(n for _, n in res),
+        "output_tok_s": round(sum(n for _, n in res) / wall, 2),
+        "ttft_p50_ms": round(statistics.median(ttfts), 1),
+        "ttft_p99_ms": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
+        "cpu_count": os.cpu_count(),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, help="TP/BATCH: measure one setting here")
@@ -96,6 +185,17 @@ def main() -> int:
                 f"{row['output_tok_s']:.1f} output tok/s",
                 flush=True,
             )
+    dp_rounds: dict[int, list[dict]] = {dp: [] for dp in DP_SIZES}
+    for _ in range(DP_ROUNDS):
+        for dp in DP_SIZES:
+            row = serve_dp(dp)
+            dp_rounds[dp].append(row)
+            print(
+                f"DP={dp}: {row['output_tok_s']:.1f} output tok/s, TTFT p50 "
+                f"{row['ttft_p50_ms']:.0f} ms, p99 {row['ttft_p99_ms']:.0f} ms",
+                flush=True,
+            )
+    dp_best = [max(dp_rounds[dp], key=lambda r: r["output_tok_s"]) for dp in DP_SIZES]
     OUT.mkdir(exist_ok=True)
     report = {
         "benchmark": "parallel",
@@ -104,6 +204,7 @@ def main() -> int:
         "python": platform.python_version(),
         "tokens": TOKENS,
         "rows": rows,
+        "data_parallel": {"best": dp_best, "rounds": dp_rounds},
     }
     (OUT / "parallel.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {OUT / 'parallel.json'}")

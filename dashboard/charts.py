@@ -399,6 +399,54 @@ def spec_decode(df: pd.DataFrame) -> go.Figure:
     return _layout(fig, 520)
 
 
+def parallelism(coll: pd.DataFrame, replicas: pd.DataFrame) -> go.Figure:
+    """Parallelism over time, side by side: the collectives' share of the forward in decode-only
+    and prefill steps (``data.collective_series``; tensor parallelism) and each replica's mean
+    running and waiting requests (``data.replica_series``; data parallelism). A side without
+    data says so in its title."""
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        horizontal_spacing=0.08,
+        subplot_titles=(
+            "Collectives' share of the forward" if not coll.empty else "No collectives (one rank)",
+            "Requests per replica" if not replicas.empty else "One replica",
+        ),
+    )
+    for col, name, color in (
+        ("decode_share", "decode steps", "#d62728"),
+        ("prefill_share", "prefill steps", "#1f77b4"),
+    ):
+        if not coll.empty:
+            fig.add_trace(
+                go.Scatter(
+                    x=coll["time"], y=coll[col], name=f"collectives: {name}",
+                    mode="lines+markers", marker={"size": 4}, line={"color": color},
+                ),
+                row=1, col=1,
+            )  # fmt: skip
+    palette = ("#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+    for i, (replica, d) in enumerate(replicas.groupby("replica")):
+        color = palette[i % len(palette)]
+        fig.add_trace(
+            go.Scatter(
+                x=d["time"], y=d["running"], name=f"replica {replica} running", mode="lines",
+                line={"color": color},
+            ),
+            row=1, col=2,
+        )  # fmt: skip
+        fig.add_trace(
+            go.Scatter(
+                x=d["time"], y=d["waiting"], name=f"replica {replica} waiting", mode="lines",
+                line={"color": color, "dash": "dot"},
+            ),
+            row=1, col=2,
+        )  # fmt: skip
+    fig.update_yaxes(title_text="share of forward", tickformat=".0%", range=[0, 1], row=1, col=1)
+    fig.update_yaxes(title_text="requests", rangemode="tozero", row=1, col=2)
+    return _layout(fig, 320, "Parallelism")
+
+
 def spec_by_position(df: pd.DataFrame) -> go.Figure:
     """Acceptance by draft position (``data.spec_acceptance_by_position``): the share of drafts
     whose token at that position was accepted (position 0 = the first draft token)."""

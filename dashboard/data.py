@@ -696,6 +696,60 @@ def spec_decode_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd
     return _time(df)
 
 
+def collective_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd.DataFrame:
+    """Tensor parallelism per time bucket (by step start): ``decode_share`` and
+    ``prefill_share``, the collectives' share of the forward (``collective_ms`` over
+    ``forward_ms``, summed) in decode-only and in prefill steps, and ``collective_ms`` (mean a
+    working step). Empty without tensor parallelism (no ``collective_ms``) in the window."""
+    empty = _time(pd.DataFrame(columns=["b", "t_ns", "decode_share", "prefill_share"]))
+    if "collective_ms" not in set(columns(con, "engine_steps")):
+        return empty
+    w = max(1, int(bucket_s * NS))
+    decode = "num_prefill_tokens = 0 AND num_decode_tokens > 0"
+    df = _df(
+        con,
+        "SELECT (start_ns - $since) // $w AS b, "
+        f"sum(collective_ms) FILTER (WHERE {decode}) "
+        f"/ nullif(sum(forward_ms) FILTER (WHERE {decode}), 0) AS decode_share, "
+        "sum(collective_ms) FILTER (WHERE num_prefill_tokens > 0) "
+        "/ nullif(sum(forward_ms) FILTER (WHERE num_prefill_tokens > 0), 0) AS prefill_share, "
+        "avg(collective_ms) AS collective_ms "
+        "FROM engine_steps WHERE start_ns >= $since AND start_ns < $until "
+        "AND collective_ms IS NOT NULL GROUP BY b ORDER BY b",
+        since=since_ns,
+        until=until_ns,
+        w=w,
+    )
+    if df.empty:
+        return empty
+    df["t_ns"] = since_ns + df["b"] * w
+    return _time(df)
+
+
+def replica_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd.DataFrame:
+    """Data parallelism per time bucket and replica (``engine_steps.replica``, idle heartbeats
+    included): mean ``running`` and ``waiting`` requests, long format (``time``, ``replica``).
+    Empty with fewer than two replicas in the window or in a store without the column."""
+    empty = _time(pd.DataFrame(columns=["b", "t_ns", "replica", "running", "waiting"]))
+    if "replica" not in set(columns(con, "engine_steps")):
+        return empty
+    w = max(1, int(bucket_s * NS))
+    df = _df(
+        con,
+        "SELECT (start_ns - $since) // $w AS b, replica, avg(num_running) AS running, "
+        "avg(num_waiting) AS waiting FROM engine_steps "
+        "WHERE start_ns >= $since AND start_ns < $until AND replica IS NOT NULL "
+        "GROUP BY ALL ORDER BY b, replica",
+        since=since_ns,
+        until=until_ns,
+        w=w,
+    )
+    if df["replica"].nunique() < 2:
+        return empty
+    df["t_ns"] = since_ns + df["b"] * w
+    return _time(df)
+
+
 def spec_acceptance_by_position(con, since_ns: int, until_ns: int) -> pd.DataFrame:
     """Accepted draft tokens by draft position (``position`` 0 = the first draft token) over the
     window's steps, from ``num_accepted_tokens_per_pos``: ``accepted`` and ``rate`` = accepted

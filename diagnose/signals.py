@@ -523,7 +523,9 @@ def _span(con, since_ns: int | None, until_ns: int | None) -> tuple[int, int]:
     )
 
 
-def _replica_windows(con, params: dict, size: int, not_warm_req: str) -> dict[int, dict]:
+def _replica_windows(
+    con, params: dict, size: int, not_warm_req: str, not_warm_step: str
+) -> dict[int, dict]:
     """Per window, the spread between data-parallel replicas (``size`` of them, ids ``0 ..
     size - 1``): ``replicas``; ``replica_hot`` (the one the most requests arrived at) with its
     ``replica_arrivals_max``, ``replica_ttft_p50_hot`` and ``replica_queue_p50_hot`` (ms);
@@ -543,14 +545,15 @@ def _replica_windows(con, params: dict, size: int, not_warm_req: str) -> dict[in
         r = dict(zip(names, row, strict=True))
         by_win.setdefault(int(r["win"]), {})[int(r["replica"])] = r
     running: dict[int, dict[int, float]] = {}
-    for win, replica, mean in con.execute(_REPLICA_STEP_SQL, params).fetchall():
+    steps_sql = _set_apart(_REPLICA_STEP_SQL, "start_ns", not_warm_step)
+    for win, replica, mean in con.execute(steps_sql, params).fetchall():
         running.setdefault(int(win), {})[int(replica)] = float(mean or 0.0)
     out = {}
     for win in set(by_win) | set(running):
         reqs = by_win.get(win, {})
         arrivals = {r: (reqs.get(r) or {}).get("arrivals") or 0 for r in range(size)}
         hot = max(arrivals, key=lambda r: (arrivals[r], -r))
-        cool = min(arrivals, key=lambda r: (arrivals[r], r))
+        cool = min((r for r in arrivals if r != hot), key=lambda r: (arrivals[r], r))
         run = [running.get(win, {}).get(r, 0.0) for r in range(size)]
         out[win] = {
             "replicas": size,
@@ -709,7 +712,7 @@ def load(
     )
     ranks = _rank_windows(con, params, not_warm_step)
     replicas = _replica_windows(
-        con, params, int(config.get("data_parallel_size") or 1), not_warm_req
+        con, params, int(config.get("data_parallel_size") or 1), not_warm_req, not_warm_step
     )
     errors_by_window: dict[int, dict[str, int]] = {}
     for win, etype, n in con.execute(

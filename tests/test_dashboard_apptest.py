@@ -228,6 +228,44 @@ def test_engine_tiles_equal_the_store(monkeypatch, gpu_store):
     assert not [f for f in charts(at) if any(t.get("name") == "acceptance rate" for t in f["data"])]
 
 
+@pytest.fixture(scope="module")
+def parallel_store(tmp_path_factory) -> Path:
+    """Two data-parallel replicas of two tensor-parallel ranks: collectives 60% of a decode
+    step (15% of a prefill step), replica 1 running 2 requests to replica 0's 8."""
+    path = tmp_path_factory.mktemp("dash") / "parallel.duckdb"
+    phase = Phase(duration_s=20, replicas=2, tp_size=2, collective_share=0.6, cool_running=2)
+    write_store(path, [phase], seed=8)
+    return path
+
+
+def test_parallelism_panel_shows_collectives_and_replicas_side_by_side(
+    monkeypatch, parallel_store, gpu_store
+):
+    """The Engine page's parallelism panel: the collectives' share of decode and prefill steps
+    equals the steps' own sums, and each replica's running requests are its steps' mean."""
+    since, until = bounds(parallel_store)
+    with duckdb.connect(str(parallel_store), read_only=True) as con:
+        coll = data.collective_series(con, since, until, 5.0)
+        reps = data.replica_series(con, since, until, 5.0)
+    (decode_share,) = sql(
+        parallel_store,
+        "SELECT sum(collective_ms) / sum(forward_ms) FROM engine_steps "
+        "WHERE num_prefill_tokens = 0 AND num_decode_tokens > 0",
+    )
+    assert decode_share == pytest.approx(0.6, rel=1e-6)
+    assert coll["decode_share"].round(6).unique().tolist() == [0.6]
+    assert coll["prefill_share"].round(6).unique().tolist() == [0.15]
+    running = reps.groupby("replica")["running"].mean().round(6).to_dict()
+    assert running == {0: 8.0, 1: 2.0}
+    at = open_page(monkeypatch, parallel_store, "engine")
+    fig = chart_with(at, "collectives: decode steps")
+    names = {t.get("name") for t in fig["data"]}
+    assert {"replica 0 running", "replica 1 running", "replica 1 waiting"} <= names
+    # one engine on one rank: the panel says so instead
+    at = open_page(monkeypatch, gpu_store, "engine")
+    assert any("no collectives and no replicas" in i.value for i in at.info)
+
+
 # speculative decoding: 3 draft tokens a request in 70% of the decode-only steps, 60% accepted
 SPEC = Phase(duration_s=20, running=4, spec_k=3, spec_accept_rate=0.6, spec_step_slowdown=1.3)
 

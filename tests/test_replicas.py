@@ -133,15 +133,38 @@ def test_outstanding_tokens_fall_as_outputs_come_and_return_to_zero():
     assert pool.router.pick([0, 1], [1] * 10) == 0  # both idle again: a tie, replica 0
 
 
-def test_a_size_the_machine_cannot_hold_is_one_line():
+def test_a_stream_closed_before_its_first_read_gives_its_tokens_back():
+    """A client gone before the response started closes the stream unread: the request's
+    tokens and its routing entry must go at once (an async generator's finally would not run)."""
+    pool = ReplicaPool.__new__(ReplicaPool)
+    pool.router, pool._where, pool.closing = Router(2, BLOCK), {}, False
+    pool.workers = [_Worker(0, [_out("a", 2, False)]), _Worker(1, [])]
+
+    async def run():
+        stream = pool.generate("a", [1] * 10, SamplingParams(max_tokens=8))
+        assert pool.router.outstanding == [18, 0]
+        await stream.aclose()
+        await stream.aclose()  # twice is harmless
+
+    asyncio.run(run())
+    assert pool.router.outstanding == [0, 0] and pool.replica_of("a") is None
+
+
+def test_a_size_the_machine_cannot_hold_is_one_line(monkeypatch):
     cpu = EngineConfig(device="cpu", data_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"^--data-parallel-size 2 x --tensor-parallel-size 2 "
                        r"needs 4 CPU cores \(one per rank\); this machine has 2$"):  # fmt: skip
         check_data_parallel(cpu, cpu_count=2, cuda_count=0)
     check_data_parallel(dataclasses.replace(cpu, tensor_parallel_size=1), 2, 0)
     gpu = EngineConfig(device="auto", data_parallel_size=3)
-    with pytest.raises(ValueError, match="needs 3 CUDA devices; this machine has 2"):
+    with pytest.raises(ValueError, match="needs 3 CUDA devices from cuda:0; this machine has 2"):
         check_data_parallel(gpu, cpu_count=16, cuda_count=2)
+    # two replicas from cuda:1 need cuda:1 and cuda:2
+    with pytest.raises(ValueError, match="needs 2 CUDA devices from cuda:1; this machine has 2"):
+        check_data_parallel(dataclasses.replace(gpu, device="cuda:1", data_parallel_size=2), 16, 2)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")  # replicas of multi-host ranks: refused
+    with pytest.raises(ValueError, match="not supported: every replica would serve"):
+        check_data_parallel(cpu, cpu_count=8, cuda_count=0)
     with pytest.raises(ValueError, match="data_parallel_size must be >= 1, got 0"):
         EngineConfig(data_parallel_size=0).validate()
 

@@ -1,6 +1,7 @@
 """Engine: per-step batch composition (prefill vs decode tokens), step time split, running vs
 waiting, KV blocks used/free/cached, preemptions and the prefix-cache hit rate; the steps on a
-roofline against the device's peaks; speculative decoding (acceptance over time and by draft
+roofline against the device's peaks; parallelism (collectives' share of the forward, requests
+per replica side by side); speculative decoding (acceptance over time and by draft
 position, tokens per decode sequence with and without drafts)."""
 
 import streamlit as st
@@ -67,6 +68,23 @@ if ctx is not None:
                     else f"Steps summed per {roof_bucket_s:g} s bucket and kind. "
                 )
                 + ceilings
+            )
+        st.subheader("Parallelism")
+        coll = ui.q(ctx, "collective_series", since, until, ctx.bucket_s)
+        replicas = ui.q(ctx, "replica_series", since, until, ctx.bucket_s)
+        if coll.empty and replicas.empty:
+            st.info(
+                "One engine on one rank in this window: no collectives and no replicas "
+                "(`--tensor-parallel-size`, `--data-parallel-size`)."
+            )
+        else:
+            ui.chart(charts.parallelism(coll, replicas), key="parallelism")
+            st.caption(
+                f"Per {ctx.bucket_s:g} s bucket. Left: rank 0's time in collectives (the step's "
+                "broadcast and two all-reduces a layer) over its forward time; decode steps "
+                "show what prefill hides. Right: each replica's mean running (solid) and "
+                "waiting (dotted) requests: one busy while another idles is what "
+                "replica_imbalance names."
             )
         st.subheader("Speculative decoding")
         spec = ui.q(ctx, "spec_decode_summary", since, until)

@@ -49,8 +49,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     return Evidence(
         f"replica {hot} took {w.get('replica_arrivals_max')} of the {total} requests that "
         f"arrived in {_when(w)} (replica {cool}: {w.get('replica_arrivals_min')}), {ttft_part}, "
-        f"while replica {cool} ran {w.get('replica_running_mean_min'):.1f} requests on average "
-        f"(replica {hot}: {w.get('replica_running_mean_max'):.1f})",
+        f"while the least busy replica ran {w.get('replica_running_mean_min'):.1f} requests on "
+        f"average (the busiest {w.get('replica_running_mean_max'):.1f})",
         {
             "replicas": w.get("replicas"),
             "hot_replica": hot,
@@ -61,8 +61,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "hot_ttft_p50_ms": w.get("replica_ttft_p50_hot"),
             "cool_ttft_p50_ms": w.get("replica_ttft_p50_cool"),
             "hot_queue_p50_ms": w.get("replica_queue_p50_hot"),
-            "cool_running_mean": w.get("replica_running_mean_min"),
-            "hot_running_mean": w.get("replica_running_mean_max"),
+            "least_running_mean": w.get("replica_running_mean_min"),
+            "most_running_mean": w.get("replica_running_mean_max"),
             "router_prefix_affinity": affinity,
         },
         (w.start_ns, w.end_ns),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -214,23 +215,7 @@ class ReplicaPool:
         self.router.add(worker.replica, cost)
         self.router.routed[worker.replica] += 1
         self._where[request_id] = worker
-        return self._tracked(outputs, worker, request_id, len(prompt_token_ids), cost)
-
-    async def _tracked(self, outputs, worker: EngineWorker, request_id: str, prompt: int, cost):
-        """The replica's outputs, counting its outstanding tokens down as they come."""
-        left = cost
-        try:
-            async for out in outputs:
-                done = (prompt if left == cost else 0) + len(out.new_token_ids)
-                done = min(done, left)
-                self.router.add(worker.replica, -done)
-                left -= done
-                yield out
-        finally:
-            self.router.add(worker.replica, -left)
-            self._where.pop(request_id, None)
-            with contextlib.suppress(Exception):
-                await outputs.aclose()
+        return _Tracked(self, outputs, worker, request_id, len(prompt_token_ids), cost)
 
     async def abort(self, request_id: str) -> None:
         worker = self._where.get(request_id)
@@ -269,7 +254,7 @@ class ReplicaPool:
             replicas.append(h)
             for key, value in h["stats"].items():
                 if key in ADDITIVE_STATS and value is not None:
-                    total[key] = total.get(key, 0) + value
+                    total[key] = (total.get(key) or 0) + value
                 else:
                     total.setdefault(key, value)  # the same in every replica (block size ...)
         used, blocks = total.get("kv_blocks_used"), total.get("kv_blocks_total")
@@ -287,6 +272,45 @@ class ReplicaPool:
             "replicas": replicas,
             "checked_at": time.time(),
         }
+
+
+class _Tracked:
+    """A replica's output stream that counts the request's outstanding tokens down as outputs
+    come and gives back the rest when it ends, is closed, or is closed without ever being
+    read (a client gone before the response started: an async generator's ``finally`` would
+    not run then, and the replica would look busier forever)."""
+
+    def __init__(self, pool: ReplicaPool, outputs, worker, request_id: str, prompt: int, cost):
+        self.pool, self.outputs, self.worker = pool, outputs, worker
+        self.request_id, self.prompt, self.cost, self.left = request_id, prompt, cost, cost
+        self.done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            out = await self.outputs.__anext__()
+        except BaseException:
+            await self.aclose()
+            raise
+        taken = (self.prompt if self.left == self.cost else 0) + len(out.new_token_ids)
+        taken = min(taken, self.left)
+        self.pool.router.add(self.worker.replica, -taken)
+        self.left -= taken
+        return out
+
+    async def aclose(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.pool.router.add(self.worker.replica, -self.left)
+        self.left = 0
+        self.pool._where.pop(self.request_id, None)
+        with contextlib.suppress(Exception):
+            await self.outputs.aclose()
 
 
 def replica_config(config: EngineConfig, replica: int, cpu_count: int | None) -> EngineConfig:
@@ -309,11 +333,17 @@ def check_data_parallel(config: EngineConfig, cpu_count: int, cuda_count: int) -
     per rank."""
     dp, tp = config.data_parallel_size, config.tensor_parallel_size
     need = dp * tp
+    if dp > 1 and tp > 1 and os.environ.get("MASTER_ADDR"):
+        raise ValueError(
+            "--data-parallel-size with ranks on several hosts (MASTER_ADDR set) is not "
+            "supported: every replica would serve the rendezvous on the same MASTER_PORT"
+        )
     if config.device.startswith("cuda") or (config.device == "auto" and cuda_count):
-        if need > cuda_count:
+        base = int(config.device.partition(":")[2] or 0)
+        if base + need > cuda_count:
             raise ValueError(
                 f"--data-parallel-size {dp} x --tensor-parallel-size {tp} needs {need} CUDA "
-                f"devices; this machine has {cuda_count}"
+                f"devices from cuda:{base}; this machine has {cuda_count}"
             )
     elif need > cpu_count:
         raise ValueError(

@@ -293,7 +293,7 @@ def make_server(
         worker=worker,
         gateway=Gateway(tenants),
         tokenize=TokenizeStation(None, config.max_model_len or 1 << 30, 1 << 31),
-        admission=AdmissionStation(config.max_num_seqs, max_queue_len),
+        admission=AdmissionStation(config.max_num_seqs * config.data_parallel_size, max_queue_len),
         metering=MeteringStation(),
         model_name=name,
         max_body_bytes=max_body_bytes,

@@ -206,16 +206,22 @@ def run_host_worker(
             print(f"rank {rank}: no rank 0 yet ({str(exc).splitlines()[0][:100]})", flush=True)
             time.sleep(1.0)
             continue
-        box = [None]
-        dist.broadcast_object_list(box, src=0)  # the engine's load settings
-        load = dict(box[0])
-        if model_dir:
-            load["model_dir"] = model_dir
-        print(f"rank {rank} of {world} joined {env['addr']}:{env['port']}", flush=True)
         try:
-            _serve(rank, world, load)
-        except RuntimeError as exc:  # rank 0 went away mid-group
+            box = [None]
+            dist.broadcast_object_list(box, src=0)  # the engine's load settings
+            load = dict(box[0])
+            if model_dir:
+                load["model_dir"] = model_dir
+            print(f"rank {rank} of {world} joined {env['addr']}:{env['port']}", flush=True)
+            _serve(rank, world, load)  # leaves the group on the way out
+        except Exception as exc:  # rank 0 went away, or this host cannot load the model
             print(f"rank {rank}: group ended ({str(exc).splitlines()[0][:100]})", flush=True)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            if once:
+                raise
+            time.sleep(1.0)
+            continue
         if once:
             return
 
