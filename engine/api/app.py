@@ -606,6 +606,7 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
             tl.prompt_text = state.tokenize.tokenizer.decode(tok.prompt_token_ids)
         tl.queue_depth_seen = state.admission.queue_depth
         tl.in_flight_seen = state.admission.in_flight
+        tl.pool = state.worker.name  # the replica's own name once the router picked it
         state.admission.enter()
         admitted = True
         try:
