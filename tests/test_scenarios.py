@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_compare import wait_for_quiet_host
 
 from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, server_launch
 
@@ -152,7 +153,15 @@ def test_fast_scenario_names_the_expected_rule(name, tmp_path, smollm2_dir, monk
     # by default (tokenmill-data/scenarios/NAME): the server, run in that folder, must still
     # find its store (issue 19 item 11)
     monkeypatch.chdir(tmp_path)
+    wait_for_quiet_host()
     result = run(name, Path("tokenmill-data") / name, model=str(smollm2_dir), log=lambda m: None)
+    if name == "healthy" and {f["rule"] for f in result["findings"]} == {"host_contention"}:
+        # the rule was right: something outside the server took the CPU mid-run (CI once saw
+        # 30 % for a second, the engine's steps 1.7x slower); "healthy" asserts a quiet host
+        wait_for_quiet_host()
+        result = run(
+            name, Path("tokenmill-data") / name, model=str(smollm2_dir), log=lambda m: None
+        )
     assert (tmp_path / "tokenmill-data" / name / "result.json").is_file()
     # the run's own figures with the findings: a CI failure must say what the run looked like
     assert result["passed"], (

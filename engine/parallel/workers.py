@@ -56,6 +56,17 @@ RANK_TIMES_EVERY = 16
 IDLE_TIMEOUT = datetime.timedelta(days=7)
 
 
+def _fresh_group_names() -> None:
+    """Name the next group as a fresh process would. torch names an unnamed default group
+    from a process-wide counter that only destroying a formed group resets; an
+    ``init_process_group`` that failed (a rank never joined) leaves it advanced, and this
+    rank's keys in the rendezvous store then never meet a fresh peer's (rank 0 waited for
+    ``/1//cpu//0/1`` while rank 1 wrote under ``/0/``)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and not dist.is_initialized():
+        world.group_count = 0
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -197,6 +208,7 @@ def run_host_worker(
                 timeout=datetime.timedelta(seconds=join_timeout_s),
             )
             store.set(_JOINED.format(rank), "1")
+            _fresh_group_names()
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=world, timeout=IDLE_TIMEOUT
             )
@@ -265,6 +277,7 @@ class TensorParallelGroup:
             self._join_hosts(env, load, join_timeout_s)
             return
         init_method = f"tcp://127.0.0.1:{_free_port()}"
+        _fresh_group_names()
         self.procs = [
             subprocess.Popen(
                 [
@@ -323,6 +336,7 @@ class TensorParallelGroup:
                 f"{join_timeout_s:.0f} s: rank(s) {missing} never joined "
                 f"{env['addr']}:{env['port']} (start `tokenmill tp-worker` with RANK set there)"
             )
+        _fresh_group_names()
         dist.init_process_group("gloo", store=store, rank=0, world_size=self.world, timeout=timeout)
         self._joined = True
         dist.broadcast_object_list([load], src=0)
