@@ -25,7 +25,10 @@ from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, s
 # and checks the rule fires), replica_imbalance / replica_balanced (~45 s each, two
 # replicas; tests/test_data_parallel.py runs the real replicas, test_diagnose_rules.py the rule)
 # and tp_communication_bound / tp_dp_same_traffic / rank_straggler (~45-60 s each: three
-# ranks, two replicas, three ranks with one held back)
+# ranks, two replicas, three ranks with one held back). periodic_itl_spikes (~75 s) runs there
+# only since 2026-12-02: with a neighbour on this VM (others 34 % of the CPU, steal 4 %) its
+# hogs' spikes were lost in the noise in three runs in a row, host_contention the only
+# finding; test_diagnose_rules.py keeps its rule covered
 FAST = [
     "healthy",
     "batching_ineffective",
@@ -37,7 +40,6 @@ FAST = [
     "itl_prefill_interference",
     "kv_block_leak",
     "oom_low_average_memory",
-    "periodic_itl_spikes",
     "prefix_cache_miss",
     "quantization_decode_heavy",
     "quantization_no_gain",
@@ -155,9 +157,12 @@ def test_fast_scenario_names_the_expected_rule(name, tmp_path, smollm2_dir, monk
     monkeypatch.chdir(tmp_path)
     wait_for_quiet_host()
     result = run(name, Path("tokenmill-data") / name, model=str(smollm2_dir), log=lambda m: None)
-    if name == "healthy" and {f["rule"] for f in result["findings"]} == {"host_contention"}:
-        # the rule was right: something outside the server took the CPU mid-run (CI once saw
-        # 30 % for a second, the engine's steps 1.7x slower); "healthy" asserts a quiet host
+    contended = result["top"] == "host_contention" and "host_contention" not in result["expect"]
+    if contended and not result["passed"]:
+        # the rule was right: something outside the server took the CPU mid-run (two CI runs
+        # of 2026-12-02 saw 23-32 % for seconds, the engine's steps 1.6-1.7x slower, in
+        # healthy, periodic_itl_spikes and ttft_prefill_bound); the scenarios assert their own
+        # symptom on an otherwise quiet host, so a contended run is run once more
         wait_for_quiet_host()
         result = run(
             name, Path("tokenmill-data") / name, model=str(smollm2_dir), log=lambda m: None
