@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator
@@ -315,8 +316,6 @@ class _Tracked:
 
 def replica_config(config: EngineConfig, replica: int, cpu_count: int | None) -> EngineConfig:
     """Replica ``replica``'s configuration: its own CUDA devices, or its share of the cores."""
-    import dataclasses
-
     changes: dict = {}
     tp = config.tensor_parallel_size
     if config.device.startswith("cuda"):
