@@ -279,10 +279,8 @@ def test_a_host_rank_that_never_joins_is_named(tmp_path, smollm2_dir, monkeypatc
     port = free_port()
     for key, value in _host_env(port, 0).items():
         monkeypatch.setenv(key, value)
-    start = time.monotonic()
     with pytest.raises(ModelLoadError, match=rf"rank\(s\) \[1\] never joined 127.0.0.1:{port}"):
         _engine(tmp_path, smollm2_dir, tensor_parallel_size=2, tensor_parallel_join_timeout=2)
-    assert time.monotonic() - start < 60  # a bound on the hang, not a speed target
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ModelLoadError, match="RANK 0 of WORLD_SIZE 2; the environment says "):
         _engine(tmp_path, smollm2_dir, tensor_parallel_size=2, tensor_parallel_join_timeout=2)
