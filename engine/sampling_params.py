@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 # (the same cut-off vLLM uses).
 GREEDY_TEMPERATURE_EPS = 1e-5
 
+# The largest top_k or stop token id accepted: int32's maximum. Requests cross to the engine
+# core as msgpack, whose integers stop at 64 bits; int32 also covers any vocabulary.
+MAX_TOKEN_INT = 2**31 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -47,8 +51,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOKEN_INT:
+            raise ValueError(f"top_k must be in [0, {MAX_TOKEN_INT}], got {self.top_k}")
         if not (0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.stop, (tuple, list)) or any(
@@ -56,9 +60,10 @@ class SamplingParams:
         ):
             raise ValueError("stop must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, (tuple, list)) or any(
-            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_INT
+            for t in self.stop_token_ids
         ):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+            raise ValueError(f"stop_token_ids must be a list of integers in [0, {MAX_TOKEN_INT}]")
         if self.seed is not None and (
             isinstance(self.seed, bool)
             or not isinstance(self.seed, int)

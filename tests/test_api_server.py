@@ -234,6 +234,24 @@ def test_sse_headers_and_request_id(tenant_server):
             "response_format",
             "response_format is not supported",
         ),
+        # past msgpack's 64-bit integers these were a 500 on the way to the engine core
+        # (schemathesis found top_k = 2.0e24)
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_k": 2 * 10**24},
+            400,
+            "top_k",
+            "less than or equal to 2147483647",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "stop_token_ids": [2, 2**64],
+            },
+            400,
+            "stop_token_ids.1",
+            "less than or equal to 2147483647",
+        ),
         ("[1, 2]", 400, None, "must be a JSON object"),
         ("null", 400, None, "must be a JSON object"),
         (

@@ -122,6 +122,10 @@ def test_prompt_longer_than_context_and_bad_token_ids(tiny_llm):
         llm.generate([[]], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="top_p must be in"):
         llm.generate([[1]], SamplingParams(top_p=0))
+    with pytest.raises(ValueError, match=r"top_k must be in \[0, 2147483647\]"):
+        llm.generate([[1]], SamplingParams(top_k=2**64))
+    with pytest.raises(ValueError, match="stop_token_ids must be a list of integers"):
+        llm.generate([[1]], SamplingParams(stop_token_ids=(2**31,)))
     assert not core.has_work()  # nothing half-added
     # at the limit it still runs, and stops at the context
     (res,) = llm.generate([[1] * 20], SamplingParams(max_tokens=4, ignore_eos=True))

@@ -17,6 +17,7 @@ from pydantic import (
 )
 
 from ..sampling import SamplingParams
+from ..sampling_params import MAX_TOKEN_INT
 from .errors import APIError
 
 MAX_STOP_STRINGS = 8
@@ -69,10 +70,12 @@ class _CommonRequest(BaseModel):
     frequency_penalty: StrictFloat | None = None
     user: str | None = None
     # tokenmill extensions (vLLM spells them the same way)
-    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
+    # the bounds keep every integer inside msgpack's 64-bit range on its way to the engine
+    # core (a larger one was a 500); a top_k at or above the vocabulary keeps every token
+    top_k: Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_INT)] | None = None
     min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
     ignore_eos: StrictBool = False
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_INT)]] | None = Field(
         default=None, max_length=MAX_STOP_STRINGS
     )
     # OpenAI options we do not implement: accepted only at their "off" value (check_supported)
