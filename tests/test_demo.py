@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -39,7 +40,15 @@ def test_demo_runs_the_tour_and_prints_the_diagnosis_and_console(smollm2_dir):
     # the tour's overload phase (8x the rate the 2-sequence batch keeps up with) is the first
     # finding: with the queue growing window after window, this is the CI proof of `overload`
     # (the queueing_overload scenario, the same traffic, runs in `make scenarios`)
-    assert "1. overload — arrivals exceed completions" in r.stdout, r.stdout[-3000:]
+    # host_contention may rank above it: on a shared VM a neighbour's CPU burst is a true first
+    # finding (stop 28's CI: overload was not first and the log kept only the last 3000
+    # characters, so every finding's header goes into the message now)
+    ranked = re.findall(r"\b\d+\. (\w+) — ", r.stdout)
+    assert [f for f in ranked if f != "host_contention"][:1] == ["overload"], (
+        ranked,
+        r.stdout[-3000:],
+    )
+    assert "overload — arrivals exceed completions" in r.stdout
     assert "console: http://127.0.0.1:" in r.stdout
     # the tour is never silent (issue 19 item 13): the load generator's progress lines, one per
     # phase and every 10 s, with the requests done
