@@ -53,7 +53,12 @@ class ModelRunner:
             slow = (config.fault_slow_rank, config.fault_slow_rank_ms)
             self.tp_group = TensorParallelGroup(
                 tp,
-                {**load, "model_dir": str(model_dir), "block_size": config.block_size},
+                {
+                    **load,
+                    "model_dir": str(model_dir),
+                    "block_size": config.block_size,
+                    "threads": config.cpu_threads,
+                },
                 join_timeout_s=config.tensor_parallel_join_timeout,
                 fault_slow_rank=slow if config.fault_slow_rank else None,
             )

@@ -10,6 +10,7 @@ import math
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -529,3 +530,60 @@ def test_engine_killed_mid_stream_then_restarted(small_server):
     r = httpx.post(url, json={**body, "stream": False, "max_tokens": 4}, timeout=120)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert small_server.proc.poll() is None
+
+
+def test_streams_whose_client_left_before_the_first_byte_release_their_slot(tenant_server):
+    """A client that sends a streaming request and closes the socket at once: Starlette may
+    close the stream's body before its first chunk, so the stream's own cleanup never runs.
+    Its admission slot, tenant concurrency slot and engine request must still be freed."""
+    host, port = tenant_server.url.removeprefix("http://").split(":")
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 32,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: Bearer {KEYS['alpha']}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    for _ in range(12):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(head + body)
+    for _ in range(120):
+        h = tenant_server.health()
+        if h["in_flight"] == 0 and h["kv_blocks_used"] == 0:
+            break
+        time.sleep(0.5)
+    assert h["in_flight"] == 0 and h["kv_blocks_used"] == 0, h
+    assert h["engine"]["stats"]["num_running"] == 0 and h["engine"]["stats"]["num_waiting"] == 0
+
+
+def test_a_stream_closed_before_its_first_chunk_still_runs_its_cleanup():
+    """The mechanism behind the test above, made certain: a send that fails on the response
+    start (the client is gone) means the body never starts, and Python skips the finally of a
+    generator closed unstarted; ``on_close`` still runs, once, and the generator's never."""
+    from tokenmill.engine.api.app import _ClosingStreamingResponse
+
+    ran = []
+
+    async def body():
+        try:
+            yield "data: x\n\n"
+        finally:
+            ran.append("body finally")
+
+    async def on_close():
+        ran.append("on_close")
+
+    async def send(message):
+        raise OSError("client gone")
+
+    response = _ClosingStreamingResponse(body(), on_close=on_close)
+    with pytest.raises(OSError):
+        asyncio.run(response.stream_response(send))
+    assert ran == ["on_close"]

@@ -176,3 +176,58 @@ def test_each_replica_gets_its_devices_or_its_share_of_the_cores():
     assert replica_config(fixed, 1, 2).cpu_threads == 2
     gpu = EngineConfig(device="cuda:1", data_parallel_size=2, tensor_parallel_size=2)
     assert [replica_config(gpu, i, 16).device for i in range(2)] == ["cuda:1", "cuda:3"]
+
+
+class _HealthWorker:
+    """A replica as /health sees it: its state, stats and its own stall verdict."""
+
+    def __init__(self, replica: int, ready: bool, stall):
+        self.replica, self.name, self.ready = replica, f"worker-{replica}", ready
+        self.state = "ready" if ready else "restarting"
+        self.restarts, self.info, self._stall = 0, {}, stall
+        self.heartbeat_age_s = 40.0 if stall else 0.1
+
+    def stall(self, degraded_s, unavailable_s):
+        return self._stall
+
+    def health(self):
+        return {"name": self.name, "state": self.state, "stats": {"num_running": 1}}
+
+
+@pytest.mark.parametrize(
+    ("stalled", "status", "http"),
+    [(None, "degraded", 200), (("unavailable", "no heartbeat for 40 s"), "degraded", 503)],
+)
+def test_health_names_a_stalled_replica_while_another_restarts(stalled, status, http):
+    """Replica 0 restarts; replica 1 is the only one serving. When replica 1 is silent too,
+    nothing serves: /health says so (503, its reason) instead of a plain "degraded"."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from tokenmill.engine.api.app import ServerState, build_app
+    from tokenmill.engine.api.gateway import Gateway
+    from tokenmill.engine.api.stations import AdmissionStation, MeteringStation
+
+    pool = ReplicaPool.__new__(ReplicaPool)
+    pool.name, pool.router, pool._where, pool.closing = "engine", Router(2, BLOCK), {}, False
+    pool.workers = [_HealthWorker(0, False, None), _HealthWorker(1, True, stalled)]
+    telemetry = SimpleNamespace(
+        health=lambda: {"dropped_total": 0}, dumps=SimpleNamespace(can_dump=False)
+    )
+    state = ServerState(
+        worker=pool,
+        gateway=Gateway(None),
+        tokenize=None,
+        admission=AdmissionStation(4, 4),
+        metering=MeteringStation(),
+        model_name="m",
+        max_body_bytes=1 << 20,
+        block_size=BLOCK,
+        telemetry=telemetry,
+    )
+    with TestClient(build_app(state)) as client:
+        r = client.get("/health")
+    assert (r.status_code, r.json()["status"]) == (http, status)
+    reasons = r.json()["reasons"]
+    assert (stalled is None) == (not any("worker-1" in x for x in reasons)), reasons

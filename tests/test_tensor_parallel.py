@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -158,8 +159,13 @@ def test_each_ranks_compute_time_names_the_slow_rank(tmp_path, smollm2_dir):
     assert all(records.index(r) % RANK_TIMES_EVERY == RANK_TIMES_EVERY - 1 for r in timed)
     for r in timed:
         assert len(r.rank_compute_ms) == 2
-        assert r.rank_compute_ms[1] - r.rank_compute_ms[0] > 40, r.rank_compute_ms
-        assert r.collective_ms > 40  # rank 0 waits for rank 1 at its all-reduces
+        assert r.rank_compute_ms[1] > r.rank_compute_ms[0], r.rank_compute_ms
+    # by about the drill's 50 ms: the median over the timed records (one record's rank 0 once
+    # took 43 ms in a noisy moment of this VM, its tiny forward usually a few)
+    gaps = [r.rank_compute_ms[1] - r.rank_compute_ms[0] for r in timed]
+    assert statistics.median(gaps) > 40, gaps
+    # rank 0 waits for rank 1 at its all-reduces
+    assert statistics.median(r.collective_ms for r in timed) > 40
 
 
 def test_a_rank_that_cannot_start_is_named(tmp_path):

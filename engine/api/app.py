@@ -350,12 +350,20 @@ class _ClosingStreamingResponse(StreamingResponse):
     so the stream's own cleanup (abort, the disconnect record) would run after the request was
     recorded."""
 
+    def __init__(self, content, *, on_close=None, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
     async def stream_response(self, send) -> None:
         try:
             await super().stream_response(send)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                # closing a generator that never started skips its finally (Python's rule):
+                # a client gone before the first chunk leaves the cleanup to on_close
+                if self.on_close is not None:
+                    await self.on_close()
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -458,7 +466,9 @@ def build_app(state: ServerState) -> FastAPI:
         reasons = []
         http_status = 200 if status != "down" else 503
         stall = state.worker.stall(state.engine_stall_degraded_s, state.engine_stall_unavailable_s)
-        if status == "ok" and stall is not None:
+        # checked while any replica serves: with one replica restarting, a silent other is
+        # the difference between degraded and serving nothing
+        if status != "down" and stall is not None:
             severity, reason = stall  # a frozen or hung engine process (still alive)
             status = "degraded"
             reasons.append(reason)
@@ -633,7 +643,22 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
         gen = _stream(
             state, outputs, engine_id, chat, created, tenant, tok, body.include_usage, release, tl
         )
-        return _ClosingStreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+
+        async def close_unstarted():
+            """The stream's own cleanup, for a body closed before it began (idempotent: a
+            stream that ran has released already)."""
+            if released:
+                return
+            if tl.error_type is None:
+                tl.client_disconnected = True
+                tl.client_disconnect_ns = time.time_ns()
+                tl.error_type = "client_disconnected"
+            await outputs.aclose()
+            release()
+
+        return _ClosingStreamingResponse(
+            gen, on_close=close_unstarted, media_type="text/event-stream", headers=SSE_HEADERS
+        )
     try:
         return await _collect_unless_gone(
             state, request, outputs, engine_id, chat, created, tenant, tok, tl

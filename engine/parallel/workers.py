@@ -108,7 +108,7 @@ def run_worker(rank: int, world: int, init_method: str, parent: int, load: dict)
     broadcasts the block count), then run every broadcast step until ``None``.
 
     ``load``: the keyword arguments of :func:`~..models.loader.load_model` and ``model_dir``,
-    ``block_size``.
+    ``block_size``, ``threads`` (torch threads of this rank; 0 = the host's cores / ``world``).
     """
     from ..model_config import load_model_config
 
@@ -116,8 +116,9 @@ def run_worker(rank: int, world: int, init_method: str, parent: int, load: dict)
     # a rank that cannot read the model (e.g. a host without the folder) exits before joining:
     # rank 0 then names it instead of waiting on a group that will never form
     load_model_config(load["model_dir"])
-    # the ranks share the host's cores
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # the ranks share the host's cores: rank 0's fixed count where it has one (a data-parallel
+    # replica's share, --cpu-threads), else an equal split of the host among the ranks
+    torch.set_num_threads(load.get("threads") or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT
     )
@@ -134,6 +135,7 @@ def _serve(rank: int, world: int, load: dict) -> None:
     try:
         args = dict(load)
         model_dir, block_size = args.pop("model_dir"), args.pop("block_size")
+        args.pop("threads", None)
         slow_rank, slow_ms = args.pop("fault_slow_rank", None) or (0, 0.0)
         times = RankTimes()
         model = load_model(model_dir, tensor_parallel=(rank, world), **args)
