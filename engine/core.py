@@ -25,6 +25,7 @@ from .detokenizer import IncrementalDetokenizer
 from .messages import EngineStats, RequestOutput, StepRecord
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
+from .parallel.kv_transfer import KVHandoff, gather_kv, scatter_kv
 from .request import Request, RequestStatus
 from .roofline import ModelCost, StepCost, step_cost
 from .sampling import SamplingParams, sample
@@ -87,6 +88,8 @@ class EngineCore:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # disaggregation: requests prefilled here whose KV waits for take_handoff
+        self.handoffs: dict[str, Request] = {}
         self._detokenize_s = 0.0  # this step's detokenization (StepRecord.detokenize_ms)
         self.spec = parse_speculative_config(config.speculative_config)
         self.started_ns = time.time_ns()
@@ -123,8 +126,11 @@ class EngineCore:
         priority: int = 0,
         tenant: str = "",
         arrival_ns: int | None = None,
+        hand_off: bool = False,
     ) -> Request:
-        """Queue a request.
+        """Queue a request. ``hand_off``: this is a prefill engine core (disaggregation); the
+        request ends here after its first token (finish reason ``handoff``) with its KV blocks
+        held until :meth:`take_handoff` (a first token that stops it ends it as usual).
 
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary, bad sampling params,
@@ -148,6 +154,7 @@ class EngineCore:
             tenant=tenant,
             arrival_ns=arrival_ns,
         )
+        request.hand_off = hand_off
         self.scheduler.add_request(request)
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop
@@ -158,6 +165,7 @@ class EngineCore:
         """Abort requests now (blocks freed before this returns); their final outputs."""
         outs = []
         for rid in request_ids:
+            self.drop_handoff(rid)  # prefilled for a decode core that will not take it
             request = self.scheduler.abort(rid)
             if request is not None:
                 outs.append(self._output(request, []))
@@ -165,6 +173,92 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    # ----- disaggregation: prefill here, decode elsewhere -----
+    def take_handoff(self, request_id: str) -> KVHandoff:
+        """A request this core prefilled for another (``hand_off``): its prompt's K/V of every
+        layer packed into one tensor (:func:`~.parallel.kv_transfer.gather_kv`); its blocks
+        are freed (the full ones stay in this core's prefix cache).
+
+        Raises:
+            KeyError: no hand-off waits under that id.
+        """
+        request = self.handoffs.pop(request_id)
+        blocks = request.block_ids[: self.block_manager.blocks_needed(request.num_prompt_tokens)]
+        try:
+            kv = gather_kv(self.runner.kv_caches, blocks)
+        finally:
+            self.block_manager.free(request)
+        return KVHandoff(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            params=request.params,
+            kv=kv,
+            num_cached_tokens=request.num_cached_tokens,
+            arrival_ns=request.arrival_ns,
+            scheduled_ns=request.scheduled_ns,
+            first_token_ns=request.first_token_ns,
+            priority=request.priority,
+            tenant=request.tenant,
+        )
+
+    def drop_handoff(self, request_id: str) -> bool:
+        """Free a hand-off nobody will take (its decode side is gone); False if unknown."""
+        request = self.handoffs.pop(request_id, None)
+        if request is not None:
+            self.block_manager.free(request)
+        return request is not None
+
+    def adopt(self, handoff: KVHandoff) -> Request | None:
+        """Continue a request another core prefilled: allocate blocks for its prompt, write the
+        transferred K/V into them and run it from its first token on, as if it had been
+        prefilled here. None, changing nothing, when the free blocks do not suffice (the
+        request waits on the prefill side). The prompt's full blocks enter this core's prefix
+        cache, so a preempted request recomputes only what they do not cover.
+
+        Raises:
+            ValueError: duplicate id, or a KV tensor that does not fit this core's cache.
+            RequestRejected: it can never fit the context or this core's KV pool.
+        """
+        if handoff.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {handoff.request_id!r} is already in the engine")
+        request = Request(
+            handoff.request_id,
+            handoff.prompt_token_ids,
+            handoff.params,
+            priority=handoff.priority,
+            tenant=handoff.tenant,
+            arrival_ns=handoff.arrival_ns,
+        )
+        self.scheduler.check_fits(request)
+        if len(self.scheduler.running) >= self.config.max_num_seqs:
+            return None
+        bm = self.block_manager
+        n = request.num_prompt_tokens
+        if bm.num_free_blocks - bm.blocks_needed(n) < self.scheduler.watermark_blocks:
+            return None
+        if not bm.allocate_slots(request, n):
+            return None
+        try:
+            scatter_kv(self.runner.kv_caches, request.block_ids, handoff.kv)
+        except ValueError:
+            bm.free(request)
+            raise
+        detok = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, handoff.params.skip_special_tokens,
+            handoff.params.stop,
+        )  # fmt: skip
+        for token in handoff.output_token_ids:  # already streamed by the prefill side
+            detok.add(token)
+            request.append_token(token, handoff.first_token_ns or time.time_ns())
+        detok.take_delta(False)
+        request.num_computed_tokens = n
+        request.num_cached_tokens = handoff.num_cached_tokens
+        request.scheduled_ns = handoff.scheduled_ns
+        self.scheduler.adopt(request)
+        self.detokenizers[request.request_id] = detok
+        return request
 
     # ----- the step -----
     def step(self) -> tuple[list[RequestOutput], StepRecord | None]:
@@ -319,6 +413,10 @@ class EngineCore:
                     break
             if status is not None:
                 self.scheduler.finish(request, status)
+            elif request.hand_off:
+                # the decode side goes on from here: keep the prompt's blocks for the transfer
+                self.scheduler.finish(request, RequestStatus.FINISHED_HANDED_OFF, free_blocks=False)
+                self.handoffs[request.request_id] = request
             elif c.draft_token_ids:
                 # the accepted drafts' K/V are valid; the rejected ones' slots are given back
                 self.scheduler.accept_drafts(request, accepted)

@@ -28,6 +28,9 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"
+    # prefilled here and handed to a decode engine core with its KV (disaggregation): done on
+    # this core, its blocks held until the hand-off is taken
+    FINISHED_HANDED_OFF = "finished_handed_off"
 
     @property
     def finished(self) -> bool:
@@ -39,6 +42,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_HANDED_OFF: "handoff",
 }
 
 
@@ -100,6 +104,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error_type: str | None = None
         self.error_message: str | None = None
+        # disaggregation: end on this core after the first token, KV held for take_handoff
+        self.hand_off = False
 
     @property
     def num_prompt_tokens(self) -> int:

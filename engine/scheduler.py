@@ -109,6 +109,13 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._enqueue(request, front=False)
+
+    def check_fits(self, request: Request) -> None:
+        """Raises RequestRejected when prompt + max_tokens exceeds the context or the pool."""
         total = request.num_prompt_tokens + request.params.max_tokens
         if total > self.max_model_len:
             raise RequestRejected(
@@ -120,9 +127,14 @@ class Scheduler:
                 f"prompt + max_tokens needs {self.bm.blocks_needed(total)} KV blocks but the pool "
                 f"has {self.bm.num_blocks}; it could never run"
             )
-        request.status = RequestStatus.WAITING
+
+    def adopt(self, request: Request) -> None:
+        """Run a request prefilled elsewhere (disaggregation) whose blocks hold its prompt's
+        K/V: it joins the running batch as a decode; its full blocks enter the prefix cache."""
+        request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
-        self._enqueue(request, front=False)
+        self.bm.cache_full_blocks(request)
+        self.running.append(request)
 
     def _enqueue(self, request: Request, front: bool) -> None:
         if self.config.scheduling_policy == "priority":

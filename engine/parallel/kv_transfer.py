@@ -1,0 +1,130 @@
+"""Moving a prefilled request's KV cache between engine cores (issue 17, prefill/decode
+disaggregation): the hand-off record, packing a request's blocks of every layer into one
+tensor and unpacking it into another pool's blocks, and sending that tensor over
+torch.distributed point-to-point (gloo on CPU; the same calls take NCCL on CUDA).
+
+The unit of transfer is one request: its prompt's blocks, K and V of all layers, as one
+contiguous ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor in the
+cache's dtype. One tensor a request means one send and one receive, whatever the layer count
+(vLLM's connectors and Mooncake move per layer to overlap with the forward; on a CPU there is
+no copy engine to overlap with, so one message is the cheaper shape here).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..sampling_params import SamplingParams
+
+# dtype codes of the header (a tensor's dtype has to cross as an integer)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HEADER_LEN = 8  # [dtype code, ndim, up to 6 dims]
+
+
+@dataclass
+class KVHandoff:
+    """A request prefilled on one engine core, ready to continue decoding on another.
+
+    Attributes:
+        request_id: the engine's request id.
+        prompt_token_ids: the prompt.
+        output_token_ids: the tokens the prefill side sampled (its first token).
+        params: the request's sampling parameters (``max_tokens`` counts the first token).
+        kv: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in the cache's
+            dtype: the prompt's K and V; its last block may be partly filled.
+        num_cached_tokens: prompt tokens the prefill side found in its prefix cache.
+        arrival_ns, scheduled_ns, first_token_ns: wall-clock ns on the prefill side.
+        priority, tenant: as the request was added.
+        transfer_bytes: ``kv``'s size in bytes.
+        transfer_ms: the time to move it (gather to scatter), set by whoever moved it.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    kv: torch.Tensor
+    num_cached_tokens: int = 0
+    arrival_ns: int = 0
+    scheduled_ns: int | None = None
+    first_token_ns: int | None = None
+    priority: int = 0
+    tenant: str = ""
+    transfer_ms: float | None = None
+
+    @property
+    def transfer_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+def gather_kv(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]):
+    """The given blocks of every layer as one new contiguous tensor.
+
+    Args:
+        kv_caches: per layer ``(k, v)``, each ``[num_blocks, block_size, kv_heads, head_dim]``.
+        block_ids: the request's block table, in order.
+
+    Returns:
+        ``[num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]``, the caches' dtype
+        and device.
+
+    Raises:
+        ValueError: no blocks, or a block id outside the pool.
+    """
+    if not block_ids:
+        raise ValueError("a KV hand-off needs at least one block")
+    total = kv_caches[0][0].shape[0]
+    if not all(0 <= b < total for b in block_ids):
+        raise ValueError(f"block ids {block_ids} are outside the pool of {total}")
+    idx = torch.tensor(block_ids, device=kv_caches[0][0].device)
+    return torch.stack([torch.stack((k[idx], v[idx])) for k, v in kv_caches])
+
+
+def scatter_kv(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], kv: torch.Tensor
+) -> None:
+    """Write a :func:`gather_kv` tensor into the given blocks of another pool (in place).
+
+    Raises:
+        ValueError: the tensor's layer count, block count or block shape does not match.
+    """
+    want = (len(kv_caches), 2, len(block_ids), *kv_caches[0][0].shape[1:])
+    if tuple(kv.shape) != want:
+        raise ValueError(f"KV hand-off of shape {tuple(kv.shape)} does not fit {want}")
+    idx = torch.tensor(block_ids, device=kv_caches[0][0].device)
+    for layer, (k, v) in enumerate(kv_caches):
+        k[idx] = kv[layer, 0].to(k.dtype)
+        v[idx] = kv[layer, 1].to(v.dtype)
+
+
+def send_kv(kv: torch.Tensor, dst: int, group=None) -> tuple[int, float]:
+    """Send one hand-off tensor to rank ``dst``: a fixed-size int64 header (dtype, shape), then
+    the tensor. Blocking. Returns ``(bytes, ms)``.
+
+    Raises:
+        ValueError: a dtype or rank count the header cannot describe.
+    """
+    if kv.dtype not in _DTYPES or kv.dim() > HEADER_LEN - 2:
+        raise ValueError(f"cannot send a {kv.dtype} tensor of {kv.dim()} dims")
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0], header[1] = _DTYPES.index(kv.dtype), kv.dim()
+    header[2 : 2 + kv.dim()] = torch.tensor(kv.shape)
+    t0 = time.perf_counter()
+    dist.send(header, dst, group=group)
+    dist.send(kv.contiguous(), dst, group=group)
+    return kv.numel() * kv.element_size(), (time.perf_counter() - t0) * 1e3
+
+
+def recv_kv(src: int, group=None, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Receive one :func:`send_kv` tensor from rank ``src`` (blocking)."""
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    dist.recv(header, src, group=group)
+    code, ndim = int(header[0]), int(header[1])
+    shape = [int(x) for x in header[2 : 2 + ndim]]
+    kv = torch.empty(shape, dtype=_DTYPES[code], device=device)
+    dist.recv(kv, src, group=group)
+    return kv

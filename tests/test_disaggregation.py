@@ -1,0 +1,141 @@
+"""Issue 17, prefill/decode disaggregation, its engine part: a request prefilled on one engine
+core is handed with its KV blocks (``engine/parallel/kv_transfer.py``) to another, which
+decodes it on as if it had prefilled it itself.
+
+Greedy tokens of 16 concurrent mixed requests (half of them sharing a head of 2 or more blocks, so the
+prefill side hits its prefix cache) equal colocated serving token for token, with a decode
+pool small enough that it preempts and refuses hand-offs for a while; the packing round-trips
+exactly; the transfer crosses two processes over gloo; nothing stays allocated on either side.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+from paged_driver import mixed_greedy_requests
+from server_proc import free_port
+
+from tokenmill.engine.llm import LLM
+from tokenmill.engine.parallel.kv_transfer import gather_kv, recv_kv, scatter_kv, send_kv
+
+HEAD = "You are a careful assistant who answers in plain words and short sentences. " * 3
+
+
+def _requests():
+    prompts, params = mixed_greedy_requests(16)
+    # half share a head of a few KV blocks: the prefill side's prefix cache hits on them
+    return [HEAD + p if i % 2 else p for i, p in enumerate(prompts)], params
+
+
+def _disaggregated(prefill: LLM, decode: LLM, prompts, params):
+    """Every request prefilled on ``prefill`` (``hand_off``), its KV moved to ``decode`` as
+    soon as that has room, decoded there. Returns tokens per request, the number of hand-offs
+    the decode side refused at first (no room), and the decode side's step records."""
+    p, d = prefill.core, decode.core
+    ids = [f"r{i}" for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    arrivals = list(zip(ids, prompts, params))
+    ready, refused, records, done = [], 0, [], set()
+    while len(done) < len(ids):
+        if arrivals:  # one arrival a step: later heads find earlier ones in the prefix cache
+            rid, prompt, sp = arrivals.pop(0)
+            p.add_request(rid, prefill.tokenizer.encode(prompt), sp, hand_off=True)
+        outs, _ = p.step()
+        for out in outs:
+            tokens[out.request_id] += out.new_token_ids
+            assert out.finish_reason == "handoff", out
+            ready.append(p.take_handoff(out.request_id))
+        waiting = []
+        for h in ready:
+            if d.adopt(h) is None:
+                refused += 1
+                waiting.append(h)  # back-pressure: it waits for the decode side's room
+        ready = waiting
+        outs, rec = d.step()
+        if rec is not None:
+            records.append(rec)
+        for out in outs:
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                done.add(out.request_id)
+    return [tokens[rid] for rid in ids], refused, records
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_colocated_with_prefix_hits_and_decode_preemption(smollm2_dir):
+    prompts, params = _requests()
+    colocated = [r.token_ids for r in LLM(str(smollm2_dir)).generate(prompts, params)]
+    prefill = LLM(str(smollm2_dir))
+    # 40 blocks of 16 tokens: the 16 requests need about 90 at their longest, so the decode
+    # side preempts (recompute from its own copy of the prompt blocks) and turns hand-offs away
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # layers x block x kv heads x head dim x float32
+    decode = LLM(str(smollm2_dir), kv_cache_memory=40 * block_bytes)
+    assert decode.core.block_manager.num_blocks == 40
+    got, refused, records = _disaggregated(prefill, decode, prompts, params)
+    assert got == colocated
+    assert [len(t) for t in got] == [sp.max_tokens for sp in params]
+    assert sum(r.num_preempted for r in records) >= 1 and refused >= 1
+    # the prefill side hit its prefix cache on the shared head
+    head_blocks = len(prefill.tokenizer.encode(HEAD)) // 16
+    assert head_blocks >= 2
+    assert prefill.core.block_manager.prefix_hits >= 7 * head_blocks * 16
+    # nothing held: the hand-offs were all taken, every block is back in both pools
+    assert not prefill.core.handoffs
+    for llm in (prefill, decode):
+        assert llm.core.block_manager.num_used_blocks == 0, llm.core.block_manager
+
+
+def test_pack_and_unpack_round_trip_and_refuse_a_wrong_shape():
+    torch.manual_seed(0)
+    src = [(torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)) for _ in range(3)]
+    dst = [(torch.zeros(9, 4, 2, 8), torch.zeros(9, 4, 2, 8)) for _ in range(3)]
+    kv = gather_kv(src, [4, 1, 5])
+    assert kv.shape == (3, 2, 3, 4, 2, 8)
+    scatter_kv(dst, [0, 8, 2], kv)
+    for (sk, sv), (dk, dv) in zip(src, dst):
+        assert torch.equal(dk[[0, 8, 2]], sk[[4, 1, 5]]) and torch.equal(
+            dv[[0, 8, 2]], sv[[4, 1, 5]]
+        )
+        assert not dk[[1, 3, 4, 5, 6, 7]].any()  # no other block written
+    with pytest.raises(ValueError, match=r"does not fit \(3, 2, 2, 4, 2, 8\)"):
+        scatter_kv(dst, [0, 1], kv)
+    with pytest.raises(ValueError, match="outside the pool of 6"):
+        gather_kv(src, [6])
+
+
+def _receiver(port: int, queue) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    try:
+        kv = recv_kv(0)
+        queue.put((kv.dtype, tuple(kv.shape), float(kv.double().sum())))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_hand_off_crosses_processes_over_gloo():
+    """The bytes a prefill core sends (header, then the tensor) arrive whole in another process:
+    dtype, shape and content (a bf16 cache, so the header's dtype code is exercised)."""
+    import torch.distributed as dist
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(port, queue))
+    proc.start()
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+        kv = torch.randn(3, 2, 5, 4, 2, 8).to(torch.bfloat16)
+        sent, ms = send_kv(kv, 1)
+        dtype, shape, total = queue.get(timeout=120)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        proc.join(timeout=60)
+    assert sent == kv.numel() * 2 and ms >= 0
+    assert (dtype, shape) == (torch.bfloat16, tuple(kv.shape))
+    assert total == pytest.approx(float(kv.double().sum()))
+    assert proc.exitcode == 0
