@@ -18,7 +18,17 @@ from paged_driver import mixed_greedy_requests
 from server_proc import free_port
 
 from tokenmill.engine.llm import LLM
-from tokenmill.engine.parallel.kv_transfer import gather_kv, recv_kv, scatter_kv, send_kv
+from tokenmill.engine.parallel.kv_transfer import (
+    KVHandoff,
+    gather_kv,
+    recv_handoff,
+    recv_kv,
+    scatter_kv,
+    send_end,
+    send_handoff,
+    send_kv,
+)
+from tokenmill.engine.sampling_params import SamplingParams
 
 HEAD = "You are a careful assistant who answers in plain words and short sentences. " * 3
 
@@ -112,13 +122,25 @@ def _receiver(port: int, queue) -> None:
     try:
         kv = recv_kv(0)
         queue.put((kv.dtype, tuple(kv.shape), float(kv.double().sum())))
+        h = recv_handoff(0)
+        queue.put(
+            (
+                h.request_id,
+                h.output_token_ids,
+                h.params,
+                float(h.kv.sum()),
+                h.transfer_ms is not None,
+            )
+        )
+        queue.put(recv_handoff(0))  # the end
     finally:
         dist.destroy_process_group()
 
 
 def test_a_hand_off_crosses_processes_over_gloo():
     """The bytes a prefill core sends (header, then the tensor) arrive whole in another process:
-    dtype, shape and content (a bf16 cache, so the header's dtype code is exercised)."""
+    dtype, shape and content (a bf16 cache, so the header's dtype code is exercised); then a
+    whole hand-off (its fields and its KV) and the end marker."""
     import torch.distributed as dist
 
     port = free_port()
@@ -131,6 +153,12 @@ def test_a_hand_off_crosses_processes_over_gloo():
         kv = torch.randn(3, 2, 5, 4, 2, 8).to(torch.bfloat16)
         sent, ms = send_kv(kv, 1)
         dtype, shape, total = queue.get(timeout=120)
+        params = SamplingParams(temperature=0.5, max_tokens=7, seed=3, stop=("x",))
+        h = KVHandoff("r1", [5, 6, 7], [9], params, torch.ones(2, 2, 1, 4, 1, 8), first_token_ns=1)
+        send_handoff(h, 1)
+        handed = queue.get(timeout=120)
+        send_end(1)
+        end = queue.get(timeout=120)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -138,4 +166,5 @@ def test_a_hand_off_crosses_processes_over_gloo():
     assert sent == kv.numel() * 2 and ms >= 0
     assert (dtype, shape) == (torch.bfloat16, tuple(kv.shape))
     assert total == pytest.approx(float(kv.double().sum()))
+    assert handed == ("r1", [9], params, 128.0, True) and end is None
     assert proc.exitcode == 0

@@ -128,3 +128,30 @@ def recv_kv(src: int, group=None, device: str | torch.device = "cpu") -> torch.T
     kv = torch.empty(shape, dtype=_DTYPES[code], device=device)
     dist.recv(kv, src, group=group)
     return kv
+
+
+def send_handoff(handoff: KVHandoff, dst: int, group=None) -> tuple[int, float]:
+    """Send a whole hand-off to rank ``dst``: its fields (pickled, ``send_object_list``), then
+    its KV (:func:`send_kv`). Blocking. Returns the KV's ``(bytes, ms)``."""
+    meta = {k: v for k, v in vars(handoff).items() if k not in ("kv", "transfer_ms")}
+    t0 = time.perf_counter()
+    dist.send_object_list([meta], dst, group=group)
+    sent, _ = send_kv(handoff.kv, dst, group)
+    return sent, (time.perf_counter() - t0) * 1e3
+
+
+def send_end(dst: int, group=None) -> None:
+    """Tell rank ``dst``'s :func:`recv_handoff` that no more hand-offs come."""
+    dist.send_object_list([None], dst, group=group)
+
+
+def recv_handoff(src: int, group=None, device: str | torch.device = "cpu") -> KVHandoff | None:
+    """Receive one :func:`send_handoff` from rank ``src`` (blocking); None after
+    :func:`send_end`. Its ``transfer_ms`` is the time from its fields' arrival to its KV's."""
+    box = [None]
+    dist.recv_object_list(box, src, group=group)
+    if box[0] is None:
+        return None
+    t0 = time.perf_counter()
+    kv = recv_kv(src, group, device)
+    return KVHandoff(**box[0], kv=kv, transfer_ms=(time.perf_counter() - t0) * 1e3)
