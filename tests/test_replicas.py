@@ -191,31 +191,24 @@ class _HealthWorker:
         return self._stall
 
     def health(self):
-        return {"name": self.name, "state": self.state, "stats": {"num_running": 1}}
+        # a restarting replica's stats are its last reported ones
+        stats = {"num_running": 3, "num_waiting": 2, "kv_usage": 0.4}
+        return {"name": self.name, "replica": self.replica, "state": self.state, "stats": stats}
 
 
-@pytest.mark.parametrize(
-    ("stalled", "status", "http"),
-    [(None, "degraded", 200), (("unavailable", "no heartbeat for 40 s"), "degraded", 503)],
-)
-def test_health_names_a_stalled_replica_while_another_restarts(stalled, status, http):
-    """Replica 0 restarts; replica 1 is the only one serving. When replica 1 is silent too,
-    nothing serves: /health says so (503, its reason) instead of a plain "degraded"."""
+def _app_state(pool, metrics=None):
     from types import SimpleNamespace
 
-    from fastapi.testclient import TestClient
-
-    from tokenmill.engine.api.app import ServerState, build_app
+    from tokenmill.engine.api.app import ServerState
     from tokenmill.engine.api.gateway import Gateway
     from tokenmill.engine.api.stations import AdmissionStation, MeteringStation
 
-    pool = ReplicaPool.__new__(ReplicaPool)
-    pool.name, pool.router, pool._where, pool.closing = "engine", Router(2, BLOCK), {}, False
-    pool.workers = [_HealthWorker(0, False, None), _HealthWorker(1, True, stalled)]
     telemetry = SimpleNamespace(
-        health=lambda: {"dropped_total": 0}, dumps=SimpleNamespace(can_dump=False)
+        health=lambda: {"dropped_total": 0},
+        dumps=SimpleNamespace(can_dump=False),
+        metrics=metrics,
     )
-    state = ServerState(
+    return ServerState(
         worker=pool,
         gateway=Gateway(None),
         tokenize=None,
@@ -226,8 +219,66 @@ def test_health_names_a_stalled_replica_while_another_restarts(stalled, status, 
         block_size=BLOCK,
         telemetry=telemetry,
     )
+
+
+def _pool(stalled=None) -> ReplicaPool:
+    pool = ReplicaPool.__new__(ReplicaPool)
+    pool.name, pool.router, pool._where, pool.closing = "engine", Router(2, BLOCK), {}, False
+    pool.workers = [_HealthWorker(0, False, None), _HealthWorker(1, True, stalled)]
+    return pool
+
+
+def test_a_restarting_replicas_gauges_read_zero_not_its_last_values():
+    """Replica 0 restarts; its last stats said 3 running at 40 % KV. /metrics gives it 0
+    running, 0 waiting and 0 KV use; replica 1 keeps its own values."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenmill.engine.api.app import build_app
+    from tokenmill.telemetry.metrics import ServingMetrics
+
+    metrics = ServingMetrics("m")
+    metrics.data_parallel_size = 2
+    with TestClient(build_app(_app_state(_pool(), metrics))) as client:
+        text = client.get("/metrics").text
+    got = {
+        (s.name, s.labels["replica"]): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if "replica" in s.labels
+    }
+    assert got[("tokenmill_replica_num_requests_running", "0")] == 0
+    assert got[("tokenmill_replica_num_requests_waiting", "0")] == 0
+    assert got[("tokenmill_replica_kv_cache_usage_perc", "0")] == 0
+    assert got[("tokenmill_replica_num_requests_running", "1")] == 3
+    assert got[("tokenmill_replica_kv_cache_usage_perc", "1")] == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize(
+    ("stalled", "status", "http"),
+    [(None, "degraded", 200), (("unavailable", "no heartbeat for 40 s"), "degraded", 503)],
+)
+def test_health_names_a_stalled_replica_while_another_restarts(stalled, status, http):
+    """Replica 0 restarts; replica 1 is the only one serving. When replica 1 is silent too,
+    nothing serves: /health says so (503, its reason) instead of a plain "degraded"."""
+    from fastapi.testclient import TestClient
+
+    from tokenmill.engine.api.app import build_app
+
+    state = _app_state(_pool(stalled))
     with TestClient(build_app(state)) as client:
         r = client.get("/health")
     assert (r.status_code, r.json()["status"]) == (http, status)
     reasons = r.json()["reasons"]
     assert (stalled is None) == (not any("worker-1" in x for x in reasons)), reasons
+
+
+def test_the_start_line_names_every_replica():
+    from tokenmill.engine.api.server import engine_line
+
+    one = {"pid": 11, "num_blocks": 256}
+    assert engine_line(one, 4096) == "engine pid 11, KV capacity 4096 tokens in 256 blocks"
+    two = {"pid": 11, "pids": [11, 12], "num_blocks": 256}
+    assert engine_line(two, 4096) == (
+        "2 engine replicas, pids 11, 12, KV capacity 4096 tokens in 256 blocks each"
+    )

@@ -512,7 +512,10 @@ def build_app(state: ServerState) -> FastAPI:
         stats = w["stats"]
         m = state.telemetry.metrics
         for r in w.get("replicas", ()):
-            rs = r["stats"]
+            # a replica that is not serving (restarting, down) runs nothing and holds no KV:
+            # zeros, not the last values it reported before it went
+            up = r.get("state") == "ready"
+            rs = r["stats"] if up else {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0}
             m.set_replica_state(
                 r["replica"],
                 running=rs.get("num_running"),

@@ -113,6 +113,18 @@ def spec_line(config) -> str:
     )
 
 
+def engine_line(info: dict, kv_tokens: int) -> str:
+    """The start line's engine part: ``engine pid 123, KV capacity 4096 tokens in 256 blocks``;
+    with data parallelism every replica's pid and the capacity as each replica's."""
+    pids = info.get("pids") or [info["pid"]]
+    blocks = f"{kv_tokens} tokens in {info['num_blocks']} blocks"
+    if len(pids) == 1:
+        return f"engine pid {pids[0]}, KV capacity {blocks}"
+    return (
+        f"{len(pids)} engine replicas, pids {', '.join(map(str, pids))}, KV capacity {blocks} each"
+    )
+
+
 def memory_line(model_info: dict) -> str:
     """The startup line's memory and roofline part: weight bytes by dtype, the KV pool, the
     device's peaks and their sources, whether the compiled decode step is on
@@ -241,7 +253,8 @@ def make_server(
             logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
             raise
         telemetry.engine_pid = info["pid"]
-        telemetry.start(engine_pids=info.get("pids") or [info["pid"]])
+        # read at each sample: a replica that restarts has a new pid
+        telemetry.start(engine_pids=(lambda: worker.pids) if info.get("pids") else [info["pid"]])
         model_info = info.get("model_info") or {}
         telemetry.event(
             "config",
@@ -261,7 +274,7 @@ def make_server(
         kv_tokens = info["num_blocks"] * config.block_size
         announce(
             f"tokenmill serving {name!r} at http://{host}:{port}/v1  "
-            f"(engine pid {info['pid']}, KV capacity {kv_tokens} tokens in {info['num_blocks']} blocks, "
+            f"({engine_line(info, kv_tokens)}, "
             f"context {info['max_model_len']}; {memory_line(model_info)}{spec_line(config)}"
             f"{'tenants from ' + tenants_file if tenants_file else 'open local mode, no API keys'}; "
             f"telemetry: /metrics, /health, trace store {telemetry.trace_db or 'off'})"
