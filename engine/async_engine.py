@@ -74,9 +74,10 @@ class AsyncEngine:
         config: the engine config, sent to the process.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, pd: dict | None = None):
         config.validate()
         self.config = config
+        self.pd = pd  # this core's part in --disaggregation (core_process.run_engine_core)
         self._ctx = zmq.asyncio.Context()
         self._tmp = tempfile.TemporaryDirectory(prefix="tokenmill-ipc-")
         base = Path(self._tmp.name)
@@ -114,7 +115,7 @@ class AsyncEngine:
         mp = multiprocessing.get_context("spawn")
         self.process = mp.Process(
             target=run_engine_core,
-            args=(self.config, self._in_addr, self._out_addr),
+            args=(self.config, self._in_addr, self._out_addr, self.pd),
             name="tokenmill-engine-core",
             daemon=True,
         )
@@ -202,8 +203,11 @@ class AsyncEngine:
         priority: int = 0,
         tenant: str = "",
         arrival_ns: int | None = None,
+        hand_off: bool = False,
+        adopt: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until it finishes.
+        """Stream a request's outputs until it finishes. ``hand_off`` / ``adopt``: the
+        prefill / decode half of a disaggregated request (:class:`AddRequest`).
 
         Raises:
             RequestRejected: it can never fit the context or the KV pool.
@@ -226,6 +230,8 @@ class AsyncEngine:
             priority=priority,
             tenant=tenant,
             arrival_ns=arrival_ns,
+            hand_off=hand_off,
+            adopt=adopt,
         )
         finished = False
         unwritten = None  # the output handed to the stream and not yet written by it

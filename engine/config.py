@@ -9,6 +9,7 @@ classes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -85,6 +86,17 @@ class EngineConfig:
         "With --data-parallel-size > 1: send a request to the replica that last served the "
         "same first 4 KV blocks of prompt (its prefix cache may hold them) while it holds at "
         "most 8192 outstanding tokens more than the least loaded replica.",
+    )
+    disaggregation: str = knob(
+        "",
+        "'prefill=P,decode=D' (tokenmill serve): prefill and decode on separate engine cores, "
+        "each request's KV sent from one to the other over gloo; this version runs P=1, D=1.",
+    )
+    prefill_devices: str = knob(
+        "", "With --disaggregation: CPU cores the prefill core is pinned to (e.g. 0 or 0-3)."
+    )
+    decode_devices: str = knob(
+        "", "With --disaggregation: CPU cores the decode core is pinned to (e.g. 1)."
     )
     load_format: str = knob("auto", "auto | safetensors | dummy (random weights)")
     attention_backend: str = knob(
@@ -226,8 +238,32 @@ class EngineConfig:
         from .spec_config import parse_speculative_config
 
         parse_speculative_config(self.speculative_config)  # ValueError naming the field
+        self.pd_spec()  # ValueError naming the flag
         if not 0 <= self.fault_nan_fraction <= 1:
             raise ValueError(f"fault_nan_fraction must be in [0, 1], got {self.fault_nan_fraction}")
+
+    def pd_spec(self):
+        """The parsed ``--disaggregation`` flags (``engine/parallel/pd_spec.py``), None when
+        colocated.
+
+        Raises:
+            ValueError: a malformed spec or placement, or one combined with data or tensor
+                parallelism (not built), one line.
+        """
+        from .parallel.pd_spec import parse_disaggregation
+
+        spec = parse_disaggregation(
+            self.disaggregation,
+            self.prefill_devices,
+            self.decode_devices,
+            cpu_count=os.cpu_count() or 1,
+        )
+        if spec is not None and (self.data_parallel_size > 1 or self.tensor_parallel_size > 1):
+            raise ValueError(
+                "--disaggregation runs one prefill and one decode core; it does not combine "
+                "with --data-parallel-size or --tensor-parallel-size yet"
+            )
+        return spec
 
     def model_len(self, max_position_embeddings: int) -> int:
         """The context limit in tokens: ``max_model_len`` when set, never above the model's

@@ -22,7 +22,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .cpu_threads import ThreadGovernor, read_proc
 from .detokenizer import IncrementalDetokenizer
-from .messages import EngineStats, RequestOutput, StepRecord
+from .messages import EngineStats, RequestEvent, RequestOutput, StepRecord
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .parallel.kv_transfer import KVHandoff, gather_kv, scatter_kv
@@ -256,6 +256,15 @@ class EngineCore:
         request.num_computed_tokens = n
         request.num_cached_tokens = handoff.num_cached_tokens
         request.scheduled_ns = handoff.scheduled_ns
+        now = time.time_ns()
+        attrs = {
+            "bytes": handoff.transfer_bytes,
+            "ms": handoff.transfer_ms,
+            "waited_ms": (now - handoff.received_ns) / 1e6 if handoff.received_ns else None,
+            "from": "prefill",
+            "to": "decode",
+        }
+        request.events.append(RequestEvent("kv_transfer", self.scheduler.step_id, now, attrs))
         self.scheduler.adopt(request)
         self.detokenizers[request.request_id] = detok
         return request

@@ -15,6 +15,7 @@ The process ends with its API process: when that one dies without sending :class
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -73,10 +74,46 @@ def ready_model_info(core, config: EngineConfig) -> dict:
     return info
 
 
-def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
-    """Process entry point: build the :class:`EngineCore` and serve until :class:`Shutdown`."""
+def _adopt_arrivals(core, link, desk, send) -> None:
+    """Decode side: take the hand-offs that arrived, adopt those the API expects while the
+    pool has room (the rest wait at the desk: back-pressure), drop orphans."""
+    import queue
+
+    while True:
+        try:
+            desk.arrive(link.arrived.get_nowait())
+        except queue.Empty:
+            break
+    for h in desk.ready():
+        try:
+            request = core.adopt(h)
+        except (RequestRejected, ValueError) as exc:
+            desk.adopted(h.request_id)
+            send(RequestFailed(h.request_id, rejection(exc)))
+            continue
+        if request is None:
+            break  # no room: later ones wait too (first come, first adopted)
+        desk.adopted(h.request_id)
+    desk.expire()
+
+
+def run_engine_core(
+    config: EngineConfig, in_addr: str, out_addr: str, pd: dict | None = None
+) -> None:
+    """Process entry point: build the :class:`EngineCore` and serve until :class:`Shutdown`.
+
+    ``pd``: this core's part in ``--disaggregation``: ``{"role": "prefill" | "decode",
+    "port": rendezvous port, "cpus": cores to pin to or None}`` (``engine/parallel/pd_link.py``).
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
     api_pid = os.getppid()
+    link = desk = None
+    if pd is not None:
+        from .parallel.pd_link import pin
+
+        pin(pd.get("cpus"))
+        if pd.get("cpus") and not config.cpu_threads:
+            config = dataclasses.replace(config, cpu_threads=len(pd["cpus"]))
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)
@@ -111,6 +148,13 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
     )
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
+    if pd is not None:
+        from .parallel.pd_link import AdoptionDesk, PDLink
+
+        link = PDLink(pd["role"], pd["port"], ctx)
+        if link.wake is not None:
+            poller.register(link.wake, zmq.POLLIN)
+            desk = AdoptionDesk()
     running = True
     while running:
         if os.getppid() != api_pid:  # the API process is gone (killed): nobody to serve
@@ -118,9 +162,14 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
             break
         timeout = 0 if core.has_work() else IDLE_POLL_MS
         events = poller.poll(timeout)
+        if link is not None and link.wake is not None:
+            link.drain_wake()
+            events = [e for e in events if e[0] is pull]
         while events:
             msg = INPUT_DECODER.decode(pull.recv())
-            if isinstance(msg, AddRequest):
+            if isinstance(msg, AddRequest) and msg.adopt and desk is not None:
+                desk.expect(msg.request_id)
+            elif isinstance(msg, AddRequest):
                 try:
                     core.add_request(
                         msg.request_id,
@@ -129,10 +178,14 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
                         priority=msg.priority,
                         tenant=msg.tenant,
                         arrival_ns=msg.arrival_ns,
+                        hand_off=msg.hand_off,
                     )
                 except (RequestRejected, ValueError) as exc:
                     send(RequestFailed(msg.request_id, rejection(exc)))
             elif isinstance(msg, AbortRequests):
+                if desk is not None:  # not adopted yet: drop its hand-off, now or on arrival
+                    for rid in msg.request_ids:
+                        desk.cancel(rid)
                 outs = core.abort(msg.request_ids)
                 if outs:
                     send(EngineOutputs(outs))
@@ -144,11 +197,19 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
             events = poller.poll(0)
         if not running:
             break
+        if desk is not None:
+            _adopt_arrivals(core, link, desk, send)
         if core.has_work():
             outputs, record = core.step()
             send(EngineOutputs(outputs, record))
+            if link is not None and link.role == "prefill":
+                for out in outputs:
+                    if out.finish_reason == "handoff":
+                        link.send(core.take_handoff(out.request_id))
         elif not events:
             send(Heartbeat(core.stats(), core.idle_record()))
+    if link is not None:
+        link.close()
     core.close()
     push.close(linger=1000)
     pull.close(linger=0)

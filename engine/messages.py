@@ -61,7 +61,10 @@ class RequestEvent(msgspec.Struct):
     """Something that happened to a request in a step (becomes a span event).
 
     ``name`` is one of ``chunk`` (a prefill chunk was computed; attrs: tokens),
-    ``preempted`` (blocks taken back; attrs: recompute_tokens), ``resumed``, ``aborted``.
+    ``preempted`` (blocks taken back; attrs: recompute_tokens), ``resumed``, ``aborted``,
+    ``kv_transfer`` (a decode core adopted the request's KV from a prefill core; attrs:
+    bytes, ms (the transfer; None when not timed), waited_ms (arrival to adoption: the wait
+    for room), from, to).
     ``time_ns`` is wall-clock ns; ``step_id`` the engine step it happened in.
     """
 
@@ -244,6 +247,11 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     priority: int = 0
     tenant: str = ""
     arrival_ns: int | None = None
+    # disaggregation (engine/parallel/pd_link.py): ``hand_off`` on the prefill core (end after
+    # the first token, send the KV to the decode core); ``adopt`` on the decode core (stream
+    # this request once its hand-off arrives; the prompt and params come with it)
+    hand_off: bool = False
+    adopt: bool = False
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -11,6 +11,7 @@ exactly; the transfer crosses two processes over gloo; nothing stays allocated o
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import pytest
 import torch
@@ -168,3 +169,153 @@ def test_a_hand_off_crosses_processes_over_gloo():
     assert total == pytest.approx(float(kv.double().sum()))
     assert handed == ("r1", [9], params, 128.0, True) and end is None
     assert proc.exitcode == 0
+
+
+# ----- through tokenmill serve ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_serve_disaggregated_equals_colocated_and_records_the_transfer(tmp_path, smollm2_dir):
+    """``--disaggregation prefill=1,decode=1`` with each side pinned to one core: 16
+    concurrent greedy requests (prefix hits on the shared head) answer exactly what the
+    offline colocated engine answers; /health lists both sides; each request's trace holds
+    its ``kv_transfer`` event with the bytes of its prompt's blocks; both pools end empty."""
+    import asyncio
+    import json
+
+    import duckdb
+    import httpx
+    from server_proc import Server
+
+    prompts, params = _requests()
+    want = [r.text for r in LLM(str(smollm2_dir)).generate(prompts, params)]
+    db = tmp_path / "traces.duckdb"
+    server = Server(
+        tmp_path,
+        *("--disaggregation", "prefill=1,decode=1"),
+        *("--prefill-devices", "0", "--decode-devices", "1"),
+        *("--trace-db", str(db)),
+    )
+    try:
+        health = server.health()
+        assert [r["name"] for r in health["engine"]["replicas"]] == ["prefill-0", "decode-0"]
+
+        async def one(ac, prompt, sp):
+            r = await ac.post(
+                server.url + "/v1/completions",
+                json={
+                    "model": "smollm2-135m-instruct",
+                    "prompt": prompt,
+                    "max_tokens": sp.max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        async def main():
+            async with httpx.AsyncClient(timeout=600) as ac:
+                return await asyncio.gather(*(one(ac, p, sp) for p, sp in zip(prompts, params)))
+
+        got = asyncio.run(main())
+        assert got == want
+        for _ in range(60):
+            h = server.health()
+            if h["kv_blocks_used"] == 0:
+                break
+            time.sleep(0.5)
+        assert h["kv_blocks_used"] == 0 and h["in_flight"] == 0, h
+    finally:
+        server.stop()
+    con = duckdb.connect(str(db), read_only=True)
+    rows = con.execute(
+        "SELECT r.input_tokens, list(s.events) FROM requests r JOIN spans s USING (trace_id) "
+        "GROUP BY r.request_id, r.input_tokens"
+    ).fetchall()
+    assert len(rows) == 16
+    per_token = 2 * 30 * 3 * 64 * 4  # bytes of K and V of one token, all layers, float32
+    for input_tokens, span_events in rows:
+        moved = [
+            e for events in span_events for e in json.loads(events) if e["name"] == "kv_transfer"
+        ]
+        assert len(moved) == 1, span_events
+        blocks = -(-input_tokens // 16)
+        assert moved[0]["attributes"]["tokenmill.bytes"] == blocks * 16 * per_token
+
+
+# ----- the flags and the decode side's desk ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "prefill", "decode", "needle"),
+    [
+        ("prefill=1;decode=1", "", "", "takes 'prefill=P,decode=D'"),
+        ("prefill=0,decode=1", "", "", "at least one prefill worker, got prefill=0"),
+        ("prefill=1,decode=0", "", "", "at least one decode worker, got decode=0"),
+        ("prefill=2,decode=1", "", "", "this version runs 1 prefill worker"),
+        ("prefill=1,decode=1", "0-3", "", "names core(s) [2, 3] but this machine has 2"),
+        ("prefill=1,decode=1", "0", "0", "share core(s) [0]"),
+        ("prefill=1,decode=1", "a", "", "--prefill-devices takes core ids"),
+        ("prefill=1,decode=1", "1-0", "", "runs backwards"),
+        ("", "0", "", "need --disaggregation"),
+    ],
+)
+def test_a_bad_disaggregation_flag_is_one_line_naming_it(spec, prefill, decode, needle):
+    from tokenmill.engine.parallel.pd_spec import parse_disaggregation
+
+    with pytest.raises(ValueError) as err:
+        parse_disaggregation(spec, prefill, decode, cpu_count=2)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_flags_parse_and_refuse_data_parallelism():
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.parallel.pd_spec import PDSpec, parse_disaggregation
+
+    assert parse_disaggregation("", cpu_count=2) is None
+    got = parse_disaggregation(" prefill = 1 , decode = 1 ", "0", "1", cpu_count=2)
+    assert got == PDSpec(1, 1, (0,), (1,))
+    with pytest.raises(ValueError, match="does not combine with --data-parallel-size"):
+        EngineConfig(disaggregation="prefill=1,decode=1", data_parallel_size=2).validate()
+
+
+def test_serve_refuses_a_bad_spec_at_startup_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--disaggregation", "prefill=1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert r.returncode != 0
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1 and "takes 'prefill=P,decode=D'" in lines[0], lines
+
+
+def _handoff(rid: str) -> KVHandoff:
+    return KVHandoff(rid, [1, 2], [3], SamplingParams(max_tokens=4), torch.zeros(1))
+
+
+def test_the_desk_matches_either_order_drops_cancelled_and_orphans():
+    from tokenmill.engine.parallel import pd_link
+
+    now = [0.0]
+    desk = pd_link.AdoptionDesk(clock=lambda: now[0])
+    desk.expect("a")  # the API first
+    desk.arrive(_handoff("b"))  # the hand-off first
+    assert desk.ready() == []
+    desk.arrive(_handoff("a"))
+    desk.expect("b")
+    assert [h.request_id for h in desk.ready()] == ["b", "a"]  # oldest arrival first
+    desk.adopted("b")
+    assert [h.request_id for h in desk.ready()] == ["a"] and desk.waiting == 1
+    assert desk.cancel("c") is False  # aborted before its hand-off came
+    desk.arrive(_handoff("c"))
+    assert desk.waiting == 1  # dropped on arrival
+    desk.arrive(_handoff("d"))  # its stream never opened
+    now[0] = pd_link.ORPHAN_S + 1
+    assert desk.expire() == ["d"] and desk.waiting == 1  # "a" is expected: it stays

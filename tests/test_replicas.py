@@ -282,3 +282,7 @@ def test_the_start_line_names_every_replica():
     assert engine_line(two, 4096) == (
         "2 engine replicas, pids 11, 12, KV capacity 4096 tokens in 256 blocks each"
     )
+    pd = {**two, "roles": ["prefill", "decode"]}
+    assert engine_line(pd, 4096) == (
+        "prefill core pid 11, decode core pid 12, KV capacity 4096 tokens in 256 blocks each"
+    )

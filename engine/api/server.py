@@ -115,9 +115,13 @@ def spec_line(config) -> str:
 
 def engine_line(info: dict, kv_tokens: int) -> str:
     """The start line's engine part: ``engine pid 123, KV capacity 4096 tokens in 256 blocks``;
-    with data parallelism every replica's pid and the capacity as each replica's."""
+    with data parallelism every replica's pid and the capacity as each replica's; with
+    disaggregation the prefill and the decode core's pids."""
     pids = info.get("pids") or [info["pid"]]
     blocks = f"{kv_tokens} tokens in {info['num_blocks']} blocks"
+    if info.get("roles") and len(info["roles"]) == len(pids):  # --disaggregation
+        cores = ", ".join(f"{role} core pid {pid}" for role, pid in zip(info["roles"], pids))
+        return f"{cores}, KV capacity {blocks} each"
     if len(pids) == 1:
         return f"engine pid {pids[0]}, KV capacity {blocks}"
     return (
@@ -154,11 +158,17 @@ def memory_line(model_info: dict) -> str:
 
 
 def engine_workers(config) -> EngineWorker | ReplicaPool:
-    """One engine worker, or a :class:`ReplicaPool` of ``--data-parallel-size`` of them.
+    """One engine worker, a :class:`ReplicaPool` of ``--data-parallel-size`` of them, or a
+    prefill and a decode worker (``PDPool``, ``--disaggregation``).
 
     Raises:
         ValueError: the machine cannot hold that many replicas (one line).
     """
+    spec = config.pd_spec()
+    if spec is not None:
+        from .disaggregated import PDPool
+
+        return PDPool(config, spec)
     if config.data_parallel_size == 1:
         return EngineWorker(config)
     cpus = os.cpu_count() or 1

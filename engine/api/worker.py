@@ -51,8 +51,15 @@ class EngineWorker:
     fails (it keeps retrying with backoff).
     """
 
-    def __init__(self, config: EngineConfig, name: str | None = None, replica: int = 0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        name: str | None = None,
+        replica: int = 0,
+        pd: dict | None = None,
+    ):
         self.config = config
+        self.pd = pd  # its part in --disaggregation (AsyncEngine), None when colocated
         self.replica = replica
         self.name = name or f"worker-{replica}"
         self.engine: AsyncEngine | None = None
@@ -99,7 +106,7 @@ class EngineWorker:
         record.replica = self.replica
 
     async def _spawn(self) -> None:
-        engine = AsyncEngine(self.config)
+        engine = AsyncEngine(self.config, pd=self.pd)
         engine.add_step_listener(self._stamp)  # first: every listener sees the replica
         for fn in self._listeners:
             engine.add_step_listener(fn)

@@ -40,7 +40,8 @@ class KVHandoff:
         arrival_ns, scheduled_ns, first_token_ns: wall-clock ns on the prefill side.
         priority, tenant: as the request was added.
         transfer_bytes: ``kv``'s size in bytes.
-        transfer_ms: the time to move it (gather to scatter), set by whoever moved it.
+        transfer_ms: the time to move it, set by whoever moved it.
+        received_ns: wall-clock ns it reached the decode side (:func:`recv_handoff`).
     """
 
     request_id: str
@@ -55,6 +56,7 @@ class KVHandoff:
     priority: int = 0
     tenant: str = ""
     transfer_ms: float | None = None
+    received_ns: int | None = None
 
     @property
     def transfer_bytes(self) -> int:
@@ -133,7 +135,7 @@ def recv_kv(src: int, group=None, device: str | torch.device = "cpu") -> torch.T
 def send_handoff(handoff: KVHandoff, dst: int, group=None) -> tuple[int, float]:
     """Send a whole hand-off to rank ``dst``: its fields (pickled, ``send_object_list``), then
     its KV (:func:`send_kv`). Blocking. Returns the KV's ``(bytes, ms)``."""
-    meta = {k: v for k, v in vars(handoff).items() if k not in ("kv", "transfer_ms")}
+    meta = {k: v for k, v in vars(handoff).items() if k not in ("kv", "transfer_ms", "received_ns")}
     t0 = time.perf_counter()
     dist.send_object_list([meta], dst, group=group)
     sent, _ = send_kv(handoff.kv, dst, group)
@@ -154,4 +156,5 @@ def recv_handoff(src: int, group=None, device: str | torch.device = "cpu") -> KV
         return None
     t0 = time.perf_counter()
     kv = recv_kv(src, group, device)
-    return KVHandoff(**box[0], kv=kv, transfer_ms=(time.perf_counter() - t0) * 1e3)
+    ms = (time.perf_counter() - t0) * 1e3
+    return KVHandoff(**box[0], kv=kv, transfer_ms=ms, received_ns=time.time_ns())

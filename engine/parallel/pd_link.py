@@ -1,0 +1,194 @@
+"""The engine core process's end of the prefill → decode KV link (issue 17,
+``--disaggregation``): the prefill core is rank 0 and the decode core rank 1 of a two-rank
+gloo group on ``127.0.0.1:port``.
+
+- :class:`PDLink` joins the group in a background thread (the core loads its model
+  meanwhile). On the prefill side :meth:`PDLink.send` queues a :class:`KVHandoff` for a sender
+  thread (``send_handoff``: blocking, so it stays off the step loop). On the decode side a
+  receiver thread takes each hand-off (``recv_handoff``) into :attr:`PDLink.arrived` and wakes
+  the core loop through a ZeroMQ ``inproc`` socket the loop polls.
+- :class:`AdoptionDesk` (decode side) matches the API's ``AddRequest(adopt=True)`` for a
+  request with its hand-off, whichever comes first; a request waits at the desk while the
+  decode pool has no room (back-pressure), and one cancelled (aborted) before its hand-off
+  came has the hand-off dropped on arrival.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import queue
+import threading
+import time
+
+import torch.distributed as dist
+import zmq
+
+from .kv_transfer import KVHandoff, recv_handoff, send_end, send_handoff
+
+log = logging.getLogger(__name__)
+
+PREFILL_RANK, DECODE_RANK = 0, 1
+#: seconds the two cores wait for each other to join, and a send for its receiver
+LINK_TIMEOUT_S = 300
+#: seconds a hand-off waits at the desk for its AddRequest (the API's stream gone meanwhile)
+ORPHAN_S = 60.0
+
+
+def pin(cpus: tuple[int, ...] | list[int] | None) -> None:
+    """Pin this process to ``cpus`` (``os.sched_setaffinity``); None leaves it as it is."""
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+
+
+class PDLink:
+    """One side of the link.
+
+    Args:
+        role: ``"prefill"`` or ``"decode"``.
+        port: the group's TCP rendezvous port on 127.0.0.1.
+        ctx: the core loop's ZeroMQ context (the decode side's wake-up socket lives in it).
+    """
+
+    WAKE_ADDR = "inproc://pd-arrivals"
+
+    def __init__(self, role: str, port: int, ctx: zmq.Context | None = None):
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        self.role, self.port = role, port
+        self.rank = PREFILL_RANK if role == "prefill" else DECODE_RANK
+        self.joined = threading.Event()
+        self.error: str | None = None
+        self.arrived: queue.Queue[KVHandoff] = queue.Queue()
+        self._outbox: queue.Queue[KVHandoff | None] = queue.Queue()
+        self.sent_bytes = 0
+        self.wake: zmq.Socket | None = None
+        if role == "decode" and ctx is not None:
+            self.wake = ctx.socket(zmq.PULL)
+            self.wake.bind(self.WAKE_ADDR)
+        self._ctx = ctx
+        threading.Thread(target=self._run, name=f"pd-{role}", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{self.port}",
+                rank=self.rank,
+                world_size=2,
+                timeout=datetime.timedelta(seconds=LINK_TIMEOUT_S),
+            )
+        except Exception as exc:  # the other side never came
+            self.error = f"KV link did not form: {str(exc).splitlines()[0][:120]}"
+            log.error("%s", self.error)
+            return
+        self.joined.set()
+        if self.role == "prefill":
+            self._send_loop()
+        else:
+            self._receive_loop()
+
+    def _send_loop(self) -> None:
+        try:
+            while (h := self._outbox.get()) is not None:
+                sent, _ = send_handoff(h, DECODE_RANK)
+                self.sent_bytes += sent
+            send_end(DECODE_RANK)  # the decode side's receiver ends without an error
+        except Exception as exc:
+            self.error = f"KV send failed: {str(exc).splitlines()[0][:120]}"
+            log.error("%s", self.error)
+
+    def _receive_loop(self) -> None:
+        push = self._ctx.socket(zmq.PUSH) if self._ctx is not None else None
+        if push is not None:
+            push.connect(self.WAKE_ADDR)
+        try:
+            while True:
+                h = recv_handoff(PREFILL_RANK)
+                if h is None:
+                    return
+                self.arrived.put(h)
+                if push is not None:
+                    push.send(b"1")
+        except Exception as exc:  # the prefill core went away
+            self.error = f"KV receive failed: {str(exc).splitlines()[0][:120]}"
+            log.error("%s", self.error)
+        finally:
+            if push is not None:
+                push.close(linger=0)
+
+    def send(self, handoff: KVHandoff) -> None:
+        """Queue a hand-off for the decode core (prefill side)."""
+        self._outbox.put(handoff)
+
+    def drain_wake(self) -> None:
+        """Empty the wake-up socket (decode side, after the poller saw it)."""
+        while self.wake is not None:
+            try:
+                self.wake.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def close(self) -> None:
+        if self.wake is not None:
+            self.wake.close(linger=0)
+        self._outbox.put(None)
+
+
+class AdoptionDesk:
+    """Decode side: hand-offs and the API's adopt requests, matched by request id."""
+
+    def __init__(self, clock=time.monotonic):
+        self.expected: dict[str, float] = {}
+        self.arrived: dict[str, tuple[KVHandoff, float]] = {}
+        self.cancelled: dict[str, float] = {}
+        self._clock = clock
+
+    def expect(self, request_id: str) -> None:
+        """The API opened the request's decode stream."""
+        self.expected[request_id] = self._clock()
+
+    def arrive(self, handoff: KVHandoff) -> None:
+        """A hand-off came from the prefill core (dropped if its request was cancelled)."""
+        if self.cancelled.pop(handoff.request_id, None) is not None:
+            return
+        self.arrived[handoff.request_id] = (handoff, self._clock())
+
+    def cancel(self, request_id: str) -> bool:
+        """The request was aborted before it was adopted; True if the desk held anything of it
+        (a hand-off still on its way is dropped when it comes)."""
+        had_arrived = self.arrived.pop(request_id, None) is not None
+        was_expected = self.expected.pop(request_id, None) is not None
+        if not had_arrived:
+            self.cancelled[request_id] = self._clock()
+        return had_arrived or was_expected
+
+    def ready(self) -> list[KVHandoff]:
+        """Hand-offs whose request the API expects, oldest arrival first."""
+        both = [(t, h) for rid, (h, t) in self.arrived.items() if rid in self.expected]
+        return [h for _, h in sorted(both, key=lambda x: x[0])]
+
+    def adopted(self, request_id: str) -> None:
+        self.expected.pop(request_id, None)
+        self.arrived.pop(request_id, None)
+
+    def expire(self) -> list[str]:
+        """Drop hand-offs that waited :data:`ORPHAN_S` for their AddRequest, and old
+        cancellations; the dropped hand-offs' request ids."""
+        now = self._clock()
+        old = [
+            rid
+            for rid, (_, t) in self.arrived.items()
+            if rid not in self.expected and now - t > ORPHAN_S
+        ]
+        for rid in old:
+            self.arrived.pop(rid)
+        for rid in [r for r, t in self.cancelled.items() if now - t > ORPHAN_S]:
+            self.cancelled.pop(rid)
+        return old
+
+    @property
+    def waiting(self) -> int:
+        """Hand-offs held here (waiting for room or for their AddRequest)."""
+        return len(self.arrived)
