@@ -11,6 +11,7 @@ exactly; the transfer crosses two processes over gloo; nothing stays allocated o
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import pytest
@@ -319,3 +320,77 @@ def test_the_desk_matches_either_order_drops_cancelled_and_orphans():
     desk.arrive(_handoff("d"))  # its stream never opened
     now[0] = pd_link.ORPHAN_S + 1
     assert desk.expire() == ["d"] and desk.waiting == 1  # "a" is expected: it stays
+
+
+@pytest.mark.slow
+def test_a_killed_decode_core_fails_streams_cleanly_and_both_sides_come_back(tmp_path):
+    """SIGKILL the decode core while 6 streams decode: every stream ends (an error event, or
+    done), both sides restart on a fresh link, the next requests are answered in full, and
+    no KV block, admission slot or hand-off is left on either side."""
+    import asyncio
+    import json
+    import signal
+
+    import httpx
+    from server_proc import Server
+
+    server = Server(tmp_path, "--disaggregation", "prefill=1,decode=1")
+
+    async def streams(n: int, tokens: int):
+        async def one(ac, i):
+            body = {
+                "model": "smollm2-135m-instruct",
+                "prompt": f"Count slowly from {i}:",
+                "max_tokens": tokens,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            events, error, finish = 0, None, None
+            async with ac.stream("POST", server.url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    obj = json.loads(line[6:])
+                    if "error" in obj:
+                        error = obj["error"]
+                    else:
+                        events += 1
+                        finish = obj["choices"][0]["finish_reason"] or finish
+            return {"events": events, "error": error, "finish": finish}
+
+        async with httpx.AsyncClient(timeout=600) as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(n)))
+
+    def wait(pred, limit_s=300):
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            h = server.health()
+            if pred(h):
+                return h
+            time.sleep(0.3)
+        raise AssertionError(f"never reached: {h}")
+
+    try:
+        victim = server.health()["engine"]["replicas"][1]["pid"]
+
+        async def run():
+            load = asyncio.ensure_future(streams(6, 200))
+            await asyncio.to_thread(
+                wait, lambda h: h["engine"]["replicas"][1]["stats"].get("num_running", 0) >= 2
+            )
+            os.kill(victim, signal.SIGKILL)
+            return await load
+
+        results = asyncio.run(run())
+        assert all(r["error"] or r["finish"] == "length" for r in results), results
+        assert any(r["error"] and r["error"]["code"] == "engine_died" for r in results), results
+        health = wait(lambda h: h["status"] == "ok")
+        replicas = health["engine"]["replicas"]
+        assert [r["restarts"] for r in replicas] == [1, 1]  # both sides, on a fresh link
+        assert replicas[1]["pid"] != victim
+        again = asyncio.run(streams(3, 8))
+        assert all(r["error"] is None and r["finish"] == "length" for r in again), again
+        health = wait(lambda h: h["in_flight"] == 0)
+        assert [r["stats"]["kv_blocks_used"] for r in health["engine"]["replicas"]] == [0, 0]
+    finally:
+        server.stop()

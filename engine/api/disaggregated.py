@@ -13,7 +13,9 @@ decode core keeps the received prompt blocks in its own prefix cache, so a reque
 preempts recomputes only what they do not cover.
 
 It is a :class:`~.replicas.ReplicaPool` of two workers (replica 0 = prefill, 1 = decode), so
-``/health``, ``/metrics`` and the step records' ``replica`` tag show each side.
+``/health``, ``/metrics`` and the step records' ``replica`` tag show each side. When either
+side's engine core dies, both restart on a fresh link (:meth:`PDPool._relink`): the requests
+in flight fail with ``engine_died`` and the pool serves again once both are back.
 """
 
 from __future__ import annotations
@@ -65,6 +67,33 @@ class PDPool(ReplicaPool):
         self.router = Router(2, config.block_size)
         self._where: dict[str, EngineWorker] = {}
         self.closing = False
+        self._killed: set[str] = set()  # partners this pool killed (their crash is expected)
+        for w in self.workers:
+            w.add_event_listener(self._on_event_of(w))
+
+    def _on_event_of(self, worker: EngineWorker):
+        def on_event(kind: str, severity: str, message: str) -> None:
+            if kind == "engine_crash":
+                self._relink(worker)
+
+        return on_event
+
+    def _relink(self, crashed: EngineWorker) -> None:
+        """One side died: the KV link (one gloo group) died with it. Both sides restart on a
+        fresh rendezvous port, so the partner is killed too (its monitor restarts it): every
+        request in flight on either side ends with an error, none hangs on a link that is
+        gone, and neither side keeps blocks or hand-offs of it."""
+        if crashed.name in self._killed:  # the partner this pool killed: already relinking
+            self._killed.discard(crashed.name)
+            return
+        port = _free_port()
+        for w in self.workers:
+            w.pd["port"] = port  # read when each side's engine core is spawned again
+        partner = self.decode if crashed is self.prefill else self.prefill
+        engine = partner.engine
+        if engine is not None and engine.process is not None and engine.process.is_alive():
+            self._killed.add(partner.name)
+            engine.process.kill()
 
     async def start(self) -> dict:
         """Start both sides at once: each core joins the KV link while it loads."""
