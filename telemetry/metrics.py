@@ -218,6 +218,12 @@ class ServingMetrics:
             "Time from first to last token (DECODE) in seconds.",
             REQUEST_LATENCY_BUCKETS_S,
         )
+        self.h_kv_transfer = hist(
+            "kv_transfer_seconds",
+            "Prefill/decode disaggregation: time one request's KV took from the prefill core "
+            "to the decode core, in seconds.",
+            REQUEST_STAGE_BUCKETS_S,
+        )
         self.h_iter_tokens = hist(
             "iteration_tokens",
             "Tokens (prefill + decode) per engine step; steps with no tokens are not counted.",
@@ -302,6 +308,10 @@ class ServingMetrics:
         )
         self.c_prefix_hits = counter(
             "prefix_cache_hits", "Prefix cache hits, in prompt tokens served from the cache."
+        )
+        self.c_kv_transfer_bytes = counter(
+            "kv_transfer_bytes",
+            "Prefill/decode disaggregation: KV bytes sent from the prefill to the decode core.",
         )
         self.c_preemptions = counter("num_preemptions", "Requests preempted by the engine.")
         self.c_success = counter(
@@ -425,6 +435,12 @@ class ServingMetrics:
         self.c_cached.labels(model, tenant).inc(cached_tokens)
         self.c_prefix_queries.labels(model).inc(input_tokens)
         self.c_prefix_hits.labels(model).inc(cached_tokens)
+        moved = g("kv_transfer_bytes")
+        if moved is not None:  # every request that crossed, whatever its outcome
+            self.c_kv_transfer_bytes.labels(model).inc(int(moved))
+            seconds = _s(g("kv_transfer_ms"))
+            if seconds is not None:
+                self.h_kv_transfer.labels(model).observe(seconds)
 
     def observe_step(self, row: dict) -> None:
         """Records one ``engine_steps`` row.

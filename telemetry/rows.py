@@ -83,6 +83,13 @@ class RequestRow(msgspec.Struct, kw_only=True):
     """draft tokens verified for this request"""
     spec_accepted_tokens: int | None = None
     """draft tokens accepted (output tokens that cost no step of their own)"""
+    kv_transfer_ms: Ms = None
+    """prefill/decode disaggregation: the request's KV on its way from the prefill core to the
+    decode core (its ``kv_transfer`` event); NULL when colocated"""
+    kv_transfer_bytes: NsOrNull = None
+    """bytes of that KV: the prompt's blocks, K and V of every layer"""
+    kv_wait_ms: Ms = None
+    """ms the transferred KV waited on the decode side for room (back-pressure)"""
     finish_reason: str | None = None
     """stop | length | abort | error | NULL (rejected)"""
     error_type: str | None = None

@@ -113,6 +113,7 @@ def request_row(
     itl = itl_ms(tl)
     n = tl.output_tokens
     last_token = tl.token_ns[-1] if tl.token_ns else None
+    moved = next((e.attrs for e in tl.events if e.name == "kv_transfer"), {})
     row = RequestRow(
         request_id=tl.request_id or tl.client_request_id or trace_id,
         client_request_id=tl.client_request_id,
@@ -156,6 +157,9 @@ def request_row(
         spec_drafts=tl.spec_drafts,
         spec_draft_tokens=tl.spec_draft_tokens,
         spec_accepted_tokens=tl.spec_accepted_tokens,
+        kv_transfer_ms=moved.get("ms"),
+        kv_transfer_bytes=moved.get("bytes"),
+        kv_wait_ms=moved.get("waited_ms"),
         finish_reason=tl.finish_reason or ("abort" if tl.client_disconnected else None),
         error_type=tl.error_type,
         prompt_block_hashes=tl.prompt_block_hashes,

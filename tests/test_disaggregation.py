@@ -227,6 +227,7 @@ def test_serve_disaggregated_equals_colocated_and_records_the_transfer(tmp_path,
                 break
             time.sleep(0.5)
         assert h["kv_blocks_used"] == 0 and h["in_flight"] == 0, h
+        metrics = httpx.get(server.url + "/metrics").text
     finally:
         server.stop()
     con = duckdb.connect(str(db), read_only=True)
@@ -243,6 +244,19 @@ def test_serve_disaggregated_equals_colocated_and_records_the_transfer(tmp_path,
         assert len(moved) == 1, span_events
         blocks = -(-input_tokens // 16)
         assert moved[0]["attributes"]["tokenmill.bytes"] == blocks * 16 * per_token
+    # the request rows carry the same bytes and the transfer's ms, /metrics their sum
+    total, timed = con.execute(
+        "SELECT sum(kv_transfer_bytes), count(kv_transfer_ms) FROM requests"
+    ).fetchone()
+    assert timed == 16
+    line = next(
+        ln for ln in metrics.splitlines() if ln.startswith("tokenmill_kv_transfer_bytes_total")
+    )
+    assert float(line.split()[-1]) == total
+    count = next(
+        ln for ln in metrics.splitlines() if ln.startswith("tokenmill_kv_transfer_seconds_count")
+    )
+    assert float(count.split()[-1]) == 16
 
 
 # ----- the flags and the decode side's desk ---------------------------------------------------
