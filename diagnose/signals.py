@@ -161,7 +161,12 @@ SELECT (arrival_ns - $t0) // $w AS win,
     avg(queue_ms / nullif(ttft_ms, 0)) FILTER (WHERE ok AND input_tokens <= $short) AS short_queue_share,
     count(*) FILTER (WHERE ok AND input_tokens >= 4 * $short) AS long_n,
     count(*) FILTER (WHERE ok AND itl_max_ms >= 10 * itl_p50_ms AND ttft_ms <= $fast_ttft) AS stalled_n,
-    count(*) FILTER (WHERE ok AND itl_max_ms >= 10 * itl_p50_ms AND ttft_ms <= $fast_ttft AND preemptions > 0) AS stalled_preempted_n
+    count(*) FILTER (WHERE ok AND itl_max_ms >= 10 * itl_p50_ms AND ttft_ms <= $fast_ttft AND preemptions > 0) AS stalled_preempted_n,
+    count(kv_transfer_ms) AS kv_transfers,
+    quantile_cont(kv_transfer_ms, 0.5) AS kv_transfer_p50,
+    quantile_cont(kv_transfer_ms / nullif(ttft_ms, 0), 0.5) FILTER (WHERE ok) AS kv_transfer_share_of_ttft,
+    quantile_cont(kv_transfer_bytes, 0.5) AS kv_transfer_bytes_p50,
+    quantile_cont(kv_wait_ms, 0.5) AS kv_wait_p50
 FROM (SELECT *, {COMPLETED_SQL} AS ok FROM requests
       WHERE arrival_ns >= $since AND arrival_ns < $until)
 GROUP BY win

@@ -194,6 +194,12 @@ class EngineConfig:
     fault_slow_rank_ms: float = knob(
         20.0, "Fault drill: the extra forward time of --fault-slow-rank (ms).", min=0.0
     )
+    fault_kv_transfer_delay_ms: float = knob(
+        0.0,
+        "Fault drill (--disaggregation): every request's KV transfer from the prefill to the "
+        "decode core takes this much longer (ms), as a slow link would.",
+        min=0.0,
+    )
 
     def validate(self) -> None:
         """Raises ValueError naming the first invalid field."""
@@ -239,6 +245,8 @@ class EngineConfig:
 
         parse_speculative_config(self.speculative_config)  # ValueError naming the field
         self.pd_spec()  # ValueError naming the flag
+        if self.fault_kv_transfer_delay_ms < 0:
+            raise ValueError("fault_kv_transfer_delay_ms must be >= 0")
         if not 0 <= self.fault_nan_fraction <= 1:
             raise ValueError(f"fault_nan_fraction must be in [0, 1], got {self.fault_nan_fraction}")
 

@@ -151,7 +151,7 @@ def run_engine_core(
     if pd is not None:
         from .parallel.pd_link import AdoptionDesk, PDLink
 
-        link = PDLink(pd["role"], pd["port"], ctx)
+        link = PDLink(pd["role"], pd["port"], ctx, delay_ms=config.fault_kv_transfer_delay_ms)
         if link.wake is not None:
             poller.register(link.wake, zmq.POLLIN)
             desk = AdoptionDesk()

@@ -65,6 +65,9 @@ class Phase:
     error_type: str = "nan_logits"
     client_ttft_factor: float | None = None  # client TTFT / server TTFT (None: not recorded)
     text_holdback_ms: float = 0.0  # the server withholds the first text this long (stop strings)
+    # prefill/decode disaggregation: each request's KV takes this long from the prefill to the
+    # decode core after its first token (0 = colocated), delaying its second token as much
+    kv_transfer_ms: float = 0.0
     stream_slowdown: float = 1.0  # stream-side time per token / engine TPOT
     prefix_cached_share: float = 0.5  # share of prompt tokens from the prefix cache
     first_block_varies: bool = False  # prompts share blocks 2.. but differ in block 0
@@ -374,8 +377,17 @@ class SyntheticRun:
         stall_at = rng.randint(2, max(2, n_out - 2)) if preempted and n_out > 4 else None
         # a long prefill sharing steps with this request's decode (interference)
         spike_at = rng.randint(2, max(2, n_out - 2)) if ph.prefill_spike_ms and n_out > 4 else None
+        moved = ph.kv_transfer_ms * (0.9 + 0.2 * rng.random()) if ph.kv_transfer_ms else 0.0
+        if moved:
+            kv_bytes = -(-n_in // 16) * 16 * 46_080  # SmolLM2 float32: 46,080 bytes a token
+            attrs = {"bytes": kv_bytes, "ms": moved, "waited_ms": 0.0}
+            tl.events.append(
+                RequestEvent("kv_transfer", n, tl.first_token_ns + int(moved * MS), attrs)
+            )
         for k in range(1, n_out):
             gap = ph.itl_ms * (1 + ph.itl_jitter * (rng.random() - 0.5))
+            if k == 1:
+                gap += moved  # the second token waits for the hand-off
             if stall_at is not None and k == stall_at:
                 gap += ph.preempt_gap_ms
                 tl.events.append(

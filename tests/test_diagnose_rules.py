@@ -20,6 +20,7 @@ INT4 = HEALTHY.but(quantization="int4", weight_bytes=100_000_000, running=2)
 SPEC = HEALTHY.but(running=4)
 DP2 = HEALTHY.but(replicas=2)  # two data-parallel replicas, the router spreading evenly
 TP2 = HEALTHY.but(tp_size=2, collective_share=0.1)  # two ranks, collectives 10% of decode
+PD = HEALTHY.but(kv_transfer_ms=5)  # disaggregated: each KV moves in ~5 ms after its prefill
 
 SCENARIOS: dict[str, list[Phase]] = {
     "ttft_queueing": [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=2000)],
@@ -96,6 +97,8 @@ SCENARIOS: dict[str, list[Phase]] = {
         TP2,
         TP2.but(duration_s=30, collective_share=0.6, straggler_rank=1, straggler_slowdown=2.5),
     ],
+    # each KV transfer takes 400 ms against a TTFT of ~80 ms (a slow link)
+    "kv_transfer_bound": [PD, PD.but(duration_s=30, kv_transfer_ms=400)],
 }
 
 # the evidence each rule must carry, as (key, predicate)
@@ -124,6 +127,7 @@ EXPECTED = {
     "replica_imbalance": ("arrival_skew", lambda v: v >= 4),
     "tp_communication_bound": ("decode_collective_share", lambda v: 0.55 < v < 0.65),
     "rank_straggler": ("slowest_rank", lambda v: v == 1),
+    "kv_transfer_bound": ("kv_transfer_share_of_ttft", lambda v: v > 3),
 }
 
 
@@ -423,6 +427,8 @@ MILD: dict[str, list[Phase]] = {
     "tp_communication_bound": [TP2, TP2.but(duration_s=30, collective_share=0.2)],
     # the ranks within 5% of each other (noise), and a 1.2x slower rank
     "rank_straggler": [TP2, TP2.but(duration_s=30, straggler_rank=1, straggler_slowdown=1.2)],
+    # 15 ms transfers against ~80 ms of TTFT: under a fifth
+    "kv_transfer_bound": [PD, PD.but(duration_s=30, kv_transfer_ms=15)],
 }
 
 

@@ -30,6 +30,7 @@ from . import (
     itl_prefill_interference,
     kv_block_leak,
     kv_pressure_preemption,
+    kv_transfer_bound,
     midstream_stall,
     oom_low_average_memory,
     overload,
@@ -70,6 +71,7 @@ RULES: tuple[Rule, ...] = (
     replica_imbalance.RULE,
     tp_communication_bound.RULE,
     rank_straggler.RULE,
+    kv_transfer_bound.RULE,
 )
 
 RULES_BY_ID: dict[str, Rule] = {r.id: r for r in RULES}

@@ -132,12 +132,17 @@ def recv_kv(src: int, group=None, device: str | torch.device = "cpu") -> torch.T
     return kv
 
 
-def send_handoff(handoff: KVHandoff, dst: int, group=None) -> tuple[int, float]:
+def send_handoff(
+    handoff: KVHandoff, dst: int, group=None, delay_s: float = 0.0
+) -> tuple[int, float]:
     """Send a whole hand-off to rank ``dst``: its fields (pickled, ``send_object_list``), then
-    its KV (:func:`send_kv`). Blocking. Returns the KV's ``(bytes, ms)``."""
+    its KV (:func:`send_kv`). Blocking. Returns the KV's ``(bytes, ms)``. ``delay_s``: the
+    fault drill's wait between the two (the receiver times it as part of the transfer)."""
     meta = {k: v for k, v in vars(handoff).items() if k not in ("kv", "transfer_ms", "received_ns")}
     t0 = time.perf_counter()
     dist.send_object_list([meta], dst, group=group)
+    if delay_s > 0:
+        time.sleep(delay_s)
     sent, _ = send_kv(handoff.kv, dst, group)
     return sent, (time.perf_counter() - t0) * 1e3
 

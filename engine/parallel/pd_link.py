@@ -49,14 +49,16 @@ class PDLink:
         role: ``"prefill"`` or ``"decode"``.
         port: the group's TCP rendezvous port on 127.0.0.1.
         ctx: the core loop's ZeroMQ context (the decode side's wake-up socket lives in it).
+        delay_ms: the fault drill ``--fault-kv-transfer-delay-ms`` (prefill side).
     """
 
     WAKE_ADDR = "inproc://pd-arrivals"
 
-    def __init__(self, role: str, port: int, ctx: zmq.Context | None = None):
+    def __init__(self, role: str, port: int, ctx: zmq.Context | None = None, delay_ms: float = 0.0):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role, self.port = role, port
+        self.delay_s = delay_ms / 1e3  # --fault-kv-transfer-delay-ms (prefill side)
         self.rank = PREFILL_RANK if role == "prefill" else DECODE_RANK
         self.joined = threading.Event()
         self.error: str | None = None
@@ -92,7 +94,7 @@ class PDLink:
     def _send_loop(self) -> None:
         try:
             while (h := self._outbox.get()) is not None:
-                sent, _ = send_handoff(h, DECODE_RANK)
+                sent, _ = send_handoff(h, DECODE_RANK, delay_s=self.delay_s)
                 self.sent_bytes += sent
             send_end(DECODE_RANK)  # the decode side's receiver ends without an error
         except Exception as exc:
