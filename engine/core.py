@@ -197,6 +197,7 @@ class EngineCore:
             kv=kv,
             num_cached_tokens=request.num_cached_tokens,
             arrival_ns=request.arrival_ns,
+            queued_ns=request.queued_ns,
             scheduled_ns=request.scheduled_ns,
             first_token_ns=request.first_token_ns,
             priority=request.priority,
@@ -256,6 +257,7 @@ class EngineCore:
         request.num_computed_tokens = n
         request.num_cached_tokens = handoff.num_cached_tokens
         request.scheduled_ns = handoff.scheduled_ns
+        request.queued_ns = handoff.queued_ns or request.queued_ns  # not the adoption's time
         now = time.time_ns()
         attrs = {
             "bytes": handoff.transfer_bytes,

@@ -249,6 +249,13 @@ def test_serve_disaggregated_equals_colocated_and_records_the_transfer(tmp_path,
         "SELECT sum(kv_transfer_bytes), count(kv_transfer_ms) FROM requests"
     ).fetchone()
     assert timed == 16
+    # the decode side keeps the prefill side's times: no negative queue (the adoption's clock)
+    assert con.execute(
+        "SELECT min(queue_ms) >= 0, min(prefill_ms) > 0 FROM requests"
+    ).fetchone() == (
+        True,
+        True,
+    )
     line = next(
         ln for ln in metrics.splitlines() if ln.startswith("tokenmill_kv_transfer_bytes_total")
     )

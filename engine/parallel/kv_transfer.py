@@ -37,7 +37,8 @@ class KVHandoff:
         kv: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in the cache's
             dtype: the prompt's K and V; its last block may be partly filled.
         num_cached_tokens: prompt tokens the prefill side found in its prefix cache.
-        arrival_ns, scheduled_ns, first_token_ns: wall-clock ns on the prefill side.
+        arrival_ns, queued_ns, scheduled_ns, first_token_ns: wall-clock ns on the prefill side
+            (the decode side keeps them, so the request's queue and prefill times stay its own).
         priority, tenant: as the request was added.
         transfer_bytes: ``kv``'s size in bytes.
         transfer_ms: the time to move it, set by whoever moved it.
@@ -51,6 +52,7 @@ class KVHandoff:
     kv: torch.Tensor
     num_cached_tokens: int = 0
     arrival_ns: int = 0
+    queued_ns: int | None = None
     scheduled_ns: int | None = None
     first_token_ns: int | None = None
     priority: int = 0
