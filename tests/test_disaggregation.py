@@ -423,3 +423,72 @@ def test_a_killed_decode_core_fails_streams_cleanly_and_both_sides_come_back(tmp
         assert health["engine"]["stats"]["num_running"] == 0
     finally:
         server.stop()
+
+
+def test_a_decode_side_down_at_the_hand_off_ends_the_stream_as_engine_died():
+    """The prefill core handed the request off, but the decode worker is not ready (it went
+    down meanwhile): the stream yields the first token, then ends with EngineDeadError (the
+    API's ``engine_died``), not an unhandled error; a first token that ends the request
+    needs no decode side at all."""
+    import asyncio
+
+    import msgspec
+
+    from tokenmill.engine.api.disaggregated import PDPool
+    from tokenmill.engine.api.replicas import Router
+    from tokenmill.engine.api.worker import EngineUnavailable
+    from tokenmill.engine.async_engine import EngineDeadError
+    from tokenmill.engine.messages import RequestOutput
+
+    def out(reason):
+        return RequestOutput(
+            request_id="r", new_token_ids=[7], new_text="x", token_ns=[1], finished=True,
+            finish_reason=reason, stop_reason=None, error_type=None, error_message=None,
+            num_prompt_tokens=3, num_output_tokens=1, num_cached_tokens=0, num_preemptions=0,
+            num_recomputed_tokens=0, arrival_ns=0, queued_ns=0, scheduled_ns=0,
+            first_token_ns=1, finished_ns=1,
+        )  # fmt: skip
+
+    class Side:
+        def __init__(self, name, ready, outputs=()):
+            self.name, self.ready, self.state, self.outputs = name, ready, "ready", outputs
+
+        def generate(self, *args, **kwargs):
+            if not self.ready:
+                raise EngineUnavailable(f"{self.name} is restarting")
+
+            async def stream():
+                for o in self.outputs:
+                    yield o
+
+            return stream()
+
+    def pool(first_reason, decode_ready):
+        p = PDPool.__new__(PDPool)
+        p.prefill = Side("prefill-0", True, [out(first_reason)])
+        p.decode = Side("decode-0", decode_ready)
+        p.workers, p.router, p._where, p.closing = [p.prefill, p.decode], Router(2, 16), {}, False
+        return p
+
+    async def drain(p):
+        got = []
+        with pytest.raises(EngineDeadError, match="decode core unavailable"):
+            async for o in p.generate("r", [1, 2, 3], SamplingParams()):
+                got.append(o)
+        return got
+
+    p = pool("handoff", decode_ready=True)
+    p.decode.ready = False  # both ready when routed; the decode side goes down meanwhile
+    p.workers = [p.prefill, Side("decode-0", True)]
+    got = asyncio.run(drain(p))
+    assert [(o.new_token_ids, o.finished) for o in got] == [([7], False)]
+    assert not p._where  # nothing left routed
+
+    async def all_of(p):
+        return [o async for o in p.generate("r", [1, 2, 3], SamplingParams())]
+
+    short = pool("length", decode_ready=True)
+    short.decode.generate = None  # never called: a request ended by its first token
+    ended = asyncio.run(all_of(short))
+    assert [(o.finished, o.finish_reason) for o in ended] == [(True, "length")]
+    assert msgspec.structs.asdict(ended[0])["new_token_ids"] == [7]

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from ..async_engine import EngineDeadError
 from ..config import EngineConfig
 from ..messages import RequestOutput
 from ..parallel.pd_spec import PDSpec
@@ -134,12 +135,15 @@ class PDPool(ReplicaPool):
                 if out.finish_reason != "handoff":
                     yield out  # prefilling, or it ended at its first token (stop, error)
                     continue
-                # the first token; the rest comes from the decode side
-                self._where[request_id] = self.decode
-                rest = self.decode.generate(
-                    request_id, prompt_token_ids, params, adopt=True, **kwargs
-                )
+                # the first token now; the rest comes from the decode side
                 yield msgspec.structs.replace(out, finished=False, finish_reason=None)
+                self._where[request_id] = self.decode
+                try:
+                    rest = self.decode.generate(
+                        request_id, prompt_token_ids, params, adopt=True, **kwargs
+                    )
+                except EngineUnavailable as exc:  # it went down after the prefill began
+                    raise EngineDeadError(f"decode core unavailable: {exc}") from None
             if rest is not None:
                 async for out in rest:
                     yield out
