@@ -127,6 +127,21 @@ def quiet_host(rep: dict) -> None:
     )
 
 
+def loaded_host(rep: dict, min_left_pct: float = 80.0) -> None:
+    """Identical runs are evidence of "no alarm" only on a host that left the server most of
+    its CPU in both: a neighbour taking a third of it during one run (CI 2026-12-02: 65 % left
+    in base1, 94 % in seqs4) moves TTFT by more than the gate while the pair still reads as
+    comparable. Skips, naming the figures."""
+    host = next((c for c in rep["checks"] if c["key"] == "cpu_left_pct"), None)
+    if host is None or host["before"] is None or host["after"] is None:
+        return
+    if min(host["before"], host["after"]) < min_left_pct:
+        pytest.skip(
+            f"host CPU left to the server {host['before']:.0f} % -> {host['after']:.0f} %: "
+            f"a neighbour took over {100 - min_left_pct:.0f} % in a run, no verdict to check"
+        )
+
+
 def shift(report: dict, key: str) -> dict:
     return next(s for s in report["latency"] + report["throughput"] if s["key"] == key)
 
@@ -163,6 +178,7 @@ def test_fail_on_regression_exits_1_on_the_regression_0_on_identical_runs(runs):
     pct = f"{DEFAULT_REGRESSION_PCT:g}"
     for before, after in IDENTICAL:
         code, rep = compare_json(runs, before, after, "--fail-on-regression", pct)
+        loaded_host(rep)
         assert code == 0, (before, after, rep["latency"], rep["throughput"])
         assert rep["regressions"] == []
     code, rep = compare_json(runs, "base1", "seqs4", "--fail-on-regression", pct)
@@ -175,6 +191,7 @@ def test_identical_runs_raise_no_alarm(runs, before, after):
     code, rep = compare_json(runs, before, after)
     assert code == 0
     changes = {s["key"]: s["change_pct"] for s in rep["latency"] + rep["throughput"]}
+    loaded_host(rep)
     assert rep["regressions"] == [], changes
     assert rep["config_diff"] == []
     quiet_host(rep)
