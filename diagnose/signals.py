@@ -221,6 +221,24 @@ WHERE start_ns >= $since AND start_ns < $until AND replica IS NOT NULL
 GROUP BY ALL
 """
 
+# Prefill/decode disaggregation (engine/api/disaggregated.py): per window and side
+# (engine_steps.role), the time its engine cores spent in working steps, its queue, and the
+# decode side's KV use and hand-offs held for room (num_kv_waiting). Idle heartbeats count for
+# the queue and KV columns: a side with nothing to do sends one every 0.5 s.
+_PD_STEP_SQL = f"""
+SELECT (start_ns - $t0) // $w AS win, role,
+    count(DISTINCT replica) AS workers,
+    sum((end_ns - start_ns) / 1e6) FILTER (WHERE {WORKING_STEP_SQL}) AS busy_ms,
+    avg(num_waiting) AS waiting_mean,
+    max(num_running) AS running_max,
+    avg(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) AS kv_use_mean,
+    max(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) AS kv_use_max,
+    __KV_WAITING__ AS kv_waiting_mean
+FROM engine_steps
+WHERE start_ns >= $since AND start_ns < $until AND role IN ('prefill', 'decode')
+GROUP BY ALL
+"""
+
 # Idle heartbeats (not WORKING_STEP_SQL) count only for the KV and idle columns.
 _STEP_WINDOW_SQL = f"""
 SELECT (start_ns - $t0) // $w AS win,
@@ -575,6 +593,41 @@ def _replica_windows(
     return out
 
 
+def _pd_windows(con, params: dict, not_warm_step: str) -> dict[int, dict]:
+    """Per window, each side of a disaggregated server (``engine_steps.role``):
+    ``pd_prefill_busy`` / ``pd_decode_busy`` (the share of the window its engine cores spent in
+    working steps, 0..1, averaged over the side's cores), ``pd_prefill_waiting_mean`` (requests
+    queued on the prefill side, mean over its step records), ``pd_decode_running_max``,
+    ``pd_decode_kv_use_mean`` / ``_max`` (0..1), ``pd_decode_kv_waiting_mean`` (hand-offs held
+    at the decode side for room) and ``pd_prefill_workers`` / ``pd_decode_workers``. Empty for a
+    colocated server and in a store without the ``role`` column."""
+    cols = {c.lower() for c in columns(con, "engine_steps")}
+    if "role" not in cols:
+        return {}
+    kv_waiting = "avg(num_kv_waiting)" if "num_kv_waiting" in cols else "NULL::DOUBLE"
+    sql = _set_apart(_PD_STEP_SQL.replace("__KV_WAITING__", kv_waiting), "start_ns", not_warm_step)
+    cur = con.execute(sql, params)
+    names = [d[0] for d in cur.description]
+    out: dict[int, dict] = {}
+    for row in cur.fetchall():
+        r = dict(zip(names, row, strict=True))
+        win, side = int(r["win"]), r["role"]
+        start = params["since"] + win * params["w"]
+        span_ms = (min(start + params["w"], params["until"]) - start) / 1e6
+        workers = max(int(r["workers"] or 1), 1)
+        v = out.setdefault(win, {})
+        v[f"pd_{side}_workers"] = workers
+        v[f"pd_{side}_busy"] = (r["busy_ms"] or 0.0) / (span_ms * workers) if span_ms > 0 else None
+        if side == "prefill":
+            v["pd_prefill_waiting_mean"] = r["waiting_mean"]
+        else:
+            v["pd_decode_running_max"] = r["running_max"]
+            v["pd_decode_kv_use_mean"] = r["kv_use_mean"]
+            v["pd_decode_kv_use_max"] = r["kv_use_max"]
+            v["pd_decode_kv_waiting_mean"] = r["kv_waiting_mean"]
+    return out
+
+
 _RANK_TIMES_SQL = """
 SELECT (start_ns - $t0) // $w AS win, rank_compute_ms
 FROM engine_steps
@@ -716,6 +769,7 @@ def load(
         else {}
     )
     ranks = _rank_windows(con, params, not_warm_step)
+    pd = _pd_windows(con, params, not_warm_step)
     replicas = _replica_windows(
         con, params, int(config.get("data_parallel_size") or 1), not_warm_req, not_warm_step
     )
@@ -731,7 +785,7 @@ def load(
     windows = []
     for i in range(n_windows):
         values: dict = {}
-        for src in (req, ends, steps, roof, dev, same_work, spec, replicas, collectives, ranks):
+        for src in (req, ends, steps, roof, dev, same_work, spec, replicas, collectives, ranks, pd):
             values.update(src.get(i, {}))
         ended = values.get("ended") or 0
         values["error_rate"] = (values.get("errors") or 0) / ended if ended else None

@@ -201,13 +201,18 @@ def run_engine_core(
             _adopt_arrivals(core, link, desk, send)
         if core.has_work():
             outputs, record = core.step()
+            if desk is not None and record is not None:
+                record.num_kv_waiting = desk.waiting
             send(EngineOutputs(outputs, record))
             if link is not None and link.role == "prefill":
                 for out in outputs:
                     if out.finish_reason == "handoff":
                         link.send(core.take_handoff(out.request_id))
         elif not events:
-            send(Heartbeat(core.stats(), core.idle_record()))
+            idle = core.idle_record()
+            if desk is not None:
+                idle.num_kv_waiting = desk.waiting
+            send(Heartbeat(core.stats(), idle))
     if link is not None:
         link.close()
     core.close()

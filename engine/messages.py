@@ -202,6 +202,15 @@ class StepRecord(msgspec.Struct, kw_only=True):
     """the data-parallel replica (engine core, ``0 .. --data-parallel-size - 1``) that ran the
     step, stamped by the API process on receipt (``engine/api/worker.py``); NULL in-process
     (``LLM``) and in dumps from before the field"""
+    role: str | None = None
+    """prefill/decode disaggregation: the side of the engine core that ran the step
+    (``"prefill"`` or ``"decode"``), stamped by the API process on receipt with ``replica``;
+    NULL when colocated, in-process (``LLM``) and in dumps from before the field"""
+    num_kv_waiting: int | None = None
+    """prefill/decode disaggregation, decode side: requests prefilled and handed off whose KV
+    has arrived but waits for room in this core's pool or batch (back-pressure, the
+    ``kv_wait`` state: ``requests.kv_wait_ms``); NULL on the prefill side, colocated and in
+    dumps from before the field"""
     cpu_threads: int | None = None
     """the forward's CPU threads this step (``engine/cpu_threads.py``: the cores other
     processes leave free, or ``--cpu-threads``); NULL on CUDA and in dumps from before the

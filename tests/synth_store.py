@@ -68,6 +68,12 @@ class Phase:
     # prefill/decode disaggregation: each request's KV takes this long from the prefill to the
     # decode core after its first token (0 = colocated), delaying its second token as much
     kv_transfer_ms: float = 0.0
+    # its two sides (engine_steps.role): pd_busy = (prefill, decode) share of the time each
+    # side's one core spends in working steps; the steps then come from two cores (replica 0
+    # prefill with the phase's `waiting`, replica 1 decode with its `running` and `kv_usage`,
+    # idle heartbeats between); kv_wait_ms is each request's wait at the decode side for room
+    pd_busy: tuple[float, float] | None = None
+    kv_wait_ms: float = 0.0
     stream_slowdown: float = 1.0  # stream-side time per token / engine TPOT
     prefix_cached_share: float = 0.5  # share of prompt tokens from the prefix cache
     first_block_varies: bool = False  # prompts share blocks 2.. but differ in block 0
@@ -209,7 +215,59 @@ class SyntheticRun:
         into = (since_phase_start_ns / S) % ph.host_burst_every_s
         return ph.host_burst_slowdown if into < ph.host_burst_s else 1.0
 
+    def _pd_steps(self, tel, rng, ph: Phase, start: int, end: int, step_id: int) -> int:
+        """Disaggregated steps: each side's core works ``pd_busy`` of the time (a working step,
+        then an idle gap with a heartbeat every 0.5 s), tagged with its role."""
+        total = 1000
+        for replica, (role, busy) in enumerate(zip(("prefill", "decode"), ph.pd_busy)):
+            t = start
+            while t < end:
+                if role == "prefill":
+                    prefill = rng.randint(*ph.prompt_tokens)
+                    dur = prefill / ph.prefill_tok_per_s * 1000
+                    running, decode, waiting, kv = 1, 0, round(ph.waiting), 0.05
+                else:
+                    prefill, running = 0, ph.running
+                    dur = (ph.step_ms or ph.itl_ms) * (1 + ph.itl_jitter * (rng.random() - 0.5))
+                    decode, waiting, kv = running, 0, ph.kv_usage * (0.9 + 0.1 * rng.random())
+                rows = [(t, dur, prefill, decode, running, waiting)]
+                gap_ms = dur * (1 - busy) / busy
+                idle_t = t + int(dur * MS)
+                while idle_t + S // 2 < t + int((dur + gap_ms) * MS):
+                    idle_t += S // 2
+                    rows.append((idle_t, 0.0, 0, 0, 0, waiting))
+                for at, d, pf, dc, run, wait in rows:
+                    used = round((kv if d else kv * 0.5) * total)
+                    row = {
+                        "step_id": step_id,
+                        "engine_pid": 5000 + replica,
+                        "start_ns": at,
+                        "end_ns": at + int(d * MS),
+                        "schedule_ms": ph.host_share * d / 2,
+                        "forward_ms": d * (1 - ph.host_share),
+                        "sample_ms": ph.host_share * d / 2,
+                        "num_running": run,
+                        "num_waiting": wait,
+                        "num_prefill_tokens": pf,
+                        "num_decode_tokens": dc,
+                        "num_prefill_chunks": 1 if pf else 0,
+                        "num_sampled": run if d else 0,
+                        "kv_blocks_total": total,
+                        "kv_blocks_used": used,
+                        "kv_blocks_free": total - used,
+                        "replica": replica,
+                        "role": role,
+                        "num_kv_waiting": (2 if ph.kv_wait_ms else 0) if role == "decode" else None,
+                    }
+                    row.update(self._roofline(ph, pf, dc))
+                    tel.store.submit("engine_steps", row)
+                    step_id += 1
+                t += int((dur + gap_ms) * MS)
+        return step_id
+
     def _steps(self, tel, rng, ph: Phase, start: int, end: int, step_id: int) -> int:
+        if ph.pd_busy is not None and ph.rate_per_s > 0:
+            return self._pd_steps(tel, rng, ph, start, end, step_id)
         step_ms = ph.step_ms or ph.itl_ms
         total = 1000
         t = start
@@ -380,7 +438,9 @@ class SyntheticRun:
         moved = ph.kv_transfer_ms * (0.9 + 0.2 * rng.random()) if ph.kv_transfer_ms else 0.0
         if moved:
             kv_bytes = -(-n_in // 16) * 16 * 46_080  # SmolLM2 float32: 46,080 bytes a token
-            attrs = {"bytes": kv_bytes, "ms": moved, "waited_ms": 0.0}
+            waited = ph.kv_wait_ms * (0.8 + 0.4 * rng.random()) if ph.kv_wait_ms else 0.0
+            attrs = {"bytes": kv_bytes, "ms": moved, "waited_ms": waited}
+            moved += waited  # the second token waits for the room as well
             tl.events.append(
                 RequestEvent("kv_transfer", n, tl.first_token_ns + int(moved * MS), attrs)
             )

@@ -20,7 +20,9 @@ INT4 = HEALTHY.but(quantization="int4", weight_bytes=100_000_000, running=2)
 SPEC = HEALTHY.but(running=4)
 DP2 = HEALTHY.but(replicas=2)  # two data-parallel replicas, the router spreading evenly
 TP2 = HEALTHY.but(tp_size=2, collective_share=0.1)  # two ranks, collectives 10% of decode
-PD = HEALTHY.but(kv_transfer_ms=5)  # disaggregated: each KV moves in ~5 ms after its prefill
+# disaggregated: each KV moves in ~5 ms after its prefill; each side's core busy a third of
+# the time
+PD = HEALTHY.but(kv_transfer_ms=5, pd_busy=(0.3, 0.4))
 
 SCENARIOS: dict[str, list[Phase]] = {
     "ttft_queueing": [HEALTHY, HEALTHY.but(duration_s=30, queue_ms=2000)],
@@ -99,6 +101,12 @@ SCENARIOS: dict[str, list[Phase]] = {
     ],
     # each KV transfer takes 400 ms against a TTFT of ~80 ms (a slow link)
     "kv_transfer_bound": [PD, PD.but(duration_s=30, kv_transfer_ms=400)],
+    # long prompts, short answers: the prefill core busy 97% with 3 s of queue a request, the
+    # decode core busy 10%
+    "pd_ratio_imbalance": [
+        PD,
+        PD.but(duration_s=30, pd_busy=(0.97, 0.1), queue_ms=3000, waiting=4),
+    ],
 }
 
 # the evidence each rule must carry, as (key, predicate)
@@ -128,6 +136,7 @@ EXPECTED = {
     "tp_communication_bound": ("decode_collective_share", lambda v: 0.55 < v < 0.65),
     "rank_straggler": ("slowest_rank", lambda v: v == 1),
     "kv_transfer_bound": ("kv_transfer_share_of_ttft", lambda v: v > 3),
+    "pd_ratio_imbalance": ("prefill_busy_share", lambda v: v > 0.9),
 }
 
 
@@ -429,6 +438,13 @@ MILD: dict[str, list[Phase]] = {
     "rank_straggler": [TP2, TP2.but(duration_s=30, straggler_rank=1, straggler_slowdown=1.2)],
     # 15 ms transfers against ~80 ms of TTFT: under a fifth
     "kv_transfer_bound": [PD, PD.but(duration_s=30, kv_transfer_ms=15)],
+    # both sides busy (85% and 70%): a loaded line, not a lopsided one; and a prefill side at
+    # 97% whose requests do not queue (one at a time)
+    "pd_ratio_imbalance": [
+        PD,
+        PD.but(duration_s=30, pd_busy=(0.85, 0.7), queue_ms=3000, waiting=4),
+        PD.but(duration_s=30, pd_busy=(0.97, 0.1)),
+    ],
 }
 
 
@@ -710,3 +726,27 @@ def test_overload_explains_an_error_spike_of_its_own_refusals(tmp_path, error_ty
     if explained:
         order = list(findings)
         assert order.index("overload") < order.index("error_spike"), order
+
+
+def test_pd_ratio_imbalance_names_the_side_the_line_is_short_of(tmp_path):
+    """Issue 17 item 5: the prefill side queueing while decode idles reads as short of
+    prefill; prefilled requests waiting for a full decode pool while prefill idles, as short
+    of decode, with the wait in decode steps and the decode side's KV in the evidence."""
+    prefill = _report(
+        tmp_path, "short_of_prefill", SCENARIOS["pd_ratio_imbalance"], seed=3
+    ).findings
+    assert prefill[0].rule_id == "pd_ratio_imbalance", [f.rule_id for f in prefill]
+    ev = prefill[0].evidence
+    assert ev["bottleneck"] == "prefill" and ev["decode_busy_share"] < 0.2
+    assert ev["queue_share_of_ttft"] > 0.9
+    decode = _report(
+        tmp_path,
+        "short_of_decode",
+        [PD, PD.but(duration_s=30, pd_busy=(0.1, 0.95), kv_usage=0.97, kv_wait_ms=600)],
+        seed=3,
+    ).findings
+    (f,) = [f for f in decode if f.rule_id == "pd_ratio_imbalance"]
+    ev = f.evidence
+    assert ev["bottleneck"] == "decode" and ev["prefill_busy_share"] < 0.2
+    assert ev["kv_wait_p50_ms"] / ev["itl_p50_ms"] > 10 and ev["decode_kv_use_max"] >= 0.9
+    assert "short of decode" in f.summary and "decode workers" in f.knob

@@ -117,9 +117,11 @@ def test_evidence_signals_are_window_signals_and_the_console_shows_them(tmp_path
 
     path = tmp_path / "gpu.duckdb"
     # two data-parallel replicas of two tensor-parallel ranks: the per-replica and per-rank
-    # signals exist only where there are several
+    # signals exist only where there are several; then a disaggregated stretch (the per-side
+    # signals exist only with engine_steps.role)
     busy = Phase(duration_s=20, gpu=True, replicas=2, tp_size=2, collective_share=0.1)
-    phases = [busy, Phase(duration_s=10, rate_per_s=0)]
+    pd_line = Phase(duration_s=10, gpu=True, kv_transfer_ms=5, pd_busy=(0.5, 0.5))
+    phases = [busy, pd_line, Phase(duration_s=10, rate_per_s=0)]
     write_store(path, phases, seed=3)
     con = duckdb.connect(str(path), read_only=True)
     try:

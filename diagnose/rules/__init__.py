@@ -34,6 +34,7 @@ from . import (
     midstream_stall,
     oom_low_average_memory,
     overload,
+    pd_ratio_imbalance,
     periodic_itl_spikes,
     prefix_cache_miss,
     quantization_no_gain,
@@ -72,6 +73,7 @@ RULES: tuple[Rule, ...] = (
     tp_communication_bound.RULE,
     rank_straggler.RULE,
     kv_transfer_bound.RULE,
+    pd_ratio_imbalance.RULE,
 )
 
 RULES_BY_ID: dict[str, Rule] = {r.id: r for r in RULES}

@@ -104,6 +104,8 @@ class EngineWorker:
 
     def _stamp(self, record) -> None:
         record.replica = self.replica
+        if self.pd is not None:
+            record.role = self.pd["role"]
 
     async def _spawn(self) -> None:
         engine = AsyncEngine(self.config, pd=self.pd)
@@ -224,6 +226,7 @@ class EngineWorker:
         return {
             "name": self.name,
             "replica": self.replica,
+            "role": self.pd["role"] if self.pd is not None else None,
             "state": self.state,
             "pid": engine.pid if engine else None,
             "uptime_s": round(engine.uptime_s, 1) if engine else 0.0,
