@@ -11,8 +11,6 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .data import STATIONS
-
 _CONC = "rgba(120, 120, 120, 0.25)"
 _THROTTLE = "rgba(220, 40, 40, 0.18)"
 _COLORS = {
@@ -27,6 +25,8 @@ _COLORS = {
     "detokenize": "#e377c2",
     "send": "#7f7f7f",
     "write": "#bcbd22",
+    "kv_transfer": "#f58518",
+    "kv_wait": "#fdae6b",
 }
 
 
@@ -98,10 +98,13 @@ def latency_concurrency(df: pd.DataFrame) -> go.Figure:
 def waterfall(detail: dict) -> go.Figure:
     """One request's stations as a Gantt (ms since arrival): a bar per span, token times as
     ticks on the decode row, prefill chunks as diamonds, preemptions as red crosses with the
-    preempted stretch shaded, resumes as green triangles, a client disconnect as a star."""
+    preempted stretch shaded, resumes as green triangles, a client disconnect as a star. A
+    request moved between engine cores (``detail["kv_transfer"]``) gets a row under prefill
+    with the KV transfer's bar and, after it, the wait for room on the decode side."""
     spans = detail["spans"]
-    rows = [n for n in ("request", *STATIONS) if n in set(spans["name"])]
-    rows += [n for n in spans["name"].unique() if n not in rows]
+    rows = list(dict.fromkeys(spans["name"]))  # data.request_detail's order
+    moved = detail.get("kv_transfer")
+    spans = spans[spans["name"] != "kv_transfer"]
     fig = go.Figure()
     colors = ["#7f7f7f" if n == "request" else "#4c78a8" for n in spans["name"]]
     colors = [
@@ -120,6 +123,8 @@ def waterfall(detail: dict) -> go.Figure:
             hovertemplate="%{y}: %{base:,.1f} → %{x:,.1f} ms long<extra></extra>",
         )
     )
+    if moved is not None:
+        _kv_transfer_bars(fig, moved)
     tokens = detail["token_times_ms"]
     if tokens:
         fig.add_trace(
@@ -165,8 +170,37 @@ def waterfall(detail: dict) -> go.Figure:
     fig.update_xaxes(title_text="ms since arrival")
     fig = _layout(fig, 440)
     # below the x-axis title, which the shared layout does not have
-    fig.update_layout(hovermode="closest", bargap=0.35, legend_y=-0.2, margin_b=90)
+    fig.update_layout(
+        hovermode="closest", bargap=0.35, barmode="overlay", legend_y=-0.2, margin_b=90
+    )
     return fig
+
+
+def _kv_transfer_bars(fig: go.Figure, moved: dict) -> None:
+    """The waterfall's ``kv_transfer`` row: the transfer (bytes in its hover) and the wait,
+    labelled together at the row's end."""
+    mb = f"{moved['bytes'] / 1e6:,.1f} MB" if moved["bytes"] is not None else "? MB"
+    length = moved["end_ms"] - moved["start_ms"]
+    label = f"{length:,.1f} ms"
+    waited = moved["waited_ms"] > 0
+    fig.add_trace(
+        go.Bar(
+            y=["kv_transfer"], x=[length], base=[moved["start_ms"]], orientation="h",
+            marker={"color": _COLORS["kv_transfer"]}, name="KV transfer",
+            text=[None if waited else label], textposition="outside",
+            hovertemplate=f"KV transfer ({mb}): %{{base:,.1f}} → %{{x:,.1f}} ms long<extra></extra>",
+        )
+    )  # fmt: skip
+    if waited:
+        fig.add_trace(
+            go.Bar(
+                y=["kv_transfer"], x=[moved["waited_ms"]], base=[moved["end_ms"]],
+                orientation="h", name="KV wait (decode side full)",
+                marker={"color": _COLORS["kv_wait"], "pattern": {"shape": "/"}},
+                text=[f"{label} + wait {moved['waited_ms']:,.1f} ms"], textposition="outside",
+                hovertemplate="waited for room: %{base:,.1f} → %{x:,.1f} ms long<extra></extra>",
+            )
+        )  # fmt: skip
 
 
 def engine(steps: pd.DataFrame, hits: pd.DataFrame, per_step: bool) -> go.Figure:
@@ -445,6 +479,58 @@ def parallelism(coll: pd.DataFrame, replicas: pd.DataFrame) -> go.Figure:
     fig.update_yaxes(title_text="share of forward", tickformat=".0%", range=[0, 1], row=1, col=1)
     fig.update_yaxes(title_text="requests", rangemode="tozero", row=1, col=2)
     return _layout(fig, 320, "Parallelism")
+
+
+def pd_pools(pools: pd.DataFrame) -> go.Figure:
+    """Prefill/decode disaggregation's two pools side by side (``data.pd_pool_series``), a
+    column per side (prefill left) over one time axis: requests waiting (solid), running
+    (dotted) and, on the decode side, hand-offs held for room (dashed); the share of wall time
+    in working steps; the share of KV blocks in use."""
+    roles = [r for r in ("prefill", "decode") if r in set(pools["role"])]
+    roles += sorted(r for r in set(pools["role"]) if r not in roles)
+    fig = make_subplots(
+        rows=3,
+        cols=len(roles),
+        shared_xaxes=True,
+        shared_yaxes="rows",
+        vertical_spacing=0.08,
+        horizontal_spacing=0.06,
+        subplot_titles=[
+            f"{role}: {what}"
+            for what in (
+                "requests waiting / running",
+                "busy (share of wall time)",
+                "KV blocks used",
+            )
+            for role in roles
+        ],
+    )
+    for col, role in enumerate(roles, start=1):
+        d = pools[pools["role"] == role]
+        color = _COLORS.get(role, "#2ca02c")
+        for row, y, name, dash in (
+            (1, "waiting", "waiting", "solid"),
+            (1, "running", "running", "dot"),
+            (1, "held", "hand-offs held", "dash"),
+            (2, "busy", "busy", "solid"),
+            (3, "kv_use", "KV use", "solid"),
+        ):
+            if d[y].isna().all():
+                continue
+            fig.add_trace(
+                go.Scatter(
+                    x=d["time"], y=d[y], name=f"{role} {name}", mode="lines",
+                    line={"color": color, "dash": dash},
+                ),
+                row=row, col=col,
+            )  # fmt: skip
+        fig.update_yaxes(rangemode="tozero", row=1, col=col)
+        for row in (2, 3):
+            fig.update_yaxes(range=[0, 1], tickformat=".0%", row=row, col=col)
+    fig.update_yaxes(title_text="requests", row=1, col=1)
+    fig.update_yaxes(title_text="busy", row=2, col=1)
+    fig.update_yaxes(title_text="KV used", row=3, col=1)
+    return _layout(fig, 560, "Prefill and decode pools")
 
 
 def spec_by_position(df: pd.DataFrame) -> go.Figure:

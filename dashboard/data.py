@@ -310,9 +310,11 @@ def requests_table(
 
 
 def request_detail(con, trace_id: str) -> dict | None:
-    """One request: its ``requests`` row, its spans (ms from arrival), its span events and its
-    per-token times (ms from arrival: the first token, then the decode span's ITL list; one
-    time per arrival, so the tokens of one speculative step share one tick).
+    """One request: its ``requests`` row, its spans (ms from arrival; a ``kv_transfer`` span
+    right after ``prefill``), its span events, its per-token times (ms from arrival: the first
+    token, then the decode span's ITL list; one time per arrival, so the tokens of one
+    speculative step share one tick) and its KV transfer (``kv_transfer``: :func:`_kv_transfer`,
+    None when colocated).
 
     Returns None when no span or row has this trace id.
     """
@@ -361,7 +363,9 @@ def request_detail(con, trace_id: str) -> dict | None:
                 tokens_ms.append(t)
     if not tokens_ms and request and request.get("first_token_ns"):
         tokens_ms = [(int(request["first_token_ns"]) - t0) / 1e6]
-    order = {n: i for i, n in enumerate(("request", *STATIONS))}
+    rows = ("request", *STATIONS[: STATIONS.index("prefill") + 1], "kv_transfer")
+    rows += STATIONS[STATIONS.index("prefill") + 1 :]
+    order = {n: i for i, n in enumerate(rows)}
     spans["order"] = spans["name"].map(lambda n: order.get(n, len(order)))
     spans = spans.sort_values(["order", "start_ns"]).drop(columns=["order"])
     return {
@@ -371,6 +375,27 @@ def request_detail(con, trace_id: str) -> dict | None:
         "spans": spans.reset_index(drop=True),
         "events": sorted(events, key=lambda e: e["time_ms"]),
         "token_times_ms": tokens_ms,
+        "kv_transfer": _kv_transfer(spans),
+    }
+
+
+def _kv_transfer(spans: pd.DataFrame) -> dict | None:
+    """The request's ``kv_transfer`` span (prefill/decode disaggregation) in ms from arrival:
+    ``start_ms``/``end_ms`` of the transfer, then ``wait_end_ms`` (the decode side adopted it
+    after ``waited_ms`` more), ``ms``, ``bytes``; None for a colocated request."""
+    moved = spans[spans["name"] == "kv_transfer"]
+    if moved.empty:
+        return None
+    s = moved.iloc[0]
+    attrs = json.loads(s["attributes"] or "{}")
+    waited = float(attrs.get("tokenmill.kv_transfer.waited_ms") or 0.0)
+    return {
+        "start_ms": float(s["start_ms"]),
+        "end_ms": float(s["end_ms"]),
+        "wait_end_ms": float(s["end_ms"]) + waited,
+        "ms": attrs.get("tokenmill.kv_transfer.ms"),
+        "waited_ms": waited,
+        "bytes": attrs.get("tokenmill.kv_transfer.bytes"),
     }
 
 
@@ -729,17 +754,21 @@ def collective_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd.
 def replica_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd.DataFrame:
     """Data parallelism per time bucket and replica (``engine_steps.replica``, idle heartbeats
     included): mean ``running`` and ``waiting`` requests, long format (``time``, ``replica``).
-    Empty with fewer than two replicas in the window or in a store without the column."""
+    Empty with fewer than two replicas in the window or in a store without the column. The
+    prefill and decode cores of disaggregation (steps with a ``role``) are not replicas:
+    :func:`pd_pool_series` shows them."""
     empty = _time(pd.DataFrame(columns=["b", "t_ns", "replica", "running", "waiting"]))
-    if "replica" not in set(columns(con, "engine_steps")):
+    step_cols = set(columns(con, "engine_steps"))
+    if "replica" not in step_cols:
         return empty
     w = max(1, int(bucket_s * NS))
+    colocated = "role IS NULL" if "role" in step_cols else "TRUE"
     df = _df(
         con,
         "SELECT (start_ns - $since) // $w AS b, replica, avg(num_running) AS running, "
         "avg(num_waiting) AS waiting FROM engine_steps "
         "WHERE start_ns >= $since AND start_ns < $until AND replica IS NOT NULL "
-        "GROUP BY ALL ORDER BY b, replica",
+        f"AND {colocated} GROUP BY ALL ORDER BY b, replica",
         since=since_ns,
         until=until_ns,
         w=w,
@@ -748,6 +777,75 @@ def replica_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd.Dat
         return empty
     df["t_ns"] = since_ns + df["b"] * w
     return _time(df)
+
+
+def pd_pool_series(con, since_ns: int, until_ns: int, bucket_s: float) -> pd.DataFrame:
+    """Prefill/decode disaggregation per time bucket (by step start) and side
+    (``engine_steps.role``, idle heartbeats included), long format (``time``, ``role``): mean
+    ``waiting`` and ``running`` requests, ``held`` (the decode side's hand-offs whose KV arrived
+    but wait for room, ``num_kv_waiting``; NULL on the prefill side and in stores without the
+    field), ``busy`` (the share 0..1 of the bucket's wall time
+    in working steps; a step counts in the bucket it starts in, capped at 1) and ``kv_use``
+    (mean ``kv_blocks_used / kv_blocks_total``, 0..1). Empty when no step in the window has a
+    role (colocated) or the store has no ``role`` column."""
+    cols = ["b", "t_ns", "role", "waiting", "held", "running", "busy", "kv_use"]
+    step_cols = set(columns(con, "engine_steps"))
+    if "role" not in step_cols:
+        return _time(pd.DataFrame(columns=cols))
+    held = "num_kv_waiting" if "num_kv_waiting" in step_cols else "NULL::INTEGER"
+    w = max(1, int(bucket_s * NS))
+    df = _df(
+        con,
+        f"""WITH s AS (
+                SELECT (start_ns - $since) // $w AS b, role, num_waiting, num_running,
+                       {held} AS held,
+                       CASE WHEN {WORKING_STEP_SQL} THEN end_ns - start_ns ELSE 0 END AS busy_ns,
+                       kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0) AS kv
+                FROM engine_steps
+                WHERE start_ns >= $since AND start_ns < $until AND role IS NOT NULL)
+            SELECT b, role, avg(num_waiting) AS waiting, avg(held) AS held,
+                   avg(num_running) AS running,
+                   least(1.0, sum(busy_ns) / least($w, $until - ($since + b * $w))) AS busy,
+                   avg(kv) AS kv_use
+            FROM s GROUP BY b, role ORDER BY b, role""",
+        since=since_ns,
+        until=until_ns,
+        w=w,
+    )
+    df["t_ns"] = since_ns + df["b"] * w
+    return _time(df)[[*cols, "time"]]
+
+
+_PD_SUMMARY_COLS = (
+    "transfers",
+    "transfer_ms_p50",
+    "transfer_ms_p99",
+    "wait_ms_p50",
+    "wait_ms_p99",
+    "transfer_bytes_mean",
+)
+
+
+def pd_transfer_summary(con, since_ns: int, until_ns: int) -> dict:
+    """The KV transfers of the requests that arrived in the window (prefill/decode
+    disaggregation): ``transfers`` (requests with one), ``transfer_ms_p50``/``_p99``
+    (``requests.kv_transfer_ms``), ``wait_ms_p50``/``_p99`` (``kv_wait_ms``: held on the
+    decode side until it had room) and ``transfer_bytes_mean``. ``transfers`` 0 or None: none
+    (colocated, or a store without the columns)."""
+    if "kv_transfer_ms" not in set(columns(con, "requests")):
+        return {c: None for c in _PD_SUMMARY_COLS}
+    return _one(
+        con,
+        "SELECT count(kv_transfer_ms) AS transfers, "
+        "quantile_cont(kv_transfer_ms, 0.5) AS transfer_ms_p50, "
+        "quantile_cont(kv_transfer_ms, 0.99) AS transfer_ms_p99, "
+        "quantile_cont(kv_wait_ms, 0.5) AS wait_ms_p50, "
+        "quantile_cont(kv_wait_ms, 0.99) AS wait_ms_p99, "
+        "avg(kv_transfer_bytes) AS transfer_bytes_mean "
+        "FROM requests WHERE arrival_ns >= $since AND arrival_ns < $until",
+        since=since_ns,
+        until=until_ns,
+    )
 
 
 def spec_acceptance_by_position(con, since_ns: int, until_ns: int) -> pd.DataFrame:

@@ -4,7 +4,9 @@ One trace per request: a root ``request`` span (kind SERVER) and one child per s
 named exactly ``gateway``, ``tokenize``, ``admission``, ``schedule``, ``prefill``, ``decode``,
 ``stream``, ``metering`` (DESIGN.md §2). Span times are the timeline's wall-clock ns, so engine
 stations carry the engine's own times. Engine events (prefill chunks, preemption, resume, abort)
-become span events with their step id on the station whose interval holds them.
+become span events with their step id on the station whose interval holds them. A request
+prefilled on one engine core and decoded on another (prefill/decode disaggregation) also gets a
+``kv_transfer`` span, a child of ``prefill`` (not a station): its KV's trip between the cores.
 
 Definitions used everywhere (the seed articles' and vLLM's):
 - TTFT: arrival at the gateway → the first output token sampled (ms).
@@ -168,6 +170,21 @@ def request_row(
     return to_row(row)
 
 
+def kv_transfer_interval(tl: RequestTimeline) -> tuple[int, int, dict] | None:
+    """The request's KV transfer from its ``kv_transfer`` event: ``(start_ns, end_ns, attrs)``
+    in wall-clock ns, or None when it has no such event (colocated).
+
+    The decode core stamps the event when it adopts the request, after the wait for room
+    (``waited_ms``, from the KV's arrival to the adoption); the transfer ended at that arrival
+    and took ``ms`` before it. A missing ``ms`` or ``waited_ms`` counts as 0.
+    """
+    ev = next((e for e in tl.events if e.name == "kv_transfer"), None)
+    if ev is None:
+        return None
+    end = ev.time_ns - round((ev.attrs.get("waited_ms") or 0.0) * 1e6)
+    return end - round((ev.attrs.get("ms") or 0.0) * 1e6), end, ev.attrs
+
+
 def _attrs(d: dict) -> dict:
     """Drop None values (OTel attributes cannot be None)."""
     return {k: v for k, v in d.items() if v is not None}
@@ -245,9 +262,27 @@ def emit_trace(tracer: trace.Tracer, tl: RequestTimeline) -> tuple[str, dict, li
             span.set_attribute("error.type", tl.error_type)
             span.set_status(Status(StatusCode.ERROR, tl.error_message or tl.error_type))
         span.end(end_time=end)
+        if name == "prefill":
+            _emit_kv_transfer(tracer, tl, trace.set_span_in_context(span))
     root.end(end_time=end_ns)
     trace_id = format(root.get_span_context().trace_id, "032x")
     return trace_id, request_row(tl, trace_id, stations, end_ns), itl
+
+
+def _emit_kv_transfer(tracer: trace.Tracer, tl: RequestTimeline, ctx) -> None:
+    """The ``kv_transfer`` child of the prefill span (``ctx``), when the request had one; it
+    may end after its parent."""
+    moved = kv_transfer_interval(tl)
+    if moved is None:
+        return
+    start, end, attrs = moved
+    keys = ("bytes", "ms", "waited_ms", "from", "to")
+    span_attrs = _attrs({f"tokenmill.kv_transfer.{k}": attrs.get(k) for k in keys})
+    if tl.request_id:
+        span_attrs["tokenmill.request_id"] = tl.request_id
+    tracer.start_span("kv_transfer", context=ctx, start_time=start, attributes=span_attrs).end(
+        end_time=end
+    )
 
 
 def _event_attrs(attrs: dict) -> dict:

@@ -190,6 +190,7 @@ def test_requests_table_filters_and_waterfall(monkeypatch, gpu_store):
     (fig,) = charts(at)
     names = [t.get("name") for t in fig["data"]]
     assert f"tokens ({n_out})" in names and "prefill chunk" in names
+    assert "KV transfer" not in names  # colocated: no transfer row
     bars = next(t for t in fig["data"] if t.get("type") == "bar")
     assert set(bars["y"]) == {"request", *data.STATIONS}
 
@@ -264,6 +265,165 @@ def test_parallelism_panel_shows_collectives_and_replicas_side_by_side(
     # one engine on one rank: the panel says so instead
     at = open_page(monkeypatch, gpu_store, "engine")
     assert any("no collectives and no replicas" in i.value for i in at.info)
+
+
+# prefill/decode disaggregation: the prefill core busy 30% of the time with 3 requests
+# waiting, the decode core 80% with 8 running and ~57% of its KV blocks used; each request's KV
+# takes ~30 ms to move and then waits ~10 ms for room
+PD = Phase(
+    duration_s=20, pd_busy=(0.3, 0.8), waiting=3, kv_usage=0.6, kv_transfer_ms=30, kv_wait_ms=10
+)
+
+
+@pytest.fixture(scope="module")
+def pd_store(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dash") / "pd.duckdb"
+    write_store(path, [PD], seed=7)
+    return path
+
+
+def _busy_by_hand(store: Path, since: int, until: int, bucket_s: float) -> dict:
+    """``{(role, bucket): busy share}`` from the raw step rows, as pd_pool_series defines it."""
+    w = int(bucket_s * 1e9)
+    with duckdb.connect(str(store), read_only=True) as con:
+        rows = con.execute(
+            "SELECT role, start_ns, end_ns, num_prefill_tokens + num_decode_tokens "
+            "FROM engine_steps WHERE role IS NOT NULL AND start_ns >= ? AND start_ns < ?",
+            [since, until],
+        ).fetchall()
+    busy: dict = {}
+    for role, start, end, tokens in rows:
+        b = (start - since) // w
+        busy[(role, b)] = busy.get((role, b), 0) + (end - start if tokens else 0)
+    return {k: min(1.0, v / min(w, until - (since + k[1] * w))) for k, v in busy.items()}
+
+
+def test_pd_pools_equal_the_store(pd_store, gpu_store):
+    """Each side's queue, busy share and KV use per bucket: the steps' own values, and the
+    phase's design (prefill 30 % busy with 3 waiting and 5 % KV, decode 80 % and ~57 %)."""
+    since, until = bounds(pd_store)
+    with duckdb.connect(str(pd_store), read_only=True) as con:
+        pools = data.pd_pool_series(con, since, until, 5.0)
+        assert data.replica_series(con, since, until, 5.0).empty  # the sides are not replicas
+    got = {(r.role, r.b): r.busy for r in pools.itertuples()}
+    assert got == pytest.approx(_busy_by_hand(pd_store, since, until, 5.0), abs=1e-9)
+    side = pools.groupby("role")[["waiting", "running", "busy", "kv_use"]].mean()
+    assert side.loc["prefill", "busy"] == pytest.approx(0.3, abs=0.01)
+    assert side.loc["decode", "busy"] == pytest.approx(0.8, abs=0.01)
+    assert side.loc["prefill", "waiting"] == 3 and side.loc["decode", "waiting"] == 0
+    assert side.loc["decode", "running"] == 8 and side.loc["prefill", "running"] == 1
+    held = pools.groupby("role")["held"]
+    assert held.max()["decode"] == 2 and held.min()["decode"] == 2  # num_kv_waiting
+    assert pools.loc[pools["role"] == "prefill", "held"].isna().all()  # NULL on that side
+    assert side.loc["prefill", "kv_use"] == pytest.approx(0.05)
+    assert side.loc["decode", "kv_use"] == pytest.approx(0.57, abs=0.01)
+    (kv_decode,) = sql(
+        pd_store,
+        "SELECT avg(kv_blocks_used / kv_blocks_total) FROM engine_steps WHERE role = 'decode' "
+        "AND start_ns >= ? AND start_ns < ?",
+        [since, since + 5 * 10**9],
+    )
+    first = pools[(pools["role"] == "decode") & (pools["b"] == 0)]
+    assert first["kv_use"].iloc[0] == pytest.approx(kv_decode)
+    with duckdb.connect(str(pd_store), read_only=True) as con:
+        moved = data.pd_transfer_summary(con, since, until)
+    n, p50, p99, w50, w99 = sql(
+        pd_store,
+        "SELECT count(kv_transfer_ms), quantile_cont(kv_transfer_ms, 0.5), "
+        "quantile_cont(kv_transfer_ms, 0.99), quantile_cont(kv_wait_ms, 0.5), "
+        "quantile_cont(kv_wait_ms, 0.99) FROM requests",
+    )
+    assert n > 20 and moved["transfers"] == n
+    assert (moved["transfer_ms_p50"], moved["transfer_ms_p99"]) == pytest.approx((p50, p99))
+    assert (moved["wait_ms_p50"], moved["wait_ms_p99"]) == pytest.approx((w50, w99))
+    assert 27 < p50 < 33 and 8 < w50 < 12
+    # colocated: no pools, no transfers
+    lo, hi = bounds(gpu_store)
+    with duckdb.connect(str(gpu_store), read_only=True) as con:
+        assert data.pd_pool_series(con, lo, hi, 5.0).empty
+        assert data.pd_transfer_summary(con, lo, hi)["transfers"] == 0
+
+
+def test_engine_page_shows_the_prefill_and_decode_pools_side_by_side(
+    monkeypatch, pd_store, gpu_store
+):
+    """The Engine page on a disaggregated store: the pools chart, prefill in the left column
+    and decode in the right, each trace the window's series; the transfer tiles."""
+    at = open_page(monkeypatch, pd_store, "engine")
+    since, until = bounds(pd_store)
+    bucket_s = data.pick_bucket_s(since, until)
+    with duckdb.connect(str(pd_store), read_only=True) as con:
+        pools = data.pd_pool_series(con, since, until, bucket_s)
+    fig = chart_with(at, "decode busy")
+    traces = {t["name"]: t for t in fig["data"]}
+    for role, col in (("prefill", "x"), ("decode", "x2")):
+        d = pools[pools["role"] == role]
+        for row, (name, field) in enumerate(
+            (("waiting", "waiting"), ("busy", "busy"), ("KV use", "kv_use"))
+        ):
+            t = traces[f"{role} {name}"]
+            assert _values(t["y"]) == pytest.approx(d[field].tolist()), (role, name)
+            axis = int(col[1:] or 1) + 2 * row  # rows of two columns: x, x2 / x3, x4 / x5, x6
+            assert t.get("xaxis", "x") == ("x" if axis == 1 else f"x{axis}"), (role, name)
+    assert "decode hand-offs held" in traces and "prefill hand-offs held" not in traces
+    assert set(_values(traces["decode hand-offs held"]["y"])) == {2}
+    titles = [a["text"] for a in fig["layout"]["annotations"]]
+    assert titles[:2] == [
+        "prefill: requests waiting / running",
+        "decode: requests waiting / running",
+    ]
+    (p50, w99) = sql(
+        pd_store,
+        "SELECT quantile_cont(kv_transfer_ms, 0.5), quantile_cont(kv_wait_ms, 0.99) FROM requests",
+    )
+    assert_ms(metric(at, "KV transfer p50"), p50)
+    assert_ms(metric(at, "KV wait p99"), w99)
+    assert any("Prefill and decode engine cores" in i.value for i in at.info)
+    # colocated: a one-line note, no pools chart
+    at = open_page(monkeypatch, gpu_store, "engine")
+    assert any("Colocated in this window" in i.value for i in at.info)
+    assert not [f for f in charts(at) if any(t.get("name") == "decode busy" for t in f["data"])]
+
+
+def test_pd_pools_on_stores_from_before_the_fields(monkeypatch, tmp_path):
+    """Without ``num_kv_waiting`` the pools lack only the held hand-offs; without ``role`` there
+    are no pools, and the Engine page shows the colocated note."""
+    path = tmp_path / "old.duckdb"
+    write_store(path, [PD.but(duration_s=5)], seed=3)
+    with duckdb.connect(str(path)) as con:
+        since, until = data.time_range(con)
+        con.execute("ALTER TABLE engine_steps DROP COLUMN num_kv_waiting")
+        pools = data.pd_pool_series(con, since, until, 1.0)
+        assert set(pools["role"]) == {"prefill", "decode"} and pools["held"].isna().all()
+        con.execute("ALTER TABLE engine_steps DROP COLUMN role")
+        assert data.pd_pool_series(con, since, until, 1.0).empty
+    at = open_page(monkeypatch, path, "engine")
+    assert any("Colocated in this window" in i.value for i in at.info)
+
+
+def test_requests_waterfall_shows_the_kv_transfer_and_its_wait(monkeypatch, pd_store):
+    """A request moved between the cores: its waterfall's kv_transfer row under prefill holds
+    the transfer (from the first token, kv_transfer_ms long) and then the wait (kv_wait_ms)."""
+    trace_id, ttft, moved, waited, n_bytes = sql(
+        pd_store,
+        "SELECT trace_id, ttft_ms, kv_transfer_ms, kv_wait_ms, kv_transfer_bytes FROM requests "
+        "ORDER BY kv_wait_ms DESC LIMIT 1",
+    )
+    at = open_page(monkeypatch, pd_store, "requests")
+    at.text_input(key="rq_search").set_value(trace_id[:12])
+    at.run()
+    assert not at.exception and at.selectbox(key="rq_pick_").value == trace_id
+    (fig,) = charts(at)
+    traces = {t.get("name"): t for t in fig["data"]}
+    bar, wait = traces["KV transfer"], traces["KV wait (decode side full)"]
+    assert _values(bar["base"]) == pytest.approx([ttft], abs=1e-5)
+    assert _values(bar["x"]) == pytest.approx([moved], abs=1e-5)
+    assert _values(wait["base"]) == pytest.approx([ttft + moved], abs=1e-5)
+    assert _values(wait["x"]) == pytest.approx([waited], abs=1e-5)
+    assert set(traces["stations"]["y"]) == {"request", *data.STATIONS}
+    rows = list(reversed(fig["layout"]["yaxis"]["categoryarray"]))
+    assert rows[rows.index("prefill") + 1] == "kv_transfer"
+    assert any(f"{n_bytes / 1e6:,.1f} MB moved in" in c.value for c in at.caption)
 
 
 # speculative decoding: 3 draft tokens a request in 70% of the decode-only steps, 60% accepted
@@ -592,15 +752,14 @@ def test_any_step_field_charts_the_store_values(monkeypatch, gpu_store):
     info = msgspec.inspect.type_info(StepRecord).fields
     mi = msgspec.inspect
 
-    def is_list(t) -> bool:  # list[...] or list[...] | None
+    def is_series(t) -> bool:  # not list[...] or str (or either | None)
         inner = t.types if isinstance(t, mi.UnionType) else (t,)
-        return any(isinstance(u, mi.ListType) for u in inner)
+        return not any(isinstance(u, (mi.ListType, mi.StrType)) for u in inner)
 
-    fields = [f.name for f in info if not is_list(f.type)]
-    # list-typed fields (num_accepted_tokens_per_pos, rank_compute_ms) are no time series: left
-    # out of the list;
-    # a boolean one (compiled) charts as 0/1
-    assert "num_accepted_tokens_per_pos" not in data.STEP_FIELDS
+    fields = [f.name for f in info if is_series(f.type)]
+    # list-typed fields (num_accepted_tokens_per_pos, rank_compute_ms) and strings (role) are
+    # no time series: left out of the list; a boolean one (compiled) charts as 0/1
+    assert "num_accepted_tokens_per_pos" not in data.STEP_FIELDS and "role" not in data.STEP_FIELDS
     assert "compiled" in data.STEP_FIELDS
     assert set(data.STEP_FIELDS) == set(fields) - {"step_id", "engine_pid", "start_ns", "end_ns"}
     at = open_page(monkeypatch, gpu_store, "engine")

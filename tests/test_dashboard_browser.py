@@ -2,11 +2,13 @@
 ``tokenmill dashboard`` serves it on 127.0.0.1 and headless Chromium (Debian's ``chromium``,
 driven by playwright) opens Overview, a request's waterfall and the Engine page's roofline,
 waits for the plotly charts, finds no Streamlit exception box and saves screenshots into the
-test's tmp folder."""
+test's tmp folder. A synthetic disaggregated store shows the prefill and decode pools and a
+request's KV transfer the same way."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,6 +20,7 @@ import duckdb
 import httpx
 import pytest
 from server_proc import Server, free_port
+from synth_store import Phase, write_store
 
 pytestmark = pytest.mark.slow
 
@@ -78,10 +81,17 @@ def real_store(tmp_path_factory, smollm2_dir) -> Path:
 
 @pytest.fixture
 def console(real_store, tmp_path):
+    with _console(real_store, tmp_path) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _console(store: Path, tmp_path: Path):
+    """``tokenmill dashboard`` on ``store``, on a free port; yields its URL."""
     port = free_port()
     log = open(tmp_path / "dashboard.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.engine.cli", "dashboard", "--source", str(real_store),
+        [sys.executable, "-m", "tokenmill.engine.cli", "dashboard", "--source", str(store),
          "--host", "127.0.0.1", "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
     )  # fmt: skip
@@ -167,3 +177,43 @@ def test_console_pages_in_headless_chromium(console, real_store, tmp_path):
             browser.close()
     assert (shots / "overview.png").stat().st_size > 10_000
     assert (shots / "requests-waterfall.png").stat().st_size > 10_000
+
+
+def test_pd_pools_and_kv_transfer_in_headless_chromium(tmp_path):
+    """A synthetic prefill/decode store (tests/synth_store.py): the Engine page draws the pools
+    chart (a column per side) and a request's waterfall its KV transfer and wait bars."""
+    assert Path(CHROMIUM).exists(), "Debian's chromium is missing: run `make chromium`"
+    from playwright.sync_api import sync_playwright
+
+    store = tmp_path / "pd.duckdb"
+    phase = Phase(duration_s=10, pd_busy=(0.3, 0.8), waiting=3, kv_transfer_ms=30, kv_wait_ms=10)
+    write_store(store, [phase], seed=7)
+    with duckdb.connect(str(store), read_only=True) as con:
+        (trace_id,) = con.execute(
+            "SELECT trace_id FROM requests ORDER BY kv_wait_ms DESC LIMIT 1"
+        ).fetchone()
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with _console(store, tmp_path) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{url}/engine", wait_until="domcontentloaded")
+            _settle(page, shots, "engine-pd", min_charts=3)
+            pools = page.locator(".js-plotly-plot", has_text="Prefill and decode pools")
+            assert pools.count() == 1, "no pools chart on the Engine page"
+            for title in ("prefill: busy", "decode: busy", "prefill: KV blocks", "decode: KV"):
+                assert pools.get_by_text(title).count() == 1, title
+            assert pools.locator("g.legend text", has_text="decode hand-offs held").count() == 1
+            tiles = page.locator('[data-testid="stMetric"]')
+            assert tiles.filter(has_text="KV transfer p50").count() == 1
+
+            page.goto(f"{url}/requests?trace={trace_id}", wait_until="domcontentloaded")
+            _settle(page, shots, "requests-pd-waterfall")
+            plot = page.locator(".js-plotly-plot").first
+            # the stations, the transfer and the wait: three bar traces
+            assert plot.locator("g.trace.bars").count() == 3
+            assert plot.locator("g.legend text", has_text="KV wait (decode side full)").count() == 1
+        finally:
+            browser.close()
+    assert (shots / "engine-pd.png").stat().st_size > 10_000

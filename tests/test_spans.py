@@ -7,6 +7,7 @@ import http.server
 import json
 import threading
 
+import duckdb
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokenmill.engine.api.timeline import RequestTimeline
@@ -17,6 +18,7 @@ from tokenmill.telemetry.spans import (
     STATIONS,
     StoreSpanProcessor,
     emit_trace,
+    kv_transfer_interval,
     make_tracer_provider,
 )
 
@@ -80,6 +82,70 @@ def test_tokens_of_one_step_are_one_arrival_for_itl():
     assert attrs["tokenmill.decode.itl_ms"] == [2.0, 2.0, 3.0]
     assert attrs["tokenmill.decode.tpot_ms"] == 7.0 / 6
     assert spans["decode"]["end_ns"] == T0 + 12 * ms
+
+
+def _disaggregated() -> RequestTimeline:
+    """``_completed`` prefilled on one core, decoded on another: its KV (16 tokens' blocks) left
+    at the first token (5 ms), took 2.5 ms, then waited 1.5 ms for room on the decode side,
+    which adopted it at 9 ms; the second token came at 10 ms."""
+    tl = _completed()
+    ms = 1_000_000
+    tl.token_ns = [T0 + 5 * ms, T0 + 10 * ms, T0 + 12 * ms]
+    attrs = {"bytes": 737_280, "ms": 2.5, "waited_ms": 1.5, "from": "prefill", "to": "decode"}
+    tl.events.append(RequestEvent("kv_transfer", 4, T0 + 9 * ms, attrs))
+    return tl
+
+
+def test_kv_transfer_is_a_child_span_of_prefill(tmp_path):
+    """The transfer's span hangs off the prefill station, spans arrival minus the wait back to
+    its start, carries the event's attributes, and reaches the store's ``spans`` table; the
+    eight stations stay as they were."""
+    _, req, _, spans = _spans(_disaggregated())
+    assert set(spans) == {"request", *STATIONS, "kv_transfer"}
+    moved = spans["kv_transfer"]
+    assert moved["parent_span_id"] == spans["prefill"]["span_id"]
+    assert moved["trace_id"] == spans["prefill"]["trace_id"]
+    assert moved["start_ns"] == T0 + 5_000_000 and moved["end_ns"] == T0 + 7_500_000
+    assert moved["duration_ns"] == 2_500_000 and moved["request_id"] == "cmpl-1"
+    assert json.loads(moved["attributes"]) == {
+        "tokenmill.kv_transfer.bytes": 737_280,
+        "tokenmill.kv_transfer.ms": 2.5,
+        "tokenmill.kv_transfer.waited_ms": 1.5,
+        "tokenmill.kv_transfer.from": "prefill",
+        "tokenmill.kv_transfer.to": "decode",
+        "tokenmill.request_id": "cmpl-1",
+    }
+    assert json.loads(moved["events"]) == []  # the event itself stays on its station
+    assert spans["prefill"]["end_ns"] == T0 + 5_000_000  # the station is unchanged
+    assert '"name": "kv_transfer"' in spans["decode"]["events"]
+    assert (req["kv_transfer_ms"], req["kv_transfer_bytes"], req["kv_wait_ms"]) == (
+        2.5,
+        737_280,
+        1.5,
+    )
+    # not timed and no wait recorded: a point at the adoption
+    tl = _disaggregated()
+    tl.events[-1].attrs = {"bytes": 737_280, "ms": None, "waited_ms": None}
+    assert kv_transfer_interval(tl) == (T0 + 9_000_000, T0 + 9_000_000, tl.events[-1].attrs)
+
+    path = tmp_path / "t.duckdb"
+    tel = Telemetry("m", trace_db=str(path), device_sample_interval_s=0)
+    tel.on_request(_disaggregated())
+    tel.store.flush(60)
+    tel.close()
+    with duckdb.connect(str(path), read_only=True) as con:
+        rows = con.execute(
+            "SELECT c.start_ns, c.end_ns, p.name FROM spans c JOIN spans p "
+            "ON c.parent_span_id = p.span_id WHERE c.name = 'kv_transfer'"
+        ).fetchall()
+    assert rows == [(T0 + 5_000_000, T0 + 7_500_000, "prefill")]
+
+
+def test_colocated_request_has_no_kv_transfer_span():
+    tl = _completed()
+    assert kv_transfer_interval(tl) is None
+    _, req, _, spans = _spans(tl)
+    assert "kv_transfer" not in spans and req["kv_transfer_ms"] is None
 
 
 def _output(

@@ -1,8 +1,9 @@
 """Engine: per-step batch composition (prefill vs decode tokens), step time split, running vs
 waiting, KV blocks used/free/cached, preemptions and the prefix-cache hit rate; the steps on a
 roofline against the device's peaks; parallelism (collectives' share of the forward, requests
-per replica side by side); speculative decoding (acceptance over time and by draft
-position, tokens per decode sequence with and without drafts)."""
+per replica side by side); prefill/decode disaggregation (each side's queue, busy share and KV
+use side by side, KV transfer and wait percentiles); speculative decoding (acceptance over time
+and by draft position, tokens per decode sequence with and without drafts)."""
 
 import streamlit as st
 
@@ -72,10 +73,16 @@ if ctx is not None:
         st.subheader("Parallelism")
         coll = ui.q(ctx, "collective_series", since, until, ctx.bucket_s)
         replicas = ui.q(ctx, "replica_series", since, until, ctx.bucket_s)
+        pools = ui.q(ctx, "pd_pool_series", since, until, ctx.bucket_s)
         if coll.empty and replicas.empty:
             st.info(
-                "One engine on one rank in this window: no collectives and no replicas "
-                "(`--tensor-parallel-size`, `--data-parallel-size`)."
+                (
+                    "One engine on one rank in this window: "
+                    if pools.empty
+                    else "Prefill and decode engine cores (below), each on one rank: "
+                )
+                + "no collectives and no replicas (`--tensor-parallel-size`, "
+                "`--data-parallel-size`)."
             )
         else:
             ui.chart(charts.parallelism(coll, replicas), key="parallelism")
@@ -85,6 +92,30 @@ if ctx is not None:
                 "show what prefill hides. Right: each replica's mean running (solid) and "
                 "waiting (dotted) requests: one busy while another idles is what "
                 "replica_imbalance names."
+            )
+        st.subheader("Prefill/decode disaggregation")
+        if pools.empty:
+            st.info(
+                "Colocated in this window: prefill and decode share each engine core "
+                "(`--disaggregation prefill=1,decode=1` splits them)."
+            )
+        else:
+            moved = ui.q(ctx, "pd_transfer_summary", since, until)
+            c = st.columns(5)
+            c[0].metric("KV transfers", f"{moved['transfers'] or 0:,}")
+            c[1].metric("KV transfer p50", ui.fmt_ms(moved["transfer_ms_p50"]))
+            c[2].metric("KV transfer p99", ui.fmt_ms(moved["transfer_ms_p99"]))
+            c[3].metric("KV wait p50", ui.fmt_ms(moved["wait_ms_p50"]))
+            c[4].metric("KV wait p99", ui.fmt_ms(moved["wait_ms_p99"]))
+            ui.chart(charts.pd_pools(pools), key="pd_pools")
+            mb = moved["transfer_bytes_mean"]
+            st.caption(
+                f"Per {ctx.bucket_s:g} s bucket, each side's own steps. Busy: the share of wall "
+                "time in working steps; a busy prefill side with a queue while decode idles (or "
+                "the reverse) says the split is off. Transfer: the KV's time from the prefill "
+                "to the decode core (requests.kv_transfer_ms); wait: held on the decode side "
+                "until it had room (kv_wait_ms)"
+                + (f"; {mb / 1e6:,.1f} MB a request on average." if mb else ".")
             )
         st.subheader("Speculative decoding")
         spec = ui.q(ctx, "spec_decode_summary", since, until)

@@ -1,5 +1,6 @@
 """Requests: a searchable table (tenant, status, finish reason; slowest first) and, for the
-selected request, its eight stations as a waterfall with token times, chunks and preemptions.
+selected request, its eight stations as a waterfall with token times, chunks and preemptions
+(and, for a request moved from the prefill to the decode core, its KV transfer and wait).
 
 A request can be opened directly with ``?trace=<trace id>`` in the page URL."""
 
@@ -91,6 +92,14 @@ if ctx is not None:
                 st.info("No data: the request has a row but no spans.")
             else:
                 ui.chart(charts.waterfall(detail), key="request_waterfall")
+            moved = detail["kv_transfer"]
+            if moved is not None:
+                mb = f"{moved['bytes'] / 1e6:,.1f} MB" if moved["bytes"] is not None else "its KV"
+                st.caption(
+                    f"Prefilled on the prefill core, decoded on the decode core: {mb} moved in "
+                    f"{ui.fmt_ms(moved['end_ms'] - moved['start_ms'])}, then waited "
+                    f"{ui.fmt_ms(moved['waited_ms'])} for room on the decode side."
+                )
             st.caption(
                 f"trace `{trace_id}` · tenant {r.get('tenant') or '—'} · "
                 f"error {r.get('error_type') or 'none'} · HTTP {r.get('http_status') or '—'}"
