@@ -205,9 +205,11 @@ class AsyncEngine:
         arrival_ns: int | None = None,
         hand_off: bool = False,
         adopt: bool = False,
+        decode_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. ``hand_off`` / ``adopt``: the
-        prefill / decode half of a disaggregated request (:class:`AddRequest`).
+        prefill / decode half of a disaggregated request (:class:`AddRequest`), ``decode_rank``
+        the decode core a hand-off goes to.
 
         Raises:
             RequestRejected: it can never fit the context or the KV pool.
@@ -232,6 +234,7 @@ class AsyncEngine:
             arrival_ns=arrival_ns,
             hand_off=hand_off,
             adopt=adopt,
+            decode_rank=decode_rank,
         )
         finished = False
         unwritten = None  # the output handed to the stream and not yet written by it

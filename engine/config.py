@@ -89,14 +89,31 @@ class EngineConfig:
     )
     disaggregation: str = knob(
         "",
-        "'prefill=P,decode=D' (tokenmill serve): prefill and decode on separate engine cores, "
-        "each request's KV sent from one to the other over gloo; this version runs P=1, D=1.",
+        "'prefill=P,decode=D' (tokenmill serve): P prefill and D decode engine cores (up to 8 "
+        "a side), each request's KV sent from its prefill core to its decode core over "
+        "torch.distributed (gloo; NCCL on CUDA).",
     )
     prefill_devices: str = knob(
-        "", "With --disaggregation: CPU cores the prefill core is pinned to (e.g. 0 or 0-3)."
+        "",
+        "With --disaggregation: CPU cores the prefill side is pinned to (e.g. 0 or 0-3), "
+        "shared evenly among its cores.",
     )
     decode_devices: str = knob(
-        "", "With --disaggregation: CPU cores the decode core is pinned to (e.g. 1)."
+        "",
+        "With --disaggregation: CPU cores the decode side is pinned to (e.g. 1), shared "
+        "evenly among its cores.",
+    )
+    decode_kv_cache_memory: int | None = knob(
+        None,
+        "With --disaggregation: KV cache bytes of each decode core on CPU (default "
+        "--kv-cache-memory); the prefill side holds a prompt's KV only until it is sent.",
+        min=1,
+    )
+    decode_num_gpu_blocks_override: int | None = knob(
+        None,
+        "With --disaggregation: exact number of KV blocks of each decode core (experiments, "
+        "tests; default --num-gpu-blocks-override).",
+        min=1,
     )
     load_format: str = knob("auto", "auto | safetensors | dummy (random weights)")
     attention_backend: str = knob(
@@ -266,10 +283,18 @@ class EngineConfig:
             self.decode_devices,
             cpu_count=os.cpu_count() or 1,
         )
+        if spec is None and (
+            self.decode_kv_cache_memory is not None
+            or self.decode_num_gpu_blocks_override is not None
+        ):
+            raise ValueError(
+                "--decode-kv-cache-memory and --decode-num-gpu-blocks-override need "
+                "--disaggregation"
+            )
         if spec is not None and (self.data_parallel_size > 1 or self.tensor_parallel_size > 1):
             raise ValueError(
-                "--disaggregation runs one prefill and one decode core; it does not combine "
-                "with --data-parallel-size or --tensor-parallel-size yet"
+                "--disaggregation sets its own engine cores (prefill=P,decode=D); it does not "
+                "combine with --data-parallel-size or --tensor-parallel-size yet"
             )
         return spec
 

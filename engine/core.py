@@ -263,8 +263,8 @@ class EngineCore:
             "bytes": handoff.transfer_bytes,
             "ms": handoff.transfer_ms,
             "waited_ms": (now - handoff.received_ns) / 1e6 if handoff.received_ns else None,
-            "from": "prefill",
-            "to": "decode",
+            "from": handoff.source,
+            "to": handoff.dest,
         }
         request.events.append(RequestEvent("kv_transfer", self.scheduler.step_id, now, attrs))
         self.scheduler.adopt(request)

@@ -103,7 +103,8 @@ def run_engine_core(
     """Process entry point: build the :class:`EngineCore` and serve until :class:`Shutdown`.
 
     ``pd``: this core's part in ``--disaggregation``: ``{"role": "prefill" | "decode",
-    "port": rendezvous port, "cpus": cores to pin to or None}`` (``engine/parallel/pd_link.py``).
+    "port": rendezvous port, "cpus": cores to pin to or None, "rank", "world_size",
+    "num_prefill": its place in the KV link's group}`` (``engine/parallel/pd_link.py``).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
     api_pid = os.getppid()
@@ -151,10 +152,20 @@ def run_engine_core(
     if pd is not None:
         from .parallel.pd_link import AdoptionDesk, PDLink
 
-        link = PDLink(pd["role"], pd["port"], ctx, delay_ms=config.fault_kv_transfer_delay_ms)
+        link = PDLink(
+            pd["role"],
+            pd["port"],
+            ctx,
+            delay_ms=config.fault_kv_transfer_delay_ms,
+            rank=pd.get("rank"),
+            world_size=pd.get("world_size", 2),
+            num_prefill=pd.get("num_prefill", 1),
+            device=str(core.runner.device),
+        )
         if link.wake is not None:
             poller.register(link.wake, zmq.POLLIN)
             desk = AdoptionDesk()
+    handoff_to: dict[str, int | None] = {}  # prefill side: request id -> its decode rank
     running = True
     while running:
         if os.getppid() != api_pid:  # the API process is gone (killed): nobody to serve
@@ -180,12 +191,16 @@ def run_engine_core(
                         arrival_ns=msg.arrival_ns,
                         hand_off=msg.hand_off,
                     )
+                    if msg.hand_off:
+                        handoff_to[msg.request_id] = msg.decode_rank
                 except (RequestRejected, ValueError) as exc:
                     send(RequestFailed(msg.request_id, rejection(exc)))
             elif isinstance(msg, AbortRequests):
                 if desk is not None:  # not adopted yet: drop its hand-off, now or on arrival
                     for rid in msg.request_ids:
                         desk.cancel(rid)
+                for rid in msg.request_ids:
+                    handoff_to.pop(rid, None)
                 outs = core.abort(msg.request_ids)
                 if outs:
                     send(EngineOutputs(outs))
@@ -206,8 +221,11 @@ def run_engine_core(
             send(EngineOutputs(outputs, record))
             if link is not None and link.role == "prefill":
                 for out in outputs:
+                    if not out.finished:
+                        continue
+                    dst = handoff_to.pop(out.request_id, None)
                     if out.finish_reason == "handoff":
-                        link.send(core.take_handoff(out.request_id))
+                        link.send(core.take_handoff(out.request_id), dst)
         elif not events:
             idle = core.idle_record()
             if desk is not None:

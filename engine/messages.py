@@ -261,6 +261,9 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     # this request once its hand-off arrives; the prompt and params come with it)
     hand_off: bool = False
     adopt: bool = False
+    decode_rank: int | None = None
+    """``hand_off``: the KV link rank of the decode core the router chose for it (None: the
+    first decode core)"""
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+import types
 
 import pytest
 import torch
@@ -275,7 +276,8 @@ def test_serve_disaggregated_equals_colocated_and_records_the_transfer(tmp_path,
         ("prefill=1;decode=1", "", "", "takes 'prefill=P,decode=D'"),
         ("prefill=0,decode=1", "", "", "at least one prefill worker, got prefill=0"),
         ("prefill=1,decode=0", "", "", "at least one decode worker, got decode=0"),
-        ("prefill=2,decode=1", "", "", "this version runs 1 prefill worker"),
+        ("prefill=9,decode=1", "", "", "at most 8 prefill workers a side"),
+        ("prefill=2,decode=1", "0", "1", "--prefill-devices names 1 core(s) for 2 prefill"),
         ("prefill=1,decode=1", "0-3", "", "names core(s) [2, 3] but this machine has 2"),
         ("prefill=1,decode=1", "0", "0", "share core(s) [0]"),
         ("prefill=1,decode=1", "a", "", "--prefill-devices takes core ids"),
@@ -289,6 +291,68 @@ def test_a_bad_disaggregation_flag_is_one_line_naming_it(spec, prefill, decode, 
     with pytest.raises(ValueError) as err:
         parse_disaggregation(spec, prefill, decode, cpu_count=2)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_sides_cores_are_shared_evenly_among_its_workers():
+    from tokenmill.engine.parallel.pd_spec import PDSpec, parse_disaggregation, worker_name
+
+    spec = parse_disaggregation("prefill=2,decode=1", "0-4", "5", cpu_count=8)
+    assert spec.world_size == 3
+    assert spec.worker_cpus("prefill") == [(0, 1, 2), (3, 4)]
+    assert spec.worker_cpus("decode") == [(5,)]
+    assert PDSpec(1, 3, None, None).worker_cpus("decode") == [None, None, None]
+    assert [worker_name(r, 2) for r in range(4)] == [
+        "prefill-0",
+        "prefill-1",
+        "decode-0",
+        "decode-1",
+    ]
+
+
+def _prefill_sender(port: int, rank: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    try:
+        for i in range(3):
+            kv = torch.full((2, 2, 1 + i, 4, 1, 8), float(10 * rank + i))
+            send_handoff(KVHandoff(f"p{rank}-{i}", [1] * (i + 1), [9], SamplingParams(), kv), 2)
+        send_end(2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_prefill_cores_send_to_one_decode_core_without_interleaving():
+    """Two prefill ranks send three hand-offs each at once to one decode rank, which takes
+    them from whichever sends first (``recv_handoff(None)``): all six arrive whole, each with
+    its own KV and its sender's rank, and the receiver sees one end marker per sender."""
+    import torch.distributed as dist
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_prefill_sender, args=(port, r)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got, ends = {}, 0
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=2, world_size=3)
+        while ends < 2:
+            h = recv_handoff(None)
+            if h is None:
+                ends += 1
+                continue
+            got[h.request_id] = (h.source_rank, tuple(h.kv.shape), float(h.kv.mean()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for p in procs:
+            p.join(timeout=60)
+    assert got == {
+        f"p{r}-{i}": (r, (2, 2, 1 + i, 4, 1, 8), float(10 * r + i))
+        for r in (0, 1)
+        for i in range(3)
+    }
+    assert [p.exitcode for p in procs] == [0, 0]
 
 
 def test_the_flags_parse_and_refuse_data_parallelism():
@@ -434,8 +498,7 @@ def test_a_decode_side_down_at_the_hand_off_ends_the_stream_as_engine_died():
 
     import msgspec
 
-    from tokenmill.engine.api.disaggregated import PDPool
-    from tokenmill.engine.api.replicas import Router
+    from tokenmill.engine.api.disaggregated import PDPool, PDRouter
     from tokenmill.engine.api.worker import EngineUnavailable
     from tokenmill.engine.async_engine import EngineDeadError
     from tokenmill.engine.messages import RequestOutput
@@ -450,8 +513,9 @@ def test_a_decode_side_down_at_the_hand_off_ends_the_stream_as_engine_died():
         )  # fmt: skip
 
     class Side:
-        def __init__(self, name, ready, outputs=()):
+        def __init__(self, name, ready, outputs=(), replica=0):
             self.name, self.ready, self.state, self.outputs = name, ready, "ready", outputs
+            self.replica, self.engine = replica, types.SimpleNamespace(stats={})
 
         def generate(self, *args, **kwargs):
             if not self.ready:
@@ -466,23 +530,31 @@ def test_a_decode_side_down_at_the_hand_off_ends_the_stream_as_engine_died():
     def pool(first_reason, decode_ready):
         p = PDPool.__new__(PDPool)
         p.prefill = Side("prefill-0", True, [out(first_reason)])
-        p.decode = Side("decode-0", decode_ready)
-        p.workers, p.router, p._where, p.closing = [p.prefill, p.decode], Router(2, 16), {}, False
+        p.decode = Side("decode-0", decode_ready, replica=1)
+        p.prefills, p.decodes = [p.prefill], [p.decode]
+        p.workers, p.router, p._where, p.closing = (
+            [p.prefill, p.decode],
+            PDRouter(1, 1, 16),
+            {},
+            False,
+        )
         return p
 
-    async def drain(p):
+    async def down_meanwhile(p):
+        stream = p.generate("r", [1, 2, 3], SamplingParams())  # both ready when routed
+        p.decode.ready = False  # the decode side goes down before the hand-off
         got = []
         with pytest.raises(EngineDeadError, match="decode core unavailable"):
-            async for o in p.generate("r", [1, 2, 3], SamplingParams()):
+            async for o in stream:
                 got.append(o)
         return got
 
     p = pool("handoff", decode_ready=True)
-    p.decode.ready = False  # both ready when routed; the decode side goes down meanwhile
-    p.workers = [p.prefill, Side("decode-0", True)]
-    got = asyncio.run(drain(p))
+    got = asyncio.run(down_meanwhile(p))
     assert [(o.new_token_ids, o.finished) for o in got] == [([7], False)]
     assert not p._where  # nothing left routed
+    # and nothing left counted against either side
+    assert p.router.outstanding == [0, 0] and p.router.promised == [0, 0]
 
     async def all_of(p):
         return [o async for o in p.generate("r", [1, 2, 3], SamplingParams())]
@@ -492,3 +564,87 @@ def test_a_decode_side_down_at_the_hand_off_ends_the_stream_as_engine_died():
     ended = asyncio.run(all_of(short))
     assert [(o.finished, o.finish_reason) for o in ended] == [(True, "length")]
     assert msgspec.structs.asdict(ended[0])["new_token_ids"] == [7]
+
+
+@pytest.mark.slow
+def test_two_prefill_and_two_decode_cores_route_both_ways_and_equal_colocated(
+    tmp_path, smollm2_dir
+):
+    """``--disaggregation prefill=2,decode=2`` (four engine cores, unpinned, a torch thread
+    each) with 12-block decode pools (a request needs up to 9): 10 concurrent greedy requests
+    answer exactly what the offline colocated engine answers, though the decode cores hold
+    hand-offs back for lack of room (``num_kv_waiting``) and preempt; the router spreads them over both prefill and both
+    decode cores (every pair in the ``kv_transfer`` events' from/to); every pool ends empty
+    and /health lists the four cores with their roles."""
+    import asyncio
+    import json
+
+    import duckdb
+    import httpx
+    from server_proc import Server
+
+    prompts, params = _requests()
+    prompts, params = prompts[:10], params[:10]
+    want = [r.text for r in LLM(str(smollm2_dir)).generate(prompts, params)]
+    db = tmp_path / "traces.duckdb"
+    server = Server(
+        tmp_path,
+        *("--disaggregation", "prefill=2,decode=2", "--decode-num-gpu-blocks-override", "12"),
+        *("--trace-db", str(db)),
+    )
+    try:
+        cores = server.health()["engine"]["replicas"]
+        assert [(r["name"], r["role"]) for r in cores] == [
+            ("prefill-0", "prefill"),
+            ("prefill-1", "prefill"),
+            ("decode-0", "decode"),
+            ("decode-1", "decode"),
+        ]
+        assert [r["stats"]["kv_blocks_total"] for r in cores][2:] == [12, 12]
+
+        async def one(ac, prompt, sp):
+            r = await ac.post(
+                server.url + "/v1/completions",
+                json={
+                    "model": "smollm2-135m-instruct",
+                    "prompt": prompt,
+                    "max_tokens": sp.max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        async def main():
+            async with httpx.AsyncClient(timeout=900) as ac:
+                return await asyncio.gather(*(one(ac, p, sp) for p, sp in zip(prompts, params)))
+
+        assert asyncio.run(main()) == want
+        for _ in range(60):
+            h = server.health()
+            if h["kv_blocks_used"] == 0 and h["in_flight"] == 0:
+                break
+            time.sleep(0.5)
+        assert h["kv_blocks_used"] == 0 and h["in_flight"] == 0, h
+        assert all(r["outstanding_tokens"] == 0 for r in h["engine"]["replicas"]), h
+    finally:
+        server.stop()
+    con = duckdb.connect(str(db), read_only=True)
+    pairs = set()
+    rows = con.execute("SELECT events FROM spans WHERE events LIKE '%kv_transfer%'").fetchall()
+    for (events,) in rows:
+        for e in json.loads(events):
+            if e["name"] == "kv_transfer":
+                a = e["attributes"]
+                pairs.add((a["tokenmill.from"], a["tokenmill.to"]))
+    assert {p for p, _ in pairs} == {"prefill-0", "prefill-1"}
+    assert {d for _, d in pairs} == {"decode-0", "decode-1"}
+    (preempted,) = con.execute("SELECT sum(preemptions) FROM requests").fetchone()
+    (waited,) = con.execute(
+        "SELECT max(num_kv_waiting) FROM engine_steps WHERE role = 'decode'"
+    ).fetchone()
+    roles = dict(con.execute("SELECT role, count(*) FROM engine_steps GROUP BY role").fetchall())
+    con.close()
+    assert preempted >= 1 and waited >= 1, (preempted, waited)
+    assert roles.get("prefill", 0) > 0 and roles.get("decode", 0) > 0, roles

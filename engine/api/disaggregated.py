@@ -1,26 +1,37 @@
 """Prefill/decode disaggregation behind one API (``tokenmill serve --disaggregation
-'prefill=1,decode=1'``, issue 17): :class:`PDPool` holds a prefill engine worker and a decode
-engine worker, each its own engine core process pinned to its own cores
-(``--prefill-devices`` / ``--decode-devices``), linked by a gloo group that carries each
-request's KV (``engine/parallel/pd_link.py``).
+'prefill=P,decode=D'``, issue 17): :class:`PDPool` holds P prefill engine workers and D decode
+engine workers, each its own engine core process, optionally pinned to its share of its side's
+cores (``--prefill-devices`` / ``--decode-devices``), all linked by one gloo group that
+carries each request's KV (``engine/parallel/pd_link.py``: prefill cores ranks ``0 .. P-1``,
+decode cores ``P .. P+D-1``).
 
-A request is sent to the prefill core with ``hand_off``: it is prefilled there (the prefix
+Routing (:class:`PDRouter`): a request goes to the prefill worker with the fewest **queued
+prefill tokens** (prompt tokens routed there that have not yet given their first token) and
+is promised to the decode worker with the most **free KV blocks** (its latest stats, less the
+blocks of requests promised to it and not yet adopted). Both are chosen when the request
+arrives, so the prefill core knows where to send the KV the moment it has it.
+
+A request is sent to its prefill core with ``hand_off``: it is prefilled there (the prefix
 cache lives on that side) and ends after its first token, which streams to the client at
-once. The prefill core sends the prompt's KV to the decode core; the pool opens the request's
-decode stream (``adopt``), and the decode core continues it from its first token when the KV
-has arrived and it has room (until then the request waits at the decode side's desk). The
-decode core keeps the received prompt blocks in its own prefix cache, so a request it
-preempts recomputes only what they do not cover.
+once. The prefill core sends the prompt's KV to the chosen decode core; the pool opens the
+request's decode stream (``adopt``), and the decode core continues it from its first token
+when the KV has arrived and it has room. Until then the request waits at the decode side's
+desk holding no blocks there (back-pressure: ``kv_wait_ms`` on the request, ``num_kv_waiting``
+on the decode core's steps); its prefill-side blocks are freed once its KV is sent (the full
+ones stay in that side's prefix cache). The decode core keeps the received prompt blocks in
+its own prefix cache, so a request it preempts recomputes only what they do not cover.
 
-It is a :class:`~.replicas.ReplicaPool` of two workers (replica 0 = prefill, 1 = decode), so
-``/health``, ``/metrics`` and the step records' ``replica`` tag show each side. When either
-side's engine core dies, both restart on a fresh link (:meth:`PDPool._relink`): the requests
-in flight fail with ``engine_died`` and the pool serves again once both are back.
+It is a :class:`~.replicas.ReplicaPool` of P + D workers (replica ``r`` = link rank ``r``,
+named ``prefill-i`` / ``decode-j``), so ``/health``, ``/metrics`` and the step records'
+``replica`` and ``role`` tags show each one. When any engine core dies, every core restarts on
+a fresh link (:meth:`PDPool._relink`: one gloo group dies with any of its ranks): the requests
+in flight fail with ``engine_died`` and the pool serves again once all are back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from collections.abc import AsyncIterator
 
@@ -29,11 +40,9 @@ import msgspec
 from ..async_engine import EngineDeadError
 from ..config import EngineConfig
 from ..messages import RequestOutput
-from ..parallel.pd_spec import PDSpec
+from ..parallel.pd_spec import PDSpec, worker_name
 from .replicas import ReplicaPool, Router
 from .worker import EngineUnavailable, EngineWorker
-
-ROLES = ("prefill", "decode")
 
 
 def _free_port() -> int:
@@ -42,33 +51,93 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class PDPool(ReplicaPool):
-    """A prefill worker and a decode worker behind the worker's interface.
+class PDRouter(Router):
+    """Picks a prefill and a decode worker for each request.
+
+    ``outstanding[r]`` (shown in ``/health``) is, for a prefill worker, its queued prefill
+    tokens; for a decode worker, the output tokens its requests may still produce.
+    ``promised[r]`` counts the KV blocks of requests promised to decode worker ``r`` and not
+    yet adopted there.
 
     Args:
-        config: the engine configuration both sides run (each pinned to its cores, with as
-            many torch threads as cores, when the spec places them).
+        num_prefill, num_decode: the workers a side (replicas ``0 .. P-1`` and ``P ..
+            P+D-1``).
+        block_size: the engine's KV block size (tokens).
+    """
+
+    def __init__(self, num_prefill: int, num_decode: int, block_size: int):
+        super().__init__(num_prefill + num_decode, block_size)
+        self.num_prefill = num_prefill
+        self.block_size = block_size
+        self.promised = [0] * (num_prefill + num_decode)
+
+    def blocks_for(self, prompt_tokens: int) -> int:
+        return -(-prompt_tokens // self.block_size)
+
+    def pick_prefill(self, ready: list[int]) -> int:
+        """The ready prefill replica with the fewest queued prefill tokens (lowest on ties)."""
+        return min(ready, key=lambda r: (self.outstanding[r], r))
+
+    def pick_decode(self, ready: list[int], free_blocks: dict[int, int]) -> int:
+        """The ready decode replica with the most free KV blocks less those promised (the
+        fewest outstanding tokens, then the lowest index, on ties)."""
+        return max(
+            ready,
+            key=lambda r: (free_blocks.get(r, 0) - self.promised[r], -self.outstanding[r], -r),
+        )
+
+
+class PDPool(ReplicaPool):
+    """P prefill workers and D decode workers behind the worker's interface.
+
+    Args:
+        config: the engine configuration every core runs (each pinned to its cores, with as
+            many torch threads as cores, when the spec places them; unpinned on a CPU with
+            more than two cores in all, an even share of the machine's cores each).
         spec: the parsed ``--disaggregation`` flags.
+        cpu_count: the host's cores (default ``os.cpu_count()``).
     """
 
     name = "disaggregated"
 
-    def __init__(self, config: EngineConfig, spec: PDSpec):
+    def __init__(self, config: EngineConfig, spec: PDSpec, cpu_count: int | None = None):
         self.config = config
         self.spec = spec
+        cpu_count = cpu_count or os.cpu_count() or 1
         port = _free_port()
+        places = [("prefill", c) for c in spec.worker_cpus("prefill")]
+        places += [("decode", c) for c in spec.worker_cpus("decode")]
         self.workers = []
-        for replica, (role, cpus) in enumerate(
-            zip(ROLES, (spec.prefill_cpus, spec.decode_cpus), strict=True)
-        ):
-            cfg = dataclasses.replace(config, cpu_threads=len(cpus)) if cpus else config
-            pd = {"role": role, "port": port, "cpus": list(cpus) if cpus else None}
-            self.workers.append(EngineWorker(cfg, name=f"{role}-0", replica=replica, pd=pd))
-        self.prefill, self.decode = self.workers
-        self.router = Router(2, config.block_size)
+        for rank, (role, cpus) in enumerate(places):
+            changes: dict = {}
+            if cpus:
+                changes["cpu_threads"] = len(cpus)
+            elif spec.world_size > 2 and config.cpu_threads == 0 and config.device == "cpu":
+                changes["cpu_threads"] = max(1, cpu_count // spec.world_size)
+            if role == "decode" and config.decode_kv_cache_memory is not None:
+                changes["kv_cache_memory"] = config.decode_kv_cache_memory
+            if role == "decode" and config.decode_num_gpu_blocks_override is not None:
+                changes["num_gpu_blocks_override"] = config.decode_num_gpu_blocks_override
+            if config.device.startswith("cuda"):
+                base = int(config.device.partition(":")[2] or 0)
+                changes["device"] = f"cuda:{base + rank}"
+            cfg = dataclasses.replace(config, **changes) if changes else config
+            pd = {
+                "role": role,
+                "port": port,
+                "cpus": list(cpus) if cpus else None,
+                "rank": rank,
+                "world_size": spec.world_size,
+                "num_prefill": spec.prefill,
+            }
+            name = worker_name(rank, spec.prefill)
+            self.workers.append(EngineWorker(cfg, name=name, replica=rank, pd=pd))
+        self.prefills = self.workers[: spec.prefill]
+        self.decodes = self.workers[spec.prefill :]
+        self.router = PDRouter(spec.prefill, spec.decode, config.block_size)
         self._where: dict[str, EngineWorker] = {}
         self.closing = False
-        self._killed: set[str] = set()  # partners this pool killed (their crash is expected)
+        self._killed: set[str] = set()  # cores this pool killed (their crash is expected)
         for w in self.workers:
             w.add_event_listener(self._on_event_of(w))
 
@@ -80,24 +149,26 @@ class PDPool(ReplicaPool):
         return on_event
 
     def _relink(self, crashed: EngineWorker) -> None:
-        """One side died: the KV link (one gloo group) died with it. Both sides restart on a
-        fresh rendezvous port, so the partner is killed too (its monitor restarts it): every
-        request in flight on either side ends with an error, none hangs on a link that is
-        gone, and neither side keeps blocks or hand-offs of it."""
-        if crashed.name in self._killed:  # the partner this pool killed: already relinking
+        """A core died: the KV link (one gloo group) died with it. Every core restarts on a
+        fresh rendezvous port, so the others are killed too (their monitors restart them):
+        every request in flight on any core ends with an error, none hangs on a link that is
+        gone, and no core keeps blocks or hand-offs of it."""
+        if crashed.name in self._killed:  # a core this pool killed: already relinking
             self._killed.discard(crashed.name)
             return
         port = _free_port()
         for w in self.workers:
-            w.pd["port"] = port  # read when each side's engine core is spawned again
-        partner = self.decode if crashed is self.prefill else self.prefill
-        engine = partner.engine
-        if engine is not None and engine.process is not None and engine.process.is_alive():
-            self._killed.add(partner.name)
-            engine.process.kill()
+            w.pd["port"] = port  # read when each core is spawned again
+        for other in self.workers:
+            engine = other.engine
+            if other is crashed or engine is None or engine.process is None:
+                continue
+            if engine.process.is_alive():
+                self._killed.add(other.name)
+                engine.process.kill()
 
     async def start(self) -> dict:
-        """Start both sides at once: each core joins the KV link while it loads."""
+        """Start every core at once: each joins the KV link while it loads."""
         import asyncio
 
         results = await asyncio.gather(*(w.start() for w in self.workers), return_exceptions=True)
@@ -107,47 +178,86 @@ class PDPool(ReplicaPool):
             raise failed
         info = dict(self.info)
         info["pids"] = self.pids
-        info["roles"] = list(ROLES)
+        info["roles"] = [w.pd["role"] for w in self.workers]
         return info
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params, **kwargs
     ) -> AsyncIterator[RequestOutput]:
-        """Prefill on the prefill side, decode on the decode side; one output stream.
+        """Prefill on the chosen prefill core, decode on the chosen decode core; one output
+        stream.
 
         Raises:
-            EngineUnavailable: either side is not ready, or the server is shutting down.
+            EngineUnavailable: some core is not ready (the link needs them all), or the
+                server is shutting down.
         """
         if self.closing:
             raise EngineUnavailable("the server is shutting down; retry on another server")
         down = [w for w in self.workers if not w.ready]
         if down:
             states = ", ".join(f"{w.name} {w.state}" for w in down)
-            raise EngineUnavailable(f"disaggregated serving needs both sides ({states})")
-        self._where[request_id] = self.prefill
-        return self._stream(request_id, prompt_token_ids, params, kwargs)
+            raise EngineUnavailable(f"disaggregated serving needs every core ({states})")
+        prefill = self.workers[self.router.pick_prefill([w.replica for w in self.prefills])]
+        free = {
+            w.replica: int((w.engine.stats or {}).get("kv_blocks_free") or 0) for w in self.decodes
+        }
+        decode = self.workers[self.router.pick_decode([w.replica for w in self.decodes], free)]
+        self._where[request_id] = prefill
+        return self._stream(request_id, prompt_token_ids, params, kwargs, prefill, decode)
 
-    async def _stream(self, request_id, prompt_token_ids, params, kwargs):
-        first = self.prefill.generate(request_id, prompt_token_ids, params, hand_off=True, **kwargs)
+    async def _stream(self, request_id, prompt_token_ids, params, kwargs, prefill, decode):
+        router = self.router
+        queued, blocks = len(prompt_token_ids), router.blocks_for(len(prompt_token_ids))
+        left = params.max_tokens
+        # counted once the stream runs: one closed before it starts changes nothing
+        router.add(prefill.replica, queued)
+        router.promised[decode.replica] += blocks
+        router.routed[prefill.replica] += 1
+        router.routed[decode.replica] += 1
+        first = prefill.generate(
+            request_id,
+            prompt_token_ids,
+            params,
+            hand_off=True,
+            decode_rank=decode.replica,
+            **kwargs,
+        )
         rest = None
+        decode_counted = False
         try:
             async for out in first:
+                if queued and out.new_token_ids:
+                    router.add(prefill.replica, -queued)
+                    queued = 0
                 if out.finish_reason != "handoff":
                     yield out  # prefilling, or it ended at its first token (stop, error)
                     continue
                 # the first token now; the rest comes from the decode side
                 yield msgspec.structs.replace(out, finished=False, finish_reason=None)
-                self._where[request_id] = self.decode
+                self._where[request_id] = decode
+                left = max(0, params.max_tokens - len(out.new_token_ids))
+                router.add(decode.replica, left)
+                decode_counted = True
                 try:
-                    rest = self.decode.generate(
+                    rest = decode.generate(
                         request_id, prompt_token_ids, params, adopt=True, **kwargs
                     )
                 except EngineUnavailable as exc:  # it went down after the prefill began
                     raise EngineDeadError(f"decode core unavailable: {exc}") from None
             if rest is not None:
                 async for out in rest:
+                    if blocks:
+                        router.promised[decode.replica] -= blocks
+                        blocks = 0
+                    took = min(left, len(out.new_token_ids))
+                    router.add(decode.replica, -took)
+                    left -= took
                     yield out
         finally:
+            router.add(prefill.replica, -queued)
+            router.promised[decode.replica] -= blocks
+            if decode_counted:
+                router.add(decode.replica, -left)
             self._where.pop(request_id, None)
             await first.aclose()
             if rest is not None:

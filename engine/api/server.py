@@ -157,9 +157,16 @@ def memory_line(model_info: dict) -> str:
     return line + "; "
 
 
+def serving_cores(config) -> int:
+    """The engine cores whose batches hold a request until it ends: the replicas, or with
+    ``--disaggregation`` the decode cores (admission lets ``--max-num-seqs`` run on each)."""
+    spec = config.pd_spec()
+    return spec.decode if spec is not None else config.data_parallel_size
+
+
 def engine_workers(config) -> EngineWorker | ReplicaPool:
     """One engine worker, a :class:`ReplicaPool` of ``--data-parallel-size`` of them, or a
-    prefill and a decode worker (``PDPool``, ``--disaggregation``).
+    prefill and decode workers (``PDPool``, ``--disaggregation``).
 
     Raises:
         ValueError: the machine cannot hold that many replicas (one line).
@@ -241,7 +248,8 @@ def make_server(
         device_sample_interval_s=device_sample_interval_s,
         trace_content=trace_content,
     )
-    telemetry.metrics.data_parallel_size = config.data_parallel_size
+    # replicas, or both sides' engine cores: the state gauges then come per replica
+    telemetry.metrics.data_parallel_size = len(getattr(worker, "workers", ())) or 1
     worker.add_step_listener(telemetry.on_step)
     worker.add_abandoned_listener(telemetry.on_abandoned)
     worker.add_abandoned_listener(lambda out: state.on_engine_final(out))
@@ -316,7 +324,7 @@ def make_server(
         worker=worker,
         gateway=Gateway(tenants),
         tokenize=TokenizeStation(None, config.max_model_len or 1 << 30, 1 << 31),
-        admission=AdmissionStation(config.max_num_seqs * config.data_parallel_size, max_queue_len),
+        admission=AdmissionStation(config.max_num_seqs * serving_cores(config), max_queue_len),
         metering=MeteringStation(),
         model_name=name,
         max_body_bytes=max_body_bytes,

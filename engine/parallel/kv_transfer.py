@@ -12,6 +12,7 @@ no copy engine to overlap with, so one message is the cheaper shape here).
 
 from __future__ import annotations
 
+import pickle
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,9 @@ class KVHandoff:
         arrival_ns, queued_ns, scheduled_ns, first_token_ns: wall-clock ns on the prefill side
             (the decode side keeps them, so the request's queue and prefill times stay its own).
         priority, tenant: as the request was added.
+        source: the name of the prefill core that sent it (``prefill-0`` ...).
+        source_rank: its rank in the KV link's group (set by :func:`recv_handoff`).
+        dest: the name of the decode core that took it (set by the receiving link).
         transfer_bytes: ``kv``'s size in bytes.
         transfer_ms: the time to move it, set by whoever moved it.
         received_ns: wall-clock ns it reached the decode side (:func:`recv_handoff`).
@@ -57,6 +61,9 @@ class KVHandoff:
     first_token_ns: int | None = None
     priority: int = 0
     tenant: str = ""
+    source: str = "prefill"
+    source_rank: int | None = None
+    dest: str = "decode"
     transfer_ms: float | None = None
     received_ns: int | None = None
 
@@ -105,9 +112,10 @@ def scatter_kv(
         v[idx] = kv[layer, 1].to(v.dtype)
 
 
-def send_kv(kv: torch.Tensor, dst: int, group=None) -> tuple[int, float]:
+def send_kv(kv: torch.Tensor, dst: int, group=None, control=None) -> tuple[int, float]:
     """Send one hand-off tensor to rank ``dst``: a fixed-size int64 header (dtype, shape), then
-    the tensor. Blocking. Returns ``(bytes, ms)``.
+    the tensor. Blocking. Returns ``(bytes, ms)``. ``control``: the group that carries the
+    (CPU) header when ``group`` is NCCL's (which moves only device tensors); None: ``group``.
 
     Raises:
         ValueError: a dtype or rank count the header cannot describe.
@@ -118,15 +126,15 @@ def send_kv(kv: torch.Tensor, dst: int, group=None) -> tuple[int, float]:
     header[0], header[1] = _DTYPES.index(kv.dtype), kv.dim()
     header[2 : 2 + kv.dim()] = torch.tensor(kv.shape)
     t0 = time.perf_counter()
-    dist.send(header, dst, group=group)
+    dist.send(header, dst, group=control if control is not None else group)
     dist.send(kv.contiguous(), dst, group=group)
     return kv.numel() * kv.element_size(), (time.perf_counter() - t0) * 1e3
 
 
-def recv_kv(src: int, group=None, device: str | torch.device = "cpu") -> torch.Tensor:
-    """Receive one :func:`send_kv` tensor from rank ``src`` (blocking)."""
+def recv_kv(src: int, group=None, device: str | torch.device = "cpu", control=None) -> torch.Tensor:
+    """Receive one :func:`send_kv` tensor from rank ``src`` (blocking) onto ``device``."""
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    dist.recv(header, src, group=group)
+    dist.recv(header, src, group=control if control is not None else group)
     code, ndim = int(header[0]), int(header[1])
     shape = [int(x) for x in header[2 : 2 + ndim]]
     kv = torch.empty(shape, dtype=_DTYPES[code], device=device)
@@ -134,34 +142,55 @@ def recv_kv(src: int, group=None, device: str | torch.device = "cpu") -> torch.T
     return kv
 
 
+# a hand-off's first message: [kind, length of its pickled fields]; kind 0 ends the sender
+_HANDOFF, _END = 1, 0
+
+
 def send_handoff(
-    handoff: KVHandoff, dst: int, group=None, delay_s: float = 0.0
+    handoff: KVHandoff, dst: int, group=None, delay_s: float = 0.0, control=None
 ) -> tuple[int, float]:
-    """Send a whole hand-off to rank ``dst``: its fields (pickled, ``send_object_list``), then
-    its KV (:func:`send_kv`). Blocking. Returns the KV's ``(bytes, ms)``. ``delay_s``: the
-    fault drill's wait between the two (the receiver times it as part of the transfer)."""
+    """Send a whole hand-off to rank ``dst``: a two-number header, its fields (pickled, as
+    bytes), then its KV (:func:`send_kv`). Blocking. Returns the KV's ``(bytes, ms)``.
+    ``delay_s``: the fault drill's wait between the fields and the KV (the receiver times it
+    as part of the transfer). ``control``: as in :func:`send_kv`; the header and the fields
+    always cross on it (CPU tensors), only the KV on ``group``."""
     meta = {k: v for k, v in vars(handoff).items() if k not in ("kv", "transfer_ms", "received_ns")}
+    blob = pickle.dumps(meta)
+    ctl = control if control is not None else group
     t0 = time.perf_counter()
-    dist.send_object_list([meta], dst, group=group)
+    dist.send(torch.tensor([_HANDOFF, len(blob)], dtype=torch.int64), dst, group=ctl)
+    dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, group=ctl)
     if delay_s > 0:
         time.sleep(delay_s)
-    sent, _ = send_kv(handoff.kv, dst, group)
+    sent, _ = send_kv(handoff.kv, dst, group, control=ctl)
     return sent, (time.perf_counter() - t0) * 1e3
 
 
-def send_end(dst: int, group=None) -> None:
-    """Tell rank ``dst``'s :func:`recv_handoff` that no more hand-offs come."""
-    dist.send_object_list([None], dst, group=group)
+def send_end(dst: int, group=None, control=None) -> None:
+    """Tell rank ``dst``'s :func:`recv_handoff` that this sender sends no more hand-offs."""
+    ctl = control if control is not None else group
+    dist.send(torch.tensor([_END, 0], dtype=torch.int64), dst, group=ctl)
 
 
-def recv_handoff(src: int, group=None, device: str | torch.device = "cpu") -> KVHandoff | None:
-    """Receive one :func:`send_handoff` from rank ``src`` (blocking); None after
-    :func:`send_end`. Its ``transfer_ms`` is the time from its fields' arrival to its KV's."""
-    box = [None]
-    dist.recv_object_list(box, src, group=group)
-    if box[0] is None:
+def recv_handoff(
+    src: int | None, group=None, device: str | torch.device = "cpu", control=None
+) -> KVHandoff | None:
+    """Receive one :func:`send_handoff` (blocking) from rank ``src``, or from whichever rank
+    sends first when ``src`` is None (several prefill cores, one decode core: the rest of a
+    hand-off is then read from the rank that sent its header, so two senders never
+    interleave). None after a sender's :func:`send_end`. The hand-off's ``source_rank`` is
+    the sender; its ``transfer_ms`` the time from its fields' arrival to its KV's."""
+    ctl = control if control is not None else group
+    head = torch.zeros(2, dtype=torch.int64)
+    sender = dist.recv(head, src, group=ctl)
+    sender = src if src is not None else sender
+    if int(head[0]) == _END:
         return None
+    blob = torch.empty(int(head[1]), dtype=torch.uint8)
+    dist.recv(blob, sender, group=ctl)
+    meta = pickle.loads(blob.numpy().tobytes())
     t0 = time.perf_counter()
-    kv = recv_kv(src, group, device)
+    kv = recv_kv(sender, group, device, control=ctl)
     ms = (time.perf_counter() - t0) * 1e3
-    return KVHandoff(**box[0], kv=kv, transfer_ms=ms, received_ns=time.time_ns())
+    meta["source_rank"] = sender
+    return KVHandoff(**meta, kv=kv, transfer_ms=ms, received_ns=time.time_ns())

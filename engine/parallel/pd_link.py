@@ -1,12 +1,15 @@
 """The engine core process's end of the prefill → decode KV link (issue 17,
-``--disaggregation``): the prefill core is rank 0 and the decode core rank 1 of a two-rank
-gloo group on ``127.0.0.1:port``.
+``--disaggregation 'prefill=P,decode=D'``): every engine core of both sides is one rank of a
+gloo group on ``127.0.0.1:port`` (prefill cores ranks ``0 .. P-1``, decode cores ``P ..
+P+D-1``); on CUDA the KV itself crosses on an NCCL group of the same ranks, the headers on
+the gloo one.
 
 - :class:`PDLink` joins the group in a background thread (the core loads its model
-  meanwhile). On the prefill side :meth:`PDLink.send` queues a :class:`KVHandoff` for a sender
-  thread (``send_handoff``: blocking, so it stays off the step loop). On the decode side a
-  receiver thread takes each hand-off (``recv_handoff``) into :attr:`PDLink.arrived` and wakes
-  the core loop through a ZeroMQ ``inproc`` socket the loop polls.
+  meanwhile). On a prefill core :meth:`PDLink.send` queues a :class:`KVHandoff` and the
+  decode rank it goes to for a sender thread (``send_handoff``: blocking, so it stays off the
+  step loop). On a decode core a receiver thread takes each hand-off from whichever prefill
+  core sends (``recv_handoff(None)``) into :attr:`PDLink.arrived` and wakes the core loop
+  through a ZeroMQ ``inproc`` socket the loop polls.
 - :class:`AdoptionDesk` (decode side) matches the API's ``AddRequest(adopt=True)`` for a
   request with its hand-off, whichever comes first; a request waits at the desk while the
   decode pool has no room (back-pressure), and one cancelled (aborted) before its hand-off
@@ -26,11 +29,11 @@ import torch.distributed as dist
 import zmq
 
 from .kv_transfer import KVHandoff, recv_handoff, send_end, send_handoff
+from .pd_spec import worker_name
 
 log = logging.getLogger(__name__)
 
-PREFILL_RANK, DECODE_RANK = 0, 1
-#: seconds the two cores wait for each other to join, and a send for its receiver
+#: seconds the cores wait for each other to join, and a send for its receiver
 LINK_TIMEOUT_S = 300
 #: seconds a hand-off waits at the desk for its AddRequest (the API's stream gone meanwhile)
 ORPHAN_S = 60.0
@@ -43,45 +46,79 @@ def pin(cpus: tuple[int, ...] | list[int] | None) -> None:
 
 
 class PDLink:
-    """One side of the link.
+    """One engine core's end of the link.
 
     Args:
         role: ``"prefill"`` or ``"decode"``.
         port: the group's TCP rendezvous port on 127.0.0.1.
         ctx: the core loop's ZeroMQ context (the decode side's wake-up socket lives in it).
         delay_ms: the fault drill ``--fault-kv-transfer-delay-ms`` (prefill side).
+        rank: this core's rank (default: 0 for prefill, 1 for decode: one core a side).
+        world_size: every core of both sides (default 2).
+        num_prefill: prefill cores, ranks ``0 .. num_prefill - 1`` (default 1).
+        device: where the KV cache lives; ``cuda...`` moves the KV over NCCL.
+
+    Raises:
+        ValueError: a role, rank or size that does not fit together.
     """
 
     WAKE_ADDR = "inproc://pd-arrivals"
 
-    def __init__(self, role: str, port: int, ctx: zmq.Context | None = None, delay_ms: float = 0.0):
+    def __init__(
+        self,
+        role: str,
+        port: int,
+        ctx: zmq.Context | None = None,
+        delay_ms: float = 0.0,
+        *,
+        rank: int | None = None,
+        world_size: int = 2,
+        num_prefill: int = 1,
+        device: str = "cpu",
+    ):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role, self.port = role, port
         self.delay_s = delay_ms / 1e3  # --fault-kv-transfer-delay-ms (prefill side)
-        self.rank = PREFILL_RANK if role == "prefill" else DECODE_RANK
+        self.rank = rank if rank is not None else (0 if role == "prefill" else num_prefill)
+        self.world_size, self.num_prefill = world_size, num_prefill
+        if not 0 < num_prefill < world_size or (self.rank < num_prefill) != (role == "prefill"):
+            raise ValueError(
+                f"rank {self.rank} of {world_size} with {num_prefill} prefill core(s) is not a "
+                f"{role} core"
+            )
+        self.name = worker_name(self.rank, num_prefill)
+        self.device = device
         self.joined = threading.Event()
         self.error: str | None = None
         self.arrived: queue.Queue[KVHandoff] = queue.Queue()
-        self._outbox: queue.Queue[KVHandoff | None] = queue.Queue()
+        self._outbox: queue.Queue[tuple[KVHandoff, int] | None] = queue.Queue()
         self.sent_bytes = 0
         self.wake: zmq.Socket | None = None
+        self._data = self._control = None  # the groups the KV and its headers cross on
         if role == "decode" and ctx is not None:
             self.wake = ctx.socket(zmq.PULL)
             self.wake.bind(self.WAKE_ADDR)
         self._ctx = ctx
-        threading.Thread(target=self._run, name=f"pd-{role}", daemon=True).start()
+        threading.Thread(target=self._run, name=f"pd-{self.name}", daemon=True).start()
+
+    @property
+    def decode_ranks(self) -> range:
+        return range(self.num_prefill, self.world_size)
 
     def _run(self) -> None:
+        nccl = self.device.startswith("cuda") and dist.is_nccl_available()
         try:
             dist.init_process_group(
-                "gloo",
+                "nccl" if nccl else "gloo",
                 init_method=f"tcp://127.0.0.1:{self.port}",
                 rank=self.rank,
-                world_size=2,
+                world_size=self.world_size,
                 timeout=datetime.timedelta(seconds=LINK_TIMEOUT_S),
             )
-        except Exception as exc:  # the other side never came
+            if nccl:  # NCCL moves device tensors only: the headers go on a gloo group
+                self._control = dist.new_group(backend="gloo")
+        except Exception as exc:  # another core never came
             self.error = f"KV link did not form: {str(exc).splitlines()[0][:120]}"
             log.error("%s", self.error)
             return
@@ -93,10 +130,13 @@ class PDLink:
 
     def _send_loop(self) -> None:
         try:
-            while (h := self._outbox.get()) is not None:
-                sent, _ = send_handoff(h, DECODE_RANK, delay_s=self.delay_s)
+            while (item := self._outbox.get()) is not None:
+                h, dst = item
+                h.source = self.name
+                sent, _ = send_handoff(h, dst, self._data, self.delay_s, control=self._control)
                 self.sent_bytes += sent
-            send_end(DECODE_RANK)  # the decode side's receiver ends without an error
+            for dst in self.decode_ranks:  # each decode side's receiver counts the ends
+                send_end(dst, self._data, control=self._control)
         except Exception as exc:
             self.error = f"KV send failed: {str(exc).splitlines()[0][:120]}"
             log.error("%s", self.error)
@@ -105,24 +145,28 @@ class PDLink:
         push = self._ctx.socket(zmq.PUSH) if self._ctx is not None else None
         if push is not None:
             push.connect(self.WAKE_ADDR)
+        ended = 0
         try:
-            while True:
-                h = recv_handoff(PREFILL_RANK)
+            while ended < self.num_prefill:
+                h = recv_handoff(None, self._data, self.device, control=self._control)
                 if h is None:
-                    return
+                    ended += 1
+                    continue
+                h.dest = self.name
                 self.arrived.put(h)
                 if push is not None:
                     push.send(b"1")
-        except Exception as exc:  # the prefill core went away
+        except Exception as exc:  # a prefill core went away
             self.error = f"KV receive failed: {str(exc).splitlines()[0][:120]}"
             log.error("%s", self.error)
         finally:
             if push is not None:
                 push.close(linger=0)
 
-    def send(self, handoff: KVHandoff) -> None:
-        """Queue a hand-off for the decode core (prefill side)."""
-        self._outbox.put(handoff)
+    def send(self, handoff: KVHandoff, dst: int | None = None) -> None:
+        """Queue a hand-off for decode rank ``dst`` (prefill side; None: the first decode
+        core)."""
+        self._outbox.put((handoff, self.num_prefill if dst is None else dst))
 
     def drain_wake(self) -> None:
         """Empty the wake-up socket (decode side, after the poller saw it)."""

@@ -1,5 +1,6 @@
 """``--disaggregation 'prefill=P,decode=D'`` and its core placement (issue 17), torch-free:
-parsed and checked before any process starts, each refusal one line naming the flag."""
+parsed and checked before any process starts, each refusal one line naming the flag. A side's
+cores (``--prefill-devices`` / ``--decode-devices``) are shared evenly among its workers."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import re
 from dataclasses import dataclass
 
 _SPEC = re.compile(r"^\s*prefill\s*=\s*(\d+)\s*,\s*decode\s*=\s*(\d+)\s*$")
-# workers a side may have in this version: one prefill and one decode engine core
-MAX_PER_SIDE = 1
+#: engine cores a side may have: every core of both sides joins one gloo group and is its own
+#: process with its own copy of the model, so the count is bounded by memory long before this
+MAX_PER_SIDE = 8
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,37 @@ class PDSpec:
     decode: int
     prefill_cpus: tuple[int, ...] | None
     decode_cpus: tuple[int, ...] | None
+
+    @property
+    def world_size(self) -> int:
+        """Engine cores in the KV link's group: prefill ranks ``0 .. P-1``, decode ``P ..
+        P+D-1``."""
+        return self.prefill + self.decode
+
+    def worker_cpus(self, side: str) -> list[tuple[int, ...] | None]:
+        """Each of ``side``'s workers' cores: the side's list cut into as many even,
+        consecutive shares as it has workers (a share of ``n // workers`` cores, the first
+        ``n % workers`` one more); None for each when the side is not pinned."""
+        n, cpus = (
+            (self.prefill, self.prefill_cpus)
+            if side == "prefill"
+            else (self.decode, self.decode_cpus)
+        )
+        if not cpus:
+            return [None] * n
+        size, extra = divmod(len(cpus), n)
+        out, at = [], 0
+        for i in range(n):
+            take = size + (i < extra)
+            out.append(tuple(cpus[at : at + take]))
+            at += take
+        return out
+
+
+def worker_name(rank: int, num_prefill: int) -> str:
+    """The name of the KV link's rank ``rank``: ``prefill-i`` for ranks ``0 .. P-1``,
+    ``decode-j`` for rank ``P + j``."""
+    return f"prefill-{rank}" if rank < num_prefill else f"decode-{rank - num_prefill}"
 
 
 def _cpus(flag: str, raw: str, cpu_count: int) -> tuple[int, ...] | None:
@@ -49,9 +82,10 @@ def parse_disaggregation(
     """The parsed flags, or None when ``spec`` is empty (colocated serving).
 
     Raises:
-        ValueError: a malformed spec, zero workers on a side, more workers than this version
-            runs, core lists that are malformed, overlap or name cores the machine lacks, or
-            placement flags without ``--disaggregation`` (one line each).
+        ValueError: a malformed spec, zero workers on a side, more than :data:`MAX_PER_SIDE`,
+            core lists that are malformed, overlap, name cores the machine lacks or fewer
+            cores than the side's workers, or placement flags without ``--disaggregation``
+            (one line each).
     """
     if not spec.strip():
         if prefill_devices.strip() or decode_devices.strip():
@@ -68,7 +102,7 @@ def parse_disaggregation(
             raise ValueError(f"--disaggregation needs at least one {side} worker, got {side}={n}")
         if n > MAX_PER_SIDE:
             raise ValueError(
-                f"--disaggregation {side}={n}: this version runs {MAX_PER_SIDE} {side} worker"
+                f"--disaggregation {side}={n}: at most {MAX_PER_SIDE} {side} workers a side"
             )
     pc = _cpus("--prefill-devices", prefill_devices, cpu_count)
     dc = _cpus("--decode-devices", decode_devices, cpu_count)
@@ -76,4 +110,13 @@ def parse_disaggregation(
         raise ValueError(
             f"--prefill-devices and --decode-devices share core(s) {sorted(set(pc) & set(dc))}"
         )
+    for flag, side, n, cpus in (
+        ("--prefill-devices", "prefill", p, pc),
+        ("--decode-devices", "decode", d, dc),
+    ):
+        if cpus and len(cpus) < n:
+            raise ValueError(
+                f"{flag} names {len(cpus)} core(s) for {n} {side} workers: each worker needs "
+                "a core of its own"
+            )
     return PDSpec(p, d, pc, dc)
