@@ -229,6 +229,7 @@ _PD_STEP_SQL = f"""
 SELECT (start_ns - $t0) // $w AS win, role,
     count(DISTINCT replica) AS workers,
     sum((end_ns - start_ns) / 1e6) FILTER (WHERE {WORKING_STEP_SQL}) AS busy_ms,
+    sum(num_prefill_tokens) AS prefill_tokens,
     avg(num_waiting) AS waiting_mean,
     max(num_running) AS running_max,
     avg(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) AS kv_use_mean,
@@ -597,7 +598,8 @@ def _pd_windows(con, params: dict, not_warm_step: str) -> dict[int, dict]:
     """Per window, each side of a disaggregated server (``engine_steps.role``):
     ``pd_prefill_busy`` / ``pd_decode_busy`` (the share of the window its engine cores spent in
     working steps, 0..1, averaged over the side's cores), ``pd_prefill_waiting_mean`` (requests
-    queued on the prefill side, mean over its step records), ``pd_decode_running_max``,
+    queued on the prefill side, mean over its step records), ``pd_prefill_tok_per_s`` (prompt
+    tokens the side prefilled per second of its cores' working steps, all cores together), ``pd_decode_running_max``,
     ``pd_decode_kv_use_mean`` / ``_max`` (0..1), ``pd_decode_kv_waiting_mean`` (hand-offs held
     at the decode side for room) and ``pd_prefill_workers`` / ``pd_decode_workers``. Empty for a
     colocated server and in a store without the ``role`` column."""
@@ -617,9 +619,13 @@ def _pd_windows(con, params: dict, not_warm_step: str) -> dict[int, dict]:
         workers = max(int(r["workers"] or 1), 1)
         v = out.setdefault(win, {})
         v[f"pd_{side}_workers"] = workers
-        v[f"pd_{side}_busy"] = (r["busy_ms"] or 0.0) / (span_ms * workers) if span_ms > 0 else None
+        busy_ms = r["busy_ms"] or 0.0
+        # a step that runs past the window's end counts in the window it started in
+        v[f"pd_{side}_busy"] = min(1.0, busy_ms / (span_ms * workers)) if span_ms > 0 else None
         if side == "prefill":
             v["pd_prefill_waiting_mean"] = r["waiting_mean"]
+            tokens = r["prefill_tokens"] or 0
+            v["pd_prefill_tok_per_s"] = tokens / busy_ms * 1e3 * workers if busy_ms else None
         else:
             v["pd_decode_running_max"] = r["running_max"]
             v["pd_decode_kv_use_mean"] = r["kv_use_mean"]

@@ -439,11 +439,11 @@ MILD: dict[str, list[Phase]] = {
     # 15 ms transfers against ~80 ms of TTFT: under a fifth
     "kv_transfer_bound": [PD, PD.but(duration_s=30, kv_transfer_ms=15)],
     # both sides busy (85% and 70%): a loaded line, not a lopsided one; and a prefill side at
-    # 97% whose requests do not queue (one at a time)
+    # 97% whose requests do not wait for each other (TTFT ~ their own ~250 ms prefill)
     "pd_ratio_imbalance": [
         PD,
         PD.but(duration_s=30, pd_busy=(0.85, 0.7), queue_ms=3000, waiting=4),
-        PD.but(duration_s=30, pd_busy=(0.97, 0.1)),
+        PD.but(duration_s=30, pd_busy=(0.97, 0.1), prompt_tokens=(400, 600)),
     ],
 }
 
@@ -738,7 +738,7 @@ def test_pd_ratio_imbalance_names_the_side_the_line_is_short_of(tmp_path):
     assert prefill[0].rule_id == "pd_ratio_imbalance", [f.rule_id for f in prefill]
     ev = prefill[0].evidence
     assert ev["bottleneck"] == "prefill" and ev["decode_busy_share"] < 0.2
-    assert ev["queue_share_of_ttft"] > 0.9
+    assert ev["prefill_wait_share_of_ttft"] > 0.9 and ev["queue_share_of_ttft"] > 0.9
     decode = _report(
         tmp_path,
         "short_of_decode",

@@ -17,15 +17,27 @@ from ..signals import Signals, Window
 from ._common import Evidence, Param, Rule, _confidence, _in_window, _ms, _severity, _when
 
 
+def prefill_wait_share(w: Window) -> float | None:
+    """The share of the median TTFT a request spent waiting for other requests' prompts on
+    the prefill side: 1 − (its own prefill at the side's pace) / TTFT p50. Its own prefill is
+    the median prompt's uncached tokens over ``pd_prefill_tok_per_s``; the wait is queueing
+    in the scheduler and sharing prefill steps with other prompts alike (a prefill core that
+    batches four prompts gives each a TTFT of four prefills with no queue time at all)."""
+    pace, ttft, prompt = w.get("pd_prefill_tok_per_s"), w.get("ttft_p50"), w.get("input_p50")
+    if not pace or not ttft or prompt is None:
+        return None
+    own_ms = prompt * (1 - (w.get("prefix_hit_rate") or 0.0)) / pace * 1e3
+    return max(0.0, 1 - own_ms / ttft)
+
+
 def _prefill_starved(w: Window, p: dict) -> float | None:
     """The margin (smallest of value/threshold) when the prefill side is the bottleneck."""
-    busy, idle = w.get("pd_prefill_busy"), w.get("pd_decode_busy")
-    queue = w.get("queue_share_of_ttft")
-    if busy is None or idle is None or queue is None:
+    busy, idle, wait = w.get("pd_prefill_busy"), w.get("pd_decode_busy"), prefill_wait_share(w)
+    if busy is None or idle is None or wait is None:
         return None
-    if busy < p["busy_share"] or idle > p["idle_share"] or queue < p["queue_share"]:
+    if busy < p["busy_share"] or idle > p["idle_share"] or wait < p["wait_share"]:
         return None
-    return min(busy / p["busy_share"], p["idle_share"] / max(idle, 1e-3), queue / p["queue_share"])
+    return min(busy / p["busy_share"], p["idle_share"] / max(idle, 1e-3), wait / p["wait_share"])
 
 
 def _decode_starved(w: Window, p: dict, max_num_seqs: int | None) -> float | None:
@@ -69,6 +81,9 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         "prefill_busy_share": p_busy,
         "decode_busy_share": d_busy,
         "prefill_waiting_mean": w.get("pd_prefill_waiting_mean"),
+        "prefill_wait_share_of_ttft": prefill_wait_share(w),
+        "prefill_tok_per_s": w.get("pd_prefill_tok_per_s"),
+        "prompt_tokens_p50": w.get("input_p50"),
         "queue_share_of_ttft": w.get("queue_share_of_ttft"),
         "queue_p50_ms": w.get("queue_p50"),
         "ttft_p50_ms": w.get("ttft_p50"),
@@ -82,12 +97,15 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if side == "prefill":
         summary = (
             f"in {_when(w)} the prefill side ({pw} core(s)) was busy {p_busy:.0%} of the time and "
-            f"requests spent {w.get('queue_share_of_ttft'):.0%} of their TTFT "
-            f"({_ms(w.get('ttft_p50'))} p50) queued there, while the decode side ({dw} core(s)) "
-            f"was busy only {d_busy:.0%}: the line is short of prefill"
+            f"requests spent {prefill_wait_share(w):.0%} of their TTFT "
+            f"({_ms(w.get('ttft_p50'))} p50) waiting there for other requests' prompts (their "
+            f"own {w.get('input_p50'):.0f}-token prefill takes "
+            f"{_ms(w.get('input_p50') / w.get('pd_prefill_tok_per_s') * 1e3)} at the side's "
+            f"{w.get('pd_prefill_tok_per_s'):.0f} tokens/s), while the decode side ({dw} "
+            f"core(s)) was busy only {d_busy:.0%}: the line is short of prefill"
         )
-        example = where + " AND queue_ms >= ? * ttft_ms"
-        example_params = [*params, p["queue_share"]]
+        example = where + " AND ttft_ms >= ?"
+        example_params = [*params, w.get("ttft_p50")]
         knob = (
             "more prefill workers against decode (--disaggregation prefill=P+1,decode=D-1), or "
             "more cores on the prefill side (--prefill-devices); for long prompts with short "
@@ -139,8 +157,8 @@ RULE = Rule(
     ),
     checks=(
         "engine_steps by role: each side's share of the window in working steps, its queue",
-        "requests.queue_ms against ttft_ms (prefill side), kv_wait_ms against itl_p50_ms "
-        "(decode side)",
+        "requests.ttft_ms against the prompt's own prefill at the prefill side's tokens/s, "
+        "kv_wait_ms against itl_p50_ms (decode side)",
         "the decode side's kv_blocks_used / kv_blocks_total and num_kv_waiting",
     ),
     knob="the P:D ratio (--disaggregation prefill=P,decode=D) or each side's cores",
@@ -155,10 +173,11 @@ RULE = Rule(
             "the other side's share of the window in working steps, at most (it idles two "
             "thirds of the time: moving capacity to the busy side would pay)",
         ),
-        "queue_share": Param(
+        "wait_share": Param(
             0.5,
-            "queue time / TTFT on the prefill side, mean over the window's requests (as "
-            "ttft_queueing's share)",
+            "the share of TTFT p50 spent waiting for other requests' prompts on the prefill "
+            "side (1 − own prefill / TTFT): at 0.5 a request waits as long as its own prefill "
+            "takes",
         ),
         "wait_steps": Param(
             5.0,
@@ -178,7 +197,7 @@ RULE = Rule(
     evidence_signals=(
         "pd_prefill_busy",
         "pd_decode_busy",
-        "queue_share_of_ttft",
+        "pd_prefill_tok_per_s",
         "kv_wait_p50",
         "pd_decode_kv_use_max",
     ),
