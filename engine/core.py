@@ -214,8 +214,9 @@ class EngineCore:
     def adopt(self, handoff: KVHandoff) -> Request | None:
         """Continue a request another core prefilled: allocate blocks for its prompt, write the
         transferred K/V into them and run it from its first token on, as if it had been
-        prefilled here. None, changing nothing, when the free blocks do not suffice (the
-        request waits on the prefill side). The prompt's full blocks enter this core's prefix
+        prefilled here. None, changing nothing, when the free blocks or the batch do not
+        suffice, or requests this core preempted still wait to resume (the hand-off waits at
+        the desk: back-pressure). The prompt's full blocks enter this core's prefix
         cache, so a preempted request recomputes only what they do not cover.
 
         Raises:
@@ -234,6 +235,10 @@ class EngineCore:
         )
         self.scheduler.check_fits(request)
         if len(self.scheduler.running) >= self.config.max_num_seqs:
+            return None
+        if self.scheduler.waiting:
+            # requests this core preempted go first: a new adoption would take the blocks
+            # their recompute waits for, and a stream could stall behind every later hand-off
             return None
         bm = self.block_manager
         n = request.num_prompt_tokens
