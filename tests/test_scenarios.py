@@ -28,9 +28,10 @@ from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, s
 # ranks, two replicas, three ranks with one held back). periodic_itl_spikes (~75 s) runs there
 # only since 2026-12-02: with a neighbour on this VM (others 34 % of the CPU, steal 4 %) its
 # hogs' spikes were lost in the noise in three runs in a row, host_contention the only
-# finding; test_diagnose_rules.py keeps its rule covered. kv_transfer_bound / pd_healthy
-# (~40 s each: a prefill and a decode core, pinned) run there too; test_disaggregation.py
-# runs the real disaggregated server, test_diagnose_rules.py the rule
+# finding; test_diagnose_rules.py keeps its rule covered. kv_transfer_bound / pd_healthy /
+# pd_decode_starved (~40 s each: a prefill and a decode core, pinned) run there too;
+# test_disaggregation.py runs the real disaggregated server, test_diagnose_rules.py the rules;
+# pd_ratio_imbalance (~35 s, the same two cores) runs here
 FAST = [
     "healthy",
     "batching_ineffective",
@@ -42,6 +43,7 @@ FAST = [
     "itl_prefill_interference",
     "kv_block_leak",
     "oom_low_average_memory",
+    "pd_ratio_imbalance",
     "prefix_cache_miss",
     "quantization_decode_heavy",
     "quantization_no_gain",
