@@ -32,6 +32,7 @@ from .messages import (
     EngineOutputs,
     EngineReady,
     Heartbeat,
+    RemoteStart,
     RequestFailed,
     RequestOutput,
     Shutdown,
@@ -41,6 +42,7 @@ from .messages import (
     encode,
     to_row,
 )
+from .parallel.pd_spec import split_host_port
 from .sampling_params import SamplingParams
 from .stream_writes import StreamWriteClock
 
@@ -67,22 +69,67 @@ def raise_for(error: EngineError) -> Exception:
     return ValueError(error.message)
 
 
+#: seconds of silence (no step, no heartbeat) after which a remote engine core counts as dead
+REMOTE_SILENCE_S = 30.0
+
+
+class RemoteCore:
+    """Stands in for the engine core's process when the core runs on another host
+    (``tokenmill pd-worker``): alive until it is killed, its host reports it exited
+    (``EngineFatal``) or it stays silent :data:`REMOTE_SILENCE_S`; ``kill`` asks it to stop
+    (``Shutdown``), and its host waits for the next :class:`RemoteStart`."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.exitcode: int | None = None
+        self._killed = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.engine.info.get("pid")
+
+    def is_alive(self) -> bool:
+        if self._killed:
+            return False
+        age = self.engine.heartbeat_age_s
+        return age is None or age < REMOTE_SILENCE_S
+
+    def kill(self) -> None:
+        if not self._killed:
+            self._killed, self.exitcode = True, -9
+            with contextlib.suppress(zmq.ZMQError):
+                self.engine._push.send(encode(Shutdown()), flags=zmq.NOBLOCK)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Nothing to wait for on this host."""
+
+
 class AsyncEngine:
     """Client of one engine-core process.
 
     Args:
         config: the engine config, sent to the process.
+        pd: this core's part in ``--disaggregation`` (``core_process.run_engine_core``); with
+            ``pd["remote"] = "HOST:PORT"`` the core runs on another host (``tokenmill
+            pd-worker --connect HOST:PORT``): this engine binds its two ZeroMQ sockets on
+            ``tcp://HOST:PORT`` (to the core) and ``tcp://HOST:PORT+1`` (from it) and sends
+            :class:`RemoteStart` instead of spawning a process.
     """
 
     def __init__(self, config: EngineConfig, pd: dict | None = None):
         config.validate()
         self.config = config
         self.pd = pd  # this core's part in --disaggregation (core_process.run_engine_core)
+        self.remote = (pd or {}).get("remote")
         self._ctx = zmq.asyncio.Context()
         self._tmp = tempfile.TemporaryDirectory(prefix="tokenmill-ipc-")
         base = Path(self._tmp.name)
-        self._in_addr = f"ipc://{base / 'in'}"
-        self._out_addr = f"ipc://{base / 'out'}"
+        if self.remote:
+            host, port = split_host_port(self.remote)
+            self._in_addr, self._out_addr = f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
+        else:
+            self._in_addr = f"ipc://{base / 'in'}"
+            self._out_addr = f"ipc://{base / 'out'}"
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.bind(self._in_addr)
         self._pull = self._ctx.socket(zmq.PULL)
@@ -112,15 +159,25 @@ class AsyncEngine:
         Raises:
             EngineDeadError: the process reported a fatal error, died, or did not get ready.
         """
-        mp = multiprocessing.get_context("spawn")
-        self.process = mp.Process(
-            target=run_engine_core,
-            args=(self.config, self._in_addr, self._out_addr, self.pd),
-            name="tokenmill-engine-core",
-            daemon=True,
-        )
-        self.process.start()
         deadline = time.monotonic() + timeout_s
+        if self.remote:
+            self.process = RemoteCore(self)
+            start = RemoteStart(config=self.config.to_dict(), pd=dict(self.pd))
+            # queued until the core's host connects: it may come up after this server
+            if not await self._send(start, timeout_s=timeout_s):
+                raise EngineDeadError(
+                    f"no engine core host connected to {self._in_addr} in {timeout_s:.0f} s "
+                    f"(tokenmill pd-worker --connect {self.remote})"
+                )
+        else:
+            mp = multiprocessing.get_context("spawn")
+            self.process = mp.Process(
+                target=run_engine_core,
+                args=(self.config, self._in_addr, self._out_addr, self.pd),
+                name="tokenmill-engine-core",
+                daemon=True,
+            )
+            self.process.start()
         while True:
             msg = await self._recv(0.5)
             if msg is not None:
@@ -372,7 +429,11 @@ class AsyncEngine:
                         self.dead_reason = "shut down"
                         self.stop_streams("the engine was shut down")
                         return
-                    self._fail_all(f"engine core process exited with code {self.process.exitcode}")
+                    if isinstance(self.process, RemoteCore) and self.process.exitcode is None:
+                        why = f"remote engine core silent for {REMOTE_SILENCE_S:g} s"
+                    else:
+                        why = f"engine core process exited with code {self.process.exitcode}"
+                    self._fail_all(why)
                     return
                 continue
             if isinstance(msg, EngineOutputs):

@@ -494,6 +494,39 @@ def tp_worker(
         fail(str(exc).splitlines()[0])
 
 
+@app.command("pd-worker")
+def pd_worker(
+    connect: Annotated[
+        str,
+        typer.Option(
+            help="HOST:PORT the API's --remote-decode-listen names for this core "
+            "(decode core j: PORT + 2j)."
+        ),
+    ],
+    model: Annotated[
+        str | None,
+        typer.Option(help="This host's copy of the model folder (default: the API's path)."),
+    ] = None,
+    once: Annotated[
+        bool, typer.Option(help="Exit after one engine core instead of waiting for the next.")
+    ] = False,
+) -> None:
+    """Run one decode engine core of a disaggregated server on this host, for an API on
+    another (``tokenmill serve --disaggregation ... --remote-decode-listen HOST:PORT``).
+
+    The API sends the engine settings and the core's place in the KV link each time it starts
+    the core; the KV crosses on torch.distributed with its rendezvous on the API's host.
+    """
+    from .parallel.pd_remote import run_pd_worker
+
+    try:
+        run_pd_worker(connect, model, once=once)
+    except (ValueError, RuntimeError) as exc:
+        fail(str(exc).splitlines()[0])
+    except KeyboardInterrupt:
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: usage errors and unexpected failures become one ``error:`` line
     (exit 2 and 1); ``TOKENMILL_DEBUG=1`` shows the traceback instead."""

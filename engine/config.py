@@ -103,6 +103,12 @@ class EngineConfig:
         "With --disaggregation: CPU cores the decode side is pinned to (e.g. 1), shared "
         "evenly among its cores.",
     )
+    remote_decode_listen: str = knob(
+        "",
+        "With --disaggregation: HOST:PORT on this host where the decode cores, each on another "
+        "host (tokenmill pd-worker --connect HOST:PORT+2j for decode core j), connect; the KV "
+        "link's rendezvous is on HOST too. Empty: every core runs here.",
+    )
     decode_kv_cache_memory: int | None = knob(
         None,
         "With --disaggregation: KV cache bytes of each decode core on CPU (default "
@@ -286,11 +292,19 @@ class EngineConfig:
         if spec is None and (
             self.decode_kv_cache_memory is not None
             or self.decode_num_gpu_blocks_override is not None
+            or self.remote_decode_listen
         ):
             raise ValueError(
-                "--decode-kv-cache-memory and --decode-num-gpu-blocks-override need "
-                "--disaggregation"
+                "--decode-kv-cache-memory, --decode-num-gpu-blocks-override and "
+                "--remote-decode-listen need --disaggregation"
             )
+        if self.remote_decode_listen:
+            from .parallel.pd_spec import split_host_port
+
+            try:
+                split_host_port(self.remote_decode_listen)
+            except ValueError as exc:
+                raise ValueError(f"--remote-decode-listen: {exc}") from None
         if spec is not None and (self.data_parallel_size > 1 or self.tensor_parallel_size > 1):
             raise ValueError(
                 "--disaggregation sets its own engine cores (prefill=P,decode=D); it does not "

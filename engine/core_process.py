@@ -161,6 +161,7 @@ def run_engine_core(
             world_size=pd.get("world_size", 2),
             num_prefill=pd.get("num_prefill", 1),
             device=str(core.runner.device),
+            master_addr=pd.get("master_addr", "127.0.0.1"),
         )
         if link.wake is not None:
             poller.register(link.wake, zmq.POLLIN)
@@ -170,6 +171,11 @@ def run_engine_core(
     while running:
         if os.getppid() != api_pid:  # the API process is gone (killed): nobody to serve
             log.warning("engine core %d: API process %d is gone; exiting", os.getpid(), api_pid)
+            break
+        if link is not None and link.error and pd.get("remote"):
+            # a core on another host: its API may be gone with the link (a local core's API
+            # restarts every core when one dies; this host's pd-worker waits for the next start)
+            log.warning("engine core %d: %s; exiting", os.getpid(), link.error)
             break
         timeout = 0 if core.has_work() else IDLE_POLL_MS
         events = poller.poll(timeout)

@@ -280,7 +280,17 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     """Stop the engine core process."""
 
 
-EngineInput = AddRequest | AbortRequests | StatsQuery | Shutdown
+class RemoteStart(msgspec.Struct, tag="remote_start", kw_only=True):
+    """API → the host of an engine core that runs on another machine (``tokenmill
+    pd-worker``): start the core with this configuration (``EngineConfig.to_dict()``; the
+    worker puts its own copy of the model folder in) and this part in ``--disaggregation``
+    (``core_process.run_engine_core``'s ``pd``). Sent again each time the API (re)starts it."""
+
+    config: dict[str, Any]
+    pd: dict[str, Any]
+
+
+EngineInput = AddRequest | AbortRequests | StatsQuery | Shutdown | RemoteStart
 
 
 # ----- engine → API -----

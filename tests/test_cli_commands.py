@@ -18,7 +18,7 @@ from tokenmill.engine import cli
 from tokenmill.engine.config import EngineConfig
 from tokenmill.telemetry.remote import normalize_url
 
-ROOT_COMMANDS = ["generate", "serve", "tp-worker", "model", *cli.COMMANDS]
+ROOT_COMMANDS = ["generate", "serve", "tp-worker", "pd-worker", "model", *cli.COMMANDS]
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

@@ -407,53 +407,67 @@ def test_the_desk_matches_either_order_drops_cancelled_and_orphans():
     assert desk.expire() == ["d"] and desk.waiting == 1  # "a" is expected: it stays
 
 
+async def _streams(url: str, n: int, tokens: int) -> list[dict]:
+    """``n`` concurrent streaming completions of ``tokens`` tokens: each one's count of token
+    events, its error object (or None) and its last finish reason."""
+    import asyncio
+    import json
+
+    import httpx
+
+    async def one(ac, i):
+        body = {
+            "model": "smollm2-135m-instruct",
+            "prompt": f"Count slowly from {i}:",
+            "max_tokens": tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        events, error, finish = 0, None, None
+        async with ac.stream("POST", url + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    error = obj["error"]
+                else:
+                    events += 1
+                    finish = obj["choices"][0]["finish_reason"] or finish
+        return {"events": events, "error": error, "finish": finish}
+
+    async with httpx.AsyncClient(timeout=600) as ac:
+        return await asyncio.gather(*(one(ac, i) for i in range(n)))
+
+
+def _wait(server, pred, limit_s: float = 300) -> dict:
+    """Poll ``/health`` until ``pred`` holds; its last reading."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        h = server.health()
+        if pred(h):
+            return h
+        time.sleep(0.3)
+    raise AssertionError(f"never reached: {h}")
+
+
 @pytest.mark.slow
 def test_a_killed_decode_core_fails_streams_cleanly_and_both_sides_come_back(tmp_path):
     """SIGKILL the decode core while 6 streams decode: every stream ends (an error event, or
     done), both sides restart on a fresh link, the next requests are answered in full, and
     no KV block, admission slot or hand-off is left on either side."""
     import asyncio
-    import json
     import signal
 
-    import httpx
     from server_proc import Server
 
     server = Server(tmp_path, "--disaggregation", "prefill=1,decode=1")
 
-    async def streams(n: int, tokens: int):
-        async def one(ac, i):
-            body = {
-                "model": "smollm2-135m-instruct",
-                "prompt": f"Count slowly from {i}:",
-                "max_tokens": tokens,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            events, error, finish = 0, None, None
-            async with ac.stream("POST", server.url + "/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    obj = json.loads(line[6:])
-                    if "error" in obj:
-                        error = obj["error"]
-                    else:
-                        events += 1
-                        finish = obj["choices"][0]["finish_reason"] or finish
-            return {"events": events, "error": error, "finish": finish}
-
-        async with httpx.AsyncClient(timeout=600) as ac:
-            return await asyncio.gather(*(one(ac, i) for i in range(n)))
+    def streams(n: int, tokens: int):
+        return _streams(server.url, n, tokens)
 
     def wait(pred, limit_s=300):
-        deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline:
-            h = server.health()
-            if pred(h):
-                return h
-            time.sleep(0.3)
-        raise AssertionError(f"never reached: {h}")
+        return _wait(server, pred, limit_s)
 
     try:
         victim = server.health()["engine"]["replicas"][1]["pid"]
@@ -648,3 +662,115 @@ def test_two_prefill_and_two_decode_cores_route_both_ways_and_equal_colocated(
     con.close()
     assert preempted >= 1 and waited >= 1, (preempted, waited)
     assert roles.get("prefill", 0) > 0 and roles.get("decode", 0) > 0, roles
+
+
+def _free_port_pair() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` both free on 127.0.0.1."""
+    import socket
+
+    for _ in range(50):
+        p = free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+            return p
+    raise AssertionError("no free port pair")
+
+
+@pytest.mark.slow
+def test_the_host_to_host_recipe_serves_and_recovers_from_a_killed_remote_core(
+    tmp_path, smollm2_dir
+):
+    """The README's host-to-host recipe as two processes on localhost, with only its flags:
+    ``tokenmill serve --disaggregation prefill=1,decode=1 --remote-decode-listen H:P`` and
+    ``tokenmill pd-worker --connect H:P --model DIR``. The decode core runs under the
+    pd-worker, not the API; greedy answers equal the colocated engine's; SIGKILL that core
+    mid-stream: the streams end (``engine_died``), the pd-worker reports it, every core
+    restarts on a fresh link (the remote one again under the same pd-worker) and the next
+    requests are answered in full."""
+    import asyncio
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    from server_proc import Server
+
+    port = _free_port_pair()
+    log = open(tmp_path / "pd-worker.log", "w")  # noqa: SIM115
+    worker = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "tokenmill.engine.cli", "pd-worker"),
+            *("--connect", f"127.0.0.1:{port}", "--model", str(smollm2_dir)),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+    )
+    prompts, params = _requests()
+    prompts, params = prompts[:4], params[:4]
+    want = [r.text for r in LLM(str(smollm2_dir)).generate(prompts, params)]
+    server = None
+    try:
+        server = Server(
+            tmp_path,
+            *("--disaggregation", "prefill=1,decode=1"),
+            *("--remote-decode-listen", f"127.0.0.1:{port}"),
+        )
+        decode = server.health()["engine"]["replicas"][1]
+        assert decode["name"] == "decode-0" and decode["role"] == "decode"
+        with open(f"/proc/{decode['pid']}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        assert parent == worker.pid  # the decode core is the pd-worker's child
+
+        async def answers():
+            async with httpx.AsyncClient(timeout=600) as ac:
+                rs = await asyncio.gather(
+                    *(
+                        ac.post(
+                            server.url + "/v1/completions",
+                            json={
+                                "model": "smollm2-135m-instruct",
+                                "prompt": p,
+                                "max_tokens": sp.max_tokens,
+                                "temperature": 0,
+                                "ignore_eos": True,
+                            },
+                        )
+                        for p, sp in zip(prompts, params)
+                    )
+                )
+            return [r.json()["choices"][0]["text"] for r in rs]
+
+        assert asyncio.run(answers()) == want
+
+        async def kill_mid_stream():
+            load = asyncio.ensure_future(_streams(server.url, 4, 200))
+            await asyncio.to_thread(
+                _wait,
+                server,
+                lambda h: h["engine"]["replicas"][1]["stats"].get("num_running", 0) >= 2,
+            )
+            os.kill(decode["pid"], signal.SIGKILL)
+            return await load
+
+        results = asyncio.run(kill_mid_stream())
+        assert any(r["error"] and r["error"]["code"] == "engine_died" for r in results), results
+        health = _wait(server, lambda h: h["status"] == "ok")
+        replicas = health["engine"]["replicas"]
+        assert all(r["restarts"] >= 1 for r in replicas), replicas
+        assert replicas[1]["pid"] != decode["pid"] and worker.poll() is None
+        assert asyncio.run(answers()) == want
+    finally:
+        if server is not None:
+            server.stop()
+        worker.send_signal(signal.SIGINT)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+        log.close()
+    assert "exited with code -9" in (tmp_path / "pd-worker.log").read_text()

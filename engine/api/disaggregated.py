@@ -40,14 +40,14 @@ import msgspec
 from ..async_engine import EngineDeadError
 from ..config import EngineConfig
 from ..messages import RequestOutput
-from ..parallel.pd_spec import PDSpec, worker_name
+from ..parallel.pd_spec import PDSpec, split_host_port, worker_name
 from .replicas import ReplicaPool, Router
 from .worker import EngineUnavailable, EngineWorker
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -104,7 +104,12 @@ class PDPool(ReplicaPool):
         self.config = config
         self.spec = spec
         cpu_count = cpu_count or os.cpu_count() or 1
-        port = _free_port()
+        remote = (
+            split_host_port(config.remote_decode_listen) if config.remote_decode_listen else None
+        )
+        # the KV link's rendezvous: on this host, reachable from the decode hosts when remote
+        self.master_addr = remote[0] if remote else "127.0.0.1"
+        port = _free_port(self.master_addr)
         places = [("prefill", c) for c in spec.worker_cpus("prefill")]
         places += [("decode", c) for c in spec.worker_cpus("decode")]
         self.workers = []
@@ -112,7 +117,12 @@ class PDPool(ReplicaPool):
             changes: dict = {}
             if cpus:
                 changes["cpu_threads"] = len(cpus)
-            elif spec.world_size > 2 and config.cpu_threads == 0 and config.device == "cpu":
+            elif (
+                spec.world_size > 2
+                and config.cpu_threads == 0
+                and config.device == "cpu"
+                and not (remote and role == "decode")  # another host's cores
+            ):
                 changes["cpu_threads"] = max(1, cpu_count // spec.world_size)
             if role == "decode" and config.decode_kv_cache_memory is not None:
                 changes["kv_cache_memory"] = config.decode_kv_cache_memory
@@ -125,11 +135,14 @@ class PDPool(ReplicaPool):
             pd = {
                 "role": role,
                 "port": port,
+                "master_addr": self.master_addr,
                 "cpus": list(cpus) if cpus else None,
                 "rank": rank,
                 "world_size": spec.world_size,
                 "num_prefill": spec.prefill,
             }
+            if remote is not None and role == "decode":
+                pd["remote"] = f"{remote[0]}:{remote[1] + 2 * (rank - spec.prefill)}"
             name = worker_name(rank, spec.prefill)
             self.workers.append(EngineWorker(cfg, name=name, replica=rank, pd=pd))
         self.prefills = self.workers[: spec.prefill]
@@ -156,7 +169,7 @@ class PDPool(ReplicaPool):
         if crashed.name in self._killed:  # a core this pool killed: already relinking
             self._killed.discard(crashed.name)
             return
-        port = _free_port()
+        port = _free_port(self.master_addr)
         for w in self.workers:
             w.pd["port"] = port  # read when each core is spawned again
         for other in self.workers:

@@ -50,13 +50,15 @@ class PDLink:
 
     Args:
         role: ``"prefill"`` or ``"decode"``.
-        port: the group's TCP rendezvous port on 127.0.0.1.
+        port: the group's TCP rendezvous port on ``master_addr``.
         ctx: the core loop's ZeroMQ context (the decode side's wake-up socket lives in it).
         delay_ms: the fault drill ``--fault-kv-transfer-delay-ms`` (prefill side).
         rank: this core's rank (default: 0 for prefill, 1 for decode: one core a side).
         world_size: every core of both sides (default 2).
         num_prefill: prefill cores, ranks ``0 .. num_prefill - 1`` (default 1).
         device: where the KV cache lives; ``cuda...`` moves the KV over NCCL.
+        master_addr: the host of the group's rendezvous (the API's host; 127.0.0.1 when every
+            core runs on one host).
 
     Raises:
         ValueError: a role, rank or size that does not fit together.
@@ -75,10 +77,11 @@ class PDLink:
         world_size: int = 2,
         num_prefill: int = 1,
         device: str = "cpu",
+        master_addr: str = "127.0.0.1",
     ):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
-        self.role, self.port = role, port
+        self.role, self.port, self.master_addr = role, port, master_addr
         self.delay_s = delay_ms / 1e3  # --fault-kv-transfer-delay-ms (prefill side)
         self.rank = rank if rank is not None else (0 if role == "prefill" else num_prefill)
         self.world_size, self.num_prefill = world_size, num_prefill
@@ -111,7 +114,7 @@ class PDLink:
         try:
             dist.init_process_group(
                 "nccl" if nccl else "gloo",
-                init_method=f"tcp://127.0.0.1:{self.port}",
+                init_method=f"tcp://{self.master_addr}:{self.port}",
                 rank=self.rank,
                 world_size=self.world_size,
                 timeout=datetime.timedelta(seconds=LINK_TIMEOUT_S),

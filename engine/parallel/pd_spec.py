@@ -49,6 +49,18 @@ class PDSpec:
         return out
 
 
+def split_host_port(addr: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` → ``(HOST, PORT)``.
+
+    Raises:
+        ValueError: no host, or a port that is not a number in 1..65534 (one line).
+    """
+    host, _, port = addr.strip().rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError(f"expected HOST:PORT with a port in 1..65534, got {addr!r}")
+    return host, int(port)
+
+
 def worker_name(rank: int, num_prefill: int) -> str:
     """The name of the KV link's rank ``rank``: ``prefill-i`` for ranks ``0 .. P-1``,
     ``decode-j`` for rank ``P + j``."""
