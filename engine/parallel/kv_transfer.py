@@ -98,7 +98,8 @@ def gather_kv(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: lis
 def scatter_kv(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], kv: torch.Tensor
 ) -> None:
-    """Write a :func:`gather_kv` tensor into the given blocks of another pool (in place).
+    """Write a :func:`gather_kv` tensor into the given blocks of another pool (in place), from
+    whichever device it arrived on.
 
     Raises:
         ValueError: the tensor's layer count, block count or block shape does not match.
@@ -108,8 +109,8 @@ def scatter_kv(
         raise ValueError(f"KV hand-off of shape {tuple(kv.shape)} does not fit {want}")
     idx = torch.tensor(block_ids, device=kv_caches[0][0].device)
     for layer, (k, v) in enumerate(kv_caches):
-        k[idx] = kv[layer, 0].to(k.dtype)
-        v[idx] = kv[layer, 1].to(v.dtype)
+        k[idx] = kv[layer, 0].to(k.device, k.dtype)
+        v[idx] = kv[layer, 1].to(v.device, v.dtype)
 
 
 def send_kv(kv: torch.Tensor, dst: int, group=None, control=None) -> tuple[int, float]:

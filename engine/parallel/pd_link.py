@@ -99,6 +99,7 @@ class PDLink:
         self.sent_bytes = 0
         self.wake: zmq.Socket | None = None
         self._data = self._control = None  # the groups the KV and its headers cross on
+        self.kv_device = "cpu"  # where a hand-off's KV crosses: the GPU with NCCL
         if role == "decode" and ctx is not None:
             self.wake = ctx.socket(zmq.PULL)
             self.wake.bind(self.WAKE_ADDR)
@@ -110,7 +111,14 @@ class PDLink:
         return range(self.num_prefill, self.world_size)
 
     def _run(self) -> None:
+        # NCCL needs a device of its own per rank; cores that share a GPU move the KV through
+        # host memory over gloo instead
         nccl = self.device.startswith("cuda") and dist.is_nccl_available()
+        if nccl:
+            import torch
+
+            nccl = torch.cuda.device_count() >= self.world_size
+        self.kv_device = self.device if nccl else "cpu"
         try:
             dist.init_process_group(
                 "nccl" if nccl else "gloo",
@@ -136,6 +144,8 @@ class PDLink:
             while (item := self._outbox.get()) is not None:
                 h, dst = item
                 h.source = self.name
+                if self.kv_device == "cpu" and h.kv.device.type != "cpu":
+                    h.kv = h.kv.cpu()
                 sent, _ = send_handoff(h, dst, self._data, self.delay_s, control=self._control)
                 self.sent_bytes += sent
             for dst in self.decode_ranks:  # each decode side's receiver counts the ends
@@ -151,7 +161,7 @@ class PDLink:
         ended = 0
         try:
             while ended < self.num_prefill:
-                h = recv_handoff(None, self._data, self.device, control=self._control)
+                h = recv_handoff(None, self._data, self.kv_device, control=self._control)
                 if h is None:
                     ended += 1
                     continue
