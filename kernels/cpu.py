@@ -53,9 +53,11 @@ __all__ = [
     "gemv",
     "gemv_int4",
     "gemv_int8",
+    "int4_act",
     "int8_isa",
     "pack_int4",
     "prefetch_ahead",
+    "quantize_act_int8",
     "reference_gemv",
     "reference_gemv_int4",
     "reference_gemv_int8",
@@ -161,6 +163,8 @@ def _build() -> ctypes.CDLL:
     lib.tokenmill_gemv_prefetch.restype = ctypes.c_int64
     lib.tokenmill_gemv_i8_isa.argtypes = [ctypes.c_int]
     lib.tokenmill_gemv_i8_isa.restype = ctypes.c_int
+    lib.tokenmill_gemv_i4_act.argtypes = [ctypes.c_int]
+    lib.tokenmill_gemv_i4_act.restype = ctypes.c_int
     for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
         getattr(lib, f"tokenmill_{name}").restype = None
     if lib.tokenmill_gemv_max_rows() != MAX_ROWS:
@@ -188,6 +192,9 @@ def _load() -> ctypes.CDLL | None:
         isa = os.environ.get("TOKENMILL_INT8_ISA")
         if _lib is not None and isa in INT8_ISAS:  # an A/B of the int8 loops (int8_isa)
             _lib.tokenmill_gemv_i8_isa(INT8_ISAS.index(isa))
+        act = os.environ.get("TOKENMILL_INT4_ACT")
+        if _lib is not None and act in INT4_ACTS:  # an A/B of int4's activations (int4_act)
+            _lib.tokenmill_gemv_i4_act(INT4_ACTS.index(act))
         ahead = os.environ.get("TOKENMILL_GEMV_PREFETCH", "")
         if _lib is not None and ahead.isdigit():  # an A/B of the prefetch (prefetch_ahead)
             _lib.tokenmill_gemv_prefetch(int(ahead))
@@ -233,6 +240,40 @@ def int8_isa(use: str | None = None) -> str:
     if use is not None and use not in INT8_ISAS:
         raise ValueError(f"use must be one of {INT8_ISAS} or None, got {use!r}")
     return INT8_ISAS[lib.tokenmill_gemv_i8_isa(-1 if use is None else INT8_ISAS.index(use))]
+
+
+INT4_ACTS = ("float32", "int8")
+
+
+def int4_act(use: str | None = None) -> str:
+    """The activations :func:`gemv_int4` (and the decode step's int4 layers) multiply by:
+    ``int8`` where the CPU has AVX-512 VNNI and VBMI (each row of x quantized per group of 32,
+    ``max|x| / 127`` a group, and every group's product with the codes exact in int32:
+    llama.cpp's Q4 x Q8 arithmetic, so a pass costs about what reading the weights costs),
+    else ``float32``. ``use`` sets it for this process (``float32`` or ``int8``; None: the
+    CPU's best), for A/B benchmarks and tests of both; ``TOKENMILL_INT4_ACT`` at load. Returns
+    the mode in use afterwards: ``int8`` on a CPU without VNNI/VBMI gives ``float32``.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+        ValueError: ``use`` is not one of :data:`INT4_ACTS` or None.
+    """
+    lib = _loaded_or_raise()
+    if use is not None and use not in INT4_ACTS:
+        raise ValueError(f"use must be one of {INT4_ACTS} or None, got {use!r}")
+    return INT4_ACTS[lib.tokenmill_gemv_i4_act(-1 if use is None else INT4_ACTS.index(use))]
+
+
+def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` float32 → ``(xq [M, K] int8, dx [M, K/32] float32)``, as :func:`gemv_int4`
+    quantizes its activations in ``int8`` mode: per group of 32, ``dx = max|x| / 127`` and
+    ``xq = round-half-even(x * (127 / max|x|))`` in float32 (an all-zero group: 0 and 0)."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // INT4_GROUP, INT4_GROUP)
+    amax = xg.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(xg * inv[..., None]).to(torch.int8).reshape(m, k)
+    return xq, amax / torch.tensor(127.0)
 
 
 def prefetch_ahead(nbytes: int | None = None) -> int:
@@ -490,12 +531,24 @@ def reference_gemv_int4(
     qweight: torch.Tensor,
     group_scales: torch.Tensor,
     bias: torch.Tensor | None = None,
+    act: str = "float32",
 ) -> torch.Tensor:
-    """The torch reference of :func:`gemv_int4`, in float64 over :func:`unpack_int4`."""
+    """The torch reference of :func:`gemv_int4`, in float64 over :func:`unpack_int4`; ``act``
+    ``int8``: with x quantized as :func:`quantize_act_int8` does (the codes times the int8
+    activations, times ``s * dx``, plus ``z8`` times the float sum of x, per group)."""
     q, s, z8 = unpack_int4(qweight, group_scales)
     n = q.shape[0]
-    w = q.double().reshape(n, -1, INT4_GROUP) * s.double()[..., None] + z8.double()[..., None]
     b = bias.double() if bias is not None else None
+    if act == "int8":
+        m = x.shape[0]
+        xq, dx = quantize_act_int8(x)
+        qg = q.double().reshape(n, -1, INT4_GROUP)  # [N, G, 32]
+        dots = torch.einsum("ngt,mgt->mng", qg, xq.double().reshape(m, -1, INT4_GROUP))
+        xsum = x.double().reshape(m, -1, INT4_GROUP).sum(-1)  # [M, G]
+        y = (dots * s.double()[None] * dx.double()[:, None, :]).sum(-1)
+        y = y + (z8.double()[None] * xsum[:, None, :]).sum(-1)
+        return (y + b if b is not None else y).float()
+    w = q.double().reshape(n, -1, INT4_GROUP) * s.double()[..., None] + z8.double()[..., None]
     return torch.nn.functional.linear(x.double(), w.reshape(n, -1), b).float()
 
 

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* rows of x per register block: 8 accumulators + a weight vector + an x load fit AVX2's 16 ymm
  * registers. More rows than that run in blocks over the same row of W, which stays in L1, so
@@ -507,6 +508,126 @@ static void i4_256_rows(const uint8_t *wb, const uint32_t *szb, const float *x,
     }
 }
 
+/* ---- int4 weights x int8 activations (AVX-512 VNNI + VBMI) ----
+ *
+ * Each row of x is quantized per group of INT4_GROUP to int8 (symmetric: dx = max|x| / 127,
+ * xq = round-to-even(x * 127 / max|x|), llama.cpp's Q8_0 grouping), so a group's dot product
+ * with a row's codes is exact in int32 (vpdpbusd: unsigned codes x signed activations, four
+ * products a lane). The layout is the one above: one vpermb turns four pair lines (16 rows at
+ * four k) into 16 lanes of one row's four k, one mask and one shift-and-mask give the low and
+ * high nibbles, two vpdpbusd take them; per 128 weights that is 5 vector uops against the float
+ * loop's 24, so the pass is bound by reading the weights, not by widening them. Then per group
+ * y += s * dx * (q . xq) + z8 * sum(x): the zero term uses the exact float sum of x. */
+#define I4_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma")))
+
+/* vpermb indices: out byte 4 i + j (row i, k offset j) <- in byte 16 j + i (pair line j) */
+static uint8_t i4_lane_perm[64];
+
+#define DEFINE_I4_VNNI_BLOCK(NR)                                                                \
+    I4_VNNI static inline void i4v_##NR(const uint8_t *wb, const uint32_t *szb,                 \
+                                        const int8_t *xq, const float *dx, const float *xsum,   \
+                                        int64_t k, int64_t groups, __m512 *out) {               \
+        const __m512i perm = _mm512_loadu_si512(i4_lane_perm);                                  \
+        const __m512i m4 = _mm512_set1_epi8(15), hi16 = _mm512_set1_epi32(-65536);              \
+        __m512 tot[NR];                                                                        \
+        for (int j = 0; j < NR; j++) tot[j] = _mm512_setzero_ps();                             \
+        for (int64_t g = 0; g < groups; g++) {                                                 \
+            const uint8_t *wg = wb + g * NB * 16;                                              \
+            prefetch_row(wg, NB * 16);                                                         \
+            __m512i acc[NR];                                                                   \
+            for (int j = 0; j < NR; j++) acc[j] = _mm512_setzero_si512();                      \
+            for (int p = 0; p < 16; p += 4) {                                                  \
+                const __m512i w =                                                              \
+                    _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(wg + p * 16));            \
+                const __m512i lo = _mm512_and_si512(w, m4);                                    \
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);              \
+                for (int j = 0; j < NR; j++) {                                                 \
+                    int32_t a, c;                                                              \
+                    memcpy(&a, xq + j * k + g * INT4_GROUP + p, 4);                            \
+                    memcpy(&c, xq + j * k + g * INT4_GROUP + 16 + p, 4);                       \
+                    acc[j] = _mm512_dpbusd_epi32(acc[j], lo, _mm512_set1_epi32(a));            \
+                    acc[j] = _mm512_dpbusd_epi32(acc[j], hi, _mm512_set1_epi32(c));            \
+                }                                                                              \
+            }                                                                                  \
+            const __m512i szv = _mm512_loadu_si512(szb + g * NB);                              \
+            const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(szv, 16));                 \
+            const __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(szv, hi16));                \
+            for (int j = 0; j < NR; j++) {                                                     \
+                const __m512 d = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j]), sv);                \
+                tot[j] = _mm512_fmadd_ps(d, _mm512_set1_ps(dx[j * groups + g]), tot[j]);       \
+                tot[j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xsum[j * groups + g]), tot[j]);    \
+            }                                                                                  \
+        }                                                                                      \
+        for (int j = 0; j < NR; j++) out[j] = tot[j];                                          \
+    }
+
+DEFINE_I4_VNNI_BLOCK(1)
+DEFINE_I4_VNNI_BLOCK(2)
+DEFINE_I4_VNNI_BLOCK(3)
+DEFINE_I4_VNNI_BLOCK(4)
+DEFINE_I4_VNNI_BLOCK(5)
+DEFINE_I4_VNNI_BLOCK(6)
+DEFINE_I4_VNNI_BLOCK(7)
+DEFINE_I4_VNNI_BLOCK(8)
+
+I4_VNNI static void i4v_rows(const uint8_t *wb, const uint32_t *szb, const int8_t *xq,
+                             const float *dx, const float *xsum, int64_t k, int64_t groups,
+                             int64_t m, float *out) {
+    for (int64_t j0 = 0; j0 < m; j0 += I4_ROW_BLOCK) {
+        const int64_t nr = m - j0 < I4_ROW_BLOCK ? m - j0 : I4_ROW_BLOCK;
+        const int8_t *xb = xq + j0 * k;
+        const float *db = dx + j0 * groups, *sb = xsum + j0 * groups;
+        __m512 o[I4_ROW_BLOCK];
+        switch (nr) {
+        case 1: i4v_1(wb, szb, xb, db, sb, k, groups, o); break;
+        case 2: i4v_2(wb, szb, xb, db, sb, k, groups, o); break;
+        case 3: i4v_3(wb, szb, xb, db, sb, k, groups, o); break;
+        case 4: i4v_4(wb, szb, xb, db, sb, k, groups, o); break;
+        case 5: i4v_5(wb, szb, xb, db, sb, k, groups, o); break;
+        case 6: i4v_6(wb, szb, xb, db, sb, k, groups, o); break;
+        case 7: i4v_7(wb, szb, xb, db, sb, k, groups, o); break;
+        default: i4v_8(wb, szb, xb, db, sb, k, groups, o); break;
+        }
+        for (int64_t j = 0; j < nr; j++) _mm512_storeu_ps(out + (j0 + j) * NB, o[j]);
+    }
+}
+
+/* x [m, k] -> xq [m, k] int8 and dx [m, groups]: per group of INT4_GROUP, dx = max|x| / 127
+ * and xq = round-to-even(x * (127 / max|x|)) in float32 (kernels/cpu.py's reference does the
+ * same arithmetic); an all-zero group gives dx = 0 and zero codes. */
+void tokenmill_quantize_act_i8(const float *x, int8_t *xq, float *dx, int64_t m, int64_t k) {
+    const int64_t groups = k / INT4_GROUP;
+    for (int64_t j = 0; j < m; j++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + j * k + g * INT4_GROUP;
+            int8_t *qg = xq + j * k + g * INT4_GROUP;
+            float amax = 0.0f;
+            for (int t = 0; t < INT4_GROUP; t++) {
+                const float a = xg[t] < 0.0f ? -xg[t] : xg[t];
+                amax = a > amax ? a : amax;
+            }
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            dx[j * groups + g] = amax / 127.0f;
+            for (int t = 0; t < INT4_GROUP; t++)  /* cvtss2si: the MXCSR's round-to-even */
+                qg[t] = (int8_t)_mm_cvtss_si32(_mm_set_ss(xg[t] * inv));
+        }
+}
+
+/* int4's activations: 1 = int8 (the VNNI loop), 0 = float32; -1 = not chosen yet */
+static int i4_act = -1;
+
+/* Sets int4's activations: 1 int8 (where the CPU has AVX-512 VNNI and VBMI), 0 float32, -1 the
+ * CPU's best. Returns the mode now in use. */
+int tokenmill_gemv_i4_act(int want) {
+    __builtin_cpu_init();
+    const int vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+    for (int i = 0; i < 16; i++)
+        for (int j = 0; j < 4; j++) i4_lane_perm[4 * i + j] = (uint8_t)(16 * j + i);
+    i4_act = want < 0 ? vnni : (want == 1 && vnni);
+    return i4_act;
+}
+
 int tokenmill_gemv_int4_group(void) { return INT4_GROUP; }
 int tokenmill_gemv_int4_rows(void) { return NB; }
 
@@ -517,22 +638,32 @@ int tokenmill_gemv_i4(const uint8_t *q, const uint32_t *sz, const float *x, cons
                       float *y, int64_t n, int64_t k, int64_t m, int nthreads) {
     if (m < 1 || m > GEMV_MAX_ROWS || n % NB || k < INT4_GROUP || k % INT4_GROUP) return -1;
     if (i8_isa < 0) tokenmill_gemv_i8_isa(-1);
-    const int wide = i8_isa;
+    if (i4_act < 0) tokenmill_gemv_i4_act(-1);
+    const int wide = i8_isa, act8 = i4_act;
     const int64_t groups = k / INT4_GROUP, blocks = n / NB;
-    float *xsum = malloc(sizeof(float) * m * groups);
-    if (!xsum) return -2;
+    float *xsum = malloc(sizeof(float) * m * groups * 2);
+    int8_t *xq = act8 ? malloc((size_t)(m * k)) : NULL;
+    if (!xsum || (act8 && !xq)) {
+        free(xsum);
+        free(xq);
+        return -2;
+    }
+    float *dx = xsum + m * groups;
     for (int64_t j = 0; j < m; j++)
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.0f;
             for (int t = 0; t < INT4_GROUP; t++) s += x[j * k + g * INT4_GROUP + t];
             xsum[j * groups + g] = s;
         }
+    if (act8) tokenmill_quantize_act_i8(x, xq, dx, m, k);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         float out[GEMV_MAX_ROWS * NB];
         const uint8_t *wb = q + b * groups * NB * 16;
         const uint32_t *szb = sz + b * groups * NB;
-        if (wide)
+        if (act8)
+            i4v_rows(wb, szb, xq, dx, xsum, k, groups, m, out);
+        else if (wide)
             i4_512_rows(wb, szb, x, xsum, k, groups, m, out);
         else
             i4_256_rows(wb, szb, x, xsum, k, groups, m, out);
@@ -541,6 +672,7 @@ int tokenmill_gemv_i4(const uint8_t *q, const uint32_t *sz, const float *x, cons
                 y[j * n + b * NB + i] = out[j * NB + i] + (bias ? bias[b * NB + i] : 0.0f);
     }
     free(xsum);
+    free(xq);
     return 0;
 }
 

@@ -30,9 +30,27 @@ from tokenmill.kernels import cpu
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
 
 
+@pytest.fixture(params=["float32", "int8"])
+def int4_act(request):
+    """int4's GEMV on float32 activations, then on int8-rounded ones (skipped without VNNI)."""
+    if cpu.int4_act(request.param) != request.param:
+        cpu.int4_act(None)
+        pytest.skip("no AVX-512 VNNI/VBMI here: int4 runs on float32 activations")
+    yield request.param
+    cpu.int4_act(None)
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_tiny_checkpoints_logits_match_eager(arch, quantization, tmp_path):
+def test_tiny_checkpoints_logits_match_eager(arch, quantization, int4_act, tmp_path):
+    """The compiled decode step against the eager forward, every architecture and weight
+    scheme: logits within 1e-4. With int4 on int8-rounded activations both paths round the
+    same activations, but an ulp of difference upstream (the two paths sum in their own order)
+    can tip one activation to the next int8 step, ~1/127 of its group's range: a relative
+    (norm) error under 3e-2 there. Measured 2026-12-03: 0 for llama, mistral and qwen2 (the
+    same sums), up to 0.0084 for qwen3 (its q/k norms are summed in another order)."""
+    if quantization != "int4" and int4_act == "int8":
+        pytest.skip("int4's activation mode changes nothing else")
     make_checkpoint(arch, tmp_path)
     g = torch.Generator().manual_seed(3)
     prompts = [10, 3, 17]
@@ -45,7 +63,11 @@ def test_tiny_checkpoints_logits_match_eager(arch, quantization, tmp_path):
     model = load_model(tmp_path, device="cpu", dtype="float32", quantization=quantization)
     eager = run_paged(model, seqs, prompts, chunk=4)
     for a, b in zip(compiled, eager, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        if quantization == "int4" and int4_act == "int8":
+            err = ((a - b).norm() / b.norm()).item()
+            assert err < 3e-2, err
+        else:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")

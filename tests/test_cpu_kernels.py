@@ -149,15 +149,19 @@ def test_int4_layout_packs_two_codes_a_byte_and_unpacks():
      (7, 32, 96), (8, 48, 32), (9, 16, 64), (11, 64, 1536), (64, 16, 64)],
 )  # fmt: skip
 def test_gemv_int4_matches_the_reference(int8_loop, m, n, k):
-    """Weight-only int4, each loop (the int8 switch picks both): row counts 1..64 (every
-    register block size of both loops, full blocks and remainders), one to eight blocks of 16
-    output rows, one group to 48: within 1e-5 relative of the float64 reference on the
-    unpacked weight; the kernel's dequantize equals it."""
+    """Weight-only int4, each float32-activation loop (the int8 switch picks both): row counts
+    1..64 (every register block size of both loops, full blocks and remainders), one to eight
+    blocks of 16 output rows, one group to 48: within 1e-5 relative of the float64 reference
+    on the unpacked weight; the kernel's dequantize equals it."""
     g = torch.Generator().manual_seed(m * 13 + n + k)
     q, s, z, qweight, words = _int4_layer(n, k, g)
     x = torch.randn(m, k, generator=g)
     bias = torch.randn(n, generator=g)
-    got = cpu.gemv_int4(x, qweight, words, bias)
+    cpu.int4_act("float32")
+    try:
+        got = cpu.gemv_int4(x, qweight, words, bias)
+    finally:
+        cpu.int4_act(None)
     want = cpu.reference_gemv_int4(x, qweight, words, bias)
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert (got - want).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1.0)
@@ -168,6 +172,43 @@ def test_gemv_int4_matches_the_reference(int8_loop, m, n, k):
     assert ((w - exact).abs() <= bound).all()
     ref_w = cpu.reference_gemv_int4(torch.eye(k), qweight, words).t()
     torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 16, 32), (2, 32, 64), (3, 48, 96), (5, 16, 160), (8, 48, 32), (9, 16, 64),
+     (11, 64, 1536), (64, 16, 64)],
+)  # fmt: skip
+def test_gemv_int4_on_int8_activations_matches_its_reference(m, n, k):
+    """The VNNI loop (int4 codes times activations quantized to int8 per group of 32): every
+    register block size and remainder, one group to 48, within 1e-5 relative of the float64
+    reference that quantizes x the same way (the int32 dot products are exact); and within
+    what an int8 rounding of x costs of the float32-activation result (a loop that skipped
+    the zero term or took another group's scale is off by far more), yet not equal to it."""
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    if cpu.int4_act("int8") != "int8":
+        cpu.int4_act(None)
+        pytest.skip("no AVX-512 VNNI/VBMI here: int4 runs on float32 activations")
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    _, _, _, qweight, words = _int4_layer(n, k, g)
+    x = torch.randn(m, k, generator=g)
+    if k > 32:
+        x[0, :32] = 0.0  # an all-zero group: dx 0, no division by zero
+    bias = torch.randn(n, generator=g)
+    try:
+        got = cpu.gemv_int4(x, qweight, words, bias)
+    finally:
+        cpu.int4_act(None)
+    want = cpu.reference_gemv_int4(x, qweight, words, bias, act="int8")
+    scale = max(want.abs().max().item(), 1.0)
+    assert (got - want).abs().max().item() <= 1e-5 * scale
+    f32 = cpu.reference_gemv_int4(x, qweight, words, bias)
+    off = (got - f32).abs().max().item() / f32.abs().max().item()
+    assert 1e-6 < off < 5e-3, off
+    xq, dx = cpu.quantize_act_int8(x)
+    assert xq.dtype == torch.int8 and xq.abs().max().item() <= 127
+    assert k == 32 or dx[0, 0].item() == 0.0
 
 
 @pytest.mark.parametrize(

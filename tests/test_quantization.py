@@ -192,7 +192,8 @@ def test_packed_and_dequantized_paths_agree(method, n, rows, torch_kernels):
 @pytest.mark.parametrize("rows", [1, 7, 64, 65, 150])
 def test_gemv_layer_computes_with_its_dequantized_weight(method, n, rows):
     """int8 and int4 on a CPU with the C kernels (path ``gemv``): up to 64 rows
-    (INT8_GEMV_MAX_ROWS, INT4_GEMV_MAX_ROWS) the kernels' GEMV with float32 activations, above
+    (INT8_GEMV_MAX_ROWS, INT4_GEMV_MAX_ROWS) the kernels' GEMV (int4: on the activations
+    ``cpu.int4_act`` names, int8-rounded ones where the CPU has VNNI), above
     it a dequantize + the float32 GEMM; both on the weight ``dequantize()`` returns: int8 ``q *
     s`` with one float32 scale per 32 weights along K, int4 ``q * s + z8`` of ``quantize_int4``
     in the layout's bf16 scales."""
@@ -227,6 +228,9 @@ def test_gemv_layer_computes_with_its_dequantized_weight(method, n, rows):
     got = layer(x)
     dense = nn.functional.linear(x.double(), ref_w.double(), b.double()).float()
     assert got.shape == (rows, n) and got.dtype == torch.float32
+    if method == "int4" and rows <= 64 and cpu_gemv.int4_act() == "int8":
+        # the VNNI GEMV multiplies by x rounded to int8 per group of 32 (cpu.int4_act)
+        dense = cpu_gemv.reference_gemv_int4(x, layer.qweight, layer.group_scales, b, act="int8")
     torch.testing.assert_close(got, dense, atol=2e-5, rtol=2e-5)
     if rows <= 64:
         with pytest.raises(RuntimeError, match="no packed kernel"):
