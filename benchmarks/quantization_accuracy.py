@@ -27,6 +27,7 @@ target fails.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
@@ -147,6 +148,18 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated config names to run beside float32 (the base), e.g. int4,int4+bf16",
+    )
+    parser.add_argument("--out", default=str(OUT / "quantization_accuracy.json"))
+    args = parser.parse_args()
+    names = {c[0] for c in CONFIGS}
+    only = set(args.only.split(",")) if args.only else names
+    if not only <= names:
+        parser.error(f"--only takes names of {sorted(names)}, got {sorted(only - names)}")
     torch.manual_seed(0)
     model_dir = resolve_model_dir(None)
     tokenizer = load_tokenizer(model_dir)
@@ -154,6 +167,8 @@ def main() -> int:
     print(f"text: {len(ids)} tokens, {len(windows(len(ids)))} windows of {WINDOW}")
     results: dict[str, dict] = {}
     for name, dtype, quant in CONFIGS:
+        if name != "float32" and name not in only:
+            continue
         t0 = time.perf_counter()
         model = load_model(model_dir, device="cpu", dtype=dtype, quantization=quant)
         r = {"dtype": dtype, "quantization": quant, "weight_bytes": weight_bytes_by_dtype(model)}
@@ -228,8 +243,9 @@ def main() -> int:
         "checks": checks,
         "pass": ok,
     }
-    OUT.mkdir(exist_ok=True)
-    (OUT / "quantization_accuracy.json").write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
 
     print(f"\n{'config':<10} {'ppl prefill':>12} {'vs f32':>8} {'ppl chunked':>12} {'vs f32':>8}")
     for name, r in results.items():

@@ -585,9 +585,10 @@ def model_info(runner) -> dict:
     event, ``/health`` and ``tokenmill_model_weight_bytes``): ``weight_bytes_total`` and
     ``weight_bytes_by_dtype`` (bytes by storage dtype, int4 reported as ``int4``),
     ``kv_cache_bytes`` (the pool), ``kv_bytes_per_token`` (K and V over all layers),
-    ``model_dtype``, ``engine_device`` and ``compiled_decode`` (``"on"``, or why the compiled
-    decode step is off: ``--enforce-eager``, an int4 layer, …). Empty for a runner without a
-    model.
+    ``model_dtype``, ``engine_device``, ``compiled_decode`` (``"on"``, or why the compiled
+    decode step is off: ``--enforce-eager``, an int4 layer, …) and ``int4_activations_used`` (what
+    the CPU int4 GEMV multiplies by: ``int8``/``float32``; None without one). Empty for a
+    runner without a model.
 
     The KV pool is what is left for it: on CUDA the runner sizes it after a profiling forward,
     as ``total × gpu_memory_utilization`` minus the peak use, which includes the weights (so
@@ -607,6 +608,7 @@ def model_info(runner) -> dict:
         "model_dtype": str(runner.dtype).removeprefix("torch."),
         "engine_device": str(runner.device),
         "compiled_decode": getattr(runner, "native_off_reason", None) or "on",
+        "int4_activations_used": getattr(runner, "int4_activations", None),
     }
 
 

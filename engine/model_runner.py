@@ -10,10 +10,12 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.kernels import cpu as cpu_kernels
+
 from .attention import SeqChunk, build_step_inputs
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, capture_sizes, decode_graphs_for
-from .errors import TokenmillError
+from .errors import ModelLoadError, TokenmillError
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .models.loader import load_model
 from .models.native_step import NativeDecode, native_decode_for
@@ -26,6 +28,26 @@ log = logging.getLogger(__name__)
 
 class KVCacheSizingError(TokenmillError):
     """The memory left for the KV cache holds no block."""
+
+
+def set_int4_activations(config: EngineConfig, device: torch.device) -> str | None:
+    """Set what this process's CPU int4 GEMV multiplies by (``--int4-activations``,
+    ``kernels/cpu.py``: ``int4_act``); the mode in use (``int8``/``float32``), None when no
+    int4 layer runs the C kernels (no int4, not a CPU, or the kernels do not build here).
+
+    Raises:
+        ModelLoadError: ``int8`` asked for on a CPU without AVX-512 VNNI and VBMI (one line).
+    """
+    if config.quantization != "int4" or device.type != "cpu" or not cpu_kernels.available():
+        return None
+    want = config.int4_activations
+    got = cpu_kernels.int4_act(None if want == "auto" else want)
+    if want != "auto" and got != want:
+        raise ModelLoadError(
+            "--int4-activations int8 needs a CPU with AVX-512 VNNI and VBMI; this one runs "
+            "int4 on float32 activations (use auto or float32)"
+        )
+    return got
 
 
 class ModelRunner:
@@ -65,6 +87,7 @@ class ModelRunner:
         self.model = load_model(model_dir, tensor_parallel=(0, tp) if tp > 1 else None, **load)
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.int4_activations = set_int4_activations(config, self.device)
         self.model_config = self.model.config
         self.block_size = config.block_size
         self.bytes_per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)

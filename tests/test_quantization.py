@@ -416,3 +416,36 @@ def test_quantization_errors_are_one_line(tiny_cli_model, command, args, needle)
         *args,
     )
     assert needle in one_error_line(proc)
+
+
+def test_int4_activations_is_checked_and_set_for_the_process(monkeypatch):
+    """``--int4-activations``: a bad value is one line naming the knob; ``float32`` and
+    ``int8`` set the process's CPU int4 GEMV (``cpu.int4_act``) for an int4 CPU model only;
+    ``int8`` on a CPU without VNNI/VBMI is one line saying so."""
+    import torch
+
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.errors import ModelLoadError
+    from tokenmill.engine.model_runner import set_int4_activations
+
+    with pytest.raises(ValueError, match="int4_activations must be one of auto, int8, float32"):
+        EngineConfig(int4_activations="int16").validate()
+    cpu_dev = torch.device("cpu")
+    assert set_int4_activations(EngineConfig(quantization="int8"), cpu_dev) is None
+    if not cpu_gemv.available():
+        pytest.skip(cpu_gemv.unavailable_reason())
+    try:
+        cfg = EngineConfig(quantization="int4", int4_activations="float32")
+        assert set_int4_activations(cfg, cpu_dev) == "float32"
+        x = torch.randn(1, 32)
+        w = torch.randn(16, 32)
+        layer = QuantizedLinear("int4", w, None)
+        f32 = cpu_gemv.reference_gemv_int4(x, layer.qweight, layer.group_scales)
+        assert torch.allclose(layer(x), f32, atol=1e-5, rtol=1e-5)  # float32 activations now
+        monkeypatch.setattr(cpu_gemv, "int4_act", lambda use=None: "float32")
+        cfg = EngineConfig(quantization="int4", int4_activations="int8")
+        with pytest.raises(ModelLoadError, match="needs a CPU with AVX-512 VNNI and VBMI"):
+            set_int4_activations(cfg, cpu_dev)
+    finally:
+        monkeypatch.undo()
+        cpu_gemv.int4_act(None)

@@ -154,6 +154,8 @@ def memory_line(model_info: dict) -> str:
     compiled = model_info.get("compiled_decode")
     if compiled:
         line += f"; compiled decode step {compiled if compiled == 'on' else f'off ({compiled})'}"
+    if model_info.get("int4_activations_used"):
+        line += f"; int4 on {model_info['int4_activations_used']} activations"
     return line + "; "
 
 
