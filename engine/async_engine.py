@@ -71,6 +71,9 @@ def raise_for(error: EngineError) -> Exception:
 
 #: seconds of silence (no step, no heartbeat) after which a remote engine core counts as dead
 REMOTE_SILENCE_S = 30.0
+#: seconds a remote engine core's host (``tokenmill pd-worker``) has to connect and take its
+#: start before the start fails (its model then loads within the start's own timeout)
+REMOTE_CONNECT_S = 120.0
 
 
 class RemoteCore:
@@ -119,7 +122,9 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, pd: dict | None = None):
         config.validate()
         self.config = config
-        self.pd = pd  # this core's part in --disaggregation (core_process.run_engine_core)
+        # this core's part in --disaggregation (core_process.run_engine_core), as it starts:
+        # the pool may move the KV link (pd["port"]) for the next start meanwhile
+        self.pd = dict(pd) if pd is not None else None
         self.remote = (pd or {}).get("remote")
         self._ctx = zmq.asyncio.Context()
         self._tmp = tempfile.TemporaryDirectory(prefix="tokenmill-ipc-")
@@ -164,9 +169,10 @@ class AsyncEngine:
             self.process = RemoteCore(self)
             start = RemoteStart(config=self.config.to_dict(), pd=dict(self.pd))
             # queued until the core's host connects: it may come up after this server
-            if not await self._send(start, timeout_s=timeout_s):
+            wait_s = min(timeout_s, REMOTE_CONNECT_S)
+            if not await self._send(start, timeout_s=wait_s):
                 raise EngineDeadError(
-                    f"no engine core host connected to {self._in_addr} in {timeout_s:.0f} s "
+                    f"no engine core host connected to {self._in_addr} in {wait_s:.0f} s "
                     f"(tokenmill pd-worker --connect {self.remote})"
                 )
         else:

@@ -314,13 +314,18 @@ class EngineConfig:
                 "--decode-kv-cache-memory, --decode-num-gpu-blocks-override and "
                 "--remote-decode-listen need --disaggregation"
             )
-        if self.remote_decode_listen:
+        if self.remote_decode_listen and spec is not None:
             from .parallel.pd_spec import split_host_port
 
             try:
-                split_host_port(self.remote_decode_listen)
+                _, port = split_host_port(self.remote_decode_listen)
             except ValueError as exc:
                 raise ValueError(f"--remote-decode-listen: {exc}") from None
+            if port + 2 * spec.decode - 1 > 65535:
+                raise ValueError(
+                    f"--remote-decode-listen: {spec.decode} decode core(s) take ports {port}.."
+                    f"{port + 2 * spec.decode - 1}, past 65535"
+                )
         if spec is not None and (self.data_parallel_size > 1 or self.tensor_parallel_size > 1):
             raise ValueError(
                 "--disaggregation sets its own engine cores (prefill=P,decode=D); it does not "

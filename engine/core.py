@@ -464,7 +464,10 @@ class EngineCore:
         finished = request.status.finished
         detok = self.detokenizers.get(request.request_id)
         t = time.perf_counter()
-        text = detok.take_delta(finished) if detok else ""
+        # a hand-off ends here but not for the client: text held back as a possible stop
+        # string stays held (the decode side's detokenizer holds and releases it)
+        flush = finished and request.status != RequestStatus.FINISHED_HANDED_OFF
+        text = detok.take_delta(flush) if detok else ""
         self._detokenize_s += time.perf_counter() - t
         if finished:
             self.detokenizers.pop(request.request_id, None)

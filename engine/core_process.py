@@ -162,6 +162,7 @@ def run_engine_core(
             num_prefill=pd.get("num_prefill", 1),
             device=str(core.runner.device),
             master_addr=pd.get("master_addr", "127.0.0.1"),
+            nccl=bool(pd.get("nccl")),
         )
         if link.wake is not None:
             poller.register(link.wake, zmq.POLLIN)
@@ -222,8 +223,8 @@ def run_engine_core(
             _adopt_arrivals(core, link, desk, send)
         if core.has_work():
             outputs, record = core.step()
-            if desk is not None and record is not None:
-                record.num_kv_waiting = desk.waiting
+            if desk is not None and record is not None:  # held, and arrived but not read
+                record.num_kv_waiting = desk.waiting + link.arrived.qsize()
             send(EngineOutputs(outputs, record))
             if link is not None and link.role == "prefill":
                 for out in outputs:
@@ -235,7 +236,7 @@ def run_engine_core(
         elif not events:
             idle = core.idle_record()
             if desk is not None:
-                idle.num_kv_waiting = desk.waiting
+                idle.num_kv_waiting = desk.waiting + link.arrived.qsize()
             send(Heartbeat(core.stats(), idle))
     if link is not None:
         link.close()

@@ -774,3 +774,134 @@ def test_the_host_to_host_recipe_serves_and_recovers_from_a_killed_remote_core(
             worker.kill()
         log.close()
     assert "exited with code -9" in (tmp_path / "pd-worker.log").read_text()
+
+
+def _split_text(prefill: LLM, decode: LLM, prompt: str, sp: SamplingParams) -> tuple[str, str]:
+    """One request prefilled on ``prefill`` and decoded on ``decode``: its streamed text
+    (every delta of both sides, in order) and its finish reason."""
+    p, d = prefill.core, decode.core
+    p.add_request("r", prefill.tokenizer.encode(prompt), sp, hand_off=True)
+    text, reason = "", None
+    while reason is None:
+        for out in p.step()[0]:
+            text += out.new_text
+            if out.finished:
+                reason = out.finish_reason
+    if reason != "handoff":
+        return text, reason
+    assert d.adopt(p.take_handoff("r")) is not None
+    reason = None
+    while reason is None:
+        for out in d.step()[0]:
+            text += out.new_text
+            if out.finished:
+                reason = out.finish_reason
+    return text, reason
+
+
+@pytest.mark.slow
+def test_stop_strings_hold_across_the_hand_off(smollm2_dir):
+    """A stop string that begins with the first token's text: the prefill side must not
+    flush the text it holds back when it hands the request off (the decode side holds and
+    releases it), so the client sees it once, or not at all when the stop string matches."""
+    llm = LLM(str(smollm2_dir))
+    prefill, decode = LLM(str(smollm2_dir)), LLM(str(smollm2_dir))
+    prompt = "The capital of France is"
+    plain = SamplingParams(max_tokens=8, temperature=0)
+    full = llm.generate([prompt], [plain])[0]
+    first = llm.tokenizer.decode(full.token_ids[:1])
+    assert first and full.text.startswith(first)
+    never = SamplingParams(max_tokens=8, temperature=0, stop=(first + "\u2603never",))
+    assert _split_text(prefill, decode, prompt, never) == (full.text, "length")
+    at_once = SamplingParams(max_tokens=8, temperature=0, stop=(full.text[: len(first) + 2],))
+    want = llm.generate([prompt], [at_once])[0]
+    assert want.text == "" and want.finish_reason == "stop"
+    assert _split_text(prefill, decode, prompt, at_once) == ("", "stop")
+
+
+def test_the_router_spreads_a_burst_and_refuses_what_no_decode_pool_holds():
+    """``PDPool.generate`` takes the router's counts when it routes: two requests routed
+    before either stream runs go to different prefill cores, and are promised to the decode
+    core with the most free blocks less the blocks already promised; a stream closed before
+    it ran gives its counts back; a request whose prompt + max_tokens exceeds every decode
+    pool is refused before any prefill (RequestRejected, the API's 400)."""
+    import asyncio
+
+    from tokenmill.engine.api.disaggregated import PDPool, PDRouter
+    from tokenmill.engine.errors import RequestRejected
+
+    class Core:
+        def __init__(self, name, replica, free=0, total=0):
+            self.name, self.replica, self.ready, self.state = name, replica, True, "ready"
+            self.engine = types.SimpleNamespace(
+                stats={"kv_blocks_free": free, "kv_blocks_total": total}
+            )
+
+        def generate(self, *args, **kwargs):
+            raise AssertionError("no stream in this test runs")
+
+    p = PDPool.__new__(PDPool)
+    p.prefills = [Core("prefill-0", 0), Core("prefill-1", 1)]
+    p.decodes = [Core("decode-0", 2, free=10, total=12), Core("decode-1", 3, free=8, total=12)]
+    p.workers = p.prefills + p.decodes
+    p.router, p._where, p.closing = PDRouter(2, 2, 16), {}, False
+    a = p.generate("a", [1] * 40, SamplingParams(max_tokens=8))  # 3 blocks of prompt
+    b = p.generate("b", [1] * 40, SamplingParams(max_tokens=8))
+    assert a.held.prefill != b.held.prefill  # the burst spreads over both prefill cores
+    assert (a.held.decode, b.held.decode) == (2, 3)  # 10 free, then 10 - 3 = 7 < 8
+    assert p.router.outstanding == [40, 40, 0, 0] and p.router.promised == [0, 0, 3, 3]
+    asyncio.run(a.aclose())
+    asyncio.run(b.aclose())  # closed before they ran (a client gone before the response)
+    assert p.router.outstanding == [0, 0, 0, 0] and p.router.promised == [0, 0, 0, 0]
+    with pytest.raises(RequestRejected, match="needs 13 KV blocks but a decode core's pool has 12"):
+        p.generate("c", [1] * 200, SamplingParams(max_tokens=8))
+    assert p.router.outstanding == [0, 0, 0, 0] and not p._where
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (
+            {"disaggregation": "prefill=1,decode=2", "remote_decode_listen": "127.0.0.1:65533"},
+            "2 decode core(s) take ports 65533..65536, past 65535",
+        ),
+        (
+            {"disaggregation": "prefill=1,decode=1", "remote_decode_listen": "no-port"},
+            "--remote-decode-listen: expected HOST:PORT",
+        ),
+        ({"remote_decode_listen": "127.0.0.1:29700"}, "need --disaggregation"),
+        (
+            {"disaggregation": "prefill=1,decode=1", "prefill_devices": "0-99999999999"},
+            "names core(s) [",
+        ),
+        ({"disaggregation": "prefill=\uff11,decode=1"}, "takes 'prefill=P,decode=D'"),
+    ],
+)
+def test_the_remote_and_placement_flags_are_refused_in_one_line(flags, needle):
+    from tokenmill.engine.config import EngineConfig
+
+    with pytest.raises(ValueError) as err:
+        EngineConfig(**flags).validate()
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_remote_listen_address_this_host_lacks_is_one_line():
+    from tokenmill.engine.api.disaggregated import PDPool
+    from tokenmill.engine.config import EngineConfig
+
+    cfg = EngineConfig(
+        disaggregation="prefill=1,decode=1", remote_decode_listen="10.255.255.1:29700"
+    )
+    with pytest.raises(
+        ValueError, match=r"--remote-decode-listen 10.255.255.1:29700: cannot listen"
+    ):
+        PDPool(cfg, cfg.pd_spec())
+
+
+def test_pd_worker_names_connect_when_it_is_malformed():
+    from tokenmill.engine.parallel.pd_remote import addresses
+
+    for bad in ("garbage", "127.0.0.1", ":0", "127.0.0.1:65535"):
+        with pytest.raises(ValueError, match="--connect"):
+            addresses(bad)
+    assert addresses("10.0.0.1:29700") == ("tcp://10.0.0.1:29700", "tcp://10.0.0.1:29701")

@@ -39,6 +39,7 @@ import msgspec
 
 from ..async_engine import EngineDeadError
 from ..config import EngineConfig
+from ..errors import RequestRejected
 from ..messages import RequestOutput
 from ..parallel.pd_spec import PDSpec, split_host_port, worker_name
 from .replicas import ReplicaPool, Router
@@ -109,7 +110,13 @@ class PDPool(ReplicaPool):
         )
         # the KV link's rendezvous: on this host, reachable from the decode hosts when remote
         self.master_addr = remote[0] if remote else "127.0.0.1"
-        port = _free_port(self.master_addr)
+        try:
+            port = _free_port(self.master_addr)
+        except OSError as exc:  # a host that does not resolve, or is not this machine's
+            raise ValueError(
+                f"--remote-decode-listen {config.remote_decode_listen}: cannot listen on "
+                f"{self.master_addr} ({exc.strerror or exc})"
+            ) from None
         places = [("prefill", c) for c in spec.worker_cpus("prefill")]
         places += [("decode", c) for c in spec.worker_cpus("decode")]
         self.workers = []
@@ -120,7 +127,7 @@ class PDPool(ReplicaPool):
             elif (
                 spec.world_size > 2
                 and config.cpu_threads == 0
-                and config.device == "cpu"
+                and not config.device.startswith("cuda")  # cpu, or auto on a CPU host
                 and not (remote and role == "decode")  # another host's cores
             ):
                 changes["cpu_threads"] = max(1, cpu_count // spec.world_size)
@@ -140,6 +147,8 @@ class PDPool(ReplicaPool):
                 "rank": rank,
                 "world_size": spec.world_size,
                 "num_prefill": spec.prefill,
+                # a GPU of its own per core (--device cuda): the KV crosses on NCCL
+                "nccl": config.device.startswith("cuda"),
             }
             if remote is not None and role == "decode":
                 pd["remote"] = f"{remote[0]}:{remote[1] + 2 * (rank - spec.prefill)}"
@@ -171,7 +180,10 @@ class PDPool(ReplicaPool):
             return
         port = _free_port(self.master_addr)
         for w in self.workers:
-            w.pd["port"] = port  # read when each core is spawned again
+            # read when each core is spawned again; a core that is starting meanwhile (its
+            # engine not yet the worker's) started on the old port: EngineWorker._spawn sees
+            # the port moved once it is up and starts it again on this one
+            w.pd["port"] = port
         for other in self.workers:
             engine = other.engine
             if other is crashed or engine is None or engine.process is None:
@@ -184,9 +196,13 @@ class PDPool(ReplicaPool):
         """Start every core at once: each joins the KV link while it loads."""
         import asyncio
 
-        results = await asyncio.gather(*(w.start() for w in self.workers), return_exceptions=True)
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:
+        tasks = [asyncio.ensure_future(w.start()) for w in self.workers]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t.exception() for t in done if t.exception() is not None), None)
+        if failed is not None:  # one core cannot start: the link cannot form, stop waiting
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
             await self.stop()
             raise failed
         info = dict(self.info)
@@ -198,11 +214,13 @@ class PDPool(ReplicaPool):
         self, request_id: str, prompt_token_ids: list[int], params, **kwargs
     ) -> AsyncIterator[RequestOutput]:
         """Prefill on the chosen prefill core, decode on the chosen decode core; one output
-        stream.
+        stream. The router's counts are taken here, so a burst spreads over the cores, and
+        given back when the stream ends, is closed, or is closed without ever running.
 
         Raises:
             EngineUnavailable: some core is not ready (the link needs them all), or the
                 server is shutting down.
+            RequestRejected: prompt + max_tokens can never fit a decode core's KV pool.
         """
         if self.closing:
             raise EngineUnavailable("the server is shutting down; retry on another server")
@@ -210,47 +228,46 @@ class PDPool(ReplicaPool):
         if down:
             states = ", ".join(f"{w.name} {w.state}" for w in down)
             raise EngineUnavailable(f"disaggregated serving needs every core ({states})")
-        prefill = self.workers[self.router.pick_prefill([w.replica for w in self.prefills])]
-        free = {
-            w.replica: int((w.engine.stats or {}).get("kv_blocks_free") or 0) for w in self.decodes
-        }
-        decode = self.workers[self.router.pick_decode([w.replica for w in self.decodes], free)]
-        self._where[request_id] = prefill
-        return self._stream(request_id, prompt_token_ids, params, kwargs, prefill, decode)
-
-    async def _stream(self, request_id, prompt_token_ids, params, kwargs, prefill, decode):
         router = self.router
-        queued, blocks = len(prompt_token_ids), router.blocks_for(len(prompt_token_ids))
-        left = params.max_tokens
-        # counted once the stream runs: one closed before it starts changes nothing
-        router.add(prefill.replica, queued)
-        router.promised[decode.replica] += blocks
-        router.routed[prefill.replica] += 1
-        router.routed[decode.replica] += 1
-        first = prefill.generate(
-            request_id,
-            prompt_token_ids,
-            params,
-            hand_off=True,
-            decode_rank=decode.replica,
-            **kwargs,
-        )
-        rest = None
-        decode_counted = False
+        stats = {w.replica: w.engine.stats or {} for w in self.decodes}
+        pool = max(int(st.get("kv_blocks_total") or 0) for st in stats.values())
+        need = router.blocks_for(len(prompt_token_ids) + params.max_tokens)
+        if pool and need > pool:
+            raise RequestRejected(
+                f"prompt + max_tokens needs {need} KV blocks but a decode core's pool has "
+                f"{pool}; it could never run"
+            )
+        prefill = self.workers[router.pick_prefill([w.replica for w in self.prefills])]
+        free = {r: int(st.get("kv_blocks_free") or 0) for r, st in stats.items()}
+        decode = self.workers[router.pick_decode([w.replica for w in self.decodes], free)]
+        held = _Held(router, prefill.replica, decode.replica, len(prompt_token_ids))
+        inner = self._stream(request_id, prompt_token_ids, params, kwargs, prefill, decode, held)
+        return _Reserved(inner, held)
+
+    async def _stream(self, request_id, prompt_token_ids, params, kwargs, prefill, decode, held):
+        router = self.router
+        self._where[request_id] = prefill
+        first = rest = None
         try:
+            first = prefill.generate(
+                request_id,
+                prompt_token_ids,
+                params,
+                hand_off=True,
+                decode_rank=decode.replica,
+                **kwargs,
+            )
             async for out in first:
-                if queued and out.new_token_ids:
-                    router.add(prefill.replica, -queued)
-                    queued = 0
+                if out.new_token_ids:
+                    held.prefilled()
                 if out.finish_reason != "handoff":
                     yield out  # prefilling, or it ended at its first token (stop, error)
                     continue
                 # the first token now; the rest comes from the decode side
                 yield msgspec.structs.replace(out, finished=False, finish_reason=None)
                 self._where[request_id] = decode
-                left = max(0, params.max_tokens - len(out.new_token_ids))
-                router.add(decode.replica, left)
-                decode_counted = True
+                router.routed[decode.replica] += 1
+                held.decoding(max(0, params.max_tokens - len(out.new_token_ids)))
                 try:
                     rest = decode.generate(
                         request_id, prompt_token_ids, params, adopt=True, **kwargs
@@ -259,19 +276,71 @@ class PDPool(ReplicaPool):
                     raise EngineDeadError(f"decode core unavailable: {exc}") from None
             if rest is not None:
                 async for out in rest:
-                    if blocks:
-                        router.promised[decode.replica] -= blocks
-                        blocks = 0
-                    took = min(left, len(out.new_token_ids))
-                    router.add(decode.replica, -took)
-                    left -= took
+                    held.adopted()
+                    held.produced(len(out.new_token_ids))
                     yield out
         finally:
-            router.add(prefill.replica, -queued)
-            router.promised[decode.replica] -= blocks
-            if decode_counted:
-                router.add(decode.replica, -left)
+            held.release()
             self._where.pop(request_id, None)
-            await first.aclose()
+            if first is not None:
+                await first.aclose()
             if rest is not None:
                 await rest.aclose()
+
+
+class _Held:
+    """One request's share of the router's counts: its queued prefill tokens on its prefill
+    core until its first token, its promised KV blocks on its decode core until that core
+    adopts it, then the output tokens it may still produce there. :meth:`release` gives back
+    whatever is left (once)."""
+
+    def __init__(self, router: PDRouter, prefill: int, decode: int, prompt_tokens: int):
+        self.router, self.prefill, self.decode = router, prefill, decode
+        self.queued, self.blocks, self.left = prompt_tokens, router.blocks_for(prompt_tokens), 0
+        router.add(prefill, self.queued)
+        router.promised[decode] += self.blocks
+        router.routed[prefill] += 1
+
+    def prefilled(self) -> None:
+        self.router.add(self.prefill, -self.queued)
+        self.queued = 0
+
+    def decoding(self, left: int) -> None:
+        self.router.add(self.decode, left - self.left)
+        self.left = left
+
+    def adopted(self) -> None:
+        self.router.promised[self.decode] -= self.blocks
+        self.blocks = 0
+
+    def produced(self, tokens: int) -> None:
+        took = min(self.left, tokens)
+        self.router.add(self.decode, -took)
+        self.left -= took
+
+    def release(self) -> None:
+        self.prefilled()
+        self.adopted()
+        self.decoding(0)
+
+
+class _Reserved:
+    """The pool's output stream: the request's counts were taken when it was routed; its own
+    ``finally`` gives them back once it has run, and :meth:`aclose` when it never ran (an
+    async generator closed before its first step skips its ``finally``: a client gone before
+    the response started)."""
+
+    def __init__(self, inner, held: _Held):
+        self.inner, self.held, self.started = inner, held, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        self.started = True
+        return await self.inner.__anext__()
+
+    async def aclose(self) -> None:
+        if not self.started:
+            self.held.release()
+        await self.inner.aclose()

@@ -116,6 +116,10 @@ class EngineWorker:
             engine.add_abandoned_listener(fn)
         try:
             self.info = await engine.start()
+            if self.pd is not None and engine.pd["port"] != self.pd["port"]:
+                # --disaggregation: another core died while this one started, and the pool
+                # moved the KV link; this core would wait for partners on the old one
+                raise EngineDeadError("the KV link moved while this core started")
         except BaseException:
             await engine.shutdown()
             raise

@@ -59,6 +59,7 @@ class PDLink:
         device: where the KV cache lives; ``cuda...`` moves the KV over NCCL.
         master_addr: the host of the group's rendezvous (the API's host; 127.0.0.1 when every
             core runs on one host).
+        nccl: every core has a GPU of its own: the KV crosses on NCCL (else gloo).
 
     Raises:
         ValueError: a role, rank or size that does not fit together.
@@ -78,6 +79,7 @@ class PDLink:
         num_prefill: int = 1,
         device: str = "cpu",
         master_addr: str = "127.0.0.1",
+        nccl: bool = False,
     ):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
@@ -91,7 +93,7 @@ class PDLink:
                 f"{role} core"
             )
         self.name = worker_name(self.rank, num_prefill)
-        self.device = device
+        self.device, self.use_nccl = device, nccl
         self.joined = threading.Event()
         self.error: str | None = None
         self.arrived: queue.Queue[KVHandoff] = queue.Queue()
@@ -111,13 +113,10 @@ class PDLink:
         return range(self.num_prefill, self.world_size)
 
     def _run(self) -> None:
-        # NCCL needs a device of its own per rank; cores that share a GPU move the KV through
-        # host memory over gloo instead
-        nccl = self.device.startswith("cuda") and dist.is_nccl_available()
-        if nccl:
-            import torch
-
-            nccl = torch.cuda.device_count() >= self.world_size
+        # NCCL needs a GPU of its own per rank (the pool gives each core one under --device
+        # cuda); cores that may share one (--device auto) move the KV through host memory
+        # over gloo instead
+        nccl = self.use_nccl and self.device.startswith("cuda") and dist.is_nccl_available()
         self.kv_device = self.device if nccl else "cpu"
         try:
             dist.init_process_group(

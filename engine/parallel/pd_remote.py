@@ -39,7 +39,12 @@ def addresses(connect: str) -> tuple[str, str]:
     Raises:
         ValueError: not ``HOST:PORT`` (one line).
     """
-    host, port = split_host_port(connect)
+    try:
+        host, port = split_host_port(connect)
+    except ValueError as exc:
+        raise ValueError(f"--connect: {exc}") from None
+    if port >= 65535:
+        raise ValueError(f"--connect: the core takes PORT and PORT + 1, got {connect!r}")
     return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
 
 

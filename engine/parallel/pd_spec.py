@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_SPEC = re.compile(r"^\s*prefill\s*=\s*(\d+)\s*,\s*decode\s*=\s*(\d+)\s*$")
+_SPEC = re.compile(r"^\s*prefill\s*=\s*([0-9]+)\s*,\s*decode\s*=\s*([0-9]+)\s*$")
 #: engine cores a side may have: every core of both sides joins one gloo group and is its own
 #: process with its own copy of the model, so the count is bounded by memory long before this
 MAX_PER_SIDE = 8
@@ -73,18 +73,20 @@ def _cpus(flag: str, raw: str, cpu_count: int) -> tuple[int, ...] | None:
         return None
     out: list[int] = []
     for part in raw.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        m = re.fullmatch(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?", part)
         if m is None:
             raise ValueError(f"{flag} takes core ids like 0,1 or 0-3, got {raw!r}")
         lo, hi = int(m[1]), int(m[2] or m[1])
         if hi < lo:
             raise ValueError(f"{flag}: the range {part.strip()!r} runs backwards")
+        if hi >= cpu_count:  # before building the range: 0-99999999999 is one line too
+            bad = list(range(max(lo, cpu_count), min(hi, cpu_count + 3) + 1))
+            more = ", ..." if hi > cpu_count + 3 else ""
+            raise ValueError(
+                f"{flag} names core(s) [{', '.join(map(str, bad))}{more}] but this machine "
+                f"has {cpu_count} (0-{cpu_count - 1})"
+            )
         out.extend(range(lo, hi + 1))
-    bad = [c for c in out if c >= cpu_count]
-    if bad:
-        raise ValueError(
-            f"{flag} names core(s) {bad} but this machine has {cpu_count} (0-{cpu_count - 1})"
-        )
     return tuple(dict.fromkeys(out))
 
 
