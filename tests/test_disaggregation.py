@@ -202,25 +202,7 @@ def test_serve_disaggregated_equals_colocated_and_records_the_transfer(tmp_path,
         health = server.health()
         assert [r["name"] for r in health["engine"]["replicas"]] == ["prefill-0", "decode-0"]
 
-        async def one(ac, prompt, sp):
-            r = await ac.post(
-                server.url + "/v1/completions",
-                json={
-                    "model": "smollm2-135m-instruct",
-                    "prompt": prompt,
-                    "max_tokens": sp.max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-            )
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-
-        async def main():
-            async with httpx.AsyncClient(timeout=600) as ac:
-                return await asyncio.gather(*(one(ac, p, sp) for p, sp in zip(prompts, params)))
-
-        got = asyncio.run(main())
+        got = asyncio.run(_greedy_texts(server.url, prompts, params))
         assert got == want
         for _ in range(60):
             h = server.health()
@@ -405,6 +387,29 @@ def test_the_desk_matches_either_order_drops_cancelled_and_orphans():
     desk.arrive(_handoff("d"))  # its stream never opened
     now[0] = pd_link.ORPHAN_S + 1
     assert desk.expire() == ["d"] and desk.waiting == 1  # "a" is expected: it stays
+
+
+async def _greedy_texts(url: str, prompts: list[str], params: list[SamplingParams]) -> list[str]:
+    """The server's greedy completions of ``prompts`` (each its ``max_tokens``, ignoring EOS),
+    all sent at once; each answer must be a 200."""
+    import asyncio
+
+    import httpx
+
+    async def one(ac, prompt, sp):
+        body = {
+            "model": "smollm2-135m-instruct",
+            "prompt": prompt,
+            "max_tokens": sp.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        r = await ac.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    async with httpx.AsyncClient(timeout=900) as ac:
+        return await asyncio.gather(*(one(ac, p, sp) for p, sp in zip(prompts, params)))
 
 
 async def _streams(url: str, n: int, tokens: int) -> list[dict]:
@@ -594,7 +599,6 @@ def test_two_prefill_and_two_decode_cores_route_both_ways_and_equal_colocated(
     import json
 
     import duckdb
-    import httpx
     from server_proc import Server
 
     prompts, params = _requests()
@@ -616,25 +620,7 @@ def test_two_prefill_and_two_decode_cores_route_both_ways_and_equal_colocated(
         ]
         assert [r["stats"]["kv_blocks_total"] for r in cores][2:] == [12, 12]
 
-        async def one(ac, prompt, sp):
-            r = await ac.post(
-                server.url + "/v1/completions",
-                json={
-                    "model": "smollm2-135m-instruct",
-                    "prompt": prompt,
-                    "max_tokens": sp.max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-            )
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-
-        async def main():
-            async with httpx.AsyncClient(timeout=900) as ac:
-                return await asyncio.gather(*(one(ac, p, sp) for p, sp in zip(prompts, params)))
-
-        assert asyncio.run(main()) == want
+        assert asyncio.run(_greedy_texts(server.url, prompts, params)) == want
         for _ in range(60):
             h = server.health()
             if h["kv_blocks_used"] == 0 and h["in_flight"] == 0:
@@ -696,7 +682,6 @@ def test_the_host_to_host_recipe_serves_and_recovers_from_a_killed_remote_core(
     import subprocess
     import sys
 
-    import httpx
     from server_proc import Server
 
     port = _free_port_pair()
@@ -726,26 +711,7 @@ def test_the_host_to_host_recipe_serves_and_recovers_from_a_killed_remote_core(
             parent = int(f.read().rsplit(")", 1)[1].split()[1])
         assert parent == worker.pid  # the decode core is the pd-worker's child
 
-        async def answers():
-            async with httpx.AsyncClient(timeout=600) as ac:
-                rs = await asyncio.gather(
-                    *(
-                        ac.post(
-                            server.url + "/v1/completions",
-                            json={
-                                "model": "smollm2-135m-instruct",
-                                "prompt": p,
-                                "max_tokens": sp.max_tokens,
-                                "temperature": 0,
-                                "ignore_eos": True,
-                            },
-                        )
-                        for p, sp in zip(prompts, params)
-                    )
-                )
-            return [r.json()["choices"][0]["text"] for r in rs]
-
-        assert asyncio.run(answers()) == want
+        assert asyncio.run(_greedy_texts(server.url, prompts, params)) == want
 
         async def kill_mid_stream():
             load = asyncio.ensure_future(_streams(server.url, 4, 200))
@@ -763,7 +729,7 @@ def test_the_host_to_host_recipe_serves_and_recovers_from_a_killed_remote_core(
         replicas = health["engine"]["replicas"]
         assert all(r["restarts"] >= 1 for r in replicas), replicas
         assert replicas[1]["pid"] != decode["pid"] and worker.poll() is None
-        assert asyncio.run(answers()) == want
+        assert asyncio.run(_greedy_texts(server.url, prompts, params)) == want
     finally:
         if server is not None:
             server.stop()

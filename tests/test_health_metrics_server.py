@@ -152,7 +152,9 @@ def test_frozen_engine_turns_health_degraded_then_503_then_ok(server):
         assert f"pid {pid}" in reason and "no message from the engine core" in reason
         age = body["engine"]["heartbeat_age_s"]
         assert age >= STALL_DEGRADED_S
-        assert status == (503 if age >= STALL_UNAVAILABLE_S else 200), (status, age)
+        # /health rounds the age to 1 ms: 4.9996 s reads 5.0 and is still under the threshold
+        if abs(age - STALL_UNAVAILABLE_S) > 0.001:
+            assert status == (503 if age >= STALL_UNAVAILABLE_S else 200), (status, age)
     age = metrics[("tokenmill_engine_heartbeat_age_seconds", frozenset({("model_name", MODEL)}))]
     assert age >= STALL_UNAVAILABLE_S  # scraped after the 503, the engine still stopped
     for _ in range(600):
