@@ -42,7 +42,7 @@ from .messages import (
     encode,
     to_row,
 )
-from .parallel.pd_spec import split_host_port
+from .parallel.pd_spec import core_addresses
 from .sampling_params import SamplingParams
 from .stream_writes import StreamWriteClock
 
@@ -130,8 +130,7 @@ class AsyncEngine:
         self._tmp = tempfile.TemporaryDirectory(prefix="tokenmill-ipc-")
         base = Path(self._tmp.name)
         if self.remote:
-            host, port = split_host_port(self.remote)
-            self._in_addr, self._out_addr = f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
+            self._in_addr, self._out_addr = core_addresses(self.remote)
         else:
             self._in_addr = f"ipc://{base / 'in'}"
             self._out_addr = f"ipc://{base / 'out'}"

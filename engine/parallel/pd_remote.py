@@ -25,7 +25,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..messages import INPUT_DECODER, EngineError, EngineFatal, RemoteStart, encode
-from .pd_spec import split_host_port
+from .pd_spec import core_addresses
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,9 @@ def addresses(connect: str) -> tuple[str, str]:
         ValueError: not ``HOST:PORT`` (one line).
     """
     try:
-        host, port = split_host_port(connect)
+        return core_addresses(connect)
     except ValueError as exc:
         raise ValueError(f"--connect: {exc}") from None
-    if port >= 65535:
-        raise ValueError(f"--connect: the core takes PORT and PORT + 1, got {connect!r}")
-    return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
 
 
 def wait_for_start(in_addr: str, timeout_s: float | None = None) -> RemoteStart | None:

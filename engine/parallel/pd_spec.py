@@ -61,6 +61,19 @@ def split_host_port(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def core_addresses(addr: str) -> tuple[str, str]:
+    """A remote engine core's two ZeroMQ addresses from its ``HOST:PORT``: to the core
+    (``tcp://HOST:PORT``) and from it (``tcp://HOST:PORT+1``).
+
+    Raises:
+        ValueError: not ``HOST:PORT``, or no room for ``PORT + 1`` (one line).
+    """
+    host, port = split_host_port(addr)
+    if port >= 65535:
+        raise ValueError(f"a core takes PORT and PORT + 1, got {addr!r}")
+    return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
+
+
 def worker_name(rank: int, num_prefill: int) -> str:
     """The name of the KV link's rank ``rank``: ``prefill-i`` for ranks ``0 .. P-1``,
     ``decode-j`` for rank ``P + j``."""
