@@ -279,7 +279,17 @@ def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
     Raises:
         ScenarioError: unknown scenario, or the server did not start.
     """
-    sc = load(name)
+    return run_scenario(load(name), out, model=model, log=log)
+
+
+def run_scenario(sc: Scenario, out: Path, *, model: str | None = None, log=print) -> dict:
+    """Run a scenario given as data (``run`` loads one by name; ``bench/corpus.py`` samples
+    them); the result dict also holds ``steps_started_ns``, when the first bench step started.
+
+    Raises:
+        ScenarioError: the server did not start, or a bench step failed.
+    """
+    name = sc.name
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -315,6 +325,7 @@ def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
             proxy = _ProxyThread(port)
             target = f"http://127.0.0.1:{proxy.proxy.port}"
         host_load = _HostLoad(sc.host_load, out, lambda m: log(f"[{name}] {m}"))
+        steps_started_ns = time.time_ns()
         host_load.start()
         try:
             results = _run_steps(sc, target, out, log)
@@ -369,6 +380,7 @@ def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
         "notes": [n.to_json() for n in report.notes],
         "summary": report.summary,
         "health_after": health,
+        "steps_started_ns": steps_started_ns,
     }
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result

@@ -17,6 +17,7 @@ import duckdb
 from .rules import RULES, Rule
 from .rules._common import NEEDS_BASELINE, baseline_need
 from .signals import Signals, load
+from .stats import calibrated
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,12 @@ class Finding:
     runbook: str
     explained_by: list[str] = field(default_factory=list)
     source: str | None = None  # the dump (replica/host) it fired on (diagnose/fleet.py)
+    # the test behind it (diagnose/stats.py Support.to_json()); None: the rule states none
+    support: dict | None = None
+
+    @property
+    def inconclusive(self) -> bool:
+        return bool(self.support) and self.support.get("verdict") == "inconclusive"
 
     def to_json(self) -> dict:
         return {
@@ -60,6 +67,7 @@ class Finding:
             "runbook": self.runbook,
             "explained_by": self.explained_by,
             "source": self.source,
+            "support": self.support,
         }
 
 
@@ -106,6 +114,9 @@ class Report:
     healthy_baseline: dict = field(default_factory=lambda: {"available": True})
     # warm-up set apart from the windows: {"requests": n, "intervals": [[start_ns, end_ns]]}
     warmup: dict = field(default_factory=lambda: {"requests": 0, "intervals": []})
+    # rules whose symptom showed on too little evidence to count (Support.verdict
+    # "inconclusive"): listed apart, never findings, never counted by --fail-on or the status
+    inconclusive: list[Finding] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -121,6 +132,7 @@ class Report:
             "fleet_wide": self.fleet_wide,
             "healthy_baseline": self.healthy_baseline,
             "warmup": self.warmup,
+            "inconclusive": [f.to_json() for f in self.inconclusive],
         }
 
 
@@ -163,6 +175,11 @@ def evaluate(rule: Rule, sig: Signals, overrides: dict | None = None) -> Finding
     ev = rule.detect(sig, params)
     if ev is None:
         return None
+    support, confidence = None, ev.confidence
+    if ev.support is not None:
+        support = ev.support.to_json()
+        support["line"] = ev.support.line()
+        confidence = calibrated(ev.support, ev.confidence)
     examples = []
     if ev.example_where:
         try:
@@ -173,7 +190,7 @@ def evaluate(rule: Rule, sig: Signals, overrides: dict | None = None) -> Finding
         rule_id=rule.id,
         title=rule.title,
         severity=ev.severity,
-        confidence=ev.confidence,
+        confidence=confidence,
         summary=ev.summary,
         evidence={k: _plain(v) for k, v in ev.numbers.items()},
         window_start_ns=ev.window[0] if ev.window else None,
@@ -183,6 +200,7 @@ def evaluate(rule: Rule, sig: Signals, overrides: dict | None = None) -> Finding
         checks=list(rule.checks),
         knob=ev.knob or rule.knob,
         runbook=rule.runbook,
+        support=support,
     )
 
 
@@ -240,6 +258,8 @@ def diagnose(
             continue
         if f is not None:
             findings.append(f)
+    inconclusive = [f for f in findings if f.inconclusive]
+    findings = [f for f in findings if not f.inconclusive]
     fired = {f.rule_id for f in findings}
     notes = []
     for rule in rules:  # a rule's hint only where the rule itself did not fire
@@ -280,4 +300,5 @@ def diagnose(
         "not_judged": not_judged,
     }
     report.warmup = sig.warmup
+    report.inconclusive = inconclusive
     return report

@@ -137,6 +137,7 @@ def to_markdown(report: Report) -> str:
             "",
             f"- Window: {_ts(f.window_start_ns)} – {_ts(f.window_end_ns)}",
             "- Evidence: " + format_evidence(f.evidence, code=True),
+            *([f"- Test: {f.support['line']}"] if f.support else []),
             "- Example traces: " + (", ".join(f"`{t}`" for t in f.example_trace_ids) or "none"),
             "- Likely causes: " + "; ".join(f.causes),
             "- Checks: " + "; ".join(f.checks),
@@ -144,6 +145,10 @@ def to_markdown(report: Report) -> str:
             f"- Runbook: [{f.runbook}]({f.runbook})",
             "",
         ]
+    if report.inconclusive:
+        lines += ["## Inconclusive (not findings: too little evidence)", ""]
+    for f in report.inconclusive:
+        lines += [f"- `{f.rule_id}`: {f.summary} ({f.support['reason']}; {f.support['line']})", ""]
     if report.notes:
         lines += ["## Hints", ""]
     for n in report.notes:
@@ -186,6 +191,7 @@ def print_text(report: Report, console: Console) -> None:
             "",
             f"[dim]window[/] {_ts(f.window_start_ns)} – {_ts(f.window_end_ns)}",
             "[dim]evidence[/] " + escape(format_evidence(f.evidence)),
+            *(["[dim]test[/] " + escape(f.support["line"])] if f.support else []),
             "[dim]examples[/] " + escape(", ".join(f.example_trace_ids) or "none"),
             "[dim]causes[/] " + escape("; ".join(f"{n}. {c}" for n, c in enumerate(f.causes, 1))),
             "[dim]checks[/] " + escape("; ".join(f.checks)),
@@ -199,6 +205,12 @@ def print_text(report: Report, console: Console) -> None:
                 subtitle=f"{f.severity}, confidence {f.confidence:.0%}",
                 border_style=color,
             )
+        )
+    for f in report.inconclusive:
+        console.print(
+            f"[dim]inconclusive[/] [bold]{f.rule_id}[/]: "
+            + escape(f"{f.summary} ({f.support['reason']}; {f.support['line']})"),
+            highlight=False,
         )
     for n in report.notes:
         console.print(

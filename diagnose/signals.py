@@ -367,7 +367,8 @@ SELECT (time_ns - $t0) // $w AS win,
     avg(cpu_others_pct) AS cpu_others_mean,
     avg(steal_pct) AS steal_mean,
     avg(run_queue) AS run_queue_mean,
-    max(other_processes) AS other_processes_max
+    max(other_processes) AS other_processes_max,
+    avg(__LOADGEN__) AS loadgen_cpu_mean
 FROM device_samples WHERE time_ns >= $since AND time_ns < $until AND kind = $kind
 GROUP BY win
 """
@@ -762,7 +763,13 @@ def load(
     )
     kinds = [k for (k,) in con.execute("SELECT DISTINCT kind FROM device_samples").fetchall()]
     device_kind = "gpu" if "gpu" in kinds else ("host" if "host" in kinds else None)
-    dev = _rows(con, _DEVICE_WINDOW_SQL, {**params, "kind": device_kind or "none"})
+    # stores written before the process census (telemetry/host_procs.py) lack its column
+    loadgen = "loadgen_cpu_pct" if "loadgen_cpu_pct" in columns(con, "device_samples") else "NULL"
+    dev = _rows(
+        con,
+        _DEVICE_WINDOW_SQL.replace("__LOADGEN__", loadgen),
+        {**params, "kind": device_kind or "none"},
+    )
     same_work = _rows(
         con, _set_apart(_seqs(_SAME_WORK_WINDOW_SQL), "start_ns", not_warm_step), params
     )

@@ -56,7 +56,9 @@ fails, or NVML sees 0 devices (:attr:`DeviceSampler.fallback_reason` says which)
 tree's (this process, its children and the ``pids`` given; ``psutil.Process.cpu_percent`` summed
 and divided by the CPU count), ``steal_pct`` (%) from ``psutil.cpu_times_percent(None).steal``
 (Linux guests; ``None`` elsewhere) and ``run_queue`` the runnable tasks the kernel counts now
-(``/proc/loadavg``'s 4th field; the sampler itself is one of them).
+(``/proc/loadavg``'s 4th field; the sampler itself is one of them); ``loadgen_cpu_pct`` and
+``busy_others`` say who the others are (``telemetry/host_procs.py``: tokenmill's own load
+generator apart, the busiest processes by pid and command, refreshed once a second).
 
 GPU rows carry ``other_processes``: the compute and graphics processes NVML lists on the device
 whose pids are not this server's (``None`` where NVML cannot list them).
@@ -80,6 +82,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import psutil
+
+from .host_procs import ProcessCensus
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +113,8 @@ COLUMNS: tuple[str, ...] = (
     "steal_pct",
     "run_queue",
     "other_processes",
+    "loadgen_cpu_pct",
+    "busy_others",
 )
 
 #: Clock-event (throttle) reason bits: (pynvml constant suffix, bit value, name in the row).
@@ -222,6 +228,7 @@ class DeviceSampler:
         # every /proc/*/stat: ~7 ms of CPU a tick at 10 Hz, beside a 2-core engine's decode)
         self._tree_cache: dict[int, psutil.Process] | None = None
         self._tree_at = 0.0
+        self._census = ProcessCensus(TREE_REFRESH_S)
         if use_nvml:
             self._init_nvml(nvml)
         else:
@@ -599,6 +606,8 @@ class DeviceSampler:
         except (TypeError, ValueError):
             row["steal_pct"] = None
         row["run_queue"] = _run_queue()
+        with contextlib.suppress(OSError, psutil.Error):
+            row["loadgen_cpu_pct"], row["busy_others"] = self._census.read(set(tree))
         return row
 
     def _tree(self) -> dict[int, psutil.Process]:

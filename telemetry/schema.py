@@ -203,6 +203,26 @@ def ddl() -> str:
     return written + "\n" + "\n".join(struct_ddl(t, cls) for t, cls in ROW_TYPES.items())
 
 
+# columns of the written-out tables (schema.sql) added after the version was stamped: a store
+# of this version written before them gets them as NULL (apply_schema, expose_missing_columns)
+ADDED_COLUMNS: dict[str, dict[str, str]] = {
+    "device_samples": {"loadgen_cpu_pct": "DOUBLE", "busy_others": "VARCHAR"},
+}
+
+
+def _missing_columns(con: duckdb.DuckDBPyConnection) -> dict[str, list[tuple[str, str]]]:
+    """``{table: [(column, SQL type)]}`` the store lacks, row types and ADDED_COLUMNS alike."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for table, row_type in ROW_TYPES.items():
+        have = set(columns(con, table))
+        miss = [(f.name, sql_type(f.type)) for f in mi.type_info(row_type).fields]
+        out[table] = [(n, t) for n, t in miss if n not in have]
+    for table, cols in ADDED_COLUMNS.items():
+        have = set(columns(con, table))
+        out[table] = [(n, t) for n, t in cols.items() if n not in have]
+    return {t: m for t, m in out.items() if m}
+
+
 def apply_schema(con: duckdb.DuckDBPyConnection) -> None:
     """Create the tables (if missing), stamp the version, and add the columns of row-type
     fields that a store of this version written by an older tokenmill lacks (a new field has a
@@ -229,6 +249,11 @@ def apply_schema(con: duckdb.DuckDBPyConnection) -> None:
             if f.required:
                 raise SchemaError(f"store table {table} lacks required column {f.name}")
             con.execute(f"ALTER TABLE {table} ADD COLUMN {f.name} {sql_type(f.type)}")
+    for table, cols in ADDED_COLUMNS.items():
+        have = set(columns(con, table))
+        for name, typ in cols.items():
+            if name not in have:
+                con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {typ}")
 
 
 def expose_missing_columns(con: duckdb.DuckDBPyConnection) -> list[str]:
@@ -238,16 +263,12 @@ def expose_missing_columns(con: duckdb.DuckDBPyConnection) -> list[str]:
     ``table.column`` names added."""
     db = con.execute("SELECT current_database()").fetchone()[0]
     added = []
-    for table, row_type in ROW_TYPES.items():
-        have = set(columns(con, table))
-        missing = [f for f in mi.type_info(row_type).fields if f.name not in have]
-        if not missing:
-            continue
-        extra = ", ".join(f"NULL::{sql_type(f.type)} AS {f.name}" for f in missing)
+    for table, missing in _missing_columns(con).items():
+        extra = ", ".join(f"NULL::{typ} AS {name}" for name, typ in missing)
         con.execute(
             f'CREATE OR REPLACE TEMP VIEW {table} AS SELECT *, {extra} FROM "{db}".main.{table}'
         )
-        added += [f"{table}.{f.name}" for f in missing]
+        added += [f"{table}.{name}" for name, _ in missing]
     return added
 
 

@@ -61,7 +61,9 @@ CREATE TABLE IF NOT EXISTS device_samples (
     cpu_others_pct      DOUBLE,             -- host rows: CPU % used outside this server's process tree
     steal_pct           DOUBLE,             -- host rows: CPU % stolen by the hypervisor
     run_queue           INTEGER,            -- host rows: runnable tasks (/proc/loadavg)
-    other_processes     INTEGER             -- gpu rows: processes on the device outside this server
+    other_processes     INTEGER,            -- gpu rows: processes on the device outside this server
+    loadgen_cpu_pct     DOUBLE,             -- host rows: CPU % used by tokenmill's own load generator (bench/scenario)
+    busy_others         VARCHAR             -- host rows: JSON, the busiest processes outside the server (pid, command, cpu_pct, load_generator)
 );
 
 -- Engine and server events: worker start/crash/restart, OOM, allocation failure, config, drops.

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from ..signals import Signals, Window
+from ..stats import Support
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class Evidence:
     # when the data singles out a cause: the rule's causes in this order and this knob instead
     causes: tuple[str, ...] | None = None
     knob: str | None = None
+    # the test it passed (diagnose/stats.py): sample sizes, effect with its bootstrap interval,
+    # persistence; an inconclusive support lists the finding apart, never as a finding
+    support: Support | None = None
 
 
 @dataclass

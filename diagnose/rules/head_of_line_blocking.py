@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from ..signals import Signals, Window
+import statistics
+
+from ..signals import COMPLETED_SQL, Signals, Window
+from ..stats import compare
 from ._common import (
     _BASE,
     Evidence,
@@ -17,8 +20,111 @@ from ._common import (
     _worst,
 )
 
+# Each completed short request with the long prompts that were ahead of it: arrived no later
+# and still without their first token when it arrived (waiting for admission or prefilling).
+_BLOCKED_SQL = f"""
+WITH r AS (SELECT request_id, trace_id, arrival_ns, scheduled_ns, first_token_ns, end_ns,
+                  ttft_ms, queue_ms, input_tokens
+           FROM requests WHERE arrival_ns >= $since AND arrival_ns < $until AND {COMPLETED_SQL}
+             AND ttft_ms IS NOT NULL AND input_tokens IS NOT NULL)
+SELECT s.request_id, s.trace_id, s.arrival_ns, coalesce(s.scheduled_ns, s.first_token_ns),
+       s.ttft_ms, s.queue_ms,
+       list(l.request_id ORDER BY l.arrival_ns) FILTER (WHERE l.request_id IS NOT NULL),
+       max(l.input_tokens)
+FROM r s LEFT JOIN r l
+  ON l.input_tokens >= $long AND l.request_id <> s.request_id AND l.arrival_ns <= s.arrival_ns
+ AND coalesce(l.first_token_ns, l.end_ns) > s.arrival_ns
+WHERE s.input_tokens <= $short
+GROUP BY ALL ORDER BY s.arrival_ns
+"""
+
+_KV_DURING_SQL = """
+SELECT max(kv_blocks_used::DOUBLE / nullif(kv_blocks_total, 0)) FROM engine_steps
+WHERE start_ns >= ? AND start_ns < ?
+"""
+
+
+def _per_request(sig: Signals, p: dict) -> Evidence | None:
+    """The symptom request by request, for traffic too thin for windows (one client, a few
+    requests a window): short requests whose TTFT was mostly queue time while a long prompt
+    ahead of them waited or prefilled, against the short requests nothing long was ahead of."""
+    short = int(sig.overall.get("short_prompt_tokens") or 0)
+    if short <= 0:
+        return None
+    rows = sig.con.execute(
+        _BLOCKED_SQL,
+        {
+            "since": sig.since_ns,
+            "until": sig.until_ns,
+            "short": short,
+            "long": max(p["long_factor"] * short, short + 1),
+        },
+    ).fetchall()
+    free = [r[4] for r in rows if not r[6]]
+    if len(free) < 2:
+        return None
+    free_med = statistics.median(free)
+    stuck = [
+        r
+        for r in rows
+        if r[6]
+        and (r[5] or 0) >= p["queue_share"] * r[4]
+        and r[4] >= p["short_ttft_rise"] * free_med
+    ]
+    if not stuck:
+        return None
+    start, end = stuck[0][2], max(r[3] or r[2] for r in stuck)
+    kv = sig.con.execute(_KV_DURING_SQL, [start, max(end, start + 1)]).fetchone()[0]
+    if kv is not None and kv >= p["kv_free_below"]:
+        return None
+    blockers = list(dict.fromkeys(b for r in stuck for b in r[6]))
+    windows = {(r[2] - sig.start_ns) // int(sig.window_s * 1e9) for r in stuck}
+    support = compare(
+        [r[4] for r in stuck],
+        free,
+        unit="requests",
+        reference_name="short requests no long prompt was ahead of",
+        min_effect=p["short_ttft_rise"],
+        persistence=f"{len(windows)} of {sig.busy_windows or len(sig.windows)} busy windows",
+        why_one="each request is its own evidence (its queue wait against its blockers)",
+    )
+    ttft = statistics.median(r[4] for r in stuck)
+    queue_share = statistics.mean((r[5] or 0) / r[4] for r in stuck if r[4])
+    return Evidence(
+        f"{len(stuck)} short request(s) (≤ {short} prompt tokens) waited behind "
+        f"{len(blockers)} long prompt(s) (up to {max(r[7] or 0 for r in stuck):.0f} tokens) "
+        f"that were queued or prefilling ahead of them: their TTFT p50 {_ms(ttft)} against "
+        f"{_ms(free_med)} for short requests nothing long was ahead of; "
+        f"{queue_share:.0%} of it was queue time"
+        + (f"; KV use peaked at {kv:.0%}" if kv is not None else ""),
+        {
+            "short_ttft_p50_ms": ttft,
+            "unblocked_short_ttft_p50_ms": free_med,
+            "short_prompt_tokens": short,
+            "stuck_requests": len(stuck),
+            "long_prompts": len(blockers),
+            "blocking_request_ids": blockers[:5],
+            "input_tokens_max": max(r[7] or 0 for r in stuck),
+            "kv_usage_max": kv,
+            "short_queue_share_of_ttft": queue_share,
+        },
+        (start, end),
+        "request_id IN (SELECT unnest(?::VARCHAR[]))",
+        [[r[0] for r in stuck]],
+        _severity(ttft / free_med if free_med else None, p["short_ttft_rise"]),
+        _confidence((ttft / free_med) / p["short_ttft_rise"] if free_med else None),
+        support=support,
+    )
+
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
+    ev = _per_request(sig, p)
+    if ev is not None:
+        return ev
+    return _per_window(sig, p)
+
+
+def _per_window(sig: Signals, p: dict) -> Evidence | None:
     base = sig.baseline.get("short_ttft_p99")
     short = sig.overall.get("short_prompt_tokens") or 0
 
@@ -82,6 +188,11 @@ RULE = Rule(
         # fraction of the pace of the two streams before it, so ITL cannot tell the two apart
         "queue_share": Param(
             0.5, "mean share of the short prompts' TTFT spent waiting for admission"
+        ),
+        "long_factor": Param(
+            4.0,
+            "a long prompt has at least this many times the dump's median prompt tokens "
+            "(the same cut the per-window long-prompt count uses)",
         ),
     },
     detect=detect,

@@ -11,9 +11,13 @@ GPU, ``other_processes`` (processes on the same device that are not the server's
 
 from __future__ import annotations
 
+import json
+import statistics
+
 from ..signals import Signals, Window
 from ._common import (
     Evidence,
+    Hint,
     Param,
     Rule,
     _confidence,
@@ -21,13 +25,45 @@ from ._common import (
     _when,
 )
 
+# the busiest processes outside the server in a time range, from the host samples' census
+_BUSY_SQL = """
+SELECT busy_others FROM device_samples
+WHERE kind = 'host' AND time_ns >= ? AND time_ns < ? AND busy_others IS NOT NULL
+"""
+
+
+def _others(w: Window) -> float:
+    """CPU % used outside the server, less tokenmill's own load generator's share."""
+    return max(0.0, (w.get("cpu_others_mean") or 0) - (w.get("loadgen_cpu_mean") or 0))
+
 
 def _neighbour(sig: Signals, w: Window, p: dict) -> bool:
     if sig.device_kind == "gpu":
         return (w.get("other_processes_max") or 0) >= 1
-    return (w.get("cpu_others_mean") or 0) >= p["others_cpu_pct"] or (
-        w.get("steal_mean") or 0
-    ) >= p["steal_pct"]
+    return _others(w) >= p["others_cpu_pct"] or (w.get("steal_mean") or 0) >= p["steal_pct"]
+
+
+def busy_processes(sig: Signals, start_ns: int, end_ns: int, *, loadgen: bool = False) -> list:
+    """The processes outside the server that used the CPU in ``[start_ns, end_ns)``, busiest
+    first: ``{"pid", "command", "cpu_pct"}`` with ``cpu_pct`` the mean over the host samples
+    of the range (0 where a sample did not list it); tokenmill's own load generator only with
+    ``loadgen`` (then only it). Empty for a store without the census."""
+    try:
+        rows = sig.con.execute(_BUSY_SQL, [start_ns, end_ns]).fetchall()
+    except Exception:  # a store written before the census: no such column
+        return []
+    seen: dict[tuple, list[float]] = {}
+    for (text,) in rows:
+        for d in json.loads(text or "[]"):
+            if bool(d.get("load_generator")) != loadgen:
+                continue
+            seen.setdefault((d["pid"], d["command"]), []).append(float(d["cpu_pct"]))
+    n = max(1, len(rows))
+    out = [
+        {"pid": pid, "command": cmd, "cpu_pct": round(sum(v) / n, 1)}
+        for (pid, cmd), v in seen.items()
+    ]
+    return sorted(out, key=lambda d: -d["cpu_pct"])[:5]
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -46,7 +82,16 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if sig.device_kind == "gpu":
         who = f"{w.get('other_processes_max'):.0f} other process(es) on the GPU"
     else:
-        who = f"processes outside the server used {w.get('cpu_others_mean') or 0:.0f}% of the CPU"
+        who = f"processes outside the server used {_others(w):.0f}% of the CPU"
+        named = busy_processes(sig, w.start_ns, w.end_ns)
+        if named:
+            who += (
+                " ("
+                + ", ".join(
+                    f"pid {d['pid']} `{d['command']}` {d['cpu_pct']:.0f}%" for d in named[:3]
+                )
+                + ")"
+            )
         if (w.get("steal_mean") or 0) >= 1:
             who += f" and the hypervisor stole {w.get('steal_mean'):.0f}%"
         if w.get("run_queue_mean") is not None:
@@ -62,7 +107,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         {
             "same_work_slowdown": slow,
             "quiet_same_work_slowdown": quiet_slowdown,
-            "cpu_others_pct": w.get("cpu_others_mean"),
+            "cpu_others_pct": _others(w),
+            "load_generator_cpu_pct": w.get("loadgen_cpu_mean"),
+            "busy_processes": busy_processes(sig, w.start_ns, w.end_ns)
+            if sig.device_kind != "gpu"
+            else None,
             "steal_pct": w.get("steal_mean"),
             "run_queue": w.get("run_queue_mean"),
             "host_cpu_pct": w.get("host_cpu_mean"),
@@ -74,6 +123,40 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         *_in_window(w),
         "critical" if slow >= 2 * p["slowdown"] else "warning",
         _confidence(slow / p["slowdown"]),
+    )
+
+
+def validity_note(sig: Signals, p: dict) -> Hint | None:
+    """Benchmark validity: tokenmill's own load generator shared the server's cores. Not a
+    production finding (the client is not there in production), but it slowed the steps it
+    measured, and the note says by how much: the same-work slowdown of the windows where the
+    load generator used at least ``loadgen_cpu_pct`` of the CPU."""
+    if sig.device_kind == "gpu":
+        return None
+    ran = [w for w in sig.windows if w.get("same_work_slowdown") is not None]
+    busy = [w for w in ran if (w.get("loadgen_cpu_mean") or 0) >= p["loadgen_cpu_pct"]]
+    if not busy:
+        return None
+    share = statistics.mean(w.get("loadgen_cpu_mean") for w in busy)
+    slow = statistics.median(w.get("same_work_slowdown") for w in busy)
+    quiet = [w for w in ran if (w.get("loadgen_cpu_mean") or 0) < p["loadgen_cpu_pct"] / 2]
+    quiet_slow = statistics.median(w.get("same_work_slowdown") for w in quiet) if quiet else None
+    named = busy_processes(sig, busy[0].start_ns, busy[-1].end_ns, loadgen=True)
+    return Hint(
+        f"benchmark validity: the load generator shares the server's cores: it used {share:.0f}% "
+        f"of the CPU in {len(busy)} of {len(ran)} windows, where steps ran at {slow:.2f}x the "
+        "same work at its quickest"
+        + (f" ({quiet_slow:.2f}x without it)" if quiet_slow is not None else "")
+        + "; timings from this run include the client's own CPU",
+        {
+            "load_generator_cpu_pct": share,
+            "windows": len(busy),
+            "same_work_slowdown": slow,
+            "quiet_same_work_slowdown": quiet_slow,
+            "load_generator_processes": named,
+        },
+        "run the load generator on another host, or pin it and the server to separate cores "
+        "(taskset)",
     )
 
 
@@ -107,7 +190,13 @@ RULE = Rule(
             "an engine that uses every core has no spare for it)",
         ),
         "steal_pct": Param(10.0, "CPU % the hypervisor gave to other guests"),
+        "loadgen_cpu_pct": Param(
+            5.0,
+            "CPU % (of all CPUs) tokenmill's own load generator used in a window before the "
+            "report notes it as a threat to the benchmark's validity",
+        ),
     },
+    hint=validity_note,
     detect=detect,
     healthy_baseline="absolute",
     explains=(

@@ -1,0 +1,482 @@
+"""The labelled diagnosis corpus: runs sampled from each symptom family's parameter space, on the
+real engine, split once into a tuning part and an evaluation part.
+
+A family is a symptom (the rule that should be the top finding) or ``healthy`` (nothing may
+fire), with a parameter space: client counts or rates, prompt and output length ranges, when the
+fault starts, its size, the window, the seed. :func:`sample` draws concrete runs from it
+deterministically (``random.Random(f"{family}:{index}")``) and each run carries its split,
+fixed by its index (even: ``tune``, odd: ``eval``), so no run ever changes sides and the
+evaluation split is never read while thresholds are chosen. A run is a :class:`Scenario` built
+in code (the same runner as ``tokenmill scenario run``), kept as a Parquet dump plus
+``label.json`` (family, expected rules, split, the sampled parameters, fault start in wall-clock
+ns).
+
+``python -m tokenmill.bench.corpus --out DIR [--per-family N] [--family F ...] [--split S]``
+generates (resumable: a run whose ``label.json`` exists is skipped); ``make corpus`` runs it.
+``benchmarks/diagnosis_accuracy.py`` scores the diagnoser on it.
+
+The families were written from the symptom descriptions (seeds, shared cases), not from the
+rules' thresholds; three of them (``hol_low_rate``, ``multi_turn_uncached``, ``healthy_loaded``)
+are the kinds of miss an independent try found: plain symptoms at one request a window, and our
+own load generator taken for a noisy neighbour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import duckdb
+
+from .scenario import Scenario, ScenarioError, run_scenario
+from .scenario import _args as scenario_args
+
+SPLITS = ("tune", "eval")
+
+
+@dataclass
+class Run:
+    """One sampled run: its id, family, split, scenario and labels."""
+
+    id: str
+    family: str
+    split: str
+    expect: list[str]  # [] = healthy: nothing may fire
+    scenario: Scenario
+    params: dict
+    fault_start_s: float | None  # seconds after the first bench step starts; None: no fault
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    expect: tuple[str, ...]
+    # rng -> (scenario fields, sampled params, fault start s)
+    draw: Callable[[random.Random], tuple[dict, dict, float | None]]
+    description: str
+
+
+def _u(rng: random.Random, lo: int, hi: int) -> int:
+    return rng.randint(lo, hi)
+
+
+def _bench(**kw) -> list[str]:
+    args = []
+    for k, v in kw.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+# ----- families -----
+
+
+def _healthy(rng: random.Random):
+    c = rng.choice([1, 2, 3])
+    p = {
+        "concurrency": c,
+        "prompt": _u(rng, 24, 64),
+        "output": _u(rng, 16, 40),
+        "seed": _u(rng, 1, 999),
+    }
+    n = _u(rng, 14, 22) * c
+    steps = [
+        _bench(
+            concurrency=c,
+            num_requests=n,
+            prompt_tokens=f"uniform:{p['prompt']}:{p['prompt'] * 2}",
+            output_tokens=p["output"],
+            seed=p["seed"],
+        )
+    ]
+    return {"steps": steps, "window": "5s"}, {**p, "requests": n}, None
+
+
+def _healthy_open(rng: random.Random):
+    # open loop well under capacity: about one to three requests a window
+    rate = round(rng.uniform(0.2, 0.8), 2)
+    p = {"rate": rate, "prompt": _u(rng, 32, 96), "output": _u(rng, 8, 32), "seed": _u(rng, 1, 999)}
+    steps = [
+        _bench(
+            request_rate=rate,
+            num_requests=_u(rng, 12, 20),
+            prompt_tokens=f"uniform:{p['prompt']}:{p['prompt'] * 2}",
+            output_tokens=p["output"],
+            seed=p["seed"],
+        )
+    ]
+    return {"steps": steps, "window": "5s"}, p, None
+
+
+def _healthy_loaded(rng: random.Random):
+    # many streams from one client process: the load generator itself takes CPU on the cores
+    c = rng.choice([6, 8, 10])
+    p = {
+        "concurrency": c,
+        "prompt": _u(rng, 24, 48),
+        "output": _u(rng, 48, 96),
+        "seed": _u(rng, 1, 999),
+    }
+    steps = [
+        _bench(
+            concurrency=c,
+            num_requests=c * 3,
+            prompt_tokens=p["prompt"],
+            output_tokens=p["output"],
+            seed=p["seed"],
+        )
+    ]
+    return {"steps": steps, "window": "5s"}, p, None
+
+
+def _hol_low_rate(rng: random.Random):
+    # one client of short requests; one long prompt's chunks take the step budget
+    short_n = _u(rng, 16, 26)
+    long_tokens = _u(rng, 2600, 4200)
+    start = round(rng.uniform(5, 9), 1)
+    p = {
+        "short_prompt": _u(rng, 30, 70),
+        "short_output": _u(rng, 6, 14),
+        "long_prompt": long_tokens,
+        "budget": rng.choice([512, 1024, 2048]),
+        "long_at_s": start,
+        "seed": _u(rng, 1, 999),
+    }
+    steps = [
+        {
+            "start_s": 0,
+            "args": _bench(
+                concurrency=1,
+                num_requests=short_n,
+                prompt_tokens=p["short_prompt"],
+                output_tokens=p["short_output"],
+                seed=p["seed"],
+            ),
+        },
+        {
+            "start_s": start,
+            "args": _bench(
+                concurrency=1,
+                num_requests=2,
+                prompt_tokens=long_tokens,
+                output_tokens=4,
+                seed=p["seed"] + 1,
+            ),
+        },
+    ]
+    server = ["--max-num-batched-tokens", str(p["budget"])]
+    return {"steps": steps, "server": server, "window": "5s"}, p, start
+
+
+def _hol_strict(rng: random.Random):
+    # the classic case: strict FCFS admission stops at a long prompt that does not fit yet
+    blocks = _u(rng, 200, 240)
+    start = round(rng.uniform(4.0, 5.0), 1)
+    p = {
+        "blocks": blocks,
+        "streams": 8,
+        "stream_prompt": _u(rng, 260, 320),
+        "short_at_s": start,
+        "seed": _u(rng, 1, 999),
+    }
+    steps = [
+        {
+            "start_s": 0,
+            "args": _bench(
+                concurrency=8,
+                num_requests=8,
+                prompt_tokens=p["stream_prompt"],
+                output_tokens=75,
+                seed=p["seed"],
+            ),
+        },
+        {
+            "start_s": start,
+            "args": [
+                "--request-rate",
+                "100",
+                "--num-requests",
+                "24",
+                "--dataset",
+                "{scenarios}/head_of_line_blocking.jsonl",
+                "--seed",
+                str(p["seed"] + 1),
+            ],
+        },
+    ]
+    server = ["--admission-policy", "strict", "--num-gpu-blocks-override", str(blocks)]
+    return {"steps": steps, "server": server, "window": "5s"}, p, start
+
+
+def _multi_turn_uncached(rng: random.Random):
+    turns = _u(rng, 7, 10)
+    c = rng.choice([1, 2])
+    p = {
+        "turns": turns,
+        "chats": c,
+        "prompt": _u(rng, 120, 220),
+        "output": _u(rng, 32, 64),
+        "seed": _u(rng, 1, 999),
+    }
+    steps = [
+        _bench(
+            concurrency=c,
+            num_requests=turns * c,
+            multi_turn=f"{turns}:{c}",
+            prompt_tokens=p["prompt"],
+            output_tokens=p["output"],
+            seed=p["seed"],
+        )
+    ]
+    return {"steps": steps, "server": ["--no-enable-prefix-caching"], "window": "5s"}, p, 0.0
+
+
+def _host_contention(rng: random.Random):
+    start = _u(rng, 12, 20)
+    dur = _u(rng, 12, 18)
+    procs = rng.choice([3, 4])
+    c = rng.choice([2, 3, 4])
+    p = {"concurrency": c, "hog_at_s": start, "hog_s": dur, "procs": procs, "seed": _u(rng, 1, 999)}
+    steps = [
+        _bench(
+            concurrency=c,
+            phases=f"steady:{start + dur + 8}s",
+            prompt_tokens="uniform:32:64",
+            output_tokens=_u(rng, 24, 40),
+            seed=p["seed"],
+        )
+    ]
+    host = [{"start_s": start, "duration_s": dur, "procs": procs, "every_s": None, "busy_s": None}]
+    return {"steps": steps, "host_load": host, "window": "5s"}, p, float(start)
+
+
+def _periodic(rng: random.Random):
+    every = rng.choice([4, 5, 6])
+    busy = round(rng.uniform(0.8, 1.5), 1)
+    c = rng.choice([1, 2])
+    start = _u(rng, 3, 6)
+    length = _u(rng, 36, 48)
+    p = {"concurrency": c, "every_s": every, "busy_s": busy, "at_s": start, "seed": _u(rng, 1, 999)}
+    steps = [
+        _bench(
+            concurrency=c,
+            phases=f"steady:{length}s",
+            prompt_tokens=_u(rng, 24, 48),
+            output_tokens=_u(rng, 120, 220),
+            seed=p["seed"],
+        )
+    ]
+    host = [
+        {
+            "start_s": start,
+            "duration_s": length - start,
+            "procs": 2,
+            "every_s": every,
+            "busy_s": busy,
+        }
+    ]
+    return {"steps": steps, "host_load": host, "window": "5s"}, p, float(start)
+
+
+def _prefill_interference(rng: random.Random):
+    start = round(rng.uniform(4, 8), 1)
+    p = {
+        "streams": rng.choice([3, 4]),
+        "long_prompt": _u(rng, 1200, 1800),
+        "at_s": start,
+        "seed": _u(rng, 1, 999),
+    }
+    steps = [
+        {
+            "start_s": 0,
+            "args": _bench(
+                concurrency=p["streams"],
+                num_requests=p["streams"],
+                prompt_tokens=_u(rng, 60, 120),
+                output_tokens=_u(rng, 180, 240),
+                seed=p["seed"],
+            ),
+        },
+        {
+            "start_s": start,
+            "args": _bench(
+                concurrency=1,
+                num_requests=1,
+                prompt_tokens=p["long_prompt"],
+                output_tokens=1,
+                seed=p["seed"] + 1,
+            ),
+        },
+    ]
+    return {"steps": steps, "server": ["--no-enable-chunked-prefill"], "window": "60s"}, p, start
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("healthy", (), _healthy, "closed loop, 1-3 clients, short chats"),
+        Family("healthy_open", (), _healthy_open, "open loop at 0.2-0.8 req/s"),
+        Family("healthy_loaded", (), _healthy_loaded, "6-10 streams from one client process"),
+        Family(
+            "hol_low_rate",
+            ("head_of_line_blocking",),
+            _hol_low_rate,
+            "one client of short prompts; one long prompt's chunks take the step budget",
+        ),
+        Family(
+            "hol_strict",
+            ("head_of_line_blocking",),
+            _hol_strict,
+            "strict admission stops at a long prompt that does not fit",
+        ),
+        Family(
+            "multi_turn_uncached",
+            ("ttft_prefill_bound", "prefix_cache_miss"),
+            _multi_turn_uncached,
+            "growing chats with the prefix cache off",
+        ),
+        Family(
+            "host_contention",
+            ("host_contention",),
+            _host_contention,
+            "CPU hogs outside the server mid-run",
+        ),
+        Family(
+            "periodic_itl_spikes",
+            ("periodic_itl_spikes",),
+            _periodic,
+            "a job taking the cores about 1 s in every 4-6",
+        ),
+        Family(
+            "itl_prefill_interference",
+            ("itl_prefill_interference",),
+            _prefill_interference,
+            "a whole long prefill stalls running decodes",
+        ),
+    )
+}
+
+
+def sample(per_family: int, families: list[str] | None = None) -> list[Run]:
+    """``per_family`` runs of each family (all by default), deterministic per (family, index)."""
+    names = families or list(FAMILIES)
+    runs = []
+    for name in names:
+        fam = FAMILIES[name]
+        for i in range(per_family):
+            rng = random.Random(f"{name}:{i}")
+            fields, params, fault = fam.draw(rng)
+            sc = Scenario(
+                name=f"{name}-{i}",
+                expect=list(fam.expect),
+                steps=[
+                    {"start_s": st["start_s"], "args": scenario_args(st["args"])}
+                    if isinstance(st, dict)
+                    else scenario_args(st)
+                    for st in fields["steps"]
+                ],
+                server=fields.get("server", []),
+                window=fields.get("window", "5s"),
+                host_load=fields.get("host_load", []),
+                case=f"corpus family {name}",
+                description=fam.description,
+            )
+            runs.append(
+                Run(f"{name}-{i}", name, SPLITS[i % 2], list(fam.expect), sc, params, fault)
+            )
+    return runs
+
+
+def generate(out: Path, runs: list[Run], *, model: str | None = None, log=print) -> list[Path]:
+    """Run each of ``runs`` on the real engine into ``out/<id>/`` (Parquet dump + label.json);
+    runs whose label exists are skipped. Returns the run folders."""
+    from tokenmill.telemetry.parquet_dump import export_parquet
+
+    done = []
+    for k, r in enumerate(runs):
+        folder = out / r.id
+        label = folder / "label.json"
+        if label.exists():
+            done.append(folder)
+            continue
+        work = out / ".work" / r.id
+        shutil.rmtree(work, ignore_errors=True)
+        log(f"[{k + 1}/{len(runs)}] {r.id} ({r.split}): {json.dumps(r.params)}")
+        t = time.monotonic()
+        try:
+            result = run_scenario(r.scenario, work, model=model, log=lambda m: None)
+        except ScenarioError as exc:
+            log(f"  {r.id} failed: {exc}")
+            continue
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        con = duckdb.connect(str(work / "traces.duckdb"), read_only=True)
+        try:
+            export_parquet(con, folder / "dump")
+        finally:
+            con.close()
+        steps_ns = result["steps_started_ns"]
+        meta = {
+            "id": r.id,
+            "family": r.family,
+            "split": r.split,
+            "expect": r.expect,
+            "window": r.scenario.window,
+            "params": r.params,
+            "server": r.scenario.server,
+            "fault_start_ns": None
+            if r.fault_start_s is None
+            else steps_ns + int(r.fault_start_s * 1e9),
+            "steps_started_ns": steps_ns,
+            "scenario_top": result["top"],
+            "wall_s": round(time.monotonic() - t, 1),
+        }
+        label.write_text(json.dumps(meta, indent=2) + "\n")
+        shutil.rmtree(work, ignore_errors=True)
+        log(f"  top: {result['top']} ({meta['wall_s']} s)")
+        done.append(folder)
+    return done
+
+
+def load_runs(root: Path, split: str | None = None) -> list[tuple[dict, Path]]:
+    """The corpus's runs under ``root``: ``(label, dump folder)``, sorted by id."""
+    out = []
+    for label in sorted(root.glob("*/label.json")):
+        meta = json.loads(label.read_text())
+        if split is None or meta["split"] == split:
+            out.append((meta, label.parent / "dump"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m tokenmill.bench.corpus", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--per-family", type=int, default=4)
+    ap.add_argument("--family", action="append", choices=sorted(FAMILIES))
+    ap.add_argument("--split", choices=SPLITS)
+    ap.add_argument("--model")
+    ap.add_argument("--list", action="store_true", help="print the sampled runs and stop")
+    a = ap.parse_args(argv)
+    runs = sample(a.per_family, a.family)
+    if a.split:
+        runs = [r for r in runs if r.split == a.split]
+    if a.list:
+        for r in runs:
+            print(r.id, r.split, json.dumps(r.params), asdict(r.scenario)["server"])
+        return 0
+    a.out.mkdir(parents=True, exist_ok=True)
+    generate(a.out, runs, model=a.model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
