@@ -393,6 +393,41 @@ def sample(per_family: int, families: list[str] | None = None) -> list[Run]:
     return runs
 
 
+MAX_ATTEMPTS = 3
+# a process outside the server, the load generator and the run's own drills that used this
+# much CPU (% of all CPUs, its mean over any 5 s) makes the run invalid: it is run again
+FOREIGN_CPU_PCT = 10.0
+_OWN = ("tokenmill.bench.cpu_hog", "tokenmill.bench.corpus")
+
+
+def foreign_load(store: Path) -> list[str]:
+    """Processes that are neither the server, the load generator nor the run's drills and took
+    at least ``FOREIGN_CPU_PCT`` of the CPU over some 5 s of the run (the host samples'
+    census): ``["pid 123 `cmd` 37%"]``; such a run measured someone else's load too."""
+    con = duckdb.connect(str(store), read_only=True)
+    try:
+        rows = con.execute(
+            "SELECT time_ns // 5000000000, busy_others FROM device_samples "
+            "WHERE kind = 'host' AND busy_others IS NOT NULL"
+        ).fetchall()
+    finally:
+        con.close()
+    per: dict[tuple, dict[int, list[float]]] = {}
+    counts: dict[int, int] = {}
+    for win, text in rows:
+        counts[win] = counts.get(win, 0) + 1
+        for d in json.loads(text):
+            if d["load_generator"] or any(o in d["command"] for o in _OWN):
+                continue
+            per.setdefault((d["pid"], d["command"]), {}).setdefault(win, []).append(d["cpu_pct"])
+    out = []
+    for (pid, cmd), wins in per.items():
+        worst = max(sum(v) / counts[w] for w, v in wins.items())
+        if worst >= FOREIGN_CPU_PCT:
+            out.append(f"pid {pid} `{cmd[:60]}` {worst:.0f}%")
+    return out
+
+
 def generate(out: Path, runs: list[Run], *, model: str | None = None, log=print) -> list[Path]:
     """Run each of ``runs`` on the real engine into ``out/<id>/`` (Parquet dump + label.json);
     runs whose label exists are skipped. Returns the run folders."""
@@ -406,13 +441,23 @@ def generate(out: Path, runs: list[Run], *, model: str | None = None, log=print)
             done.append(folder)
             continue
         work = out / ".work" / r.id
-        shutil.rmtree(work, ignore_errors=True)
         log(f"[{k + 1}/{len(runs)}] {r.id} ({r.split}): {json.dumps(r.params)}")
         t = time.monotonic()
-        try:
-            result = run_scenario(r.scenario, work, model=model, log=lambda m: None)
-        except ScenarioError as exc:
-            log(f"  {r.id} failed: {exc}")
+        result = None
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            shutil.rmtree(work, ignore_errors=True)
+            try:
+                result = run_scenario(r.scenario, work, model=model, log=lambda m: None)
+            except ScenarioError as exc:
+                log(f"  {r.id} failed: {exc}")
+                result = None
+                break
+            strangers = foreign_load(work / "traces.duckdb")
+            if not strangers:
+                break
+            log(f"  attempt {attempt}: other processes shared the host, run again: {strangers}")
+            result = None
+        if result is None:
             continue
         if folder.exists():
             shutil.rmtree(folder)

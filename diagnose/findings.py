@@ -16,8 +16,8 @@ import duckdb
 
 from .rules import RULES, Rule
 from .rules._common import NEEDS_BASELINE, baseline_need
-from .signals import Signals, load
-from .stats import calibrated
+from .signals import COMPLETED_SQL, Signals, load
+from .stats import Support, calibrated, compare, judge
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,53 @@ def _summary(sig: Signals) -> dict:
     }
 
 
+MIN_REQUESTS = 2  # a finding on one request is inconclusive unless the rule says why one suffices
+
+
+def request_support(rule: Rule, sig: Signals, where: str | None, params: list) -> Support | None:
+    """The test behind a finding whose detector stated none: its example requests (``where``
+    over ``requests`` in the range) against the requests of the dump's healthy windows, on the
+    rule's ``test_metric``; see :attr:`Rule.test_metric`. None without an example filter."""
+    if not where:
+        return None
+    metric = rule.test_metric or "NULL"
+    rows = sig.con.execute(
+        f"SELECT {metric}, arrival_ns FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
+        f"AND ({where})",
+        [sig.since_ns, sig.until_ns, *params],
+    ).fetchall()
+    w_ns = int(sig.window_s * 1e9)
+    held = len({(t - sig.start_ns) // w_ns for _, t in rows})
+    persistence = f"{held} of {sig.busy_windows or len(sig.windows)} busy windows"
+    if rule.own_test:
+        return Support(
+            n=len(rows), unit="requests", reference=rule.own_test, persistence=persistence
+        )
+    if rule.test_metric is None or not sig.healthy_ranges:
+        sup = Support(
+            n=len(rows),
+            unit="requests",
+            reference="the rule's window thresholds",
+            persistence=persistence,
+        )
+        return judge(sup, min_n=MIN_REQUESTS, min_effect=0.0)
+    ranges = " OR ".join("(arrival_ns >= ? AND arrival_ns < ?)" for _ in sig.healthy_ranges)
+    ref = sig.con.execute(
+        f"SELECT {metric} FROM requests WHERE ({ranges}) AND {COMPLETED_SQL} "
+        f"AND {metric} IS NOT NULL",
+        [t for r in sig.healthy_ranges for t in r],
+    ).fetchall()
+    return compare(
+        [v for v, _ in rows],
+        [v for (v,) in ref],
+        unit="requests",
+        reference_name=f"{rule.test_metric} in the dump's healthy windows",
+        min_effect=rule.test_effect,
+        min_n=MIN_REQUESTS,
+        persistence=persistence,
+    )
+
+
 def evaluate(rule: Rule, sig: Signals, overrides: dict | None = None) -> Finding | None:
     """Run one rule; None when it does not fire."""
     params = {k: v.default for k, v in rule.params.items()}
@@ -176,6 +223,11 @@ def evaluate(rule: Rule, sig: Signals, overrides: dict | None = None) -> Finding
     if ev is None:
         return None
     support, confidence = None, ev.confidence
+    if ev.support is None:
+        try:
+            ev.support = request_support(rule, sig, ev.example_where, ev.example_params)
+        except duckdb.Error as exc:  # the test must never lose the finding
+            log.warning("support for %s failed: %s", rule.id, exc)
     if ev.support is not None:
         support = ev.support.to_json()
         support["line"] = ev.support.line()

@@ -100,6 +100,9 @@ class Signals:
     healthy_baseline: bool = True
     healthy_baseline_reason: str = ""
     healthy_windows: int = 0
+    # the healthy windows' [start_ns, end_ns): the reference a finding's requests are tested
+    # against (diagnose/stats.py)
+    healthy_ranges: list[tuple[int, int]] = field(default_factory=list)
     busy_windows: int = 0
     # warm-up set apart: {"requests": n, "intervals": [[start_ns, end_ns], ...]}
     warmup: dict = field(default_factory=lambda: {"requests": 0, "intervals": []})
@@ -490,13 +493,16 @@ def _set_apart(sql: str, column: str, cond: str) -> str:
     return sql.replace(marker, f"WHERE {cond} AND {marker.removeprefix('WHERE ')}")
 
 
-def _judge_baseline(busy: list[Window], range_error_rate: float | None) -> tuple[bool, int, str]:
+def _judge_baseline(
+    busy: list[Window], range_error_rate: float | None
+) -> tuple[bool, list[Window], str]:
     """Whether the healthiest windows can serve as a baseline: ``(usable, healthy windows,
     reason it is not)``. A healthy window is busy and shows no preemption, allocation failures
     in fewer than ``HEALTHY_MAX_FAILING_STEPS`` of its working steps, errors below
     ``HEALTHY_MAX_ERROR_RATE`` (a window with fewer than ``HEALTHY_MIN_ENDED`` requests ending:
     ``range_error_rate``, the whole range's, when higher) and queue time below
-    ``HEALTHY_MAX_QUEUE_SHARE`` of TTFT; usable with at least ``MIN_HEALTHY_WINDOWS`` of them."""
+    ``HEALTHY_MAX_QUEUE_SHARE`` of TTFT; usable with at least ``MIN_HEALTHY_WINDOWS`` of them.
+    Returns the healthy windows themselves as the second item."""
 
     def error_rate(w: Window) -> float:
         rate = w.get("error_rate") or 0
@@ -522,15 +528,15 @@ def _judge_baseline(busy: list[Window], range_error_rate: float | None) -> tuple
     healthy = [w for w in busy if not any(m(w) for m in markers.values())]
     need = MIN_HEALTHY_WINDOWS
     if len(healthy) >= need:
-        return True, len(healthy), ""
+        return True, healthy, ""
     if not busy:
-        return False, 0, "no window has a completed request to compare with"
+        return False, [], "no window has a completed request to compare with"
     seen = ", ".join(
         f"{name} in {n}" for name, m in markers.items() if (n := sum(1 for w in busy if m(w)))
     )
     return (
         False,
-        len(healthy),
+        healthy,
         f"{len(healthy)} of {len(busy)} busy windows healthy, {need} needed ({seen})",
     )
 
@@ -843,7 +849,7 @@ def load(
     overall["short_prompt_tokens"] = short_prompt_tokens
     ended = overall.get("ended") or 0
     overall["error_rate"] = (overall.get("errors") or 0) / ended if ended else None
-    usable, n_healthy, why_not = _judge_baseline(busy, overall["error_rate"])
+    usable, healthy, why_not = _judge_baseline(busy, overall["error_rate"])
     errors_by_type = dict(
         con.execute(
             "SELECT error_type, count(*) FROM requests WHERE end_ns >= ? AND end_ns < ? "
@@ -867,7 +873,8 @@ def load(
         until_ns=until,
         healthy_baseline=usable,
         healthy_baseline_reason=why_not,
-        healthy_windows=n_healthy,
+        healthy_windows=len(healthy),
+        healthy_ranges=[(w.start_ns, w.end_ns) for w in healthy],
         busy_windows=len(busy),
         warmup={"requests": int(n_warm), "intervals": [list(iv) for iv in warm]},
         decode_seqs_sql=seqs,

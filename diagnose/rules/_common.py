@@ -108,6 +108,15 @@ class Rule:
     # markers) or "either" (ratios when there is a baseline, its absolute evidence when not);
     # None counts as "needs". runbooks/README.md lists each rule's.
     healthy_baseline: str | None = None
+    # the test behind a finding when the detector states none (findings.request_support): the
+    # requests column whose values in the finding's example requests are compared with those of
+    # the dump's healthy windows (``test_effect``: the lower end of the 95% interval of the
+    # ratio of medians it needs), or ``own_test``: why the rule's own thresholds are the test
+    # (a count of spikes, a share of steps, a structural fact); neither: the example requests
+    # are counted (two needed)
+    test_metric: str | None = None
+    test_effect: float = 1.5
+    own_test: str | None = None
 
     @property
     def runbook(self) -> str:

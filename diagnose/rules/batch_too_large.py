@@ -73,6 +73,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="batch_too_large",
+    own_test="decode tokens/s against batch size past the knee, over the steps",
     title="throughput falls as the batch grows",
     symptom="tokens/s drops at larger batches: each step slows more than the batch grows",
     causes=("max_num_seqs past the knee", "memory-bandwidth bound decode at large batch"),

@@ -48,6 +48,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="batching_ineffective",
+    own_test="the running batch against max_num_seqs while requests wait",
     title="the batch is capped while memory is free",
     symptom="requests wait although KV is mostly free: the batch is stuck at max_num_seqs",
     causes=("max_num_seqs too low for this traffic",),

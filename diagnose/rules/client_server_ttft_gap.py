@@ -67,6 +67,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="client_server_ttft_gap",
+    own_test="client TTFT against server TTFT, request by request",
     title="clients see a much later first token than the server",
     symptom="client TTFT far above server TTFT",
     causes=(PROXY, HOLDBACK, CLIENT),

@@ -142,6 +142,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="error_spike",
+    own_test="the error share of the requests ending in the window (absolute)",
     title="errors up while throughput is normal",
     symptom="the error rate jumps while tokens/s stays normal",
     causes=(

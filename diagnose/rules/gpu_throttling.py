@@ -52,6 +52,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="gpu_throttling",
+    own_test="device samples with throttle reasons and lowered clocks",
     title="GPU clocks down",
     symptom="SM clocks drop with thermal or power reasons while ITL rises",
     causes=("thermal throttling", "power cap"),

@@ -169,6 +169,7 @@ def _per_window(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="head_of_line_blocking",
+    test_metric="ttft_ms",
     title="short requests stuck behind a long prompt",
     symptom="short prompts' TTFT jumps while a long prompt is admitted or prefilled, with KV free",
     causes=(

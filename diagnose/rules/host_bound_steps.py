@@ -88,6 +88,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="host_bound_steps",
+    own_test="the host's share of the step time over the window's steps",
     title="steps wait on the host",
     symptom=(
         "the host side of each step (schedule, input preparation, sample, detokenize) is a "

@@ -162,6 +162,7 @@ def validity_note(sig: Signals, p: dict) -> Hint | None:
 
 RULE = Rule(
     id="host_contention",
+    own_test="the same work's step time against its quickest quarter, over the window's steps",
     title="a noisy neighbour: the same work runs slower while other processes use the machine",
     symptom="step time rises for the same batch and tokens while processes outside the server "
     "use the CPU (or the GPU)",

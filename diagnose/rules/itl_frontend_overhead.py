@@ -34,6 +34,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="itl_frontend_overhead",
+    own_test="stream-side time per token against the engine's, request by request",
     title="the output path is slower than the engine",
     symptom="stream-side time per token well above the engine's TPOT",
     causes=(

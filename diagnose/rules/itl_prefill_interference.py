@@ -16,6 +16,10 @@ from ._common import (
     _when,
     _worst,
 )
+from .periodic_itl_spikes import decode_stalls
+
+# a prefill step within this much of a stall of decode-only steps shares its cause
+STALL_MARGIN_NS = 1_000_000_000
 
 # Each step that carries prefill next to running decodes, with the slower of the decode-only
 # steps just before and just after it (NULL where there is none in the range).
@@ -43,11 +47,17 @@ def _prefill_stretched(
     neighbour process, GC) slows the steps around a prefill as much as the prefill step itself;
     a prefill slows only its own."""
     out = []
+    # decode-only steps stalled too around a slow prefill step: something outside the step's
+    # work (a host job, a periodic disturbance) slowed it, not its prefill
+    stalls = [(s - STALL_MARGIN_NS, e + STALL_MARGIN_NS) for s, _, _, e in decode_stalls(sig)]
     for start, ms, near, prefill in sig.con.execute(
         _MIXED_STEPS_SQL, [sig.since_ns, sig.until_ns]
     ).fetchall():
         near = near if near is not None else base_step
         if prefill >= p["min_prefill_tokens"] and near and ms >= p["local_spike"] * near:
+            end = start + int(ms * 1e6)
+            if any(a <= end and start <= b for a, b in stalls):
+                continue
             out.append((start, ms, near))
     return out
 
@@ -114,6 +124,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="itl_prefill_interference",
+    test_metric="itl_max_ms",
     title="ITL spikes while prefills run",
     symptom="running streams' ITL jumps when steps carry prefill tokens",
     causes=(
@@ -145,6 +156,5 @@ RULE = Rule(
     },
     detect=detect,
     healthy_baseline="needs",
-    explains=("periodic_itl_spikes",),
     evidence_signals=("itl_max", "mixed_step_ms_max", "prefill_tokens_max"),
 )

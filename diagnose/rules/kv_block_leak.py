@@ -31,6 +31,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="kv_block_leak",
+    own_test="KV blocks held with nothing running (absolute)",
     title="KV blocks are not returned",
     symptom="KV use does not return to its idle level after traffic drains",
     causes=("blocks of aborted or failed requests are not freed",),

@@ -122,6 +122,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="kv_pressure_preemption",
+    own_test="preemptions by recompute and KV use in the engine's steps (absolute markers)",
     title="KV cache full: preemptions slow everything",
     symptom="TTFT and ITL both degrade with the KV cache near full and preemptions/recompute",
     causes=(

@@ -51,6 +51,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="kv_transfer_bound",
+    own_test="KV transfer time against TTFT, request by request",
     title="moving the KV between prefill and decode takes a large share of the wait",
     symptom=(
         "with --disaggregation, each request's KV transfer from the prefill to the decode core "

@@ -43,6 +43,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="midstream_stall",
+    own_test="a stream stalled 10x its own ITL p50: one stall is the symptom",
     title="fast first token, then a long stall",
     symptom="first token fast, then a gap far above the request's own ITL",
     causes=("preemption and recompute of running requests", "a long prefill in between"),

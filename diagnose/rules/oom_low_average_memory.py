@@ -46,6 +46,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="oom_low_average_memory",
+    own_test="block allocation failures counted in the steps (absolute)",
     title="allocation failures with memory mostly free",
     symptom="allocation failures or OOM while average KV/HBM use is low",
     causes=(

@@ -83,6 +83,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="overload",
+    own_test="arrivals outpacing completions window after window (a trend over min_windows)",
     title="arrivals exceed completions",
     symptom=(
         "arrivals outpace completions in every window of a run while the queue and TTFT trend "

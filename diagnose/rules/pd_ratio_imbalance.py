@@ -143,6 +143,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="pd_ratio_imbalance",
+    own_test="each side's busy share of the window",
     title="one side of the disaggregated line is the bottleneck while the other idles",
     symptom=(
         "with --disaggregation, the prefill side queues while the decode side sits idle, or "

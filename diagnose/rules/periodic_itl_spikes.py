@@ -100,7 +100,12 @@ def _on_grid(times: list[int], period_s: float, tol: float) -> list[bool]:
     return on
 
 
-def detect(sig: Signals, p: dict) -> Evidence | None:
+def decode_stalls(sig: Signals, p: dict | None = None) -> list[tuple[int, float, int, int]]:
+    """Stalls of decode-only steps (no prefill in them), periodic or not: ``(start_ns, ms,
+    num_running, end_ns)`` per run of slow steps (``_spikes``), with this rule's thresholds
+    (``p``, default its params). A disturbance from outside the engine slows steps whatever
+    they carry; a prefill slows only the steps that carry it (itl_prefill_interference asks)."""
+    p = p or {k: v.default for k, v in RULE.params.items()}
     # a median step of 0 ms (durations not measured) would make every step a "spike"
     slow = sig.con.execute(
         """
@@ -114,7 +119,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         """,
         [sig.since_ns, sig.until_ns, p["slow_step"]],
     ).fetchall()
-    rows = _spikes(slow, p["spike"], int(p["max_gap_steps"]))
+    return _spikes(slow, p["spike"], int(p["max_gap_steps"]))
+
+
+def detect(sig: Signals, p: dict) -> Evidence | None:
+    rows = decode_stalls(sig, p)
     if len(rows) < p["min_spikes"]:
         return None
     times = [r[0] for r in rows]
@@ -170,6 +179,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="periodic_itl_spikes",
+    own_test="min_spikes decode-only stalls on one period",
     title="ITL spikes at a steady period",
     symptom="decode steps spike at a regular interval without a load change",
     causes=(
@@ -205,6 +215,8 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="absolute",
     # the periodic job is the more specific diagnosis: its period is how to find it
-    explains=("host_contention",),
+    # the periodic stall is what also slows a prefill step that meets it (its spikes are
+    # decode-only steps: a prefill cannot make them)
+    explains=("host_contention", "itl_prefill_interference"),
     evidence_signals=("step_ms_p99", "itl_max"),
 )

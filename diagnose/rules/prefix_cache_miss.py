@@ -79,6 +79,7 @@ SHORT_PREFIX = "the shared prefix is shorter than one KV block (the cache reuses
 
 RULE = Rule(
     id="prefix_cache_miss",
+    own_test="prompt blocks that share their content but not their first block (structural)",
     title="shared prompts miss the prefix cache",
     symptom="prompts share a long prefix but the hit rate is low: they differ near the start",
     causes=(

@@ -181,6 +181,7 @@ def hint(sig: Signals, p: dict) -> Hint | None:
 
 RULE = Rule(
     id="quantization_no_gain",
+    own_test="the roofline of the dump's steps (structural)",
     title="weights quantized, yet throughput unchanged: the steps are compute-bound",
     symptom=(
         "the model runs with --quantization int8/int4, but most forward time goes to steps "

@@ -46,6 +46,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="rank_straggler",
+    own_test="the ranks' compute times, sampled every 16 steps",
     title="One tensor-parallel rank is slower than the others",
     symptom="one rank's forward time outside collectives well above the others', sample after sample",
     causes=(

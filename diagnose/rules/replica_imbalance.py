@@ -76,6 +76,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="replica_imbalance",
+    own_test="arrivals and TTFT of the busiest replica against the least busy",
     title="One replica swamped while another sits idle",
     symptom="one data-parallel replica's arrivals and TTFT far above another's, which idles",
     causes=(

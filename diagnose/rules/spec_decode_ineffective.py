@@ -145,6 +145,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="spec_decode_ineffective",
+    own_test="draft acceptance and verification cost over the steps",
     title="speculative decoding does not pay: drafts rejected or verification compute-bound",
     symptom=(
         "speculation is on (steps verify draft tokens), but few drafts are accepted and the "

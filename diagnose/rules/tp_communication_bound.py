@@ -54,6 +54,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="tp_communication_bound",
+    own_test="the collectives' share of the steps",
     title="Tensor-parallel decode waits on collectives",
     symptom="decode steps spend a large share of their forward in all-reduces (tensor parallel)",
     causes=(

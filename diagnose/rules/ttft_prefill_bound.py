@@ -71,6 +71,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="ttft_prefill_bound",
+    test_metric="ttft_ms",
     title="TTFT up because prefill is slow",
     symptom="TTFT rises and prefill time, not queueing, is most of it",
     causes=(

@@ -96,6 +96,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 RULE = Rule(
     id="ttft_queueing",
+    test_metric="ttft_ms",
     title="TTFT up, ITL flat: requests wait in the queue",
     symptom="TTFT rises while ITL stays flat and queue time dominates TTFT",
     causes=(
