@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # first and it is kept.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup model demo test lint format clean promtool chromium scenarios
+.PHONY: setup model demo test lint format clean promtool chromium scenarios corpus accuracy
 
 setup: $(STAMP)
 
@@ -59,3 +59,12 @@ clean:
 scenarios: model
 	@for s in $$($(BIN)/tokenmill scenario list | awk '{print $$1}'); do \
 		$(BIN)/tokenmill scenario run $$s || status=1; done; exit $${status:-0}
+
+# the labelled diagnosis corpus (bench/corpus.py): every family's runs on the real engine, about
+# a minute each, alone on the machine; resumable. Then the accuracy on its evaluation split.
+CORPUS ?= benchmarks/data/diagnosis_corpus
+corpus: model
+	$(BIN)/python -m tokenmill.bench.corpus --out $(CORPUS) --per-family 4
+
+accuracy: $(STAMP)
+	$(BIN)/python benchmarks/diagnosis_accuracy.py --corpus $(CORPUS) --split eval

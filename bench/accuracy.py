@@ -2,8 +2,9 @@
 
 For each run: the diagnosis of its dump (the run's own window length), its top finding, every
 finding with its confidence, the inconclusive items, and the time to detect: the dump is
-diagnosed again cut at each window's end (``until_ns``), and the first cut at which one of the
-run's expected rules fires, less the fault's start, is the time to detect (also in windows).
+diagnosed again as a live store would have stood at each window's end (:func:`store_as_of`:
+only what had ended or been sampled by then), and the first such time at which one of the run's
+expected rules fires, less the fault's start, is the time to detect (also in windows).
 
 Metrics (:func:`score`), over one split:
 
@@ -24,6 +25,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import duckdb
 
 from tokenmill.diagnose.findings import diagnose
 from tokenmill.diagnose.signals import NoTraffic
@@ -58,6 +61,29 @@ class RunResult:
         return dict(self.__dict__, correct=self.correct)
 
 
+# what a live store holds at time T: rows that ended (or were sampled) by then
+_AS_OF = {
+    "requests": "end_ns",
+    "spans": "end_ns",
+    "engine_steps": "end_ns",
+    "device_samples": "time_ns",
+    "events": "time_ns",
+}
+
+
+def store_as_of(con: duckdb.DuckDBPyConnection, t_ns: int) -> duckdb.DuckDBPyConnection:
+    """An in-memory copy of the store as a live server's would have stood at ``t_ns``: the
+    requests and steps that had ended, the samples and events taken by then (a request still
+    in flight is not in a live store's ``requests`` yet)."""
+    out = duckdb.connect()
+    for table in ("meta", *_AS_OF):
+        col = _AS_OF.get(table)
+        where = f"WHERE {col} <= {int(t_ns)}" if col else ""
+        rows = con.sql(f"SELECT * FROM {table} {where}").to_arrow_table()  # noqa: F841
+        out.execute(f"CREATE TABLE {table} AS SELECT * FROM rows")
+    return out
+
+
 def evaluate_run(label: dict, dump: Path, *, time_to_detect: bool = True) -> RunResult:
     """Diagnose one corpus run (and, for a faulted run, find its time to detect)."""
     window_s = float(parse_since(label.get("window", "5s")))
@@ -84,10 +110,13 @@ def evaluate_run(label: dict, dump: Path, *, time_to_detect: bool = True) -> Run
                 k += 1
                 if cut <= fault:
                     continue
+                live = store_as_of(con, cut)
                 try:
-                    part = diagnose(con, until_ns=cut, window_s=window_s)
+                    part = diagnose(live, window_s=window_s)
                 except NoTraffic:
                     continue
+                finally:
+                    live.close()
                 if any(f.rule_id in res.expect for f in part.findings):
                     res.detect_s = (cut - fault) / 1e9
                     res.detect_windows = math.ceil(res.detect_s / window_s)

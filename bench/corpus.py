@@ -61,6 +61,9 @@ class Family:
     # rng -> (scenario fields, sampled params, fault start s)
     draw: Callable[[random.Random], tuple[dict, dict, float | None]]
     description: str
+    # diagnosis windows a run is judged in (drawn per run; the run itself does not depend on
+    # it): a periodic symptom over windows a few of its periods long
+    windows: tuple[str, ...] = ("5s", "10s")
 
 
 def _u(rng: random.Random, lo: int, hi: int) -> int:
@@ -95,7 +98,7 @@ def _healthy(rng: random.Random):
             seed=p["seed"],
         )
     ]
-    return {"steps": steps, "window": "5s"}, {**p, "requests": n}, None
+    return {"steps": steps}, {**p, "requests": n}, None
 
 
 def _healthy_open(rng: random.Random):
@@ -111,7 +114,7 @@ def _healthy_open(rng: random.Random):
             seed=p["seed"],
         )
     ]
-    return {"steps": steps, "window": "5s"}, p, None
+    return {"steps": steps}, p, None
 
 
 def _healthy_loaded(rng: random.Random):
@@ -132,19 +135,20 @@ def _healthy_loaded(rng: random.Random):
             seed=p["seed"],
         )
     ]
-    return {"steps": steps, "window": "5s"}, p, None
+    return {"steps": steps}, p, None
 
 
 def _hol_low_rate(rng: random.Random):
-    # one client of short requests; one long prompt's chunks take the step budget
-    short_n = _u(rng, 16, 26)
-    long_tokens = _u(rng, 2600, 4200)
+    # short requests at one to three a window; one long prompt's chunks take the step budget
+    # (running requests come first), so the short ones that arrive meanwhile wait in the queue
     start = round(rng.uniform(5, 9), 1)
     p = {
+        "short_rate": round(rng.uniform(0.4, 1.0), 2),
         "short_prompt": _u(rng, 30, 70),
         "short_output": _u(rng, 6, 14),
-        "long_prompt": long_tokens,
-        "budget": rng.choice([512, 1024, 2048]),
+        "long_prompt": _u(rng, 1200, 2200),
+        "long_n": rng.choice([1, 2]),
+        "budget": rng.choice([256, 512]),
         "long_at_s": start,
         "seed": _u(rng, 1, 999),
     }
@@ -152,8 +156,8 @@ def _hol_low_rate(rng: random.Random):
         {
             "start_s": 0,
             "args": _bench(
-                concurrency=1,
-                num_requests=short_n,
+                request_rate=p["short_rate"],
+                num_requests=_u(rng, 20, 30),
                 prompt_tokens=p["short_prompt"],
                 output_tokens=p["short_output"],
                 seed=p["seed"],
@@ -163,15 +167,15 @@ def _hol_low_rate(rng: random.Random):
             "start_s": start,
             "args": _bench(
                 concurrency=1,
-                num_requests=2,
-                prompt_tokens=long_tokens,
+                num_requests=p["long_n"],
+                prompt_tokens=p["long_prompt"],
                 output_tokens=4,
                 seed=p["seed"] + 1,
             ),
         },
     ]
     server = ["--max-num-batched-tokens", str(p["budget"])]
-    return {"steps": steps, "server": server, "window": "5s"}, p, start
+    return {"steps": steps, "server": server}, p, start
 
 
 def _hol_strict(rng: random.Random):
@@ -211,7 +215,7 @@ def _hol_strict(rng: random.Random):
         },
     ]
     server = ["--admission-policy", "strict", "--num-gpu-blocks-override", str(blocks)]
-    return {"steps": steps, "server": server, "window": "5s"}, p, start
+    return {"steps": steps, "server": server}, p, start
 
 
 def _multi_turn_uncached(rng: random.Random):
@@ -234,7 +238,7 @@ def _multi_turn_uncached(rng: random.Random):
             seed=p["seed"],
         )
     ]
-    return {"steps": steps, "server": ["--no-enable-prefix-caching"], "window": "5s"}, p, 0.0
+    return {"steps": steps, "server": ["--no-enable-prefix-caching"]}, p, 0.0
 
 
 def _host_contention(rng: random.Random):
@@ -253,7 +257,7 @@ def _host_contention(rng: random.Random):
         )
     ]
     host = [{"start_s": start, "duration_s": dur, "procs": procs, "every_s": None, "busy_s": None}]
-    return {"steps": steps, "host_load": host, "window": "5s"}, p, float(start)
+    return {"steps": steps, "host_load": host}, p, float(start)
 
 
 def _periodic(rng: random.Random):
@@ -281,7 +285,7 @@ def _periodic(rng: random.Random):
             "busy_s": busy,
         }
     ]
-    return {"steps": steps, "host_load": host, "window": "5s"}, p, float(start)
+    return {"steps": steps, "host_load": host}, p, float(start)
 
 
 def _prefill_interference(rng: random.Random):
@@ -314,7 +318,72 @@ def _prefill_interference(rng: random.Random):
             ),
         },
     ]
-    return {"steps": steps, "server": ["--no-enable-chunked-prefill"], "window": "60s"}, p, start
+    return {"steps": steps, "server": ["--no-enable-chunked-prefill"]}, p, start
+
+
+def _queueing(rng: random.Random):
+    # a KV pool that holds about six requests; clients step up until requests queue
+    # (a first version stepped 3-4 clients up to 2-2.5x: TTFT only doubled, too mild to call)
+    base = 4
+    step_s = _u(rng, 12, 15)
+    top = rng.choice([3.0, 3.5])
+    p = {"blocks": _u(rng, 44, 52), "clients": base, "step_s": step_s, "top": top}
+    p["seed"] = _u(rng, 1, 999)
+    phases = ",".join(f"c{k}:{step_s}s@{m:g}x" for k, m in enumerate((1, 1.5, 2, 2.5, top)))
+    steps = [
+        _bench(
+            concurrency=base,
+            phases=phases,
+            prompt_tokens=f"uniform:{_u(rng, 40, 56)}:64",
+            output_tokens=f"uniform:6:{_u(rng, 12, 16)}",
+            seed=p["seed"],
+        )
+    ]
+    server = ["--num-gpu-blocks-override", str(p["blocks"]), "--kv-watermark", "0.3"]
+    return {"steps": steps, "server": server}, p, float(step_s)
+
+
+def _kv_pressure(rng: random.Random):
+    # far more running requests than the KV pool holds: preemption by recompute
+    blocks = _u(rng, 36, 48)
+    c = rng.choice([10, 12, 14])
+    p = {"blocks": blocks, "clients": c, "prompt": _u(rng, 120, 180), "seed": _u(rng, 1, 999)}
+    warm = _u(rng, 8, 12)
+    steps = [
+        _bench(
+            concurrency=2,
+            num_requests=warm,
+            prompt_tokens=p["prompt"],
+            output_tokens=_u(rng, 60, 100),
+            seed=p["seed"],
+        ),
+        _bench(
+            concurrency=c,
+            num_requests=2 * c,
+            prompt_tokens=p["prompt"],
+            output_tokens=_u(rng, 100, 140),
+            seed=p["seed"] + 1,
+        ),
+    ]
+    return {"steps": steps, "server": ["--num-gpu-blocks-override", str(blocks)]}, p, None
+
+
+def _volatile_prefix(rng: random.Random):
+    # a shared system prompt whose first line (a timestamp) changes every request
+    c = rng.choice([1, 2, 3])
+    p = {"clients": c, "prefix": _u(rng, 300, 500), "seed": _u(rng, 1, 999)}
+    n = _u(rng, 20, 30)
+    steps = [
+        _bench(
+            concurrency=c,
+            num_requests=n,
+            shared_prefix=f"{p['prefix']}:{n}:volatile",
+            prompt_tokens=_u(rng, 12, 24),
+            output_tokens=_u(rng, 6, 12),
+            seed=p["seed"],
+        )
+    ]
+    return {"steps": steps}, p, 0.0
 
 
 FAMILIES: dict[str, Family] = {
@@ -327,7 +396,7 @@ FAMILIES: dict[str, Family] = {
             "hol_low_rate",
             ("head_of_line_blocking",),
             _hol_low_rate,
-            "one client of short prompts; one long prompt's chunks take the step budget",
+            "short prompts at 0.4-1 req/s; a long prompt's chunks take the step budget",
         ),
         Family(
             "hol_strict",
@@ -337,9 +406,28 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "multi_turn_uncached",
-            ("ttft_prefill_bound", "prefix_cache_miss"),
+            # the cause first: the history computed again; TTFT prefill-bound is its symptom
+            ("prefix_cache_miss", "ttft_prefill_bound"),
             _multi_turn_uncached,
             "growing chats with the prefix cache off",
+        ),
+        Family(
+            "ttft_queueing",
+            ("ttft_queueing", "overload"),
+            _queueing,
+            "clients step up until requests queue for a small KV pool",
+        ),
+        Family(
+            "kv_pressure_preemption",
+            ("kv_pressure_preemption", "midstream_stall"),
+            _kv_pressure,
+            "more running requests than the KV pool holds",
+        ),
+        Family(
+            "prefix_cache_miss",
+            ("prefix_cache_miss",),
+            _volatile_prefix,
+            "a shared system prompt whose first line changes every request",
         ),
         Family(
             "host_contention",
@@ -352,12 +440,14 @@ FAMILIES: dict[str, Family] = {
             ("periodic_itl_spikes",),
             _periodic,
             "a job taking the cores about 1 s in every 4-6",
+            ("15s", "20s"),
         ),
         Family(
             "itl_prefill_interference",
             ("itl_prefill_interference",),
             _prefill_interference,
             "a whole long prefill stalls running decodes",
+            ("10s", "30s", "60s"),
         ),
     )
 }
@@ -372,6 +462,8 @@ def sample(per_family: int, families: list[str] | None = None) -> list[Run]:
         for i in range(per_family):
             rng = random.Random(f"{name}:{i}")
             fields, params, fault = fam.draw(rng)
+            window = random.Random(f"{name}:{i}:window").choice(fam.windows)
+            params = {**params, "window": window}
             sc = Scenario(
                 name=f"{name}-{i}",
                 expect=list(fam.expect),
@@ -382,7 +474,7 @@ def sample(per_family: int, families: list[str] | None = None) -> list[Run]:
                     for st in fields["steps"]
                 ],
                 server=fields.get("server", []),
-                window=fields.get("window", "5s"),
+                window=window,
                 host_load=fields.get("host_load", []),
                 case=f"corpus family {name}",
                 description=fam.description,
@@ -438,6 +530,10 @@ def generate(out: Path, runs: list[Run], *, model: str | None = None, log=print)
         folder = out / r.id
         label = folder / "label.json"
         if label.exists():
+            # a label's parts that do not depend on the run follow the family's definition
+            meta = json.loads(label.read_text())
+            meta.update(expect=r.expect, window=r.scenario.window, params=r.params)
+            label.write_text(json.dumps(meta, indent=2) + "\n")
             done.append(folder)
             continue
         work = out / ".work" / r.id

@@ -171,7 +171,13 @@ def _summary(sig: Signals) -> dict:
 MIN_REQUESTS = 2  # a finding on one request is inconclusive unless the rule says why one suffices
 
 
-def request_support(rule: Rule, sig: Signals, where: str | None, params: list) -> Support | None:
+def request_support(
+    rule: Rule,
+    sig: Signals,
+    where: str | None,
+    params: list,
+    window: tuple[int, int] | None = None,
+) -> Support | None:
     """The test behind a finding whose detector stated none: its example requests (``where``
     over ``requests`` in the range) against the requests of the dump's healthy windows, on the
     rule's ``test_metric``; see :attr:`Rule.test_metric`. None without an example filter."""
@@ -190,7 +196,9 @@ def request_support(rule: Rule, sig: Signals, where: str | None, params: list) -
         return Support(
             n=len(rows), unit="requests", reference=rule.own_test, persistence=persistence
         )
-    if rule.test_metric is None or not sig.healthy_ranges:
+    # the reference: the healthy windows other than the finding's own
+    healthy = [r for r in sig.healthy_ranges if window is None or r != window]
+    if rule.test_metric is None or not healthy:
         sup = Support(
             n=len(rows),
             unit="requests",
@@ -198,11 +206,11 @@ def request_support(rule: Rule, sig: Signals, where: str | None, params: list) -
             persistence=persistence,
         )
         return judge(sup, min_n=MIN_REQUESTS, min_effect=0.0)
-    ranges = " OR ".join("(arrival_ns >= ? AND arrival_ns < ?)" for _ in sig.healthy_ranges)
+    ranges = " OR ".join("(arrival_ns >= ? AND arrival_ns < ?)" for _ in healthy)
     ref = sig.con.execute(
         f"SELECT {metric} FROM requests WHERE ({ranges}) AND {COMPLETED_SQL} "
         f"AND {metric} IS NOT NULL",
-        [t for r in sig.healthy_ranges for t in r],
+        [t for r in healthy for t in r],
     ).fetchall()
     return compare(
         [v for v, _ in rows],
@@ -225,7 +233,7 @@ def evaluate(rule: Rule, sig: Signals, overrides: dict | None = None) -> Finding
     support, confidence = None, ev.confidence
     if ev.support is None:
         try:
-            ev.support = request_support(rule, sig, ev.example_where, ev.example_params)
+            ev.support = request_support(rule, sig, ev.example_where, ev.example_params, ev.window)
         except duckdb.Error as exc:  # the test must never lose the finding
             log.warning("support for %s failed: %s", rule.id, exc)
     if ev.support is not None:

@@ -119,8 +119,8 @@ def _per_request(sig: Signals, p: dict) -> Evidence | None:
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
     ev = _per_request(sig, p)
-    if ev is not None:
-        return ev
+    if ev is not None or not sig.healthy_baseline:
+        return ev  # the per-window ratios need healthy windows; requests are their own reference
     return _per_window(sig, p)
 
 
@@ -197,7 +197,7 @@ RULE = Rule(
         ),
     },
     detect=detect,
-    healthy_baseline="needs",
+    healthy_baseline="either",
     # the long prompts that block the queue are the prefills that stall the running decodes
     explains=("ttft_queueing", "ttft_prefill_bound", "itl_prefill_interference"),
     evidence_signals=("short_ttft_p99", "input_max", "waiting_max"),

@@ -192,9 +192,9 @@ RULE = Rule(
         ),
         "steal_pct": Param(10.0, "CPU % the hypervisor gave to other guests"),
         "loadgen_cpu_pct": Param(
-            5.0,
+            10.0,
             "CPU % (of all CPUs) tokenmill's own load generator used in a window before the "
-            "report notes it as a threat to the benchmark's validity",
+            "report notes it as a threat to the benchmark's validity (a fifth of a core on two)",
         ),
     },
     hint=validity_note,

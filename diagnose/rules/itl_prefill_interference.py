@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..signals import Signals, Window
+from ..stats import against_bound
 from ._common import (
     _BASE,
     Evidence,
@@ -18,13 +19,15 @@ from ._common import (
 )
 from .periodic_itl_spikes import decode_stalls
 
-# a prefill step within this much of a stall of decode-only steps shares its cause
-STALL_MARGIN_NS = 1_000_000_000
+# a prefill step within this many usual decode steps of a stall of decode-only steps shares its
+# cause (a burst on the host slows the steps on both sides of it; a prefill only its own)
+STALL_MARGIN_STEPS = 3
 
 # Each step that carries prefill next to running decodes, with the slower of the decode-only
 # steps just before and just after it (NULL where there is none in the range).
 _MIXED_STEPS_SQL = """
-WITH s AS (SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms, num_prefill_tokens AS prefill,
+WITH s AS (SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms,
+                  num_prefill_tokens / greatest(num_prefill_chunks, 1) AS prefill,
                   num_prefill_tokens > 0 AND num_running > num_prefill_chunks AS mixed,
                   CASE WHEN num_prefill_tokens = 0 AND num_decode_tokens > 0
                        THEN (end_ns - start_ns) / 1e6 END AS decode_ms
@@ -37,6 +40,8 @@ n AS (SELECT *,
       FROM s)
 SELECT start_ns, ms, greatest(before_ms, after_ms), prefill FROM n WHERE mixed ORDER BY start_ns
 """
+# (prefill: the step's mean tokens per prefill chunk, so a step whose mean reaches a bound holds a
+# chunk that does: six short prompts let in together are not one long prompt to chunk)
 
 
 def _prefill_stretched(
@@ -49,7 +54,8 @@ def _prefill_stretched(
     out = []
     # decode-only steps stalled too around a slow prefill step: something outside the step's
     # work (a host job, a periodic disturbance) slowed it, not its prefill
-    stalls = [(s - STALL_MARGIN_NS, e + STALL_MARGIN_NS) for s, _, _, e in decode_stalls(sig)]
+    margin = int(STALL_MARGIN_STEPS * (base_step or 50.0) * 1e6)
+    stalls = [(s - margin, e + margin) for s, _, _, e in decode_stalls(sig)]
     for start, ms, near, prefill in sig.con.execute(
         _MIXED_STEPS_SQL, [sig.since_ns, sig.until_ns]
     ).fetchall():
@@ -94,6 +100,25 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         return None
     r = _ratio(spike(w), base_itl)
     near = max(in_w(w), key=lambda row: row[1])[2]
+    where = (
+        f"first_token_ns < {w.end_ns} AND last_token_ns > {w.start_ns} "
+        f"AND itl_max_ms >= {p['itl_spike']} * itl_p50_ms"
+    )
+    # each stalled stream against its own usual pace: its longest gap over its ITL p50
+    gaps = sig.con.execute(
+        "SELECT itl_max_ms / itl_p50_ms FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
+        f"AND itl_p50_ms > 0 AND ({where})",
+        [sig.since_ns, sig.until_ns],
+    ).fetchall()
+    support = against_bound(
+        [g for (g,) in gaps],
+        p["itl_spike"],
+        unit="requests",
+        reference_name=f"each stream's own ITL p50 x {p['itl_spike']:g} (itl_spike)",
+        min_n=2,
+        why_one="a prefill step stalls every stream decoding beside it: one long prefill is "
+        "the symptom",
+    )
     cfg = sig.config
     _where, _params = _in_window(w)
     return Evidence(
@@ -114,11 +139,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "enable_chunked_prefill": cfg.get("enable_chunked_prefill"),
         },
         (w.start_ns, w.end_ns),
-        f"first_token_ns < {w.end_ns} AND last_token_ns > {w.start_ns} "
-        f"AND itl_max_ms >= {p['itl_spike']} * itl_p50_ms",
+        where,
         [],
         _severity(r, p["itl_spike"]),
         _confidence(r / p["itl_spike"]),
+        support=support,
     )
 
 
@@ -143,7 +168,8 @@ RULE = Rule(
         "itl_spike": Param(8.0, f"max ITL {_BASE} of ITL p50 (case C02: an order of magnitude)"),
         "min_prefill_tokens": Param(
             256,
-            "prefill tokens in the slow step: an ordinary prompt's prefill is not interference "
+            "prefill tokens per chunk in the slow step (its prefill tokens over its chunks): "
+            "an ordinary prompt's prefill, or several let in together, is not interference "
             "to tune away (case C02's prompt is ~1,500 tokens; on a 2-core CPU with the C "
             "kernels a 109-token prefill step is already 13x a decode step)",
         ),

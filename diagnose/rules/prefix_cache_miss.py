@@ -5,6 +5,7 @@ from __future__ import annotations
 from tokenmill.telemetry.schema import DEFAULT_BLOCK_SIZE
 
 from ..signals import Signals, prefix_block_stats, prefix_head_stats
+from ..stats import Support, judge
 from ._common import Evidence, Param, Rule, _confidence
 
 
@@ -14,7 +15,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         return None
     stats = prefix_block_stats(sig.con, sig.since_ns, sig.until_ns, int(p["shared_blocks"]))
     if stats["prompts"] < p["min_prompts"] or stats["share"] < p["share"]:
-        return _shorter_than_a_block(sig, p, hit_rate)
+        return _recomputed_repeats(sig, p, hit_rate) or _shorter_than_a_block(sig, p, hit_rate)
     # prompt hashes are per engine block (the config event has its size)
     bs = int(sig.config.get("block_size") or DEFAULT_BLOCK_SIZE)
     return Evidence(
@@ -38,6 +39,90 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         "warning",
         _confidence(stats["share"] / p["share"], p["hit_rate_below"] / max(hit_rate, 1e-3)),
     )
+
+
+# Each prompt against the latest earlier prompt with the same first k blocks: how many leading
+# blocks the two share (prompt_block_hashes are per-block content hashes) and how many tokens
+# the cache served. A chat's next turn repeats the whole conversation so far.
+_REPEATS_SQL = """
+WITH r AS (
+    SELECT request_id, arrival_ns, prompt_block_hashes AS h, coalesce(cached_tokens, 0) AS cached,
+           input_tokens, ttft_ms, prefill_ms,
+           lag(prompt_block_hashes) OVER (PARTITION BY prompt_block_hashes[1:$k]
+                                          ORDER BY arrival_ns) AS prev
+    FROM requests
+    WHERE arrival_ns >= $since AND arrival_ns < $until AND len(prompt_block_hashes) >= $k),
+m AS (SELECT *, least(len(h), len(prev)) AS n FROM r WHERE prev IS NOT NULL)
+SELECT request_id, coalesce(list_position(list_transform(range(1, n + 1), lambda i: h[i] = prev[i]),
+                                          false) - 1, n) AS shared_blocks,
+       cached, input_tokens, ttft_ms, prefill_ms
+FROM m
+"""
+
+
+def _recomputed_repeats(sig: Signals, p: dict, hit_rate: float) -> Evidence | None:
+    """Prompts that repeat an earlier prompt's leading blocks (a chat's history, a shared
+    document) and were computed again: with the prefix cache off, or its blocks evicted before
+    the repeat arrived. Request by request, so it holds for one slow chat as for many."""
+    bs = int(sig.config.get("block_size") or DEFAULT_BLOCK_SIZE)
+    k = int(p["shared_blocks"])
+    rows = sig.con.execute(
+        _REPEATS_SQL, {"since": sig.since_ns, "until": sig.until_ns, "k": k}
+    ).fetchall()
+    missed = [r for r in rows if r[1] >= k and (r[1] * bs - r[2]) >= k * bs]
+    if len(missed) < p["min_repeats"]:
+        return None
+    recomputed = sum(r[1] * bs - r[2] for r in missed)
+    total = sig.con.execute(
+        "SELECT sum(input_tokens) FROM requests WHERE arrival_ns >= ? AND arrival_ns < ?",
+        [sig.since_ns, sig.until_ns],
+    ).fetchone()[0]
+    share = recomputed / total if total else 0.0
+    if share < p["recomputed_share"]:
+        return None
+    caching = sig.config.get("enable_prefix_caching")
+    off = caching is False
+    prefill_share = sum(r[5] or 0 for r in missed) / max(1e-9, sum(r[4] or 0 for r in missed))
+    support = Support(
+        n=len(missed),
+        unit="requests",
+        reference="the earlier prompt each one repeats (its leading blocks, computed again)",
+        why_one="each repeat is its own evidence: blocks an earlier prompt computed, computed again",
+    )
+    judge(support, min_n=int(p["min_repeats"]), min_effect=0.0)
+    return Evidence(
+        f"{len(missed)} prompts repeated at least {k} leading blocks of an earlier prompt "
+        f"(a conversation's history, a shared document) and had them computed again: "
+        f"{recomputed:,} prompt tokens recomputed, {share:.0%} of all prompt tokens; "
+        f"prefill was {prefill_share:.0%} of their TTFT; prefix-cache hit rate {hit_rate:.0%}"
+        + ("; prefix caching is off" if off else ""),
+        {
+            "prefix_hit_rate": hit_rate,
+            "repeating_prompts": len(missed),
+            "recomputed_tokens": recomputed,
+            "recomputed_share_of_prompt_tokens": share,
+            "prefill_share_of_ttft": prefill_share,
+            "enable_prefix_caching": caching,
+            "ttft_p50_ms": sig.overall.get("ttft_p50"),
+        },
+        (sig.since_ns, sig.until_ns),
+        "request_id IN (SELECT unnest(?::VARCHAR[]))",
+        [[r[0] for r in missed]],
+        "warning",
+        _confidence(share / p["recomputed_share"], len(missed) / p["min_repeats"]),
+        causes=(CACHING_OFF, *RULE.causes) if off else (EVICTED, *RULE.causes),
+        knob="--enable-prefix-caching"
+        if off
+        else (
+            "a larger KV pool (--kv-cache-memory, --num-gpu-blocks-override) so repeated "
+            "prefixes stay cached; --prefix-cache-scope global if tenants share them"
+        ),
+        support=support,
+    )
+
+
+CACHING_OFF = "prefix caching is off (--no-enable-prefix-caching): every repeat is recomputed"
+EVICTED = "the repeated blocks were evicted before the repeat arrived (a KV pool too small)"
 
 
 def _shorter_than_a_block(sig: Signals, p: dict, hit_rate: float) -> Evidence | None:
@@ -79,9 +164,11 @@ SHORT_PREFIX = "the shared prefix is shorter than one KV block (the cache reuses
 
 RULE = Rule(
     id="prefix_cache_miss",
-    own_test="prompt blocks that share their content but not their first block (structural)",
+    own_test="prompt blocks that share their content but not their first block, or repeat an "
+    "earlier prompt's and were computed again (structural, prompt by prompt)",
     title="shared prompts miss the prefix cache",
-    symptom="prompts share a long prefix but the hit rate is low: they differ near the start",
+    symptom="prompts share a long prefix but the hit rate is low: they differ near the start, "
+    "or a repeated prefix (a chat's history) is computed again",
     causes=(
         "a timestamp or id at the top of the system prompt",
         "prefix_cache_scope=tenant with the same prompt across tenants",
@@ -89,6 +176,8 @@ RULE = Rule(
     checks=(
         "prompts with identical blocks 2..k but a different first block",
         "prompts sharing only a prefix shorter than one block (requests.prompt_head_hashes)",
+        "prompts repeating an earlier prompt's leading blocks with cached_tokens below them, "
+        "and enable_prefix_caching in the config event",
     ),
     knob="move the changing part to the end of the prompt; --prefix-cache-scope global if tenants may share",
     params={
@@ -98,6 +187,14 @@ RULE = Rule(
         ),
         "share": Param(0.5, "share of prompts with a shared tail but a different first block"),
         "min_prompts": Param(5, "prompts needed to call it a pattern"),
+        "min_repeats": Param(
+            2, "prompts that repeat an earlier prompt's leading blocks, computed again"
+        ),
+        "recomputed_share": Param(
+            0.3,
+            "repeated blocks computed again, share of all prompt tokens: below it the waste "
+            "is too small to tune for",
+        ),
     },
     detect=detect,
     healthy_baseline="absolute",

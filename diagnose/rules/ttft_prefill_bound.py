@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..signals import COMPLETED_SQL, Signals, Window
+from ..stats import compare
 from ._common import (
     _BASE,
     Alert,
@@ -36,13 +37,33 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if w is None:
         return None
     # one oversized prompt is an outlier (oom_low_average_memory, tenant limits), not a trend
-    slow = sig.con.execute(
-        f"SELECT count(*) FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? AND {COMPLETED_SQL} "
-        "AND ttft_ms >= ? AND prefill_ms >= ? * ttft_ms",
+    slow_rows = sig.con.execute(
+        f"SELECT ttft_ms, arrival_ns FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
+        f"AND {COMPLETED_SQL} AND ttft_ms >= ? AND prefill_ms >= ? * ttft_ms",
         [sig.since_ns, sig.until_ns, p["ttft_rise"] * base, p["prefill_share"]],
-    ).fetchone()[0]
+    ).fetchall()
+    slow = len(slow_rows)
     if slow < p["min_requests"]:
         return None
+    # request by request over the range (a low-rate dump has one or two a window): the slow
+    # prefill-bound requests against the requests of the healthy windows
+    ranges = sig.healthy_ranges or [(w.start_ns, w.end_ns) for w in sig.busy()]
+    cond = " OR ".join("(arrival_ns >= ? AND arrival_ns < ?)" for _ in ranges)
+    ref = sig.con.execute(
+        f"SELECT ttft_ms FROM requests WHERE ({cond}) AND {COMPLETED_SQL} AND ttft_ms IS NOT NULL",
+        [t for rng in ranges for t in rng],
+    ).fetchall()
+    w_ns = int(sig.window_s * 1e9)
+    held = len({(t - sig.start_ns) // w_ns for _, t in slow_rows})
+    support = compare(
+        [v for v, _ in slow_rows],
+        [v for (v,) in ref],
+        unit="requests",
+        reference_name="TTFT in the dump's healthy windows",
+        min_effect=p["support_effect"],
+        min_n=int(p["min_requests"]),
+        persistence=f"{held} of {sig.busy_windows or len(sig.windows)} busy windows",
+    )
     r = _ratio(w.get("ttft_p99"), base)
     where, params = _in_window(w)
     hit_rate = w.get("prefix_hit_rate")
@@ -66,6 +87,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         params,
         _severity(r, p["ttft_rise"]),
         _confidence(r / p["ttft_rise"], (w.get("prefill_share_of_ttft") or 0) / p["prefill_share"]),
+        support=support,
     )
 
 
@@ -93,6 +115,11 @@ RULE = Rule(
             2,
             "requests in the range with TTFT at ttft_rise x the baseline, prefill the larger part: "
             "one oversized prompt is an outlier, not a trend",
+        ),
+        "support_effect": Param(
+            1.5,
+            "the slow requests' TTFT median over the healthy windows' requests': the lower end "
+            "of its 95% bootstrap interval must reach this",
         ),
     },
     detect=detect,
