@@ -419,7 +419,12 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "kv_pressure_preemption",
-            ("kv_pressure_preemption", "midstream_stall"),
+            # a pool too small shows as preemption when running requests outgrow it, or as a
+            # queue when admission stops first: ttft_queueing with the KV pool as its first
+            # cause. With ~150-token prompts in 36-48 blocks admission stops first (tune runs:
+            # one preemption in a whole run), so the queue is what the family expects first;
+            # preemption-heavy pressure is the kv_pressure_preemption scenario's
+            ("ttft_queueing", "kv_pressure_preemption", "midstream_stall"),
             _kv_pressure,
             "more running requests than the KV pool holds",
         ),

@@ -10,7 +10,8 @@ to the first row of the dump. Request signals are bucketed by arrival (latencies
 (completions, errors); step and device signals by their own start/sample time.
 
 Baselines are the dump's own healthiest windows: for each latency signal, the 25th percentile
-of its per-window values over windows with traffic. Rules compare a window to that baseline as
+of its per-window values over the healthy windows (below), or over every window with traffic
+when fewer than ``BASELINE_MIN_HEALTHY`` are healthy. Rules compare a window to that baseline as
 a ratio, so thresholds hold across machine speeds (a 2-core CPU and an H200 differ 100x in ms,
 not in ratios).
 
@@ -22,8 +23,9 @@ the absolute trouble markers (a preemption, a block allocation failing in at lea
 ``HEALTHY_MAX_QUEUE_SHARE`` of TTFT); the baseline is usable (``Signals.healthy_baseline``) when
 at least ``MIN_HEALTHY_WINDOWS`` busy windows are healthy. Otherwise ``healthy_baseline_reason``
 says why, and rules that need the baseline are not judged (``Rule.healthy_baseline``). One
-healthy window is enough on purpose: the baseline itself stays the 25th percentile of all busy
-windows, as before; the test only catches the dump that has no healthy period at all.
+healthy window is enough on purpose: the test only catches the dump that has no healthy period
+at all. (Until 2026-12-03 the baseline was the 25th percentile of every busy window: a fault
+that filled most of a dump lifted its own yardstick, and a queue that tripled TTFT read 2.6x.)
 
 Warm-up is set apart (seed 000, benchmark hygiene: a test states its warm-up, steady state,
 overload and recovery, and does not read its warm-up as a symptom): after each ``server_start``
@@ -423,6 +425,7 @@ BASELINE_KEYS = (
     "throughput_tok_s",
 )
 BASELINE_QUANTILE = 0.25  # "the healthiest windows": the best quarter of windows with traffic
+BASELINE_MIN_HEALTHY = 2  # healthy windows needed to take the baseline from them alone
 # a healthy window's ceilings: error_spike's min_rate (5%) and ttft_queueing's queue_share (half)
 HEALTHY_MAX_ERROR_RATE = 0.05
 HEALTHY_MAX_QUEUE_SHARE = 0.5
@@ -816,13 +819,6 @@ def load(
             Window(i, since + i * w_ns, min(since + (i + 1) * w_ns, until), values=values)
         )
     busy = [w for w in windows if (w.get("completed_arrivals") or 0) > 0]
-    baseline = {}
-    for key in BASELINE_KEYS:
-        vals = [w.get(key) for w in busy]
-        if key in ("sm_clock_mean", "throughput_tok_s"):  # higher is healthier
-            baseline[key] = _quantile(vals, 1 - BASELINE_QUANTILE)
-        else:
-            baseline[key] = _quantile(vals, BASELINE_QUANTILE)
     overall = _rows(
         con,
         _REQ_WINDOW_SQL.replace("(arrival_ns - $t0) // $w", "0"),
@@ -850,6 +846,17 @@ def load(
     ended = overall.get("ended") or 0
     overall["error_rate"] = (overall.get("errors") or 0) / ended if ended else None
     usable, healthy, why_not = _judge_baseline(busy, overall["error_rate"])
+    # the baseline: the healthiest quarter of the healthy windows (of every busy window when
+    # fewer than BASELINE_MIN_HEALTHY are healthy): a fault that fills most of a dump must not
+    # lift its own yardstick
+    ref = healthy if len(healthy) >= BASELINE_MIN_HEALTHY else busy
+    baseline = {}
+    for key in BASELINE_KEYS:
+        vals = [w.get(key) for w in ref]
+        if key in ("sm_clock_mean", "throughput_tok_s"):  # higher is healthier
+            baseline[key] = _quantile(vals, 1 - BASELINE_QUANTILE)
+        else:
+            baseline[key] = _quantile(vals, BASELINE_QUANTILE)
     errors_by_type = dict(
         con.execute(
             "SELECT error_type, count(*) FROM requests WHERE end_ns >= ? AND end_ns < ? "

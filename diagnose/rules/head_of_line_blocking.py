@@ -199,6 +199,12 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="either",
     # the long prompts that block the queue are the prefills that stall the running decodes
-    explains=("ttft_queueing", "ttft_prefill_bound", "itl_prefill_interference"),
+    # (and the short requests it held back, let in together, make one big decode batch)
+    explains=(
+        "ttft_queueing",
+        "ttft_prefill_bound",
+        "itl_prefill_interference",
+        "batch_too_large",
+    ),
     evidence_signals=("short_ttft_p99", "input_max", "waiting_max"),
 )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..signals import Signals, Window
+from ..signals import COMPLETED_SQL, Signals, Window
+from ..stats import Support, compare
 from ._common import (
     _BASE,
     Alert,
@@ -67,6 +68,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     w = _worst(sig, "ttft_p99", hit)
     if w is None:
         return None
+    support = _support(sig, [x for x in sig.busy() if hit(x)], p)
     r = _ratio(w.get("ttft_p99"), base)
     where, params = _in_window(w)
     causes, shown = _causes(sig, w, p)
@@ -91,6 +93,35 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         _severity(r, p["ttft_rise"]),
         _confidence(r / p["ttft_rise"], (w.get("queue_share_of_ttft") or 0) / p["queue_share"]),
         causes=causes,
+        support=support,
+    )
+
+
+def _support(sig: Signals, hits: list[Window], p: dict) -> Support:
+    """The queued requests of every window that shows the symptom (queue time the larger part
+    of their TTFT) against the requests of the healthy windows that do not."""
+    spans = [(x.start_ns, x.end_ns) for x in hits]
+    cond = " OR ".join("(arrival_ns >= ? AND arrival_ns < ?)" for _ in spans)
+    sym = sig.con.execute(
+        f"SELECT ttft_ms FROM requests WHERE ({cond}) AND {COMPLETED_SQL} "
+        "AND queue_ms > 0.5 * ttft_ms",
+        [t for s in spans for t in s],
+    ).fetchall()
+    ref_spans = [r for r in sig.healthy_ranges if r not in spans]
+    ref = []
+    if ref_spans:
+        rc = " OR ".join("(arrival_ns >= ? AND arrival_ns < ?)" for _ in ref_spans)
+        ref = sig.con.execute(
+            f"SELECT ttft_ms FROM requests WHERE ({rc}) AND {COMPLETED_SQL}",
+            [t for s in ref_spans for t in s],
+        ).fetchall()
+    return compare(
+        [v for (v,) in sym],
+        [v for (v,) in ref],
+        unit="requests",
+        reference_name="TTFT in the dump's healthy windows",
+        min_effect=p["support_effect"],
+        persistence=f"{len(hits)} of {sig.busy_windows or len(sig.windows)} busy windows",
     )
 
 
@@ -114,6 +145,11 @@ RULE = Rule(
         "ttft_rise": Param(3.0, f"TTFT p99 {_BASE}; seed article: TTFT up with ITL flat"),
         "itl_flat": Param(1.5, f"ITL p99 {_BASE} still counted as flat"),
         "queue_share": Param(0.5, "queue time is the larger part of TTFT"),
+        "support_effect": Param(
+            1.5,
+            "the queued requests' TTFT median over the healthy windows' requests': the lower "
+            "end of its 95% bootstrap interval must reach this",
+        ),
         # which cause the window shows first (causes ranked by them, not fixed)
         "arrival_excess": Param(1.2, "arrivals / completions in the window (overload's)"),
         "kv_full": Param(0.9, "KV use counted as capping the batch (kv_pressure_preemption's)"),
