@@ -24,6 +24,8 @@ from tokenmill.diagnose.stats import (
 )
 from tokenmill.telemetry.host_procs import ProcessCensus, is_load_generator
 
+HEALTHY_HOST = Phase(duration_s=40)
+
 
 def test_bootstrap_interval_covers_the_true_ratio_and_narrows_with_n():
     rng = np.random.default_rng(1)
@@ -126,3 +128,39 @@ def test_thin_evidence_is_inconclusive_not_a_finding(tmp_path):
     assert sup["verdict"] == "inconclusive" and sup["n"] == 1 and sup["effect"] > 10, sup
     assert "2 needed" in sup["reason"]
     assert report.to_json()["inconclusive"][0]["rule"] == "ttft_queueing"
+
+
+def test_the_load_generator_is_a_validity_note_not_a_neighbour(tmp_path):
+    """The same slowed steps and busy CPU as the host_contention symptom, once from a stranger
+    and once from tokenmill's own load generator (the host samples' census says which)."""
+    run = [HEALTHY_HOST, HEALTHY_HOST.but(duration_s=30, step_ms=100, cpu_others_pct=60)]
+    stranger = tmp_path / "stranger.duckdb"
+    ours = tmp_path / "ours.duckdb"
+    for path, loadgen in ((stranger, False), (ours, True)):
+        write_store(path, run, seed=2)
+        con = duckdb.connect(str(path))
+        busy = json.dumps(
+            [{"pid": 4242, "command": "tokenmill bench --url http://127.0.0.1:8000"
+              if loadgen else "stress --cpu 2", "cpu_pct": 55.0, "load_generator": loadgen}]
+        )  # fmt: skip
+        con.execute(
+            "UPDATE device_samples SET busy_others = ?, loadgen_cpu_pct = ? "
+            "WHERE cpu_others_pct >= 30",
+            [busy, 55.0 if loadgen else 0.0],
+        )
+        con.close()
+    con = duckdb.connect(str(stranger), read_only=True)
+    report = diagnose(con)
+    con.close()
+    (f,) = [f for f in report.findings if f.rule_id == "host_contention"]
+    assert f.evidence["busy_processes"][0]["command"] == "stress --cpu 2"
+    assert "pid 4242 `stress --cpu 2`" in f.summary
+    con = duckdb.connect(str(ours), read_only=True)
+    report = diagnose(con)
+    con.close()
+    assert "host_contention" not in {f.rule_id for f in report.findings}
+    (note,) = [n for n in report.notes if n.rule_id == "host_contention"]
+    assert note.summary.startswith("benchmark validity: the load generator")
+    assert note.evidence["load_generator_cpu_pct"] >= 50
+    assert note.evidence["same_work_slowdown"] >= 1.5
+    assert note.evidence["load_generator_processes"][0]["pid"] == 4242
