@@ -99,6 +99,8 @@ def merge(named: list[tuple[str, str, Report]]) -> Report:
             f.source = name
         for n in report.notes:
             n.source = name
+        for f in report.inconclusive:
+            f.source = name
     sources = [
         {
             "name": name,
@@ -140,6 +142,7 @@ def merge(named: list[tuple[str, str, Report]]) -> Report:
             f"{name}/{rule}": msg for name, _, r in named for rule, msg in r.rule_errors.items()
         },
         notes=[n for r in reports for n in r.notes],
+        inconclusive=[f for r in reports for f in r.inconclusive],
         sources=sources,
         fleet_wide=fleet_wide,
         # each source judged on its own healthy windows: the fleet lacks a baseline where any

@@ -62,6 +62,8 @@ if ctx is not None:
                     f"**Knob** {f.knob}"
                 )
                 st.markdown("**Evidence** " + format_evidence(f.evidence, code=True))
+                if f.support:
+                    st.markdown("**Test** " + f.support["line"])
                 st.markdown("**Example traces** (each opens its waterfall)")
                 ui.trace_links(f.example_trace_ids)
                 series = data.evidence_signals(f.rule_id, windows)
@@ -78,6 +80,11 @@ if ctx is not None:
                     st.markdown(text)
                 else:
                     st.info(f"No runbook shipped for {f.rule_id}.")
+        for f in report.inconclusive:  # too little evidence: listed apart, not findings
+            st.caption(
+                f"Inconclusive ({f.rule_id}): {f.summary} — {f.support['reason']}; "
+                f"{f.support['line']}"
+            )
         for note in report.notes:
             st.info(f"Hint ({note.rule_id}{ui.where(report, note)}): {note.summary}")
             st.caption(f"Knob: {note.knob} · Evidence: " + format_evidence(note.evidence))
