@@ -5,15 +5,25 @@ doubles as LRU order (blocks freed earlier are reused first), and a free block m
 cached prefix — it is evicted only when it is taken for new data (lazily). A full block's hash
 chains its parent's hash, its token ids and a salt (the tenant under ``tenant`` scope), so equal
 hashes mean equal prefixes; a hit is also verified against the block's stored token ids.
+
+It also says why a prompt block missed (:meth:`BlockManager.explain_misses`, at a request's
+first admission): it remembers, in bounded maps, which hashes were evicted (when, and by whose
+allocation) and, under ``tenant`` scope, which tenant computed each salt-free prefix.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from collections import OrderedDict
 
+from .messages import CacheMiss
 from .request import Request
+
+#: Entries each of the miss-explaining maps keeps (evicted hashes; salt-free prefixes under
+#: ``tenant`` scope), oldest dropped first: about 10 MB each when full.
+MISS_MEMORY = 65536
 
 
 class KVBlock:
@@ -93,6 +103,10 @@ class BlockManager:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        # why a block missed: evicted hash -> (when, the request whose allocation took it), and
+        # (tenant scope) salt-free prefix hash -> the tenant that registered it last
+        self.evicted: OrderedDict[bytes, tuple[int, str | None]] = OrderedDict()
+        self.prefix_tenants: OrderedDict[bytes, str] = OrderedDict()
         # cumulative prefix-cache counters (prompt tokens looked up / found)
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -129,6 +143,15 @@ class BlockManager:
             parent = request.block_hashes[-1] if i else b""
             request.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], salt))
 
+    def _content_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        """The salt-free chained hashes of the request's first blocks (tenant scope only:
+        under ``global`` they equal ``block_hashes``), extended as needed."""
+        bs, tokens, out = self.block_size, request.all_token_ids, request.content_hashes
+        while len(out) < num_full_blocks:
+            i = len(out)
+            out.append(hash_block(out[-1] if i else b"", tokens[i * bs : (i + 1) * bs], ""))
+        return out
+
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """Cached blocks holding the longest prefix of the request's tokens.
 
@@ -156,6 +179,7 @@ class BlockManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         self._extend_hashes(request, num_full)
         bs = self.block_size
+        salted = self.prefix_cache_scope == "tenant"
         for i in range(num_full):
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is not None:
@@ -166,11 +190,21 @@ class BlockManager:
             block.block_hash = h
             block.token_ids = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
             self.cached[h] = block
+            self.evicted.pop(h, None)
+            if salted:
+                content = self._content_hashes(request, i + 1)[i]
+                self.prefix_tenants[content] = request.tenant
+                self.prefix_tenants.move_to_end(content)
+                if len(self.prefix_tenants) > MISS_MEMORY:
+                    self.prefix_tenants.popitem(last=False)
 
-    def _evict(self, block: KVBlock) -> None:
+    def _evict(self, block: KVBlock, by: str | None = None) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                self.evicted[block.block_hash] = (time.time_ns(), by)
+                if len(self.evicted) > MISS_MEMORY:
+                    self.evicted.popitem(last=False)
             block.block_hash = None
             block.token_ids = None
 
@@ -178,6 +212,42 @@ class BlockManager:
         """Forget every cached prefix (blocks in use keep their data)."""
         for block in list(self.cached.values()):
             self._evict(block)
+
+    def explain_misses(self, request: Request, num_hits: int) -> list[CacheMiss]:
+        """Why each prompt block past the ``num_hits`` cached ones (from
+        :meth:`find_cached_prefix`) is computed, as runs of consecutive blocks with one reason
+        (``messages.CACHE_MISS_REASONS``): ``caching_off``; a full block ``after_miss`` (its
+        prefix is cached, behind an earlier miss), ``evicted`` (when, by whose allocation),
+        ``other_tenant`` (the same tokens registered under another tenant's salt) or
+        ``never_seen``; then the block holding the last token: ``partial_block`` (shorter than
+        one block) or ``last_token`` (a full block, never looked up). Call it before the
+        request's own allocation, which may evict."""
+        bs = self.block_size
+        n = request.num_prompt_tokens
+        num_blocks = self.blocks_needed(n)
+        if not self.enable_prefix_caching:
+            return [CacheMiss(reason="caching_off", first_block=0, num_blocks=num_blocks)]
+        looked_up = (n - 1) // bs  # full blocks find_cached_prefix may serve
+        self._extend_hashes(request, looked_up)
+        salted = self.prefix_cache_scope == "tenant"
+        content = self._content_hashes(request, looked_up) if salted else []
+        misses: list[CacheMiss] = []
+        for i in range(num_hits, looked_up):
+            h = request.block_hashes[i]
+            gone = self.evicted.get(h)
+            other = self.prefix_tenants.get(content[i]) if salted else None
+            if h in self.cached:
+                miss = CacheMiss(reason="after_miss", first_block=i)
+            elif gone is not None:
+                miss = CacheMiss(reason="evicted", first_block=i, time_ns=gone[0], by=gone[1])
+            elif other is not None and other != request.tenant:
+                miss = CacheMiss(reason="other_tenant", first_block=i, tenant=other)
+            else:
+                miss = CacheMiss(reason="never_seen", first_block=i)
+            _add_run(misses, miss)
+        last = "partial_block" if n % bs else "last_token"
+        _add_run(misses, CacheMiss(reason=last, first_block=num_blocks - 1))
+        return misses
 
     # ----- allocation -----
     def allocate_slots(
@@ -201,7 +271,7 @@ class BlockManager:
             request.block_ids.append(block.block_id)
         for _ in range(need):
             block = self.free_queue.popleft()
-            self._evict(block)
+            self._evict(block, request.request_id)
             block.ref_cnt = 1
             request.block_ids.append(block.block_id)
         return True
@@ -226,3 +296,19 @@ class BlockManager:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
         request.block_ids = []
+
+
+def _add_run(runs: list[CacheMiss], miss: CacheMiss) -> None:
+    """Append one block's miss, extending the last run when it follows it with the same reason
+    (and, for evictions, the same evicting request; for tenants, the same tenant)."""
+    last = runs[-1] if runs else None
+    if (
+        last is not None
+        and last.reason == miss.reason
+        and last.first_block + last.num_blocks == miss.first_block
+        and last.by == miss.by
+        and last.tenant == miss.tenant
+    ):
+        last.num_blocks += 1
+    else:
+        runs.append(miss)

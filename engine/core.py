@@ -342,6 +342,10 @@ class EngineCore:
             num_draft_tokens=sched.num_draft_tokens,
             num_accepted_tokens=spec.accepted,
             num_accepted_tokens_per_pos=spec.per_pos,
+            req_ids=[c.request.request_id for c in sched.chunks],
+            req_tokens=[c.num_new_tokens for c in sched.chunks],
+            req_prefill=[c.is_prefill for c in sched.chunks],
+            admit_stop=sched.admit_stop,
         )
         return outputs, record
 
@@ -472,6 +476,7 @@ class EngineCore:
         if finished:
             self.detokenizers.pop(request.request_id, None)
         events, request.events = request.events, []
+        misses, request.cache_misses = request.cache_misses, None
         n = len(new_tokens)
         return RequestOutput(
             request_id=request.request_id,
@@ -497,6 +502,7 @@ class EngineCore:
             first_token_ns=request.first_token_ns,
             finished_ns=request.finished_ns,
             events=events,
+            cache_misses=misses,
         )
 
     @property

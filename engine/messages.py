@@ -61,7 +61,8 @@ class RequestEvent(msgspec.Struct):
     """Something that happened to a request in a step (becomes a span event).
 
     ``name`` is one of ``chunk`` (a prefill chunk was computed; attrs: tokens),
-    ``preempted`` (blocks taken back; attrs: recompute_tokens), ``resumed``, ``aborted``,
+    ``preempted`` (blocks taken back; attrs: recompute_tokens, by: the request whose block
+    allocation needed them, absent for an operator's drill), ``resumed``, ``aborted``,
     ``kv_transfer`` (a decode core adopted the request's KV from a prefill core; attrs:
     bytes, ms (the transfer; None when not timed), waited_ms (arrival to adoption: the wait
     for room), from, to).
@@ -72,6 +73,41 @@ class RequestEvent(msgspec.Struct):
     step_id: int
     time_ns: int
     attrs: dict[str, Any] = {}
+
+
+#: Why a prompt block was not served from the prefix cache when its request was first admitted
+#: (:class:`CacheMiss`), in the order ``BlockManager.explain_misses`` tests them.
+CACHE_MISS_REASONS = {
+    "caching_off": "prefix caching is off",
+    "partial_block": "shorter than one block: the cache keeps whole blocks only",
+    "last_token": "holds the prompt's last token, which is always computed (its logits are needed)",
+    "after_miss": "cached, but an earlier block missed: only a prefix is reused",
+    "evicted": "cached once, evicted (taken for another request's allocation)",
+    "other_tenant": "cached under another tenant's salt (prefix_cache_scope tenant)",
+    "never_seen": "no request computed this prefix before",
+}
+
+#: Why the scheduler stopped admitting waiting requests in a step (``StepRecord.admit_stop``).
+ADMIT_STOP_REASONS = {
+    "budget": "the step's token budget was used (running requests' chunks come first)",
+    "kv_blocks": "the KV pool had no room (allocation failed, the watermark, or a preemption)",
+    "max_num_seqs": "the running batch was at --max-num-seqs",
+}
+
+
+class CacheMiss(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A run of ``num_blocks`` prompt blocks from ``first_block`` (0 = the prompt's first
+    block) that the prefix cache did not serve, and why (:data:`CACHE_MISS_REASONS`).
+    ``evicted``: ``time_ns`` (wall clock) of the run's first block's eviction and ``by`` (the
+    request whose allocation took it; None for a cache reset); ``other_tenant``: ``tenant``,
+    the tenant that computed the same tokens."""
+
+    reason: str
+    first_block: int
+    num_blocks: int = 1
+    time_ns: int | None = None
+    by: str | None = None
+    tenant: str | None = None
 
 
 class EngineError(msgspec.Struct, frozen=True):
@@ -120,6 +156,10 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     """draft tokens it verified"""
     num_accepted_tokens: int = 0
     """draft tokens accepted (each is one output token that cost no step of its own)"""
+    cache_misses: list[CacheMiss] | None = None
+    """the prompt blocks the prefix cache did not serve at the request's first admission, with
+    why (runs of blocks; every admitted request has at least the block of its last token); on
+    the first output after that admission only, None on the others"""
 
 
 class StepRecord(msgspec.Struct, kw_only=True):
@@ -227,6 +267,19 @@ class StepRecord(msgspec.Struct, kw_only=True):
     steps (``engine/parallel/workers.py``: ``RankTimes``), ms, index = rank; set on every 16th
     step, NULL on the others, without tensor parallelism and in dumps from before the field.
     A rank the others wait for shows the longest"""
+    req_ids: list[str] | None = None
+    """the requests this step computed tokens for, in the step's order (running requests
+    first, then those admitted); NULL for an idle heartbeat and in dumps from before the field"""
+    req_tokens: list[int] | None = None
+    """tokens computed this step for each of ``req_ids`` (a prefill chunk's tokens, 1 for a
+    decode, 1 + K for a decode verifying K drafts)"""
+    req_prefill: list[bool] | None = None
+    """for each of ``req_ids``: a prefill chunk (a prompt, or its recompute after a
+    preemption) rather than a decode"""
+    admit_stop: str | None = None
+    """why the scheduler stopped admitting waiting requests this step
+    (:data:`ADMIT_STOP_REASONS`: ``budget``, ``kv_blocks``, ``max_num_seqs``); NULL when none
+    was left waiting, for an idle heartbeat and in dumps from before the field"""
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .messages import RequestEvent
+from .messages import CacheMiss, RequestEvent
 from .sampling import SamplingParams
 
 __all__ = ["FINISH_REASONS", "Request", "RequestEvent", "RequestStatus"]
@@ -80,6 +80,9 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
+        self.content_hashes: list[bytes] = []  # salt-free (BlockManager.explain_misses)
+        # why its prompt blocks missed the prefix cache at first admission; sent once
+        self.cache_misses: list[CacheMiss] | None = None
         self.generator = (
             torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         )

@@ -38,6 +38,8 @@ class ScheduledChunk:
     start: int
     num_new_tokens: int
     draft_token_ids: list[int] = field(default_factory=list)
+    is_prefill: bool = False
+    """a prompt chunk (or its recompute after a preemption), not a decode"""
 
     @property
     def samples(self) -> bool:
@@ -66,6 +68,8 @@ class SchedulerOutput:
     allocation_failures: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
+    admit_stop: str | None = None
+    """why admission stopped with requests still waiting (``messages.ADMIT_STOP_REASONS``)"""
 
     @property
     def num_tokens(self) -> int:
@@ -173,7 +177,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or request.status != RequestStatus.RUNNING:
             return False
-        self._preempt(request, SchedulerOutput(step_id=self.step_id))
+        self._preempt(request, SchedulerOutput(step_id=self.step_id), by=None)
         return True
 
     @property
@@ -184,17 +188,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ----- scheduling -----
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Request, out: SchedulerOutput, by: str | None) -> None:
+        """Preempt ``victim`` by recompute; ``by`` is the request whose block allocation needed
+        the blocks (the victim itself when it was the lowest ranked), None for a drill."""
         self.running.remove(victim)
         self.bm.free(victim)
-        victim.events.append(
-            RequestEvent(
-                "preempted",
-                out.step_id,
-                time.time_ns(),
-                {"recompute_tokens": victim.num_computed_tokens},
-            )
-        )
+        attrs = {"recompute_tokens": victim.num_computed_tokens}
+        if by is not None:
+            attrs["by"] = by
+        victim.events.append(RequestEvent("preempted", out.step_id, time.time_ns(), attrs))
         victim.num_recomputed_tokens += victim.num_computed_tokens
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
@@ -213,6 +215,7 @@ class Scheduler:
             out.num_drafts += 1
             out.num_draft_tokens += len(drafts)
         elif n > 1 or chunk.start < request.num_prompt_tokens:
+            chunk.is_prefill = True
             out.num_prefill_tokens += n
             out.num_prefill_chunks += 1
             request.events.append(
@@ -243,7 +246,7 @@ class Scheduler:
             while not placed and not self.bm.allocate_slots(request, n):
                 out.allocation_failures += 1
                 victim = self.running[-1]  # lowest ranked, not yet scheduled this step
-                self._preempt(victim, out)
+                self._preempt(victim, out, by=request.request_id)
                 if victim is request:
                     break
             else:
@@ -259,11 +262,20 @@ class Scheduler:
         blocked: list[Request] = []  # earlier requests that did not fit (skip_ahead only)
         queue = list(self.waiting) if skip_ahead else None
         pos = 0
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        stop = None  # why admission stopped (StepRecord.admit_stop), if any request is left
+        while True:
+            if budget <= 0:
+                stop = "budget"
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                stop = "max_num_seqs"
+                break
             if skip_ahead:
                 if pos >= len(queue):
+                    stop = "kv_blocks" if blocked else None
                     break
                 if any(b.times_skipped >= self.config.max_admission_skips for b in blocked):
+                    stop = "kv_blocks"
                     break  # an earlier request has been passed often enough: wait for it
                 request = queue[pos]
                 pos += 1
@@ -279,12 +291,17 @@ class Scheduler:
                     n = min(n, threshold)
                 n = min(n, budget)
             elif n > budget and out.chunks:
+                stop = "budget"
                 break  # whole prompts only; the first one of a step may exceed the budget
             need = self.bm.blocks_needed(num_cached + n) - len(cached)
             revived = sum(1 for b in cached if b.ref_cnt == 0)
             fits = self.bm.num_free_blocks - need - revived >= self.watermark_blocks
+            first = fits and request.status != RequestStatus.PREEMPTED
+            # why each uncached prompt block missed, read before this allocation evicts any
+            misses = self.bm.explain_misses(request, len(cached)) if first else None
             if not fits or not self.bm.allocate_slots(request, n, cached):
                 out.allocation_failures += 1
+                stop = "kv_blocks"
                 # strict FCFS stops at the first request that does not fit; skip_ahead lets
                 # later ones pass it, at most max_admission_skips times (no starvation)
                 if skip_ahead and request.times_skipped < self.config.max_admission_skips:
@@ -301,6 +318,7 @@ class Scheduler:
                 )
             else:
                 request.num_cached_tokens = num_cached
+                request.cache_misses = misses
             if request.scheduled_ns is None:
                 request.scheduled_ns = now
             request.status = RequestStatus.RUNNING
@@ -311,6 +329,7 @@ class Scheduler:
             self.running.append(request)
             self._add_chunk(out, request, n)
             budget -= n
+        out.admit_stop = stop
         return budget
 
     def schedule(self) -> SchedulerOutput:
@@ -322,13 +341,16 @@ class Scheduler:
         self.running.sort(key=self._rank)
         if not self.config.enable_chunked_prefill:
             self._schedule_waiting(out, budget)
-            if out.chunks:
-                return out  # a prefill-only step
-            self._schedule_running(out, budget)
-            return out
-        budget = self._schedule_running(out, budget)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
+            if not out.chunks:
+                self._schedule_running(out, budget)  # else a prefill-only step
+        else:
+            budget = self._schedule_running(out, budget)
+            if not out.preempted:
+                self._schedule_waiting(out, budget)
+            elif self.waiting:
+                out.admit_stop = "kv_blocks"  # no admission in a step that preempted
+        if not self.waiting:
+            out.admit_stop = None
         return out
 
     def accept_drafts(self, request: Request, num_accepted: int) -> None:

@@ -99,3 +99,8 @@ class RequestRow(msgspec.Struct, kw_only=True):
     prompt_head_hashes: Hashes = None
     """content hashes of the prompt's first block_size/4, /2 and 3/4 tokens (prefixes shorter
     than one block, which the prefix cache cannot reuse)"""
+    cache_misses: str | None = None
+    """JSON: why each prompt block the prefix cache did not serve at admission was computed, as
+    runs ``[{"reason", "first_block", "num_blocks", "time_ns"?, "by"?, "tenant"?}]``
+    (``engine/messages.py``: ``CacheMiss``, ``CACHE_MISS_REASONS``); NULL when the engine never
+    admitted the request"""

@@ -165,7 +165,7 @@ class SchemaError(Exception):
 def sql_type(t: mi.Type) -> str:
     """The DuckDB type of one field type: an explicit ``Meta(extra={"sql": ...})`` wins, else
     int → INTEGER, float → DOUBLE, str → VARCHAR, bool → BOOLEAN, list[int] → BIGINT[],
-    list[float] → DOUBLE[].
+    list[float] → DOUBLE[], list[str] → VARCHAR[], list[bool] → BOOLEAN[].
 
     Raises:
         TypeError: a field type with no column type (give it ``Meta(extra={"sql": ...})``).
@@ -180,10 +180,10 @@ def sql_type(t: mi.Type) -> str:
     simple[mi.BoolType] = "BOOLEAN"
     if type(t) in simple:
         return simple[type(t)]
-    if isinstance(t, mi.ListType) and isinstance(t.item_type, mi.IntType):
-        return "BIGINT[]"
-    if isinstance(t, mi.ListType) and isinstance(t.item_type, mi.FloatType):
-        return "DOUBLE[]"
+    lists = {mi.IntType: "BIGINT[]", mi.FloatType: "DOUBLE[]", mi.StrType: "VARCHAR[]"}
+    lists[mi.BoolType] = "BOOLEAN[]"
+    if isinstance(t, mi.ListType) and type(t.item_type) in lists:
+        return lists[type(t.item_type)]
     raise TypeError(f"no column type for {t!r}")
 
 

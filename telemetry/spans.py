@@ -166,8 +166,17 @@ def request_row(
         error_type=tl.error_type,
         prompt_block_hashes=tl.prompt_block_hashes,
         prompt_head_hashes=tl.prompt_head_hashes,
+        cache_misses=_cache_misses_json(tl),
     )
     return to_row(row)
+
+
+def _cache_misses_json(tl: RequestTimeline) -> str | None:
+    """The ``cache_misses`` column: the runs as JSON objects, unset fields left out."""
+    if tl.cache_misses is None:
+        return None
+    runs = [{k: v for k, v in to_row(m).items() if v is not None} for m in tl.cache_misses]
+    return json.dumps(runs)
 
 
 def kv_transfer_interval(tl: RequestTimeline) -> tuple[int, int, dict] | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampling import SamplingParams
@@ -123,3 +125,59 @@ def test_prefix_changing_in_first_block_misses_everything():
     admit(bm, req("a", [0, 1, 2, 3, *range(10, 30)]))
     # same 20 trailing tokens, different first block: chained hashes all differ
     assert admit(bm, req("b", [5, 1, 2, 3, *range(10, 30)])) == 0
+
+
+def _misses(bm: BlockManager, r: Request) -> list[tuple]:
+    """Admit ``r`` like the scheduler (misses read before its own allocation); the runs as
+    (reason, first_block, num_blocks, by, tenant)."""
+    cached = bm.find_cached_prefix(r)
+    runs = bm.explain_misses(r, len(cached))
+    admit(bm, r)
+    return [(m.reason, m.first_block, m.num_blocks, m.by, m.tenant) for m in runs]
+
+
+def test_every_uncached_prompt_block_has_its_reason():
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    a = req("a", list(range(10)))  # blocks 0-1 full, block 2 holds 2 tokens
+    assert _misses(bm, a) == [("never_seen", 0, 2, None, None), ("partial_block", 2, 1, None, None)]
+    b = req("b", list(range(12)))  # same head: 0-1 hit; block 2 full but holds the last token
+    assert _misses(bm, b) == [("last_token", 2, 1, None, None)]
+    tiny = req("tiny", [7, 8])
+    assert _misses(bm, tiny) == [("partial_block", 0, 1, None, None)]
+    for r in (tiny, b, a):
+        bm.free(r)
+    # c takes the whole pool, so the blocks holding a's prefix are evicted: c's doing
+    c = req("c", list(range(100, 124)))
+    before = time.time_ns()
+    _misses(bm, c)
+    d = req("d", list(range(12)))
+    runs = bm.explain_misses(d, len(bm.find_cached_prefix(d)))
+    assert [(m.reason, m.first_block, m.num_blocks, m.by) for m in runs] == [
+        ("evicted", 0, 2, "c"),
+        ("last_token", 2, 1, None),
+    ]
+    assert before <= runs[0].time_ns <= time.time_ns()
+
+
+def test_another_tenants_prefix_and_a_miss_behind_an_earlier_one():
+    bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True)
+    a = req("a", list(range(13)), tenant="acme")
+    _misses(bm, a)  # 3 full blocks cached under acme's salt
+    assert _misses(bm, req("o", list(range(13)), tenant="beta")) == [
+        ("other_tenant", 0, 3, None, "acme"),
+        ("partial_block", 3, 1, None, None),
+    ]
+    # acme's first block dropped from the cache (as a reset would): blocks 1-2 are still
+    # cached, but the cache serves only a prefix
+    head = bm.blocks[a.block_ids[0]]
+    bm._evict(head)
+    assert _misses(bm, req("x", list(range(13)), tenant="acme")) == [
+        ("evicted", 0, 1, None, None),
+        ("after_miss", 1, 2, None, None),
+        ("partial_block", 3, 1, None, None),
+    ]
+
+
+def test_caching_off_explains_every_block():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    assert _misses(bm, req("a", list(range(10)))) == [("caching_off", 0, 3, None, None)]

@@ -177,7 +177,19 @@ def test_a_field_type_without_a_column_type_is_refused():
 
 def test_step_record_and_request_row_land_in_the_store_as_typed(tmp_path):
     store = TraceStore(str(tmp_path / "t.duckdb"))
-    store.submit("engine_steps", step_row(_record(num_decode_tokens=3, num_finished=1)))
+    store.submit(
+        "engine_steps",
+        step_row(
+            _record(
+                num_decode_tokens=3,
+                num_finished=1,
+                req_ids=["cmpl-1", "cmpl-2"],
+                req_tokens=[256, 1],
+                req_prefill=[True, False],
+                admit_stop="budget",
+            )
+        ),
+    )
     store.submit("engine_steps", step_row(_record(step_id=8, engine_pid=None), engine_pid=99))
     row = RequestRow(request_id="cmpl-1", trace_id="ab" * 16, arrival_ns=T0, end_ns=T0 + 10**9)
     store.submit("requests", {**msgspec.structs.asdict(row), "finish_reason": "length"})
@@ -186,6 +198,10 @@ def test_step_record_and_request_row_land_in_the_store_as_typed(tmp_path):
         "SELECT step_id, engine_pid, forward_ms, num_decode_tokens, num_finished "
         "FROM engine_steps ORDER BY step_id"
     ) == [(7, 4242, 4.5, 3, 1), (8, 99, 4.5, 0, 0)]
+    # the step's requests: string, integer and boolean lists, in the step's order
+    assert store.query(
+        "SELECT req_ids, req_tokens, req_prefill, admit_stop FROM engine_steps ORDER BY step_id"
+    ) == [(["cmpl-1", "cmpl-2"], [256, 1], [True, False], "budget"), (None, None, None, None)]
     assert store.query(f"SELECT request_id, {COMPLETED_SQL} FROM requests") == [("cmpl-1", True)]
     assert store.dropped_total == 0
     store.close()

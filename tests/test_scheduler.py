@@ -190,3 +190,55 @@ def test_admission_policy_and_head_of_line_blocking(policy):
 def test_unknown_admission_policy_is_refused():
     with pytest.raises(ValueError, match="admission_policy"):
         EngineConfig(admission_policy="lifo").validate()
+
+
+def test_a_step_says_why_admission_stopped():
+    s = make(num_blocks=8, block_size=4, max_num_batched_tokens=10, max_num_seqs=3)
+    add(s, "long", 20, arrival=1)
+    add(s, "short", 3, arrival=2)
+    out = run_step(s)  # long's first chunk takes the whole budget
+    assert plan(out) == [("long", 0, 10)] and out.admit_stop == "budget"
+    assert [c.is_prefill for c in out.chunks] == [True]
+    run_step(s)  # long's last chunk; short still waits behind it
+    out = run_step(s)  # long decodes (1 token): short is admitted, nothing left waiting
+    assert plan(out) == [("long", 20, 1), ("short", 0, 3)] and out.admit_stop is None
+    assert [c.is_prefill for c in out.chunks] == [False, True]
+    # the cap: a third request fits the budget and the pool, not --max-num-seqs 2
+    s = make(num_blocks=8, block_size=4, max_num_seqs=2)
+    for i in range(3):
+        add(s, f"r{i}", 2)
+    assert run_step(s).admit_stop == "max_num_seqs"
+    # the pool: 3 of 6 blocks left, a 16-token prompt needs 4
+    s = make(num_blocks=6, block_size=4)
+    add(s, "a", 12, max_tokens=4, arrival=1)
+    add(s, "b", 16, max_tokens=4, arrival=2)
+    assert run_step(s).admit_stop == "kv_blocks"
+
+
+def test_a_preemption_names_the_request_whose_allocation_needed_the_blocks():
+    s = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    add(s, "old", 8, arrival=1)
+    add(s, "new", 7, arrival=2)
+    run_step(s)
+    out = run_step(s)  # old's 9th token needs a block: new is preempted for it
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert s.waiting[0].events[-1].attrs == {"recompute_tokens": 7, "by": "old"}
+    assert out.admit_stop == "kv_blocks"  # no admission in a step that preempted
+    assert s.preempt("old") and s.waiting[0].events[-1].attrs == {"recompute_tokens": 9}
+
+
+def test_cache_misses_are_read_at_the_first_admission_only():
+    s = make(num_blocks=40, block_size=4)
+    a = add(s, "a", 30)
+    run_step(s)
+    assert [(m.reason, m.first_block, m.num_blocks) for m in a.cache_misses] == [
+        ("never_seen", 0, 7),
+        ("partial_block", 7, 1),
+    ]
+    b = add(s, "b", 30)  # 7 blocks hit: only the block holding the last token is computed
+    run_step(s)
+    assert [(m.reason, m.first_block) for m in b.cache_misses] == [("partial_block", 7)]
+    b.cache_misses = None
+    s.preempt("b")
+    run_step(s)  # resumed: a recompute, not an admission
+    assert b.cache_misses is None

@@ -19,7 +19,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..messages import RequestEvent, RequestOutput, is_completed
+from ..messages import CacheMiss, RequestEvent, RequestOutput, is_completed
 
 
 @dataclass
@@ -70,6 +70,8 @@ class RequestTimeline:
     spec_accepted_tokens: int = 0  # draft tokens accepted
     finish_reason: str | None = None
     events: list[RequestEvent] = field(default_factory=list)
+    # why its prompt blocks missed the prefix cache at admission (RequestOutput.cache_misses)
+    cache_misses: list[CacheMiss] | None = None
     # response
     http_status: int | None = None
     first_byte_ns: int | None = None
@@ -100,6 +102,8 @@ class RequestTimeline:
         self.spec_draft_tokens = out.num_draft_tokens
         self.spec_accepted_tokens = out.num_accepted_tokens
         self.events.extend(out.events)
+        if out.cache_misses is not None:
+            self.cache_misses = out.cache_misses
         if self.record_content and out.new_text:
             self.output_text.append(out.new_text)
         if out.finished:
