@@ -35,6 +35,7 @@ from .errors import TokenmillError
 COMMANDS = {
     "dump": "tokenmill.telemetry.cli:app",
     "diagnose": "tokenmill.diagnose.cli:app",
+    "explain": "tokenmill.diagnose.explain_cli:app",
     "dashboard": "tokenmill.dashboard.cli:app",
     "bench": "tokenmill.bench.cli:bench_app",
     "scenario": "tokenmill.bench.cli:scenario_app",
