@@ -95,14 +95,29 @@ def latency_concurrency(df: pd.DataFrame) -> go.Figure:
     return _layout(fig, 560)
 
 
-def waterfall(detail: dict) -> go.Figure:
+#: the critical path's bars, by phase (``tokenmill explain``)
+PATH_ROW = "critical path"
+_PHASE_COLORS = {
+    "api": "#9ecae9",
+    "queue": "#e45756",
+    "prefill": "#ff7f0e",
+    "decode": "#4c78a8",
+    "stream": "#54a24b",
+}
+
+
+def waterfall(detail: dict, explanation: dict | None = None) -> go.Figure:
     """One request's stations as a Gantt (ms since arrival): a bar per span, token times as
     ticks on the decode row, prefill chunks as diamonds, preemptions as red crosses with the
     preempted stretch shaded, resumes as green triangles, a client disconnect as a star. A
     request moved between engine cores (``detail["kv_transfer"]``) gets a row under prefill
-    with the KV transfer's bar and, after it, the wait for room on the decode side."""
+    with the KV transfer's bar and, after it, the wait for room on the decode side. With its
+    ``explanation`` (``data.request_explanation``), a last row, ``critical path``, holds its
+    parts end to end, coloured by phase, each part's cause in its hover."""
     spans = detail["spans"]
     rows = list(dict.fromkeys(spans["name"]))  # data.request_detail's order
+    if explanation is not None and explanation["parts"]:
+        rows.append(PATH_ROW)
     moved = detail.get("kv_transfer")
     spans = spans[spans["name"] != "kv_transfer"]
     fig = go.Figure()
@@ -125,6 +140,8 @@ def waterfall(detail: dict) -> go.Figure:
     )
     if moved is not None:
         _kv_transfer_bars(fig, moved)
+    if explanation is not None:
+        _critical_path_bars(fig, explanation)
     tokens = detail["token_times_ms"]
     if tokens:
         fig.add_trace(
@@ -168,12 +185,36 @@ def waterfall(detail: dict) -> go.Figure:
         fig.add_vrect(x0=e["time_ms"], x1=end, fillcolor=_THROTTLE, line_width=0, layer="below")
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(rows)))
     fig.update_xaxes(title_text="ms since arrival")
-    fig = _layout(fig, 440)
+    fig = _layout(fig, 480 if PATH_ROW in rows else 440)
     # below the x-axis title, which the shared layout does not have
     fig.update_layout(
         hovermode="closest", bargap=0.35, barmode="overlay", legend_y=-0.2, margin_b=90
     )
     return fig
+
+
+def _critical_path_bars(fig: go.Figure, ex: dict) -> None:
+    """The ``critical path`` row: one bar trace per phase, a bar per part (its text and ms in
+    the hover, the longest parts labelled)."""
+    e2e = ex["e2e_ms"] or 1.0
+    for phase, color in _PHASE_COLORS.items():
+        parts = [p for p in ex["parts"] if p["phase"] == phase]
+        if not parts:
+            continue
+        fig.add_trace(
+            go.Bar(
+                y=[PATH_ROW] * len(parts),
+                x=[p["ms"] for p in parts],
+                base=[p["start_ms"] for p in parts],
+                orientation="h",
+                marker={"color": color, "line": {"color": "white", "width": 1}},
+                name=f"path: {phase}",
+                text=[f"{p['ms']:,.0f} ms" if p["ms"] >= 0.08 * e2e else None for p in parts],
+                textposition="inside",
+                customdata=[p["text"] for p in parts],
+                hovertemplate="%{customdata}<br>%{base:,.1f} ms + %{x:,.1f} ms<extra></extra>",
+            )
+        )
 
 
 def _kv_transfer_bars(fig: go.Figure, moved: dict) -> None:

@@ -379,6 +379,19 @@ def request_detail(con, trace_id: str) -> dict | None:
     }
 
 
+def request_explanation(con, trace_id: str) -> dict | None:
+    """One request's critical path (``tokenmill explain``'s JSON contract,
+    :func:`tokenmill.diagnose.explain.explain`): parts that add up to its E2E, what it waited
+    behind, its prompt blocks' cache misses. None when the store has no such request or
+    cannot say (a fleet's union without the step columns)."""
+    from tokenmill.diagnose.explain import ExplainError, explain
+
+    try:
+        return explain(con, trace_id)
+    except (ExplainError, duckdb.Error):
+        return None
+
+
 def _kv_transfer(spans: pd.DataFrame) -> dict | None:
     """The request's ``kv_transfer`` span (prefill/decode disaggregation) in ms from arrival:
     ``start_ms``/``end_ms`` of the transfer, then ``wait_end_ms`` (the decode side adopted it

@@ -685,7 +685,11 @@ def _part_text(d: dict) -> str:
     if kind == "preempted":
         by = d.get("by")
         whose = f"{by}{' (tenant ' + d['by_tenant'] + ')' if d.get('by_tenant') else ''}"
-        cause = f"for {whose}'s allocation" if by else "by an operator's drill"
+        cause = (
+            f"for {whose}'s allocation"
+            if by
+            else "(no preemptor recorded: an operator's drill, or a store from before it was)"
+        )
         out_for = f" for {d['steps']} steps" if d.get("steps", 0) > 1 else ""
         return f"preempted {cause}; out of the batch{out_for}"
     if kind == "recompute":
@@ -710,6 +714,7 @@ def _part_text(d: dict) -> str:
         "output_send": "the last step's end and the hop to the API process",
         "stream_write": "the answer written to the client (socket writes, a slow reader)",
         "metering": "metering",
+        "unknown": f"{d['phase']}: the step rows do not say what ran",
     }.get(kind, kind)
 
 

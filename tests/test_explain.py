@@ -9,6 +9,7 @@ one-line errors. Then (slow) the same questions on the real engine behind a real
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -217,3 +218,37 @@ def test_cli_json_text_and_one_line_errors(store, tmp_path):
         assert r.exit_code == 2, (args, r.output)
         lines = r.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], r.output
+
+
+def test_the_console_waterfall_shows_the_critical_path(store, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    from tokenmill.dashboard import data
+
+    path, con = store
+    (trace,) = con.execute("SELECT trace_id FROM requests WHERE request_id = 'cmpl-S'").fetchone()
+    monkeypatch.setenv("TOKENMILL_DASHBOARD_SOURCE", str(path))
+    at = AppTest.from_file(str(Path(data.__file__).parent / "app.py"), default_timeout=120)
+    at.run()
+    at.switch_page("views/requests.py")
+    at.run()
+    at.text_input(key="rq_search").set_value(trace[:12])
+    at.run()
+    assert not at.exception, at.exception
+    (fig,) = [json.loads(el.proto.spec) for el in at.get("plotly_chart")]
+    path_bars = [t for t in fig["data"] if str(t.get("name", "")).startswith("path: ")]
+    assert [t["name"] for t in path_bars] == [
+        "path: api", "path: queue", "path: prefill", "path: decode", "path: stream"
+    ]  # fmt: skip
+    ex = explain(con, "cmpl-S")
+    queue = path_bars[1]
+    assert len(queue["customdata"]) == 3 and "behind cmpl-L (tenant big)" in queue["customdata"][1]
+    assert fig["layout"]["yaxis"]["categoryarray"][0] == "critical path"
+    (table,) = [d.value for d in at.dataframe if "part" in d.value.columns]
+    assert list(table["part"]) == [p["text"] for p in ex["parts"]]
+    assert table["ms"].sum() == pytest.approx(ex["e2e_ms"])
+    captions = " ".join(c.value for c in at.caption)
+    assert "Waited behind `cmpl-L` (tenant big) for 259.0 ms (running_step, budget)" in captions
+    assert (
+        "block 0: evicted 2.0 s before it arrived by cmpl-L (tenant big)'s allocation" in captions
+    )

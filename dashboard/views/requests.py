@@ -1,6 +1,8 @@
 """Requests: a searchable table (tenant, status, finish reason; slowest first) and, for the
 selected request, its eight stations as a waterfall with token times, chunks and preemptions
-(and, for a request moved from the prefill to the decode core, its KV transfer and wait).
+(and, for a request moved from the prefill to the decode core, its KV transfer and wait), its
+critical path (``tokenmill explain``: the parts that add up to its E2E as a row of the
+waterfall and a table, who it waited behind, its prompt blocks' cache misses).
 
 A request can be opened directly with ``?trace=<trace id>`` in the page URL."""
 
@@ -15,6 +17,52 @@ SORT_LABELS = {
     "latest": "latest first",
 }
 ANY = "(any)"
+
+
+def _critical_path(ex: dict) -> None:
+    """The explanation under the waterfall: the headline, the parts, the cache's misses."""
+    st.markdown("**Critical path**")
+    head = (
+        f"{len(ex['parts'])} parts add up to {ui.fmt_ms(ex['parts_ms'])} "
+        f"(E2E {ui.fmt_ms(ex['e2e_ms'])})."
+    )
+    if ex["waited_behind"]:
+        top = ex["waited_behind"][0]
+        tenant = f" (tenant {top['tenant']})" if top.get("tenant") else ""
+        head += (
+            f" Waited behind `{top['request_id']}`{tenant} for {ui.fmt_ms(top['ms'])} "
+            f"({', '.join(top['reasons'])})."
+        )
+    st.caption(head)
+    st.dataframe(
+        [
+            {
+                "start ms": p["start_ms"],
+                "ms": p["ms"],
+                "share": p["share"],
+                "phase": p["phase"],
+                "part": p["text"],
+            }
+            for p in ex["parts"]
+        ],
+        hide_index=True,
+        key="rq_path",
+        column_config={
+            "start ms": st.column_config.NumberColumn(format="%.1f"),
+            "ms": st.column_config.NumberColumn(format="%.1f"),
+            "share": st.column_config.NumberColumn(format="percent"),
+        },
+    )
+    cache = ex.get("cache")
+    if cache:
+        lines = "; ".join(m["text"] for m in cache["misses"])
+        st.caption(
+            f"Prefix cache: {cache['cached_blocks']} of {cache['prompt_blocks']} prompt blocks "
+            f"served from the cache. Computed: {lines}."
+        )
+    for note in ex.get("notes") or []:
+        st.caption(f"Note: {note}")
+
 
 ctx = ui.begin("Requests")
 if ctx is not None:
@@ -88,10 +136,11 @@ if ctx is not None:
             )
             c[4].metric("Preemptions", f"{r.get('preemptions') or 0}")
             c[5].metric("Finish", str(r.get("finish_reason") or r.get("error_type") or "—"))
+            ex = ui.q(ctx, "request_explanation", trace_id)
             if detail["spans"].empty:
                 st.info("No data: the request has a row but no spans.")
             else:
-                ui.chart(charts.waterfall(detail), key="request_waterfall")
+                ui.chart(charts.waterfall(detail, ex), key="request_waterfall")
             moved = detail["kv_transfer"]
             if moved is not None:
                 mb = f"{moved['bytes'] / 1e6:,.1f} MB" if moved["bytes"] is not None else "its KV"
@@ -100,6 +149,8 @@ if ctx is not None:
                     f"{ui.fmt_ms(moved['end_ms'] - moved['start_ms'])}, then waited "
                     f"{ui.fmt_ms(moved['waited_ms'])} for room on the decode side."
                 )
+            if ex is not None:
+                _critical_path(ex)
             st.caption(
                 f"trace `{trace_id}` · tenant {r.get('tenant') or '—'} · "
                 f"error {r.get('error_type') or 'none'} · HTTP {r.get('http_status') or '—'}"
