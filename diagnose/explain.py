@@ -199,17 +199,23 @@ def _spans(con, trace_id: str) -> tuple[dict[str, tuple[int, int]], list[dict]]:
     return stations, events
 
 
-def _steps(con, lo: int, hi: int, replica, role) -> list[Step]:
+def _source(src: str | None) -> tuple[str, dict]:
+    """The condition keeping one source's rows in a fleet's union (its ``source`` column)."""
+    return (" AND source = $src", {"src": src}) if src is not None else ("", {})
+
+
+def _steps(con, lo: int, hi: int, replica, role, src: str | None) -> list[Step]:
     have = set(columns(con, "engine_steps"))
-    lists = {"req_ids", "req_tokens", "req_prefill", "admit_stop", "output_send_ms", "role"}
-    cols = {c: (c if c in have else f"NULL AS {c}") for c in lists}
+    names = ("req_ids", "req_tokens", "req_prefill", "admit_stop", "output_send_ms", "role")
+    col = {c: (c if c in have else "NULL") for c in names}
+    where, params = _source(src)
     rows = con.execute(
-        f"SELECT step_id, start_ns, end_ns, {cols['req_ids']}, {cols['req_tokens']}, "
-        f"{cols['req_prefill']}, {cols['admit_stop']}, {cols['output_send_ms']} "
+        f"SELECT step_id, start_ns, end_ns, {col['req_ids']}, {col['req_tokens']}, "
+        f"{col['req_prefill']}, {col['admit_stop']}, {col['output_send_ms']} "
         f"FROM engine_steps WHERE end_ns >= $lo AND start_ns <= $hi AND {WORKING_STEP_SQL} "
-        f"AND replica IS NOT DISTINCT FROM $replica AND {cols['role']} IS NOT DISTINCT FROM "
-        "$role ORDER BY end_ns, start_ns",
-        {"lo": lo, "hi": hi, "replica": replica, "role": role},
+        f"AND replica IS NOT DISTINCT FROM $replica AND {col['role']} IS NOT DISTINCT FROM "
+        f"$role{where} ORDER BY end_ns, start_ns",
+        {"lo": lo, "hi": hi, "replica": replica, "role": role, **params},
     ).fetchall()
     return [
         Step(int(r[0]), int(r[1]), int(r[2]), r[3], r[4] or [], r[5] or [], r[6], r[7])
@@ -217,16 +223,17 @@ def _steps(con, lo: int, hi: int, replica, role) -> list[Step]:
     ]
 
 
-def _own_cores(con, rid: str, lo: int, hi: int) -> list[tuple]:
+def _own_cores(con, rid: str, lo: int, hi: int, src: str | None) -> list[tuple]:
     """``(start_ns, replica, role)`` of the steps that computed tokens for ``rid``."""
     have = set(columns(con, "engine_steps"))
     if "req_ids" not in have:
         return []
     role = "role" if "role" in have else "NULL"
+    where, params = _source(src)
     return con.execute(
         f"SELECT start_ns, replica, {role} FROM engine_steps WHERE end_ns >= $lo "
-        "AND start_ns <= $hi AND list_contains(req_ids, $rid) ORDER BY start_ns",
-        {"lo": lo, "hi": hi, "rid": rid},
+        f"AND start_ns <= $hi AND list_contains(req_ids, $rid){where} ORDER BY start_ns",
+        {"lo": lo, "hi": hi, "rid": rid, **params},
     ).fetchall()
 
 
@@ -449,14 +456,15 @@ def explain(con, request_id: str) -> dict:
 
     # the engine core(s) that ran it: the first step with its tokens for the queue and the
     # prefill, the last one for the decode (a disaggregated request moves between the two)
-    own = _own_cores(con, rid, a0, end)
+    src = row.get("source")  # one dump of a fleet's union
+    own = _own_cores(con, rid, a0, end, src)
     if own:
         early, late = own[0][1:], own[-1][1:]
     else:
         early = late = (row.get("replica"), None)
-    steps_early = _steps(con, a0, end, *early)
+    steps_early = _steps(con, a0, end, *early, src)
     axis_early = _Axis(steps_early) if steps_early else _Axis([])
-    axis_late = axis_early if late == early else _Axis(_steps(con, a0, end, *late))
+    axis_late = axis_early if late == early else _Axis(_steps(con, a0, end, *late, src))
     # a preemption happens while its step is scheduled: from the end of the step before it
     for i, (t_pre, t_back, attrs) in enumerate(ctx.preempted):
         axis = axis_late if first is not None and t_pre >= first else axis_early
@@ -570,10 +578,11 @@ def _request_facts(con, parts: list[Piece], row: dict) -> dict[str, dict]:
     ids.discard(None)
     if not ids:
         return {}
+    where, params = _source(row.get("source"))
     rows = con.execute(
         "SELECT request_id, tenant, input_tokens, output_tokens FROM requests "
-        "WHERE list_contains($ids, request_id)",
-        {"ids": sorted(ids)},
+        f"WHERE list_contains($ids, request_id){where}",
+        {"ids": sorted(ids), **params},
     ).fetchall()
     return {r[0]: {"tenant": r[1], "input_tokens": r[2], "output_tokens": r[3]} for r in rows}
 
@@ -602,11 +611,12 @@ def _ahead(con, row: dict, at_ns: int) -> dict:
     q = row.get("queued_ns")
     if q is None:
         return {"count": 0, "requests": []}
+    where, params = _source(row.get("source"))
     rows = con.execute(
         "SELECT request_id, tenant FROM requests WHERE queued_ns < $q AND queued_ns IS NOT NULL "
         "AND (scheduled_ns IS NULL OR scheduled_ns > $t) AND end_ns > $t "
-        "AND replica IS NOT DISTINCT FROM $r AND request_id <> $id ORDER BY queued_ns",
-        {"q": q, "t": at_ns, "r": row.get("replica"), "id": row["request_id"]},
+        f"AND replica IS NOT DISTINCT FROM $r AND request_id <> $id{where} ORDER BY queued_ns",
+        {"q": q, "t": at_ns, "r": row.get("replica"), "id": row["request_id"], **params},
     ).fetchall()
     named = [{"request_id": r[0], "tenant": r[1]} for r in rows[:MAX_NAMED]]
     return {"count": len(rows), "requests": named}
