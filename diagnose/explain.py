@@ -249,21 +249,18 @@ class _Axis:
         i = bisect.bisect_left(self.ends, t)
         return self.steps[i] if i < len(self.steps) else None
 
+    def before(self, t: int) -> Step | None:
+        """The last step that ended at or before ``t``."""
+        i = bisect.bisect_right(self.ends, t)
+        return self.steps[i - 1] if i else None
+
     def prev_end(self, t: int) -> int | None:
         """The end of the last step that ended at or before ``t``."""
-        i = bisect.bisect_right(self.ends, t)
-        return self.ends[i - 1] if i else None
+        s = self.before(t)
+        return s.end if s is not None else None
 
-    def running(self, a: int, b: int) -> Step | None:
-        """A step running over all of ``[a, b]``."""
-        s = self.at(b)
-        return s if s is not None and s.start <= a else None
-
-    def cuts(self, a: int, b: int, *, starts: bool = False) -> list[int]:
-        out = {s.end for s in self.steps if a < s.end < b}
-        if starts:
-            out |= {s.start for s in self.steps if a < s.start < b}
-        return sorted(out)
+    def cuts(self, a: int, b: int) -> list[int]:
+        return sorted({s.end for s in self.steps if a < s.end < b})
 
 
 def _split(a: int, b: int, cuts) -> list[tuple[int, int]]:
@@ -303,27 +300,16 @@ def _preempt_cuts(ctx: _Ctx) -> list[int]:
 
 
 def _api_pieces(ctx: _Ctx, a: int, b: int, axis: _Axis | None) -> list[Piece]:
-    """``to_engine``: the hop to the engine core, less the time a step was running (the core
-    reads its inputs between steps): that is ``queue``/``running_step``."""
-    if axis is None:
+    """``[a, b]``: the API's admission end to the engine core queueing the request. The core
+    reads its inputs between steps, so the step that ended just before ``b`` was running when
+    the request reached it: from that step's start (or ``a``) on, ``queue``/``running_step``;
+    before it, ``to_engine`` (the hop, the API process's own delays)."""
+    s = axis.before(b) if axis is not None else None
+    if s is None or s.end <= a:
         return [Piece("api", "to_engine", a, b)]
-    out = []
-    for x, y in _split(a, b, axis.cuts(a, b, starts=True)):
-        s = axis.running(x, y)
-        if s is None:
-            out.append(Piece("api", "to_engine", x, y))
-        else:
-            out.append(
-                Piece(
-                    "queue",
-                    "queue",
-                    x,
-                    y,
-                    "running_step",
-                    [s.step_id],
-                    s.others(ctx.rid),
-                )
-            )
+    x = max(a, s.start)
+    out = [Piece("api", "to_engine", a, x)] if x > a else []
+    out.append(Piece("queue", "queue", x, b, "running_step", [s.step_id], s.others(ctx.rid)))
     return out
 
 
@@ -689,7 +675,7 @@ def _part_text(d: dict) -> str:
     if kind == "prefill_chunk":
         shared = d.get("shared_with") or []
         with_ = f", shared with {d['shared_count']}: {_who(shared[0])}" if shared else " alone"
-        return f"prefill chunk of {d.get('tokens', 0)} tokens{with_}"
+        return f"prefill chunk of {_n(d.get('tokens', 0), 'token')}{with_}"
     if kind == "prefill_wait":
         return f"prefill waited: a step without it; behind {_who(top)}{steps}"
     if kind == "preempted":
@@ -703,19 +689,24 @@ def _part_text(d: dict) -> str:
         out_for = f" for {d['steps']} steps" if d.get("steps", 0) > 1 else ""
         return f"preempted {cause}; out of the batch{out_for}"
     if kind == "recompute":
-        return f"recomputed {d.get('tokens', 0)} tokens after its preemption{steps}"
+        return f"recomputed {_n(d.get('tokens', 0), 'token')} after its preemption{steps}"
     if kind == "decode":
         b = d["batch"]
         size = f"{b['min']}" if b["min"] == b["max"] else f"{b['min']}-{b['max']}"
         n = d.get("steps", 0)
-        return (
-            f"decode: {n} step{'s' if n != 1 else ''} at batch {size}, {d['step_ms']:.1f} ms a step"
-        )
+        if not n:
+            return "the rest of the step that sampled its first token"
+        return f"decode: {_n(n, 'step')} at batch {size}, {d['step_ms']:.1f} ms a step"
     if kind == "stall":
         if reason == "prefill_in_step":
             return f"decode stall: the step carried {_who(top)}'s {top['tokens']}-token prefill"
         if reason == "not_scheduled":
-            return f"decode stall: a step ran without it; behind {_who(top)}{steps}"
+            kind_of = "prefill" if top and top["prefill"] else "decode"
+            what = f": {top['tokens']:,} {kind_of} tokens" if top else ""
+            return (
+                f"decode stall: {_n(d.get('steps', 1), 'step')} ran without it (the budget went "
+                f"to requests ranked ahead); behind {_who(top)}{what}"
+            )
         return f"decode stall: a slow step ({d.get('median_step_ms', 0):.1f} ms is its median)"
     return {
         "handoff": "hand-off: the prefill core sends its KV",
@@ -726,6 +717,10 @@ def _part_text(d: dict) -> str:
         "metering": "metering",
         "unknown": f"{d['phase']}: the step rows do not say what ran",
     }.get(kind, kind)
+
+
+def _n(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def _waited_behind(parts: list[dict]) -> list[dict]:
