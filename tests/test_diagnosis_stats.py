@@ -40,6 +40,16 @@ def test_bootstrap_interval_covers_the_true_ratio_and_narrows_with_n():
     assert widths[0] > widths[1] > widths[2], widths
 
 
+def test_a_million_requests_are_thinned_before_resampling():
+    """A store of a million requests must not resample a 2,000 x 1,000,000 array (12 GiB):
+    each sample is thinned to MAX_RESAMPLED values first, and the interval still holds."""
+    rng = np.random.default_rng(3)
+    sym = rng.lognormal(np.log(300), 0.4, 1_000_000)
+    ref = rng.lognormal(np.log(100), 0.4, 800_000)
+    effect, lo, hi = median_ratio_ci(sym, ref)
+    assert lo < 3.0 < hi and hi - lo < 0.2, (effect, lo, hi)
+
+
 def test_verdicts():
     # two requests 20x their reference: conclusive, effect and interval stated
     sup = compare([8000, 9000], [400, 420, 390, 410], unit="requests", reference_name="ref",
