@@ -211,8 +211,11 @@ def test_pd_pools_and_kv_transfer_in_headless_chromium(tmp_path):
             page.goto(f"{url}/requests?trace={trace_id}", wait_until="domcontentloaded")
             _settle(page, shots, "requests-pd-waterfall")
             plot = page.locator(".js-plotly-plot").first
-            # the stations, the transfer and the wait: three bar traces
-            assert plot.locator("g.trace.bars").count() == 3
+            # the stations, the transfer and the wait: three bar traces, then the critical
+            # path's, one per phase (`tokenmill explain`; legend "path: <phase>")
+            paths = plot.locator("g.legend text", has_text="path: ").count()
+            assert paths >= 1, "no critical-path row on the waterfall"
+            assert plot.locator("g.trace.bars").count() == 3 + paths
             assert plot.locator("g.legend text", has_text="KV wait (decode side full)").count() == 1
         finally:
             browser.close()
