@@ -50,7 +50,7 @@ chromium:
 			&& $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium); }
 
 test: model lint promtool chromium
-	$(BIN)/python -m pytest
+	PYTHONSAFEPATH=1 $(BIN)/python -m pytest
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
@@ -64,7 +64,7 @@ scenarios: model
 # a minute each, alone on the machine; resumable. Then the accuracy on its evaluation split.
 CORPUS ?= benchmarks/data/diagnosis_corpus
 corpus: model
-	$(BIN)/python -m tokenmill.bench.corpus --out $(CORPUS) --per-family 4
+	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.corpus --out $(CORPUS) --per-family 4
 
 accuracy: $(STAMP)
 	$(BIN)/python benchmarks/diagnosis_accuracy.py --corpus $(CORPUS) --split eval

@@ -14,6 +14,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The repository's source folders (kernels/, engine/, ...) are installed as tokenmill.* and must
+# never be importable under their own names: `python -m pytest` puts the working directory first
+# on sys.path, where kernels/ hides the `kernels` package that transformers imports. Drop it here
+# and keep it off in every subprocess a test starts (PYTHONSAFEPATH, Python 3.11+).
+_REPO = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _REPO]
+os.environ["PYTHONSAFEPATH"] = "1"
+
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers such as paged_driver
 
 
