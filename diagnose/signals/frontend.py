@@ -1,0 +1,71 @@
+"""What the path after the engine adds, by arrival: families ``client`` (the client's TTFT
+against the server's, where the load generator recorded it: ``requests.client_ttft_ms``) and
+``stream`` (the stream's time per token against the engine's TPOT)."""
+
+from __future__ import annotations
+
+from .family import Family, Yield
+from .requests import COMPLETED_COLUMNS, by_arrival
+from .scope import Scope
+
+_CLIENT_SELECT = """
+    quantile_cont(client_ttft_ms, 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS client_ttft_p50,
+    quantile_cont(ttft_ms, 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS server_ttft_p50_with_client,
+    quantile_cont(ttft_ms + coalesce(text_holdback_ms, 0), 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS server_first_text_p50_with_client"""
+
+_CLIENT_KEYS = (
+    "client_ttft_p50",
+    "server_ttft_p50_with_client",
+    "server_first_text_p50_with_client",
+)
+
+
+def compute_client(scope: Scope) -> Yield:
+    """Per window: the client's TTFT p50, the server's TTFT p50 of the same requests, and when
+    the server released their first text (TTFT + ``text_holdback_ms``)."""
+    return by_arrival(scope, _CLIENT_SELECT)
+
+
+CLIENT = Family(
+    name="client",
+    needs={
+        "requests": (
+            "arrival_ns",
+            *COMPLETED_COLUMNS,
+            "ttft_ms",
+            "client_ttft_ms",
+            "text_holdback_ms",
+        )
+    },
+    window_keys=_CLIENT_KEYS,
+    overall_keys=_CLIENT_KEYS,
+    compute=compute_client,
+)
+
+_STREAM_SELECT = """
+    quantile_cont(((end_ns - first_token_ns) / 1e6) / nullif(output_tokens - 1, 0) / nullif(tpot_ms, 0), 0.5)
+        FILTER (WHERE ok AND output_tokens >= 8) AS stream_vs_engine_tpot"""
+
+
+def compute_stream(scope: Scope) -> Yield:
+    """Per window: the median over requests (8+ output tokens) of the stream's time per token
+    after the first over the engine's TPOT (1.0 when the output path keeps up)."""
+    return by_arrival(scope, _STREAM_SELECT)
+
+
+STREAM = Family(
+    name="stream",
+    needs={
+        "requests": (
+            "arrival_ns",
+            *COMPLETED_COLUMNS,
+            "end_ns",
+            "first_token_ns",
+            "output_tokens",
+            "tpot_ms",
+        )
+    },
+    window_keys=("stream_vs_engine_tpot",),
+    overall_keys=("stream_vs_engine_tpot",),
+    compute=compute_stream,
+)

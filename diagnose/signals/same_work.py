@@ -1,0 +1,48 @@
+"""Family ``same_work``: the same work, slower (host_contention).
+
+Each working step against the quickest quarter of the steps that did the same work (same batch:
+prefill chunks + decodes; tokens in the same power of two), over the whole range; classes with
+fewer than 5 steps are left out. A window's ``same_work_slowdown`` is the median of its steps'
+ratios: 1.0 when the steps ran as fast as the dump's usual best for their work, 2.0 when the
+same work took twice as long.
+"""
+
+from __future__ import annotations
+
+from tokenmill.telemetry.schema import WORKING_STEP_SQL
+
+from .family import Family, Yield
+from .scope import Scope
+from .steps import WORKING_COLUMNS
+
+_SAME_WORK_WINDOW_SQL = f"""
+WITH s AS (
+    SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms,
+        num_prefill_chunks + __DECODE_SEQS__ AS batch,
+        CAST(floor(log2(greatest(num_prefill_tokens + num_decode_tokens, 1))) AS INTEGER) AS tok_class
+    FROM engine_steps WHERE start_ns >= $since AND start_ns < $until AND {WORKING_STEP_SQL}
+), ref AS (
+    SELECT batch, tok_class, quantile_cont(ms, 0.25) AS ref_ms
+    FROM s GROUP BY batch, tok_class HAVING count(*) >= 5
+)
+SELECT (start_ns - $t0) // $w AS win,
+    quantile_cont(ms / ref_ms, 0.5) AS same_work_slowdown,
+    count(*) AS same_work_steps
+FROM s JOIN ref USING (batch, tok_class) WHERE ref_ms > 0
+GROUP BY win
+"""
+
+
+def compute(scope: Scope) -> Yield:
+    sql = _SAME_WORK_WINDOW_SQL.replace("__DECODE_SEQS__", scope.decode_seqs_sql)
+    return Yield(scope.by_window(sql, "start_ns", scope.not_warm_step), {})
+
+
+FAMILY = Family(
+    name="same_work",
+    needs={"engine_steps": ("start_ns", "end_ns", *WORKING_COLUMNS, "num_prefill_chunks")},
+    optional={"engine_steps": ("num_draft_tokens",)},
+    window_keys=("same_work_slowdown", "same_work_steps"),
+    overall_keys=(),
+    compute=compute,
+)
