@@ -117,6 +117,13 @@ class Rule:
     test_metric: str | None = None
     test_effect: float = 1.5
     own_test: str | None = None
+    # the signal families (``tokenmill.diagnose.signals.FAMILIES``) whose keys the rule reads:
+    # per-window values, overall values, the baseline, the Signals attributes a family makes
+    # (tests/test_signal_families.py finds them in the source and holds the two equal)
+    reads: tuple[str, ...] = ()
+    # the columns the rule's own queries read (table -> columns; its example filter and
+    # test_metric included) beyond those of the families it reads
+    needs: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def runbook(self) -> str:

@@ -92,4 +92,6 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="absolute",
     evidence_signals=("throughput_tok_s", "batch_mean", "step_ms_p50"),
+    reads=("steps", "roofline"),
+    needs={"requests": ("first_token_ns", "last_token_ns")},
 )

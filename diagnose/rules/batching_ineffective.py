@@ -63,4 +63,5 @@ RULE = Rule(
     healthy_baseline="absolute",
     explains=("ttft_queueing",),
     evidence_signals=("running_max", "waiting_mean", "kv_usage_max"),
+    reads=("requests", "completions", "steps", "kv"),
 )

@@ -97,4 +97,5 @@ RULE = Rule(
         expr="$client_ttft_p50 / $ttft_p50 >= $ratio",
         value="client TTFT p50 / server TTFT p50",
     ),
+    reads=("client",),
 )

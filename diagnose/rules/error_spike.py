@@ -178,4 +178,6 @@ RULE = Rule(
         unit="%",
         severity="critical",  # requests fail here; the other alerts' requests are slow
     ),
+    reads=("requests", "completions", "steps"),
+    needs={"requests": ("tenant",)},
 )

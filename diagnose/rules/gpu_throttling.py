@@ -66,4 +66,5 @@ RULE = Rule(
     healthy_baseline="needs",
     explains=("host_bound_steps",),
     evidence_signals=("sm_clock_mean", "power_w_mean", "temperature_max"),
+    reads=("requests", "completions", "devices"),
 )

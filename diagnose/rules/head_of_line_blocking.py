@@ -207,4 +207,6 @@ RULE = Rule(
         "batch_too_large",
     ),
     evidence_signals=("short_ttft_p99", "input_max", "waiting_max"),
+    reads=("requests", "completions", "steps", "kv"),
+    needs={"requests": ("request_id", "scheduled_ns", "first_token_ns")},
 )

@@ -114,4 +114,5 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="either",
     evidence_signals=("host_share_of_step", "gpu_util_mean"),
+    reads=("requests", "completions", "steps", "step_split", "devices"),
 )

@@ -210,4 +210,6 @@ RULE = Rule(
         "midstream_stall",
     ),
     evidence_signals=("same_work_slowdown", "cpu_others_mean", "run_queue_mean"),
+    reads=("steps", "devices", "same_work"),
+    needs={"device_samples": ("busy_others",)},
 )

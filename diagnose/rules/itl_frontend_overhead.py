@@ -54,4 +54,5 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="absolute",
     evidence_signals=("stream_vs_engine_tpot", "tpot_p50"),
+    reads=("requests", "stream", "completions", "steps", "step_split"),
 )

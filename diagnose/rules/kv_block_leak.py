@@ -59,4 +59,5 @@ RULE = Rule(
         unit="%",
         for_="5m",
     ),
+    reads=("steps", "kv"),
 )

@@ -162,4 +162,5 @@ RULE = Rule(
         value="peak KV-cache usage",
         unit="%",
     ),
+    reads=("requests", "kv_requests", "completions", "steps", "kv"),
 )

@@ -83,4 +83,5 @@ RULE = Rule(
     healthy_baseline="absolute",
     explains=("midstream_stall",),
     evidence_signals=("kv_transfer_p50", "kv_transfer_share_of_ttft", "ttft_p50", "itl_p50"),
+    reads=("requests", "kv_transfer", "completions"),
 )

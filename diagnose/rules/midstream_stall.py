@@ -58,4 +58,5 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="absolute",
     evidence_signals=("stalled_n", "itl_max"),
+    reads=("requests", "kv_requests", "completions"),
 )

@@ -67,4 +67,5 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="absolute",
     evidence_signals=("kv_usage_mean", "allocation_failures"),
+    reads=("requests", "completions", "kv"),
 )

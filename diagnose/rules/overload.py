@@ -132,4 +132,5 @@ RULE = Rule(
         ),
         value="arrivals / completions",
     ),
+    reads=("requests", "completions", "steps"),
 )

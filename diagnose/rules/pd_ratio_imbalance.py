@@ -202,4 +202,5 @@ RULE = Rule(
         "kv_wait_p50",
         "pd_decode_kv_use_max",
     ),
+    reads=("requests", "prefix", "kv_transfer", "completions", "pd"),
 )

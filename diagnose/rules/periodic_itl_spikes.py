@@ -219,4 +219,6 @@ RULE = Rule(
     # decode-only steps: a prefill cannot make them)
     explains=("host_contention", "itl_prefill_interference"),
     evidence_signals=("step_ms_p99", "itl_max"),
+    reads=("requests", "steps", "devices"),
+    needs={"requests": ("first_token_ns", "last_token_ns")},
 )

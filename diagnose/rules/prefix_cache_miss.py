@@ -200,4 +200,6 @@ RULE = Rule(
     healthy_baseline="absolute",
     explains=("ttft_prefill_bound", "itl_prefill_interference"),
     evidence_signals=("prefix_hit_rate", "ttft_p99"),
+    reads=("requests", "prefix"),
+    needs={"requests": ("prompt_block_hashes", "prompt_head_hashes")},
 )

@@ -242,4 +242,5 @@ RULE = Rule(
         "decode_forward_share",
     ),
     hint=hint,
+    reads=("requests", "prefix", "completions", "steps", "roofline"),
 )

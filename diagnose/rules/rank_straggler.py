@@ -72,4 +72,5 @@ RULE = Rule(
     healthy_baseline="absolute",
     explains=("tp_communication_bound",),
     evidence_signals=("rank_spread_p50", "slowest_rank_share", "decode_collective_share"),
+    reads=("requests", "completions", "collectives", "ranks"),
 )

@@ -110,4 +110,5 @@ RULE = Rule(
         "replica_ttft_p50_hot",
         "replica_running_mean_min",
     ),
+    reads=("requests", "completions", "replicas"),
 )

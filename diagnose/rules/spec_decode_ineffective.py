@@ -201,4 +201,6 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="absolute",
     evidence_signals=("spec_acceptance_rate", "spec_gain_per_cost", "spec_step_cost"),
+    reads=("spec",),
+    needs={"engine_steps": ("num_accepted_tokens_per_pos",), "requests": ("spec_draft_tokens",)},
 )

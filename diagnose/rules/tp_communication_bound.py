@@ -86,4 +86,5 @@ RULE = Rule(
         "decode_collective_ms_mean",
         "prefill_collective_share",
     ),
+    reads=("requests", "completions", "collectives"),
 )

@@ -134,4 +134,5 @@ RULE = Rule(
         ),
         value="TTFT p99 over its baseline",
     ),
+    reads=("requests", "prefix", "completions"),
 )

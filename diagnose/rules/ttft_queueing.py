@@ -167,4 +167,6 @@ RULE = Rule(
         ),
         value="TTFT p99 over its baseline",
     ),
+    reads=("requests", "completions", "steps", "kv"),
+    needs={"requests": ("tenant",)},
 )
