@@ -38,7 +38,8 @@ class Scope:
     warmup: tuple[tuple[int, int], ...] = ()
     not_warm_req: str = "TRUE"
     not_warm_step: str = "TRUE"
-    # prompts up to this many tokens are "short"; TTFT under twice the median is "fast"
+    # prompts up to this many tokens are "short"; a TTFT up to fast_ttft_ms (twice the range's
+    # median) is "fast"
     short_prompt_tokens: int = 0
     fast_ttft_ms: float = 0.0
     # SQL for the sequences an engine_steps row decoded (draft tokens are not sequences)
