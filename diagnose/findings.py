@@ -108,7 +108,7 @@ class Report:
     # and the rules that fired on every one of two or more
     sources: list[dict] = field(default_factory=list)
     fleet_wide: list[str] = field(default_factory=list)
-    # whether the dump had healthy windows to compare with (see signals.py), and the rules
+    # whether the dump had healthy windows to compare with (see signals/baseline.py), and the rules
     # that need them and so were not judged: {"available", "reason", "healthy_windows",
     # "busy_windows", "not_judged"}
     healthy_baseline: dict = field(default_factory=lambda: {"available": True})
