@@ -274,6 +274,7 @@ class BlockManager:
             self._evict(block, request.request_id)
             block.ref_cnt = 1
             request.block_ids.append(block.block_id)
+        request.stats.kv_blocks = max(request.stats.kv_blocks, len(request.block_ids))
         return True
 
     def trim(self, request: Request) -> None:

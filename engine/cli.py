@@ -347,7 +347,7 @@ def generate(
         out.rule(f"[bold]{escape(text[:60])}", style="dim")
         out.print(res.text, highlight=False, markup=False)
         out.print(
-            f"[dim]{len(res.prompt_token_ids)} prompt tokens ({res.num_cached_tokens} from the prefix cache), "
+            f"[dim]{len(res.prompt_token_ids)} prompt tokens ({res.stats.cached_tokens} from the prefix cache), "
             f"{len(res.token_ids)} output tokens ({res.finish_reason}); "
             f"TTFT {res.ttft_s * 1e3:.0f} ms; E2E {res.e2e_s:.2f} s[/]"
         )

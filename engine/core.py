@@ -16,6 +16,7 @@ import time
 import zlib
 from pathlib import Path
 
+import msgspec
 import torch
 
 from .block_manager import BlockManager
@@ -195,11 +196,11 @@ class EngineCore:
             output_token_ids=list(request.output_token_ids),
             params=request.params,
             kv=kv,
-            num_cached_tokens=request.num_cached_tokens,
+            num_cached_tokens=request.stats.cached_tokens,
             arrival_ns=request.arrival_ns,
-            queued_ns=request.queued_ns,
-            scheduled_ns=request.scheduled_ns,
-            first_token_ns=request.first_token_ns,
+            queued_ns=request.stats.queued_ns,
+            scheduled_ns=request.stats.scheduled_ns,
+            first_token_ns=request.stats.first_token_ns,
             priority=request.priority,
             tenant=request.tenant,
         )
@@ -260,9 +261,10 @@ class EngineCore:
             request.append_token(token, handoff.first_token_ns or time.time_ns())
         detok.take_delta(False)
         request.num_computed_tokens = n
-        request.num_cached_tokens = handoff.num_cached_tokens
-        request.scheduled_ns = handoff.scheduled_ns
-        request.queued_ns = handoff.queued_ns or request.queued_ns  # not the adoption's time
+        request.stats.cached_tokens = handoff.num_cached_tokens
+        request.stats.scheduled_ns = handoff.scheduled_ns
+        # not the adoption's time
+        request.stats.queued_ns = handoff.queued_ns or request.stats.queued_ns
         now = time.time_ns()
         attrs = {
             "bytes": handoff.transfer_bytes,
@@ -403,9 +405,9 @@ class EngineCore:
             q = c.request
             toks, accepted = verify(logits[r : r + k + 1], c.draft_token_ids, q.params, q.generator)
             picked[id(c)] = (toks, accepted)
-            q.num_drafts += 1
-            q.num_draft_tokens += k
-            q.num_accepted_tokens += accepted
+            q.stats.spec_drafts += 1
+            q.stats.spec_draft_tokens += k
+            q.stats.spec_accepted_tokens += accepted
             spec.accepted += accepted
             for pos in range(accepted):
                 spec.per_pos[pos] += 1
@@ -488,18 +490,8 @@ class EngineCore:
             stop_reason=request.stop_reason,
             error_type=request.error_type,
             error_message=request.error_message,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-            num_recomputed_tokens=request.num_recomputed_tokens,
-            num_drafts=request.num_drafts,
-            num_draft_tokens=request.num_draft_tokens,
-            num_accepted_tokens=request.num_accepted_tokens,
+            stats=msgspec.structs.replace(request.stats),  # a copy: in-process readers keep it
             arrival_ns=request.arrival_ns,
-            queued_ns=request.queued_ns,
-            scheduled_ns=request.scheduled_ns,
-            first_token_ns=request.first_token_ns,
             finished_ns=request.finished_ns,
             events=events,
             cache_misses=misses,

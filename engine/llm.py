@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from .config import EngineConfig
 from .core import EngineCore
-from .messages import RequestOutput, StepRecord
+from .messages import RequestOutput, RequestStats, StepRecord
 from .sampling import SamplingParams
 from .tokenizer import encode_chat
 
@@ -19,7 +19,8 @@ class CompletedRequest:
     """A finished request with its whole output and timings.
 
     ``ttft_s`` (time to first token) and ``e2e_s`` (end-to-end latency) are measured from the
-    request's arrival, in seconds; ``itl_s`` holds the inter-token latencies (s).
+    request's arrival, in seconds; ``itl_s`` holds the inter-token latencies (s); ``stats`` the
+    engine's counters (cached and recomputed tokens, preemptions, speculation).
     """
 
     request_id: str
@@ -29,9 +30,7 @@ class CompletedRequest:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error_type: str | None = None
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    num_recomputed_tokens: int = 0
+    stats: RequestStats = field(default_factory=RequestStats)
     arrival_ns: int = 0
     token_ns: list[int] = field(default_factory=list)
     finished_ns: int | None = None
@@ -55,9 +54,7 @@ class CompletedRequest:
         self.finish_reason = out.finish_reason
         self.stop_reason = out.stop_reason
         self.error_type = out.error_type
-        self.num_cached_tokens = out.num_cached_tokens
-        self.num_preemptions = out.num_preemptions
-        self.num_recomputed_tokens = out.num_recomputed_tokens
+        self.stats = out.stats
         self.arrival_ns = out.arrival_ns
         self.finished_ns = out.finished_ns
 

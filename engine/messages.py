@@ -16,7 +16,10 @@ idle step record), :class:`StatsReply`, :class:`RequestFailed` and :class:`Engin
 
 Adding a step field is one edit here (a field with a default, its unit in the name or the
 description): the ``engine_steps`` column is generated from :class:`StepRecord`
-(``tokenmill.telemetry.schema``); set it in ``EngineCore.step``.
+(``tokenmill.telemetry.schema``); set it in ``EngineCore.step``. A request's counters travel the
+same way as one :class:`RequestStats` (engine ``Request`` → :class:`RequestOutput` → the API's
+timeline → the ``requests`` row, whose type inherits it): a per-request column is a field there
+and the engine line that sets it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from .sampling_params import SamplingParams
 Ns = Annotated[int, msgspec.Meta(extra={"sql": "BIGINT"})]
 #: a large integer (ids, byte counts), stored as BIGINT
 BigInt = Annotated[int, msgspec.Meta(extra={"sql": "BIGINT"})]
+#: wall-clock Unix nanoseconds, or None when the moment has not come (a nullable BIGINT)
+NsOrNull = Annotated[int | None, msgspec.Meta(extra={"sql": "BIGINT"})]
 
 #: An ``engine_steps`` row with tokens; rows without are an idle engine's heartbeats
 #: (:meth:`EngineCore.idle_record`), which count for KV use and queue depth but not as steps.
@@ -119,14 +124,52 @@ class EngineError(msgspec.Struct, frozen=True):
     message: str
 
 
+class RequestStats(msgspec.Struct, kw_only=True):
+    """What the engine counts about one request, cumulative over its life: one struct from the
+    engine's ``Request`` (``engine/request.py``) through every :class:`RequestOutput` and the
+    API's timeline to the store, where each field is the ``requests`` column of the same name
+    (``telemetry/rows.py``: ``RequestRow`` inherits this class).
+
+    Adding a per-request column is a field here (with a default, so dumps from before it read
+    it as NULL) and the engine line that sets it (docs/how-to-add.md). A request the engine
+    never took keeps the defaults (``input_tokens`` from the API's tokenizer)."""
+
+    input_tokens: int = 0
+    """prompt tokens"""
+    output_tokens: int = 0
+    """tokens sampled so far"""
+    cached_tokens: int = 0
+    """prompt tokens the prefix cache served at its first admission"""
+    preemptions: int = 0
+    """times it lost its KV blocks to another request (and was queued again)"""
+    recomputed_tokens: int = 0
+    """tokens computed again after its preemptions"""
+    spec_drafts: int = 0
+    """speculative decoding: decode steps that verified draft tokens for it (0 with speculation
+    off)"""
+    spec_draft_tokens: int = 0
+    """draft tokens verified for it"""
+    spec_accepted_tokens: int = 0
+    """draft tokens accepted (output tokens that cost no step of their own)"""
+    queued_ns: NsOrNull = None
+    """the engine took it (its ``add_request``)"""
+    scheduled_ns: NsOrNull = None
+    """first scheduled: its first prefill chunk's step"""
+    first_token_ns: NsOrNull = None
+    """its first token sampled"""
+    kv_blocks: int = 0
+    """KV-cache blocks it held at its peak (prefix-cache hits included)"""
+
+
 class RequestOutput(msgspec.Struct, kw_only=True):
-    """What one step produced for one request (a delta), with its timestamps (wall-clock ns).
+    """What one step produced for one request (a delta), with its counters so far.
 
     ``finish_reason`` is ``stop`` | ``length`` | ``abort`` | ``error`` once ``finished``;
     ``stop_reason`` is the stop string or stop token that ended it (None for EOS/length);
     ``error_type`` is e.g. ``nan_logits``. ``events`` are the request's events since its last
     output (chunks, preemptions, resumes, abort). ``token_ns`` holds one wall-clock time per
-    token in ``new_token_ids``.
+    token in ``new_token_ids``. ``stats`` is a copy of the request's :class:`RequestStats` as
+    this step left it.
     """
 
     request_id: str
@@ -138,24 +181,10 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     stop_reason: int | str | None
     error_type: str | None
     error_message: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    num_preemptions: int
-    num_recomputed_tokens: int
+    stats: RequestStats
     arrival_ns: int
-    queued_ns: int
-    scheduled_ns: int | None
-    first_token_ns: int | None
     finished_ns: int | None
     events: list[RequestEvent] = []
-    # speculative decoding, cumulative over the request (0 with speculation off)
-    num_drafts: int = 0
-    """decode steps in which this request verified draft tokens"""
-    num_draft_tokens: int = 0
-    """draft tokens it verified"""
-    num_accepted_tokens: int = 0
-    """draft tokens accepted (each is one output token that cost no step of its own)"""
     cache_misses: list[CacheMiss] | None = None
     """the prompt blocks the prefix cache did not serve at the request's first admission, with
     why (runs of blocks; every admitted request has at least the block of its last token); on

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .messages import CacheMiss, RequestEvent
+from .messages import CacheMiss, RequestEvent, RequestStats
 from .sampling import SamplingParams
 
 __all__ = ["FINISH_REASONS", "Request", "RequestEvent", "RequestStatus"]
@@ -88,21 +88,14 @@ class Request:
         )
 
         self.arrival_ns = arrival_ns if arrival_ns is not None else time.time_ns()
-        self.queued_ns = time.time_ns()
-        self.scheduled_ns: int | None = None
-        self.first_token_ns: int | None = None
         self.token_ns: list[int] = []
         self.finished_ns: int | None = None
+        # its counters and milestones, as every output and the requests row carry them
+        self.stats = RequestStats(input_tokens=len(self.prompt_token_ids), queued_ns=time.time_ns())
 
-        # speculative decoding: drafts proposed for the next step, and cumulative counters
+        # speculative decoding: drafts proposed for the next step
         self.spec_token_ids: list[int] = []
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
 
-        self.num_preemptions = 0
-        self.num_cached_tokens = 0
-        self.num_recomputed_tokens = 0
         self.events: list[RequestEvent] = []
         self.stop_reason: int | str | None = None
         self.error_type: str | None = None
@@ -135,8 +128,9 @@ class Request:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         self.token_ns.append(now_ns)
-        if self.first_token_ns is None:
-            self.first_token_ns = now_ns
+        self.stats.output_tokens = len(self.output_token_ids)
+        if self.stats.first_token_ns is None:
+            self.stats.first_token_ns = now_ns
 
     def __repr__(self) -> str:
         return (

@@ -197,10 +197,10 @@ class Scheduler:
         if by is not None:
             attrs["by"] = by
         victim.events.append(RequestEvent("preempted", out.step_id, time.time_ns(), attrs))
-        victim.num_recomputed_tokens += victim.num_computed_tokens
+        victim.stats.recomputed_tokens += victim.num_computed_tokens
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
-        victim.num_preemptions += 1
+        victim.stats.preemptions += 1
         victim.status = RequestStatus.PREEMPTED
         self._enqueue(victim, front=True)
         out.preempted.append(victim)
@@ -317,10 +317,10 @@ class Scheduler:
                     RequestEvent("resumed", out.step_id, now, {"cached_tokens": num_cached})
                 )
             else:
-                request.num_cached_tokens = num_cached
+                request.stats.cached_tokens = num_cached
                 request.cache_misses = misses
-            if request.scheduled_ns is None:
-                request.scheduled_ns = now
+            if request.stats.scheduled_ns is None:
+                request.stats.scheduled_ns = now
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             self.bm.prefix_queries += request.num_tokens

@@ -219,9 +219,9 @@ class Telemetry:
         self.event(
             "request_abort",
             "info",
-            f"{out.request_id} aborted after {out.num_output_tokens} output tokens",
+            f"{out.request_id} aborted after {out.stats.output_tokens} output tokens",
             request_id=out.request_id,
-            output_tokens=out.num_output_tokens,
+            output_tokens=out.stats.output_tokens,
             step_id=step,
             finish_reason=out.finish_reason,
         )

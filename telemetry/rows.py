@@ -1,9 +1,11 @@
 """The request-outcome type: one ``requests`` row, derived from a request's trace.
 
-The ``requests`` table is generated from :class:`RequestRow` (``schema.py``), so a new column is
-one field here plus the line in ``spans.request_row`` that fills it. Required fields are
-``NOT NULL`` columns; fields with a default are nullable. Terms (TTFT, ITL, TPOT, E2E) are
-defined once in ``spans.py`` and README's Terms.
+The ``requests`` table is generated from :class:`RequestRow` (``schema.py``). Its engine
+counters come from :class:`~tokenmill.engine.messages.RequestStats`, which it inherits: a new
+engine column is a field there and the engine line that sets it; a column derived at the API
+(times, stations) is a field here plus the line in ``spans.request_row`` that fills it.
+Required fields are ``NOT NULL`` columns; fields with a default are nullable. Terms (TTFT, ITL,
+TPOT, E2E) are defined once in ``spans.py`` and README's Terms.
 """
 
 from __future__ import annotations
@@ -12,16 +14,16 @@ from typing import Annotated
 
 import msgspec
 
-from tokenmill.engine.messages import Ns
+from tokenmill.engine.messages import Ns, NsOrNull, RequestStats
 
 Ms = Annotated[float | None, msgspec.Meta(description="milliseconds")]
 #: 63-bit content hashes, stored as BIGINT[]
 Hashes = Annotated[list[int] | None, msgspec.Meta(extra={"sql": "BIGINT[]"})]
-NsOrNull = Annotated[int | None, msgspec.Meta(extra={"sql": "BIGINT"})]
 
 
-class RequestRow(msgspec.Struct, kw_only=True):
-    """One request's derived numbers, field for field the ``requests`` table."""
+class RequestRow(RequestStats, kw_only=True):
+    """One request's derived numbers, field for field the ``requests`` table: the engine's
+    :class:`~tokenmill.engine.messages.RequestStats` (inherited, its columns first) and these."""
 
     request_id: str
     """the engine id (cmpl-...)"""
@@ -39,11 +41,6 @@ class RequestRow(msgspec.Struct, kw_only=True):
     http_status: int | None = None
     arrival_ns: Ns
     """gateway start"""
-    queued_ns: NsOrNull = None
-    """the engine took it"""
-    scheduled_ns: NsOrNull = None
-    """first scheduled"""
-    first_token_ns: NsOrNull = None
     last_token_ns: NsOrNull = None
     end_ns: Ns
     """the request span's end (after metering)"""
@@ -69,20 +66,8 @@ class RequestRow(msgspec.Struct, kw_only=True):
     text_holdback_ms: Ms = None
     """first_text_ns - first_token_ns: how long the server itself withheld the first token's
     text (a tail that might become a stop string, an incomplete UTF-8 character)"""
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    cached_tokens: int | None = None
     max_tokens: int | None = None
-    preemptions: int | None = None
-    recomputed_tokens: int | None = None
     prefill_chunks: int | None = None
-    spec_drafts: int | None = None
-    """speculative decoding: decode steps that verified draft tokens for this request (0 with
-    speculation off)"""
-    spec_draft_tokens: int | None = None
-    """draft tokens verified for this request"""
-    spec_accepted_tokens: int | None = None
-    """draft tokens accepted (output tokens that cost no step of their own)"""
     kv_transfer_ms: Ms = None
     """prefill/decode disaggregation: the request's KV on its way from the prefill core to the
     decode core (its ``kv_transfer`` event); NULL when colocated"""

@@ -27,6 +27,7 @@ import itertools
 import json
 import math
 
+import msgspec
 from opentelemetry import trace
 from opentelemetry.propagate import extract
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
@@ -63,12 +64,12 @@ def itl_ms(tl: RequestTimeline) -> list[float]:
 def decode_ms(tl: RequestTimeline) -> float | None:
     """First token → last token (ms); None before the first token."""
     last = tl.token_ns[-1] if tl.token_ns else None
-    return (last - tl.first_token_ns) * _MS if tl.first_token_ns and last else None
+    return (last - tl.stats.first_token_ns) * _MS if tl.stats.first_token_ns and last else None
 
 
 def tpot_ms(tl: RequestTimeline) -> float | None:
     """Decode time / (output_tokens − 1) (ms); None under two output tokens."""
-    d, n = decode_ms(tl), tl.output_tokens
+    d, n = decode_ms(tl), tl.stats.output_tokens
     return d / (n - 1) if d is not None and n >= 2 else None
 
 
@@ -87,14 +88,21 @@ def station_intervals(tl: RequestTimeline) -> dict[str, tuple[int, int]]:
     if tl.admission_end_ns is not None:
         out["admission"] = (tl.tokenize_end_ns or t0, tl.admission_end_ns)
     last_token = tl.token_ns[-1] if tl.token_ns else None
-    if tl.queued_ns is not None:
-        sched_end = tl.scheduled_ns or tl.finished_ns or tl.client_disconnect_ns or tl.queued_ns
-        out["schedule"] = (tl.queued_ns, max(sched_end, tl.queued_ns))
-    if tl.scheduled_ns is not None:
-        pre_end = tl.first_token_ns or tl.finished_ns or tl.client_disconnect_ns or tl.scheduled_ns
-        out["prefill"] = (tl.scheduled_ns, max(pre_end, tl.scheduled_ns))
-    if tl.first_token_ns is not None:
-        out["decode"] = (tl.first_token_ns, max(last_token or 0, tl.first_token_ns))
+    if tl.stats.queued_ns is not None:
+        sched_end = (
+            tl.stats.scheduled_ns or tl.finished_ns or tl.client_disconnect_ns or tl.stats.queued_ns
+        )
+        out["schedule"] = (tl.stats.queued_ns, max(sched_end, tl.stats.queued_ns))
+    if tl.stats.scheduled_ns is not None:
+        pre_end = (
+            tl.stats.first_token_ns
+            or tl.finished_ns
+            or tl.client_disconnect_ns
+            or tl.stats.scheduled_ns
+        )
+        out["prefill"] = (tl.stats.scheduled_ns, max(pre_end, tl.stats.scheduled_ns))
+    if tl.stats.first_token_ns is not None:
+        out["decode"] = (tl.stats.first_token_ns, max(last_token or 0, tl.stats.first_token_ns))
     if tl.first_byte_ns is not None:
         out["stream"] = (tl.first_byte_ns, tl.last_byte_ns or tl.first_byte_ns)
     if tl.metering_start_ns is not None:
@@ -113,10 +121,11 @@ def request_row(
     """The ``requests`` row (:class:`~.rows.RequestRow` as a dict, column → value) derived from
     the same numbers as the spans."""
     itl = itl_ms(tl)
-    n = tl.output_tokens
+    s = tl.stats
     last_token = tl.token_ns[-1] if tl.token_ns else None
     moved = next((e.attrs for e in tl.events if e.name == "kv_transfer"), {})
     row = RequestRow(
+        **msgspec.structs.asdict(s),  # the engine's counters, a column each
         request_id=tl.request_id or tl.client_request_id or trace_id,
         client_request_id=tl.client_request_id,
         trace_id=trace_id,
@@ -127,17 +136,12 @@ def request_row(
         stream=tl.stream,
         http_status=tl.http_status,
         arrival_ns=tl.arrival_ns,
-        queued_ns=tl.queued_ns,
-        scheduled_ns=tl.scheduled_ns,
-        first_token_ns=tl.first_token_ns,
         last_token_ns=last_token,
         end_ns=end_ns,
-        ttft_ms=(tl.first_token_ns - tl.arrival_ns) * _MS if tl.first_token_ns else None,
-        queue_ms=(tl.scheduled_ns - tl.queued_ns) * _MS
-        if tl.scheduled_ns and tl.queued_ns
-        else None,
-        prefill_ms=(tl.first_token_ns - tl.scheduled_ns) * _MS
-        if tl.first_token_ns and tl.scheduled_ns
+        ttft_ms=(s.first_token_ns - tl.arrival_ns) * _MS if s.first_token_ns else None,
+        queue_ms=(s.scheduled_ns - s.queued_ns) * _MS if s.scheduled_ns and s.queued_ns else None,
+        prefill_ms=(s.first_token_ns - s.scheduled_ns) * _MS
+        if s.first_token_ns and s.scheduled_ns
         else None,
         decode_ms=decode_ms(tl),
         tpot_ms=tpot_ms(tl),
@@ -146,19 +150,11 @@ def request_row(
         itl_max_ms=max(itl) if itl else None,
         e2e_ms=(end_ns - tl.arrival_ns) * _MS,
         first_text_ns=tl.first_text_ns,
-        text_holdback_ms=(tl.first_text_ns - tl.first_token_ns) * _MS
-        if tl.first_text_ns and tl.first_token_ns
+        text_holdback_ms=(tl.first_text_ns - s.first_token_ns) * _MS
+        if tl.first_text_ns and s.first_token_ns
         else None,
-        input_tokens=tl.input_tokens,
-        output_tokens=n if tl.first_token_ns else 0,
-        cached_tokens=tl.cached_tokens,
         max_tokens=tl.max_tokens,
-        preemptions=tl.preemptions,
-        recomputed_tokens=tl.recomputed_tokens,
         prefill_chunks=sum(1 for e in tl.events if e.name == "chunk"),
-        spec_drafts=tl.spec_drafts,
-        spec_draft_tokens=tl.spec_draft_tokens,
-        spec_accepted_tokens=tl.spec_accepted_tokens,
         kv_transfer_ms=moved.get("ms"),
         kv_transfer_bytes=moved.get("bytes"),
         kv_wait_ms=moved.get("waited_ms"),
@@ -218,8 +214,10 @@ def emit_trace(tracer: trace.Tracer, tl: RequestTimeline) -> tuple[str, dict, li
             "gen_ai.request.temperature": tl.temperature,
             "gen_ai.response.id": tl.request_id,
             "gen_ai.response.finish_reasons": finish_reasons,
-            "gen_ai.usage.input_tokens": tl.input_tokens,
-            "gen_ai.usage.output_tokens": tl.output_tokens if tl.first_token_ns else None,
+            "gen_ai.usage.input_tokens": tl.stats.input_tokens,
+            "gen_ai.usage.output_tokens": tl.stats.output_tokens
+            if tl.stats.first_token_ns
+            else None,
             "http.request.method": tl.method,
             "url.path": tl.path,
             "http.response.status_code": tl.http_status,
@@ -229,8 +227,8 @@ def emit_trace(tracer: trace.Tracer, tl: RequestTimeline) -> tuple[str, dict, li
             "tokenmill.tenant": tl.tenant,
             "tokenmill.replica": tl.replica,
             "tokenmill.stream": tl.stream,
-            "tokenmill.usage.cached_tokens": tl.cached_tokens if tl.queued_ns else None,
-            "tokenmill.preemptions": tl.preemptions if tl.queued_ns else None,
+            "tokenmill.usage.cached_tokens": tl.stats.cached_tokens if tl.stats.queued_ns else None,
+            "tokenmill.preemptions": tl.stats.preemptions if tl.stats.queued_ns else None,
             "tokenmill.prompt": tl.prompt_text if tl.record_content else None,
             "tokenmill.completion": "".join(tl.output_text) if tl.record_content else None,
         }
@@ -323,11 +321,11 @@ def _error_station(tl: RequestTimeline, stations: dict) -> str | None:
 
 
 def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict]:
-    n = tl.output_tokens
+    n = tl.stats.output_tokens
     usage = tl.usage
     return {
         "gateway": _attrs({"tokenmill.tenant": tl.tenant}),
-        "tokenize": _attrs({"gen_ai.usage.input_tokens": tl.input_tokens}),
+        "tokenize": _attrs({"gen_ai.usage.input_tokens": tl.stats.input_tokens}),
         "admission": _attrs(
             {
                 "tokenmill.pool": tl.pool,
@@ -336,12 +334,12 @@ def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict
                 "tokenmill.admission.in_flight": tl.in_flight_seen,
             }
         ),
-        "schedule": _attrs({"tokenmill.preemptions": tl.preemptions}),
+        "schedule": _attrs({"tokenmill.preemptions": tl.stats.preemptions}),
         "prefill": _attrs(
             {
-                "tokenmill.usage.cached_tokens": tl.cached_tokens,
+                "tokenmill.usage.cached_tokens": tl.stats.cached_tokens,
                 "tokenmill.prefill.chunks": sum(1 for e in tl.events if e.name == "chunk"),
-                "tokenmill.recomputed_tokens": tl.recomputed_tokens,
+                "tokenmill.recomputed_tokens": tl.stats.recomputed_tokens,
             }
         ),
         "decode": _attrs(
@@ -351,11 +349,13 @@ def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict
                 "tokenmill.decode.itl_p50_ms": percentile(itl, 50),
                 "tokenmill.decode.itl_p99_ms": percentile(itl, 99),
                 "tokenmill.decode.tpot_ms": tpot_ms(tl),
-                "tokenmill.decode.spec_drafts": tl.spec_drafts,
-                "tokenmill.decode.spec_draft_tokens": tl.spec_draft_tokens,
-                "tokenmill.decode.spec_accepted_tokens": tl.spec_accepted_tokens,
+                "tokenmill.decode.spec_drafts": tl.stats.spec_drafts,
+                "tokenmill.decode.spec_draft_tokens": tl.stats.spec_draft_tokens,
+                "tokenmill.decode.spec_accepted_tokens": tl.stats.spec_accepted_tokens,
                 "tokenmill.decode.spec_acceptance_rate": (
-                    tl.spec_accepted_tokens / tl.spec_draft_tokens if tl.spec_draft_tokens else None
+                    tl.stats.spec_accepted_tokens / tl.stats.spec_draft_tokens
+                    if tl.stats.spec_draft_tokens
+                    else None
                 ),
             }
         ),
@@ -369,14 +369,14 @@ def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict
                 "gen_ai.usage.input_tokens": usage["prompt_tokens"],
                 "gen_ai.usage.output_tokens": usage["completion_tokens"],
                 "tokenmill.usage.cached_tokens": (usage.get("prompt_tokens_details") or {}).get(
-                    "cached_tokens", tl.cached_tokens
+                    "cached_tokens", tl.stats.cached_tokens
                 ),
             }
             if usage
             else {
-                "gen_ai.usage.input_tokens": tl.input_tokens,
+                "gen_ai.usage.input_tokens": tl.stats.input_tokens,
                 "gen_ai.usage.output_tokens": n,
-                "tokenmill.usage.cached_tokens": tl.cached_tokens,
+                "tokenmill.usage.cached_tokens": tl.stats.cached_tokens,
             }
         ),
     }

@@ -413,11 +413,11 @@ class SyntheticRun:
         tl.endpoint, tl.model, tl.tenant = "chat", self.model, "acme"
         tl.request_id = f"cmpl-{n:08d}"
         tl.client_request_id = f"req-{n}"
-        tl.stream, tl.max_tokens, tl.input_tokens = True, n_out, n_in
+        tl.stream, tl.max_tokens, tl.stats.input_tokens = True, n_out, n_in
         tl.gateway_end_ns = arrival + 200_000
         tl.tokenize_end_ns = tl.gateway_end_ns + 300_000
         tl.admission_end_ns = tl.tokenize_end_ns + 50_000
-        tl.queued_ns = tl.admission_end_ns + 200_000
+        tl.stats.queued_ns = tl.admission_end_ns + 200_000
         short = ph.short_queue_ms is not None and n_in <= ph.prompt_tokens[1]
         queue = (ph.short_queue_ms if short else ph.queue_ms) * (0.8 + 0.4 * rng.random())
         queue += ph.queue_growth_ms_per_s * (arrival - self._phase_start) / S
@@ -425,13 +425,13 @@ class SyntheticRun:
             share = 1 / ph.replicas if ph.hot_share is None else ph.hot_share
             tl.replica = 0 if rng.random() < share else rng.randrange(1, ph.replicas)
             queue += ph.hot_queue_ms * (0.8 + 0.4 * rng.random()) if tl.replica == 0 else 0.0
-        tl.scheduled_ns = tl.queued_ns + int(queue * MS)
+        tl.stats.scheduled_ns = tl.stats.queued_ns + int(queue * MS)
         cached = int(n_in * ph.prefix_cached_share) // 16 * 16
         prefill_ms = (n_in - cached) / ph.prefill_tok_per_s * 1000 + ph.itl_ms
-        tl.first_token_ns = tl.scheduled_ns + int(prefill_ms * MS)
-        tl.cached_tokens = cached
+        tl.stats.first_token_ns = tl.stats.scheduled_ns + int(prefill_ms * MS)
+        tl.stats.cached_tokens = cached
         preempted = rng.random() < ph.preempt_share
-        tokens = [tl.first_token_ns]
+        tokens = [tl.stats.first_token_ns]
         stall_at = rng.randint(2, max(2, n_out - 2)) if preempted and n_out > 4 else None
         # a long prefill sharing steps with this request's decode (interference)
         spike_at = rng.randint(2, max(2, n_out - 2)) if ph.prefill_spike_ms and n_out > 4 else None
@@ -442,7 +442,7 @@ class SyntheticRun:
             attrs = {"bytes": kv_bytes, "ms": moved, "waited_ms": waited}
             moved += waited  # the second token waits for the room as well
             tl.events.append(
-                RequestEvent("kv_transfer", n, tl.first_token_ns + int(moved * MS), attrs)
+                RequestEvent("kv_transfer", n, tl.stats.first_token_ns + int(moved * MS), attrs)
             )
         for k in range(1, n_out):
             gap = ph.itl_ms * (1 + ph.itl_jitter * (rng.random() - 0.5))
@@ -459,16 +459,16 @@ class SyntheticRun:
             gap *= self._burst(ph, tokens[-1] - self._phase_start)
             tokens.append(tokens[-1] + int(gap * MS))
         tl.token_ns = tokens
-        tl.first_text_ns = tl.first_token_ns + int(ph.text_holdback_ms * MS)
-        tl.output_tokens = n_out
+        tl.first_text_ns = tl.stats.first_token_ns + int(ph.text_holdback_ms * MS)
+        tl.stats.output_tokens = n_out
         if ph.spec_k:
-            tl.spec_drafts = round((n_out - 1) * ph.spec_draft_share)
-            tl.spec_draft_tokens = tl.spec_drafts * ph.spec_k
-            tl.spec_accepted_tokens = round(tl.spec_draft_tokens * ph.spec_accept_rate)
-        tl.preemptions = 1 if stall_at is not None else 0
-        tl.recomputed_tokens = (n_in + (stall_at or 0)) if stall_at is not None else 0
+            tl.stats.spec_drafts = round((n_out - 1) * ph.spec_draft_share)
+            tl.stats.spec_draft_tokens = tl.stats.spec_drafts * ph.spec_k
+            tl.stats.spec_accepted_tokens = round(tl.stats.spec_draft_tokens * ph.spec_accept_rate)
+        tl.stats.preemptions = 1 if stall_at is not None else 0
+        tl.stats.recomputed_tokens = (n_in + (stall_at or 0)) if stall_at is not None else 0
         tl.events.insert(
-            0, RequestEvent("chunk", n, tl.first_token_ns - MS, {"tokens": n_in - cached})
+            0, RequestEvent("chunk", n, tl.stats.first_token_ns - MS, {"tokens": n_in - cached})
         )
         if rng.random() < ph.error_share:
             tl.finish_reason = "error"
@@ -477,9 +477,9 @@ class SyntheticRun:
         else:
             tl.finish_reason = "length"
             tl.finished_ns = tokens[-1]
-        tl.first_byte_ns = tl.first_token_ns + 300_000
-        engine_span = tokens[-1] - tl.first_token_ns
-        tl.last_byte_ns = tl.first_token_ns + int(engine_span * ph.stream_slowdown) + 500_000
+        tl.first_byte_ns = tl.stats.first_token_ns + 300_000
+        engine_span = tokens[-1] - tl.stats.first_token_ns
+        tl.last_byte_ns = tl.stats.first_token_ns + int(engine_span * ph.stream_slowdown) + 500_000
         tl.http_status = 200
         tl.usage = {"prompt_tokens": n_in, "completion_tokens": n_out}
         tl.metering_start_ns = tl.last_byte_ns + 10_000
@@ -495,7 +495,7 @@ class SyntheticRun:
         if ph.client_ttft_factor is not None:
             # what the load generator measured on its side; write_store adds it to the row
             # the way the bench tool does (an UPDATE keyed by request id)
-            server_ttft = (tl.first_token_ns - tl.arrival_ns) / MS
+            server_ttft = (tl.stats.first_token_ns - tl.arrival_ns) / MS
             self.counts.setdefault("client_ttft", []).append(
                 (tl.request_id, server_ttft * ph.client_ttft_factor + ph.text_holdback_ms)
             )

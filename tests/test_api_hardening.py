@@ -523,7 +523,7 @@ def _state():
 
 
 def _final(rid: str, *, scheduled: bool, output_tokens: int):
-    from tokenmill.engine.messages import RequestOutput
+    from tokenmill.engine.messages import RequestOutput, RequestStats
 
     t = 1_000_000_000
     return RequestOutput(
@@ -536,15 +536,17 @@ def _final(rid: str, *, scheduled: bool, output_tokens: int):
         stop_reason=None,
         error_type=None,
         error_message=None,
-        num_prompt_tokens=12,
-        num_output_tokens=output_tokens,
-        num_cached_tokens=4 if scheduled else 0,
-        num_preemptions=0,
-        num_recomputed_tokens=0,
+        stats=RequestStats(
+            input_tokens=12,
+            output_tokens=output_tokens,
+            cached_tokens=4 if scheduled else 0,
+            preemptions=0,
+            recomputed_tokens=0,
+            queued_ns=t + 1,
+            scheduled_ns=t + 2 if scheduled else None,
+            first_token_ns=t + 3 if output_tokens else None,
+        ),
         arrival_ns=t,
-        queued_ns=t + 1,
-        scheduled_ns=t + 2 if scheduled else None,
-        first_token_ns=t + 3 if output_tokens else None,
         finished_ns=t + 4,
     )
 
@@ -559,7 +561,12 @@ def test_cut_request_is_recorded_once_with_the_engine_final_record(final_first):
     async def main():
         state = _state()
         tl = RequestTimeline(arrival_ns=1, method="POST", path="/v1/completions")
-        tl.request_id, tl.tenant, tl.input_tokens, tl.output_tokens = "cmpl-1", "t", 12, 10
+        tl.request_id, tl.tenant, tl.stats.input_tokens, tl.stats.output_tokens = (
+            "cmpl-1",
+            "t",
+            12,
+            10,
+        )
         state.unsettled.add("cmpl-1")  # _observed: the stream was left before the final output
         final = _final("cmpl-1", scheduled=True, output_tokens=13)
         if final_first:
@@ -575,7 +582,7 @@ def test_cut_request_is_recorded_once_with_the_engine_final_record(final_first):
 
     state = asyncio.run(main())
     (tl,) = state.telemetry.recorded
-    assert tl.output_tokens == 13 and tl.finish_reason == "abort"
+    assert tl.stats.output_tokens == 13 and tl.finish_reason == "abort"
     assert tl.usage == {
         "prompt_tokens": 12,
         "completion_tokens": 13,
@@ -593,12 +600,12 @@ def test_request_cut_in_the_queue_bills_nothing_and_one_never_sent_has_no_usage(
     async def main():
         state = _state()
         queued = RequestTimeline(arrival_ns=1, method="POST", path="/v1/completions")
-        queued.request_id, queued.tenant, queued.input_tokens = "cmpl-q", "t", 12
+        queued.request_id, queued.tenant, queued.stats.input_tokens = "cmpl-q", "t", 12
         state.unsettled.add("cmpl-q")
         state.finish(queued)
         state.on_engine_final(_final("cmpl-q", scheduled=False, output_tokens=0))
         refused = RequestTimeline(arrival_ns=1, method="POST", path="/v1/completions")
-        refused.request_id, refused.tenant, refused.input_tokens = "cmpl-r", "t", 12
+        refused.request_id, refused.tenant, refused.stats.input_tokens = "cmpl-r", "t", 12
         state.finish(refused)
         return state
 

@@ -49,7 +49,7 @@ def test_async_engine_end_to_end(smollm2_dir):
                 len([t for o in b for t in o.new_token_ids]) == 8
                 and b[-1].finish_reason == "length"
             )
-            assert a[0].first_token_ns >= a[0].scheduled_ns >= a[0].queued_ns
+            assert a[0].stats.first_token_ns >= a[0].stats.scheduled_ns >= a[0].stats.queued_ns
             assert any(r.num_running == 2 for r in records), records  # the two were batched
 
             # a client that walks away mid-stream: the request is aborted and its blocks freed

@@ -520,15 +520,15 @@ def test_a_decode_side_down_at_the_hand_off_ends_the_stream_as_engine_died():
     from tokenmill.engine.api.disaggregated import PDPool, PDRouter
     from tokenmill.engine.api.worker import EngineUnavailable
     from tokenmill.engine.async_engine import EngineDeadError
-    from tokenmill.engine.messages import RequestOutput
+    from tokenmill.engine.messages import RequestOutput, RequestStats
 
     def out(reason):
         return RequestOutput(
             request_id="r", new_token_ids=[7], new_text="x", token_ns=[1], finished=True,
             finish_reason=reason, stop_reason=None, error_type=None, error_message=None,
-            num_prompt_tokens=3, num_output_tokens=1, num_cached_tokens=0, num_preemptions=0,
-            num_recomputed_tokens=0, arrival_ns=0, queued_ns=0, scheduled_ns=0,
-            first_token_ns=1, finished_ns=1,
+            stats=RequestStats(input_tokens=3, output_tokens=1, queued_ns=0, scheduled_ns=0,
+                               first_token_ns=1),
+            arrival_ns=0, finished_ns=1,
         )  # fmt: skip
 
     class Side:

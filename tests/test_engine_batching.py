@@ -124,8 +124,8 @@ def test_sixteen_concurrent_equal_alone(base, overrides):
         assert sum(r.num_draft_tokens > r.num_accepted_tokens for r in records) > 0
         assert any(r.num_draft_tokens and r.num_prefill_tokens for r in records)
     if "num_gpu_blocks_override" in overrides:
-        assert sum(r.num_preemptions for r in results) > 0
-        assert sum(r.num_recomputed_tokens for r in results) > 0
+        assert sum(r.stats.preemptions for r in results) > 0
+        assert sum(r.stats.recomputed_tokens for r in results) > 0
     if overrides.get("max_num_batched_tokens") == 48:
         assert max(r.num_prefill_chunks for r in records) >= 2
         assert all(r.num_prefill_tokens + r.num_decode_tokens <= 48 for r in records)
@@ -149,9 +149,9 @@ def test_prefix_cache_serves_a_shared_system_prompt(base):
     second_prompt = [*system, *llm.tokenizer.encode(" What now?")]
     second = engine.generate([second_prompt], SamplingParams(max_tokens=4))[0]
     prefill_second = sum(r.num_prefill_tokens for r in engine.step_records)
-    assert first.num_cached_tokens == 0
-    assert second.num_cached_tokens >= 192
-    assert prefill_second == len(second_prompt) - second.num_cached_tokens
+    assert first.stats.cached_tokens == 0
+    assert second.stats.cached_tokens >= 192
+    assert prefill_second == len(second_prompt) - second.stats.cached_tokens
     assert prefill_second < prefill_first / 10
 
 

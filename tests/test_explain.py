@@ -53,10 +53,10 @@ def _request(tel, rid, tenant, arrival, queued, scheduled, tokens, last_byte, en
     tl.request_id, tl.tenant, tl.replica, tl.stream = rid, tenant, 0, True
     tl.gateway_end_ns, tl.tokenize_end_ns = at(arrival + 1), at(arrival + 2)
     tl.admission_end_ns = at(arrival + 3)
-    tl.queued_ns, tl.scheduled_ns = at(queued), at(scheduled)
+    tl.stats.queued_ns, tl.stats.scheduled_ns = at(queued), at(scheduled)
     tl.token_ns = [at(t) for t in tokens]
-    tl.first_token_ns, tl.finished_ns = tl.token_ns[0], tl.token_ns[-1]
-    tl.output_tokens, tl.input_tokens, tl.finish_reason = len(tokens), n_in, "length"
+    tl.stats.first_token_ns, tl.finished_ns = tl.token_ns[0], tl.token_ns[-1]
+    tl.stats.output_tokens, tl.stats.input_tokens, tl.finish_reason = len(tokens), n_in, "length"
     tl.first_byte_ns, tl.last_byte_ns = at(tokens[0] + 0.5), at(last_byte)
     tl.metering_start_ns, tl.metering_end_ns = at(last_byte), at(end)
     tl.http_status = 200

@@ -21,7 +21,7 @@ from tokenmill.engine.api.replicas import (
     replica_config,
 )
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.messages import RequestOutput
+from tokenmill.engine.messages import RequestOutput, RequestStats
 from tokenmill.engine.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -79,15 +79,17 @@ def _out(rid: str, tokens: int, finished: bool) -> RequestOutput:
         stop_reason=None,
         error_type=None,
         error_message=None,
-        num_prompt_tokens=10,
-        num_output_tokens=tokens,
-        num_cached_tokens=0,
-        num_preemptions=0,
-        num_recomputed_tokens=0,
+        stats=RequestStats(
+            input_tokens=10,
+            output_tokens=tokens,
+            cached_tokens=0,
+            preemptions=0,
+            recomputed_tokens=0,
+            queued_ns=0,
+            scheduled_ns=None,
+            first_token_ns=None,
+        ),
         arrival_ns=0,
-        queued_ns=0,
-        scheduled_ns=None,
-        first_token_ns=None,
         finished_ns=None,
     )
 

@@ -89,7 +89,7 @@ def test_preemption_takes_latest_arrival_and_requeues_it_first():
     new = s.waiting[0]
     assert new.request_id == "new" and new.status == RequestStatus.PREEMPTED
     assert (
-        new.num_computed_tokens == 0 and new.num_preemptions == 1 and new.num_recomputed_tokens == 7
+        new.num_computed_tokens == 0 and new.stats.preemptions == 1 and new.stats.recomputed_tokens == 7
     )
     assert [e.name for e in new.events][-1] == "preempted"
     assert plan(out) == [("old", 8, 1)]
@@ -162,7 +162,7 @@ def test_prefix_hit_reduces_prefill_tokens():
     (chunk,) = [c for c in out.chunks if c.request.request_id == "b"]
     assert (chunk.start, chunk.num_new_tokens) == (28, 2)
     assert out.prefix_hit_tokens == 28
-    assert s.requests["b"].num_cached_tokens == 28
+    assert s.requests["b"].stats.cached_tokens == 28
 
 
 @pytest.mark.parametrize("policy", ["strict", "skip_ahead"])

@@ -11,7 +11,7 @@ import duckdb
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokenmill.engine.api.timeline import RequestTimeline
-from tokenmill.engine.messages import RequestOutput
+from tokenmill.engine.messages import RequestOutput, RequestStats
 from tokenmill.engine.request import RequestEvent
 from tokenmill.telemetry.hub import Telemetry
 from tokenmill.telemetry.spans import (
@@ -29,10 +29,14 @@ def _completed() -> RequestTimeline:
     tl = RequestTimeline(arrival_ns=T0, method="POST", path="/v1/chat/completions")
     tl.endpoint, tl.request_id, tl.tenant, tl.model = "chat", "cmpl-1", "acme", "m"
     tl.gateway_end_ns, tl.tokenize_end_ns, tl.admission_end_ns = T0 + 100, T0 + 200, T0 + 300
-    tl.queued_ns, tl.scheduled_ns, tl.first_token_ns = T0 + 400, T0 + 2_000_000, T0 + 5_000_000
+    tl.stats.queued_ns, tl.stats.scheduled_ns, tl.stats.first_token_ns = (
+        T0 + 400,
+        T0 + 2_000_000,
+        T0 + 5_000_000,
+    )
     tl.token_ns = [T0 + 5_000_000, T0 + 7_000_000, T0 + 12_000_000]
-    tl.output_tokens, tl.input_tokens, tl.finish_reason = 3, 20, "stop"
-    tl.preemptions = 1
+    tl.stats.output_tokens, tl.stats.input_tokens, tl.finish_reason = 3, 20, "stop"
+    tl.stats.preemptions = 1
     tl.events = [
         RequestEvent("chunk", 3, T0 + 4_000_000, {"tokens": 20}),
         RequestEvent("preempted", 7, T0 + 8_000_000, {"recompute_tokens": 22}),
@@ -73,7 +77,7 @@ def test_tokens_of_one_step_are_one_arrival_for_itl():
     # tokens 1-3 in one step (2 accepted drafts), 4, then 5-6 together
     tl.token_ns = [T0 + 5 * ms, T0 + 7 * ms, T0 + 7 * ms, T0 + 7 * ms, T0 + 9 * ms]
     tl.token_ns += [T0 + 12 * ms, T0 + 12 * ms]
-    tl.output_tokens = 7
+    tl.stats.output_tokens = 7
     _, req, itl, spans = _spans(tl)
     assert itl == [2.0, 2.0, 3.0]
     assert req["itl_p50_ms"] == 2.0 and req["itl_max_ms"] == 3.0
@@ -166,19 +170,21 @@ def _output(
         stop_reason=None,
         error_type=None,
         error_message=None,
-        num_prompt_tokens=20,
-        num_output_tokens=n_out,
-        num_cached_tokens=0,
-        num_preemptions=0,
-        num_recomputed_tokens=0,
+        stats=RequestStats(
+            input_tokens=20,
+            output_tokens=n_out,
+            cached_tokens=0,
+            preemptions=0,
+            recomputed_tokens=0,
+            queued_ns=T0 + 400,
+            scheduled_ns=T0 + 2_000_000,
+            first_token_ns=T0 + 5_000_000,
+            spec_drafts=drafts,
+            spec_draft_tokens=draft_tokens,
+            spec_accepted_tokens=accepted,
+        ),
         arrival_ns=T0,
-        queued_ns=T0 + 400,
-        scheduled_ns=T0 + 2_000_000,
-        first_token_ns=T0 + 5_000_000,
         finished_ns=token_ns[-1] if finished else None,
-        num_drafts=drafts,
-        num_draft_tokens=draft_tokens,
-        num_accepted_tokens=accepted,
     )
 
 
@@ -191,7 +197,11 @@ def test_speculative_counters_reach_the_decode_span_and_the_row():
     tl.observe(_output([T0 + 5 * ms], 1, 0, 0, 0))
     tl.observe(_output([T0 + 7 * ms] * 3, 4, 1, 3, 2))  # 3 drafts verified, 2 accepted
     tl.observe(_output([T0 + 9 * ms], 5, 2, 6, 2, finished=True))  # none accepted
-    assert (tl.spec_drafts, tl.spec_draft_tokens, tl.spec_accepted_tokens) == (2, 6, 2)
+    assert (tl.stats.spec_drafts, tl.stats.spec_draft_tokens, tl.stats.spec_accepted_tokens) == (
+        2,
+        6,
+        2,
+    )
     _, req, itl, spans = _spans(tl)
     assert itl == [2.0, 2.0] and req["tpot_ms"] == 1.0
     assert (req["spec_drafts"], req["spec_draft_tokens"], req["spec_accepted_tokens"]) == (2, 6, 2)

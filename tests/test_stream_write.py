@@ -17,7 +17,13 @@ from server_proc import Server
 from tokenmill.engine import stream_writes
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.messages import AbortRequests, RequestEvent, RequestOutput, StepRecord
+from tokenmill.engine.messages import (
+    AbortRequests,
+    RequestEvent,
+    RequestOutput,
+    RequestStats,
+    StepRecord,
+)
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.stream_writes import StreamWriteClock
 
@@ -37,9 +43,10 @@ def _out(rid: str, *events: str, finished: bool = False, preemptions: int = 0) -
     return RequestOutput(
         request_id=rid, new_token_ids=[1], new_text="x", token_ns=[0], finished=finished,
         finish_reason="abort" if finished else None, stop_reason=None, error_type=None,
-        error_message=None, num_prompt_tokens=3, num_output_tokens=1, num_cached_tokens=0,
-        num_preemptions=preemptions, num_recomputed_tokens=0, arrival_ns=0, queued_ns=0,
-        scheduled_ns=0, first_token_ns=0, finished_ns=None,
+        error_message=None,
+        stats=RequestStats(input_tokens=3, output_tokens=1, preemptions=preemptions,
+                           queued_ns=0, scheduled_ns=0, first_token_ns=0),
+        arrival_ns=0, finished_ns=None,
         events=[RequestEvent(name, step_id=i, time_ns=i) for i, name in enumerate(events)],
     )  # fmt: skip
 
@@ -129,7 +136,7 @@ class _Alive:
 def test_a_left_stream_hands_its_unread_events_to_the_final_record(smollm2_dir):
     """A client that leaves with outputs still queued for it: the engine's final (abort)
     record, handed to the abandoned listeners, carries the unread outputs' events, so a
-    preemption it counts (``num_preemptions``) is also an event in the trace (a CI run of
+    preemption it counts (``stats.preemptions``) is also an event in the trace (a CI run of
     test_telemetry_server lost one this way). The steps' records are handed on too: the
     unread outputs count as dropped, not as waited on. No engine process: the test plays
     the engine's side through ``_dispatch``."""
@@ -170,7 +177,7 @@ def test_a_left_stream_hands_its_unread_events_to_the_final_record(smollm2_dir):
 
     (final,) = asyncio.run(main())
     assert [e.name for e in final.events] == ["preempted", "resumed", "preempted", "aborted"]
-    assert final.num_preemptions == 2
+    assert final.stats.preemptions == 2
 
 
 def test_served_steps_carry_the_stream_write_time(tmp_path, smollm2_dir):

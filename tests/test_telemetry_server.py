@@ -190,6 +190,22 @@ def test_incoming_traceparent_is_honoured(traced):
     assert root["parent_span_id"] == parent
 
 
+def test_the_engines_request_stats_reach_the_requests_row(traced):
+    """RequestStats travels engine -> output -> timeline -> row: each completed request's
+    peak KV blocks are the blocks its computed tokens fill (prompt + output - 1: the last
+    sampled token's K/V is never computed), its token counts match the usage it was billed,
+    and the engine's milestones are ordered."""
+    rows = _completed(traced["con"])
+    assert len(rows) >= 4
+    for r in rows:
+        assert r["kv_blocks"] == -(-(r["input_tokens"] + r["output_tokens"] - 1) // 16), r
+        assert r["queued_ns"] <= r["scheduled_ns"] <= r["first_token_ns"] <= r["last_token_ns"]
+    for body in traced["load"]["plain"]:
+        (row,) = [r for r in rows if r["request_id"] == body["id"]]
+        assert body["usage"]["prompt_tokens"] == row["input_tokens"]
+        assert body["usage"]["completion_tokens"] == row["output_tokens"]
+
+
 def test_preempted_request_carries_the_preemption_event(traced):
     con = traced["con"]
     preempted = _rows(con, "SELECT * FROM requests WHERE preemptions > 0")

@@ -164,12 +164,12 @@ class ServerState:
         Every request the engine queued gets one usage (its metering record), also when it was
         cut (:func:`billed_usage`); one that never reached the engine gets none."""
         tl.metering_start_ns = time.time_ns()
-        if tl.usage is None and tl.queued_ns is not None:
+        if tl.usage is None and tl.stats.queued_ns is not None:
             tl.usage = billed_usage(
-                tl.input_tokens or 0,
-                tl.output_tokens if tl.first_token_ns is not None else 0,
-                tl.cached_tokens,
-                prefill_started=tl.scheduled_ns is not None,
+                tl.stats.input_tokens or 0,
+                tl.stats.output_tokens if tl.stats.first_token_ns is not None else 0,
+                tl.stats.cached_tokens,
+                prefill_started=tl.stats.scheduled_ns is not None,
             )
         if tl.usage is not None and tl.tenant is not None:
             u = tl.usage
@@ -611,7 +611,7 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         tl.tokenize_end_ns = time.time_ns()
-        tl.input_tokens = len(tok.prompt_token_ids)
+        tl.stats.input_tokens = len(tok.prompt_token_ids)
         tl.prompt_block_hashes = block_hashes(tok.prompt_token_ids, state.block_size)
         tl.prompt_head_hashes = head_hashes(tok.prompt_token_ids, state.block_size)
         tl.max_tokens = tok.max_tokens

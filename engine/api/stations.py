@@ -160,10 +160,10 @@ class AdmissionStation:
 def usage_of(out) -> dict:
     """The OpenAI ``usage`` object of a finished :class:`RequestOutput`."""
     return {
-        "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": out.num_output_tokens,
-        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "prompt_tokens": out.stats.input_tokens,
+        "completion_tokens": out.stats.output_tokens,
+        "total_tokens": out.stats.input_tokens + out.stats.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.stats.cached_tokens},
     }
 
 

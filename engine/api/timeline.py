@@ -19,10 +19,10 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..messages import CacheMiss, RequestEvent, RequestOutput, is_completed
+from ..messages import CacheMiss, RequestEvent, RequestOutput, RequestStats, is_completed
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestTimeline:
     """One request's station times and outcome. ``None`` means the station was not reached."""
 
@@ -44,30 +44,20 @@ class RequestTimeline:
     gateway_end_ns: int | None = None
     tokenize_end_ns: int | None = None
     admission_end_ns: int | None = None
-    input_tokens: int | None = None
     prompt_block_hashes: list[int] | None = None
     prompt_head_hashes: list[int] | None = None
     queue_depth_seen: int | None = None
     in_flight_seen: int | None = None
     pool: str | None = None
     replica: int | None = None  # the data-parallel replica the router picked
-    # engine (from RequestOutput)
-    queued_ns: int | None = None
-    scheduled_ns: int | None = None
-    first_token_ns: int | None = None
+    # engine (from RequestOutput): its counters and milestones as the last output left them
+    # (input_tokens from the tokenize station until then; queued_ns None: the engine never took it)
+    stats: RequestStats = field(default_factory=RequestStats)
     finished_ns: int | None = None
     token_ns: list[int] = field(default_factory=list)
     # engine time of the first output that carried text: later than first_token_ns when the
     # detokenizer withheld the start (a possible stop string, an incomplete UTF-8 character)
     first_text_ns: int | None = None
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    preemptions: int = 0
-    recomputed_tokens: int = 0
-    # speculative decoding (cumulative, from RequestOutput; 0 with speculation off)
-    spec_drafts: int = 0  # decode steps that verified draft tokens for this request
-    spec_draft_tokens: int = 0  # draft tokens verified
-    spec_accepted_tokens: int = 0  # draft tokens accepted
     finish_reason: str | None = None
     events: list[RequestEvent] = field(default_factory=list)
     # why its prompt blocks missed the prefix cache at admission (RequestOutput.cache_misses)
@@ -87,20 +77,10 @@ class RequestTimeline:
 
     def observe(self, out: RequestOutput) -> None:
         """Fold one engine output (a delta) into the timeline."""
-        self.queued_ns = out.queued_ns
-        self.scheduled_ns = out.scheduled_ns
-        self.first_token_ns = out.first_token_ns
+        self.stats = out.stats
         self.token_ns.extend(out.token_ns)
         if self.first_text_ns is None and out.new_text:
             self.first_text_ns = (out.token_ns or [out.finished_ns or time.time_ns()])[-1]
-        self.output_tokens = out.num_output_tokens
-        self.input_tokens = out.num_prompt_tokens
-        self.cached_tokens = out.num_cached_tokens
-        self.preemptions = out.num_preemptions
-        self.recomputed_tokens = out.num_recomputed_tokens
-        self.spec_drafts = out.num_drafts
-        self.spec_draft_tokens = out.num_draft_tokens
-        self.spec_accepted_tokens = out.num_accepted_tokens
         self.events.extend(out.events)
         if out.cache_misses is not None:
             self.cache_misses = out.cache_misses
