@@ -124,11 +124,11 @@ def ingest(n_traces: int) -> dict:
         t = 1_700_000_000_000_000_000 + i * 10_000_000
         tl = RequestTimeline(arrival_ns=t, method="POST", path="/v1/chat/completions")
         tl.endpoint, tl.request_id, tl.tenant, tl.model = "chat", f"cmpl-{i}", "alpha", MODEL
-        tl.stream, tl.max_tokens, tl.input_tokens = True, 64, 40
+        tl.stream, tl.max_tokens, tl.stats.input_tokens = True, 64, 40
         tl.gateway_end_ns, tl.tokenize_end_ns, tl.admission_end_ns = t + 10, t + 20, t + 30
-        tl.queued_ns, tl.scheduled_ns, tl.first_token_ns = t + 40, t + 50, t + 60
+        tl.stats.queued_ns, tl.stats.scheduled_ns, tl.stats.first_token_ns = t + 40, t + 50, t + 60
         tl.token_ns = [t + 60 + k * 1000 for k in range(64)]
-        tl.output_tokens, tl.finish_reason, tl.http_status = 64, "length", 200
+        tl.stats.output_tokens, tl.finish_reason, tl.http_status = 64, "length", 200
         tl.first_byte_ns, tl.last_byte_ns = t + 70, t + 70_000
         tl.metering_start_ns, tl.metering_end_ns = t + 70_010, t + 70_020
         return tl
