@@ -142,9 +142,18 @@ RULE = Rule(
     ),
     knob="--max-num-seqs up (if KV allows), more replicas, or tenant max_concurrent / --max-queue-len to shed load early",
     params={
-        "ttft_rise": Param(3.0, f"TTFT p99 {_BASE}; seed article: TTFT up with ITL flat"),
+        "ttft_rise": Param(
+            2.5,
+            f"TTFT p99 {_BASE}; seed article: TTFT up with ITL flat. 2.5 on the corpus's tune "
+            "split: a stepped-up load queueing at 2.8-2.9x was missed at 3.0, healthy runs "
+            "peaked at 2.0x",
+        ),
         "itl_flat": Param(1.5, f"ITL p99 {_BASE} still counted as flat"),
-        "queue_share": Param(0.5, "queue time is the larger part of TTFT"),
+        "queue_share": Param(
+            0.4,
+            "queue time a large part of TTFT (0.4 on the tune split: that load's windows showed "
+            "0.44-0.48, healthy windows 0.0)",
+        ),
         "support_effect": Param(
             1.5,
             "the queued requests' TTFT median over the healthy windows' requests': the lower "
