@@ -343,6 +343,65 @@ def test_prompt_over_context_and_body_over_limit(tenant_server):
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
 
 
+def test_null_optional_fields_take_their_defaults(tenant_server):
+    """OpenAI's clients send null for "default": every optional field null is a normal
+    request (n=1, no stream), on both endpoints; a null required field is refused by name."""
+    auth = {"Authorization": f"Bearer {KEYS['alpha']}"}
+    nulls = dict.fromkeys(
+        ("n", "stream", "stream_options", "temperature", "top_p", "stop", "seed", "logprobs",
+         "presence_penalty", "frequency_penalty", "user", "top_k", "min_p", "ignore_eos",
+         "stop_token_ids", "logit_bias", "response_format", "tools", "tool_choice",
+         "max_completion_tokens"),
+    )  # fmt: skip
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    r = httpx.post(
+        tenant_server.url + "/v1/chat/completions", json={**chat, **nulls}, headers=auth, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion" and len(r.json()["choices"]) == 1
+    comp = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3}
+    r = httpx.post(
+        tenant_server.url + "/v1/completions",
+        json={**comp, **nulls, "echo": None, "best_of": None, "suffix": None},
+        headers=auth,
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 3
+    r = httpx.post(
+        tenant_server.url + "/v1/completions",
+        json={**comp, "prompt": None},
+        headers=auth,
+        timeout=60,
+    )
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt")
+
+
+def test_header_count_and_size_are_bounded_with_431(tenant_server):
+    """More than 100 headers, or more than 32 KiB of them, get 431 in the error shape with a
+    request id, before the body is read; a request just under both limits is served."""
+    from tokenmill.engine.api.app import MAX_HEADER_BYTES, MAX_HEADER_COUNT
+
+    auth = {"Authorization": f"Bearer {KEYS['alpha']}"}
+    url = tenant_server.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2}
+    many = {f"x-extra-{i}": "1" for i in range(300)}
+    big = {"x-big": "a" * 70_000}
+    for extra in (many, big):
+        r = httpx.post(url, json=body, headers={**auth, **extra}, timeout=60)
+        assert r.status_code == 431, r.text
+        err = r.json()["error"]
+        assert err["code"] == "headers_too_large" and err["type"] == "invalid_request_error"
+        assert r.headers["x-request-id"]
+    # httpx adds host, accept, accept-encoding, connection, user-agent, content-length and
+    # content-type: the rest up to the limits is ours
+    fits = {f"x-extra-{i}": "1" for i in range(MAX_HEADER_COUNT - 10)}
+    r = httpx.post(url, json=body, headers={**auth, **fits}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(url, json=body, headers={**auth, "x-big": "a" * (MAX_HEADER_BYTES // 2)})
+    assert r.status_code == 200, r.text
+
+
 def test_api_keys_and_tenant_limits(tenant_server):
     url = tenant_server.url + "/v1/chat/completions"
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -89,7 +89,9 @@ def test_preemption_takes_latest_arrival_and_requeues_it_first():
     new = s.waiting[0]
     assert new.request_id == "new" and new.status == RequestStatus.PREEMPTED
     assert (
-        new.num_computed_tokens == 0 and new.stats.preemptions == 1 and new.stats.recomputed_tokens == 7
+        new.num_computed_tokens == 0
+        and new.stats.preemptions == 1
+        and new.stats.recomputed_tokens == 7
     )
     assert [e.name for e in new.events][-1] == "preempted"
     assert plan(out) == [("old", 8, 1)]

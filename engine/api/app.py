@@ -308,6 +308,35 @@ class BodyLimitMiddleware:
             await too_big.response()(scope, receive, send)
 
 
+#: request headers a client may send: their count and their total size (names, values and
+#: the ": " and CRLF around them), as HTTP front ends bound them (nginx's default buffers hold
+#: 32 KiB of headers); over either the answer is 431, before any body is read
+MAX_HEADER_COUNT = 100
+MAX_HEADER_BYTES = 32 * 1024
+
+
+class HeaderLimitMiddleware:
+    """Refuses requests with more than :data:`MAX_HEADER_COUNT` headers or more than
+    :data:`MAX_HEADER_BYTES` of them with 431 ``headers_too_large``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = scope.get("headers") or []
+            size = sum(len(k) + len(v) + 4 for k, v in headers)
+            if len(headers) > MAX_HEADER_COUNT or size > MAX_HEADER_BYTES:
+                err = APIError(
+                    431,
+                    f"request headers over the limit: {len(headers)} headers of {size} bytes "
+                    f"(at most {MAX_HEADER_COUNT} headers, {MAX_HEADER_BYTES} bytes)",
+                    code="headers_too_large",
+                )
+                return await err.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class RequestIdMiddleware:
     """Gives every response an ``x-request-id``: the client's own (when it is 1-64 characters of
     ``[A-Za-z0-9._:-]``) or a new ``req-<hex>``, kept in ``request.state.request_id`` (and the
@@ -395,8 +424,10 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tokenmill", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.tm = state
 
-    # outermost first: timeline (arrival), request id (every response, 413 included), body limit
+    # outermost first: timeline (arrival), request id (every response, 413 and 431 included),
+    # header limit, body limit
     app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes)
+    app.add_middleware(HeaderLimitMiddleware)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(TimelineMiddleware, state=state)
 

@@ -11,6 +11,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",

@@ -14,6 +14,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     field_validator,
+    model_validator,
 )
 
 from ..sampling import SamplingParams
@@ -50,6 +51,21 @@ class ChatMessage(BaseModel):
 
 class _CommonRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's optional fields are nullable and its clients send ``null`` for "default"
+        (``"n": null``, ``"stream": null``): a null optional field takes its default. A null
+        required field (``model``, ``messages``, ``prompt``) is still refused by name."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or fields[k].is_required()
+        }
 
     model: str
     # numbers and booleans are strict: "5", 2.0 or true for max_tokens, "0.5" or true for
