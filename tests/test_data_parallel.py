@@ -170,6 +170,35 @@ def test_a_killed_replica_ends_only_its_streams_restarts_and_leaks_nothing(smoll
         server.stop()
 
 
+def test_a_frozen_replica_leaves_the_rotation_and_returns_when_it_thaws(smollm2_dir, tmp_path):
+    """A SIGSTOPped replica: once /health calls it silent (here after 2 s), every new request
+    goes to the other one and completes; after SIGCONT it speaks, the server is ok again and
+    it takes requests again."""
+    server = Server(
+        tmp_path, "--model", str(smollm2_dir), "--data-parallel-size", "2",
+        "--engine-stall-degraded", "2",
+    )  # fmt: skip
+    frozen = server.health()["engine"]["replicas"][1]["pid"]
+    try:
+        os.kill(frozen, signal.SIGSTOP)
+        health = _wait(server, lambda h: h["status"] == "degraded", timeout_s=60)
+        assert f"pid {frozen}" in json.dumps(health), health  # the silent one is named
+        before = [r["routed"] for r in health["engine"]["replicas"]]
+        results = asyncio.run(_streams(server.url, 6, 8))
+        assert all(r["error"] is None and r["finish"] == "length" for r in results), results
+        routed = [r["routed"] for r in server.health()["engine"]["replicas"]]
+        assert routed[1] == before[1] and routed[0] == before[0] + 6, (before, routed)
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    try:
+        _wait(server, lambda h: h["status"] == "ok", timeout_s=60)
+        asyncio.run(_streams(server.url, 6, 8))
+        routed_after = [r["routed"] for r in server.health()["engine"]["replicas"]]
+        assert routed_after[1] > routed[1], (routed, routed_after)
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize(
     ("size", "needle"),
     [

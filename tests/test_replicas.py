@@ -105,6 +105,7 @@ class _Worker:
             "ready",
         )
         self.script = script
+        self.heartbeat_age_s = 0.1  # seconds since its engine's last message
 
     def generate(self, request_id, prompt_token_ids, params, **kw):
         async def stream():
@@ -119,6 +120,7 @@ def test_outstanding_tokens_fall_as_outputs_come_and_return_to_zero():
     prompt and its tokens off, the next 3 more; a stream left early gives back the rest."""
     pool = ReplicaPool.__new__(ReplicaPool)
     pool.router, pool._where, pool.closing = Router(2, BLOCK), {}, False
+    pool.silent_after_s = 10.0
     pool.workers = [_Worker(0, [_out("a", 2, False), _out("a", 3, False)]), _Worker(1, [])]
     params = SamplingParams(max_tokens=8)
 
@@ -135,11 +137,36 @@ def test_outstanding_tokens_fall_as_outputs_come_and_return_to_zero():
     assert pool.router.pick([0, 1], [1] * 10) == 0  # both idle again: a tie, replica 0
 
 
+def test_a_silent_replica_leaves_the_rotation_until_it_speaks_again():
+    """A replica silent past ``silent_after_s`` (what /health calls degraded: frozen, or in one
+    very long step) gets no new request though it holds the fewest outstanding tokens; when
+    every replica is silent, load decides as before; once it speaks, it is back."""
+    pool = ReplicaPool.__new__(ReplicaPool)
+    pool.router, pool._where, pool.closing = Router(2, BLOCK), {}, False
+    pool.silent_after_s = 10.0
+    pool.workers = [_Worker(0, []), _Worker(1, [])]
+    params = SamplingParams(max_tokens=8)
+    pool.router.add(1, 100)  # replica 1 is the busier one
+
+    def route(rid: str) -> int:
+        pool.generate(rid, [1] * 10, params)
+        return pool.replica_of(rid).replica
+
+    assert route("a") == 0  # both speak: the least loaded
+    pool.workers[0].heartbeat_age_s = 12.0
+    assert [route(r) for r in ("b", "c", "d")] == [1, 1, 1]
+    pool.workers[1].heartbeat_age_s = 30.0  # all silent: the rotation is everyone again
+    assert route("e") == 0
+    pool.workers[0].heartbeat_age_s = 0.2
+    assert route("f") == 0
+
+
 def test_a_stream_closed_before_its_first_read_gives_its_tokens_back():
     """A client gone before the response started closes the stream unread: the request's
     tokens and its routing entry must go at once (an async generator's finally would not run)."""
     pool = ReplicaPool.__new__(ReplicaPool)
     pool.router, pool._where, pool.closing = Router(2, BLOCK), {}, False
+    pool.silent_after_s = 10.0
     pool.workers = [_Worker(0, [_out("a", 2, False)]), _Worker(1, [])]
 
     async def run():

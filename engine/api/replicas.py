@@ -15,6 +15,10 @@ prefix cache may hold them) while
 ``r`` holds at most :data:`AFFINITY_SLACK_TOKENS` outstanding tokens more than the least loaded
 replica; past that, load wins. The slack is what lets affinity skew load: a flood of requests
 sharing a prefix piles onto one replica up to that margin, the case ``replica_imbalance`` names.
+
+A replica silent for :attr:`ReplicaPool.silent_after_s` (the point ``/health`` calls it
+degraded: frozen, or in one very long step) leaves the rotation until it speaks again, while
+another replica still speaks; when all are silent, all stay in it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections.abc import AsyncIterator
 
 from ..config import EngineConfig
 from ..messages import RequestOutput
-from .worker import EngineUnavailable, EngineWorker
+from .worker import ENGINE_STALL_DEGRADED_S, EngineUnavailable, EngineWorker
 
 __all__ = ["AFFINITY_BLOCKS", "AFFINITY_SLACK_TOKENS", "ReplicaPool", "Router"]
 
@@ -132,6 +136,9 @@ class ReplicaPool:
         self.router = Router(size, config.block_size, config.router_prefix_affinity)
         self._where: dict[str, EngineWorker] = {}
         self.closing = False
+        # seconds without a message after which a replica gets no new requests (the server
+        # sets its --engine-stall-degraded here)
+        self.silent_after_s = ENGINE_STALL_DEGRADED_S
 
     # -- the worker's interface ------------------------------------------------------------------
     @property
@@ -210,13 +217,18 @@ class ReplicaPool:
         if not ready:
             states = ", ".join(f"{w.name} {w.state}" for w in self.workers)
             raise EngineUnavailable(f"no engine replica is ready ({states}); retry shortly")
-        worker = self.workers[self.router.pick(ready, prompt_token_ids)]
+        speaking = [r for r in ready if not self._silent(self.workers[r])]
+        worker = self.workers[self.router.pick(speaking or ready, prompt_token_ids)]
         outputs = worker.generate(request_id, prompt_token_ids, params, **kwargs)
         cost = len(prompt_token_ids) + params.max_tokens
         self.router.add(worker.replica, cost)
         self.router.routed[worker.replica] += 1
         self._where[request_id] = worker
         return _Tracked(self, outputs, worker, request_id, len(prompt_token_ids), cost)
+
+    def _silent(self, worker: EngineWorker) -> bool:
+        age = worker.heartbeat_age_s
+        return age is not None and age >= self.silent_after_s
 
     async def abort(self, request_id: str) -> None:
         worker = self._where.get(request_id)

@@ -337,6 +337,8 @@ def make_server(
     )
     if engine_stall_degraded_s is not None:
         state.engine_stall_degraded_s = engine_stall_degraded_s
+    if hasattr(worker, "silent_after_s"):  # replicas: a silent one leaves the rotation
+        worker.silent_after_s = state.engine_stall_degraded_s
     if engine_stall_unavailable_s is not None:
         state.engine_stall_unavailable_s = engine_stall_unavailable_s
     app = build_app(state)
