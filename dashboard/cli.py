@@ -100,6 +100,17 @@ def dashboard(
         markup=False,
         soft_wrap=True,
     )
+    from tokenmill.engine.api.gateway import is_loopback
+
+    if not is_loopback(host):
+        out.print(
+            f"note: the console has no login of its own; anyone who reaches {shown}:{port} reads "
+            "the traces. Put it behind a reverse proxy that authenticates (nginx auth_basic, "
+            "oauth2-proxy), or keep it on 127.0.0.1 and reach it through an SSH tunnel.",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
     proc = subprocess.Popen(cmd, env=env)
     try:
         code = proc.wait()

@@ -188,10 +188,10 @@ err = Console(stderr=True, emoji=False)  # ":joy:" in a user's input stays as ty
 out = Console(emoji=False)
 
 
-def fail(message: str) -> None:
-    """Print a one-line error and exit with status 1."""
+def fail(message: str, code: int = 1) -> None:
+    """Print a one-line error and exit with status ``code`` (1; 2 for a refused setup)."""
     err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
+    raise typer.Exit(code)
 
 
 @model_app.command("fetch")
@@ -366,12 +366,45 @@ def generate(
 @engine_options(*EngineConfig.field_names())
 def serve(
     host: Annotated[
-        str, typer.Option(help="Bind address (127.0.0.1 unless a tenants file is given).")
+        str,
+        typer.Option(
+            help="Bind address. Anything but loopback needs --api-key or --tenants (or "
+            "--allow-unauthenticated)."
+        ),
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     tenants: Annotated[
         str | None, typer.Option(help="Tenants TOML (API key hashes and limits).")
     ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TOKENMILL_API_KEY",
+            show_envvar=True,
+            help="One API key for every client (tenant 'default'); a tenants file for many.",
+        ),
+    ] = None,
+    admin_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TOKENMILL_ADMIN_KEY", show_envvar=True, help="The /admin/* key with --api-key."
+        ),
+    ] = None,
+    metrics_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TOKENMILL_METRICS_KEY",
+            show_envvar=True,
+            help="/metrics answers only 'Authorization: Bearer <this key>' (it names tenants).",
+        ),
+    ] = None,
+    allow_unauthenticated: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unauthenticated",
+            help="Serve a non-loopback --host with no API key (anyone who reaches it).",
+        ),
+    ] = False,
     served_model_name: Annotated[
         str | None, typer.Option(help="Model id clients send (default: folder name).")
     ] = None,
@@ -430,7 +463,7 @@ def serve(
     **engine: Any,
 ) -> None:
     """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
-    from .api.server import make_server
+    from .api.server import Unauthenticated, make_server
 
     try:
         config = EngineConfig(**engine)
@@ -440,6 +473,10 @@ def serve(
             host=host,
             port=port,
             tenants_file=tenants,
+            api_key=api_key,
+            admin_key=admin_key,
+            metrics_key=metrics_key,
+            allow_unauthenticated=allow_unauthenticated,
             max_queue_len=max_queue_len,
             max_body_bytes=max_body_bytes,
             served_model_name=served_model_name,
@@ -453,6 +490,8 @@ def serve(
             engine_stall_degraded_s=engine_stall_degraded,
             engine_stall_unavailable_s=max(engine_stall_unavailable, engine_stall_degraded),
         )
+    except Unauthenticated as exc:
+        fail(str(exc), code=2)
     except (TokenmillError, ValueError) as exc:
         fail(str(exc))
     try:

@@ -408,6 +408,14 @@ def test_api_keys_and_tenant_limits(tenant_server):
     assert httpx.post(url, json=body, timeout=60).status_code == 401
     r = httpx.post(url, json=body, headers={"Authorization": "Bearer sk-wrong"}, timeout=60)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    # a keyed server lists its model and schema to tenants only
+    for path in ("/v1/models", "/openapi.json"):
+        assert httpx.get(tenant_server.url + path, timeout=60).status_code == 401
+        assert httpx.get(
+            tenant_server.url + path,
+            headers={"Authorization": f"Bearer {KEYS['alpha']}"},
+            timeout=60,
+        ).is_success
     slow = {"Authorization": f"Bearer {KEYS['slow']}"}
     codes = [httpx.post(url, json=body, headers=slow, timeout=60) for _ in range(3)]
     assert [c.status_code for c in codes] == [200, 200, 429]

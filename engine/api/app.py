@@ -421,7 +421,10 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 def build_app(state: ServerState) -> FastAPI:
     """The ASGI app over a started :class:`EngineWorker`."""
-    app = FastAPI(title="tokenmill", version="0.1.0", docs_url=None, redoc_url=None)
+    # /openapi.json is our own route below: on a keyed server it needs a key like /v1/*
+    app = FastAPI(
+        title="tokenmill", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.tm = state
 
     # outermost first: timeline (arrival), request id (every response, 413 and 431 included),
@@ -474,7 +477,8 @@ def build_app(state: ServerState) -> FastAPI:
         return err.response(getattr(request.state, "request_id", None))
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        state.gateway.authenticate(request.headers.get("authorization"))
         return {
             "object": "list",
             "data": [
@@ -529,7 +533,7 @@ def build_app(state: ServerState) -> FastAPI:
     metrics_render = asyncio.Lock()  # one render at a time; a scrape waiting renders its own
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
         """The Prometheus exposition, rendered per scrape (current: nothing is cached).
 
         The gauges read from the worker are set here on the event loop; the text is rendered in
@@ -538,7 +542,9 @@ def build_app(state: ServerState) -> FastAPI:
         children and each value sit behind their own locks); a histogram observed during the
         render may show its new count before its new sum, as with any threaded exporter.
         Renders are serialized so concurrent scrapers never hold several threads at once.
+        With ``--metrics-key`` a scrape needs that key (the series name tenants).
         """
+        state.gateway.authenticate_metrics(request.headers.get("authorization"))
         w = state.worker.health()
         stats = w["stats"]
         m = state.telemetry.metrics
@@ -587,6 +593,12 @@ def build_app(state: ServerState) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json(request: Request):
+        state.gateway.authenticate(request.headers.get("authorization"))
+        return JSONResponse(openapi())
+
     register_admin_routes(app, state, state.telemetry.dumps)
 
     @app.post("/v1/chat/completions")

@@ -14,8 +14,13 @@ Tenants file (TOML)::
     key_sha256 = "<hex sha256 of the admin key>"
 
 Keys are hashed on arrival and compared with every tenant's hash in constant time
-(:func:`hmac.compare_digest`). Without a tenants file the server runs in open local mode: one
-tenant ``local`` with no limits, bound to 127.0.0.1.
+(:func:`hmac.compare_digest`). One key for everyone is ``--api-key`` (or ``TOKENMILL_API_KEY``):
+one tenant ``default`` with no limits (:func:`single_key_tenants`), its admin key
+``--admin-key``. Without either the server runs in open local mode: one tenant ``local`` with
+no limits, and it refuses to bind anything but a loopback address unless told
+``--allow-unauthenticated``. On a keyed server every route but ``/health`` needs a key:
+``/v1/*`` and ``/openapi.json`` a tenant's, ``/admin/*`` the admin key, and ``/metrics`` the
+``--metrics-key`` when one is set (:meth:`Gateway.authenticate_metrics`).
 
 Admin endpoints (:meth:`Gateway.authenticate_admin`) take only the ``[admin]`` key: a tenant key
 gets 403, and with a tenants file but no ``[admin]`` table they are refused (403). In open local
@@ -66,6 +71,15 @@ class Tenants(dict):
 def hash_key(key: str) -> str:
     """Hex sha256 of an API key (what the tenants file stores)."""
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def single_key_tenants(api_key: str, admin_key: str | None = None) -> Tenants:
+    """The tenants of ``--api-key``: one tenant ``default`` holding that key, no limits; the
+    admin endpoints take ``admin_key`` (None: they are refused, as without an ``[admin]``
+    table)."""
+    tenants = Tenants(default=Tenant(name="default", key_sha256=hash_key(api_key)))
+    tenants.admin_key_sha256 = hash_key(admin_key) if admin_key else None
+    return tenants
 
 
 def _is_sha256_hex(digest: str) -> bool:
@@ -131,11 +145,34 @@ class Gateway:
     """
 
     def __init__(
-        self, tenants: dict[str, Tenant] | None = None, admin_key_sha256: str | None = None
+        self,
+        tenants: dict[str, Tenant] | None = None,
+        admin_key_sha256: str | None = None,
+        metrics_key_sha256: str | None = None,
     ):
         self.open_mode = tenants is None
         self.tenants = tenants or {"local": Tenant(name="local")}
         self.admin_key_sha256 = admin_key_sha256 or getattr(tenants, "admin_key_sha256", None)
+        self.metrics_key_sha256 = metrics_key_sha256
+
+    def authenticate_metrics(self, authorization: str | None) -> None:
+        """Allow a ``/metrics`` scrape: any caller unless ``--metrics-key`` was set, then only
+        ``Authorization: Bearer <metrics key>`` (Prometheus: ``authorization: {credentials}``).
+
+        Raises:
+            APIError: 401 missing or wrong key.
+        """
+        if not self.metrics_key_sha256:
+            return
+        given = authorization[7:].strip() if authorization else ""
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise APIError(
+                401,
+                "missing metrics key: send 'Authorization: Bearer <metrics key>'",
+                code="invalid_api_key",
+            )
+        if not hmac.compare_digest(hash_key(given), self.metrics_key_sha256):
+            raise APIError(401, "invalid metrics key", code="invalid_api_key")
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant owning the bearer key in ``authorization``.
@@ -170,7 +207,7 @@ class Gateway:
                 ``[admin]`` key configured, or (open mode) a non-loopback client.
         """
         if self.open_mode:
-            if client_host is not None and not _is_loopback(client_host):
+            if client_host is not None and not is_loopback(client_host):
                 raise APIError(
                     403,
                     "admin endpoints answer only local clients in open local mode "
@@ -234,7 +271,7 @@ class Gateway:
         tenant.in_flight = max(0, tenant.in_flight - 1)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     """True for 127.0.0.0/8, ::1 and ``localhost`` (and an IPv4-mapped loopback)."""
     import ipaddress
 

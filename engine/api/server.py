@@ -18,7 +18,14 @@ from ..core import resolve_model_dir
 from ..model_config import load_model_config
 from ..tokenizer import load_tokenizer
 from .app import ServerState, build_app
-from .gateway import Gateway, load_tenants
+from .gateway import (
+    Gateway,
+    TenantsFileError,
+    hash_key,
+    is_loopback,
+    load_tenants,
+    single_key_tenants,
+)
 from .replicas import ReplicaPool, check_data_parallel
 from .stations import AdmissionStation, MeteringStation, TokenizeStation
 from .worker import EngineWorker
@@ -192,12 +199,48 @@ def engine_workers(config) -> EngineWorker | ReplicaPool:
     return ReplicaPool(config, cpu_count=cpus)
 
 
+class Unauthenticated(TenantsFileError):
+    """A server that would answer anyone on a non-loopback address (one line)."""
+
+
+def _tenants(tenants_file: str | None, api_key: str | None, admin_key: str | None):
+    """The tenants from the tenants file or ``--api-key`` (None: open local mode)."""
+    if tenants_file and api_key:
+        raise TenantsFileError("give --api-key or --tenants, not both")
+    if admin_key and not api_key:
+        raise TenantsFileError(
+            "--admin-key goes with --api-key (a tenants file has its own [admin] key)"
+        )
+    if tenants_file:
+        return load_tenants(tenants_file)
+    if api_key is not None:
+        if not api_key.strip():
+            raise TenantsFileError("--api-key (TOKENMILL_API_KEY) is empty")
+        return single_key_tenants(api_key.strip(), admin_key)
+    return None
+
+
+def _auth_line(tenants_file: str | None, tenants, metrics_key: str | None) -> str:
+    """How the server authenticates, for its start line (never a key)."""
+    if tenants_file:
+        line = f"tenants from {tenants_file}"
+    elif tenants is not None:
+        line = "one API key" + (" and an admin key" if tenants.admin_key_sha256 else "")
+    else:
+        line = "open local mode, no API keys"
+    return line + (", keyed /metrics" if metrics_key else "")
+
+
 def make_server(
     config: EngineConfig,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
     tenants_file: str | None = None,
+    api_key: str | None = None,
+    admin_key: str | None = None,
+    metrics_key: str | None = None,
+    allow_unauthenticated: bool = False,
     max_queue_len: int = 64,
     max_body_bytes: int = 2 << 20,
     served_model_name: str | None = None,
@@ -221,9 +264,21 @@ def make_server(
     from the engine core after which ``/health`` says ``degraded`` / answers 503 (None: the
     defaults ``worker.ENGINE_STALL_DEGRADED_S`` and ``ENGINE_STALL_UNAVAILABLE_S``).
 
+    Keys: ``tenants_file`` (many tenants, their limits and the ``[admin]`` key) or ``api_key``
+    (one tenant ``default``; ``admin_key`` for ``/admin/*``); ``metrics_key`` guards
+    ``/metrics``. Without a key only a loopback ``host`` is served, unless
+    ``allow_unauthenticated``.
+
     Raises:
         TenantsFileError, ModelLoadError: bad tenants file or model folder (before any start).
+        Unauthenticated: a non-loopback ``host`` with no key and no ``allow_unauthenticated``.
     """
+    tenants = _tenants(tenants_file, api_key, admin_key)
+    if tenants is None and not is_loopback(host) and not allow_unauthenticated:
+        raise Unauthenticated(
+            f"refusing to serve {host} without API keys: give --api-key (or TOKENMILL_API_KEY) "
+            "or --tenants, or --allow-unauthenticated to serve it open"
+        )
     model_dir = resolve_model_dir(config.model)
     config.model = str(model_dir)
     load_model_config(model_dir)  # a missing folder or config.json says so before any start
@@ -233,10 +288,8 @@ def make_server(
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
     tokenizer_load = pool.submit(load_tokenizer, model_dir)
     pool.shutdown(wait=False)
-    tenants = load_tenants(tenants_file) if tenants_file else None
-    if tenants is None and host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("no --tenants file: open local mode, binding 127.0.0.1 instead of %s", host)
-        host = "127.0.0.1"
+    if tenants is None and not is_loopback(host):
+        log.warning("serving %s with no API keys (--allow-unauthenticated)", host)
     worker = engine_workers(config)
     name = served_model_name or Path(model_dir).name
     # the composition root: the API sees telemetry only through on_request/on_step/health
@@ -296,7 +349,7 @@ def make_server(
             f"tokenmill serving {name!r} at http://{host}:{port}/v1  "
             f"({engine_line(info, kv_tokens)}, "
             f"context {info['max_model_len']}; {memory_line(model_info)}{spec_line(config)}"
-            f"{'tenants from ' + tenants_file if tenants_file else 'open local mode, no API keys'}; "
+            f"{_auth_line(tenants_file, tenants, metrics_key)}; "
             f"telemetry: /metrics, /health, trace store {telemetry.trace_db or 'off'})"
         )
         try:
@@ -324,7 +377,7 @@ def make_server(
 
     state = ServerState(
         worker=worker,
-        gateway=Gateway(tenants),
+        gateway=Gateway(tenants, metrics_key_sha256=hash_key(metrics_key) if metrics_key else None),
         tokenize=TokenizeStation(None, config.max_model_len or 1 << 30, 1 << 31),
         admission=AdmissionStation(config.max_num_seqs * serving_cores(config), max_queue_len),
         metering=MeteringStation(),
