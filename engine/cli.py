@@ -460,6 +460,15 @@ def serve(
             min=0.1, help="/health answers 503 after the engine core is silent this long (s)."
         ),
     ] = 120.0,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="SIGTERM: refuse new requests (503, /health/ready 503) and let those in flight "
+            "finish for up to this long (s) before they end with server_shutdown; a second "
+            "signal or Ctrl-C stops at once.",
+        ),
+    ] = 30.0,
     **engine: Any,
 ) -> None:
     """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
@@ -489,6 +498,7 @@ def serve(
             fault_stream_delay_ms=fault_stream_delay_ms,
             engine_stall_degraded_s=engine_stall_degraded,
             engine_stall_unavailable_s=max(engine_stall_unavailable, engine_stall_degraded),
+            shutdown_timeout_s=shutdown_timeout,
         )
     except Unauthenticated as exc:
         fail(str(exc), code=2)

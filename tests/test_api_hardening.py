@@ -403,6 +403,8 @@ def test_shutdown_with_an_open_stream_is_recorded_as_shutdown(tmp_path, smollm2_
         str(db),
         "--device-sample-interval",
         "0",
+        "--shutdown-timeout",  # SIGTERM drains this long, then cuts what is still open
+        "1",
     )
     body = {"model": MODEL, "prompt": STORY, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     events = []
@@ -445,6 +447,82 @@ def test_shutdown_with_an_open_stream_is_recorded_as_shutdown(tmp_path, smollm2_
     )
     assert json.loads(meter["attributes"])["gen_ai.usage.output_tokens"] == row["output_tokens"]
     assert row["output_tokens"] >= 2
+    con.close()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_open_streams_before_stopping(tmp_path, smollm2_dir):
+    """A rolling deploy: 8 streams open, SIGTERM. From the signal on /health/ready is 503
+    ``draining`` (/health/live 200) and a new request gets 503 ``server_shutdown`` with
+    Retry-After; every open stream still completes (``length``, ``[DONE]``, no error) within
+    --shutdown-timeout, and the process exits 0 with a ``server_draining`` event and no request
+    cut."""
+    import threading
+
+    db = tmp_path / "traces.duckdb"
+    srv = Server(
+        tmp_path, "--model", str(smollm2_dir), "--trace-db", str(db),
+        "--device-sample-interval", "0", "--shutdown-timeout", "120",
+    )  # fmt: skip
+    started = threading.Barrier(9)
+    results: list[dict] = []
+
+    def stream(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"{STORY} ({i})", "max_tokens": 24,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        events, waited = [], False
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                if len(events) == 2 and not waited:
+                    waited = True
+                    started.wait(120)
+        chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+        results.append({"done": events[-1] == "data: [DONE]", "chunks": chunks})
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        started.wait(180)  # every stream has its first tokens
+        srv.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the loop takes the signal between steps
+            ready = httpx.get(srv.url + "/health/ready", timeout=30)
+            if ready.status_code == 503:
+                break
+            time.sleep(0.05)
+        assert (ready.status_code, ready.json()["status"]) == (503, "draining")
+        assert httpx.get(srv.url + "/health/live", timeout=30).status_code == 200
+        late = httpx.post(
+            srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+            timeout=30,
+        )  # fmt: skip
+        assert late.status_code == 503 and int(late.headers["retry-after"]) >= 1, late.text
+        assert late.json()["error"]["code"] == "server_shutdown"
+        for t in threads:
+            t.join(300)
+        code = srv.proc.wait(120)
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+        srv.log.close()
+    log = (tmp_path / f"server-{srv.port}.log").read_text()
+    assert code == 0 and "Traceback" not in log, log
+    assert len(results) == 8 and all(r["done"] for r in results), results
+    for r in results:
+        assert not any("error" in c for c in r["chunks"]), r["chunks"][-2:]
+        assert r["chunks"][-1]["choices"][0]["finish_reason"] == "length"
+    con = duckdb.connect(str(db), read_only=True)
+    kinds = [k for (k,) in con.execute("SELECT kind FROM events").fetchall()]
+    assert kinds.count("server_draining") == 1, kinds
+    cut = con.execute(
+        "SELECT count(*) FROM requests WHERE error_type = 'server_shutdown' AND queued_ns IS NOT NULL"
+    ).fetchone()[0]
+    assert cut == 0
+    done = con.execute("SELECT count(*) FROM requests WHERE finish_reason = 'length'").fetchone()
+    assert done[0] == 8
     con.close()
 
 

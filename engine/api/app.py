@@ -58,6 +58,9 @@ ENGINE_FINAL_WAIT_S = 5.0
 #: Engine final records kept for responses not over yet (a bound, never reached in practice).
 MAX_EARLY_FINALS = 4096
 SHUTDOWN_MESSAGE = "the server is shutting down; this request was stopped"
+DRAINING_MESSAGE = "the server is shutting down and takes no new requests; retry on another server"
+#: Retry-After (s) of a request refused while the server drains
+DRAIN_RETRY_S = 5
 
 
 @dataclass
@@ -87,6 +90,9 @@ class ServerState:
     # kept only so benchmarks/metrics_scrape.py can measure the difference in one run)
     metrics_off_loop: bool = True
     shutting_down: bool = False
+    # SIGTERM's drain: /health/ready answers 503 and new requests 503 + Retry-After while the
+    # requests in flight finish (server.TokenmillServer)
+    draining: bool = False
     open_requests: int = 0  # completion requests whose response is not over yet
     # engine ids of requests whose stream was left (client gone, shutdown) before the engine's
     # final record of them: finish() waits for that record (see on_engine_final)
@@ -491,6 +497,32 @@ def build_app(state: ServerState) -> FastAPI:
             ],
         }
 
+    @app.get("/health/live")
+    async def live():
+        """Liveness: the API process answers (its event loop runs). Never restart on
+        anything else: an engine restarting or a drain is not a dead process."""
+        return {"status": "alive"}
+
+    @app.get("/health/ready")
+    async def ready():
+        """Readiness, for a load balancer: 200 while new requests can be served; 503
+        ``draining`` from SIGTERM on, ``starting``/``restarting``/``down`` while no engine
+        core serves, ``stalled`` when every serving core is silent past
+        ``--engine-stall-unavailable``."""
+        can = getattr(state.worker, "can_serve", state.worker.ready)
+        if state.draining or state.shutting_down:
+            status = "draining"
+        elif not can:
+            status = state.worker.health()["state"]
+        else:
+            stall = state.worker.stall(
+                state.engine_stall_degraded_s, state.engine_stall_unavailable_s
+            )
+            status = "stalled" if stall is not None and stall[0] == "unavailable" else "ready"
+        code = 200 if status == "ready" else 503
+        headers = {"Retry-After": str(DRAIN_RETRY_S)} if code == 503 else None
+        return JSONResponse({"status": status}, status_code=code, headers=headers)
+
     @app.get("/health")
     async def health():
         w = state.worker.health()
@@ -526,6 +558,7 @@ def build_app(state: ServerState) -> FastAPI:
             **memory_fields(state.worker.info.get("model_info") or {}),
             "telemetry": state.telemetry.health(),
             "reasons": reasons,
+            "draining": state.draining,
         }
         body["telemetry_dropped"] = body["telemetry"]["dropped_total"]
         return JSONResponse(body, status_code=http_status)
@@ -616,6 +649,9 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
     tl = _timeline(request)
     tl.stream = bool(body.stream)
     tl.temperature = body.temperature
+    if state.draining or state.shutting_down:
+        tl.fail("server_shutdown", DRAINING_MESSAGE)
+        raise APIError(503, DRAINING_MESSAGE, code="server_shutdown", retry_after=DRAIN_RETRY_S)
     # gateway
     tenant = state.gateway.authenticate(request.headers.get("authorization"))
     request.state.tenant = tenant.name

@@ -156,6 +156,11 @@ class ReplicaPool:
         return all(w.ready for w in self.workers)
 
     @property
+    def can_serve(self) -> bool:
+        """Some replica serves (``/health/ready``: the others restart on their own)."""
+        return any(w.ready for w in self.workers)
+
+    @property
     def state(self) -> str:
         """``ready`` (all), ``restarting`` (some serve: degraded), else ``down``."""
         if self.ready:

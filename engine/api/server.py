@@ -40,25 +40,41 @@ SHUTDOWN_SETTLE_S = 3.0
 class TokenmillServer(uvicorn.Server):
     """uvicorn's server with tokenmill's shutdown.
 
-    The first SIGINT or SIGTERM calls ``on_stop(signal_name)`` in the event loop (it ends every
-    open stream with a ``server_shutdown`` error), then uvicorn stops as usual. A second SIGINT
-    skips waiting for connections but never the cleanup (engine stop, store flush), which uvicorn
-    alone would skip. A signal that stopped the server is not raised again afterwards, so the
-    process exits 0 (:attr:`stop_signals` lists them).
+    SIGTERM (an orchestrator's stop, a rolling deploy) first drains: ``on_drain(signal_name)``
+    in the event loop (``/health/ready`` answers 503 and new requests 503 + Retry-After), then
+    the requests in flight (``busy()``) get up to ``drain_s`` seconds to finish. After that, or
+    at once for SIGINT (Ctrl-C), a second signal or ``drain_s`` 0, ``on_stop(signal_name)`` ends
+    every open stream with a ``server_shutdown`` error and uvicorn stops as usual. A second
+    SIGINT skips waiting for connections but never the cleanup (engine stop, store flush), which
+    uvicorn alone would skip. A signal that stopped the server is not raised again afterwards,
+    so the process exits 0 (:attr:`stop_signals` lists them).
     """
 
-    def __init__(self, config: uvicorn.Config, on_stop=None):
+    def __init__(
+        self, config: uvicorn.Config, on_stop=None, on_drain=None, busy=None, drain_s: float = 0.0
+    ):
         super().__init__(config)
         self.on_stop = on_stop
+        self.on_drain = on_drain
+        self.busy = busy or (lambda: 0)
+        self.drain_s = drain_s
+        self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_signals: list[int] = []
         self.startup_error: str | None = None  # why the lifespan could not start the engine
+        self._drain_task: asyncio.Task | None = None
 
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
+        drain = sig == signal.SIGTERM and self.drain_s > 0 and self.on_drain is not None
+        if drain and not self.draining and not self.should_exit and self.loop is not None:
+            self.draining = True
+            self._captured_signals.append(sig)
+            self.loop.call_soon_threadsafe(self._begin_drain, sig)
+            return
         first = not self.should_exit
         super().handle_exit(sig, frame)
         if first and self.on_stop is not None and self.loop is not None:
@@ -67,6 +83,20 @@ class TokenmillServer(uvicorn.Server):
             except ValueError:
                 name = str(sig)
             self.loop.call_soon_threadsafe(self.on_stop, name)
+
+    def _begin_drain(self, sig: int) -> None:
+        self.on_drain(signal.Signals(sig).name)
+        self._drain_task = asyncio.ensure_future(self._drain_then_stop(sig))
+
+    async def _drain_then_stop(self, sig: int) -> None:
+        """Wait for the requests in flight (at most ``drain_s``), then stop as a first signal
+        would (unless another signal already did)."""
+        deadline = time.monotonic() + self.drain_s
+        while self.busy() and time.monotonic() < deadline and not self.should_exit:
+            await asyncio.sleep(0.05)
+        if not self.should_exit:
+            self._captured_signals.remove(sig)  # handle_exit records it again
+            self.handle_exit(sig, None)
 
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets)
@@ -253,6 +283,7 @@ def make_server(
     fault_stream_delay_ms: float = 0.0,
     engine_stall_degraded_s: float | None = None,
     engine_stall_unavailable_s: float | None = None,
+    shutdown_timeout_s: float = 30.0,
 ) -> uvicorn.Server:
     """A configured uvicorn server whose startup launches the engine worker.
 
@@ -263,6 +294,9 @@ def make_server(
     ``engine_stall_degraded_s`` / ``engine_stall_unavailable_s``: seconds without a message
     from the engine core after which ``/health`` says ``degraded`` / answers 503 (None: the
     defaults ``worker.ENGINE_STALL_DEGRADED_S`` and ``ENGINE_STALL_UNAVAILABLE_S``).
+
+    ``shutdown_timeout_s``: how long SIGTERM lets the requests in flight finish while new ones
+    are refused (0: SIGTERM stops them at once, as SIGINT does).
 
     Keys: ``tenants_file`` (many tenants, their limits and the ``[admin]`` key) or ``api_key``
     (one tenant ``default``; ``admin_key`` for ``/admin/*``); ``metrics_key`` guards
@@ -363,6 +397,24 @@ def make_server(
             state.record_awaiting()
             telemetry.close()
 
+    def drain(cause: str) -> None:
+        """SIGTERM: take no new requests, let those in flight finish (TokenmillServer)."""
+        state.draining = True
+        telemetry.event(
+            "server_draining",
+            "info",
+            f"server draining ({cause}): {state.open_requests} requests in flight get up to "
+            f"{shutdown_timeout_s:g} s to finish; new requests get 503",
+            cause=cause,
+            open_requests=state.open_requests,
+        )
+        log.warning(
+            "%s: draining %d requests in flight (up to %g s)",
+            cause,
+            state.open_requests,
+            shutdown_timeout_s,
+        )
+
     def stop(cause: str) -> None:
         """Begin the shutdown once: record it, end the open streams (``server_shutdown``)."""
         n = state.begin_shutdown()
@@ -399,5 +451,11 @@ def make_server(
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
     )
-    server = TokenmillServer(uv_config, on_stop=stop)
+    server = TokenmillServer(
+        uv_config,
+        on_stop=stop,
+        on_drain=drain,
+        busy=lambda: state.open_requests,
+        drain_s=shutdown_timeout_s,
+    )
     return server
