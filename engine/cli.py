@@ -460,6 +460,23 @@ def serve(
             min=0.1, help="/health answers 503 after the engine core is silent this long (s)."
         ),
     ] = 120.0,
+    log_level: Annotated[
+        str,
+        typer.Option(
+            help="Server and engine logs on stderr from this level: debug, info, warning, error."
+        ),
+    ] = "info",
+    log_format: Annotated[
+        str,
+        typer.Option(help="text, or json (one object a line, with request and trace ids)."),
+    ] = "text",
+    access_log: Annotated[
+        bool,
+        typer.Option(
+            "--access-log",
+            help="Log one line per completion request (method, path, status, ms, ids, tenant).",
+        ),
+    ] = False,
     shutdown_timeout: Annotated[
         float,
         typer.Option(
@@ -473,6 +490,12 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
     from .api.server import Unauthenticated, make_server
+    from .logs import FORMATS, LEVELS
+    from .logs import configure as configure_logs
+
+    if log_level not in LEVELS or log_format not in FORMATS:  # usage errors, before any start
+        fail(f"--log-level is one of {', '.join(LEVELS)}; --log-format one of "
+             f"{', '.join(FORMATS)} (got {log_level!r}, {log_format!r})", code=2)  # fmt: skip
 
     try:
         config = EngineConfig(**engine)
@@ -499,11 +522,15 @@ def serve(
             engine_stall_degraded_s=engine_stall_degraded,
             engine_stall_unavailable_s=max(engine_stall_unavailable, engine_stall_degraded),
             shutdown_timeout_s=shutdown_timeout,
+            access_log=access_log,
         )
     except Unauthenticated as exc:
         fail(str(exc), code=2)
     except (TokenmillError, ValueError) as exc:
         fail(str(exc))
+    # after the checks above (their refusals stay one line), before the engine cores start
+    # (they read the level and format from the environment)
+    configure_logs(log_level, log_format)
     try:
         server.run()
     except SystemExit:  # uvicorn exits 3 when the lifespan fails to start

@@ -588,8 +588,9 @@ def model_info(runner) -> dict:
     ``kv_cache_bytes`` (the pool), ``kv_bytes_per_token`` (K and V over all layers),
     ``model_dtype``, ``engine_device``, ``compiled_decode`` (``"on"``, or why the compiled
     decode step is off: ``--enforce-eager``, an int4 layer, …) and ``int4_activations_used`` (what
-    the CPU int4 GEMV multiplies by: ``int8``/``float32``; None without one). Empty for a
-    runner without a model.
+    the CPU int4 GEMV multiplies by: ``int8``/``float32``; None without one) and
+    ``cpu_kernels`` (on a CPU: ``"on"``, or why the C kernels are off; None elsewhere). Empty
+    for a runner without a model.
 
     The KV pool is what is left for it: on CUDA the runner sizes it after a profiling forward,
     as ``total × gpu_memory_utilization`` minus the peak use, which includes the weights (so
@@ -610,7 +611,15 @@ def model_info(runner) -> dict:
         "engine_device": str(runner.device),
         "compiled_decode": getattr(runner, "native_off_reason", None) or "on",
         "int4_activations_used": getattr(runner, "int4_activations", None),
+        "cpu_kernels": _cpu_kernels_state() if str(runner.device) == "cpu" else None,
     }
+
+
+def _cpu_kernels_state() -> str:
+    """``"on"``, or why the C kernels are off (``kernels/cpu.py``)."""
+    from tokenmill.kernels import cpu
+
+    return "on" if cpu.available() else (cpu.unavailable_reason() or "off")
 
 
 def resolve_model_dir(model: str | None) -> Path:

@@ -107,6 +107,9 @@ def run_engine_core(
     "num_prefill": its place in the KV link's group}`` (``engine/parallel/pd_link.py``).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
+    from .logs import configure_from_env
+
+    configure_from_env()  # the server's --log-level and --log-format
     api_pid = os.getppid()
     link = desk = None
     if pd is not None:

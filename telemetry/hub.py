@@ -195,7 +195,7 @@ class Telemetry:
     def on_request(self, tl: RequestTimeline) -> None:
         """A finished request: spans → store (+ OTLP), its ``requests`` row, Prometheus."""
         if self.tracer is not None:
-            _, row, itl = emit_trace(self.tracer, tl)
+            tl.trace_id, row, itl = emit_trace(self.tracer, tl)
             self._submit("requests", row)
         else:
             from .spans import itl_ms, request_end_ns, request_row, station_intervals

@@ -1,11 +1,15 @@
 """Authentication on a real server: one key (``--api-key``, ``TOKENMILL_API_KEY``), the admin
-key, a keyed ``/metrics``, and the refusal to serve a non-loopback address without a key."""
+key, a keyed ``/metrics``, and the refusal to serve a non-loopback address without a key; the
+same server's JSON logs and access log."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -52,8 +56,9 @@ def keyed(tmp_path_factory, smollm2_dir):
     os.environ["TOKENMILL_API_KEY"] = KEY  # the environment variable, as a container sets it
     try:
         server = Server(
-            tmp, "--model", str(smollm2_dir), "--admin-key", ADMIN, "--metrics-key", METRICS
-        )
+            tmp, "--model", str(smollm2_dir), "--admin-key", ADMIN, "--metrics-key", METRICS,
+            "--log-format", "json", "--access-log",
+        )  # fmt: skip
     finally:
         del os.environ["TOKENMILL_API_KEY"]
     yield server
@@ -95,3 +100,28 @@ def test_one_key_guards_every_route_but_health(keyed):
     assert r.status_code == 200 and 'tenant="default"' in r.text
     # /health stays open for load balancers and orchestrators
     assert _get(keyed, "/health", None).json()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_json_logs_carry_request_and_trace_ids(keyed):
+    """``--log-format json --access-log``: every log line of the server and its engine core
+    parses as JSON; each completion request has an access line with its request id, trace id,
+    tenant, path and status; the start says whether the C kernels are on, with no flag."""
+    r = _post(keyed, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}, KEY)
+    assert r.status_code == 200
+    rid = r.json()["id"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the access line follows the response's recording
+        text = Path(keyed.log.name).read_text()
+        if f'"request_id": "{rid}"' in text:
+            break
+        time.sleep(0.2)
+    lines = [line for line in text.splitlines() if line.startswith("{")]
+    records = [json.loads(line) for line in lines]  # every one parses
+    assert {r["logger"].split(".")[0] for r in records} == {"tokenmill"}
+    assert len({r["pid"] for r in records}) >= 2  # the API process and its engine core
+    (mine,) = [r for r in records if r.get("request_id") == rid]
+    assert mine["logger"] == "tokenmill.access" and mine["level"] == "info"
+    assert (mine["path"], mine["status"], mine["tenant"]) == ("/v1/completions", 200, "default")
+    assert len(mine["trace_id"]) == 32 and mine["duration_ms"] > 0
+    assert "C kernels on" in text or "C kernels off (" in text

@@ -93,6 +93,7 @@ class ServerState:
     # SIGTERM's drain: /health/ready answers 503 and new requests 503 + Retry-After while the
     # requests in flight finish (server.TokenmillServer)
     draining: bool = False
+    access_log: bool = False  # --access-log: one tokenmill.access line per completion request
     open_requests: int = 0  # completion requests whose response is not over yet
     # engine ids of requests whose stream was left (client gone, shutdown) before the engine's
     # final record of them: finish() waits for that record (see on_engine_final)
@@ -192,6 +193,26 @@ class ServerState:
             self.telemetry.on_request(tl)
         except Exception:
             log.exception("telemetry failed on request %s", tl.request_id)
+        if self.access_log:
+            _log_access(tl)
+
+
+access = logging.getLogger("tokenmill.access")
+
+
+def _log_access(tl: RequestTimeline) -> None:
+    """One access-log line: method, path, status, duration, ids and tenant (``engine/logs.py``
+    puts the ids in a JSON line's own keys)."""
+    end = tl.last_byte_ns or tl.metering_end_ns or time.time_ns()
+    ms = (end - tl.arrival_ns) / 1e6
+    rid = tl.request_id or tl.client_request_id
+    access.info(
+        "%s %s %s %.0f ms request_id=%s tenant=%s",
+        tl.method, tl.path, tl.http_status, ms, rid, tl.tenant,
+        extra={"request_id": rid, "trace_id": tl.trace_id, "tenant": tl.tenant,
+               "method": tl.method, "path": tl.path, "status": tl.http_status,
+               "duration_ms": round(ms, 1)},
+    )  # fmt: skip
 
 
 TRACED_PATHS = ("/v1/chat/completions", "/v1/completions")

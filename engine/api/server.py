@@ -193,6 +193,9 @@ def memory_line(model_info: dict) -> str:
         line += f"; compiled decode step {compiled if compiled == 'on' else f'off ({compiled})'}"
     if model_info.get("int4_activations_used"):
         line += f"; int4 on {model_info['int4_activations_used']} activations"
+    kernels = model_info.get("cpu_kernels")
+    if kernels:
+        line += f"; C kernels {kernels if kernels == 'on' else f'off ({kernels})'}"
     return line + "; "
 
 
@@ -284,6 +287,7 @@ def make_server(
     engine_stall_degraded_s: float | None = None,
     engine_stall_unavailable_s: float | None = None,
     shutdown_timeout_s: float = 30.0,
+    access_log: bool = False,
 ) -> uvicorn.Server:
     """A configured uvicorn server whose startup launches the engine worker.
 
@@ -439,6 +443,7 @@ def make_server(
         telemetry=telemetry,
         trace_content=trace_content,
         fault_stream_delay_s=fault_stream_delay_ms / 1000.0,
+        access_log=access_log,
     )
     if engine_stall_degraded_s is not None:
         state.engine_stall_degraded_s = engine_stall_degraded_s

@@ -74,6 +74,7 @@ class RequestTimeline:
     metering_start_ns: int | None = None
     metering_end_ns: int | None = None
     record_content: bool = False
+    trace_id: str | None = None  # set by telemetry when it records the trace (the access log)
 
     def observe(self, out: RequestOutput) -> None:
         """Fold one engine output (a delta) into the timeline."""
