@@ -477,6 +477,17 @@ def serve(
             help="Log one line per completion request (method, path, status, ms, ids, tenant).",
         ),
     ] = False,
+    engine_restart_limit: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Engine core crashes (or failed restarts) within --engine-restart-window after "
+            "which the server exits 1 instead of restarting it again.",
+        ),
+    ] = 5,
+    engine_restart_window: Annotated[
+        float, typer.Option(min=1.0, help="The window of --engine-restart-limit (s).")
+    ] = 300.0,
     shutdown_timeout: Annotated[
         float,
         typer.Option(
@@ -523,6 +534,8 @@ def serve(
             engine_stall_unavailable_s=max(engine_stall_unavailable, engine_stall_degraded),
             shutdown_timeout_s=shutdown_timeout,
             access_log=access_log,
+            engine_restart_limit=engine_restart_limit,
+            engine_restart_window_s=engine_restart_window,
         )
     except Unauthenticated as exc:
         fail(str(exc), code=2)
@@ -539,6 +552,8 @@ def serve(
         raise
     if server.startup_error:
         fail(server.startup_error)
+    if server.fatal_error:
+        fail(server.fatal_error)
     if not server.started:
         fail(f"the server did not start (is port {port} free, and did the engine load?)")
 

@@ -228,6 +228,12 @@ class EngineConfig:
     fault_slow_rank_ms: float = knob(
         20.0, "Fault drill: the extra forward time of --fault-slow-rank (ms).", min=0.0
     )
+    fault_crash_after_steps: int = knob(
+        0,
+        "Fault drill: the engine core exits (status 70) after this many working steps, every "
+        "time it starts (0 = off): a crash loop.",
+        min=0,
+    )
     fault_kv_transfer_delay_ms: float = knob(
         0.0,
         "Fault drill (--disaggregation): every request's KV transfer from the prefill to the "

@@ -172,6 +172,7 @@ def run_engine_core(
             desk = AdoptionDesk()
     handoff_to: dict[str, int | None] = {}  # prefill side: request id -> its decode rank
     running = True
+    steps = 0  # working steps (the crash drill counts them)
     while running:
         if os.getppid() != api_pid:  # the API process is gone (killed): nobody to serve
             log.warning("engine core %d: API process %d is gone; exiting", os.getpid(), api_pid)
@@ -226,6 +227,9 @@ def run_engine_core(
             _adopt_arrivals(core, link, desk, send)
         if core.has_work():
             outputs, record = core.step()
+            steps += 1
+            if config.fault_crash_after_steps and steps >= config.fault_crash_after_steps:
+                os._exit(70)  # fault drill: a crash, no goodbye (the worker restarts us)
             if desk is not None and record is not None:  # held, and arrived but not read
                 record.num_kv_waiting = desk.waiting + link.arrived.qsize()
             send(EngineOutputs(outputs, record))

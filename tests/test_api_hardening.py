@@ -19,7 +19,7 @@ import duckdb
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_proc import Server
+from server_proc import Server, free_port
 
 from tokenmill.bench.demo import DemoError, wait_for_stop
 from tokenmill.engine.api.gateway import hash_key
@@ -524,6 +524,80 @@ def test_sigterm_drains_open_streams_before_stopping(tmp_path, smollm2_dir):
     done = con.execute("SELECT count(*) FROM requests WHERE finish_reason = 'length'").fetchone()
     assert done[0] == 8
     con.close()
+
+
+def test_restarts_back_off_and_a_crash_loop_gives_up(monkeypatch):
+    """The first restart in the window is at once, then 1, 2, 4 ... s up to the cap; the
+    limit's crash within the window makes the worker ``failed`` with one event naming the
+    count and the last reason; crashes older than the window no longer count."""
+    from tokenmill.engine.api import worker as w
+    from tokenmill.engine.config import EngineConfig
+
+    clock = [1000.0]
+    monkeypatch.setattr(w.time, "monotonic", lambda: clock[0])
+    worker = w.EngineWorker(EngineConfig())
+    worker.max_crashes, worker.crash_window_s = 4, 60.0
+    events = []
+    worker.add_event_listener(lambda *e: events.append(e))
+    waits = []
+    for _ in range(3):
+        assert not worker._crash_loop("exit 70")
+        waits.append(worker._backoff_s())
+        clock[0] += 10
+    assert waits == [0.0, 1.0, 2.0]
+    clock[0] += 60  # the first three leave the window
+    assert not worker._crash_loop("exit 70") and worker._backoff_s() == 0.0
+    for _ in range(2):
+        clock[0] += 1
+        assert not worker._crash_loop("exit 70")
+    assert worker._backoff_s() == 2.0
+    clock[0] += 1
+    assert worker._crash_loop("exit 70: fault drill") and worker.state == "failed"
+    (kind, severity, message) = events[-1]
+    assert (kind, severity) == ("engine_crash_loop", "error")
+    assert "crashed 4 times in 60 s" in message and "fault drill" in message
+    big = w.EngineWorker(EngineConfig())
+    big.max_crashes = 100
+    for _ in range(12):
+        big._crash_loop("x")
+    assert big._backoff_s() == w.RESTART_BACKOFF_MAX_S
+
+
+@pytest.mark.slow
+def test_a_crash_looping_engine_ends_the_server_in_one_line(tmp_path, smollm2_dir):
+    """An engine core that dies at its first step every time (the crash drill): after three
+    crashes the server stops on its own, exits 1, and its last line says why."""
+    import contextlib
+
+    port = free_port()
+    log = tmp_path / "serve.err"
+    with open(log, "w") as errf:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--model", str(smollm2_dir),
+             "--port", str(port), "--no-trace-db", "--fault-crash-after-steps", "1",
+             "--engine-restart-limit", "3", "--engine-restart-window", "600"],
+            stdout=subprocess.DEVNULL, stderr=errf, cwd=tmp_path,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    deadline = time.monotonic() + 400
+    codes = set()
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            # each request that reaches the engine makes it step, and crash
+            with contextlib.suppress(httpx.HTTPError):
+                codes.add(httpx.post(url, json=body, timeout=60).status_code)
+            time.sleep(0.3)
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = log.read_text()
+    assert proc.returncode == 1, err[-3000:]
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last.startswith("error:") and "crashed 3 times" in last, err[-3000:]
+    assert codes <= {500, 503} and codes, codes  # no request was ever served
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow

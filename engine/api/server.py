@@ -28,7 +28,7 @@ from .gateway import (
 )
 from .replicas import ReplicaPool, check_data_parallel
 from .stations import AdmissionStation, MeteringStation, TokenizeStation
-from .worker import EngineWorker
+from .worker import CRASH_WINDOW_S, MAX_CRASHES, EngineWorker
 
 log = logging.getLogger("tokenmill.serve")
 
@@ -62,6 +62,7 @@ class TokenmillServer(uvicorn.Server):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_signals: list[int] = []
         self.startup_error: str | None = None  # why the lifespan could not start the engine
+        self.fatal_error: str | None = None  # why it stopped on its own (an engine crash loop)
         self._drain_task: asyncio.Task | None = None
 
     async def serve(self, sockets=None) -> None:
@@ -288,6 +289,8 @@ def make_server(
     engine_stall_unavailable_s: float | None = None,
     shutdown_timeout_s: float = 30.0,
     access_log: bool = False,
+    engine_restart_limit: int = MAX_CRASHES,
+    engine_restart_window_s: float = CRASH_WINDOW_S,
 ) -> uvicorn.Server:
     """A configured uvicorn server whose startup launches the engine worker.
 
@@ -298,6 +301,9 @@ def make_server(
     ``engine_stall_degraded_s`` / ``engine_stall_unavailable_s``: seconds without a message
     from the engine core after which ``/health`` says ``degraded`` / answers 503 (None: the
     defaults ``worker.ENGINE_STALL_DEGRADED_S`` and ``ENGINE_STALL_UNAVAILABLE_S``).
+
+    ``engine_restart_limit`` crashes of an engine core within ``engine_restart_window_s`` make
+    the server stop on its own (``server.fatal_error`` says why; the CLI exits 1).
 
     ``shutdown_timeout_s``: how long SIGTERM lets the requests in flight finish while new ones
     are refused (0: SIGTERM stops them at once, as SIGINT does).
@@ -347,6 +353,17 @@ def make_server(
     worker.add_abandoned_listener(telemetry.on_abandoned)
     worker.add_abandoned_listener(lambda out: state.on_engine_final(out))
     worker.add_event_listener(lambda kind, sev, msg: telemetry.event(kind, sev, msg))
+    for w in getattr(worker, "workers", None) or [worker]:
+        w.max_crashes, w.crash_window_s = engine_restart_limit, engine_restart_window_s
+
+    def on_crash_loop(kind: str, severity: str, message: str) -> None:
+        """An engine core that keeps crashing: stop serving so the supervisor takes over."""
+        if kind == "engine_crash_loop" and server.fatal_error is None:
+            server.fatal_error = message
+            stop("engine crash loop")
+            server.should_exit = True
+
+    worker.add_event_listener(on_crash_loop)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -8,6 +8,7 @@ interface, worker ``i`` being replica ``i``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -18,7 +19,15 @@ from ..core_process import IDLE_POLL_MS
 
 log = logging.getLogger(__name__)
 
+#: the wait before a restart doubles with each crash inside the window (the first restart is at
+#: once), from this (s) up to RESTART_BACKOFF_MAX_S
 RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+#: a worker whose engine core crashed (or failed to start) this many times within
+#: CRASH_WINDOW_S gives up: the server exits non-zero so its supervisor takes over
+#: (``tokenmill serve --engine-restart-limit`` / ``--engine-restart-window``)
+MAX_CRASHES = 5
+CRASH_WINDOW_S = 300.0
 
 #: ``/health`` turns ``degraded`` (HTTP 200) when the engine core has sent nothing for this long
 #: (s). A live engine sends a message every step and a heartbeat every 0.5 s when idle
@@ -47,8 +56,9 @@ class EngineUnavailable(Exception):
 class EngineWorker:
     """Supervises one :class:`AsyncEngine`.
 
-    States: ``starting`` → ``ready``; on a crash ``restarting`` → ``ready``; ``down`` when a start
-    fails (it keeps retrying with backoff).
+    States: ``starting`` → ``ready``; on a crash ``restarting`` → ``ready``; ``down`` while a
+    restart fails (it keeps retrying, backing off); ``failed`` after ``max_crashes`` crashes or
+    failed starts within ``crash_window_s`` (an ``engine_crash_loop`` event: the server exits).
     """
 
     def __init__(
@@ -73,6 +83,9 @@ class EngineWorker:
         self._event_listeners = []
         self._stopping = False
         self.closing = False  # the server is shutting down: no new requests, no restarts
+        self.max_crashes = MAX_CRASHES
+        self.crash_window_s = CRASH_WINDOW_S
+        self._crashes: collections.deque[float] = collections.deque()  # monotonic times
 
     def add_step_listener(self, fn) -> None:
         self._listeners.append(fn)
@@ -144,6 +157,9 @@ class EngineWorker:
                 with contextlib.suppress(Exception):
                     await old.shutdown()
             while not self._stopping:
+                if self._crash_loop(reason):
+                    return
+                await asyncio.sleep(self._backoff_s())
                 try:
                     await self._spawn()
                     self.restarts += 1
@@ -152,8 +168,31 @@ class EngineWorker:
                     break
                 except Exception as exc:
                     self.state = "down"
-                    self.last_error = str(exc)
-                    await asyncio.sleep(RESTART_BACKOFF_S)
+                    self.last_error = reason = str(exc)
+
+    def _crash_loop(self, reason: str) -> bool:
+        """Count a crash (or a failed restart); True, with the worker ``failed`` and an
+        ``engine_crash_loop`` event, when the window now holds ``max_crashes`` of them."""
+        now = time.monotonic()
+        self._crashes.append(now)
+        while self._crashes and now - self._crashes[0] > self.crash_window_s:
+            self._crashes.popleft()
+        if len(self._crashes) < self.max_crashes:
+            return False
+        self.state = "failed"
+        message = (
+            f"{self.name}: the engine core crashed {len(self._crashes)} times in "
+            f"{self.crash_window_s:g} s (last: {reason}); giving up"
+        )
+        log.error("%s", message)
+        self._emit("engine_crash_loop", "error", message)
+        return True
+
+    def _backoff_s(self) -> float:
+        """The wait before the next restart: none after the window's first crash, then
+        RESTART_BACKOFF_S doubling up to RESTART_BACKOFF_MAX_S."""
+        k = len(self._crashes)
+        return 0.0 if k <= 1 else min(RESTART_BACKOFF_S * 2 ** (k - 2), RESTART_BACKOFF_MAX_S)
 
     def stop_streams(self, reason: str) -> int:
         """Refuse new requests from now on and end every open stream with ``StreamStopped``
