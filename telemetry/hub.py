@@ -23,7 +23,7 @@ from tokenmill.engine.messages import StepRecord, to_row
 from .dump import DumpError, parse_since, write_dump
 from .metrics import ServingMetrics
 from .sampler import DeviceSampler
-from .spans import StoreSpanProcessor, emit_trace, make_tracer_provider
+from .spans import SampledExport, StoreSpanProcessor, emit_trace, make_tracer_provider
 from .store import TraceStore
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,8 @@ class Telemetry:
             exporter = OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces")
         else:
             exporter = OTLPSpanExporter()  # reads the standard OTEL_EXPORTER_OTLP_* variables
-        self._otlp = BatchSpanProcessor(exporter)
+        # unsampled callers' requests stay in our store only (spans.SampledExport)
+        self._otlp = SampledExport(BatchSpanProcessor(exporter))
         self.provider.add_span_processor(self._otlp)
 
     # ----- lifecycle -----

@@ -23,6 +23,7 @@ Definitions used everywhere (the seed articles' and vLLM's):
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import json
 import math
@@ -204,10 +205,23 @@ def emit_trace(tracer: trace.Tracer, tl: RequestTimeline) -> tuple[str, dict, li
     stations = station_intervals(tl)
     end_ns = request_end_ns(tl, stations)
     parent_ctx = extract({"traceparent": tl.traceparent}) if tl.traceparent else None
+    caller = trace.get_current_span(parent_ctx).get_span_context() if parent_ctx else None
+    token = UNSAMPLED_CALLER.set(
+        bool(caller and caller.is_valid and not caller.trace_flags.sampled)
+    )
+    try:
+        return _emit(tracer, tl, stations, end_ns, parent_ctx)
+    finally:
+        UNSAMPLED_CALLER.reset(token)
+
+
+def _emit(tracer, tl: RequestTimeline, stations, end_ns: int, parent_ctx):
     finish_reasons = [tl.finish_reason] if tl.finish_reason else None
     root_attrs = _attrs(
         {
             "gen_ai.operation.name": "chat" if tl.endpoint == "chat" else "text_completion",
+            # the current GenAI conventions name the provider; gen_ai.system is their older name
+            "gen_ai.provider.name": "tokenmill",
             "gen_ai.system": "tokenmill",
             "gen_ai.request.model": tl.model,
             "gen_ai.request.max_tokens": tl.max_tokens,
@@ -446,7 +460,49 @@ def span_row(span: ReadableSpan) -> dict:
 
 
 def make_tracer_provider(resource_attrs: dict) -> TracerProvider:
-    """A TracerProvider with tokenmill's resource (service.name etc.)."""
-    from opentelemetry.sdk.resources import Resource
+    """A TracerProvider with tokenmill's resource. The standard variables win over
+    ``resource_attrs``: ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` (the SDK merges
+    them in; a ``service.name`` given here only fills in when neither names one).
 
-    return TracerProvider(resource=Resource.create(resource_attrs))
+    Every request's spans are recorded (``ALWAYS_ON``), whatever the caller's sampled flag:
+    our own store keeps them all, and :class:`SampledExport` keeps an unsampled caller's out of
+    the export."""
+    import os
+
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+
+    attrs = dict(resource_attrs)
+    env_attrs = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    if os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in env_attrs:
+        attrs.pop("service.name", None)
+    return TracerProvider(resource=Resource.create(attrs), sampler=ALWAYS_ON)
+
+
+#: True while :func:`emit_trace` ends the spans of a request whose caller sent a traceparent
+#: with the sampled flag off: they go to our store, not to the exporters
+UNSAMPLED_CALLER: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "tokenmill_unsampled_caller", default=False
+)
+
+
+class SampledExport(SpanProcessor):
+    """Wraps an exporting processor: passes on every span but those of a request whose caller
+    did not sample it (:data:`UNSAMPLED_CALLER`): sampling governs what leaves the server,
+    never what our store keeps."""
+
+    def __init__(self, inner: SpanProcessor):
+        self.inner = inner
+
+    def on_start(self, span, parent_context=None) -> None:
+        self.inner.on_start(span, parent_context=parent_context)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if not UNSAMPLED_CALLER.get():
+            self.inner.on_end(span)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)

@@ -229,7 +229,9 @@ def test_refused_request_fails_at_the_gateway():
     assert req["http_status"] == 429 and req["output_tokens"] == 0 and req["ttft_ms"] is None
 
 
-def test_otlp_export_reaches_a_collector():
+def _collect(timelines: list[RequestTimeline], **telemetry) -> tuple[list, list[dict]]:
+    """Record ``timelines`` through a Telemetry exporting to a local OTLP/HTTP collector:
+    (the collector's resource spans, the store's span rows)."""
     received: list[bytes] = []
 
     class Collector(http.server.BaseHTTPRequestHandler):
@@ -244,21 +246,67 @@ def test_otlp_export_reaches_a_collector():
 
     httpd = http.server.HTTPServer(("127.0.0.1", 0), Collector)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    stored: list[dict] = []
     try:
         tel = Telemetry(
             "m",
             trace_db=None,
             otlp_endpoint=f"http://127.0.0.1:{httpd.server_port}",
             device_sample_interval_s=0,
+            **telemetry,
         )
-        tel.on_request(_completed())
+        tel.provider.add_span_processor(StoreSpanProcessor(lambda t, row: stored.append(row)))
+        for tl in timelines:
+            tel.on_request(tl)
         assert tel.provider.force_flush(10_000)
         tel.close()
     finally:
         httpd.shutdown()
-    names = []
+    out = []
     for body in received:
         msg = ExportTraceServiceRequest()
         msg.ParseFromString(body)
-        names += [s.name for rs in msg.resource_spans for ss in rs.scope_spans for s in ss.spans]
-    assert sorted(names) == sorted(["request", *STATIONS])
+        out += list(msg.resource_spans)
+    return out, stored
+
+
+def _names(resource_spans) -> list[str]:
+    return [s.name for rs in resource_spans for ss in rs.scope_spans for s in ss.spans]
+
+
+def test_otlp_export_reaches_a_collector():
+    exported, _ = _collect([_completed()])
+    assert sorted(_names(exported)) == sorted(["request", *STATIONS])
+
+
+def test_the_standard_otel_variables_name_the_service(monkeypatch):
+    """OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES reach the exported resource; without
+    them the service is ``tokenmill``."""
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "llm-gateway-eu")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod")
+    exported, _ = _collect([_completed()])
+    attrs = {a.key: a.value.string_value for a in exported[0].resource.attributes}
+    assert attrs["service.name"] == "llm-gateway-eu"
+    assert attrs["deployment.environment"] == "prod"
+    monkeypatch.delenv("OTEL_SERVICE_NAME")
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES")
+    exported, _ = _collect([_completed()])
+    attrs = {a.key: a.value.string_value for a in exported[0].resource.attributes}
+    assert attrs["service.name"] == "tokenmill"
+
+
+def test_an_unsampled_caller_keeps_its_waterfall_in_our_store_but_is_not_exported():
+    """A traceparent with the sampled flag off: every span of the request is in our store (its
+    waterfall), under the caller's trace id, and none is exported; a sampled caller's request
+    is both."""
+    off, on = _completed(), _completed()
+    off.traceparent = "00-" + "a" * 32 + "-" + "b" * 16 + "-00"
+    on.traceparent = "00-" + "c" * 32 + "-" + "d" * 16 + "-01"
+    exported, stored = _collect([off, on])
+    trace_ids = {s.trace_id.hex() for rs in exported for ss in rs.scope_spans for s in ss.spans}
+    assert trace_ids == {"c" * 32}
+    by_trace = {}
+    for row in stored:
+        by_trace.setdefault(row["trace_id"], []).append(row["name"])
+    assert sorted(by_trace["a" * 32]) == sorted(["request", *STATIONS])
+    assert sorted(by_trace["c" * 32]) == sorted(["request", *STATIONS])
