@@ -8,8 +8,12 @@ same ``requests``, ``engine_steps`` and ``device_samples`` rows (``telemetry/sch
 to DuckDB, so a scrape and a trace dump agree.
 
 Units: the rows carry milliseconds (``*_ms``); every exported time is in seconds (Prometheus base
-unit). Ratios are 0..1 (``kv_cache_usage_perc``, as vLLM's); NVML utilisations keep NVML's
-0..100 percent (``gpu_*_perc``, ``host_cpu_perc``).
+unit). One scale per suffix: ``_ratio`` and ``_perc`` are 0..1 (``kv_cache_usage_perc`` keeps
+vLLM's name; NVML's 0..100 utilisations are divided by 100 into ``gpu_*_ratio``); the server
+process's CPU is ``host_cpu_cores`` (1.0 = one core busy). Monotonic values are counters
+(``engine_restarts_total``, ``gpu_energy_joules_total``). ``build_info`` is 1 with the
+versions as labels. ``docs/metrics.md`` is generated from this registry
+(``python -m tokenmill.telemetry.metrics_doc``) with each metric's vLLM counterpart.
 
 Bucket boundaries: every bound of vLLM's Prometheus logger (``vllm/v1/metrics/loggers.py``,
 v0.10) is kept, so an ``le`` a vLLM dashboard names still exists, and the latency ladders add a
@@ -94,9 +98,14 @@ REQUEST_STAGE_BUCKETS_S = merge_ladders(fine_ladder(-5), VLLM_REQUEST_LATENCY_BU
 REQUEST_LATENCY_BUCKETS_S = merge_ladders(fine_ladder(-4), VLLM_REQUEST_LATENCY_BUCKETS_S)
 # vllm:iteration_tokens_total uses 1, 8, 16, ..., 16384; tokenmill's steps stop at 8192.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+#: prompt and output lengths per request: vLLM's 1-2-5 ladder (up to a million tokens)
+REQUEST_TOKEN_BUCKETS = (*(m * 10**e for e in range(6) for m in (1, 2, 5)), 1_000_000)
 
 SUCCESS_REASONS = COMPLETED_FINISH_REASONS
 UNKNOWN = "unknown"
+#: sample keys whose unit the exported gauge scales: NVML's percent to 0..1, the process's
+#: CPU percent (100 = one core) to cores
+_SCALE = {"dram_bw_util_pct": 0.01, "gpu_util_pct": 0.01, "cpu_pct": 0.01}
 
 
 def _s(ms: float | None) -> float | None:
@@ -172,14 +181,20 @@ class ServingMetrics:
         mt = ["model_name", "tenant"]
         mg = ["model_name", "gpu"]
 
+        # every metric as defined: (exported name, type, labels, help), for docs/metrics.md
+        self.defined: list[tuple[str, str, tuple[str, ...], str]] = []
+
         def hist(name, doc, buckets):
+            self.defined.append((PREFIX + name, "histogram", tuple(m), doc))
             return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r)
 
         def gauge(name, doc, labels=m):
+            self.defined.append((PREFIX + name, "gauge", tuple(labels), doc))
             return Gauge(PREFIX + name, doc, labels, registry=r)
 
         def counter(name, doc, labels=m):
             # prometheus_client appends _total to the exported name.
+            self.defined.append((PREFIX + name + "_total", "counter", tuple(labels), doc))
             return Counter(PREFIX + name, doc, labels, registry=r)
 
         # -- histograms (seconds unless stated) -------------------------------------------------
@@ -224,6 +239,16 @@ class ServingMetrics:
             "to the decode core, in seconds.",
             REQUEST_STAGE_BUCKETS_S,
         )
+        self.h_prompt_len = hist(
+            "request_prompt_tokens",
+            "Prompt tokens per request that reached the engine.",
+            REQUEST_TOKEN_BUCKETS,
+        )
+        self.h_gen_len = hist(
+            "request_generation_tokens",
+            "Output tokens per request that reached the engine.",
+            REQUEST_TOKEN_BUCKETS,
+        )
         self.h_iter_tokens = hist(
             "iteration_tokens",
             "Tokens (prefill + decode) per engine step; steps with no tokens are not counted.",
@@ -257,7 +282,13 @@ class ServingMetrics:
         self.g_waiting = gauge("num_requests_waiting", "Requests waiting in the engine queue.")
         self.g_kv = gauge("kv_cache_usage_perc", "KV-cache usage, 0..1 (1 means 100 percent).")
         self.g_in_flight = gauge("requests_in_flight", "Requests admitted by the API, not done.")
-        self.g_restarts = gauge("engine_restarts", "Engine worker restarts since server start.")
+        self.c_restarts = counter("engine_restarts", "Engine core restarts since server start.")
+        self._restarts_seen = 0
+        self.g_build = gauge(
+            "build_info",
+            "1, labelled with the versions this server runs.",
+            ["model_name", "version", "python", "torch"],
+        )
         self.g_heartbeat_age = gauge(
             "engine_heartbeat_age_seconds",
             "Seconds since the engine core's last message (one per step, a heartbeat every "
@@ -273,12 +304,9 @@ class ServingMetrics:
         # -- per-GPU gauges (label gpu = device index) ------------------------------------------
         self.g_gpu = {
             "power_w": gauge("gpu_power_watts", "GPU power draw in watts (NVML).", mg),
-            "energy_j": gauge(
-                "gpu_energy_joules", "GPU energy in joules since the sampler started.", mg
-            ),
             "dram_bw_util_pct": gauge(
-                "gpu_dram_bandwidth_utilization_perc",
-                "GPU DRAM bandwidth utilisation, percent 0..100 (NVML GPM, Hopper+).",
+                "gpu_dram_bandwidth_utilization_ratio",
+                "GPU DRAM bandwidth utilisation, 0..1 (NVML GPM, Hopper+).",
                 mg,
             ),
             "sm_clock_mhz": gauge("gpu_sm_clock_mhz", "GPU SM clock in MHz.", mg),
@@ -286,12 +314,17 @@ class ServingMetrics:
             "temperature_c": gauge("gpu_temperature_celsius", "GPU temperature in celsius.", mg),
             "mem_used_bytes": gauge("gpu_memory_used_bytes", "GPU memory used in bytes.", mg),
             "gpu_util_pct": gauge(
-                "gpu_utilization_perc", "GPU (SM) utilisation, percent 0..100 (NVML).", mg
+                "gpu_utilization_ratio", "GPU (SM) utilisation, 0..1 (NVML).", mg
             ),
         }
+        # energy only grows: a counter, fed the sampler's increments
+        self.c_energy = counter("gpu_energy_joules", "GPU energy in joules (NVML).", mg)
+        self._energy_seen: dict[str, float] = {}
         # -- host gauges ------------------------------------------------------------------------
         self.g_host = {
-            "cpu_pct": gauge("host_cpu_perc", "Server process CPU, percent (100 = one core)."),
+            "cpu_pct": gauge(
+                "host_cpu_cores", "Server process CPU in cores (1.0 = one busy core)."
+            ),
             "rss_bytes": gauge("host_rss_bytes", "Server (+ engine) resident memory in bytes."),
         }
 
@@ -347,6 +380,14 @@ class ServingMetrics:
         )
         self._drops = _DropsCollector(model_name)
         r.register(self._drops)
+        self.defined.append(
+            (
+                _DropsCollector.NAME + "_total",
+                "counter",
+                ("model_name", "table"),
+                _DropsCollector.HELP,
+            )
+        )
 
         # Series without extra labels exist from the start (zero counts are true, not unknown).
         for metric in (
@@ -430,6 +471,8 @@ class ServingMetrics:
                     hist.labels(model).observe(value)
         input_tokens = int(g("input_tokens") or 0)
         cached_tokens = int(g("cached_tokens") or 0)
+        self.h_prompt_len.labels(model).observe(input_tokens)
+        self.h_gen_len.labels(model).observe(output_tokens)
         self.c_prompt.labels(model, tenant).inc(input_tokens)
         self.c_gen.labels(model, tenant).inc(output_tokens)
         self.c_cached.labels(model, tenant).inc(cached_tokens)
@@ -499,10 +542,11 @@ class ServingMetrics:
         """Records one ``device_samples`` row.
 
         ``kind == 'gpu'``: the ``gpu_*`` gauges labelled ``gpu=str(device_index)`` from
-        ``power_w`` (W), ``energy_j`` (J since the sampler started), ``dram_bw_util_pct`` and
-        ``gpu_util_pct`` (percent 0..100), ``sm_clock_mhz`` / ``mem_clock_mhz`` (MHz),
-        ``temperature_c`` (celsius), ``mem_used_bytes`` (bytes). ``kind == 'host'``:
-        ``host_cpu_perc`` from ``cpu_pct`` (percent) and ``host_rss_bytes`` from ``rss_bytes``.
+        ``power_w`` (W), ``dram_bw_util_pct`` and ``gpu_util_pct`` (percent 0..100, exported
+        0..1), ``sm_clock_mhz`` / ``mem_clock_mhz`` (MHz), ``temperature_c`` (celsius),
+        ``mem_used_bytes`` (bytes), and the energy counter from ``energy_j`` (J since the
+        sampler started: its increments). ``kind == 'host'``: ``host_cpu_cores`` from
+        ``cpu_pct`` (percent, exported /100) and ``host_rss_bytes`` from ``rss_bytes``.
         A None value removes that series (unknown is not exported as 0, nor left stale).
         """
         kind = row.get("kind")
@@ -522,7 +566,13 @@ class ServingMetrics:
             if value is None:
                 gauge.remove(*labels)
             else:
-                gauge.labels(*labels).set(float(value))
+                gauge.labels(*labels).set(float(value) * _SCALE.get(key, 1.0))
+        energy = row.get("energy_j") if kind == "gpu" else None
+        if energy is not None:
+            seen = self._energy_seen.get(labels[1])
+            if seen is not None and energy > seen:
+                self.c_energy.labels(*labels).inc(float(energy) - seen)
+            self._energy_seen[labels[1]] = float(energy)
 
     def set_engine_state(
         self,
@@ -546,11 +596,17 @@ class ServingMetrics:
             (self.g_running, running),
             (self.g_waiting, waiting),
             (self.g_kv, kv_usage),
-            (self.g_restarts, restarts),
             (self.g_in_flight, in_flight),
         ):
             if value is not None:
                 gauge.labels(model).set(float(value))
+        if restarts is not None:
+            self.c_restarts.labels(model).inc(max(0, restarts - self._restarts_seen))
+            self._restarts_seen = max(self._restarts_seen, restarts)
+
+    def set_build_info(self, version: str | None, python: str | None, torch: str | None) -> None:
+        """``tokenmill_build_info`` = 1 with these versions (``server.runtime_versions``)."""
+        self.g_build.labels(self.model_name, version or "", python or "", torch or "").set(1)
 
     def set_replica_state(self, replica: int, **values: float | None) -> None:
         """Sets one replica's ``tokenmill_replica_*`` gauges (keys ``running``, ``waiting``,

@@ -179,7 +179,7 @@ def test_numbers_match_rows():
     assert _get(s, "tokenmill_num_requests_running") == 2  # the last step
     assert _get(s, "tokenmill_num_requests_waiting") == 0
     assert math.isclose(_get(s, "tokenmill_kv_cache_usage_perc"), 0.25)
-    assert _get(s, "tokenmill_engine_restarts") == 1
+    assert _get(s, "tokenmill_engine_restarts_total") == 1
     assert _get(s, "tokenmill_requests_in_flight") == 0
 
     assert _get(s, "tokenmill_request_errors_total", error_type="rate_limit_exceeded") == 1
@@ -202,8 +202,14 @@ def test_numbers_match_rows():
     assert _get(s, "tokenmill_gpu_power_watts", gpu="0") == 312.5
     assert _get(s, "tokenmill_gpu_sm_clock_mhz", gpu="0") == 1980
     assert _get(s, "tokenmill_gpu_memory_used_bytes", gpu="0") == 40 * 2**30
-    assert _absent(s, "tokenmill_gpu_dram_bandwidth_utilization_perc")  # None: not exported
-    assert _get(s, "tokenmill_host_cpu_perc") == 150.0
+    assert _absent(s, "tokenmill_gpu_dram_bandwidth_utilization_ratio")  # None: not exported
+    assert math.isclose(_get(s, "tokenmill_gpu_utilization_ratio", gpu="0"), 0.87)  # NVML's 87 %
+    assert _get(s, "tokenmill_host_cpu_cores") == 1.5  # 150 % of one core
+    # one scale per suffix: no exported _perc or _ratio series above 1
+    assert all(v <= 1 for (n, _), v in s.items() if n.endswith(("_perc", "_ratio")))
+    # request lengths: every request that reached the engine (3 completed + the aborted one)
+    assert _get(s, "tokenmill_request_prompt_tokens_count") == 4
+    assert _get(s, "tokenmill_request_prompt_tokens_sum") == 40 + 12 + 100 + 30
     assert _get(s, "tokenmill_host_rss_bytes") == 2 * 2**30
 
     assert _get(s, "tokenmill_telemetry_dropped_total", table="spans") == 7
@@ -257,6 +263,24 @@ def test_weight_bytes_gauge_by_dtype():
         "tokenmill_model_weight_bytes",
         frozenset({"model_name": MODEL, "dtype": "int4"}.items()),
     ) not in s
+
+
+def test_monotonic_values_are_counters_fed_their_increments():
+    """Energy (J since the sampler started) and engine restarts only grow: counters, each
+    increased by what it grew since the last sample (a repeated value adds nothing)."""
+    m = ServingMetrics(MODEL)
+    m.observe_device(GPU)  # 15000 J: the first sample sets the base
+    m.observe_device(dict(GPU, energy_j=15250.0))
+    m.observe_device(dict(GPU, energy_j=15250.0))
+    m.set_engine_state(restarts=1)
+    m.set_engine_state(restarts=3)
+    m.set_engine_state(restarts=3)
+    m.set_build_info("0.1.0", "3.11.7", "2.13.0")
+    s = _samples(m.render()[0])
+    assert _get(s, "tokenmill_gpu_energy_joules_total", gpu="0") == 250.0
+    assert _get(s, "tokenmill_engine_restarts_total") == 3
+    build = {"version": "0.1.0", "python": "3.11.7", "torch": "2.13.0"}
+    assert _get(s, "tokenmill_build_info", **build) == 1
 
 
 def test_unknown_device_value_removes_stale_series():
@@ -485,3 +509,23 @@ def test_a_late_step_record_does_not_roll_the_engine_gauges_back():
     s = _samples(m.render()[0])
     assert _get(s, "tokenmill_num_requests_running") == 2
     assert _get(s, "tokenmill_num_requests_waiting") == 5
+
+
+def test_the_metrics_doc_is_the_registry():
+    """docs/metrics.md is generated from the registry: one row per defined metric, none
+    missing or stale (regenerate with `python -m tokenmill.telemetry.metrics_doc`), and every
+    vLLM counterpart it names is a metric we define."""
+    from pathlib import Path
+
+    from tokenmill.telemetry import metrics_doc
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+    assert page.read_text() == metrics_doc.render(), "regenerate docs/metrics.md"
+    defined = {name for name, *_ in ServingMetrics(MODEL).defined}
+    assert set(metrics_doc.VLLM_COUNTERPARTS) <= defined
+    # every family the fed registry exports is on the page (a metric made outside the helpers
+    # would be missing from it)
+    exported = {fam.name for fam in text_string_to_metric_families(_fed()[0].render()[0].decode())}
+    documented = {n.removesuffix("_total") for n in defined}
+    ours = {n for n in exported if n.startswith("tokenmill_") and not n.endswith("_created")}
+    assert ours <= documented, ours - documented

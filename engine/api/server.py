@@ -393,6 +393,10 @@ def make_server(
             versions=runtime_versions(),
         )
         telemetry.metrics.set_weight_bytes(model_info.get("weight_bytes_by_dtype") or {})
+        versions = runtime_versions()
+        telemetry.metrics.set_build_info(
+            versions.get("tokenmill"), versions.get("python"), versions.get("torch")
+        )
         if telemetry.store_error:
             announce(
                 f"warning: trace store unavailable ({telemetry.store_error}); serving without it"
