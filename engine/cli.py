@@ -228,6 +228,33 @@ def model_path() -> None:
 
 
 ENGINE_PANEL = "Engine options (EngineConfig)"
+FAULT_PANEL = "Fault drills (for tests and rehearsals, never production)"
+
+
+def load_config_file(ctx: typer.Context, param: typer.CallbackParam, value: str | None):
+    """``--config FILE``: a YAML mapping of the command's options (keys are the flag names,
+    with - or _) becomes their defaults; the command line and the environment
+    (``TOKENMILL_<OPTION>``, e.g. ``TOKENMILL_MAX_NUM_SEQS``) still win. An unreadable file, a
+    non-mapping or an unknown key is a usage error naming it."""
+    if not value:
+        return value
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(value).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise typer.BadParameter(f"cannot read {value}: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise typer.BadParameter(f"{value} must be a mapping of option: value")
+    known = {p.name for p in ctx.command.params} - {"config"}
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise typer.BadParameter(f"{value}: unknown option(s) {', '.join(unknown)}")
+    ctx.default_map = {**(ctx.default_map or {}), **data}
+    return value
 
 
 def engine_options(*names: str):
@@ -248,7 +275,8 @@ def engine_options(*names: str):
         if hints[name] is bool:
             decls = [f"{flag}/--no-{flag[2:]}" if f.default else flag]
         bounds = {k: f.metadata[k] for k in ("min", "max") if f.metadata.get(k) is not None}
-        info = typer.Option(*decls, help=f.metadata["help"], rich_help_panel=ENGINE_PANEL, **bounds)
+        panel = FAULT_PANEL if name.startswith("fault_") else ENGINE_PANEL
+        info = typer.Option(*decls, help=f.metadata["help"], rich_help_panel=panel, **bounds)
         return inspect.Parameter(
             name,
             inspect.Parameter.KEYWORD_ONLY,
@@ -362,9 +390,19 @@ def generate(
     )
 
 
-@app.command()
+@app.command(context_settings={"auto_envvar_prefix": "TOKENMILL"})
 @engine_options(*EngineConfig.field_names())
 def serve(
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config",
+            callback=load_config_file,
+            is_eager=True,
+            help="YAML file of serve options (keys are the flag names); the command line and "
+            "TOKENMILL_<OPTION> variables (TOKENMILL_MAX_NUM_SEQS) override it.",
+        ),
+    ] = None,
     host: Annotated[
         str,
         typer.Option(
@@ -444,6 +482,7 @@ def serve(
             min=0.0,
             max=60_000.0,
             help="Fault drill: the stream waits this long (ms) before each token chunk but the first.",
+            rich_help_panel=FAULT_PANEL,
         ),
     ] = 0.0,
     engine_stall_degraded: Annotated[
