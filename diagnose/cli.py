@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from tokenmill.telemetry.cli import fail, fetch_message, out
+from tokenmill.telemetry.retention import is_archive
 
 
 class DiagnoseInputError(Exception):
@@ -94,7 +95,9 @@ def run(
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "live.duckdb"
             _fetch(url, tmp, api_key=api_key)
             paths = [tmp]
-        elif source is not None and (len(source) > 1 or source[0].is_dir()):
+        elif source is not None and (
+            len(source) > 1 or (source[0].is_dir() and not is_archive(source[0]))
+        ):
             try:
                 paths = collect_dumps(source)
             except FleetError as exc:

@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from tokenmill.telemetry.parquet_dump import is_parquet_dump
+from tokenmill.telemetry.retention import is_archive
 
 from .findings import SEVERITY_RANK, Report
 
@@ -32,8 +33,9 @@ class FleetError(Exception):
 
 def collect_dumps(paths: list[Path]) -> list[Path]:
     """The dumps named by ``paths``, in order: a file is one dump, a Parquet dump folder is one
-    dump, any other folder stands for its ``*.duckdb`` files and Parquet dump sub-folders
-    (sorted by name).
+    dump, a retention archive (``telemetry/retention.py``) is one dump (its roll-outs read as
+    one store), any other folder stands for its ``*.duckdb`` files, Parquet dump sub-folders
+    and archives (sorted by name).
 
     Raises:
         FleetError: a path that does not exist, a folder holding no dumps, or a dump given
@@ -43,11 +45,11 @@ def collect_dumps(paths: list[Path]) -> list[Path]:
     for p in paths:
         if not p.exists():
             raise FleetError(f"{p}: no such file or folder")
-        if p.is_dir() and not is_parquet_dump(p):
+        if p.is_dir() and not is_parquet_dump(p) and not is_archive(p):
             inside = sorted(
                 c
                 for c in p.iterdir()
-                if (c.is_file() and c.suffix == ".duckdb") or is_parquet_dump(c)
+                if (c.is_file() and c.suffix == ".duckdb") or is_parquet_dump(c) or is_archive(c)
             )
             if not inside:
                 raise FleetError(

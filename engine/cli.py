@@ -453,8 +453,31 @@ def serve(
         int, typer.Option(min=1024, help="Largest request body accepted (bytes).")
     ] = 2 << 20,
     trace_db: Annotated[
-        str, typer.Option(help="DuckDB trace store (spans, requests, steps, device samples).")
-    ] = "./tokenmill-data/traces.duckdb",
+        str | None,
+        typer.Option(
+            help="DuckDB trace store (spans, requests, steps, device samples); default "
+            "$TOKENMILL_HOME/traces.duckdb, TOKENMILL_HOME defaulting to ./tokenmill-data.",
+            show_default=False,
+        ),
+    ] = None,
+    trace_retention: Annotated[
+        str | None,
+        typer.Option(
+            help="Keep this long in the live store (30m, 24h, 7d); older rows roll out to "
+            "Parquet dumps in --trace-archive, which `tokenmill diagnose FOLDER` reads as one.",
+        ),
+    ] = None,
+    trace_max_bytes: Annotated[
+        int | None,
+        typer.Option(
+            min=1 << 20,
+            help="Past this size (bytes) the oldest half of the live store rolls out too.",
+        ),
+    ] = None,
+    trace_archive: Annotated[
+        str | None,
+        typer.Option(help="Where rolled-out rows go (default: archive/ beside the store)."),
+    ] = None,
     no_trace_db: Annotated[
         bool, typer.Option("--no-trace-db", help="Keep no trace store (metrics and OTLP only).")
     ] = False,
@@ -539,6 +562,9 @@ def serve(
     **engine: Any,
 ) -> None:
     """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
+    from tokenmill.telemetry.dump import parse_since
+    from tokenmill.telemetry.store import default_trace_db
+
     from .api.server import Unauthenticated, make_server
     from .logs import FORMATS, LEVELS
     from .logs import configure as configure_logs
@@ -563,7 +589,14 @@ def serve(
             max_body_bytes=max_body_bytes,
             served_model_name=served_model_name,
             announce=lambda m: out.print(m, highlight=False, markup=False, soft_wrap=True),
-            trace_db=None if no_trace_db or no_tracing else trace_db,
+            trace_db=None if no_trace_db or no_tracing else default_trace_db(trace_db),
+            trace_retention=(
+                {
+                    "retention_s": parse_since(trace_retention) if trace_retention else None,
+                    "max_bytes": trace_max_bytes,
+                    "archive": trace_archive,
+                }
+            ),
             tracing=not no_tracing,
             trace_content=trace_content,
             otlp_endpoint=otlp_endpoint,

@@ -32,7 +32,7 @@ DUCKDB_MAGIC = b"DUCK"  # bytes 8..12 of every DuckDB database file
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _SINCE_RE = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
 # the time column of each table that is not kept whole by trace
-_TIME_COLUMN = {"engine_steps": "start_ns", "device_samples": "time_ns", "events": "time_ns"}
+TIME_COLUMN = {"engine_steps": "start_ns", "device_samples": "time_ns", "events": "time_ns"}
 
 
 class DumpError(Exception):
@@ -63,6 +63,19 @@ def _window(column: str, since_ns: int | None, until_ns: int | None) -> str:
     if until_ns is not None:
         conds.append(f"{column} < {int(until_ns)}")
     return " AND ".join(conds) or "TRUE"
+
+
+def trace_ids_sql(since_ns: int | None, until_ns: int | None, db: str | None = None) -> str:
+    """SQL of the trace ids a window holds: the traces of the requests that arrived in it, and
+    the traces without a request row (a request cut before its row) whose first span started
+    in it. ``db``: the attached database to read (None: the current one)."""
+    s = f'"{db}".main.' if db else ""
+    return (
+        f"SELECT trace_id FROM {s}requests WHERE {_window('arrival_ns', since_ns, until_ns)} "
+        f"UNION SELECT trace_id FROM {s}spans "
+        f"WHERE trace_id NOT IN (SELECT trace_id FROM {s}requests) "
+        f"GROUP BY trace_id HAVING {_window('min(start_ns)', since_ns, until_ns)}"
+    )
 
 
 def _sql_string(text: str) -> str:
@@ -128,13 +141,7 @@ def write_dump(
             apply_schema(new)
         con.execute(f"ATTACH {_sql_string(str(tmp))} AS {alias} (READ_WRITE)")
         attached = True
-        traces = (
-            f"SELECT trace_id FROM {s}.main.requests WHERE "
-            f"{_window('arrival_ns', since_ns, until_ns)} "
-            f"UNION SELECT trace_id FROM {s}.main.spans "
-            f"WHERE trace_id NOT IN (SELECT trace_id FROM {s}.main.requests) "
-            f"GROUP BY trace_id HAVING {_window('min(start_ns)', since_ns, until_ns)}"
-        )
+        traces = trace_ids_sql(since_ns, until_ns, src)
         con.execute("BEGIN TRANSACTION")
         con.execute(
             f"INSERT INTO {alias}.main.spans BY NAME SELECT * FROM {s}.main.spans "
@@ -144,7 +151,7 @@ def write_dump(
             f"INSERT INTO {alias}.main.requests BY NAME SELECT * FROM {s}.main.requests "
             f"WHERE trace_id IN ({traces})"
         )
-        for table, column in _TIME_COLUMN.items():
+        for table, column in TIME_COLUMN.items():
             con.execute(
                 f"INSERT INTO {alias}.main.{table} BY NAME SELECT * FROM {s}.main.{table} "
                 f"WHERE {_window(column, since_ns, until_ns)}"
@@ -158,7 +165,7 @@ def write_dump(
             parts = " UNION ALL ".join(
                 [f"SELECT min(start_ns) FROM {alias}.main.spans"]
                 + [f"SELECT min(arrival_ns) FROM {alias}.main.requests"]
-                + [f"SELECT min({c}) FROM {alias}.main.{t}" for t, c in _TIME_COLUMN.items()]
+                + [f"SELECT min({c}) FROM {alias}.main.{t}" for t, c in TIME_COLUMN.items()]
             )
             start = con.execute(f"SELECT min(m) FROM ({parts}) AS x(m)").fetchone()[0]
             start = dumped_at_ns if start is None else start
@@ -232,7 +239,8 @@ def duckdb_file_problem(p: Path, folder_noun: str, what: str) -> str | None:
 
 def open_dump(path: str | Path, *, verify: bool = True) -> duckdb.DuckDBPyConnection:
     """Open a dump (or a closed trace-store file) read-only; a Parquet dump folder
-    (:mod:`.parquet_dump`) opens as an in-memory DuckDB holding the same tables.
+    (:mod:`.parquet_dump`), or a retention archive of them (:mod:`.retention`), opens as an
+    in-memory DuckDB holding the same tables.
 
     Args:
         verify: read every row once so that a damaged block surfaces here, as a
@@ -244,6 +252,10 @@ def open_dump(path: str | Path, *, verify: bool = True) -> duckdb.DuckDBPyConnec
             the file); a Parquet folder of another version or lacking a table file.
     """
     p = Path(path)
+    from .retention import is_archive, open_archive
+
+    if p.is_dir() and is_archive(p):  # old rows the live store rolled out (--trace-retention)
+        return open_archive(p)
     if is_parquet_dump(p):  # a folder written by ``tokenmill dump --format parquet``
         try:
             return load_parquet(p)

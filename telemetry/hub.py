@@ -24,7 +24,7 @@ from .dump import DumpError, parse_since, write_dump
 from .metrics import ServingMetrics
 from .sampler import DeviceSampler
 from .spans import SampledExport, StoreSpanProcessor, emit_trace, make_tracer_provider
-from .store import TraceStore
+from .store import TraceStore, TraceStoreInUse
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,11 @@ class Telemetry:
             ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` variables.
         device_sample_interval_s: sampler period (s); 0 disables the sampler.
         trace_content: keep prompt and output text on the root span (off by default).
+        retention: :class:`TraceStore`'s ``retention_s``, ``max_bytes`` and ``archive``.
+
+    Raises:
+        TraceStoreInUse: another process holds ``trace_db`` (any other store error is logged
+            and the server serves on without a store).
     """
 
     def __init__(
@@ -120,6 +125,7 @@ class Telemetry:
         otlp_endpoint: str | None = None,
         device_sample_interval_s: float = 0.1,
         trace_content: bool = False,
+        retention: dict | None = None,
     ):
         self.model_name = model_name
         self.tracing = tracing
@@ -131,7 +137,9 @@ class Telemetry:
         self.trace_db = trace_db
         if trace_db:
             try:
-                self.store = TraceStore(trace_db)
+                self.store = TraceStore(trace_db, **(retention or {}))
+            except TraceStoreInUse:
+                raise  # a second server on the same file: it must not start
             except Exception as exc:  # serve on without a store; count what is lost
                 self.store_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
                 log.error("trace store %s unavailable: %s", trace_db, self.store_error)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections import Counter
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+
+from tokenmill.engine.errors import TokenmillError
 
 from .schema import TABLES, apply_schema
 
@@ -40,6 +43,17 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
 
 
+def default_trace_db(path: str | None = None) -> str:
+    """The store's absolute path: ``path``, or ``$TOKENMILL_HOME/traces.duckdb`` with
+    ``TOKENMILL_HOME`` defaulting to ``./tokenmill-data`` (resolved where the server starts)."""
+    home = Path(os.environ.get("TOKENMILL_HOME") or "tokenmill-data")
+    return str(Path(path).expanduser().resolve() if path else (home / "traces.duckdb").resolve())
+
+
+class TraceStoreInUse(TokenmillError):
+    """Another process holds the store file (a second server on the same path): one line."""
+
+
 class TraceStore:
     """Owner of one trace-store DuckDB file.
 
@@ -48,8 +62,13 @@ class TraceStore:
         max_queue_rows: rows that may wait for the writer; beyond that, rows are dropped.
         batch_rows: the writer inserts at most this many rows per table per transaction.
         flush_interval_s: rows wait up to this long (s) so that each insert is one batch.
+        retention_s, max_bytes: roll rows older than this, or the oldest half past this file
+            size, out to Parquet dumps in ``archive`` (``telemetry/retention.py``), checked
+            every ``roll_interval_s`` by the writer; None: keep everything.
+        archive: the archive folder (default ``<store folder>/archive``).
 
     Raises:
+        TraceStoreInUse: another process has the file open (the server refuses to start).
         duckdb.Error, OSError, SchemaError: the file cannot be opened or has another schema.
         The server catches these and serves on without a store (drops counted).
     """
@@ -61,13 +80,33 @@ class TraceStore:
         max_queue_rows: int = 200_000,
         batch_rows: int = 8192,
         flush_interval_s: float = 1.0,
+        retention_s: float | None = None,
+        max_bytes: int | None = None,
+        archive: str | Path | None = None,
+        roll_interval_s: float = 30.0,
     ):
         self.path = str(path)
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         # one DuckDB thread: the store shares the API process with the server, and inserts of a
         # few thousand rows gain nothing from a parallel pipeline
-        self._con = duckdb.connect(self.path, config={"threads": 1})
+        try:
+            self._con = duckdb.connect(self.path, config={"threads": 1})
+        except duckdb.IOException as exc:
+            if "lock" in str(exc).lower():
+                holder = re.search(r"\(PID (\d+)\)", str(exc))
+                who = f"process {holder.group(1)}" if holder else "another process"
+                raise TraceStoreInUse(
+                    f"trace store {self.path} is in use by {who} (another server?): give this "
+                    "one its own --trace-db"
+                ) from None
+            raise
+        self.retention_s, self.max_bytes = retention_s, max_bytes
+        self.archive = Path(archive) if archive else Path(self.path).parent / "archive"
+        self.roll_interval_s = roll_interval_s
+        self._last_roll = time.monotonic()
+        self.rolled: Counter = Counter()  # rows moved to the archive, per table
+        self.roll_error: str | None = None
         apply_schema(self._con)
         self._types = {t: self._arrow_schema(t) for t in TABLES}
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue_rows)
@@ -120,6 +159,9 @@ class TraceStore:
             "written_rows": dict(self.written),
             "dropped_rows": dict(self.dropped),
             "error": self.error,
+            "file_bytes": self.file_bytes(),
+            "rolled_rows": dict(self.rolled),
+            "roll_error": self.roll_error,
         }
 
     # ----- readers -----
@@ -176,6 +218,7 @@ class TraceStore:
         lower_thread_priority()
         try:
             while True:
+                self._maybe_roll()
                 try:
                     first = self._queue.get(timeout=self.flush_interval_s)
                 except queue.Empty:
@@ -202,6 +245,46 @@ class TraceStore:
             self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
             log.error("trace store writer stopped: %s", self.error)
             self._drain_as_dropped()
+
+    def _maybe_roll(self, force: bool = False) -> Path | None:
+        """Roll old rows out to the archive when retention or the size cap says so (at most
+        once per ``roll_interval_s`` unless ``force``); the writer thread's, or under the lock.
+        A failure is logged and kept in ``roll_error``; the rows stay in the live file."""
+        if self.retention_s is None and self.max_bytes is None:
+            return None
+        if not force and time.monotonic() - self._last_roll < self.roll_interval_s:
+            return None
+        self._last_roll = time.monotonic()
+        from .retention import cutoff_ns, roll_out
+
+        with self._lock:
+            try:
+                cut = cutoff_ns(
+                    self._con,
+                    time.time_ns(),
+                    retention_s=self.retention_s,
+                    max_bytes=self.max_bytes,
+                    file_bytes=self.file_bytes(),
+                )
+                if cut is None:
+                    return None
+                out, moved = roll_out(self._con, cut, self.archive, self.path)
+            except Exception as exc:
+                self.roll_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                log.error("trace store roll-out failed: %s", self.roll_error)
+                return None
+        self.roll_error = None
+        self.rolled.update(moved)
+        if out is not None:
+            log.info("rolled %d rows older than %d out to %s", sum(moved.values()), cut, out)
+        return out
+
+    def file_bytes(self) -> int:
+        """The store file's size with its write-ahead log (0 in memory)."""
+        if self.path == ":memory:":
+            return 0
+        p = Path(self.path)
+        return sum(f.stat().st_size for f in (p, p.with_name(p.name + ".wal")) if f.exists())
 
     def _drain_as_dropped(self) -> None:
         while True:

@@ -280,6 +280,7 @@ def make_server(
     served_model_name: str | None = None,
     announce=print,
     trace_db: str | None = "./tokenmill-data/traces.duckdb",
+    trace_retention: dict | None = None,
     tracing: bool = True,
     trace_content: bool = False,
     otlp_endpoint: str | None = None,
@@ -346,6 +347,7 @@ def make_server(
         otlp_endpoint=otlp_endpoint,
         device_sample_interval_s=device_sample_interval_s,
         trace_content=trace_content,
+        retention=trace_retention,
     )
     # replicas, or both sides' engine cores: the state gauges then come per replica
     telemetry.metrics.data_parallel_size = len(getattr(worker, "workers", ())) or 1
