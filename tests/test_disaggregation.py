@@ -670,7 +670,7 @@ def _free_port_pair() -> int:
 def test_the_host_to_host_recipe_serves_and_recovers_from_a_killed_remote_core(
     tmp_path, smollm2_dir
 ):
-    """The README's host-to-host recipe as two processes on localhost, with only its flags:
+    """docs/engine.md's host-to-host recipe as two processes on localhost, with only its flags:
     ``tokenmill serve --disaggregation prefill=1,decode=1 --remote-decode-listen H:P`` and
     ``tokenmill pd-worker --connect H:P --model DIR``. The decode core runs under the
     pd-worker, not the API; greedy answers equal the colocated engine's; SIGKILL that core

@@ -1,7 +1,7 @@
 """One rule in one place: every rule is one module of ``tokenmill.diagnose.rules`` holding its
 detector, thresholds, text and console signals, registered once; its runbook, the runbook index
-and the README follow the registry, and no other module of the diagnoser or the console names a
-rule."""
+and docs/diagnosis.md follow the registry, and no other module of the diagnoser or the console
+names a rule."""
 
 from __future__ import annotations
 
@@ -78,15 +78,15 @@ def test_every_rule_has_a_runbook_and_an_index_row_in_registry_order():
         assert rid == text == link, (rid, text, link)
 
 
-def test_readme_lists_exactly_the_registry():
-    text = (ROOT / "README.md").read_text()
+def test_diagnosis_doc_lists_exactly_the_registry():
+    text = (ROOT / "docs" / "diagnosis.md").read_text()
     (count,) = re.findall(r"It then runs (\d+) rules", text)
-    assert int(count) == len(RULES), "README: the rule count"
+    assert int(count) == len(RULES), "docs/diagnosis.md: the rule count"
     m = re.search(r"^Rules: (.*?)\.\n\n", text, re.M | re.S)
-    assert m, "README: the 'Rules: ...' paragraph"
+    assert m, "docs/diagnosis.md: the 'Rules: ...' paragraph"
     listed = re.findall(r"`(\w+)`", m.group(1))
     expected = "Rules: " + ", ".join(f"`{r}`" for r in IDS) + "."
-    assert listed == IDS, f"README's rule list should read (rewrapped):\n{expected}"
+    assert listed == IDS, f"docs/diagnosis.md's rule list should read (rewrapped):\n{expected}"
 
 
 def _string_constants(path: Path) -> set[str]:

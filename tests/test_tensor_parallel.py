@@ -235,7 +235,7 @@ def _engine(path, smollm2_dir, **cfg) -> LLM:
 def test_two_hosts_on_localhost_with_only_the_documented_environment(
     tmp_path, smollm2_dir, monkeypatch
 ):
-    """README's two-host recipe as two processes on this host: "host B" runs ``tokenmill
+    """docs/engine.md's two-host recipe as two processes on this host: "host B" runs ``tokenmill
     tp-worker`` with MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK=1 and its own copy of the model;
     "host A" runs the engine as RANK=0. Greedy tokens equal one rank's."""
     from server_proc import free_port
