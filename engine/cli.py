@@ -456,7 +456,7 @@ def serve(
         str | None,
         typer.Option(
             help="DuckDB trace store (spans, requests, steps, device samples); default "
-            "$TOKENMILL_HOME/traces.duckdb, TOKENMILL_HOME defaulting to ./tokenmill-data.",
+            "./tokenmill-data/traces.duckdb, printed absolute at start.",
             show_default=False,
         ),
     ] = None,

@@ -44,10 +44,9 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
 
 
 def default_trace_db(path: str | None = None) -> str:
-    """The store's absolute path: ``path``, or ``$TOKENMILL_HOME/traces.duckdb`` with
-    ``TOKENMILL_HOME`` defaulting to ``./tokenmill-data`` (resolved where the server starts)."""
-    home = Path(os.environ.get("TOKENMILL_HOME") or "tokenmill-data")
-    return str(Path(path).expanduser().resolve() if path else (home / "traces.duckdb").resolve())
+    """The store's absolute path: ``path``, or ``./tokenmill-data/traces.duckdb`` resolved where
+    the server starts (``--trace-db`` or ``TOKENMILL_TRACE_DB`` put it elsewhere)."""
+    return str(Path(path or "tokenmill-data/traces.duckdb").expanduser().resolve())
 
 
 class TraceStoreInUse(TokenmillError):
