@@ -100,9 +100,7 @@ def dashboard(
         markup=False,
         soft_wrap=True,
     )
-    from tokenmill.engine.api.gateway import is_loopback
-
-    if not is_loopback(host):
+    if not _is_loopback(host):
         out.print(
             f"note: the console has no login of its own; anyone who reaches {shown}:{port} reads "
             "the traces. Put it behind a reverse proxy that authenticates (nginx auth_basic, "
@@ -122,3 +120,13 @@ def dashboard(
             proc.kill()
         code = 130
     raise typer.Exit(code)
+
+
+def _is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or ``localhost``: the console's own address needs no note."""
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

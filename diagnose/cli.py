@@ -17,7 +17,6 @@ import typer
 from rich.console import Console
 
 from tokenmill.telemetry.cli import fail, fetch_message, out
-from tokenmill.telemetry.retention import is_archive
 
 
 class DiagnoseInputError(Exception):
@@ -89,6 +88,8 @@ def run(
             since_s = parse_since(since)
         except ValueError as exc:
             raise DiagnoseInputError(f"--since: {exc}") from None
+
+    from tokenmill.telemetry.retention import is_archive  # duckdb: not at --help
 
     with contextlib.ExitStack() as stack:
         if url is not None:

@@ -562,9 +562,6 @@ def serve(
     **engine: Any,
 ) -> None:
     """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
-    from tokenmill.telemetry.dump import parse_since
-    from tokenmill.telemetry.store import default_trace_db
-
     from .api.server import Unauthenticated, make_server
     from .logs import FORMATS, LEVELS
     from .logs import configure as configure_logs
@@ -589,14 +586,10 @@ def serve(
             max_body_bytes=max_body_bytes,
             served_model_name=served_model_name,
             announce=lambda m: out.print(m, highlight=False, markup=False, soft_wrap=True),
-            trace_db=None if no_trace_db or no_tracing else default_trace_db(trace_db),
-            trace_retention=(
-                {
-                    "retention_s": parse_since(trace_retention) if trace_retention else None,
-                    "max_bytes": trace_max_bytes,
-                    "archive": trace_archive,
-                }
-            ),
+            trace_db=None if no_trace_db or no_tracing else (trace_db or "default"),
+            trace_retention=trace_retention,
+            trace_max_bytes=trace_max_bytes,
+            trace_archive=trace_archive,
             tracing=not no_tracing,
             trace_content=trace_content,
             otlp_endpoint=otlp_endpoint,

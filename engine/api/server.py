@@ -279,8 +279,10 @@ def make_server(
     max_body_bytes: int = 2 << 20,
     served_model_name: str | None = None,
     announce=print,
-    trace_db: str | None = "./tokenmill-data/traces.duckdb",
-    trace_retention: dict | None = None,
+    trace_db: str | None = "default",
+    trace_retention: str | None = None,
+    trace_max_bytes: int | None = None,
+    trace_archive: str | None = None,
     tracing: bool = True,
     trace_content: bool = False,
     otlp_endpoint: str | None = None,
@@ -306,6 +308,10 @@ def make_server(
     ``engine_restart_limit`` crashes of an engine core within ``engine_restart_window_s`` make
     the server stop on its own (``server.fatal_error`` says why; the CLI exits 1).
 
+    ``trace_db``: the store file (``"default"``: ``./tokenmill-data/traces.duckdb``, made
+    absolute; None: no store); ``trace_retention`` (``30m``, ``24h``), ``trace_max_bytes`` and
+    ``trace_archive``: the store's roll-outs (``telemetry/retention.py``).
+
     ``shutdown_timeout_s``: how long SIGTERM lets the requests in flight finish while new ones
     are refused (0: SIGTERM stops them at once, as SIGINT does).
 
@@ -318,7 +324,17 @@ def make_server(
         TenantsFileError, ModelLoadError: bad tenants file or model folder (before any start).
         Unauthenticated: a non-loopback ``host`` with no key and no ``allow_unauthenticated``.
     """
+    from tokenmill.telemetry.dump import parse_since
+    from tokenmill.telemetry.store import default_trace_db
+
     tenants = _tenants(tenants_file, api_key, admin_key)
+    retention = {
+        "retention_s": parse_since(trace_retention) if trace_retention else None,
+        "max_bytes": trace_max_bytes,
+        "archive": trace_archive,
+    }
+    if trace_db is not None:
+        trace_db = default_trace_db(None if trace_db == "default" else trace_db)
     if tenants is None and not is_loopback(host) and not allow_unauthenticated:
         raise Unauthenticated(
             f"refusing to serve {host} without API keys: give --api-key (or TOKENMILL_API_KEY) "
@@ -347,7 +363,7 @@ def make_server(
         otlp_endpoint=otlp_endpoint,
         device_sample_interval_s=device_sample_interval_s,
         trace_content=trace_content,
-        retention=trace_retention,
+        retention=retention,
     )
     # replicas, or both sides' engine cores: the state gauges then come per replica
     telemetry.metrics.data_parallel_size = len(getattr(worker, "workers", ())) or 1
