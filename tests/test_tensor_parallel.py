@@ -145,8 +145,9 @@ def test_each_ranks_compute_time_names_the_slow_rank(tmp_path, smollm2_dir):
 
     make_checkpoint("llama", tmp_path)
     seqs, _ = _sequences()
-    # 64 tokens: at least three timed records, so no single noisy one decides
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    # 45 tokens (the longest prompt, 19, fills the 64-token context): two or more timed
+    # records, so no single noisy one decides
+    params = SamplingParams(temperature=0, max_tokens=45, ignore_eos=True)
     llm = _engine(
         tmp_path, smollm2_dir, tensor_parallel_size=2, fault_slow_rank=1, fault_slow_rank_ms=50.0
     )
@@ -156,7 +157,7 @@ def test_each_ranks_compute_time_names_the_slow_rank(tmp_path, smollm2_dir):
     finally:
         llm.close()
     timed = [r for r in records if r.rank_compute_ms is not None]
-    assert len(timed) == len(records) // RANK_TIMES_EVERY >= 3
+    assert len(timed) == len(records) // RANK_TIMES_EVERY >= 2
     assert all(records.index(r) % RANK_TIMES_EVERY == RANK_TIMES_EVERY - 1 for r in timed)
     assert all(len(r.rank_compute_ms) == 2 for r in timed)
     # rank 1 is the slow one by a share of the drill's 50 ms: the median over the timed records
