@@ -37,7 +37,7 @@ def is_archive(folder: str | Path) -> bool:
     return (Path(folder) / ARCHIVE_FILE).is_file()
 
 
-def _times(con: duckdb.DuckDBPyConnection) -> tuple[int | None, int]:
+def _oldest_ns(con: duckdb.DuckDBPyConnection) -> int | None:
     """The oldest row time in the store (None when empty)."""
     parts = ["SELECT min(arrival_ns) FROM requests", "SELECT min(start_ns) FROM spans"]
     parts += [f"SELECT min({c}) FROM {t}" for t, c in TIME_COLUMN.items()]
@@ -55,7 +55,7 @@ def cutoff_ns(
 ) -> int | None:
     """The time before which rows roll out now: ``now - retention``, or past ``max_bytes``
     the middle of what the file holds (the later of the two); None when nothing is due."""
-    oldest = _times(con)
+    oldest = _oldest_ns(con)
     if oldest is None:
         return None
     cut = None
@@ -85,7 +85,7 @@ def roll_out(
     marker = folder / ARCHIVE_FILE
     if not marker.exists():
         marker.write_text(json.dumps({"rolled_from": str(Path(live_path).resolve())}) + "\n")
-    oldest = _times(con)
+    oldest = _oldest_ns(con)
     if oldest is None or oldest >= cutoff:
         return None, {}
     tmp = folder / f".roll-{cutoff}.duckdb"

@@ -158,8 +158,7 @@ def test_the_built_wheel_installs_alone_and_runs(tmp_path, smollm2_dir):
     )  # fmt: skip
     assert gen.returncode == 0, gen.stderr
     assert "output tokens in" in gen.stdout, gen.stdout
-    sys.path.insert(0, str(Path(__file__).parent))
-    from server_proc import free_port
+    from server_proc import free_port  # tests/ is on the path (conftest)
 
     port = free_port()
     log = tmp_path / "serve.log"
