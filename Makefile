@@ -65,6 +65,11 @@ scenarios: model
 CORPUS ?= benchmarks/data/diagnosis_corpus
 corpus: model
 	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.corpus --out $(CORPUS) --per-family 4
+	# prefill interference, the family with the most variety: 10 runs, and 4 more tuning runs
+	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.corpus --out $(CORPUS) --per-family 10 \
+		--family itl_prefill_interference
+	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.corpus --out $(CORPUS) --per-family 18 \
+		--family itl_prefill_interference --split tune
 
 accuracy: $(STAMP)
 	$(BIN)/python benchmarks/diagnosis_accuracy.py --corpus $(CORPUS) --split eval

@@ -29,17 +29,17 @@ def test_the_evaluation_split_covers_every_family():
 
 
 def test_top1_accuracy_and_no_findings_on_healthy_runs(results):
-    """The figures of benchmarks/RESULTS.md (2026-12-03: top-1 17 of 18, no finding on the six
-    healthy runs, every finding at 0.8 or more right) as a floor: a change that loses a run
-    fails here."""
+    """The figures of benchmarks/RESULTS.md (2026-12-03: top-1 19 of 21, no finding on the six
+    healthy runs, every finding at 0.8 or more right, itl_prefill_interference's recall 3 of 5
+    the lowest) as a floor: a change that loses a run fails here."""
     summary = score(list(results.values()))
     misses = {r.id: (r.expect, r.top) for r in results.values() if not r.correct}
-    assert summary["top1_accuracy"] >= 17 / 18, misses
+    assert summary["top1_accuracy"] >= 19 / 21, misses
     assert summary["healthy_false_finding_rate"] == 0, misses
     assert summary["high_confidence_share_right"] >= 0.8, summary["reliability"]
     for rule, m in summary["per_rule"].items():
         if m["runs_expecting"]:
-            assert m["recall"] >= 0.5, (rule, m, misses)
+            assert m["recall"] >= 0.6, (rule, m, misses)
 
 
 def test_the_kinds_of_miss_an_independent_try_found(results):
@@ -57,3 +57,34 @@ def test_the_kinds_of_miss_an_independent_try_found(results):
     # a periodic disturbance comes first, not prefill interference
     for r in by_family["periodic_itl_spikes"]:
         assert r.top == "periodic_itl_spikes", (r.id, r.findings)
+
+
+def test_a_long_prefill_step_between_two_slow_decode_steps_is_no_host_stall():
+    """A tune-split run (itl_prefill_interference-4: three streams decoding, then a 1,730-token
+    prompt prefilled whole in one 16 s step). A slow decode step just before the prefill (the
+    load generator starting its long-prompt client) and one just after it are neighbours among
+    the decode-only steps, and used to join into one "stall" 17 s long that covered the prefill
+    step, so the prefill was blamed on the host and nothing was found. Runs of slow decode
+    steps now break where the time between them is more than their gap in steps allows."""
+    from tokenmill.diagnose.findings import diagnose
+    from tokenmill.diagnose.rules.periodic_itl_spikes import decode_stalls
+    from tokenmill.diagnose.signals import load
+    from tokenmill.telemetry.dump import open_dump
+
+    run = CORPUS / "itl_prefill_interference-4"
+    if not run.is_dir():
+        pytest.skip(f"no {run.name} in the corpus")
+    con = open_dump(run / "dump", verify=False)
+    try:
+        (prefill_start, prefill_end) = con.execute(
+            "SELECT start_ns, end_ns FROM engine_steps WHERE num_prefill_tokens > 1000"
+        ).fetchone()
+        sig = load(con, window_s=10.0)
+        stalls = decode_stalls(sig)
+        assert stalls, "the slow decode steps around the load generator's start are still seen"
+        for start, _, _, end in stalls:
+            assert end <= prefill_start or start >= prefill_end, (start, end)
+        report = diagnose(con, window_s=10.0)
+        assert report.findings and report.findings[0].rule_id == "itl_prefill_interference"
+    finally:
+        con.close()

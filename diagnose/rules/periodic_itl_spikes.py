@@ -50,8 +50,9 @@ def _causes(sig: Signals, p: dict, during: float | None, between: float | None):
 
 def _spikes(slow: list, spike: float, max_gap: int) -> list[tuple[int, float, int, int]]:
     """Slow decode steps (``(i, start_ns, ms, num_running, end_ns, median_ms)``, ``i`` the
-    step's place among the decode steps) → spikes ``(start_ns, ms, num_running, end_ns)``.
-    A spike is a run of slow steps, at most ``max_gap`` usual-speed decode steps apart, lasting
+    step's place among all steps: a long prefill step between two decode steps keeps them
+    apart) → spikes ``(start_ns, ms, num_running, end_ns)``.
+    A spike is a run of slow steps, at most ``max_gap`` usual-speed steps apart, lasting
     ``spike`` x the median step in all: a process stalled outright stretches one step, a CPU
     shared for a second slows most of the steps it overlaps (the scheduler lets one through at
     full speed now and then), and the client sees one bump in ITL either way."""
@@ -109,10 +110,11 @@ def decode_stalls(sig: Signals, p: dict | None = None) -> list[tuple[int, float,
     # a median step of 0 ms (durations not measured) would make every step a "spike"
     slow = sig.con.execute(
         """
-        WITH s AS (SELECT row_number() OVER (ORDER BY start_ns) AS i, start_ns, end_ns,
-                          (end_ns - start_ns) / 1e6 AS ms, num_running
-                   FROM engine_steps WHERE start_ns >= ? AND start_ns < ?
-                     AND num_prefill_tokens = 0 AND num_decode_tokens > 0)
+        WITH a AS (SELECT row_number() OVER (ORDER BY start_ns) AS i, start_ns, end_ns,
+                          (end_ns - start_ns) / 1e6 AS ms, num_running,
+                          num_prefill_tokens = 0 AND num_decode_tokens > 0 AS decode_only
+                   FROM engine_steps WHERE start_ns >= ? AND start_ns < ?),
+             s AS (SELECT i, start_ns, end_ns, ms, num_running FROM a WHERE decode_only)
         SELECT i, start_ns, ms, num_running, end_ns, med
         FROM s, (SELECT quantile_cont(ms, 0.5) AS med FROM s)
         WHERE med > 0 AND ms >= ? * med ORDER BY start_ns
@@ -196,7 +198,7 @@ RULE = Rule(
             "a decode step this many times the median is slow; slow steps in a row are one spike",
         ),
         "max_gap_steps": Param(
-            2, "usual-speed decode steps that may fall between two slow steps of one spike"
+            2, "usual-speed steps (decode or prefill) that may fall between two slow decode steps of one spike"
         ),
         "min_spikes": Param(5, "spikes needed"),
         "max_cv": Param(0.2, "coefficient of variation of the spike period"),
