@@ -198,7 +198,9 @@ RULE = Rule(
             "a decode step this many times the median is slow; slow steps in a row are one spike",
         ),
         "max_gap_steps": Param(
-            2, "usual-speed steps (decode or prefill) that may fall between two slow decode steps of one spike"
+            2,
+            "usual-speed steps (decode or prefill) that may fall between two slow decode "
+            "steps of one spike",
         ),
         "min_spikes": Param(5, "spikes needed"),
         "max_cv": Param(0.2, "coefficient of variation of the spike period"),

@@ -27,6 +27,7 @@ from ..messages import IDLE_KV_LEAK_SHARE, RequestOutput
 from .admin import register_admin_routes
 from .errors import APIError
 from .gateway import Gateway, Tenant
+from .handle import EngineHandle
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .stations import (
     AdmissionStation,
@@ -40,7 +41,6 @@ from .worker import (
     ENGINE_STALL_DEGRADED_S,
     ENGINE_STALL_UNAVAILABLE_S,
     EngineUnavailable,
-    EngineWorker,
 )
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ DRAIN_RETRY_S = 5
 class ServerState:
     """Everything the routes share."""
 
-    worker: EngineWorker
+    worker: EngineHandle  # one engine core, replicas, or prefill/decode pools
     gateway: Gateway
     tokenize: TokenizeStation
     admission: AdmissionStation
@@ -447,7 +447,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """The ASGI app over a started :class:`EngineWorker`."""
+    """The ASGI app over a started :class:`~.handle.EngineHandle`."""
     # /openapi.json is our own route below: on a keyed server it needs a key like /v1/*
     app = FastAPI(
         title="tokenmill", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None
@@ -530,7 +530,7 @@ def build_app(state: ServerState) -> FastAPI:
         ``draining`` from SIGTERM on, ``starting``/``restarting``/``down`` while no engine
         core serves, ``stalled`` when every serving core is silent past
         ``--engine-stall-unavailable``."""
-        can = getattr(state.worker, "can_serve", state.worker.ready)
+        can = state.worker.can_serve
         if state.draining or state.shutting_down:
             status = "draining"
         elif not can:

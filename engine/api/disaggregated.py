@@ -43,7 +43,7 @@ from ..errors import RequestRejected
 from ..messages import RequestOutput
 from ..parallel.pd_spec import PDSpec, split_host_port, worker_name
 from .replicas import ReplicaPool, Router
-from .worker import EngineUnavailable, EngineWorker
+from .worker import ENGINE_STALL_DEGRADED_S, EngineUnavailable, EngineWorker
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -159,6 +159,7 @@ class PDPool(ReplicaPool):
         self.router = PDRouter(spec.prefill, spec.decode, config.block_size)
         self._where: dict[str, EngineWorker] = {}
         self.closing = False
+        self.silent_after_s = ENGINE_STALL_DEGRADED_S  # EngineHandle (pools route by role)
         self._killed: set[str] = set()  # cores this pool killed (their crash is expected)
         for w in self.workers:
             w.add_event_listener(self._on_event_of(w))

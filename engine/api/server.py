@@ -366,12 +366,12 @@ def make_server(
         retention=retention,
     )
     # replicas, or both sides' engine cores: the state gauges then come per replica
-    telemetry.metrics.data_parallel_size = len(getattr(worker, "workers", ())) or 1
+    telemetry.metrics.data_parallel_size = len(worker.workers)
     worker.add_step_listener(telemetry.on_step)
     worker.add_abandoned_listener(telemetry.on_abandoned)
     worker.add_abandoned_listener(lambda out: state.on_engine_final(out))
     worker.add_event_listener(lambda kind, sev, msg: telemetry.event(kind, sev, msg))
-    for w in getattr(worker, "workers", None) or [worker]:
+    for w in worker.workers:
         w.max_crashes, w.crash_window_s = engine_restart_limit, engine_restart_window_s
 
     def on_crash_loop(kind: str, severity: str, message: str) -> None:
@@ -486,8 +486,7 @@ def make_server(
     )
     if engine_stall_degraded_s is not None:
         state.engine_stall_degraded_s = engine_stall_degraded_s
-    if hasattr(worker, "silent_after_s"):  # replicas: a silent one leaves the rotation
-        worker.silent_after_s = state.engine_stall_degraded_s
+    worker.silent_after_s = state.engine_stall_degraded_s
     if engine_stall_unavailable_s is not None:
         state.engine_stall_unavailable_s = engine_stall_unavailable_s
     app = build_app(state)

@@ -86,6 +86,21 @@ class EngineWorker:
         self.max_crashes = MAX_CRASHES
         self.crash_window_s = CRASH_WINDOW_S
         self._crashes: collections.deque[float] = collections.deque()  # monotonic times
+        # EngineHandle: a single core has no other to route around when it is silent
+        self.silent_after_s = ENGINE_STALL_DEGRADED_S
+
+    # -- EngineHandle (engine/api/handle.py): one core is a pool of one ----------------------------
+    @property
+    def workers(self) -> list[EngineWorker]:
+        return [self]
+
+    @property
+    def can_serve(self) -> bool:
+        return self.ready
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.engine.pid] if self.engine is not None and self.engine.pid else []
 
     def add_step_listener(self, fn) -> None:
         self._listeners.append(fn)
