@@ -33,7 +33,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# tests/test_metrics.py runs `promtool check metrics`; Debian's prometheus package has it.
+# tests/telemetry/test_metrics.py runs `promtool check metrics`; Debian's prometheus package has it.
 promtool:
 	@command -v promtool >/dev/null || { \
 		SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi; \
@@ -41,7 +41,7 @@ promtool:
 		|| ($$SUDO apt-get update -qq \
 			&& $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus); }
 
-# tests/test_dashboard_browser.py drives headless Chromium through playwright; Debian's package.
+# tests/dashboard/test_dashboard_browser.py drives headless Chromium through playwright; Debian's package.
 chromium:
 	@test -x /usr/bin/chromium || { \
 		SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi; \

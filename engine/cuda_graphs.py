@@ -23,7 +23,7 @@ How, as vLLM does it:
   without a sync, so such models run eagerly.
 
 Where no GPU is lent (this project's CI), the capture logic (sizes, padding, static buffers,
-fallbacks) is tested with the device calls stubbed (``tests/test_cuda_graphs.py``:
+fallbacks) is tested with the device calls stubbed (``tests/engine/test_cuda_graphs.py``:
 :class:`GraphApi` replaced by one that records the capture and replays by running the forward
 again on the static buffers); ``scripts/gpu_check.sh`` runs the real capture and checks greedy
 tokens against eager in bfloat16.

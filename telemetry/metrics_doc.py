@@ -1,7 +1,7 @@
 """``docs/metrics.md``, generated from the ``/metrics`` registry (:class:`ServingMetrics`).
 
 Run ``python -m tokenmill.telemetry.metrics_doc > docs/metrics.md`` after changing a metric;
-``tests/test_metrics.py`` fails while the file and the registry disagree. Each metric's vLLM
+``tests/telemetry/test_metrics.py`` fails while the file and the registry disagree. Each metric's vLLM
 counterpart is named here, checked against vLLM's v1 Prometheus logger
 (``vllm/v1/metrics/loggers.py``, v0.10): a dashboard written for vLLM reads ours after the
 rename ``vllm:`` → ``tokenmill_``, where one exists.

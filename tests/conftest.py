@@ -22,7 +22,7 @@ _REPO = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _REPO]
 os.environ["PYTHONSAFEPATH"] = "1"
 
-sys.path.insert(0, str(Path(__file__).parent))  # test helpers such as paged_driver
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # test helpers such as server_proc
 
 
 @pytest.fixture(scope="session")

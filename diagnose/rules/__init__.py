@@ -9,7 +9,7 @@ it explains and the per-window signals the console charts as its evidence. Its r
 
 To add a rule: write ``<rule_id>.py`` (copy a similar one), add it to :data:`RULES` below, and
 write ``runbooks/<rule_id>.md`` with its line in ``runbooks/README.md``;
-``tests/test_rule_registry.py`` says what is missing.
+``tests/diagnose/test_rule_registry.py`` says what is missing.
 
 The order of :data:`RULES` is the order rules run in and breaks ranking ties; keep new rules at
 the end.

@@ -119,7 +119,7 @@ class Rule:
     own_test: str | None = None
     # the signal families (``tokenmill.diagnose.signals.FAMILIES``) whose keys the rule reads:
     # per-window values, overall values, the baseline, the Signals attributes a family makes
-    # (tests/test_signal_families.py finds them in the source and holds the two equal)
+    # (tests/diagnose/test_signal_families.py finds them in the source and holds the two equal)
     reads: tuple[str, ...] = ()
     # the columns the rule's own queries read (table -> columns; its example filter and
     # test_metric included) beyond those of the families it reads

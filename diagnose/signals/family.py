@@ -9,7 +9,7 @@ SQL over a :class:`~.scope.Scope`. :func:`tokenmill.diagnose.signals.load` runs 
 written before its columns, another engine's store) yields its keys as None instead of running
 (:func:`unavailable`).
 
-Rules declare the families they read (``Rule.reads``); ``tests/test_signal_families.py`` checks
+Rules declare the families they read (``Rule.reads``); ``tests/diagnose/test_signal_families.py`` checks
 that every key a rule reads is yielded by one of them, that each family yields exactly the keys
 it declares and reads only the columns it declares.
 """

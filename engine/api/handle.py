@@ -3,7 +3,7 @@
 ``tokenmill serve`` runs one engine core (:class:`~.worker.EngineWorker`), ``--data-parallel-size
 N`` of them behind a router (:class:`~.replicas.ReplicaPool`), or prefill and decode pools
 (:class:`~.disaggregated.PDPool`). The routes, the health checks, the drain and telemetry see
-only :class:`EngineHandle`; each of the three implements all of it (``tests/test_engine_handle.py``
+only :class:`EngineHandle`; each of the three implements all of it (``tests/api/test_engine_handle.py``
 checks every member on each).
 """
 

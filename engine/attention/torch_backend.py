@@ -9,7 +9,7 @@ batched path: the step's gather indices and visibility mask are built once per s
 layer runs one ``scaled_dot_product_attention`` over its gathered context, so the per-layer
 cost of a small step is a gather and one attention call. Longer prefill chunks run the
 kernels' reference (:mod:`tokenmill.kernels.reference`, which imports no triton), which is also
-what ``tests/test_paged_attention_torch.py`` holds this backend to.
+what ``tests/engine/test_paged_attention_torch.py`` holds this backend to.
 """
 
 from __future__ import annotations

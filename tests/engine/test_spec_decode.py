@@ -2,7 +2,7 @@
 verifier's exactness. With temperature the tokens must follow the target distribution: a
 chi-square test on a tiny dummy model compares the tokens sampled in speculating steps with
 the model's own probabilities. Greedy equality on the default model is in
-``tests/test_engine_batching.py``."""
+``tests/engine/test_engine_batching.py``."""
 
 from __future__ import annotations
 

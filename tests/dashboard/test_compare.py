@@ -22,7 +22,7 @@ from pathlib import Path
 import duckdb
 import httpx
 import pytest
-from server_proc import Server, free_port
+from server_proc import Server, free_port, wait_for_quiet_host
 
 from tokenmill.dashboard import data
 from tokenmill.diagnose.compare import DEFAULT_REGRESSION_PCT
@@ -57,30 +57,6 @@ def tm(*args: str) -> subprocess.CompletedProcess:
         timeout=1200,
         env={**os.environ, "COLUMNS": "200"},
     )
-
-
-def host_busy_pct(interval_s: float = 1.0) -> float:
-    """% of the host's CPU time busy (not idle, not iowait) over ``interval_s``, from
-    ``/proc/stat``'s first line."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]
-
-    t0, i0 = sample()
-    time.sleep(interval_s)
-    t1, i1 = sample()
-    return 100.0 * (1 - (i1 - i0) / max(1, t1 - t0))
-
-
-def wait_for_quiet_host(limit_s: float = 60.0, busy_pct: float = 10.0) -> None:
-    """Start a run on a settled host: in CI the first run once began while something an
-    earlier test left behind still took 22 % of the CPU, and its report read "not comparable"
-    against the later runs (78 % vs 95-97 % CPU left to the server)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline and host_busy_pct() > busy_pct:
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250
 USER_DOCS = ("deploy.md", "telemetry.md", "diagnosis.md", "engine.md", "terms.md", "benchmarks.md")
 PAGES = [ROOT / "README.md", *(ROOT / "docs" / name for name in USER_DOCS)]

@@ -20,7 +20,7 @@ import pytest
 from tokenmill.diagnose.rules import RULES
 from tokenmill.telemetry.schema import STATIONS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 RULE_IDS = [r.id for r in RULES]
 PLACEHOLDER = "<rule_id>"
@@ -81,7 +81,7 @@ def test_structure_lists_only_paths_that_exist():
 def _required() -> list[str]:
     files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
     files += [p for folder in OTHER_FOLDERS for p in (ROOT / folder).iterdir() if p.is_file()]
-    files += [p for p in (ROOT / "tests").glob("*.py") if not p.name.startswith("test_")]
+    files += [p for p in (ROOT / "tests").rglob("*.py") if not p.name.startswith("test_")]
     files += [ROOT / f for f in CONTRACT_FILES]
     files += [p for g in CONTRACT_GLOBS for p in ROOT.glob(g) if p.is_file()]
     return sorted(_rel(p) for p in files if "__pycache__" not in p.parts)

@@ -12,7 +12,7 @@ import pytest
 from tokenmill.bench.accuracy import evaluate_run, score
 from tokenmill.bench.corpus import FAMILIES, load_runs
 
-CORPUS = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "diagnosis_corpus"
+CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "diagnosis_corpus"
 RUNS = load_runs(CORPUS, "eval")
 
 pytestmark = pytest.mark.skipif(not RUNS, reason=f"no corpus under {CORPUS} (make corpus)")

@@ -7,7 +7,7 @@ the keys ``_worst``/``_varies``/``sig.busy()`` read for it, its ``evidence_signa
 ``Signals`` attributes a family makes (``device_kind``, ``decode_seqs_sql``, the errors by
 type). Every such key must be yielded by a family the rule declares, and the rule declares no
 family it does not read. Each family yields exactly the keys it declares on synthetic stores
-(``tests/synth_store.py``), reads only the columns it declares (its SQL parsed by DuckDB), and
+(``tests/helpers/synth_store.py``), reads only the columns it declares (its SQL parsed by DuckDB), and
 a store without one of its columns gives its keys as None instead of an error. The rules' own
 queries (run on their symptom's store) read only columns their families or ``Rule.needs``
 declare.
@@ -37,7 +37,7 @@ from tokenmill.diagnose.signals import (
     make_scope,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # what the shared helpers read for the rule that calls them (diagnose/rules/_common.py,
 # Signals.busy in diagnose/signals/window.py): busy windows have arrivals or completions

@@ -519,7 +519,7 @@ def test_the_metrics_doc_is_the_registry():
 
     from tokenmill.telemetry import metrics_doc
 
-    page = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
     assert page.read_text() == metrics_doc.render(), "regenerate docs/metrics.md"
     defined = {name for name, *_ in ServingMetrics(MODEL).defined}
     assert set(metrics_doc.VLLM_COUNTERPARTS) <= defined

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 SETUP = PYPROJECT["tool"]["setuptools"]
 DIRS: dict[str, str] = SETUP["package-dir"]  # tokenmill.engine -> engine
@@ -158,7 +158,7 @@ def test_the_built_wheel_installs_alone_and_runs(tmp_path, smollm2_dir):
     )  # fmt: skip
     assert gen.returncode == 0, gen.stderr
     assert "output tokens in" in gen.stdout, gen.stdout
-    from server_proc import free_port  # tests/ is on the path (conftest)
+    from server_proc import free_port  # tests/helpers/ is on the path (conftest)
 
     port = free_port()
     log = tmp_path / "serve.log"

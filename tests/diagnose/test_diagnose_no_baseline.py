@@ -3,7 +3,7 @@ healthy windows to compare with; rules then stand on their absolute evidence or 
 not judged. Warm-up after a server start is set apart, and a finding's text follows its window
 (who was refused and by which limit; no tokens is not "normal throughput").
 
-Synthetic stores (tests/synth_store.py) for each case, then (slow) real-engine runs cut to start
+Synthetic stores (tests/helpers/synth_store.py) for each case, then (slow) real-engine runs cut to start
 inside the trouble with ``write_dump(since_ns=...)``."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tokenmill.diagnose.rules._common import BASELINE_NEEDS
 from tokenmill.diagnose.signals import WARMUP_MAX_S
 from tokenmill.telemetry.dump import write_dump
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEALTHY = Phase(duration_s=40)
 # KV pool nearly full all along: preemptions, a block allocation failing in 80% of the steps
 PRESSURE = HEALTHY.but(kv_usage=0.99, preempt_share=0.3, queue_ms=300, alloc_failures_per_step=0.8)

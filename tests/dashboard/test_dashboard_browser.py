@@ -180,7 +180,7 @@ def test_console_pages_in_headless_chromium(console, real_store, tmp_path):
 
 
 def test_pd_pools_and_kv_transfer_in_headless_chromium(tmp_path):
-    """A synthetic prefill/decode store (tests/synth_store.py): the Engine page draws the pools
+    """A synthetic prefill/decode store (tests/helpers/synth_store.py): the Engine page draws the pools
     chart (a column per side) and a request's waterfall its KV transfer and wait bars."""
     assert Path(CHROMIUM).exists(), "Debian's chromium is missing: run `make chromium`"
     from playwright.sync_api import sync_playwright

@@ -20,7 +20,7 @@ from tokenmill.telemetry.retention import is_archive, open_archive, roll_out
 from tokenmill.telemetry.schema import TABLES
 from tokenmill.telemetry.store import TraceStore, TraceStoreInUse
 
-CORPUS = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "diagnosis_corpus"
+CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "diagnosis_corpus"
 RUN = CORPUS / "hol_strict-2"  # head-of-line blocking behind a long prompt (real engine)
 TIMES = {"requests": "arrival_ns", "spans": "start_ns", "engine_steps": "start_ns",
          "device_samples": "time_ns", "events": "time_ns"}  # fmt: skip

@@ -20,7 +20,7 @@ from synth_store import Phase, write_store
 import tokenmill.diagnose.rules as rules_pkg
 from tokenmill.diagnose.rules import RULES, RULES_BY_ID, Param, Rule
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 IDS = [r.id for r in RULES]
 
 

@@ -165,7 +165,7 @@ def test_benchmark_script_smoke(tmp_path):
     from pathlib import Path
 
     out = tmp_path / "bench.json"
-    script = Path(__file__).parents[1] / "benchmarks" / "kernels.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "kernels.py"
     res = subprocess.run(
         [sys.executable, str(script), "--smoke", "--out", str(out)],
         capture_output=True,

@@ -11,19 +11,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_compare import wait_for_quiet_host
+from server_proc import wait_for_quiet_host
 
 from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, server_launch
 
 # the scenarios that take up to ~90 s each on a quiet 2-core VM. `make scenarios` runs these
 # and the slow ones: kv_pressure_preemption (~3 minutes), batch_too_large (~3 minutes: 64
 # rows of 1,000-token contexts), midstream_stall (~130 s) and queueing_overload (~130 s; its
-# traffic is the demo's tour, and tests/test_demo.py checks that `overload` comes first there)
+# traffic is the demo's tour, and tests/bench/test_demo.py checks that `overload` comes first there)
 # and spec_decode_healthy (~60 s; speculation where it pays, nothing fires). Two more run
 # there only, to keep CI under 45 minutes: ttft_queueing (~100 s, five 15 s load steps),
-# error_spike (~45 s; tests/test_diagnose_no_baseline.py runs its drill on the real engine
+# error_spike (~45 s; tests/diagnose/test_diagnose_no_baseline.py runs its drill on the real engine
 # and checks the rule fires), replica_imbalance / replica_balanced (~45 s each, two
-# replicas; tests/test_data_parallel.py runs the real replicas, test_diagnose_rules.py the rule)
+# replicas; tests/engine/test_data_parallel.py runs the real replicas, test_diagnose_rules.py the rule)
 # and tp_communication_bound / tp_dp_same_traffic / rank_straggler (~45-60 s each: three
 # ranks, two replicas, three ranks with one held back). periodic_itl_spikes (~75 s) runs there
 # only since 2026-12-02: with a neighbour on this VM (others 34 % of the CPU, steal 4 %) its
@@ -31,20 +31,25 @@ from tokenmill.bench.scenario import ScenarioError, list_scenarios, load, run, s
 # finding; test_diagnose_rules.py keeps its rule covered. kv_transfer_bound / pd_healthy /
 # pd_decode_starved (~40 s each: a prefill and a decode core, pinned) run there too;
 # test_disaggregation.py runs the real disaggregated server, test_diagnose_rules.py the rules;
-# pd_ratio_imbalance (~35 s, the same two cores) runs here
-FAST = [
+# pd_ratio_imbalance (~35 s, the same two cores) runs here. The symptoms the labelled corpus
+# scores (tests/diagnose/test_diagnosis_corpus.py: real-engine runs of each family, diagnosed in
+# seconds) run there only too, to keep CI under 40 minutes: healthy (~140 s), host_contention,
+# head_of_line_blocking, prefix_cache_miss and itl_prefill_interference (~50-80 s each).
+CORPUS_COVERED = [
     "healthy",
+    "head_of_line_blocking",
+    "host_contention",
+    "itl_prefill_interference",
+    "prefix_cache_miss",
+]
+FAST = [
     "batching_ineffective",
     "client_server_ttft_gap",
-    "head_of_line_blocking",
     "host_bound_steps",
-    "host_contention",
     "itl_frontend_overhead",
-    "itl_prefill_interference",
     "kv_block_leak",
     "oom_low_average_memory",
     "pd_ratio_imbalance",
-    "prefix_cache_miss",
     "quantization_decode_heavy",
     "quantization_no_gain",
     "spec_decode_ineffective",
@@ -54,7 +59,13 @@ FAST = [
 
 def test_scenario_files_are_well_formed():
     names = {s.name for s in list_scenarios()}
-    assert set(FAST) <= names
+    assert set(FAST) <= names and set(CORPUS_COVERED) <= names
+    # what is left to the corpus is a family's first expected rule there (healthy: a family
+    # that expects nothing)
+    from tokenmill.bench.corpus import FAMILIES
+
+    scored = {f.expect[0] if f.expect else "healthy" for f in FAMILIES.values()}
+    assert set(CORPUS_COVERED) <= scored, set(CORPUS_COVERED) - scored
     for sc in list_scenarios():
         assert sc.steps and all(step for step in sc.steps)
     with pytest.raises(ScenarioError, match="unknown scenario 'nope'"):

@@ -783,7 +783,7 @@ def test_any_step_field_charts_the_store_values(monkeypatch, gpu_store):
         data.step_field_series(con, *bounds(gpu_store), "step_id; DROP TABLE requests")
 
 
-# the roofline fields as the engine counts them for float32 SmolLM2-135M (tests/test_roofline.py):
+# the roofline fields as the engine counts them for float32 SmolLM2-135M (tests/engine/test_roofline.py):
 # weights (linear + LM head) read once, decodes at context 500, attention left out
 _ROOFLINE_UPDATE = """
 UPDATE engine_steps SET weight_bytes = 537919488,

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenmill.diagnose.rules import RULES
 from tokenmill.telemetry.metrics import ServingMetrics, histogram_quantile
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENMILL = Path(sys.executable).with_name("tokenmill")
 MODEL = "m"
 CLIENT = "client_ttft_seconds"
