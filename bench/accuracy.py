@@ -30,7 +30,7 @@ import duckdb
 
 from tokenmill.diagnose.findings import diagnose
 from tokenmill.diagnose.signals import NoTraffic
-from tokenmill.telemetry.dump import open_dump, parse_since
+from tokenmill.telemetry.dump import open_dump, parse_duration
 
 CONFIDENCE_BINS = (0.0, 0.6, 0.7, 0.8, 0.9, 1.01)
 
@@ -86,7 +86,7 @@ def store_as_of(con: duckdb.DuckDBPyConnection, t_ns: int) -> duckdb.DuckDBPyCon
 
 def evaluate_run(label: dict, dump: Path, *, time_to_detect: bool = True) -> RunResult:
     """Diagnose one corpus run (and, for a faulted run, find its time to detect)."""
-    window_s = float(parse_since(label.get("window", "5s")))
+    window_s = parse_duration(label.get("window", "5s"))
     con = open_dump(dump, verify=False)
     try:
         report = diagnose(con, window_s=window_s)

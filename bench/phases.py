@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenmill.engine.durations import parse_duration
+
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)\s*$")
 _MULT_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*x?\s*$")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 @dataclass(frozen=True)
@@ -42,17 +42,6 @@ class Phase:
     name: str
     duration_s: float
     multiplier: float = 1.0
-
-
-def parse_duration(text: str) -> float:
-    """``'20s'``, ``'500ms'``, ``'1.5m'``, ``'1h'`` → seconds (> 0). Raises ValueError."""
-    m = _DURATION_RE.match(str(text))
-    if not m:
-        raise ValueError(f"bad duration {text!r} (expected a number and ms, s, m or h, e.g. 20s)")
-    seconds = float(m.group(1)) * _UNIT_S[m.group(2)]
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"bad duration {text!r}: must be more than 0")
-    return seconds
 
 
 def parse_multiplier(text) -> float:

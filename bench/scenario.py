@@ -346,11 +346,11 @@ def run_scenario(sc: Scenario, out: Path, *, model: str | None = None, log=print
     for res in results:  # the client's own TTFT next to the server's
         _tm("bench", "--from-results", str(res), "--record-to", str(store), capture_output=True)
     from tokenmill.diagnose.findings import diagnose
-    from tokenmill.telemetry.dump import parse_since
+    from tokenmill.telemetry.dump import parse_duration
 
     con = duckdb.connect(str(store), read_only=True)
     try:
-        report = diagnose(con, window_s=float(parse_since(sc.window)))
+        report = diagnose(con, window_s=parse_duration(sc.window))
     finally:
         con.close()
     top = report.findings[0].rule_id if report.findings else None

@@ -62,9 +62,10 @@ def serve(port: int, tenants_file: str) -> None:
     """Run the real server with the two benchmark routes and the loop-lag ticker."""
     from tokenmill.engine.api.server import make_server
     from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.serve_config import ServeConfig
 
     server = make_server(
-        EngineConfig(), port=port, tenants_file=tenants_file, announce=lambda m: None
+        EngineConfig(), ServeConfig(port=port, tenants=tenants_file), announce=lambda m: None
     )
     app = server.config.app
     state = app.state.tm

@@ -23,14 +23,6 @@ class DiagnoseInputError(Exception):
     """Bad input for ``tokenmill diagnose`` (one-line reason, exit code 2)."""
 
 
-def _latest_ns(con) -> int:
-    (t,) = con.execute(
-        "SELECT max(t) FROM (SELECT max(end_ns) t FROM requests "
-        "UNION ALL SELECT max(end_ns) FROM engine_steps)"
-    ).fetchone()
-    return t or 0
-
-
 def run(
     source: Path | list[Path] | None,
     *,
@@ -60,7 +52,13 @@ def run(
     """
     import duckdb
 
-    from tokenmill.telemetry.dump import DumpError, open_dump, parse_since
+    from tokenmill.telemetry.dump import (
+        DumpError,
+        duration_ns,
+        latest_ns,
+        open_dump,
+        parse_duration,
+    )
 
     from .findings import SEVERITY_RANK, diagnose
     from .fleet import FleetError, collect_dumps, merge, source_names
@@ -79,13 +77,13 @@ def run(
     if fail_on not in (None, "warning", "critical"):
         raise DiagnoseInputError(f"--fail-on must be warning or critical, not {fail_on!r}")
     try:
-        window_s = float(parse_since(window))
+        window_s = parse_duration(window)
     except ValueError as exc:
         raise DiagnoseInputError(f"--window: {exc}") from None
-    since_s = None
+    since_d = None
     if since is not None:
         try:
-            since_s = parse_since(since)
+            since_d = duration_ns(since)
         except ValueError as exc:
             raise DiagnoseInputError(f"--since: {exc}") from None
 
@@ -116,9 +114,7 @@ def run(
         named = []
         for path, name, con in zip(paths, source_names(paths, metas), cons, strict=True):
             try:
-                since_ns = (
-                    _latest_ns(con) - since_s * 1_000_000_000 if since_s is not None else None
-                )
+                since_ns = latest_ns(con) - since_d if since_d is not None else None
                 named.append((name, str(path), diagnose(con, since_ns=since_ns, window_s=window_s)))
             except NoTraffic as exc:
                 raise DiagnoseInputError(f"{path}: {exc}") from None

@@ -41,9 +41,15 @@ def run_compare(
     """
     import duckdb
 
-    from tokenmill.telemetry.dump import DumpError, open_dump, parse_since
+    from tokenmill.telemetry.dump import (
+        DumpError,
+        duration_ns,
+        latest_ns,
+        open_dump,
+        parse_duration,
+    )
 
-    from .cli import DiagnoseInputError, _fetch, _latest_ns
+    from .cli import DiagnoseInputError, _fetch
     from .compare import DEFAULT_REGRESSION_PCT, CompareError, compare, measure
     from .compare_report import print_text, to_json, to_markdown
     from .signals import NoTraffic
@@ -70,8 +76,8 @@ def run_compare(
             f"--fail-on-regression must be 0 or more, not {fail_on_regression}"
         )
     try:
-        window_s = float(parse_since(window))
-        since_s = parse_since(since) if since is not None else None
+        window_s = parse_duration(window)
+        since_d = duration_ns(since) if since is not None else None
     except ValueError as exc:
         raise DiagnoseInputError(f"--window/--since: {exc}") from None
 
@@ -94,7 +100,7 @@ def run_compare(
                 raise DiagnoseInputError(f"{role}: {exc}") from None
             stack.callback(con.close)
             try:
-                since_ns = _latest_ns(con) - since_s * 1_000_000_000 if since_s else None
+                since_ns = latest_ns(con) - since_d if since_d else None
                 runs.append(measure(con, label=label, since_ns=since_ns, window_s=window_s))
             except (CompareError, NoTraffic) as exc:
                 raise DiagnoseInputError(f"{role} {label}: {exc}") from None

@@ -30,6 +30,7 @@ from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from .config import EngineConfig
 from .errors import TokenmillError
+from .serve_config import FAULT_PANEL, ServeConfig
 
 # The other packages' commands: name -> "module:attribute" of a typer.Typer, in help order.
 COMMANDS = {
@@ -228,7 +229,6 @@ def model_path() -> None:
 
 
 ENGINE_PANEL = "Engine options (EngineConfig)"
-FAULT_PANEL = "Fault drills (for tests and rehearsals, never production)"
 
 
 def load_config_file(ctx: typer.Context, param: typer.CallbackParam, value: str | None):
@@ -257,26 +257,39 @@ def load_config_file(ctx: typer.Context, param: typer.CallbackParam, value: str 
     return value
 
 
-def engine_options(*names: str):
-    """Give a command the :class:`EngineConfig` fields ``names`` as options.
+def config_options(cls: type, *names: str):
+    """Give a command the fields ``names`` of the config dataclass ``cls`` (:class:`EngineConfig`
+    or :class:`~.serve_config.ServeConfig`) as options.
 
-    Each option's default, help and bounds come from the field (``config.knob``); its flag is
-    ``--field-name``, and a boolean field that defaults to on gets ``--field/--no-field``, one
-    that defaults to off a plain ``--field``. The command takes them as ``**engine`` keyword
-    arguments, under their field names.
+    Each option's default, help and bounds come from the field's metadata (``config.knob``,
+    ``serve_config.setting``); its flag is ``--field-name``, and a boolean field that defaults
+    to on gets ``--field/--no-field``, one that defaults to off a plain ``--field``. A duration
+    field takes the duration grammar (``engine/durations.py``) and is given in seconds; a field
+    with its own ``envvar`` reads it too. The command takes them as keyword arguments under
+    their field names (``**kwargs``).
     """
-    hints = typing.get_type_hints(EngineConfig)
-    by_name = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    from .durations import duration_option
+
+    hints = typing.get_type_hints(cls)
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
 
     def option(name: str) -> inspect.Parameter:
         f = by_name[name]
+        meta = f.metadata
         flag = "--" + name.replace("_", "-")
         decls = []
         if hints[name] is bool:
             decls = [f"{flag}/--no-{flag[2:]}" if f.default else flag]
-        bounds = {k: f.metadata[k] for k in ("min", "max") if f.metadata.get(k) is not None}
-        panel = FAULT_PANEL if name.startswith("fault_") else ENGINE_PANEL
-        info = typer.Option(*decls, help=f.metadata["help"], rich_help_panel=panel, **bounds)
+        extra: dict = {}
+        if meta.get("duration"):
+            extra["parser"] = duration_option(meta.get("min") or 0.0)
+            extra["metavar"] = "DURATION"
+        else:
+            extra.update({k: meta[k] for k in ("min", "max") if meta.get(k) is not None})
+        if meta.get("envvar"):
+            extra.update(envvar=meta["envvar"], show_envvar=True)
+        panel = meta.get("panel") or (FAULT_PANEL if name.startswith("fault_") else ENGINE_PANEL)
+        info = typer.Option(*decls, help=meta["help"], rich_help_panel=panel, **extra)
         return inspect.Parameter(
             name,
             inspect.Parameter.KEYWORD_ONLY,
@@ -299,6 +312,11 @@ def engine_options(*names: str):
         return command
 
     return decorate
+
+
+def engine_options(*names: str):
+    """:func:`config_options` of :class:`EngineConfig`."""
+    return config_options(EngineConfig, *names)
 
 
 def prompt_params(n: int, *, seed: int | None, **params: Any) -> list:
@@ -391,6 +409,7 @@ def generate(
 
 
 @app.command(context_settings={"auto_envvar_prefix": "TOKENMILL"})
+@config_options(ServeConfig, *ServeConfig.field_names())
 @engine_options(*EngineConfig.field_names())
 def serve(
     config: Annotated[
@@ -403,204 +422,25 @@ def serve(
             "TOKENMILL_<OPTION> variables (TOKENMILL_MAX_NUM_SEQS) override it.",
         ),
     ] = None,
-    host: Annotated[
-        str,
-        typer.Option(
-            help="Bind address. Anything but loopback needs --api-key or --tenants (or "
-            "--allow-unauthenticated)."
-        ),
-    ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
-    tenants: Annotated[
-        str | None, typer.Option(help="Tenants TOML (API key hashes and limits).")
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="TOKENMILL_API_KEY",
-            show_envvar=True,
-            help="One API key for every client (tenant 'default'); a tenants file for many.",
-        ),
-    ] = None,
-    admin_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="TOKENMILL_ADMIN_KEY", show_envvar=True, help="The /admin/* key with --api-key."
-        ),
-    ] = None,
-    metrics_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="TOKENMILL_METRICS_KEY",
-            show_envvar=True,
-            help="/metrics answers only 'Authorization: Bearer <this key>' (it names tenants).",
-        ),
-    ] = None,
-    allow_unauthenticated: Annotated[
-        bool,
-        typer.Option(
-            "--allow-unauthenticated",
-            help="Serve a non-loopback --host with no API key (anyone who reaches it).",
-        ),
-    ] = False,
-    served_model_name: Annotated[
-        str | None, typer.Option(help="Model id clients send (default: folder name).")
-    ] = None,
-    max_queue_len: Annotated[
-        int, typer.Option(min=0, help="Requests that may wait beyond max-num-seqs before 429.")
-    ] = 64,
-    max_body_bytes: Annotated[
-        int, typer.Option(min=1024, help="Largest request body accepted (bytes).")
-    ] = 2 << 20,
-    trace_db: Annotated[
-        str | None,
-        typer.Option(
-            help="DuckDB trace store (spans, requests, steps, device samples); default "
-            "./tokenmill-data/traces.duckdb, printed absolute at start.",
-            show_default=False,
-        ),
-    ] = None,
-    trace_retention: Annotated[
-        str | None,
-        typer.Option(
-            help="Keep this long in the live store (30m, 24h, 7d); older rows roll out to "
-            "Parquet dumps in --trace-archive, which `tokenmill diagnose FOLDER` reads as one.",
-        ),
-    ] = None,
-    trace_max_bytes: Annotated[
-        int | None,
-        typer.Option(
-            min=1 << 20,
-            help="Past this size (bytes) the oldest half of the live store rolls out too.",
-        ),
-    ] = None,
-    trace_archive: Annotated[
-        str | None,
-        typer.Option(help="Where rolled-out rows go (default: archive/ beside the store)."),
-    ] = None,
-    no_trace_db: Annotated[
-        bool, typer.Option("--no-trace-db", help="Keep no trace store (metrics and OTLP only).")
-    ] = False,
-    trace_content: Annotated[
-        bool, typer.Option("--trace-content", help="Store prompt and output text on spans.")
-    ] = False,
-    otlp_endpoint: Annotated[
-        str | None,
-        typer.Option(
-            help="OTLP/HTTP collector, e.g. http://127.0.0.1:4318 (or OTEL_EXPORTER_OTLP_*)."
-        ),
-    ] = None,
-    device_sample_interval: Annotated[
-        float, typer.Option(min=0.0, help="GPU/host sampling period in s (0 = off).")
-    ] = 0.1,
-    no_tracing: Annotated[
-        bool,
-        typer.Option(
-            "--no-tracing", help="Build no spans at all (only to measure tracing's cost)."
-        ),
-    ] = False,
-    fault_stream_delay_ms: Annotated[
-        float,
-        typer.Option(
-            min=0.0,
-            max=60_000.0,
-            help="Fault drill: the stream waits this long (ms) before each token chunk but the first.",
-            rich_help_panel=FAULT_PANEL,
-        ),
-    ] = 0.0,
-    engine_stall_degraded: Annotated[
-        float,
-        typer.Option(
-            min=0.1,
-            help="/health says degraded after the engine core is silent this long (s; it "
-            "sends a message every step, a heartbeat every 0.5 s when idle).",
-        ),
-    ] = 10.0,
-    engine_stall_unavailable: Annotated[
-        float,
-        typer.Option(
-            min=0.1, help="/health answers 503 after the engine core is silent this long (s)."
-        ),
-    ] = 120.0,
-    log_level: Annotated[
-        str,
-        typer.Option(
-            help="Server and engine logs on stderr from this level: debug, info, warning, error."
-        ),
-    ] = "info",
-    log_format: Annotated[
-        str,
-        typer.Option(help="text, or json (one object a line, with request and trace ids)."),
-    ] = "text",
-    access_log: Annotated[
-        bool,
-        typer.Option(
-            "--access-log",
-            help="Log one line per completion request (method, path, status, ms, ids, tenant).",
-        ),
-    ] = False,
-    engine_restart_limit: Annotated[
-        int,
-        typer.Option(
-            min=1,
-            help="Engine core crashes (or failed restarts) within --engine-restart-window after "
-            "which the server exits 1 instead of restarting it again.",
-        ),
-    ] = 5,
-    engine_restart_window: Annotated[
-        float, typer.Option(min=1.0, help="The window of --engine-restart-limit (s).")
-    ] = 300.0,
-    shutdown_timeout: Annotated[
-        float,
-        typer.Option(
-            min=0.0,
-            help="SIGTERM: refuse new requests (503, /health/ready 503) and let those in flight "
-            "finish for up to this long (s) before they end with server_shutdown; a second "
-            "signal or Ctrl-C stops at once.",
-        ),
-    ] = 30.0,
-    **engine: Any,
+    **options: Any,
 ) -> None:
     """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
     from .api.server import Unauthenticated, make_server
     from .logs import FORMATS, LEVELS
     from .logs import configure as configure_logs
 
-    if log_level not in LEVELS or log_format not in FORMATS:  # usage errors, before any start
+    opts = ServeConfig(**{n: options.pop(n) for n in ServeConfig.field_names()})
+    if opts.log_level not in LEVELS or opts.log_format not in FORMATS:  # before any start
         fail(f"--log-level is one of {', '.join(LEVELS)}; --log-format one of "
-             f"{', '.join(FORMATS)} (got {log_level!r}, {log_format!r})", code=2)  # fmt: skip
+             f"{', '.join(FORMATS)} (got {opts.log_level!r}, {opts.log_format!r})", code=2)  # fmt: skip
 
     try:
-        config = EngineConfig(**engine)
+        config = EngineConfig(**options)
         config.validate()
         server = make_server(
             config,
-            host=host,
-            port=port,
-            tenants_file=tenants,
-            api_key=api_key,
-            admin_key=admin_key,
-            metrics_key=metrics_key,
-            allow_unauthenticated=allow_unauthenticated,
-            max_queue_len=max_queue_len,
-            max_body_bytes=max_body_bytes,
-            served_model_name=served_model_name,
+            opts,
             announce=lambda m: out.print(m, highlight=False, markup=False, soft_wrap=True),
-            trace_db=None if no_trace_db or no_tracing else (trace_db or "default"),
-            trace_retention=trace_retention,
-            trace_max_bytes=trace_max_bytes,
-            trace_archive=trace_archive,
-            tracing=not no_tracing,
-            trace_content=trace_content,
-            otlp_endpoint=otlp_endpoint,
-            device_sample_interval_s=device_sample_interval,
-            fault_stream_delay_ms=fault_stream_delay_ms,
-            engine_stall_degraded_s=engine_stall_degraded,
-            engine_stall_unavailable_s=max(engine_stall_unavailable, engine_stall_degraded),
-            shutdown_timeout_s=shutdown_timeout,
-            access_log=access_log,
-            engine_restart_limit=engine_restart_limit,
-            engine_restart_window_s=engine_restart_window,
         )
     except Unauthenticated as exc:
         fail(str(exc), code=2)
@@ -608,7 +448,7 @@ def serve(
         fail(str(exc))
     # after the checks above (their refusals stay one line), before the engine cores start
     # (they read the level and format from the environment)
-    configure_logs(log_level, log_format)
+    configure_logs(opts.log_level, opts.log_format)
     try:
         server.run()
     except SystemExit:  # uvicorn exits 3 when the lifespan fails to start
@@ -620,7 +460,7 @@ def serve(
     if server.fatal_error:
         fail(server.fatal_error)
     if not server.started:
-        fail(f"the server did not start (is port {port} free, and did the engine load?)")
+        fail(f"the server did not start (is port {opts.port} free, and did the engine load?)")
 
 
 @app.command("tp-worker")

@@ -47,11 +47,18 @@ def dump(
     ] = None,
     since: Annotated[
         str | None,
-        typer.Option(help="Start of the window, before now: 30s, 10m, 2h, 1d (default: all)."),
+        typer.Option(
+            metavar="DURATION",
+            help="Start of the window, counted back from the store's latest row: 30s, 10m, 2h, "
+            "1d (default: all).",
+        ),
     ] = None,
     until: Annotated[
         str | None,
-        typer.Option(metavar="DURATION", help="End of the window, before now (default: now)."),
+        typer.Option(
+            metavar="DURATION",
+            help="End of the window, counted back from the latest row (default: the latest).",
+        ),
     ] = None,
     api_key: Annotated[
         str | None,
@@ -75,9 +82,15 @@ def dump(
     Parquet files) from a closed store file (--db) or a running server (--url, admin key)."""
     import shutil
     import tempfile
-    import time
 
-    from .dump import DumpError, describe_dump, format_summary, open_dump, parse_since
+    from .dump import (
+        DumpError,
+        describe_dump,
+        duration_ns,
+        format_summary,
+        latest_ns,
+        open_dump,
+    )
     from .remote import FetchError, fetch_dump
 
     if (db is None) == (url is None):
@@ -86,15 +99,15 @@ def dump(
         fail(f"--format must be duckdb or parquet, not {format!r}")
     parquet = format == "parquet"
     try:
-        since_s = parse_since(since) if since is not None else None
+        since_d = duration_ns(since) if since is not None else None
     except ValueError as exc:
         fail(f"--since: {exc}")
     try:
-        until_s = parse_since(until) if until is not None else None
+        until_d = duration_ns(until) if until is not None else None
     except ValueError as exc:
         fail(f"--until: {exc}")
-    if since_s is not None and until_s is not None and until_s >= since_s:
-        fail("--until must be later than --since (both are durations before now)")
+    if since_d is not None and until_d is not None and until_d >= since_d:
+        fail("--until must be later than --since (both count back from the latest row)")
     if output.is_dir() and not parquet:
         fail(f"{output} is a folder; give a file name with -o")
     if output.exists() and not output.is_dir() and parquet:
@@ -112,14 +125,14 @@ def dump(
         if db is not None:
             from .dump import write_dump
 
-            now_ns = time.time_ns()
             con = open_dump(db, verify=False)
             try:
+                latest = latest_ns(con)  # --since/--until count back from the latest row
                 write_dump(
                     con,
                     output,
-                    since_ns=None if since_s is None else now_ns - since_s * 1_000_000_000,
-                    until_ns=None if until_s is None else now_ns - until_s * 1_000_000_000,
+                    since_ns=None if since_d is None else latest - since_d,
+                    until_ns=None if until_d is None else latest - until_d,
                     source=f"file {db.resolve()}",
                     overwrite=force,
                 )

@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
 import time
 from pathlib import Path
 
 import duckdb
 
+# the one duration grammar (engine/durations.py), here for the store's readers (diagnose)
+from tokenmill.engine.durations import duration_ns, parse_duration  # noqa: F401
+
 from .parquet_dump import ParquetDumpError, is_parquet_dump, load_parquet
 from .schema import TABLES, SchemaError, apply_schema, check_schema, expose_missing_columns
 
 DUCKDB_MAGIC = b"DUCK"  # bytes 8..12 of every DuckDB database file
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-_SINCE_RE = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
 # the time column of each table that is not kept whole by trace
 TIME_COLUMN = {"engine_steps": "start_ns", "device_samples": "time_ns", "events": "time_ns"}
 
@@ -39,21 +39,14 @@ class DumpError(Exception):
     """A dump cannot be written or read (one-line reason)."""
 
 
-def parse_since(text: str) -> int:
-    """``'30s'``, ``'10m'``, ``'2h'``, ``'1d'`` → seconds.
-
-    Raises:
-        ValueError: anything else (naming the value).
-    """
-    m = _SINCE_RE.match(text or "")
-    if not m:
-        raise ValueError(
-            f"bad duration {text!r}: expected a positive number and a unit s, m, h or d (e.g. 10m)"
-        )
-    seconds = int(m.group(1)) * _UNITS[m.group(2)]
-    if seconds <= 0:
-        raise ValueError(f"bad duration {text!r}: must be more than 0")
-    return seconds
+def latest_ns(con: duckdb.DuckDBPyConnection) -> int:
+    """The store's latest row (ns): what ``--since``/``--until`` count back from, in ``tokenmill
+    dump`` and ``tokenmill diagnose`` alike (0 for an empty store)."""
+    (t,) = con.execute(
+        "SELECT max(t) FROM (SELECT max(end_ns) t FROM requests "
+        "UNION ALL SELECT max(end_ns) FROM engine_steps)"
+    ).fetchone()
+    return t or 0
 
 
 def _window(column: str, since_ns: int | None, until_ns: int | None) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from tokenmill.engine.api.timeline import RequestTimeline
 from tokenmill.engine.messages import StepRecord, to_row
 
-from .dump import DumpError, parse_since, write_dump
+from .dump import DumpError, latest_ns, write_dump
 from .metrics import ServingMetrics
 from .sampler import DeviceSampler
 from .spans import SampledExport, StoreSpanProcessor, emit_trace, make_tracer_provider
@@ -70,14 +70,14 @@ class LiveDumps:
         """Whether there is a store to dump."""
         return self._get_store() is not None
 
-    @staticmethod
-    def parse_ago_s(text: str) -> int:
-        """A duration before now (``'30s'``, ``'10m'``, ``'2h'``, ``'1d'``) in seconds.
-
-        Raises:
-            ValueError: anything else (naming the value).
-        """
-        return parse_since(text)
+    def latest_ns(self) -> int | None:
+        """The live store's latest row (ns; None: no store, or no row yet)."""
+        store = self._get_store()
+        if store is None:
+            return None
+        store.flush()
+        with store.connection_locked() as con:
+            return latest_ns(con) or None
 
     def write_dump(self, path: Path, since_ns: int | None, until_ns: int | None) -> None:
         """Flush the store and write a dump of ``[since_ns, until_ns)`` to ``path``. Holds the

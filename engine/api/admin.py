@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from ..durations import duration_ns
 from .errors import APIError
 
 DUMP_MEDIA_TYPE = "application/vnd.duckdb"
@@ -29,8 +30,9 @@ class DumpWriter(Protocol):
 
     can_dump: bool  # False without a trace store (--no-trace-db)
 
-    def parse_ago_s(self, text: str) -> int:
-        """``'10m'`` → seconds. Raises ValueError naming the value."""
+    def latest_ns(self) -> int | None:
+        """The live store's latest row (ns), what ``since``/``until`` count back from; None
+        when it holds none."""
 
     def write_dump(self, path: Path, since_ns: int | None, until_ns: int | None) -> None:
         """Write a dump of the live store to ``path``. Raises RuntimeError (one line)."""
@@ -39,8 +41,10 @@ class DumpWriter(Protocol):
 def register_admin_routes(app: FastAPI, state, dumps: DumpWriter) -> None:
     """Add ``GET /admin/dump?since=10m&until=1m`` to ``app``.
 
-    ``since`` and ``until`` are durations before now (``30s``, ``10m``, ``2h``, ``1d``); no
-    ``since`` = from the first row, no ``until`` = up to now. Answers the dump file
+    ``since`` and ``until`` are durations (``engine/durations.py``: ``30s``, ``10m``, ``2h``,
+    ``1d``) counted back from the store's latest row, as ``tokenmill dump --since`` and
+    ``tokenmill diagnose --since`` count them; no ``since`` = from the first row, no ``until``
+    = up to the latest. Answers the dump file
     (``application/vnd.duckdb``, as an attachment), or an error in OpenAI's shape: 401/403 from
     :meth:`Gateway.authenticate_admin`, 400 for a bad ``since``/``until``, 503 when the server
     runs without a trace store, 500 when the dump fails. The dump holds the store's lock (the
@@ -54,12 +58,13 @@ def register_admin_routes(app: FastAPI, state, dumps: DumpWriter) -> None:
             client = request.client.host if request.client else None
             state.gateway.authenticate_admin(request.headers.get("authorization"), client)
             now_ns = time.time_ns()
-            since_ns = _ago(dumps, now_ns, since, "since")
-            until_ns = _ago(dumps, now_ns, until, "until")
+            latest = await run_in_threadpool(dumps.latest_ns) if dumps.can_dump else None
+            since_ns = _ago(latest or now_ns, since, "since")
+            until_ns = _ago(latest or now_ns, until, "until")
             if since_ns is not None and until_ns is not None and until_ns <= since_ns:
                 raise APIError(
                     400,
-                    "until must be later than since (both are durations before now)",
+                    "until must be later than since (both count back from the store's latest row)",
                     param="until",
                 )
             if not dumps.can_dump:
@@ -79,11 +84,11 @@ def register_admin_routes(app: FastAPI, state, dumps: DumpWriter) -> None:
         return StreamingResponse(_read_chunks(fh), media_type=DUMP_MEDIA_TYPE, headers=headers)
 
 
-def _ago(dumps: DumpWriter, now_ns: int, text: str | None, param: str) -> int | None:
+def _ago(ref_ns: int, text: str | None, param: str) -> int | None:
     if text is None or text == "":
         return None
     try:
-        return now_ns - dumps.parse_ago_s(text) * 1_000_000_000
+        return ref_ns - duration_ns(text)
     except ValueError as exc:
         raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
 

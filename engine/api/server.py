@@ -16,6 +16,7 @@ import uvicorn
 from ..config import EngineConfig
 from ..core import resolve_model_dir
 from ..model_config import load_model_config
+from ..serve_config import ServeConfig
 from ..tokenizer import load_tokenizer
 from .app import ServerState, build_app
 from .gateway import (
@@ -28,7 +29,7 @@ from .gateway import (
 )
 from .replicas import ReplicaPool, check_data_parallel
 from .stations import AdmissionStation, MeteringStation, TokenizeStation
-from .worker import CRASH_WINDOW_S, MAX_CRASHES, EngineWorker
+from .worker import EngineWorker
 
 log = logging.getLogger("tokenmill.serve")
 
@@ -266,78 +267,36 @@ def _auth_line(tenants_file: str | None, tenants, metrics_key: str | None) -> st
 
 
 def make_server(
-    config: EngineConfig,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    tenants_file: str | None = None,
-    api_key: str | None = None,
-    admin_key: str | None = None,
-    metrics_key: str | None = None,
-    allow_unauthenticated: bool = False,
-    max_queue_len: int = 64,
-    max_body_bytes: int = 2 << 20,
-    served_model_name: str | None = None,
-    announce=print,
-    trace_db: str | None = "default",
-    trace_retention: str | None = None,
-    trace_max_bytes: int | None = None,
-    trace_archive: str | None = None,
-    tracing: bool = True,
-    trace_content: bool = False,
-    otlp_endpoint: str | None = None,
-    device_sample_interval_s: float = 0.1,
-    fault_stream_delay_ms: float = 0.0,
-    engine_stall_degraded_s: float | None = None,
-    engine_stall_unavailable_s: float | None = None,
-    shutdown_timeout_s: float = 30.0,
-    access_log: bool = False,
-    engine_restart_limit: int = MAX_CRASHES,
-    engine_restart_window_s: float = CRASH_WINDOW_S,
+    config: EngineConfig, serve: ServeConfig | None = None, *, announce=print
 ) -> uvicorn.Server:
     """A configured uvicorn server whose startup launches the engine worker.
 
-    ``fault_stream_delay_ms`` is a fault drill (case C03): the stream station waits that long
-    (ms) before each SSE token chunk after the first, as a detokenizer or serializer with a
-    per-token cost would; the first token (TTFT) is left to the engine.
-
-    ``engine_stall_degraded_s`` / ``engine_stall_unavailable_s``: seconds without a message
-    from the engine core after which ``/health`` says ``degraded`` / answers 503 (None: the
-    defaults ``worker.ENGINE_STALL_DEGRADED_S`` and ``ENGINE_STALL_UNAVAILABLE_S``).
-
-    ``engine_restart_limit`` crashes of an engine core within ``engine_restart_window_s`` make
-    the server stop on its own (``server.fatal_error`` says why; the CLI exits 1).
-
-    ``trace_db``: the store file (``"default"``: ``./tokenmill-data/traces.duckdb``, made
-    absolute; None: no store); ``trace_retention`` (``30m``, ``24h``), ``trace_max_bytes`` and
-    ``trace_archive``: the store's roll-outs (``telemetry/retention.py``).
-
-    ``shutdown_timeout_s``: how long SIGTERM lets the requests in flight finish while new ones
-    are refused (0: SIGTERM stops them at once, as SIGINT does).
-
-    Keys: ``tenants_file`` (many tenants, their limits and the ``[admin]`` key) or ``api_key``
-    (one tenant ``default``; ``admin_key`` for ``/admin/*``); ``metrics_key`` guards
-    ``/metrics``. Without a key only a loopback ``host`` is served, unless
-    ``allow_unauthenticated``.
+    ``serve`` (default: every :class:`ServeConfig` default) holds the server's settings, each
+    field documented there: the address and keys (a tenants file, or one API key with an admin
+    key; without a key only loopback is served unless ``allow_unauthenticated``), the trace
+    store and its roll-outs (``telemetry/retention.py``), the stall thresholds of ``/health``,
+    the restart limit (past it ``server.fatal_error`` says why and the CLI exits 1), the SIGTERM
+    drain and the stream fault drill (case C03: a per-chunk delay after the first token).
 
     Raises:
         TenantsFileError, ModelLoadError: bad tenants file or model folder (before any start).
         Unauthenticated: a non-loopback ``host`` with no key and no ``allow_unauthenticated``.
     """
-    from tokenmill.telemetry.dump import parse_since
     from tokenmill.telemetry.store import default_trace_db
 
-    tenants = _tenants(tenants_file, api_key, admin_key)
+    opts = serve or ServeConfig()
+    tenants = _tenants(opts.tenants, opts.api_key, opts.admin_key)
+    trace_db = None if opts.no_trace_db or opts.no_tracing else (opts.trace_db or "default")
     retention = {
-        "retention_s": parse_since(trace_retention) if trace_retention else None,
-        "max_bytes": trace_max_bytes,
-        "archive": trace_archive,
+        "retention_s": opts.trace_retention,
+        "max_bytes": opts.trace_max_bytes,
+        "archive": opts.trace_archive,
     }
     if trace_db is not None:
         trace_db = default_trace_db(None if trace_db == "default" else trace_db)
-    if tenants is None and not is_loopback(host) and not allow_unauthenticated:
+    if tenants is None and not is_loopback(opts.host) and not opts.allow_unauthenticated:
         raise Unauthenticated(
-            f"refusing to serve {host} without API keys: give --api-key (or TOKENMILL_API_KEY) "
+            f"refusing to serve {opts.host} without API keys: give --api-key (or TOKENMILL_API_KEY) "
             "or --tenants, or --allow-unauthenticated to serve it open"
         )
     model_dir = resolve_model_dir(config.model)
@@ -349,20 +308,20 @@ def make_server(
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
     tokenizer_load = pool.submit(load_tokenizer, model_dir)
     pool.shutdown(wait=False)
-    if tenants is None and not is_loopback(host):
-        log.warning("serving %s with no API keys (--allow-unauthenticated)", host)
+    if tenants is None and not is_loopback(opts.host):
+        log.warning("serving %s with no API keys (--allow-unauthenticated)", opts.host)
     worker = engine_workers(config)
-    name = served_model_name or Path(model_dir).name
+    name = opts.served_model_name or Path(model_dir).name
     # the composition root: the API sees telemetry only through on_request/on_step/health
     from tokenmill.telemetry.hub import Telemetry
 
     telemetry = Telemetry(
         name,
         trace_db=trace_db,
-        tracing=tracing,
-        otlp_endpoint=otlp_endpoint,
-        device_sample_interval_s=device_sample_interval_s,
-        trace_content=trace_content,
+        tracing=not opts.no_tracing,
+        otlp_endpoint=opts.otlp_endpoint,
+        device_sample_interval_s=opts.device_sample_interval,
+        trace_content=opts.trace_content,
         retention=retention,
     )
     # replicas, or both sides' engine cores: the state gauges then come per replica
@@ -372,7 +331,7 @@ def make_server(
     worker.add_abandoned_listener(lambda out: state.on_engine_final(out))
     worker.add_event_listener(lambda kind, sev, msg: telemetry.event(kind, sev, msg))
     for w in worker.workers:
-        w.max_crashes, w.crash_window_s = engine_restart_limit, engine_restart_window_s
+        w.max_crashes, w.crash_window_s = opts.engine_restart_limit, opts.engine_restart_window
 
     def on_crash_loop(kind: str, severity: str, message: str) -> None:
         """An engine core that keeps crashing: stop serving so the supervisor takes over."""
@@ -423,10 +382,10 @@ def make_server(
         state.tokenize.vocab_size = info["vocab_size"]
         kv_tokens = info["num_blocks"] * config.block_size
         announce(
-            f"tokenmill serving {name!r} at http://{host}:{port}/v1  "
+            f"tokenmill serving {name!r} at http://{opts.host}:{opts.port}/v1  "
             f"({engine_line(info, kv_tokens)}, "
             f"context {info['max_model_len']}; {memory_line(model_info)}{spec_line(config)}"
-            f"{_auth_line(tenants_file, tenants, metrics_key)}; "
+            f"{_auth_line(opts.tenants, tenants, opts.metrics_key)}; "
             f"telemetry: /metrics, /health, trace store {telemetry.trace_db or 'off'})"
         )
         try:
@@ -447,7 +406,7 @@ def make_server(
             "server_draining",
             "info",
             f"server draining ({cause}): {state.open_requests} requests in flight get up to "
-            f"{shutdown_timeout_s:g} s to finish; new requests get 503",
+            f"{opts.shutdown_timeout:g} s to finish; new requests get 503",
             cause=cause,
             open_requests=state.open_requests,
         )
@@ -455,7 +414,7 @@ def make_server(
             "%s: draining %d requests in flight (up to %g s)",
             cause,
             state.open_requests,
-            shutdown_timeout_s,
+            opts.shutdown_timeout,
         )
 
     def stop(cause: str) -> None:
@@ -472,33 +431,35 @@ def make_server(
 
     state = ServerState(
         worker=worker,
-        gateway=Gateway(tenants, metrics_key_sha256=hash_key(metrics_key) if metrics_key else None),
+        gateway=Gateway(
+            tenants, metrics_key_sha256=hash_key(opts.metrics_key) if opts.metrics_key else None
+        ),
         tokenize=TokenizeStation(None, config.max_model_len or 1 << 30, 1 << 31),
-        admission=AdmissionStation(config.max_num_seqs * serving_cores(config), max_queue_len),
+        admission=AdmissionStation(config.max_num_seqs * serving_cores(config), opts.max_queue_len),
         metering=MeteringStation(),
         model_name=name,
-        max_body_bytes=max_body_bytes,
+        max_body_bytes=opts.max_body_bytes,
         block_size=config.block_size,
         telemetry=telemetry,
-        trace_content=trace_content,
-        fault_stream_delay_s=fault_stream_delay_ms / 1000.0,
-        access_log=access_log,
+        trace_content=opts.trace_content,
+        fault_stream_delay_s=opts.fault_stream_delay_ms / 1000.0,
+        access_log=opts.access_log,
     )
-    if engine_stall_degraded_s is not None:
-        state.engine_stall_degraded_s = engine_stall_degraded_s
+    state.engine_stall_degraded_s = opts.engine_stall_degraded
+    state.engine_stall_unavailable_s = max(
+        opts.engine_stall_unavailable, opts.engine_stall_degraded
+    )
     worker.silent_after_s = state.engine_stall_degraded_s
-    if engine_stall_unavailable_s is not None:
-        state.engine_stall_unavailable_s = engine_stall_unavailable_s
     app = build_app(state)
     app.router.lifespan_context = lifespan
     uv_config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+        app, host=opts.host, port=opts.port, log_level="warning", timeout_graceful_shutdown=5
     )
     server = TokenmillServer(
         uv_config,
         on_stop=stop,
         on_drain=drain,
         busy=lambda: state.open_requests,
-        drain_s=shutdown_timeout_s,
+        drain_s=opts.shutdown_timeout,
     )
     return server

@@ -16,6 +16,7 @@ import time
 from ..async_engine import AsyncEngine, EngineDeadError
 from ..config import EngineConfig
 from ..core_process import IDLE_POLL_MS
+from ..serve_config import ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,8 @@ RESTART_BACKOFF_MAX_S = 30.0
 #: a worker whose engine core crashed (or failed to start) this many times within
 #: CRASH_WINDOW_S gives up: the server exits non-zero so its supervisor takes over
 #: (``tokenmill serve --engine-restart-limit`` / ``--engine-restart-window``)
-MAX_CRASHES = 5
-CRASH_WINDOW_S = 300.0
+MAX_CRASHES = ServeConfig.engine_restart_limit
+CRASH_WINDOW_S = ServeConfig.engine_restart_window
 
 #: ``/health`` turns ``degraded`` (HTTP 200) when the engine core has sent nothing for this long
 #: (s). A live engine sends a message every step and a heartbeat every 0.5 s when idle
@@ -36,13 +37,13 @@ CRASH_WINDOW_S = 300.0
 #: prefill of the default model took 43 s on a 2-core CPU shared with other work (torch
 #: attention). Such a step stalls every stream too, so calling it degraded is true;
 #: ``tokenmill serve --engine-stall-degraded`` overrides.
-ENGINE_STALL_DEGRADED_S = 10.0
+ENGINE_STALL_DEGRADED_S = ServeConfig.engine_stall_degraded
 #: ``/health`` answers 503 past this silence (s), so a load balancer sends requests elsewhere:
 #: nothing is served meanwhile. About 3x the longest legitimate step seen (the 43 s prefill
 #: above) so that one slow step, or Triton compiling its kernels on first use (tens of seconds),
 #: does not take the server out of rotation; ``tokenmill serve --engine-stall-unavailable``
 #: overrides.
-ENGINE_STALL_UNAVAILABLE_S = 120.0
+ENGINE_STALL_UNAVAILABLE_S = ServeConfig.engine_stall_unavailable
 
 
 class EngineUnavailable(Exception):

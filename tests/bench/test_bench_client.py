@@ -225,7 +225,7 @@ def test_parse_phases():
     "spec, message",
     [
         ("steady", "phase 'steady': expected name:duration"),
-        ("steady:60", "phase 'steady:60': bad duration '60'"),
+        ("steady:60x", "phase 'steady:60x': bad duration '60x'"),
         ("a:10s,b:5x", "phase 'b:5x': bad duration '5x'"),
         ("a:10s,,b:5s", "phase 2 is empty"),
         ("a:10s@zx", "phase 'a:10s@zx': bad rate multiplier 'zx'"),
@@ -573,10 +573,11 @@ def test_cli_unreachable_and_unknown_urls_exit_2():
 
 
 def test_cli_bad_input_is_one_line(tmp_path):
-    line = _one_error_line(_cli("--url", "http://127.0.0.1:1", "--phases", "steady:60s,over:3@2x"))
+    line = _one_error_line(_cli("--url", "http://127.0.0.1:1", "--phases", "steady:60s,over:3y@2x"))
     assert (
         line
-        == "error: --phases: phase 'over:3@2x': bad duration '3' (expected a number and ms, s, m or h, e.g. 20s)"
+        == "error: --phases: phase 'over:3y@2x': bad duration '3y': expected a number and a unit "
+        "ms, s, m, h or d (500ms, 30s, 10m, 2h, 7d; a bare number is s)"
     )
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a"}\n{"prompt": "b"\n')

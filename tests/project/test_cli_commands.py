@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from tokenmill.engine import cli
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.serve_config import ServeConfig
 from tokenmill.telemetry.remote import normalize_url
 
 ROOT_COMMANDS = ["generate", "serve", "tp-worker", "pd-worker", "model", *cli.COMMANDS]
@@ -128,8 +129,41 @@ def test_engine_flags_come_from_the_config_fields(command):
 
 
 def test_every_config_field_is_documented():
-    for f in dataclasses.fields(EngineConfig):
-        assert f.metadata.get("help"), f"EngineConfig.{f.name} has no help"
+    for cls in (EngineConfig, ServeConfig):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+
+
+def test_server_flags_come_from_serve_config_fields():
+    """Every ServeConfig field is one serve option of the same name, default and help (and
+    nothing else is: the server's settings are written once)."""
+    params = _params("serve")
+    fields = {f.name: f for f in dataclasses.fields(ServeConfig)}
+    own = set(params) - set(EngineConfig.field_names()) - {"config"}
+    assert own == set(fields), own ^ set(fields)
+    for name, f in fields.items():
+        p = params[name]
+        assert p.opts == ["--" + name.replace("_", "-")], name
+        assert p.default == f.default and p.help == f.metadata["help"], name
+        if f.metadata["duration"]:
+            assert p.metavar == "DURATION", name
+    assert params["api_key"].envvar == "TOKENMILL_API_KEY"
+    assert params["fault_stream_delay_ms"].rich_help_panel.startswith("Fault drills")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [
+        ("--shutdown-timeout", "ten", "bad duration 'ten'"),
+        ("--engine-restart-window", "500ms", "less than 1s"),
+        ("--trace-retention", "5x", "bad duration '5x'"),
+    ],
+)
+def test_a_bad_duration_is_a_usage_error_naming_the_option(flag, value, needle):
+    r = CliRunner().invoke(cli.app, ["serve", flag, value])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.replace("│", " ").split())  # the error box wraps lines
+    assert flag in text and needle in text, r.output
 
 
 def test_serve_passes_every_engine_flag_to_the_config(monkeypatch):
@@ -138,17 +172,23 @@ def test_serve_passes_every_engine_flag_to_the_config(monkeypatch):
 
     seen = {}
 
-    def fake_make_server(config, **kw):
-        seen["config"] = config
+    def fake_make_server(config, serve, **kw):
+        seen["config"], seen["serve"] = config, serve
         raise ValueError("stop here")
 
     monkeypatch.setattr(server, "make_server", fake_make_server)
     r = CliRunner().invoke(
         cli.app,
         ["serve", "--block-size", "32", "--no-enable-prefix-caching", "--max-model-len", "99",
-         "--fault-leak-blocks-on-abort", "--scheduling-policy", "priority"],
+         "--fault-leak-blocks-on-abort", "--scheduling-policy", "priority",
+         "--shutdown-timeout", "1.5m", "--engine-stall-degraded", "500ms", "--port", "9001",
+         "--no-trace-db"],
     )  # fmt: skip
     assert r.exit_code == 1 and "stop here" in r.output, r.output
+    # the server's own flags reach ServeConfig, durations in seconds
+    assert seen["serve"] == ServeConfig(
+        shutdown_timeout=90.0, engine_stall_degraded=0.5, port=9001, no_trace_db=True
+    )
     expected = EngineConfig(
         block_size=32,
         enable_prefix_caching=False,
@@ -220,7 +260,7 @@ def test_help_shows_placeholders_only_where_they_say_something(argv):
 def test_serve_help_names_units_and_paths():
     r = CliRunner().invoke(cli.app, ["serve", "--help"], env={"COLUMNS": "300"})
     rows = _option_rows(r.output)
-    assert rows["--device-sample-interval"].startswith("SECONDS [x>=0.0]")
+    assert rows["--device-sample-interval"].startswith("DURATION ")
     assert rows["--fault-stream-delay-ms"].startswith("MS ")
     assert rows["--trace-db"].startswith("PATH ") and rows["--tenants"].startswith("PATH ")
     assert rows["--model"].startswith("PATH ") and rows["--otlp-endpoint"].startswith("URL ")

@@ -23,7 +23,13 @@ from fastapi.testclient import TestClient
 from tokenmill.engine.api.admin import register_admin_routes
 from tokenmill.engine.api.errors import APIError
 from tokenmill.engine.api.gateway import Gateway, TenantsFileError, hash_key, load_tenants
-from tokenmill.telemetry.dump import DumpError, open_dump, parse_since, write_dump
+from tokenmill.telemetry.dump import (
+    DumpError,
+    duration_ns,
+    open_dump,
+    parse_duration,
+    write_dump,
+)
 from tokenmill.telemetry.hub import LiveDumps
 from tokenmill.telemetry.schema import SCHEMA_VERSION
 from tokenmill.telemetry.store import TraceStore
@@ -152,18 +158,23 @@ def dump_file(hour, tmp_path) -> Path:
     return out
 
 
-# ---------------------------------------------------------------- parse_since
+# ------------------------------------------ the one duration grammar (engine/durations.py)
 
 
-@pytest.mark.parametrize("text,seconds", [("30s", 30), ("10m", 600), ("2h", 7200), ("1d", 86400)])
-def test_parse_since(text, seconds):
-    assert parse_since(text) == seconds
+@pytest.mark.parametrize(
+    "text,seconds",
+    [("30s", 30), ("10m", 600), ("2h", 7200), ("1d", 86400), ("1.5h", 5400), ("500ms", 0.5),
+     ("10", 10), (" 7d ", 604800), (45, 45)],
+)  # fmt: skip
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == seconds
+    assert duration_ns(text) == round(seconds * 1e9)
 
 
-@pytest.mark.parametrize("text", ["", "10", "m", "10x", "-5m", "1.5h", "0s", "10 minutes"])
-def test_parse_since_rejects(text):
+@pytest.mark.parametrize("text", ["", "m", "10x", "-5m", "0s", "10 minutes", "1e3s", "nan"])
+def test_parse_duration_rejects(text):
     with pytest.raises(ValueError, match=re.escape(repr(text))):
-        parse_since(text)
+        parse_duration(text)
 
 
 # ---------------------------------------------------------------- write_dump / open_dump
@@ -535,14 +546,15 @@ def test_http_dump_ok(live, tmp_path):
     out.write_bytes(r.content)
     d = open_dump(out)
     try:
-        # since = the server's now - 30 min: after the fixture's -30 min edge event; the queued
-        # "fresh" event is in (the route flushes the store first)
+        # since = 30 min back from the store's latest row (the minute-0 step, 30 s before the
+        # fixture's now): the -30 min edge event is in, and the queued "fresh" one (the route
+        # flushes the store first)
         assert _counts(d) == {
             "spans": 5,
             "requests": 1,
             "engine_steps": 30,
             "device_samples": 15,
-            "events": 4,
+            "events": 5,
         }
         assert _rows(d, "SELECT kind FROM events WHERE kind = 'fresh'") == ["fresh"]
         assert dict(d.execute("SELECT key, value FROM meta").fetchall())["source"].startswith(
