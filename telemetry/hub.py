@@ -22,8 +22,15 @@ from tokenmill.engine.messages import StepRecord, to_row
 
 from .dump import DumpError, latest_ns, write_dump
 from .metrics import ServingMetrics
+from .otlp import GenAIServerMetrics, export_configured, span_exporter
 from .sampler import DeviceSampler
-from .spans import SampledExport, StoreSpanProcessor, emit_trace, make_tracer_provider
+from .spans import (
+    SampledExport,
+    StoreSpanProcessor,
+    emit_trace,
+    make_resource,
+    make_tracer_provider,
+)
 from .store import TraceStore, TraceStoreInUse
 
 log = logging.getLogger(__name__)
@@ -105,7 +112,8 @@ class Telemetry:
         model_name: the served model name (metric label, span attribute).
         trace_db: the DuckDB file, or None for no store (``--no-trace-db``).
         tracing: build spans at all (False only to measure tracing's own cost).
-        otlp_endpoint: an OTLP/HTTP collector (``http://host:4318``); None reads the standard
+        otlp_endpoint: an OTLP collector (``http://host:4318``; gRPC with
+            ``OTEL_EXPORTER_OTLP_PROTOCOL=grpc``, ``telemetry/otlp.py``); None reads the standard
             ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` variables.
         device_sample_interval_s: sampler period (s); 0 disables the sampler.
         trace_content: keep prompt and output text on the root span (off by default).
@@ -147,38 +155,38 @@ class Telemetry:
         self.provider = None
         self.tracer = None
         self._otlp = None
+        resource = {
+            "service.name": "tokenmill",
+            "service.instance.id": f"{socket.gethostname()}:{os.getpid()}",
+            "gen_ai.request.model": model_name,
+        }
         if tracing:
-            self.provider = make_tracer_provider(
-                {
-                    "service.name": "tokenmill",
-                    "service.instance.id": f"{socket.gethostname()}:{os.getpid()}",
-                    "gen_ai.request.model": model_name,
-                }
-            )
+            self.provider = make_tracer_provider(resource)
             if self.store is not None or self.store_error is not None:
                 self.provider.add_span_processor(StoreSpanProcessor(self._submit))
             self._setup_otlp(otlp_endpoint)
             self.tracer = self.provider.get_tracer("tokenmill")
+        # TTFT, TPOT and E2E as the GenAI conventions' server metrics, beside Prometheus
+        self.genai_metrics: GenAIServerMetrics | None = None
+        if export_configured(otlp_endpoint, "metrics"):
+            self.genai_metrics = GenAIServerMetrics(
+                self.provider.resource if self.provider is not None else make_resource(resource),
+                otlp_endpoint,
+            )
         self.engine_pid: int | None = None
         self.dumps = LiveDumps(lambda: self.store)
         self.sampler: DeviceSampler | None = None
         self._sample_interval = device_sample_interval_s
 
     def _setup_otlp(self, endpoint: str | None) -> None:
-        env = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-            "OTEL_EXPORTER_OTLP_ENDPOINT"
-        )
-        if not (endpoint or env):
+        """Spans over OTLP (``telemetry/otlp.py``: protocol and endpoint from the OTEL_*
+        variables) when anything names a collector. Raises OTLPConfigError (one line)."""
+        if not export_configured(endpoint, "traces"):
             return
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        if endpoint:
-            exporter = OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces")
-        else:
-            exporter = OTLPSpanExporter()  # reads the standard OTEL_EXPORTER_OTLP_* variables
         # unsampled callers' requests stay in our store only (spans.SampledExport)
-        self._otlp = SampledExport(BatchSpanProcessor(exporter))
+        self._otlp = SampledExport(BatchSpanProcessor(span_exporter(endpoint)))
         self.provider.add_span_processor(self._otlp)
 
     # ----- lifecycle -----
@@ -197,6 +205,8 @@ class Telemetry:
             self.sampler.stop()
         if self.provider is not None:
             self.provider.shutdown()
+        if self.genai_metrics is not None:
+            self.genai_metrics.shutdown()  # exports what is left
         if self.store is not None:
             self.store.close()
 
@@ -213,6 +223,8 @@ class Telemetry:
             row = request_row(tl, "", stations, request_end_ns(tl, stations))
             itl = itl_ms(tl)
         self.metrics.observe_request(billed_row(row, tl.usage), itl)
+        if self.genai_metrics is not None:
+            self.genai_metrics.observe(row, self.model_name)
 
     def on_step(self, record: StepRecord) -> None:
         """One engine step: an ``engine_steps`` row and the step metrics."""

@@ -467,16 +467,23 @@ def make_tracer_provider(resource_attrs: dict) -> TracerProvider:
     Every request's spans are recorded (``ALWAYS_ON``), whatever the caller's sampled flag:
     our own store keeps them all, and :class:`SampledExport` keeps an unsampled caller's out of
     the export."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+
+    return TracerProvider(resource=make_resource(resource_attrs), sampler=ALWAYS_ON)
+
+
+def make_resource(resource_attrs: dict):
+    """tokenmill's OTel resource (spans and metrics alike): ``resource_attrs`` under the
+    standard ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``, which win."""
     import os
 
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
     attrs = dict(resource_attrs)
     env_attrs = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
     if os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in env_attrs:
         attrs.pop("service.name", None)
-    return TracerProvider(resource=Resource.create(attrs), sampler=ALWAYS_ON)
+    return Resource.create(attrs)
 
 
 #: True while :func:`emit_trace` ends the spans of a request whose caller sent a traceparent

@@ -8,12 +8,17 @@ import json
 import threading
 
 import duckdb
+import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tokenmill.engine.api.timeline import RequestTimeline
 from tokenmill.engine.messages import RequestOutput, RequestStats
 from tokenmill.engine.request import RequestEvent
 from tokenmill.telemetry.hub import Telemetry
+from tokenmill.telemetry.otlp import GENAI_SERVER_HISTOGRAMS, OTLPConfigError
 from tokenmill.telemetry.spans import (
     STATIONS,
     StoreSpanProcessor,
@@ -229,14 +234,19 @@ def test_refused_request_fails_at_the_gateway():
     assert req["http_status"] == 429 and req["output_tokens"] == 0 and req["ttft_ms"] is None
 
 
-def _collect(timelines: list[RequestTimeline], **telemetry) -> tuple[list, list[dict]]:
+def _collect(
+    timelines: list[RequestTimeline], metrics_out: list | None = None, **telemetry
+) -> tuple[list, list[dict]]:
     """Record ``timelines`` through a Telemetry exporting to a local OTLP/HTTP collector:
-    (the collector's resource spans, the store's span rows)."""
+    (the collector's resource spans, the store's span rows); the metric exports it received
+    go to ``metrics_out`` (ExportMetricsServiceRequest messages)."""
     received: list[bytes] = []
+    metric_bodies: list[bytes] = []
 
     class Collector(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
-            received.append(self.rfile.read(int(self.headers["content-length"])))
+            body = self.rfile.read(int(self.headers["content-length"]))
+            (metric_bodies if self.path == "/v1/metrics" else received).append(body)
             self.send_response(200)
             self.send_header("content-type", "application/x-protobuf")
             self.end_headers()
@@ -267,7 +277,124 @@ def _collect(timelines: list[RequestTimeline], **telemetry) -> tuple[list, list[
         msg = ExportTraceServiceRequest()
         msg.ParseFromString(body)
         out += list(msg.resource_spans)
+    for body in metric_bodies if metrics_out is not None else ():
+        msg = ExportMetricsServiceRequest()
+        msg.ParseFromString(body)
+        metrics_out.append(msg)
     return out, stored
+
+
+def _histograms(messages: list) -> dict[str, list]:
+    """metric name → its histogram data points, over every export received."""
+    out: dict[str, list] = {}
+    for msg in messages:
+        for rm in msg.resource_metrics:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    out.setdefault(m.name, []).extend(m.histogram.data_points)
+    return out
+
+
+def test_ttft_tpot_and_e2e_leave_as_the_genai_server_metrics(monkeypatch):
+    """One chat request (TTFT 5 ms, 3 output tokens over 7 ms of decode, E2E ~12 ms) reaches
+    the collector as the conventions' three histograms, in seconds, with their advised
+    buckets, the operation and provider attributes and the service's resource."""
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "llm-eu")
+    got: list = []
+    _collect([_completed()], metrics_out=got)
+    assert got, "no metric export reached the collector"
+    assert {a.key: a.value.string_value for a in got[0].resource_metrics[0].resource.attributes}[
+        "service.name"
+    ] == "llm-eu"
+    hist = _histograms(got)
+    assert set(hist) == set(GENAI_SERVER_HISTOGRAMS), set(hist)
+    (ttft,) = hist["gen_ai.server.time_to_first_token"]
+    (tpot,) = hist["gen_ai.server.time_per_output_token"]
+    (e2e,) = hist["gen_ai.server.request.duration"]
+    assert (ttft.count, tpot.count, e2e.count) == (1, 1, 1)
+    assert abs(ttft.sum - 0.005) < 1e-9 and abs(tpot.sum - 0.0035) < 1e-9
+    assert 0.012 <= e2e.sum <= 0.0125
+    assert list(ttft.explicit_bounds) == list(
+        GENAI_SERVER_HISTOGRAMS["gen_ai.server.time_to_first_token"][1]
+    )
+    attrs = {a.key: a.value.string_value for a in ttft.attributes}
+    assert attrs == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "tokenmill",
+        "gen_ai.request.model": "m",
+    }
+
+
+def test_a_failed_request_counts_only_in_the_duration_with_its_error_type():
+    tl = RequestTimeline(arrival_ns=T0, method="POST", path="/v1/completions")
+    tl.endpoint = "completions"
+    tl.fail("rate_limit_exceeded", "over its rate")
+    tl.first_byte_ns = tl.last_byte_ns = tl.gateway_end_ns + 10
+    tl.http_status = 429
+    got: list = []
+    _collect([tl], metrics_out=got)
+    hist = _histograms(got)
+    assert set(hist) == {"gen_ai.server.request.duration"}, set(hist)
+    (point,) = hist["gen_ai.server.request.duration"]
+    attrs = {a.key: a.value.string_value for a in point.attributes}
+    assert attrs["error.type"] == "rate_limit_exceeded"
+    assert attrs["gen_ai.operation.name"] == "text_completion"
+
+
+def test_an_unknown_otlp_protocol_is_one_line(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with pytest.raises(OTLPConfigError) as err:
+        Telemetry(
+            "m", trace_db=None, otlp_endpoint="http://127.0.0.1:9", device_sample_interval_s=0
+        )
+    msg = str(err.value)
+    assert "OTEL_EXPORTER_OTLP_PROTOCOL='http/json'" in msg and "grpc" in msg and "\n" not in msg
+
+
+def test_grpc_export_reaches_a_grpc_collector(monkeypatch):
+    """OTEL_EXPORTER_OTLP_PROTOCOL=grpc: spans and metrics reach a real gRPC OTLP collector
+    (grpcio serving the collector protos' services on 127.0.0.1)."""
+    grpc = pytest.importorskip("grpc")
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    from concurrent import futures
+
+    from opentelemetry.proto.collector.metrics.v1 import (
+        metrics_service_pb2,
+        metrics_service_pb2_grpc,
+    )
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    spans, metrics = [], []
+
+    class Traces(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            spans.extend(request.resource_spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
+        def Export(self, request, context):
+            metrics.append(request)
+            return metrics_service_pb2.ExportMetricsServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), server)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "grpc-svc")
+    try:
+        tel = Telemetry(
+            "m", trace_db=None, otlp_endpoint=f"http://127.0.0.1:{port}", device_sample_interval_s=0
+        )
+        tel.on_request(_completed())
+        tel.close()
+    finally:
+        server.stop(0)
+    assert sorted(_names(spans)) == sorted(["request", *STATIONS])
+    attrs = {a.key: a.value.string_value for a in spans[0].resource.attributes}
+    assert attrs["service.name"] == "grpc-svc"
+    assert _histograms(metrics)["gen_ai.server.time_to_first_token"][0].count == 1
 
 
 def _names(resource_spans) -> list[str]:
