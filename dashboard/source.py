@@ -1,9 +1,14 @@
 """Where the console's rows come from: a dump or closed store file, or a live server.
 
 A file is opened read-only with :func:`tokenmill.telemetry.dump.open_dump` (reopened when the
-file changes). For a server URL a fresh dump is fetched from its admin-only ``GET /admin/dump``
-into a private temp folder at most every ``refresh_s`` seconds; the two newest dumps stay open
-(a page still reading the older one is not cut off) and older ones are closed and deleted.
+file changes). A server URL is mirrored into a private temp folder: the first fetch of its
+admin-only ``GET /admin/dump`` takes the whole store; every later one, at most every
+``refresh_s`` seconds, only what reached the store since the mirror's newest row less
+:data:`OVERLAP_S` (``?after_ns=``: the traces that ended, the steps that ended, the samples and
+events taken), merged in place of the mirror's rows of the same traces and times. The server
+dumps, and the console downloads, what is new, not the whole store on every refresh. Each
+snapshot is a cursor of the mirror; the two newest stay open (a page still reading the older
+one is not cut off).
 
 ``tokenmill dashboard`` hands the source to the Streamlit script through the environment:
 ``TOKENMILL_DASHBOARD_SOURCE``, ``TOKENMILL_DASHBOARD_REFRESH`` (s) and ``TOKENMILL_ADMIN_KEY``.
@@ -22,14 +27,23 @@ from pathlib import Path
 
 import duckdb
 
-from tokenmill.telemetry.dump import DumpError, open_dump
+from tokenmill.telemetry.dump import ENDED_COLUMN, DumpError, open_dump
 from tokenmill.telemetry.remote import FetchError, fetch_dump, normalize_url
+from tokenmill.telemetry.schema import TABLES
 
 ENV_SOURCE = "TOKENMILL_DASHBOARD_SOURCE"
 ENV_REFRESH = "TOKENMILL_DASHBOARD_REFRESH"
 ENV_API_KEY = "TOKENMILL_ADMIN_KEY"
 #: the Compare page's baseline (BEFORE) dump, from ``tokenmill dashboard --baseline``
 ENV_BASELINE = "TOKENMILL_DASHBOARD_BASELINE"
+
+
+#: an incremental fetch starts this long before the mirror's newest row, so a row the server
+#: wrote after the last fetch with an earlier time is fetched too: the store's writer batches
+#: for 1 s (the route flushes it first), and a request whose stream was cut is written up to
+#: 5 s after it ended (``engine/api/app.py``: ``ENGINE_FINAL_WAIT_S``). Rows fetched again
+#: replace themselves (by trace and by time), so the overlap costs bytes, never duplicates.
+OVERLAP_S = 10.0
 
 
 class SourceError(Exception):
@@ -99,6 +113,9 @@ class StoreHandle:
         self._tmp = Path(tempfile.mkdtemp(prefix="tokenmill-dashboard-")) if self.live else None
         self._n = 0
         self._last_try = 0.0
+        self._mirror: LiveMirror | None = None
+        #: rows each fetch brought, newest last (the incremental fetch's proof, for tests)
+        self.fetched_rows: list[int] = []
 
     def snapshot(self, force: bool = False) -> Snapshot:
         """The current store, refetched or reopened when due.
@@ -134,20 +151,32 @@ class StoreHandle:
             return cur
         self._last_try = now
         self._n += 1
-        path = self._tmp / f"live-{self._n}.duckdb"
+        path = self._tmp / f"fetch-{self._n}.duckdb"
+        after = None if self._mirror is None else self._mirror.fetch_from_ns()
         try:
             fetch_dump(
-                self.spec, path, api_key=self.api_key, timeout_s=self.timeout_s, verify=False
+                self.spec,
+                path,
+                after_ns=after,
+                api_key=self.api_key,
+                timeout_s=self.timeout_s,
+                verify=False,
             )
-            con = open_dump(path, verify=False)
-        except (FetchError, DumpError) as exc:
+            if self._mirror is None:
+                self._mirror = LiveMirror(path, self._tmp / "mirror.duckdb")
+                self.fetched_rows.append(self._mirror.rows())
+            else:
+                self.fetched_rows.append(self._mirror.merge(path, after))
+        except (FetchError, DumpError, duckdb.Error) as exc:
+            if cur is None:
+                raise SourceError(str(exc).splitlines()[0]) from None
+            cur.error = str(exc).splitlines()[0]
+            return cur
+        finally:
             with contextlib.suppress(OSError):
                 path.unlink()
-            if cur is None:
-                raise SourceError(str(exc)) from None
-            cur.error = str(exc)
-            return cur
-        self._push(Snapshot(f"url:{self.spec}:{self._n}", con, self.spec, now), path)
+        cursor = self._mirror.con.cursor()
+        self._push(Snapshot(f"url:{self.spec}:{self._n}", cursor, self.spec, now), None)
         return self._open[-1][0]
 
     def _push(self, snap: Snapshot, path: Path | None) -> None:
@@ -166,8 +195,88 @@ class StoreHandle:
                 with contextlib.suppress(duckdb.Error):
                     snap.con.close()
             self._open.clear()
+            if self._mirror is not None:
+                self._mirror.close()
+                self._mirror = None
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class LiveMirror:
+    """A live server's store as the console holds it: a DuckDB file made from the first full
+    dump, kept current by merging incremental dumps (module docstring).
+
+    Args:
+        first: the first (full) dump; it is moved to ``path``.
+        path: the mirror's file.
+    """
+
+    def __init__(self, first: Path, path: Path):
+        open_dump(first, verify=False).close()  # a dump of this schema, or DumpError
+        os.replace(first, path)
+        self.path = path
+        self.con = duckdb.connect(str(path))
+
+    def rows(self) -> int:
+        return sum(self.con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES)
+
+    def newest_ns(self) -> int:
+        """The newest time any row reached the mirror's store (0 when empty)."""
+        parts = ["SELECT max(end_ns) FROM requests", "SELECT max(end_ns) FROM spans"] + [
+            f"SELECT max({c}) FROM {t}" for t, c in ENDED_COLUMN.items()
+        ]
+        (t,) = self.con.execute(f"SELECT max(m) FROM ({' UNION ALL '.join(parts)}) x(m)").fetchone()
+        return t or 0
+
+    def fetch_from_ns(self) -> int:
+        """Where the next incremental fetch starts."""
+        return max(0, self.newest_ns() - int(OVERLAP_S * 1e9))
+
+    def merge(self, delta: Path, cut_ns: int) -> int:
+        """Put an incremental dump (everything that reached the store from ``cut_ns`` on) in
+        place of the mirror's rows of the same traces and times; returns its rows. A server
+        that ignored ``after_ns`` (a full dump: no ``ended_since_ns`` in its meta) replaces
+        the mirror whole.
+
+        Raises:
+            DumpError: the file is not a dump of this schema.
+        """
+        open_dump(delta, verify=False).close()
+        con = self.con
+        con.execute(f"ATTACH '{str(delta).replace(chr(39), chr(39) * 2)}' AS delta (READ_ONLY)")
+        try:
+            meta = dict(con.execute("SELECT key, value FROM delta.main.meta").fetchall())
+            full = "ended_since_ns" not in meta
+            con.execute("BEGIN TRANSACTION")
+            if full:
+                for t in (*TABLES, "meta"):
+                    con.execute(f"DELETE FROM {t}")
+            else:
+                for t in ("spans", "requests"):
+                    con.execute(
+                        f"DELETE FROM {t} WHERE trace_id IN (SELECT trace_id FROM delta.main.{t})"
+                    )
+                for t, c in ENDED_COLUMN.items():
+                    con.execute(f"DELETE FROM {t} WHERE {c} >= {int(cut_ns)}")
+                con.execute("DELETE FROM meta WHERE key IN ('dumped_at_ns', 'window_end_ns')")
+            n = 0
+            for t in TABLES:
+                con.execute(f"INSERT INTO {t} BY NAME SELECT * FROM delta.main.{t}")
+                n += con.execute(f"SELECT count(*) FROM delta.main.{t}").fetchone()[0]
+            keep = "" if full else "WHERE key IN ('dumped_at_ns', 'window_end_ns')"
+            con.execute(f"INSERT INTO meta SELECT key, value FROM delta.main.meta {keep}")
+            con.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(duckdb.Error):
+                con.execute("ROLLBACK")
+            raise
+        finally:
+            con.execute("DETACH delta")
+        return n
+
+    def close(self) -> None:
+        with contextlib.suppress(duckdb.Error):
+            self.con.close()
 
 
 def from_env() -> tuple[str | None, str | None, float]:

@@ -71,6 +71,24 @@ def trace_ids_sql(since_ns: int | None, until_ns: int | None, db: str | None = N
     )
 
 
+#: the time a row reached the store by (it is written when it ends or is taken): what an
+#: incremental dump (``ended_since_ns``) selects on
+ENDED_COLUMN = {"engine_steps": "end_ns", "device_samples": "time_ns", "events": "time_ns"}
+
+
+def ended_trace_ids_sql(ended_since_ns: int, db: str | None = None) -> str:
+    """SQL of the traces that ended at or after ``ended_since_ns``: the requests that ended
+    then, and the traces without a request row whose last span did."""
+    s = f'"{db}".main.' if db else ""
+    t = int(ended_since_ns)
+    return (
+        f"SELECT trace_id FROM {s}requests WHERE end_ns >= {t} "
+        f"UNION SELECT trace_id FROM {s}spans "
+        f"WHERE trace_id NOT IN (SELECT trace_id FROM {s}requests) "
+        f"GROUP BY trace_id HAVING max(end_ns) >= {t}"
+    )
+
+
 def _sql_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
@@ -87,6 +105,7 @@ def write_dump(
     until_ns: int | None = None,
     source: str = "",
     overwrite: bool = False,
+    ended_since_ns: int | None = None,
 ) -> dict[str, int]:
     """Write the rows of ``con`` (a trace store, live or read-only) in a window to a new DuckDB
     file at ``out_path``.
@@ -99,6 +118,10 @@ def write_dump(
         since_ns, until_ns: the window (Unix ns, half-open); None = unbounded on that side.
         source: where the rows come from (a path or a server), kept in ``meta``.
         overwrite: replace an existing ``out_path`` instead of refusing.
+        ended_since_ns: instead of a window, what reached the store from this time on (an
+            incremental dump, for a live console that holds the rest): every trace that ended
+            then (all of its spans, and its request row), the steps that ended and the samples
+            and events taken then (:data:`ENDED_COLUMN`).
 
     Returns:
         Rows written per table.
@@ -108,6 +131,8 @@ def write_dump(
             a store of this schema version, or DuckDB/the file system failed (one line).
     """
     out = Path(out_path)
+    if ended_since_ns is not None and (since_ns is not None or until_ns is not None):
+        raise DumpError("an incremental dump (ended since) takes no since/until window")
     if since_ns is not None and until_ns is not None and until_ns <= since_ns:
         raise DumpError("the window ends before it starts (until must be after since)")
     if out.is_dir():
@@ -134,7 +159,11 @@ def write_dump(
             apply_schema(new)
         con.execute(f"ATTACH {_sql_string(str(tmp))} AS {alias} (READ_WRITE)")
         attached = True
-        traces = trace_ids_sql(since_ns, until_ns, src)
+        traces = (
+            trace_ids_sql(since_ns, until_ns, src)
+            if ended_since_ns is None
+            else ended_trace_ids_sql(ended_since_ns, src)
+        )
         con.execute("BEGIN TRANSACTION")
         con.execute(
             f"INSERT INTO {alias}.main.spans BY NAME SELECT * FROM {s}.main.spans "
@@ -145,15 +174,20 @@ def write_dump(
             f"WHERE trace_id IN ({traces})"
         )
         for table, column in TIME_COLUMN.items():
+            where = (
+                _window(column, since_ns, until_ns)
+                if ended_since_ns is None
+                else f"{ENDED_COLUMN[table]} >= {int(ended_since_ns)}"
+            )
             con.execute(
                 f"INSERT INTO {alias}.main.{table} BY NAME SELECT * FROM {s}.main.{table} "
-                f"WHERE {_window(column, since_ns, until_ns)}"
+                f"WHERE {where}"
             )
         counts = {
             t: con.execute(f"SELECT count(*) FROM {alias}.main.{t}").fetchone()[0] for t in TABLES
         }
-        if since_ns is not None:
-            start = since_ns
+        if since_ns is not None or ended_since_ns is not None:
+            start = since_ns if since_ns is not None else ended_since_ns
         else:  # the earliest time copied, or the dump time for an empty dump
             parts = " UNION ALL ".join(
                 [f"SELECT min(start_ns) FROM {alias}.main.spans"]
@@ -168,6 +202,8 @@ def write_dump(
             "window_end_ns": until_ns if until_ns is not None else dumped_at_ns,
             "source": source,
         }
+        if ended_since_ns is not None:
+            meta["ended_since_ns"] = int(ended_since_ns)
         con.executemany(
             f"INSERT INTO {alias}.main.meta VALUES (?, ?)", [[k, str(v)] for k, v in meta.items()]
         )

@@ -86,7 +86,13 @@ class LiveDumps:
         with store.connection_locked() as con:
             return latest_ns(con) or None
 
-    def write_dump(self, path: Path, since_ns: int | None, until_ns: int | None) -> None:
+    def write_dump(
+        self,
+        path: Path,
+        since_ns: int | None,
+        until_ns: int | None,
+        ended_since_ns: int | None = None,
+    ) -> None:
         """Flush the store and write a dump of ``[since_ns, until_ns)`` to ``path``. Holds the
         store's lock meanwhile (rows arriving may be dropped and counted if its queue fills).
 
@@ -100,7 +106,14 @@ class LiveDumps:
         source = f"server {socket.gethostname()} pid {os.getpid()} store {store.path}"
         try:
             with store.connection_locked() as con:
-                write_dump(con, path, since_ns=since_ns, until_ns=until_ns, source=source)
+                write_dump(
+                    con,
+                    path,
+                    since_ns=since_ns,
+                    until_ns=until_ns,
+                    source=source,
+                    ended_since_ns=ended_since_ns,
+                )
         except DumpError as exc:
             raise RuntimeError(str(exc)) from None
 

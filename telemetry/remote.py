@@ -55,6 +55,7 @@ def fetch_dump(
     *,
     since: str | None = None,
     until: str | None = None,
+    after_ns: int | None = None,
     api_key: str | None = None,
     timeout_s: float = 300.0,
     overwrite: bool = True,
@@ -69,6 +70,7 @@ def fetch_dump(
     Args:
         url: the server (normalized with :func:`normalize_url`).
         since, until: the window as the endpoint takes it (``10m``; None = unbounded).
+        after_ns: instead, only what reached the store from this time on (Unix ns).
         api_key: the server's admin key (sent as a bearer token).
         timeout_s: how long the server may take (connecting: at most 10 s).
         overwrite: replace an existing ``out``; off, an ``out`` that appeared meanwhile is an
@@ -84,7 +86,11 @@ def fetch_dump(
 
     out = Path(out)
     base = normalize_url(url)
-    params = {k: v for k, v in (("since", since), ("until", until)) if v is not None}
+    params = {
+        k: v
+        for k, v in (("since", since), ("until", until), ("after_ns", after_ns))
+        if v is not None
+    }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     tmp = out.parent / f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.part"
     try:

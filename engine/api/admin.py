@@ -34,8 +34,15 @@ class DumpWriter(Protocol):
         """The live store's latest row (ns), what ``since``/``until`` count back from; None
         when it holds none."""
 
-    def write_dump(self, path: Path, since_ns: int | None, until_ns: int | None) -> None:
-        """Write a dump of the live store to ``path``. Raises RuntimeError (one line)."""
+    def write_dump(
+        self,
+        path: Path,
+        since_ns: int | None,
+        until_ns: int | None,
+        ended_since_ns: int | None = None,
+    ) -> None:
+        """Write a dump of the live store to ``path`` (a window, or with ``ended_since_ns``
+        what reached the store from then on). Raises RuntimeError (one line)."""
 
 
 def register_admin_routes(app: FastAPI, state, dumps: DumpWriter) -> None:
@@ -44,7 +51,9 @@ def register_admin_routes(app: FastAPI, state, dumps: DumpWriter) -> None:
     ``since`` and ``until`` are durations (``engine/durations.py``: ``30s``, ``10m``, ``2h``,
     ``1d``) counted back from the store's latest row, as ``tokenmill dump --since`` and
     ``tokenmill diagnose --since`` count them; no ``since`` = from the first row, no ``until``
-    = up to the latest. Answers the dump file
+    = up to the latest. ``after_ns`` (Unix ns) instead asks for what reached the store from
+    then on (every trace that ended, the steps that ended, samples and events taken): the live
+    console's incremental fetch, which keeps the rest. Answers the dump file
     (``application/vnd.duckdb``, as an attachment), or an error in OpenAI's shape: 401/403 from
     :meth:`Gateway.authenticate_admin`, 400 for a bad ``since``/``until``, 503 when the server
     runs without a trace store, 500 when the dump fails. The dump holds the store's lock (the
@@ -52,7 +61,12 @@ def register_admin_routes(app: FastAPI, state, dumps: DumpWriter) -> None:
     """
 
     @app.get("/admin/dump")
-    async def admin_dump(request: Request, since: str | None = None, until: str | None = None):
+    async def admin_dump(
+        request: Request,
+        since: str | None = None,
+        until: str | None = None,
+        after_ns: str | None = None,
+    ):
         rid = getattr(request.state, "request_id", None)
         try:
             client = request.client.host if request.client else None
@@ -67,11 +81,12 @@ def register_admin_routes(app: FastAPI, state, dumps: DumpWriter) -> None:
                     "until must be later than since (both count back from the store's latest row)",
                     param="until",
                 )
+            after = _after_ns(after_ns, since, until)
             if not dumps.can_dump:
                 raise APIError(
                     503, "trace store disabled (--no-trace-db)", code="trace_store_disabled"
                 )
-            fh, size = await run_in_threadpool(_make_dump, dumps, since_ns, until_ns)
+            fh, size = await run_in_threadpool(_make_dump, dumps, since_ns, until_ns, after)
         except APIError as exc:
             return exc.response(rid)
         name = time.strftime("tokenmill-dump-%Y%m%dT%H%M%SZ.duckdb", time.gmtime(now_ns / 1e9))
@@ -93,14 +108,31 @@ def _ago(ref_ns: int, text: str | None, param: str) -> int | None:
         raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
 
 
-def _make_dump(dumps: DumpWriter, since_ns: int | None, until_ns: int | None):
+def _after_ns(text: str | None, since: str | None, until: str | None) -> int | None:
+    if text is None or text == "":
+        return None
+    if since or until:
+        raise APIError(400, "after_ns takes no since/until", param="after_ns", code="invalid_value")
+    if not text.isdigit() or len(text) > 20:
+        raise APIError(
+            400,
+            f"after_ns: {text[:40]!r} is not a time in Unix nanoseconds",
+            param="after_ns",
+            code="invalid_value",
+        )
+    return int(text)
+
+
+def _make_dump(
+    dumps: DumpWriter, since_ns: int | None, until_ns: int | None, after_ns: int | None = None
+):
     """Write the dump to a private temp folder and return (open file, size); the file is
     unlinked at once, so it disappears when the response closes it, whatever happens."""
     folder = Path(tempfile.mkdtemp(prefix="tokenmill-dump-"))
     try:
         path = folder / "dump.duckdb"
         try:
-            dumps.write_dump(path, since_ns, until_ns)
+            dumps.write_dump(path, since_ns, until_ns, after_ns)
         except RuntimeError as exc:
             raise APIError(500, f"dump failed: {exc}", code="dump_failed") from None
         fh = open(path, "rb")  # noqa: SIM115 (closed by _read_chunks)

@@ -7,9 +7,12 @@ from __future__ import annotations
 import http.server
 import json
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
+import urllib.parse
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +23,8 @@ from streamlit.testing.v1 import AppTest
 from synth_store import Phase, write_store
 
 from tokenmill.dashboard import data
-from tokenmill.dashboard.source import SourceError, StoreHandle
+from tokenmill.dashboard.source import OVERLAP_S, SourceError, StoreHandle
+from tokenmill.telemetry.dump import write_dump
 from tokenmill.telemetry.schema import apply_schema
 
 APP = Path(data.__file__).parent / "app.py"
@@ -605,12 +609,25 @@ def test_bad_source_is_one_message_not_an_exception(monkeypatch, tmp_path):
 
 
 class _AdminDump(http.server.BaseHTTPRequestHandler):
-    """A stand-in for a server's ``GET /admin/dump``: serves ``server.dump`` to key ``k``."""
+    """A stand-in for a server's ``GET /admin/dump``: serves the store ``server.dump`` to key
+    ``k``, whole, or with ``?after_ns=`` what reached it from then on (``write_dump``'s
+    incremental dump, as the real route answers); each query is kept in ``server.queries``."""
 
     def do_GET(self):
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+        self.server.queries.append(query)
         if self.headers.get("Authorization") != "Bearer k":
             body = json.dumps({"error": {"message": "admin key required"}}).encode()
             self.send_response(401)
+        elif "after_ns" in query:
+            out = Path(tempfile.mkdtemp()) / "delta.duckdb"
+            con = duckdb.connect(str(self.server.dump), read_only=True)
+            try:
+                write_dump(con, out, ended_since_ns=int(query["after_ns"][0]))
+            finally:
+                con.close()
+            body = out.read_bytes()
+            self.send_response(200)
         else:
             body = Path(self.server.dump).read_bytes()
             self.send_response(200)
@@ -626,25 +643,62 @@ class _AdminDump(http.server.BaseHTTPRequestHandler):
 def admin_server(host_store):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AdminDump)
     server.dump = host_store
+    server.queries = []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server
     server.shutdown()
     server.server_close()
 
 
-def test_live_source_fetches_fresh_dumps(admin_server, host_store, gpu_store):
+def test_live_source_fetches_only_what_is_new(admin_server, host_store, tmp_path):
+    """The first fetch takes the whole store; a refresh asks for what reached it since the
+    mirror's newest row (less the overlap) and merges it: the new rows arrive once, the rows
+    fetched again replace themselves, nothing is lost or doubled."""
+    host_store = tmp_path / "minute.duckdb"  # a minute of traffic: most of it is old
+    write_store(host_store, [Phase(duration_s=60)], seed=7)
+    served = tmp_path / "served.duckdb"
+    shutil.copy(host_store, served)
+    admin_server.dump = served
     url = f"http://127.0.0.1:{admin_server.server_port}"
     handle = StoreHandle(url, api_key="k", refresh_s=60, timeout_s=10)
     try:
         first = handle.snapshot()
         (n_host,) = sql(host_store, "SELECT count(*) FROM requests")
+        (steps,) = sql(host_store, "SELECT count(*) FROM engine_steps")
         assert first.con.execute("SELECT count(*) FROM requests").fetchone()[0] == n_host
-        admin_server.dump = gpu_store  # the server has new rows
+        assert "after_ns" not in admin_server.queries[-1]  # the first fetch is whole
+        # the server has new rows: five requests and their steps ten minutes later
+        with duckdb.connect(str(served)) as con:
+            con.execute(
+                "INSERT INTO requests SELECT * REPLACE (request_id || '-new' AS request_id, "
+                "'f' || substr(trace_id, 2) AS trace_id, arrival_ns + 600e9::BIGINT AS arrival_ns, "
+                "end_ns + 600e9::BIGINT AS end_ns) FROM requests ORDER BY end_ns DESC LIMIT 5"
+            )
+            con.execute(
+                "INSERT INTO engine_steps SELECT * REPLACE (step_id + 1000000 AS step_id, "
+                "start_ns + 600e9::BIGINT AS start_ns, end_ns + 600e9::BIGINT AS end_ns) "
+                "FROM engine_steps ORDER BY end_ns DESC LIMIT 20"
+            )
         assert handle.snapshot().key == first.key  # not before the refresh interval
         second = handle.snapshot(force=True)
-        (n_gpu,) = sql(gpu_store, "SELECT count(*) FROM requests")
         assert second.key != first.key
-        assert second.con.execute("SELECT count(*) FROM requests").fetchone()[0] == n_gpu
+        asked = int(admin_server.queries[-1]["after_ns"][0])
+        (newest,) = sql(  # the newest row the first fetch brought, in any table
+            host_store,
+            "SELECT greatest((SELECT max(end_ns) FROM requests), (SELECT max(end_ns) FROM spans), "
+            "(SELECT max(end_ns) FROM engine_steps), (SELECT max(time_ns) FROM device_samples), "
+            "(SELECT max(time_ns) FROM events))",
+        )
+        assert newest - asked == OVERLAP_S * 1e9, (asked, newest)
+        full, delta = handle.fetched_rows
+        assert delta < full / 2, handle.fetched_rows  # what is new, not the whole store
+        got = second.con.execute(
+            "SELECT count(*), count(DISTINCT request_id) FROM requests"
+        ).fetchone()
+        assert got == (n_host + 5, n_host + 5)
+        assert second.con.execute("SELECT count(*) FROM engine_steps").fetchone()[0] == steps + 20
+        # the older snapshot still reads (a page may be using it)
+        assert first.con.execute("SELECT count(*) FROM requests").fetchone()[0] == n_host + 5
         admin_server.shutdown()  # the server goes away: the last dump stays, with the reason
         admin_server.server_close()
         third = handle.snapshot(force=True)

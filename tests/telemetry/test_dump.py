@@ -587,6 +587,46 @@ def test_http_dump_bad_window(live, query, param):
     assert err["param"] == "until"
 
 
+def test_http_dump_after_ns_brings_only_what_reached_the_store_since(live, tmp_path):
+    """The live console's incremental fetch: ``?after_ns=T`` holds every trace that ended at or
+    after T (all of its spans, also those that ended before T), the steps that ended and the
+    samples and events taken from T on, and nothing older."""
+    c = TestClient(live.app)
+    (cut,) = live.store.query("SELECT max(end_ns) - 1500000000000 FROM engine_steps")[0]
+    r = c.get(f"/admin/dump?after_ns={cut}", headers=_auth(ADMIN_KEY))
+    assert r.status_code == 200, r.text
+    out = tmp_path / "delta.duckdb"
+    out.write_bytes(r.content)
+    d = open_dump(out)
+    try:
+        ended = live.store.query(f"SELECT count(*) FROM requests WHERE end_ns >= {cut}")[0][0]
+        assert _rows(d, "SELECT count(*) FROM requests") == [ended] and ended >= 1
+        assert _rows(d, f"SELECT count(*) FROM engine_steps WHERE end_ns < {cut}") == [0]
+        assert (
+            _rows(d, "SELECT count(*) FROM engine_steps")[0]
+            == live.store.query(f"SELECT count(*) FROM engine_steps WHERE end_ns >= {cut}")[0][0]
+            and _rows(d, "SELECT count(*) FROM engine_steps")[0] < 60
+        )
+        # a trace comes whole: every span the store holds of each trace in the dump
+        traces = [t for (t,) in d.execute("SELECT DISTINCT trace_id FROM spans").fetchall()]
+        assert traces
+        listed = ", ".join(f"'{t}'" for t in traces)
+        assert (
+            _rows(d, "SELECT count(*) FROM spans")[0]
+            == live.store.query(f"SELECT count(*) FROM spans WHERE trace_id IN ({listed})")[0][0]
+        )
+        meta = dict(d.execute("SELECT key, value FROM meta").fetchall())
+        assert int(meta["ended_since_ns"]) == cut
+    finally:
+        d.close()
+    for query, needle in (
+        ("after_ns=soon", "not a time in Unix nanoseconds"),
+        ("after_ns=1&since=10m", "after_ns takes no since/until"),
+    ):
+        err = _api_error(c.get(f"/admin/dump?{query}", headers=_auth(ADMIN_KEY)), 400)
+        assert needle in err["message"] and err["param"] == "after_ns", err
+
+
 def test_http_dump_store_disabled(live):
     live.holder["store"] = None
     err = _api_error(TestClient(live.app).get("/admin/dump", headers=_auth(ADMIN_KEY)), 503)
