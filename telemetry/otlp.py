@@ -92,47 +92,44 @@ def export_configured(endpoint: str | None, signal: str) -> bool:
     )
 
 
-def _grpc_module(signal: str):
+#: signal → (the exporter module's name in either protocol package, its class, the HTTP path)
+_EXPORTERS = {
+    "traces": ("trace_exporter", "OTLPSpanExporter", "/v1/traces"),
+    "metrics": ("metric_exporter", "OTLPMetricExporter", "/v1/metrics"),
+}
+
+
+def _exporter(signal: str, endpoint: str | None):
+    """The OTLP exporter of ``signal`` in the protocol the variables ask for; ``endpoint``
+    (``--otlp-endpoint``) or, without it, the SDK's own ``OTEL_EXPORTER_OTLP_*`` variables."""
     import importlib
 
-    name = {"traces": "trace_exporter", "metrics": "metric_exporter"}[signal]
+    module, cls, path = _EXPORTERS[signal]
+    grpc = otlp_protocol(signal) == "grpc"
+    package = "opentelemetry.exporter.otlp.proto." + ("grpc" if grpc else "http")
     try:
-        return importlib.import_module(f"opentelemetry.exporter.otlp.proto.grpc.{name}")
+        exporter = getattr(importlib.import_module(f"{package}.{module}"), cls)
     except ImportError:
+        if not grpc:
+            raise
         raise OTLPConfigError(
             "OTLP over grpc needs the gRPC exporter: pip install 'tokenmill[grpc]'"
         ) from None
+    if not endpoint:
+        return exporter()
+    if grpc:  # an http:// URL is a plaintext channel; https:// (or host:port) uses TLS
+        return exporter(endpoint=endpoint, insecure=endpoint.startswith("http://"))
+    return exporter(endpoint=endpoint.rstrip("/") + path)
 
 
 def span_exporter(endpoint: str | None):
     """The span exporter the variables (and ``endpoint``) ask for."""
-    if otlp_protocol("traces") == "grpc":
-        mod = _grpc_module("traces")
-        return mod.OTLPSpanExporter(**_grpc_target(endpoint))
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    if endpoint:
-        return OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces")
-    return OTLPSpanExporter()  # the standard OTEL_EXPORTER_OTLP_* variables
+    return _exporter("traces", endpoint)
 
 
 def metric_exporter(endpoint: str | None):
     """The metric exporter the variables (and ``endpoint``) ask for."""
-    if otlp_protocol("metrics") == "grpc":
-        mod = _grpc_module("metrics")
-        return mod.OTLPMetricExporter(**_grpc_target(endpoint))
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-    if endpoint:
-        return OTLPMetricExporter(endpoint=endpoint.rstrip("/") + "/v1/metrics")
-    return OTLPMetricExporter()
-
-
-def _grpc_target(endpoint: str | None) -> dict:
-    if not endpoint:
-        return {}
-    # an http:// URL is a plaintext channel; https:// (or a bare host:port) uses TLS as the SDK
-    return {"endpoint": endpoint, "insecure": endpoint.startswith("http://")}
+    return _exporter("metrics", endpoint)
 
 
 class GenAIServerMetrics:

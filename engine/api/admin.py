@@ -72,7 +72,10 @@ def register_admin_routes(app: FastAPI, state, dumps: DumpWriter) -> None:
             client = request.client.host if request.client else None
             state.gateway.authenticate_admin(request.headers.get("authorization"), client)
             now_ns = time.time_ns()
-            latest = await run_in_threadpool(dumps.latest_ns) if dumps.can_dump else None
+            # the store's latest row only when a duration counts back from it (it flushes the
+            # store and reads under its lock: the console's incremental fetch needs none)
+            counts_back = bool(since or until) and dumps.can_dump
+            latest = await run_in_threadpool(dumps.latest_ns) if counts_back else None
             since_ns = _ago(latest or now_ns, since, "since")
             until_ns = _ago(latest or now_ns, until, "until")
             if since_ns is not None and until_ns is not None and until_ns <= since_ns:
