@@ -58,16 +58,24 @@ def _window(column: str, since_ns: int | None, until_ns: int | None) -> str:
     return " AND ".join(conds) or "TRUE"
 
 
-def trace_ids_sql(since_ns: int | None, until_ns: int | None, db: str | None = None) -> str:
-    """SQL of the trace ids a window holds: the traces of the requests that arrived in it, and
-    the traces without a request row (a request cut before its row) whose first span started
-    in it. ``db``: the attached database to read (None: the current one)."""
+def _traces_sql(request_cond: str, span_cond: str, db: str | None) -> str:
+    """The traces of the requests rows meeting ``request_cond``, and the traces without a
+    request row (a request cut before its row) whose spans' aggregate meets ``span_cond``."""
     s = f'"{db}".main.' if db else ""
     return (
-        f"SELECT trace_id FROM {s}requests WHERE {_window('arrival_ns', since_ns, until_ns)} "
+        f"SELECT trace_id FROM {s}requests WHERE {request_cond} "
         f"UNION SELECT trace_id FROM {s}spans "
         f"WHERE trace_id NOT IN (SELECT trace_id FROM {s}requests) "
-        f"GROUP BY trace_id HAVING {_window('min(start_ns)', since_ns, until_ns)}"
+        f"GROUP BY trace_id HAVING {span_cond}"
+    )
+
+
+def trace_ids_sql(since_ns: int | None, until_ns: int | None, db: str | None = None) -> str:
+    """SQL of the trace ids a window holds: the traces of the requests that arrived in it, and
+    the traces without a request row whose first span started in it. ``db``: the attached
+    database to read (None: the current one)."""
+    return _traces_sql(
+        _window("arrival_ns", since_ns, until_ns), _window("min(start_ns)", since_ns, until_ns), db
     )
 
 
@@ -79,14 +87,8 @@ ENDED_COLUMN = {"engine_steps": "end_ns", "device_samples": "time_ns", "events":
 def ended_trace_ids_sql(ended_since_ns: int, db: str | None = None) -> str:
     """SQL of the traces that ended at or after ``ended_since_ns``: the requests that ended
     then, and the traces without a request row whose last span did."""
-    s = f'"{db}".main.' if db else ""
     t = int(ended_since_ns)
-    return (
-        f"SELECT trace_id FROM {s}requests WHERE end_ns >= {t} "
-        f"UNION SELECT trace_id FROM {s}spans "
-        f"WHERE trace_id NOT IN (SELECT trace_id FROM {s}requests) "
-        f"GROUP BY trace_id HAVING max(end_ns) >= {t}"
-    )
+    return _traces_sql(f"end_ns >= {t}", f"max(end_ns) >= {t}", db)
 
 
 def _sql_string(text: str) -> str:
