@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # first and it is kept.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup model demo test lint format clean promtool chromium scenarios corpus accuracy
+.PHONY: setup model demo test lint format clean promtool chromium scenarios scenario-dumps corpus accuracy
 
 setup: $(STAMP)
 
@@ -55,10 +55,20 @@ test: model lint promtool chromium
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
 
-# every symptom scenario on the real engine (minutes each); CI runs the fast ones in tests/
+# every symptom scenario on the real engine (minutes each); CI diagnoses the fast ones' recorded
+# runs (scenario-dumps) and runs one live
 scenarios: model
 	@for s in $$($(BIN)/tokenmill scenario list | awk '{print $$1}'); do \
 		$(BIN)/tokenmill scenario run $$s || status=1; done; exit $${status:-0}
+
+# record the fast scenarios' real-engine runs as Parquet dumps (~9 minutes, alone on the
+# machine; a recorded one is kept: delete its folder to record it again)
+FAST_SCENARIOS := batching_ineffective client_server_ttft_gap host_bound_steps \
+	itl_frontend_overhead kv_block_leak oom_low_average_memory pd_ratio_imbalance \
+	quantization_decode_heavy quantization_no_gain spec_decode_ineffective ttft_prefill_bound
+scenario-dumps: model
+	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.corpus --out benchmarks/data/scenario_dumps \
+		$(foreach s,$(FAST_SCENARIOS),--scenario $(s))
 
 # the labelled diagnosis corpus (bench/corpus.py): every family's runs on the real engine, about
 # a minute each, alone on the machine; resumable. Then the accuracy on its evaluation split.

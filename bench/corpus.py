@@ -537,7 +537,9 @@ def generate(out: Path, runs: list[Run], *, model: str | None = None, log=print)
         if label.exists():
             # a label's parts that do not depend on the run follow the family's definition
             meta = json.loads(label.read_text())
-            meta.update(expect=r.expect, window=r.scenario.window, params=r.params)
+            meta.update(
+                expect=r.expect, absent=r.scenario.absent, window=r.scenario.window, params=r.params
+            )
             label.write_text(json.dumps(meta, indent=2) + "\n")
             done.append(folder)
             continue
@@ -574,6 +576,7 @@ def generate(out: Path, runs: list[Run], *, model: str | None = None, log=print)
             "family": r.family,
             "split": r.split,
             "expect": r.expect,
+            "absent": r.scenario.absent,
             "window": r.scenario.window,
             "params": r.params,
             "server": r.scenario.server,
@@ -601,6 +604,15 @@ def load_runs(root: Path, split: str | None = None) -> list[tuple[dict, Path]]:
     return out
 
 
+def scenario_runs(names: list[str]) -> list[Run]:
+    """Named scenarios (``scenarios/*.toml``) as runs to record: each a run of its own family,
+    split ``scenario``, so the diagnoser can be checked on its real-engine dump in seconds
+    (``make scenario-dumps``; ``tests/bench/test_scenarios.py``)."""
+    from .scenario import load
+
+    return [Run(n, n, "scenario", list(load(n).expect), load(n), {}, None) for n in names]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m tokenmill.bench.corpus", description=__doc__.split("\n\n")[0]
@@ -608,11 +620,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--per-family", type=int, default=4)
     ap.add_argument("--family", action="append", choices=sorted(FAMILIES))
+    ap.add_argument(
+        "--scenario",
+        action="append",
+        help="record this named scenario instead of sampling families (repeatable)",
+    )
     ap.add_argument("--split", choices=SPLITS)
     ap.add_argument("--model")
     ap.add_argument("--list", action="store_true", help="print the sampled runs and stop")
     a = ap.parse_args(argv)
-    runs = sample(a.per_family, a.family)
+    runs = scenario_runs(a.scenario) if a.scenario else sample(a.per_family, a.family)
     if a.split:
         runs = [r for r in runs if r.split == a.split]
     if a.list:

@@ -270,6 +270,16 @@ def server_launch(
     return [*cmd, *sc.server], out, env
 
 
+def verdict(expect: list[str], absent: list[str], found: list[str]) -> bool:
+    """Whether a scenario passed, from its findings' rule ids in rank order: the top one is
+    expected (``expect``); none of ``absent`` fired; or, with neither, nothing fired."""
+    if expect:
+        return bool(found) and found[0] in expect
+    if absent:
+        return not set(found) & set(absent)
+    return not found
+
+
 def run(name: str, out: Path, *, model: str | None = None, log=print) -> dict:
     """Run one scenario into ``out`` (server log, bench JSON, the store, result.json).
 
@@ -354,12 +364,7 @@ def run_scenario(sc: Scenario, out: Path, *, model: str | None = None, log=print
     finally:
         con.close()
     top = report.findings[0].rule_id if report.findings else None
-    if sc.expect:
-        passed = top in sc.expect
-    elif sc.absent:
-        passed = not {f.rule_id for f in report.findings} & set(sc.absent)
-    else:
-        passed = top is None
+    passed = verdict(sc.expect, sc.absent, [f.rule_id for f in report.findings])
     result = {
         "scenario": name,
         "case": sc.case,

@@ -592,7 +592,9 @@ def test_two_prefill_and_two_decode_cores_route_both_ways_and_equal_colocated(
     """``--disaggregation prefill=2,decode=2`` (four engine cores, unpinned, a torch thread
     each) with 12-block decode pools (a request needs up to 9): 10 concurrent greedy requests
     answer exactly what the offline colocated engine answers, though the decode cores hold
-    hand-offs back for lack of room (``num_kv_waiting``) and preempt; the router spreads them over both prefill and both
+    hand-offs back for lack of room (``num_kv_waiting``) and may preempt (whether one does
+    depends on when the hand-offs land: a CI run of 2026-12-03 held three back and preempted
+    none); the router spreads them over both prefill and both
     decode cores (every pair in the ``kv_transfer`` events' from/to); every pool ends empty
     and /health lists the four cores with their roles."""
     import asyncio
@@ -646,7 +648,7 @@ def test_two_prefill_and_two_decode_cores_route_both_ways_and_equal_colocated(
     ).fetchone()
     roles = dict(con.execute("SELECT role, count(*) FROM engine_steps GROUP BY role").fetchall())
     con.close()
-    assert preempted >= 1 and waited >= 1, (preempted, waited)
+    assert waited >= 1, (preempted, waited)
     assert roles.get("prefill", 0) > 0 and roles.get("decode", 0) > 0, roles
 
 
