@@ -20,7 +20,7 @@ import duckdb
 from tokenmill.diagnose.fleet import FleetError, collect_dumps, source_names
 from tokenmill.telemetry.dump import DumpError, open_dump
 from tokenmill.telemetry.parquet_dump import ParquetDumpError, is_parquet_dump, load_parquet
-from tokenmill.telemetry.schema import TABLES
+from tokenmill.telemetry.schema import ADDED_TABLES, ROW_TYPES, TABLES, has_table, struct_ddl
 
 from .source import Snapshot, SourceError
 
@@ -192,7 +192,13 @@ def build(paths: list[Path]) -> tuple[duckdb.DuckDBPyConnection, list[Member]]:
                     f"SELECT '{m.name.replace(chr(39), chr(39) * 2)}' AS source, * "
                     f"FROM {m.schema}.{table}"
                     for m in members
+                    # a dump written before an added table has none of its rows
+                    if table not in ADDED_TABLES or has_table(con, *m.schema.split("."), table)
                 ]
+            if not parts:  # no member has this added table: an empty one
+                con.execute(struct_ddl(f"main.{table}", ROW_TYPES[table]))
+                con.execute(f"ALTER TABLE main.{table} ADD COLUMN source VARCHAR")
+                continue
             con.execute(f"CREATE VIEW main.{table} AS " + " UNION ALL BY NAME ".join(parts))
     except (duckdb.Error, ParquetDumpError) as exc:
         con.close()

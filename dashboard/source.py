@@ -29,7 +29,7 @@ import duckdb
 
 from tokenmill.telemetry.dump import ENDED_COLUMN, DumpError, open_dump
 from tokenmill.telemetry.remote import FetchError, fetch_dump, normalize_url
-from tokenmill.telemetry.schema import TABLES
+from tokenmill.telemetry.schema import ADDED_TABLES, TABLES, ddl, has_table
 
 ENV_SOURCE = "TOKENMILL_DASHBOARD_SOURCE"
 ENV_REFRESH = "TOKENMILL_DASHBOARD_REFRESH"
@@ -216,6 +216,7 @@ class LiveMirror:
         os.replace(first, path)
         self.path = path
         self.con = duckdb.connect(str(path))
+        self.con.execute(ddl())  # tables added since the server's tokenmill wrote the dump
 
     def rows(self) -> int:
         return sum(self.con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES)
@@ -261,6 +262,8 @@ class LiveMirror:
                 con.execute("DELETE FROM meta WHERE key IN ('dumped_at_ns', 'window_end_ns')")
             n = 0
             for t in TABLES:
+                if t in ADDED_TABLES and not has_table(con, "delta", "main", t):
+                    continue  # a server of an older tokenmill: none of its rows
                 con.execute(f"INSERT INTO {t} BY NAME SELECT * FROM delta.main.{t}")
                 n += con.execute(f"SELECT count(*) FROM delta.main.{t}").fetchone()[0]
             keep = "" if full else "WHERE key IN ('dumped_at_ns', 'window_end_ns')"

@@ -42,6 +42,7 @@ COMMANDS = {
     "scenario": "tokenmill.bench.cli:scenario_app",
     "demo": "tokenmill.bench.cli:demo_app",
     "export": "tokenmill.diagnose.export_cli:app",
+    "collect": "tokenmill.telemetry.collect_cli:app",
 }
 
 

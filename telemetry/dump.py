@@ -32,7 +32,12 @@ from .schema import TABLES, SchemaError, apply_schema, check_schema, expose_miss
 
 DUCKDB_MAGIC = b"DUCK"  # bytes 8..12 of every DuckDB database file
 # the time column of each table that is not kept whole by trace
-TIME_COLUMN = {"engine_steps": "start_ns", "device_samples": "time_ns", "events": "time_ns"}
+TIME_COLUMN = {
+    "engine_steps": "start_ns",
+    "device_samples": "time_ns",
+    "events": "time_ns",
+    "engine_samples": "time_ns",
+}
 
 
 class DumpError(Exception):
@@ -81,7 +86,12 @@ def trace_ids_sql(since_ns: int | None, until_ns: int | None, db: str | None = N
 
 #: the time a row reached the store by (it is written when it ends or is taken): what an
 #: incremental dump (``ended_since_ns``) selects on
-ENDED_COLUMN = {"engine_steps": "end_ns", "device_samples": "time_ns", "events": "time_ns"}
+ENDED_COLUMN = {
+    "engine_steps": "end_ns",
+    "device_samples": "time_ns",
+    "events": "time_ns",
+    "engine_samples": "time_ns",
+}
 
 
 def ended_trace_ids_sql(ended_since_ns: int, db: str | None = None) -> str:

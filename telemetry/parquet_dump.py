@@ -18,7 +18,7 @@ from pathlib import Path
 
 import duckdb
 
-from .schema import SCHEMA_VERSION, TABLES, ddl
+from .schema import ADDED_TABLES, SCHEMA_VERSION, TABLES, ddl
 
 META_FILE = "meta.parquet"
 PARQUET_TABLES = ("meta", *TABLES)
@@ -115,7 +115,8 @@ def load_parquet(
             raise ParquetDumpError(
                 f"{p}: schema version {rows[0][0]}; this tokenmill reads version {SCHEMA_VERSION}"
             )
-        missing = [t for t in PARQUET_TABLES if not (p / f"{t}.parquet").is_file()]
+        present = [t for t in PARQUET_TABLES if (p / f"{t}.parquet").is_file()]
+        missing = [t for t in PARQUET_TABLES if t not in present and t not in ADDED_TABLES]
         if missing:
             raise ParquetDumpError(
                 f"{p}: Parquet dump lacks table file(s) {', '.join(t + '.parquet' for t in missing)}"
@@ -128,7 +129,7 @@ def load_parquet(
                 cur.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
                 cur.execute(f'USE "{db}"."{schema}"')
             cur.execute(ddl())
-            for table in PARQUET_TABLES:
+            for table in present:
                 cur.execute(
                     f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet(?)",
                     [str(p / f"{table}.parquet")],

@@ -2,9 +2,10 @@
 a DuckDB file (a live store or a dump) was written by this version.
 
 ``spans``, ``device_samples``, ``events`` and ``meta`` are written out in ``schema.sql``;
-``requests`` and ``engine_steps`` are generated from their row types
-(:class:`~tokenmill.telemetry.rows.RequestRow`, :class:`~tokenmill.engine.messages.StepRecord`),
-so the engine's step record and its stored row cannot disagree.
+``requests``, ``engine_steps`` and ``engine_samples`` are generated from their row types
+(:class:`~tokenmill.telemetry.rows.RequestRow`, :class:`~tokenmill.engine.messages.StepRecord`,
+:class:`~tokenmill.telemetry.engine_metrics.EngineSampleRow`), so the engine's step record and
+its stored row cannot disagree.
 """
 
 from __future__ import annotations
@@ -23,10 +24,15 @@ from tokenmill.engine.messages import (
     StepRecord,
 )
 
+from .engine_metrics import EngineSampleRow
 from .rows import RequestRow
 
 SCHEMA_VERSION = 4
-TABLES = ("spans", "requests", "engine_steps", "device_samples", "events")
+TABLES = ("spans", "requests", "engine_steps", "device_samples", "events", "engine_samples")
+#: tables added after this version was stamped: a store or dump written before them reads them
+#: as empty (apply_schema creates them, expose_missing_columns gives a read-only file an empty
+#: one, a Parquet dump may lack their file)
+ADDED_TABLES = ("engine_samples",)
 # the child spans of every `request` span, in the order a request passes them (DESIGN.md §2)
 STATIONS = (
     "gateway",
@@ -124,9 +130,14 @@ FROM events WHERE kind = 'config' ORDER BY time_ns DESC LIMIT 1
 """
 
 #: The tables generated from a row type, in the order they are created.
-ROW_TYPES: dict[str, type[msgspec.Struct]] = {"requests": RequestRow, "engine_steps": StepRecord}
+ROW_TYPES: dict[str, type[msgspec.Struct]] = {
+    "requests": RequestRow,
+    "engine_steps": StepRecord,
+    "engine_samples": EngineSampleRow,
+}
 
 __all__ = [
+    "ADDED_TABLES",
     "COMPLETED_FINISH_REASONS",
     "COMPLETED_SQL",
     "DECODE_ONLY_STEP_SQL",
@@ -151,6 +162,7 @@ __all__ = [
     "check_schema",
     "ddl",
     "expose_missing_columns",
+    "has_table",
     "roofline_agg_sql",
     "spec_agg_sql",
     "sql_type",
@@ -215,6 +227,8 @@ def _missing_columns(con: duckdb.DuckDBPyConnection) -> dict[str, list[tuple[str
     out: dict[str, list[tuple[str, str]]] = {}
     for table, row_type in ROW_TYPES.items():
         have = set(columns(con, table))
+        if not have:  # an added table the file lacks: expose_missing_columns makes it whole
+            continue
         miss = [(f.name, sql_type(f.type)) for f in mi.type_info(row_type).fields]
         out[table] = [(n, t) for n, t in miss if n not in have]
     for table, cols in ADDED_COLUMNS.items():
@@ -260,9 +274,15 @@ def expose_missing_columns(con: duckdb.DuckDBPyConnection) -> list[str]:
     """Let a store opened read-only, written before a nullable field existed, answer queries
     that name the field: a temporary view over each such table adds the missing columns as
     NULL (what :func:`apply_schema` would add to a writable file). Returns the
-    ``table.column`` names added."""
+    ``table.column`` names added (and the names of added tables the file lacks, made empty)."""
     db = con.execute("SELECT current_database()").fetchone()[0]
     added = []
+    for table in ADDED_TABLES:
+        if not columns(con, table):
+            con.execute(
+                struct_ddl(table, ROW_TYPES[table]).replace("CREATE TABLE", "CREATE TEMP TABLE")
+            )
+            added.append(table)
     for table, missing in _missing_columns(con).items():
         extra = ", ".join(f"NULL::{typ} AS {name}" for name, typ in missing)
         con.execute(
@@ -280,6 +300,17 @@ def columns(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
         [table],
     ).fetchall()
     return [r[0] for r in rows]
+
+
+def has_table(con: duckdb.DuckDBPyConnection, database: str, schema: str, table: str) -> bool:
+    """Whether ``database.schema.table`` exists (an attached file, or a schema of ``con``)."""
+    return bool(
+        con.execute(
+            "SELECT count(*) FROM duckdb_tables() WHERE database_name = ? AND schema_name = ? "
+            "AND table_name = ?",
+            [database, schema, table],
+        ).fetchone()[0]
+    )
 
 
 def check_schema(con: duckdb.DuckDBPyConnection) -> None:
@@ -300,6 +331,6 @@ def check_schema(con: duckdb.DuckDBPyConnection) -> None:
     present = {
         r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()
     }
-    missing = [t for t in TABLES if t not in present]
+    missing = [t for t in TABLES if t not in present and t not in ADDED_TABLES]
     if missing:
         raise SchemaError(f"trace store lacks table(s) {', '.join(missing)}")

@@ -247,7 +247,15 @@ def test_bad_parquet_dumps_are_one_line(small, tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in pq.iterdir()) == sorted(
         f"{t}.parquet"
-        for t in ("meta", "spans", "requests", "engine_steps", "device_samples", "events")
+        for t in (
+            "meta",
+            "spans",
+            "requests",
+            "engine_steps",
+            "device_samples",
+            "events",
+            "engine_samples",
+        )
     )
     # the folder is refused as an output unless --force; a file is never a Parquet output
     assert "already exists" in _error_line(

@@ -31,14 +31,13 @@ from tokenmill.telemetry.dump import (
     write_dump,
 )
 from tokenmill.telemetry.hub import LiveDumps
-from tokenmill.telemetry.schema import SCHEMA_VERSION
+from tokenmill.telemetry.schema import SCHEMA_VERSION, TABLES
 from tokenmill.telemetry.store import TraceStore
 
 TOKENMILL = str(Path(sys.executable).with_name("tokenmill"))
 ADMIN_KEY = "sk-admin-0123456789"
 TENANT_KEY = "sk-acme-0123456789"
 MIN = 60 * 1_000_000_000
-TABLES = ("spans", "requests", "engine_steps", "device_samples", "events")
 
 
 # ---------------------------------------------------------------- the store of a test hour
@@ -74,7 +73,7 @@ def hour(tmp_path_factory):
     Traces (by the minute their request started): ``a`` at -50 (a child span at -25), ``b`` at
     -20 (a child at -8), ``c`` at -15 still in flight (spans only, no root, no requests row).
     Steps every minute 0..59, device samples every even minute, events at -45, exactly -30 min,
-    -25, exactly -10 min and -1.
+    -25, exactly -10 min and -1; another engine's /metrics scraped every 5 minutes.
     """
     path = tmp_path_factory.mktemp("store") / "trace.duckdb"
     now = time.time_ns()
@@ -111,12 +110,22 @@ def hour(tmp_path_factory):
             [_at(now, 45), now - 30 * MIN, _at(now, 25), now - 10 * MIN, _at(now, 1)]
         )
     ]
+    scrapes = [
+        {
+            "time_ns": _at(now, m),
+            "url": "http://vllm:8000/metrics",
+            "engine_kind": "vllm",
+            "waiting": float(m),
+        }
+        for m in range(0, 60, 5)
+    ]
     rows = {
         "spans": spans,
         "requests": requests,
         "engine_steps": steps,
         "device_samples": samples,
         "events": events,
+        "engine_samples": scrapes,
     }
     _fill(path, rows).close()
     return SimpleNamespace(path=path, now=now, rows=rows)
@@ -191,6 +200,7 @@ def test_window_counts_and_whole_traces(hour, tmp_path):
     # b (its stream span at -8 is past `until`, kept: traces are whole) and in-flight c; not a
     # (started at -50, though a span of it starts at -25)
     expected = {"spans": 5, "requests": 1, "engine_steps": 20, "device_samples": 10, "events": 2}
+    expected["engine_samples"] = 4  # scraped at -30, -25, -20, -15
     assert counts == expected
     assert sorted(os.listdir(tmp_path)) == ["w.duckdb"]  # no temp or .wal file left
     d = open_dump(out)
@@ -230,6 +240,7 @@ def test_whole_store_and_no_overwrite(hour, tmp_path):
             "engine_steps": 60,
             "device_samples": 30,
             "events": 5,
+            "engine_samples": 12,
         }
         size = out.stat().st_size
         with pytest.raises(DumpError, match="already exists") as ei:
@@ -555,6 +566,7 @@ def test_http_dump_ok(live, tmp_path):
             "engine_steps": 30,
             "device_samples": 15,
             "events": 5,
+            "engine_samples": 6,
         }
         assert _rows(d, "SELECT kind FROM events WHERE kind = 'fresh'") == ["fresh"]
         assert dict(d.execute("SELECT key, value FROM meta").fetchall())["source"].startswith(
@@ -707,3 +719,37 @@ def test_cli_url_connection_refused(tmp_path):
         "refused",
     )
     assert os.listdir(tmp_path) == []
+
+
+def test_a_dump_written_before_engine_samples_reads_it_as_empty(hour, tmp_path):
+    """engine_samples came after schema version 4 was stamped: a dump of that version without
+    the table opens (open_dump, a fleet of such dumps, a Parquet folder without its file) and
+    reads it as empty, the other tables as written."""
+    from tokenmill.dashboard.fleet_source import build
+    from tokenmill.telemetry.parquet_dump import export_parquet, load_parquet
+
+    old = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(hour.path), read_only=True)
+    try:
+        write_dump(con, old)
+    finally:
+        con.close()
+    con = duckdb.connect(str(old))
+    con.execute("DROP TABLE engine_samples")
+    con.close()
+    d = open_dump(old)
+    try:
+        assert _counts(d)["engine_samples"] == 0 and _counts(d)["engine_steps"] == 60
+        export_parquet(d, tmp_path / "pq")
+    finally:
+        d.close()
+    (tmp_path / "pq" / "engine_samples.parquet").unlink()
+    pq = load_parquet(tmp_path / "pq")
+    assert _counts(pq)["engine_samples"] == 0 and _counts(pq)["events"] == 5
+    pq.close()
+    fleet, _ = build([old])
+    try:
+        assert fleet.execute("SELECT count(*) FROM engine_samples").fetchone() == (0,)
+        assert fleet.execute("SELECT count(*) FROM engine_steps").fetchone() == (60,)
+    finally:
+        fleet.close()

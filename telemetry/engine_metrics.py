@@ -1,0 +1,274 @@
+"""Any serving engine's Prometheus metrics, read into one shape: the ``engine_samples`` row.
+
+vLLM, SGLang, llama.cpp's server, TGI and tokenmill all serve ``/metrics``, each with names of
+its own for the same few facts (requests running and waiting, KV-cache use, preemptions,
+prefix-cache queries and hits, token counters, the request-phase histograms). :data:`ENGINES`
+is the one name table, per engine kind, from each project's own metric definitions (the version
+read is in ``docs/engine_metrics.md``); :func:`read_exposition` turns one scrape into an
+:class:`EngineSampleRow` whose columns mean the same thing whoever served them. A column the
+engine does not expose stays NULL, and :func:`missing_signals` says which.
+
+Aggregation over label sets (several models, data-parallel engine indexes, finish reasons):
+counts and counters are summed; a ratio gauge (KV-cache use) is averaged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill.engine.messages import Ns
+
+
+class MetricsFormatError(ValueError):
+    """A scrape that is not Prometheus exposition text (one-line reason)."""
+
+
+class EngineSampleRow(msgspec.Struct, kw_only=True):
+    """One scrape of an engine's ``/metrics``, field for field the ``engine_samples`` table.
+    Counters and histogram sums/counts are cumulative as the engine reports them (a restart
+    resets them); a consumer takes differences between samples of one ``url``."""
+
+    time_ns: Ns
+    """when the scrape was answered"""
+    url: str
+    """the URL scraped"""
+    engine_kind: str
+    """vllm | sglang | llamacpp | tgi | tokenmill"""
+    running: float | None = None
+    """requests running (in the batch)"""
+    waiting: float | None = None
+    """requests waiting (queued, not yet scheduled)"""
+    kv_usage: float | None = None
+    """KV-cache use, 0..1"""
+    preemptions_total: float | None = None
+    prefix_queries_total: float | None = None
+    """prefix-cache lookups (tokens for vLLM and tokenmill)"""
+    prefix_hits_total: float | None = None
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    requests_finished_total: float | None = None
+    iteration_tokens_sum: float | None = None
+    """tokens per engine step (histogram sum; with its count: the mean step size)"""
+    iteration_tokens_count: float | None = None
+    queue_s_sum: float | None = None
+    """seconds requests waited in the queue (histogram sum)"""
+    queue_s_count: float | None = None
+    prefill_s_sum: float | None = None
+    prefill_s_count: float | None = None
+    decode_s_sum: float | None = None
+    decode_s_count: float | None = None
+    ttft_s_sum: float | None = None
+    ttft_s_count: float | None = None
+    itl_s_sum: float | None = None
+    """inter-token latency, or time per output token where the engine has only that"""
+    itl_s_count: float | None = None
+    e2e_s_sum: float | None = None
+    e2e_s_count: float | None = None
+
+
+# the row's signal columns; a histogram signal fills <name>_sum and <name>_count
+GAUGES = ("running", "waiting")
+RATIOS = ("kv_usage",)
+COUNTERS = (
+    "preemptions_total",
+    "prefix_queries_total",
+    "prefix_hits_total",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "requests_finished_total",
+)
+HISTOGRAMS = ("iteration_tokens", "queue_s", "prefill_s", "decode_s", "ttft_s", "itl_s", "e2e_s")
+SIGNALS = (*GAUGES, *RATIOS, *COUNTERS, *HISTOGRAMS)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine kind: the prefix its metric names carry and, per signal, the exposition name
+    (a sample name; for a histogram its base name, without ``_sum``/``_count``). A tuple gives
+    alternatives, first found wins (names renamed across versions)."""
+
+    kind: str
+    prefix: str
+    names: dict[str, str | tuple[str, ...]]
+    #: signals read from a histogram's ``_sum`` (a total the engine keeps only as one)
+    from_hist_sum: tuple[str, ...] = ()
+
+
+ENGINES: dict[str, Engine] = {
+    e.kind: e
+    for e in (
+        Engine(
+            "vllm",
+            "vllm:",
+            {
+                "running": "vllm:num_requests_running",
+                "waiting": "vllm:num_requests_waiting",
+                "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+                "preemptions_total": "vllm:num_preemptions_total",
+                "prefix_queries_total": (
+                    "vllm:prefix_cache_queries_total",
+                    "vllm:gpu_prefix_cache_queries_total",
+                ),
+                "prefix_hits_total": (
+                    "vllm:prefix_cache_hits_total",
+                    "vllm:gpu_prefix_cache_hits_total",
+                ),
+                "prompt_tokens_total": "vllm:prompt_tokens_total",
+                "generation_tokens_total": "vllm:generation_tokens_total",
+                "requests_finished_total": "vllm:request_success_total",
+                "iteration_tokens": "vllm:iteration_tokens_total",
+                "queue_s": "vllm:request_queue_time_seconds",
+                "prefill_s": "vllm:request_prefill_time_seconds",
+                "decode_s": "vllm:request_decode_time_seconds",
+                "ttft_s": "vllm:time_to_first_token_seconds",
+                "itl_s": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+                "e2e_s": "vllm:e2e_request_latency_seconds",
+            },
+        ),
+        Engine(
+            "sglang",
+            "sglang:",
+            {
+                "running": "sglang:num_running_reqs",
+                "waiting": "sglang:num_queue_reqs",
+                "kv_usage": "sglang:token_usage",
+                "preemptions_total": "sglang:num_retracted_requests_total",
+                "prefix_hits_total": "sglang:cached_tokens_total",
+                "prompt_tokens_total": "sglang:prompt_tokens_total",
+                "generation_tokens_total": "sglang:generation_tokens_total",
+                "requests_finished_total": "sglang:num_requests_total",
+                "queue_s": "sglang:queue_time_seconds",
+                "ttft_s": "sglang:time_to_first_token_seconds",
+                "itl_s": (
+                    "sglang:inter_token_latency_seconds",
+                    "sglang:time_per_output_token_seconds",
+                ),
+                "e2e_s": "sglang:e2e_request_latency_seconds",
+            },
+        ),
+        Engine(
+            "llamacpp",
+            "llamacpp:",
+            {
+                "running": "llamacpp:requests_processing",
+                "waiting": "llamacpp:requests_deferred",
+                "kv_usage": "llamacpp:kv_cache_usage_ratio",
+                "prompt_tokens_total": "llamacpp:prompt_tokens_total",
+                "generation_tokens_total": "llamacpp:tokens_predicted_total",
+            },
+        ),
+        Engine(
+            "tgi",
+            "tgi_",
+            {
+                "running": "tgi_batch_current_size",
+                "waiting": "tgi_queue_size",
+                "prompt_tokens_total": "tgi_request_input_length",
+                "generation_tokens_total": "tgi_request_generated_tokens",
+                # exposed as `tgi_request_success` (a counter without the suffix): the
+                # exposition parser names every counter sample `<name>_total`
+                "requests_finished_total": "tgi_request_success_total",
+                "queue_s": "tgi_request_queue_duration",
+                "itl_s": "tgi_request_mean_time_per_token_duration",
+                "e2e_s": "tgi_request_duration",
+            },
+            from_hist_sum=("prompt_tokens_total", "generation_tokens_total"),
+        ),
+        Engine(
+            "tokenmill",
+            "tokenmill_",
+            {
+                "running": "tokenmill_num_requests_running",
+                "waiting": "tokenmill_num_requests_waiting",
+                "kv_usage": "tokenmill_kv_cache_usage_perc",
+                "preemptions_total": "tokenmill_num_preemptions_total",
+                "prefix_queries_total": "tokenmill_prefix_cache_queries_total",
+                "prefix_hits_total": "tokenmill_prefix_cache_hits_total",
+                "prompt_tokens_total": "tokenmill_prompt_tokens_total",
+                "generation_tokens_total": "tokenmill_generation_tokens_total",
+                "requests_finished_total": "tokenmill_request_success_total",
+                "iteration_tokens": "tokenmill_iteration_tokens",
+                "queue_s": "tokenmill_request_queue_time_seconds",
+                "prefill_s": "tokenmill_request_prefill_time_seconds",
+                "decode_s": "tokenmill_request_decode_time_seconds",
+                "ttft_s": "tokenmill_time_to_first_token_seconds",
+                "itl_s": "tokenmill_inter_token_latency_seconds",
+                "e2e_s": "tokenmill_e2e_request_latency_seconds",
+            },
+        ),
+    )
+}
+
+
+def parse_samples(text: str) -> dict[str, list[float]]:
+    """Exposition text → every sample's values by sample name (one value per label set).
+
+    Raises:
+        MetricsFormatError: the text is not Prometheus exposition format.
+    """
+    out: dict[str, list[float]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out.setdefault(s.name, []).append(float(s.value))
+    except (ValueError, TypeError, IndexError) as exc:
+        reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise MetricsFormatError(f"not Prometheus exposition text ({reason})") from None
+    return out
+
+
+def detect_kind(samples: dict[str, list[float]]) -> str | None:
+    """The engine kind whose prefix most sample names carry; None: no known engine."""
+    best, hits = None, 0
+    for e in ENGINES.values():
+        n = sum(1 for name in samples if name.startswith(e.prefix))
+        if n > hits:
+            best, hits = e.kind, n
+    return best
+
+
+def _first(samples: dict[str, list[float]], names: str | tuple[str, ...], suffix: str = ""):
+    for name in (names,) if isinstance(names, str) else names:
+        if name + suffix in samples:
+            return samples[name + suffix]
+    return None
+
+
+def read_exposition(
+    text: str, url: str, time_ns: int, kind: str | None = None
+) -> EngineSampleRow | None:
+    """One scrape → one row; None when no known engine's metrics are in it (``kind`` forces
+    one).
+
+    Raises:
+        MetricsFormatError: the text is not Prometheus exposition format.
+    """
+    samples = parse_samples(text)
+    kind = kind or detect_kind(samples)
+    if kind is None:
+        return None
+    engine = ENGINES[kind]
+    row: dict[str, float] = {}
+    for signal, names in engine.names.items():
+        if signal in HISTOGRAMS:
+            for part in ("sum", "count"):
+                values = _first(samples, names, "_" + part)
+                if values is not None:
+                    row[f"{signal}_{part}"] = sum(values)
+            continue
+        if signal in engine.from_hist_sum:
+            values = _first(samples, names, "_sum")
+        else:
+            values = _first(samples, names)
+        if values is None:
+            continue
+        row[signal] = sum(values) / len(values) if signal in RATIOS else sum(values)
+    return EngineSampleRow(time_ns=time_ns, url=url, engine_kind=kind, **row)
+
+
+def missing_signals(kind: str) -> list[str]:
+    """The signals engine ``kind`` does not expose (its rows leave them NULL)."""
+    return [s for s in SIGNALS if s not in ENGINES[kind].names]

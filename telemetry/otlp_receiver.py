@@ -1,0 +1,293 @@
+"""Receive OTLP/HTTP traces (protobuf or JSON) from any engine into the trace store.
+
+:func:`decode_export` reads an ``ExportTraceServiceRequest`` body (``application/x-protobuf``,
+or ``application/json`` with OTLP's hex trace and span ids); :func:`span_rows` turns its spans
+into ``spans`` rows as they were received. Known engine spans are also mapped onto tokenmill's
+stations of the same trace (:func:`station_rows`): SGLang's stage spans map one to one, and
+vLLM's ``llm_request`` span carries the
+request's queue, prefill and decode times as attributes, which become its ``schedule``,
+``prefill`` and ``decode`` child spans and a ``requests`` row, so the waterfall, ``explain`` and
+the rules read another engine's requests as they read ours. Anything that does not decode is an
+:class:`OTLPDecodeError` (the receiver's 400) and nothing of that body is stored.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import zlib
+
+import msgspec
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
+from .rows import RequestRow
+
+_MS = 1e-6
+# OTLP span kinds and status codes as the store names them (schema.sql)
+_KIND = {v: k.removeprefix("SPAN_KIND_") for k, v in Span.SpanKind.items()}
+_STATUS = {v: k.removeprefix("STATUS_CODE_") for k, v in Status.StatusCode.items()}
+
+#: vLLM's request span (``vllm/tracing``: SpanAttributes; names in docs/engine_metrics.md)
+VLLM_REQUEST_SPAN = "llm_request"
+VLLM = {
+    "request_id": "gen_ai.request.id",
+    "queue_s": "gen_ai.latency.time_in_queue",
+    "ttft_s": "gen_ai.latency.time_to_first_token",
+    "prefill_s": "gen_ai.latency.time_in_model_prefill",
+    "decode_s": "gen_ai.latency.time_in_model_decode",
+    "e2e_s": "gen_ai.latency.e2e",
+    "input_tokens": "gen_ai.usage.prompt_tokens",
+    "output_tokens": "gen_ai.usage.completion_tokens",
+    "finish_reasons": "gen_ai.response.finish_reasons",
+    "model": "gen_ai.response.model",
+}
+
+
+#: SGLang's request-stage spans (``python/sglang/srt/tracing``) → our stations
+SGLANG_STATIONS = {
+    "prefill_waiting": "schedule",
+    "prefill_forward": "prefill",
+    "decode_loop": "decode",
+}
+
+
+class OTLPDecodeError(ValueError):
+    """A body that is not an OTLP trace export (one-line reason)."""
+
+
+def _hex_ids_to_base64(node):
+    """OTLP/JSON writes trace and span ids as hex; protobuf's JSON mapping wants base64."""
+    if isinstance(node, dict):
+        for key in ("traceId", "spanId", "parentSpanId"):
+            v = node.get(key)
+            if isinstance(v, str) and v:
+                try:
+                    node[key] = base64.b64encode(bytes.fromhex(v)).decode()
+                except ValueError:
+                    raise OTLPDecodeError(f"{key} {v[:40]!r} is not hex") from None
+        for v in node.values():
+            _hex_ids_to_base64(v)
+    elif isinstance(node, list):
+        for v in node:
+            _hex_ids_to_base64(v)
+    return node
+
+
+def decode_export(body: bytes, content_type: str) -> ExportTraceServiceRequest:
+    """Decode an OTLP/HTTP trace export.
+
+    Raises:
+        OTLPDecodeError: an unsupported content type, or a body that does not decode.
+    """
+    kind = (content_type or "").split(";")[0].strip().lower()
+    req = ExportTraceServiceRequest()
+    if kind == "application/x-protobuf":
+        try:
+            req.ParseFromString(body)
+        except (DecodeError, RuntimeWarning) as exc:
+            raise OTLPDecodeError(f"not an OTLP protobuf trace export ({exc})") from None
+    elif kind == "application/json":
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise OTLPDecodeError(f"not JSON ({exc})") from None
+        if not isinstance(doc, dict):
+            raise OTLPDecodeError("not an OTLP trace export (the JSON is not an object)")
+        try:
+            json_format.ParseDict(_hex_ids_to_base64(doc), req)
+        except (json_format.ParseError, binascii.Error) as exc:
+            raise OTLPDecodeError(f"not an OTLP trace export ({str(exc)[:160]})") from None
+    else:
+        raise OTLPDecodeError(
+            f"content type {content_type!r}: send application/x-protobuf or application/json"
+        )
+    for rs in req.resource_spans:
+        for ss in rs.scope_spans:
+            for sp in ss.spans:
+                if len(sp.trace_id) != 16 or len(sp.span_id) != 8:
+                    raise OTLPDecodeError(
+                        f"span {sp.name!r}: trace id must be 16 bytes and span id 8 "
+                        f"(got {len(sp.trace_id)} and {len(sp.span_id)})"
+                    )
+                if sp.end_time_unix_nano < sp.start_time_unix_nano:
+                    raise OTLPDecodeError(f"span {sp.name!r} ends before it starts")
+    return req
+
+
+def _value(v: AnyValue):
+    which = v.WhichOneof("value")
+    if which is None:
+        return None
+    if which == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    if which == "kvlist_value":
+        return {kv.key: _value(kv.value) for kv in v.kvlist_value.values}
+    if which == "bytes_value":
+        return v.bytes_value.hex()
+    return getattr(v, which)
+
+
+def _attrs(kvs) -> dict:
+    return {kv.key: _value(kv.value) for kv in kvs}
+
+
+def span_rows(req: ExportTraceServiceRequest) -> list[dict]:
+    """``spans`` rows, one per received span, as received (attributes and events as JSON)."""
+    rows = []
+    for rs in req.resource_spans:
+        service = _attrs(rs.resource.attributes).get("service.name")
+        for ss in rs.scope_spans:
+            for sp in ss.spans:
+                attrs = _attrs(sp.attributes)
+                reasons = attrs.get("gen_ai.response.finish_reasons")
+                if isinstance(reasons, str):  # vLLM writes the list as a JSON string
+                    try:
+                        reasons = json.loads(reasons)
+                    except ValueError:
+                        reasons = [reasons]
+                rows.append(
+                    {
+                        "trace_id": sp.trace_id.hex(),
+                        "span_id": sp.span_id.hex(),
+                        "parent_span_id": sp.parent_span_id.hex() or None,
+                        "name": sp.name,
+                        "kind": _KIND.get(sp.kind, "UNSPECIFIED"),
+                        "start_ns": sp.start_time_unix_nano,
+                        "end_ns": sp.end_time_unix_nano,
+                        "duration_ns": sp.end_time_unix_nano - sp.start_time_unix_nano,
+                        "status_code": _STATUS.get(sp.status.code, "UNSET"),
+                        "status_message": sp.status.message or None,
+                        "service_name": service,
+                        "attributes": json.dumps(attrs),
+                        "events": json.dumps(
+                            [
+                                {
+                                    "name": e.name,
+                                    "time_ns": e.time_unix_nano,
+                                    "attributes": _attrs(e.attributes),
+                                }
+                                for e in sp.events
+                            ]
+                        ),
+                        "request_id": attrs.get("tokenmill.request_id")
+                        or attrs.get(VLLM["request_id"]),
+                        "tenant": attrs.get("tokenmill.tenant"),
+                        "model": attrs.get("gen_ai.request.model") or attrs.get(VLLM["model"]),
+                        "input_tokens": attrs.get("gen_ai.usage.input_tokens")
+                        or attrs.get(VLLM["input_tokens"]),
+                        "output_tokens": attrs.get("gen_ai.usage.output_tokens")
+                        or attrs.get(VLLM["output_tokens"]),
+                        "cached_tokens": attrs.get("tokenmill.usage.cached_tokens"),
+                        "finish_reason": reasons[0] if reasons else None,
+                        "error_type": attrs.get("error.type"),
+                    }
+                )
+    return rows
+
+
+def _child(parent: dict, name: str, start_ns: int, end_ns: int, attrs: dict) -> dict:
+    # a station span id derived from its parent's, so a re-sent export maps to the same ids
+    sid = format((int(parent["span_id"], 16) ^ zlib.crc32(name.encode())) or 1, "016x")
+    return {
+        **{k: parent[k] for k in ("trace_id", "service_name", "request_id", "model")},
+        "span_id": sid,
+        "parent_span_id": parent["span_id"],
+        "name": name,
+        "kind": "INTERNAL",
+        "start_ns": start_ns,
+        "end_ns": end_ns,
+        "duration_ns": end_ns - start_ns,
+        "status_code": "UNSET",
+        "status_message": None,
+        "attributes": json.dumps({"tokenmill.mapped_from": parent["name"], **attrs}),
+        "events": "[]",
+        "input_tokens": None,
+        "output_tokens": None,
+        "cached_tokens": None,
+        "finish_reason": None,
+        "error_type": None,
+    }
+
+
+def station_rows(span: dict) -> tuple[list[dict], dict | None]:
+    """A known engine span → its station child spans and a ``requests`` row; for any other
+    span ``([], None)``. SGLang's stage spans (``prefill_waiting``, ``prefill_forward``,
+    ``decode_loop``) each become the station of the same interval.
+
+    vLLM's ``llm_request`` span starts at the request's arrival and ends when it finished; its
+    latency attributes (seconds) lay the stations end to end: ``schedule`` (time in queue),
+    ``prefill`` (scheduled → first token), ``decode`` (first → last token).
+    """
+    station = SGLANG_STATIONS.get(span["name"])
+    if station is not None:  # one stage span, one station: the same interval
+        return [_child(span, station, span["start_ns"], span["end_ns"], {})], None
+    if span["name"] != VLLM_REQUEST_SPAN:
+        return [], None
+    a = json.loads(span["attributes"])
+
+    def sec(key):
+        v = a.get(VLLM[key])
+        return float(v) if isinstance(v, int | float) else None
+
+    start = span["start_ns"]
+    queue, prefill, decode = sec("queue_s"), sec("prefill_s"), sec("decode_s")
+    ttft, e2e = sec("ttft_s"), sec("e2e_s")
+    children = []
+    t = start
+    for name, s, attrs in (
+        ("schedule", queue, {}),
+        ("prefill", prefill, {"gen_ai.usage.input_tokens": span["input_tokens"]}),
+        ("decode", decode, {"gen_ai.usage.output_tokens": span["output_tokens"]}),
+    ):
+        if s is None:
+            continue
+        end = min(t + int(s * 1e9), span["end_ns"])
+        children.append(_child(span, name, t, end, {k: v for k, v in attrs.items() if v}))
+        t = end
+    out_tokens = span["output_tokens"]
+    row = {
+        "request_id": span["request_id"] or span["span_id"],
+        "trace_id": span["trace_id"],
+        "model": span["model"],
+        "arrival_ns": start,
+        "end_ns": span["end_ns"],
+        "input_tokens": span["input_tokens"],
+        "output_tokens": out_tokens,
+        "ttft_ms": ttft * 1e3 if ttft is not None else None,
+        "queue_ms": queue * 1e3 if queue is not None else None,
+        "prefill_ms": prefill * 1e3 if prefill is not None else None,
+        "decode_ms": decode * 1e3 if decode is not None else None,
+        "tpot_ms": decode * 1e3 / (out_tokens - 1)
+        if decode is not None and out_tokens and out_tokens > 1
+        else None,
+        "e2e_ms": e2e * 1e3 if e2e is not None else (span["end_ns"] - start) * _MS,
+        "finish_reason": span["finish_reason"],
+        "error_type": span["error_type"],
+        "first_token_ns": start + int(ttft * 1e9) if ttft is not None else None,
+        "queued_ns": start if queue is not None else None,
+        "scheduled_ns": start + int(queue * 1e9) if queue is not None else None,
+    }
+    try:
+        request = RequestRow(**{k: v for k, v in row.items() if v is not None})
+    except (TypeError, msgspec.ValidationError) as exc:
+        raise OTLPDecodeError(f"span {span['name']!r}: {exc}") from None
+    return children, msgspec.structs.asdict(request)
+
+
+def received_rows(req: ExportTraceServiceRequest) -> dict[str, list[dict]]:
+    """Everything one export adds to the store: ``{"spans": [...], "requests": [...]}``."""
+    spans = span_rows(req)
+    mapped, requests = [], []
+    for s in spans:
+        children, request = station_rows(s)
+        mapped += children
+        if request is not None:
+            requests.append(request)
+    return {"spans": spans + mapped, "requests": requests}

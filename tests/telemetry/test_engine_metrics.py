@@ -1,0 +1,207 @@
+"""Other engines' /metrics read into engine_samples, and the scraper's failure modes.
+
+vLLM, SGLang and TGI need GPUs, so their exposition text is a fixture written from each
+project's own metric definitions (the version read is in docs/engine_metrics.md); llama.cpp's
+fixture follows its server's `--metrics` output. Each fixture holds one moment of the same load:
+3 running, 5 waiting, KV use 0.62, 4 preemptions, prefix queries 1000 / hits 250, 51,200
+prompt and 12,800 generated tokens, 100 finished requests (queue 25 s, prefill 50 s, decode
+320 s, TTFT 80 s, E2E 400 s summed over them)."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from tokenmill.telemetry.engine_metrics import (
+    ENGINES,
+    SIGNALS,
+    EngineSampleRow,
+    MetricsFormatError,
+    missing_signals,
+    read_exposition,
+)
+from tokenmill.telemetry.scrape import MetricsScraper
+from tokenmill.telemetry.store import TraceStore
+
+FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
+
+# what each engine's fixture must read as; None: the engine does not expose it
+COMMON = {"running": 3.0, "waiting": 5.0, "generation_tokens_total": 12800.0}
+EXPECTED = {
+    "vllm": {
+        **COMMON,
+        "kv_usage": 0.62,
+        "preemptions_total": 4.0,
+        "prefix_queries_total": 1000.0,
+        "prefix_hits_total": 250.0,
+        "prompt_tokens_total": 51200.0,
+        "requests_finished_total": 100.0,  # stop 96 + length 4 + abort 0, over finished_reason
+        "iteration_tokens_sum": 64000.0,
+        "iteration_tokens_count": 1400.0,
+        "queue_s_sum": 25.0,
+        "prefill_s_sum": 50.0,
+        "decode_s_sum": 320.0,
+        "ttft_s_sum": 80.0,
+        "ttft_s_count": 100.0,
+        "itl_s_sum": 320.0,
+        "itl_s_count": 12700.0,
+        "e2e_s_sum": 400.0,
+    },
+    "sglang": {
+        **COMMON,
+        "kv_usage": 0.62,
+        "preemptions_total": 4.0,
+        "prefix_queries_total": None,
+        "prefix_hits_total": 250.0,  # cached prompt tokens
+        "prompt_tokens_total": 51200.0,
+        "requests_finished_total": 100.0,
+        "queue_s_sum": 25.0,
+        "prefill_s_sum": None,
+        "ttft_s_sum": 80.0,
+        "itl_s_count": 12700.0,
+        "e2e_s_sum": 400.0,
+    },
+    "llamacpp": {
+        **COMMON,
+        "kv_usage": 0.62,
+        "prompt_tokens_total": 51200.0,
+        "preemptions_total": None,
+        "ttft_s_sum": None,
+    },
+    "tgi": {
+        **COMMON,
+        "kv_usage": None,
+        # TGI counts input length at validation: 108 requests, the 8 still queued or running too
+        "prompt_tokens_total": 55296.0,
+        "requests_finished_total": 100.0,
+        "queue_s_sum": 25.0,
+        "queue_s_count": 100.0,
+        "itl_s_sum": 2.890625,  # mean time per token, one observation per request
+        "e2e_s_sum": 400.0,
+        "ttft_s_sum": None,
+    },
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_each_engines_metrics_read_as_the_same_signals(kind):
+    text = (FIXTURES / f"{kind}.prom").read_text()
+    row = read_exposition(text, f"http://{kind}:8000/metrics", 123)
+    assert row is not None and row.engine_kind == kind  # detected from the names alone
+    for signal, want in EXPECTED[kind].items():
+        assert getattr(row, signal) == (pytest.approx(want) if want else None), signal
+    # every signal the table maps is present in the fixture (a renamed metric shows up here)
+    for signal in ENGINES[kind].names:
+        col = f"{signal}_sum" if signal not in EngineSampleRow.__struct_fields__ else signal
+        assert getattr(row, col) is not None, (kind, signal)
+
+
+def test_the_missing_signals_are_what_the_table_lacks():
+    assert missing_signals("vllm") == []
+    assert set(missing_signals("llamacpp")) >= {"preemptions_total", "ttft_s", "queue_s"}
+    assert "kv_usage" in missing_signals("tgi")
+    assert set(missing_signals("tgi")) | set(ENGINES["tgi"].names) == set(SIGNALS)
+
+
+def test_older_vllm_names_and_several_engines_in_one_scrape():
+    """vLLM before the rename served gpu_cache_usage_perc and gpu_prefix_cache_*; two engine
+    indexes (data parallel) are summed, their KV use averaged."""
+    text = "\n".join(
+        [
+            "# TYPE vllm:gpu_cache_usage_perc gauge",
+            'vllm:gpu_cache_usage_perc{engine="0"} 0.5',
+            'vllm:gpu_cache_usage_perc{engine="1"} 0.7',
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{engine="0"} 2',
+            'vllm:num_requests_running{engine="1"} 3',
+            "# TYPE vllm:gpu_prefix_cache_hits counter",
+            'vllm:gpu_prefix_cache_hits_total{engine="0"} 10',
+            'vllm:gpu_prefix_cache_hits_total{engine="1"} 30',
+            "",
+        ]
+    )
+    row = read_exposition(text, "u", 1)
+    assert (row.engine_kind, row.running, row.prefix_hits_total) == ("vllm", 5.0, 40.0)
+    assert row.kv_usage == pytest.approx(0.6)
+
+
+def test_unknown_engine_and_garbage():
+    assert read_exposition("# TYPE up gauge\nup 1\n", "u", 1) is None
+    with pytest.raises(MetricsFormatError, match="not Prometheus exposition text"):
+        read_exposition("<html>hello</html>\n{", "u", 1)
+
+
+class _Upstream:
+    """A real HTTP server on 127.0.0.1 answering /metrics with whatever ``body``/``status``
+    hold at the time (vLLM itself needs a GPU)."""
+
+    def __init__(self):
+        self.body, self.status = b"", 200
+        up = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(up.status)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                self.wfile.write(up.body)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/metrics"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def test_the_scraper_writes_rows_and_says_each_problem_once(tmp_path, caplog):
+    up = _Upstream()
+    store = TraceStore(tmp_path / "s.duckdb", flush_interval_s=0.05)
+    scraper = MetricsScraper(up.url, store.submit, interval_s=60)
+    try:
+        up.body = (FIXTURES / "vllm.prom").read_bytes()
+        assert scraper.scrape_once()["kv_usage"] == 0.62
+        up.status = 404
+        with caplog.at_level("WARNING", logger="tokenmill.scrape"):
+            assert scraper.scrape_once() is None
+            assert scraper.scrape_once() is None
+        assert "404" in scraper.status["problem"]
+        assert "not assessed" in scraper.status["problem"]
+        assert len([r for r in caplog.records if "404" in r.getMessage()]) == 1  # once a streak
+        up.status, up.body = 200, b"<html>not metrics</html>\n{{{"
+        assert scraper.scrape_once() is None
+        assert "not Prometheus exposition text" in scraper.status["problem"]
+        up.body = b"# TYPE up gauge\nup 1\n"
+        assert scraper.scrape_once() is None
+        assert "only the client-side view" in scraper.status["problem"]
+        up.body = (FIXTURES / "llamacpp.prom").read_bytes()
+        assert scraper.scrape_once()["engine_kind"] == "llamacpp"
+        assert scraper.status["problem"] is None
+        assert "ttft_s" in scraper.status["not_exposed"]
+        up.close()
+        assert scraper.scrape_once() is None
+        assert scraper.status["problem"].startswith("no answer")
+        assert store.flush()
+        rows = store.query("SELECT engine_kind, url, waiting FROM engine_samples ORDER BY time_ns")
+        assert rows == [("vllm", up.url, 5.0), ("llamacpp", up.url, 5.0)]
+    finally:
+        scraper.stop()
+        store.close()
+    # a closed store reads back the same rows (the table is part of the schema)
+    con = duckdb.connect(str(tmp_path / "s.duckdb"), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM engine_samples").fetchone() == (2,)
+    finally:
+        con.close()
+
+
+def test_the_scraper_refuses_an_unknown_kind():
+    with pytest.raises(ValueError, match="unknown engine kind 'triton'"):
+        MetricsScraper("http://x/metrics", lambda t, r: True, kind="triton")
