@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import duckdb
 
+from .coverage import not_assessed
 from .rules import RULES, Rule
 from .rules._common import NEEDS_BASELINE, baseline_need
 from .signals import COMPLETED_SQL, Signals, load
@@ -117,6 +118,10 @@ class Report:
     # rules whose symptom showed on too little evidence to count (Support.verdict
     # "inconclusive"): listed apart, never findings, never counted by --fail-on or the status
     inconclusive: list[Finding] = field(default_factory=list)
+    # rules the store cannot feed (another engine's store without per-step records, a store
+    # written before a column): {rule id: "needs X, which this store does not hold"}
+    # (diagnose/coverage.py); never counted as healthy
+    not_assessed: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -133,6 +138,7 @@ class Report:
             "healthy_baseline": self.healthy_baseline,
             "warmup": self.warmup,
             "inconclusive": [f.to_json() for f in self.inconclusive],
+            "not_assessed": self.not_assessed,
         }
 
 
@@ -371,4 +377,8 @@ def diagnose(
     }
     report.warmup = sig.warmup
     report.inconclusive = inconclusive
+    spoke = fired | {f.rule_id for f in inconclusive} | {n.rule_id for n in notes}
+    report.not_assessed = {
+        rid: why for rid, why in not_assessed(con, sig, rules).items() if rid not in spoke
+    }
     return report

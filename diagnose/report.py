@@ -110,6 +110,11 @@ def baseline_lines(report: Report) -> list[str]:
 
 
 def _nothing_found(report: Report) -> str:
+    if report.not_assessed:
+        return (
+            f"No problems found among the rules this store lets us assess; "
+            f"{len(report.not_assessed)} not assessed (listed below)."
+        )
     if (report.healthy_baseline or {}).get("available") is False:
         return "No problems found among the rules that could be judged."
     return "No problems found."
@@ -149,6 +154,12 @@ def to_markdown(report: Report) -> str:
         lines += ["## Inconclusive (not findings: too little evidence)", ""]
     for f in report.inconclusive:
         lines += [f"- `{f.rule_id}`: {f.summary} ({f.support['reason']}; {f.support['line']})", ""]
+    if report.not_assessed:
+        lines += ["## Not assessed (this store lacks what they read)", ""]
+    for rid, why in sorted(report.not_assessed.items()):
+        lines += [f"- `{rid}`: {why}"]
+    if report.not_assessed:
+        lines += [""]
     if report.notes:
         lines += ["## Hints", ""]
     for n in report.notes:
@@ -212,6 +223,14 @@ def print_text(report: Report, console: Console) -> None:
             + escape(f"{f.summary} ({f.support['reason']}; {f.support['line']})"),
             highlight=False,
         )
+    if report.not_assessed:
+        console.print(
+            f"[dim]not assessed ({len(report.not_assessed)} rules: this store lacks what "
+            "they read)[/]",
+            highlight=False,
+        )
+    for rid, why in sorted(report.not_assessed.items()):
+        console.print(f"  [dim]{rid}[/]: " + escape(why), highlight=False)
     for n in report.notes:
         console.print(
             Panel(

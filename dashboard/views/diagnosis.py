@@ -41,8 +41,21 @@ if ctx is not None:
             st.error(f"Rule {rule_id} failed: {msg}")
         if len(report.sources) > 1:  # a fleet: each source diagnosed on its own
             st.dataframe(ui.fleet_table(report), hide_index=True, key="dg_sources")
-        if not report.findings:
+        if not report.findings and report.not_assessed:
+            st.success(
+                "No problems found among the rules this store lets us assess in this window."
+            )
+        elif not report.findings:
             st.success("No problems found in this window.")
+        if report.not_assessed:
+            with st.expander(f"Not assessed: {len(report.not_assessed)} rules"):
+                st.caption(
+                    "This store lacks what they read (another engine's store holds no "
+                    "per-step records or device samples of ours)."
+                )
+                st.markdown(
+                    "\n".join(f"- `{r}`: {why}" for r, why in sorted(report.not_assessed.items()))
+                )
         windows = ui.q(ctx, "signal_windows", since, until, float(window_s))
         for i, f in enumerate(report.findings):
             head = (
