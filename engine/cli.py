@@ -43,6 +43,7 @@ COMMANDS = {
     "demo": "tokenmill.bench.cli:demo_app",
     "export": "tokenmill.diagnose.export_cli:app",
     "collect": "tokenmill.telemetry.collect_cli:app",
+    "proxy": "tokenmill.proxy.cli:app",
 }
 
 

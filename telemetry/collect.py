@@ -50,6 +50,25 @@ def make_app(store: TraceStore, scrapers: list[MetricsScraper] | None = None) ->
     """The collector's HTTP app over ``store`` (the scrapers only show in ``/health``)."""
     app = FastAPI(title="tokenmill collector", docs_url=None, redoc_url=None)
     scrapers = scrapers or []
+    add_receiver(app, store)
+
+    @app.get("/health")
+    async def health():
+        problems = [s.status for s in scrapers if s.status["problem"]]
+        return {
+            "status": "ok" if store.writer_alive and not problems else "degraded",
+            "store": store.health(),
+            "scrapers": [s.status for s in scrapers],
+        }
+
+    return app
+
+
+def add_receiver(app: FastAPI, store: TraceStore, *, request_rows: bool = True) -> None:
+    """Add OTLP/HTTP's ``POST /v1/traces`` into ``store`` to ``app`` (the collector's, or the
+    proxy's with ``--otlp-receiver``: the upstream's spans in the proxy's own store).
+    ``request_rows=False``: keep the spans only (the proxy writes each request's row itself,
+    so an engine's request span must not add a second one)."""
 
     @app.post("/v1/traces")
     async def traces(request: Request):
@@ -61,6 +80,8 @@ def make_app(store: TraceStore, scrapers: list[MetricsScraper] | None = None) ->
             body = _inflate(body, request.headers.get("content-encoding", ""))
             export = decode_export(body, content_type)
             rows = received_rows(export)
+            if not request_rows:
+                rows.pop("requests", None)
         except (OTLPDecodeError, OSError, EOFError, zlib.error) as exc:
             return _error(400, str(exc))
         rejected = 0
@@ -83,14 +104,3 @@ def make_app(store: TraceStore, scrapers: list[MetricsScraper] | None = None) ->
                 }
             return JSONResponse(body)
         return Response(reply.SerializeToString(), media_type="application/x-protobuf")
-
-    @app.get("/health")
-    async def health():
-        problems = [s.status for s in scrapers if s.status["problem"]]
-        return {
-            "status": "ok" if store.writer_alive and not problems else "degraded",
-            "store": store.health(),
-            "scrapers": [s.status for s in scrapers],
-        }
-
-    return app

@@ -14,15 +14,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "kernels", "telemetry", "diagnose", "dashboard", "bench")
+PACKAGES = ("engine", "kernels", "telemetry", "diagnose", "dashboard", "bench", "proxy")
 
 #: package → packages it must never import
 FORBIDDEN = {
-    "engine": {"telemetry", "diagnose", "dashboard", "bench"},
-    "kernels": {"engine", "telemetry", "diagnose", "dashboard", "bench"},
-    "telemetry": {"diagnose", "dashboard", "bench"},
-    "diagnose": {"engine", "dashboard", "bench"},
-    "dashboard": {"engine", "bench"},
+    "engine": {"telemetry", "diagnose", "dashboard", "bench", "proxy"},
+    "kernels": {"engine", "telemetry", "diagnose", "dashboard", "bench", "proxy"},
+    "telemetry": {"diagnose", "dashboard", "bench", "proxy"},
+    "diagnose": {"engine", "dashboard", "bench", "proxy"},
+    "dashboard": {"engine", "bench", "proxy"},
+    # the proxy is an API front: the gateway and the store, never the engine's model
+    "proxy": {"diagnose", "dashboard", "bench", "kernels"},
 }
 #: the few edges that are the design, each with its reason
 ALLOWED = {

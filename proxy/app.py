@@ -1,0 +1,191 @@
+"""The proxy's HTTP app: OpenAI's completion routes forwarded to an upstream server.
+
+For each ``POST /v1/chat/completions`` or ``/v1/completions``: the gateway (the same tenants
+and keys as ``tokenmill serve``), a body check (JSON, an object), then the request forwarded
+with a ``traceparent`` of this request's trace; the upstream's status, headers that describe the
+body, and body bytes go back unchanged (a stream relayed piece by piece as it arrives), while
+:class:`~.observe.Exchange` reads the events beside the relay. A client that goes away closes
+the upstream request too. What the upstream does wrong is answered in OpenAI's error shape,
+naming the upstream: 502 when it cannot be reached, 504 when its first byte takes longer than
+``first_byte_timeout_s``; every request, failed or not, leaves its row and trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenmill.engine.api.errors import APIError
+from tokenmill.engine.api.gateway import Gateway
+
+from .observe import Exchange, new_trace
+
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+# response headers that describe the body the client gets (framing headers are the server's)
+PASS_HEADERS = ("content-type", "x-request-id", "openai-processing-ms")
+
+
+class ProxyState:
+    """What the routes share.
+
+    Args:
+        upstream: the upstream server's base URL (``http://host:port``).
+        record: called with ``(table, row)`` for every row (``TraceStore.submit``).
+        first_byte_timeout_s: longest wait for the upstream's first byte.
+        upstream_api_key: sent upstream as the bearer key (else the client's header is).
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        record: Callable[[str, dict], bool],
+        *,
+        gateway: Gateway | None = None,
+        first_byte_timeout_s: float = 60.0,
+        upstream_api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        self.upstream = upstream.rstrip("/")
+        self.record = record
+        self.gateway = gateway or Gateway()
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.upstream_api_key = upstream_api_key
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(first_byte_timeout_s, connect=10.0), transport=transport
+        )
+        self.requests = 0
+
+    def save(self, ex: Exchange) -> None:
+        ex.end_ns = ex.end_ns or time.time_ns()
+        self.record("requests", ex.request_row())
+        for span in ex.span_rows():
+            self.record("spans", span)
+        self.requests += 1
+
+
+def _error(status: int, message: str, *, param: str | None = None, code: str | None = None):
+    return APIError(status, message, param=param, code=code)
+
+
+def build_proxy_app(state: ProxyState) -> FastAPI:
+    app = FastAPI(title="tokenmill proxy", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "upstream": state.upstream, "requests": state.requests}
+
+    async def forward(request: Request) -> Response:
+        arrival = time.time_ns()
+        endpoint = ROUTES[request.url.path]
+        trace_id, span_id, traceparent = new_trace(request.headers.get("traceparent"))
+        ex = Exchange(arrival, endpoint, trace_id, span_id, state.upstream)
+        ex.client_request_id = request.headers.get("x-request-id")
+        try:
+            tenant = state.gateway.authenticate(request.headers.get("authorization"))
+        except APIError as exc:
+            ex.http_status = exc.status
+            ex.fail("unauthorized", exc.message)
+            state.save(ex)
+            return exc.response()
+        ex.tenant = tenant.name
+        body = await request.body()
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            exc = _error(400, "the body must be a JSON object", param="body")
+            ex.http_status = 400
+            ex.fail("invalid_request", exc.message)
+            state.save(ex)
+            return exc.response()
+        ex.stream = doc.get("stream") is True
+        ex.model = doc.get("model") if isinstance(doc.get("model"), str) else None
+        mt = doc.get("max_completion_tokens", doc.get("max_tokens"))
+        ex.max_tokens = mt if isinstance(mt, int) else None
+        headers = {"content-type": "application/json", "traceparent": traceparent}
+        if state.upstream_api_key:
+            headers["authorization"] = f"Bearer {state.upstream_api_key}"
+        elif request.headers.get("authorization"):
+            headers["authorization"] = request.headers["authorization"]
+        if ex.client_request_id:
+            headers["x-request-id"] = ex.client_request_id
+        url = state.upstream + request.url.path
+        upstream_req = state.client.build_request("POST", url, content=body, headers=headers)
+        ex.forwarded_ns = time.time_ns()
+        try:
+            resp = await state.client.send(upstream_req, stream=True)
+        except httpx.TimeoutException:
+            return _failed(
+                state,
+                ex,
+                504,
+                f"upstream {state.upstream} sent no first byte in {state.first_byte_timeout_s:g} s",
+                "upstream_timeout",
+            )
+        except httpx.HTTPError as exc:
+            return _failed(
+                state,
+                ex,
+                502,
+                f"upstream {state.upstream} could not be reached: {type(exc).__name__}",
+                "upstream_unreachable",
+            )
+        ex.http_status = resp.status_code
+        out_headers = {k: v for k, v in resp.headers.items() if k.lower() in PASS_HEADERS}
+        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        if resp.status_code >= 400:
+            ex.fail("upstream_error", f"upstream answered HTTP {resp.status_code}")
+        if not is_sse:
+            try:
+                data = await resp.aread()
+            except httpx.HTTPError as exc:
+                await resp.aclose()
+                return _failed(
+                    state,
+                    ex,
+                    502,
+                    f"upstream {state.upstream} broke off its answer: {type(exc).__name__}",
+                    "upstream_broken",
+                )
+            await resp.aclose()
+            ex.on_body(data)
+            state.save(ex)
+            return Response(data, status_code=resp.status_code, headers=out_headers)
+
+        async def relay():
+            try:
+                async for piece in resp.aiter_raw():
+                    ex.on_bytes(piece)
+                    yield piece
+            except httpx.HTTPError as exc:
+                ex.fail("upstream_broken", f"the upstream stream broke: {type(exc).__name__}")
+            except BaseException:  # the client went away (the response was cancelled)
+                ex.fail("client_disconnected", "the client closed the stream")
+                raise
+            finally:
+                with contextlib.suppress(Exception):
+                    await resp.aclose()  # the upstream sees the client's cancellation
+                state.save(ex)
+
+        return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
+
+    for path in ROUTES:
+        app.add_api_route(path, forward, methods=["POST"])
+    return app
+
+
+def _failed(state: ProxyState, ex: Exchange, status: int, message: str, kind: str):
+    ex.http_status = status
+    ex.fail(kind, message)
+    state.save(ex)
+    return JSONResponse(
+        {"error": {"message": message, "type": "upstream_error", "param": None, "code": kind}},
+        status_code=status,
+    )

@@ -1,0 +1,125 @@
+"""``tokenmill proxy``: front any OpenAI-compatible server and record what its clients see.
+
+Light top-level imports only (``tokenmill --help`` lists this command without loading DuckDB).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tokenmill.telemetry.cli import err, fail
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def proxy(
+    upstream: Annotated[
+        str,
+        typer.Option(
+            metavar="URL",
+            help="The upstream server's base URL, e.g. http://127.0.0.1:8000 (vLLM, SGLang, "
+            "llama.cpp's llama-server, TGI, tokenmill).",
+        ),
+    ],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8080,
+    trace_db: Annotated[
+        Path, typer.Option(help="The trace-store file the proxy writes (created if missing).")
+    ] = Path("tokenmill-data/proxy.duckdb"),
+    first_byte_timeout: Annotated[
+        str,
+        typer.Option(
+            metavar="DURATION",
+            help="Longest wait for the upstream's first byte before a 504: 30s, 2m.",
+        ),
+    ] = "60s",
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TOKENMILL_API_KEY",
+            help="The one key clients must send (Authorization: Bearer KEY); default: none.",
+        ),
+    ] = None,
+    tenants: Annotated[
+        Path | None,
+        typer.Option(help="A tenants file (keys, quotas), as `tokenmill serve --tenants`."),
+    ] = None,
+    otlp_receiver: Annotated[
+        bool,
+        typer.Option(
+            help="Also take OTLP/HTTP traces on /v1/traces into TRACE_DB: point the upstream's "
+            "exporter here and its request spans join the proxy's trace in one store.",
+        ),
+    ] = False,
+    upstream_api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TOKENMILL_UPSTREAM_API_KEY",
+            help="The key the upstream wants (default: the client's own Authorization).",
+        ),
+    ] = None,
+) -> None:
+    """Forward /v1/chat/completions and /v1/completions to UPSTREAM unchanged, and record a
+    request row and a trace per request (client-side TTFT, ITL, errors) in TRACE_DB, until
+    Ctrl-C. Then `tokenmill diagnose --db TRACE_DB` reads it."""
+    from tokenmill.engine.api.gateway import (
+        Gateway,
+        TenantsFileError,
+        load_tenants,
+        single_key_tenants,
+    )
+    from tokenmill.engine.durations import parse_duration
+    from tokenmill.telemetry.store import TraceStore, TraceStoreInUse
+
+    if not upstream.startswith(("http://", "https://")):
+        fail(f"--upstream {upstream}: give an http(s) URL, e.g. http://127.0.0.1:8000")
+    try:
+        timeout_s = parse_duration(first_byte_timeout)
+    except ValueError as exc:
+        fail(f"--first-byte-timeout: {exc}")
+    if api_key is not None and tenants is not None:
+        fail("give --api-key or --tenants, not both")
+    try:
+        if tenants is not None:
+            gateway = Gateway(load_tenants(tenants))
+        elif api_key:
+            gateway = Gateway(single_key_tenants(api_key))
+        else:
+            gateway = Gateway()
+    except TenantsFileError as exc:
+        fail(str(exc))
+    try:
+        store = TraceStore(trace_db)
+    except TraceStoreInUse as exc:
+        fail(str(exc))
+    except Exception as exc:  # a file that is not a store, an unwritable folder
+        fail(f"--trace-db {trace_db}: {str(exc).splitlines()[0]}")
+    import uvicorn
+
+    from .app import ProxyState, build_proxy_app
+
+    state = ProxyState(
+        upstream,
+        store.submit,
+        gateway=gateway,
+        first_byte_timeout_s=timeout_s,
+        upstream_api_key=upstream_api_key,
+    )
+    app = build_proxy_app(state)
+    if otlp_receiver:
+        from tokenmill.telemetry.collect import add_receiver
+
+        add_receiver(app, store, request_rows=False)
+    err.print(
+        f"proxying http://{host}:{port} → {upstream}; recording into {trace_db}"
+        + (f"; OTLP/HTTP traces on http://{host}:{port}/v1/traces" if otlp_receiver else ""),
+        highlight=False,
+    )
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        store.close()

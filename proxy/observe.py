@@ -1,0 +1,239 @@
+"""What the proxy sees of one request, and the rows it leaves in the trace store.
+
+:class:`Exchange` collects the client-side times of one forwarded request: arrival, when the
+upstream was asked, its first byte, each streamed event that carried output, the end. The
+upstream's OpenAI-style server-sent events are read beside the relay (never changed): a
+``data:`` line's JSON gives the response id, the content deltas and the final ``usage``; a
+line that is not JSON marks the stream malformed. :meth:`Exchange.rows` turns it into a
+``requests`` row (TTFT, ITL, TPOT, E2E as ``telemetry/spans.py`` defines them, measured at the
+proxy) and the trace: a ``request`` root with the ``gateway`` (arrival → forwarded) and
+``stream`` (first byte → last) stations of the proxy; the upstream's own spans join the same
+trace through the ``traceparent`` the proxy sent.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from tokenmill.telemetry.rows import RequestRow
+from tokenmill.telemetry.spans import percentile
+
+_MS = 1e-6
+
+
+def new_trace(traceparent: str | None) -> tuple[str, str, str]:
+    """``(trace id, this request's span id, the traceparent to send upstream)``: the caller's
+    trace when its ``traceparent`` is valid, else a new one; always sampled upstream."""
+    trace_id = None
+    if traceparent:
+        parts = traceparent.strip().split("-")
+        if len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
+            try:
+                int(parts[1], 16)
+                trace_id = parts[1].lower()
+            except ValueError:
+                trace_id = None
+    trace_id = trace_id or secrets.token_hex(16)
+    span_id = secrets.token_hex(8)
+    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
+
+
+@dataclass
+class Exchange:
+    """One request through the proxy (client-side times, wall-clock ns)."""
+
+    arrival_ns: int
+    endpoint: str  # chat | completions
+    trace_id: str
+    span_id: str
+    upstream: str
+    tenant: str | None = None
+    model: str | None = None
+    stream: bool = False
+    client_request_id: str | None = None
+    max_tokens: int | None = None
+    forwarded_ns: int | None = None
+    first_byte_ns: int | None = None
+    token_ns: list[int] = field(default_factory=list)  # events that carried output
+    end_ns: int | None = None
+    http_status: int | None = None
+    response_id: str | None = None
+    finish_reason: str | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    _pending: bytes = b""
+
+    def on_bytes(self, data: bytes, now_ns: int | None = None) -> None:
+        """Read a relayed piece of the upstream's event stream (side effects only)."""
+        now = now_ns or time.time_ns()
+        if self.first_byte_ns is None:
+            self.first_byte_ns = now
+        self._pending += data
+        *lines, self._pending = self._pending.split(b"\n")
+        for line in lines:
+            self._on_line(line.strip(), now)
+
+    def _on_line(self, line: bytes, now: int) -> None:
+        if not line.startswith(b"data:"):
+            return
+        payload = line[5:].strip()
+        if payload == b"[DONE]" or not payload:
+            return
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            self.error_type = self.error_type or "upstream_malformed_stream"
+            self.error_message = f"a data line that is not JSON: {payload[:80]!r}"
+            return
+        if not isinstance(event, dict):
+            self.error_type = self.error_type or "upstream_malformed_stream"
+            return
+        self._read_event(event, now)
+
+    def _read_event(self, event: dict, now: int) -> None:
+        self.response_id = self.response_id or event.get("id")
+        self.model = event.get("model") or self.model
+        if isinstance(event.get("error"), dict):
+            self.error_type = self.error_type or "upstream_error"
+            self.error_message = str(event["error"].get("message"))[:200]
+        for choice in event.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta") or {}
+            text = choice.get("text") if "text" in choice else delta.get("content")
+            if text:
+                self.token_ns.append(now)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+            self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+
+    def on_body(self, body: bytes, now_ns: int | None = None) -> None:
+        """Read a whole (non-streamed) JSON answer."""
+        now = now_ns or time.time_ns()
+        self.first_byte_ns = self.first_byte_ns or now
+        try:
+            event = json.loads(body)
+        except ValueError:
+            if self.http_status and self.http_status < 400:
+                self.error_type = self.error_type or "upstream_malformed_response"
+            return
+        if isinstance(event, dict):
+            self._read_event(event, now)
+            if self.token_ns:  # one answer: the whole output arrives at once
+                self.token_ns = [now]
+
+    def fail(self, error_type: str, message: str) -> None:
+        self.error_type, self.error_message = error_type, message
+
+    # ---- rows -------------------------------------------------------------------------------
+
+    def request_row(self) -> dict:
+        end = self.end_ns or time.time_ns()
+        first = self.token_ns[0] if self.token_ns else None
+        gaps = [(b - a) * _MS for a, b in zip(self.token_ns, self.token_ns[1:], strict=False)]
+        out_tokens = self.completion_tokens
+        if out_tokens is None:
+            out_tokens = len(self.token_ns)  # one event, one token, when usage is absent
+        decode = (self.token_ns[-1] - first) * _MS if first is not None else None
+        finish = self.finish_reason
+        if self.error_type == "client_disconnected":
+            finish = "abort"
+        elif self.error_type is not None:
+            finish = "error"
+        row = RequestRow(
+            request_id=self.response_id or f"proxy-{self.span_id}",
+            client_request_id=self.client_request_id,
+            trace_id=self.trace_id,
+            tenant=self.tenant,
+            model=self.model,
+            endpoint=self.endpoint,
+            stream=self.stream,
+            http_status=self.http_status,
+            arrival_ns=self.arrival_ns,
+            last_token_ns=self.token_ns[-1] if self.token_ns else None,
+            end_ns=end,
+            input_tokens=self.prompt_tokens or 0,
+            output_tokens=out_tokens or 0,
+            first_token_ns=first,
+            ttft_ms=(first - self.arrival_ns) * _MS if first is not None else None,
+            decode_ms=decode,
+            tpot_ms=decode / (out_tokens - 1) if decode is not None and out_tokens > 1 else None,
+            itl_p50_ms=percentile(gaps, 50),
+            itl_p99_ms=percentile(gaps, 99),
+            itl_max_ms=max(gaps) if gaps else None,
+            e2e_ms=(end - self.arrival_ns) * _MS,
+            max_tokens=self.max_tokens,
+            finish_reason=finish,
+            error_type=self.error_type,
+        )
+        return msgspec.structs.asdict(row)
+
+    def span_rows(self) -> list[dict]:
+        end = self.end_ns or time.time_ns()
+        attrs = {
+            "tokenmill.upstream": self.upstream,
+            "tokenmill.request_id": self.response_id,
+            "http.response.status_code": self.http_status,
+            "gen_ai.usage.input_tokens": self.prompt_tokens,
+            "gen_ai.usage.output_tokens": self.completion_tokens,
+        }
+        if self.error_message:
+            attrs["tokenmill.error_message"] = self.error_message
+        base = {
+            "trace_id": self.trace_id,
+            "service_name": "tokenmill-proxy",
+            "request_id": self.response_id,
+            "tenant": self.tenant,
+            "model": self.model,
+            "events": "[]",
+        }
+        spans = [
+            {
+                **base,
+                "span_id": self.span_id,
+                "parent_span_id": None,
+                "name": "request",
+                "kind": "SERVER",
+                "start_ns": self.arrival_ns,
+                "end_ns": end,
+                "duration_ns": end - self.arrival_ns,
+                "status_code": "ERROR" if self.error_type else "OK",
+                "status_message": self.error_message,
+                "attributes": json.dumps({k: v for k, v in attrs.items() if v is not None}),
+                "input_tokens": self.prompt_tokens,
+                "output_tokens": self.completion_tokens,
+                "finish_reason": self.finish_reason,
+                "error_type": self.error_type,
+            }
+        ]
+        stations = [("gateway", self.arrival_ns, self.forwarded_ns)]
+        stations.append(("stream", self.first_byte_ns, end if self.first_byte_ns else None))
+        for name, start, stop in stations:
+            if start is None or stop is None:
+                continue
+            spans.append(
+                {
+                    **base,
+                    "span_id": secrets.token_hex(8),
+                    "parent_span_id": self.span_id,
+                    "name": name,
+                    "kind": "INTERNAL",
+                    "start_ns": start,
+                    "end_ns": stop,
+                    "duration_ns": stop - start,
+                    "status_code": "UNSET",
+                    "status_message": None,
+                    "attributes": "{}",
+                }
+            )
+        return spans

@@ -1,0 +1,317 @@
+"""`tokenmill proxy` in front of an upstream OpenAI-style server: bytes unchanged, the trace joined
+through traceparent, one request row per request with client-side TTFT and ITL, and each way an
+upstream fails answered in OpenAI's error shape and recorded.
+
+The upstream here is a real HTTP server on 127.0.0.1 whose answers are scripted per request
+(its `model` field picks the behaviour): how an upstream misbehaves is what is under test. The
+proxy in front of the real engine is `benchmarks/any_engine.py`'s and the scenarios' job."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tokenmill.engine.api.gateway import Gateway, single_key_tenants
+from tokenmill.proxy.app import ProxyState, build_proxy_app
+from tokenmill.telemetry.store import TraceStore
+
+GAP_S = 0.05  # between the scripted upstream's stream events
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Serve:
+    """A uvicorn server for ``app`` on its own thread."""
+
+    def __init__(self, app):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return
+            time.sleep(0.02)
+        raise RuntimeError("server did not start")
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _events(n: int, model: str) -> list[bytes]:
+    out = []
+    for i in range(n):
+        ev = {
+            "id": "chatcmpl-up1",
+            "model": model,
+            "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
+        }
+        out.append(b"data: " + json.dumps(ev).encode() + b"\n\n")
+    last = {
+        "id": "chatcmpl-up1",
+        "model": model,
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
+    }
+    return [*out, b"data: " + json.dumps(last).encode() + b"\n\n", b"data: [DONE]\n\n"]
+
+
+def upstream_app(seen: dict) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        seen["traceparent"] = request.headers.get("traceparent")
+        seen["authorization"] = request.headers.get("authorization")
+        seen["body"] = body
+        mode = body.get("model")
+        if mode == "json-ok":
+            return JSONResponse(
+                {
+                    "id": "chatcmpl-j1",
+                    "model": mode,
+                    "choices": [
+                        {"index": 0, "message": {"content": "hi"}, "finish_reason": "stop"}
+                    ],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+                }
+            )
+        if mode == "refuse":
+            return JSONResponse({"error": {"message": "model is overloaded"}}, status_code=503)
+        if mode == "slow-first-byte":
+            await asyncio.sleep(3)
+        events = _events(int(body.get("max_tokens", 5)), mode)
+        if mode == "malformed":
+            events.insert(1, b"data: {this is not json\n\n")
+
+        async def gen():
+            try:
+                for ev in events:
+                    yield ev
+                    await asyncio.sleep(GAP_S)
+            except BaseException:
+                seen["cancelled"] = True
+                raise
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture
+def rig(tmp_path):
+    seen: dict = {}
+    up = _Serve(upstream_app(seen))
+    store = TraceStore(tmp_path / "proxy.duckdb", flush_interval_s=0.05)
+    state = ProxyState(up.url, store.submit, first_byte_timeout_s=1.0)
+    px = _Serve(build_proxy_app(state))
+
+    def rows(sql: str):
+        assert store.flush()
+        return store.query(sql)
+
+    yield px.url, up, seen, rows, state
+    px.stop()
+    up.stop()
+    store.close()
+
+
+def _chat(url: str, model: str, stream: bool = True, **kw) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    return httpx.post(url + "/v1/chat/completions", json={**body, **kw}, timeout=30)
+
+
+def test_a_stream_passes_through_unchanged_and_is_recorded(rig):
+    url, up, seen, rows, _ = rig
+    direct = httpx.post(
+        up.url + "/v1/chat/completions",
+        json={"model": "stream-ok", "messages": [], "stream": True, "max_tokens": 6},
+        timeout=30,
+    )
+    r = _chat(url, "stream-ok", max_tokens=6)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.content == direct.content  # byte for byte
+    # the upstream got our trace: its spans join the proxy's trace
+    tp = seen["traceparent"].split("-")
+    (row,) = rows(
+        "SELECT trace_id, request_id, ttft_ms, itl_p50_ms, output_tokens, input_tokens, "
+        "finish_reason, http_status, error_type, endpoint, stream FROM requests"
+    )
+    assert row[0] == tp[1] and row[1] == "chatcmpl-up1"
+    assert row[2] > 0 and row[2] < 1000
+    assert row[3] == pytest.approx(GAP_S * 1e3, rel=0.6)  # the upstream's gap between events
+    assert row[4:] == (6, 7, "length", 200, None, "chat", True)
+    spans = dict(rows("SELECT name, parent_span_id FROM spans"))
+    root = rows("SELECT span_id FROM spans WHERE name = 'request'")[0][0]
+    assert root == tp[2]  # the upstream's parent is the proxy's request span
+    assert spans == {"request": None, "gateway": root, "stream": root}
+
+
+def test_a_callers_traceparent_is_kept(rig):
+    url, _, seen, rows, _ = rig
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": "json-ok", "messages": []},
+        headers={"traceparent": f"00-{trace}-00f067aa0ba902b7-01"},
+        timeout=30,
+    )
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-j1"
+    assert seen["traceparent"].split("-")[1] == trace
+    assert rows("SELECT trace_id, output_tokens, input_tokens FROM requests") == [(trace, 2, 5)]
+
+
+def test_upstream_down_is_a_502_naming_it_and_recorded(tmp_path):
+    store = TraceStore(tmp_path / "p.duckdb", flush_interval_s=0.05)
+    dead = f"http://127.0.0.1:{_free_port()}"
+    px = _Serve(build_proxy_app(ProxyState(dead, store.submit)))
+    try:
+        r = _chat(px.url, "x")
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert dead in err["message"] and err["code"] == "upstream_unreachable"
+        assert store.flush()
+        assert store.query("SELECT http_status, error_type, finish_reason FROM requests") == [
+            (502, "upstream_unreachable", "error")
+        ]
+    finally:
+        px.stop()
+        store.close()
+
+
+def test_a_slow_first_byte_is_a_504_after_the_timeout(rig):
+    url, _, _, rows, _ = rig
+    t = time.monotonic()
+    r = _chat(url, "slow-first-byte")
+    assert r.status_code == 504 and "no first byte in 1 s" in r.json()["error"]["message"]
+    assert time.monotonic() - t < 2.9  # the proxy did not wait for the upstream's 3 s
+    assert rows("SELECT error_type FROM requests") == [("upstream_timeout",)]
+
+
+def test_an_upstream_refusal_passes_through_and_is_recorded(rig):
+    url, _, _, rows, _ = rig
+    r = _chat(url, "refuse", stream=False)
+    assert r.status_code == 503 and r.json()["error"]["message"] == "model is overloaded"
+    assert rows("SELECT http_status, error_type FROM requests") == [(503, "upstream_error")]
+
+
+def test_a_malformed_stream_is_relayed_and_marked(rig):
+    url, _, _, rows, _ = rig
+    r = _chat(url, "malformed", max_tokens=3)
+    assert r.status_code == 200 and b"{this is not json" in r.content
+    assert rows("SELECT error_type, output_tokens FROM requests") == [
+        ("upstream_malformed_stream", 3)
+    ]
+
+
+def test_a_client_that_leaves_cancels_the_upstream(rig):
+    url, _, seen, rows, _ = rig
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        json={"model": "long", "messages": [], "stream": True, "max_tokens": 200},
+        timeout=30,
+    ) as r:
+        for _ in r.iter_raw():
+            break  # one piece, then hang up
+    for _ in range(100):
+        if seen.get("cancelled"):
+            break
+        time.sleep(0.05)
+    assert seen.get("cancelled") is True  # 200 events would take 10 s
+    for _ in range(100):
+        got = rows("SELECT finish_reason, error_type FROM requests")
+        if got:
+            break
+        time.sleep(0.05)
+    assert got == [("abort", "client_disconnected")]
+
+
+def test_bad_body_and_missing_key_never_reach_the_upstream(tmp_path):
+    seen: dict = {}
+    up = _Serve(upstream_app(seen))
+    store = TraceStore(tmp_path / "p.duckdb", flush_interval_s=0.05)
+    gateway = Gateway(single_key_tenants("sk-proxy-0123456789"))
+    px = _Serve(build_proxy_app(ProxyState(up.url, store.submit, gateway=gateway)))
+    try:
+        r = httpx.post(px.url + "/v1/chat/completions", json={"model": "json-ok"}, timeout=10)
+        assert r.status_code == 401 and "missing API key" in r.json()["error"]["message"]
+        auth = {"authorization": "Bearer sk-proxy-0123456789"}
+        r = httpx.post(px.url + "/v1/chat/completions", content=b"[1, 2", headers=auth, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+        assert seen == {}  # nothing was forwarded
+        r = httpx.post(
+            px.url + "/v1/chat/completions", json={"model": "json-ok"}, headers=auth, timeout=10
+        )
+        assert r.status_code == 200 and seen["authorization"] == auth["authorization"]
+        assert store.flush()
+        assert sorted(store.query("SELECT http_status FROM requests")) == [(200,), (400,), (401,)]
+    finally:
+        px.stop()
+        up.stop()
+        store.close()
+
+
+def test_with_the_receiver_the_upstreams_spans_join_the_proxys_trace(tmp_path):
+    """`--otlp-receiver`: the upstream exports its request span (vLLM's, from the fixture) with
+    the traceparent the proxy sent it, to the proxy's own /v1/traces; one trace in one store
+    then holds the proxy's stations and the engine's."""
+    from pathlib import Path
+
+    from tokenmill.telemetry.collect import add_receiver
+
+    seen: dict = {}
+    up = _Serve(upstream_app(seen))
+    store = TraceStore(tmp_path / "p.duckdb", flush_interval_s=0.05)
+    app = build_proxy_app(ProxyState(up.url, store.submit))
+    add_receiver(app, store, request_rows=False)
+    px = _Serve(app)
+    try:
+        assert _chat(px.url, "json-ok", stream=False).status_code == 200
+        _, trace, parent, _ = seen["traceparent"].split("-")
+        fixture = Path(__file__).resolve().parents[1] / "telemetry/fixtures/otlp"
+        doc = json.loads((fixture / "vllm_request_span.json").read_text())
+        span = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+        span["traceId"], span["parentSpanId"] = trace, parent
+        r = httpx.post(px.url + "/v1/traces", json=doc, timeout=10)
+        assert r.status_code == 200, r.text
+        assert store.flush()
+        names = store.query(
+            "SELECT c.name, p.name FROM spans c LEFT JOIN spans p ON c.parent_span_id = "
+            f"p.span_id WHERE c.trace_id = '{trace}' ORDER BY c.start_ns, c.name"
+        )
+        assert sorted(names, key=str) == sorted(
+            [
+                ("request", None),
+                ("gateway", "request"),
+                ("stream", "request"),
+                ("llm_request", "request"),
+                ("schedule", "llm_request"),
+                ("prefill", "llm_request"),
+                ("decode", "llm_request"),
+            ],
+            key=str,
+        )
+        # one request, one row: the proxy's (the engine's span adds stations, not a row)
+        assert store.query("SELECT count(*) FROM requests") == [(1,)]
+    finally:
+        px.stop()
+        up.stop()
+        store.close()
