@@ -14,12 +14,35 @@ REFUSED_BY = {
 }
 ABORTED = ("client_disconnected",)
 NUMERICAL = ("nan_logits",)
+# what `tokenmill proxy` records when the engine behind it fails (proxy/app.py, observe.py)
+UPSTREAM = (
+    "upstream_unreachable",
+    "upstream_timeout",
+    "upstream_error",
+    "upstream_broken",
+    "upstream_malformed_stream",
+    "upstream_malformed_response",
+)
 # the rule's causes, in RULE.causes order, each with the error types that point at it
 _CAUSE_TYPES = (
     NUMERICAL,
     ABORTED,
     (*REFUSED_BY, "context_length_exceeded", "prompt_too_long"),
+    UPSTREAM,
 )
+
+
+def _upstreams(sig: Signals, w: Window) -> list[str]:
+    """The upstreams (``tokenmill proxy --upstream``) of the requests that failed upstream in
+    the window, most failures first."""
+    rows = sig.con.execute(
+        "SELECT s.attributes->>'tokenmill.upstream' AS up, count(*) FROM requests r "
+        "JOIN spans s ON s.trace_id = r.trace_id AND s.name = 'request' "
+        "WHERE r.end_ns >= ? AND r.end_ns < ? AND r.error_type IN ? AND up IS NOT NULL "
+        "GROUP BY up ORDER BY 2 DESC, 1",
+        [w.start_ns, w.end_ns, list(UPSTREAM)],
+    ).fetchall()
+    return [r[0] for r in rows]
 
 
 def _refusals(sig: Signals, w: Window) -> list[tuple[str, str, int]]:
@@ -88,7 +111,9 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]))
     refused = _refusals(sig, w)
     tp = w.get("throughput_tok_s") or 0
-    if tp > 0:
+    if w.get("throughput_tok_s") is None and not sig.overall.get("steps"):
+        throughput = "(the store holds no engine steps to read throughput from)"
+    elif tp > 0:
         throughput = f"while the engine still produced {tp:.0f} tok/s"
         if base_tp:
             throughput += f" ({tp / base_tp:.0%} of the healthiest windows')"
@@ -103,6 +128,10 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         by_tenant.setdefault(code, {})[tenant] = n
     causes = _causes(by_type)
     knob = None
+    upstreams = _upstreams(sig, w) if causes[0] == RULE.causes[3] else []
+    if upstreams:  # behind `tokenmill proxy`: the engine it fronts is the one failing
+        causes = (f"the upstream engine {', '.join(upstreams)} ({RULE.causes[3]})", *causes[1:])
+        knob = "the upstream engine: is it up, reachable from the proxy, answering in time?"
     if refused and causes[0] == RULE.causes[2]:
         top = max(REFUSED_BY, key=lambda c: sum(n for x, _, n in refused if x == c))
         # the window names the limit: the cause says it instead of "rate limits, context length"
@@ -125,6 +154,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "baseline_error_rate": base_rate,
             "errors_by_type": by_type,
             "refused_by_tenant": by_tenant,
+            "upstreams": upstreams,
             "throughput_tok_s": w.get("throughput_tok_s") or 0.0,
             "baseline_throughput_tok_s": base_tp,
             "completions": w.get("completions") or 0,
@@ -149,6 +179,7 @@ RULE = Rule(
         "numerical failures (nan_logits)",
         "clients aborting (timeouts upstream)",
         "rejections (rate limits, context length)",
+        "the engine behind the proxy unreachable, timing out or failing",
     ),
     checks=("errors by type in the window",),
     knob="depends on the type: dtype/model for nan_logits, client timeouts for aborts, tenant limits for 429",

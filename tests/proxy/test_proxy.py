@@ -315,3 +315,31 @@ def test_with_the_receiver_the_upstreams_spans_join_the_proxys_trace(tmp_path):
         px.stop()
         up.stop()
         store.close()
+
+
+def test_the_diagnosis_of_a_dead_upstream_names_it(tmp_path):
+    """Every request through the proxy fails on an upstream that is down: `error_spike` fires
+    on the proxy's store and its first cause names that upstream."""
+    from tokenmill.diagnose.findings import diagnose
+
+    store = TraceStore(tmp_path / "p.duckdb", flush_interval_s=0.05)
+    dead = f"http://127.0.0.1:{_free_port()}"
+    px = _Serve(build_proxy_app(ProxyState(dead, store.submit)))
+    try:
+        for _ in range(12):
+            assert _chat(px.url, "x").status_code == 502
+            time.sleep(0.05)
+        assert store.flush()
+        with store.connection_locked() as con:
+            report = diagnose(con, window_s=10)
+    finally:
+        px.stop()
+        store.close()
+    top = report.findings[0]
+    assert top.rule_id == "error_spike", [f.rule_id for f in report.findings]
+    assert top.evidence["errors_by_type"] == {"upstream_unreachable": 12}
+    assert top.evidence["upstreams"] == [dead]
+    assert top.causes[0].startswith(f"the upstream engine {dead}")
+    assert "no engine steps" in top.summary
+    # what a proxy's store cannot feed is said, not taken for health
+    assert "kv_block_leak" in report.not_assessed
