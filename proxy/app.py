@@ -109,7 +109,13 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
         ex.model = doc.get("model") if isinstance(doc.get("model"), str) else None
         mt = doc.get("max_completion_tokens", doc.get("max_tokens"))
         ex.max_tokens = mt if isinstance(mt, int) else None
-        headers = {"content-type": "application/json", "traceparent": traceparent}
+        # identity: the body goes back byte for byte, so the upstream must not compress it
+        # for a client that did not ask
+        headers = {
+            "content-type": "application/json",
+            "traceparent": traceparent,
+            "accept-encoding": "identity",
+        }
         if state.upstream_api_key:
             headers["authorization"] = f"Bearer {state.upstream_api_key}"
         elif request.headers.get("authorization"):
@@ -175,6 +181,36 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
                 state.save(ex)
 
         return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        """The upstream's model list, passed through (clients ask it before anything else)."""
+        try:
+            state.gateway.authenticate(request.headers.get("authorization"))
+        except APIError as exc:
+            return exc.response()
+        headers = {"accept-encoding": "identity"}
+        if state.upstream_api_key:
+            headers["authorization"] = f"Bearer {state.upstream_api_key}"
+        elif request.headers.get("authorization"):
+            headers["authorization"] = request.headers["authorization"]
+        try:
+            resp = await state.client.get(state.upstream + "/v1/models", headers=headers)
+        except httpx.HTTPError as exc:
+            message = f"upstream {state.upstream} could not be reached: {type(exc).__name__}"
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": message,
+                        "type": "upstream_error",
+                        "param": None,
+                        "code": "upstream_unreachable",
+                    }
+                },
+                status_code=502,
+            )
+        out = {k: v for k, v in resp.headers.items() if k.lower() in PASS_HEADERS}
+        return Response(resp.content, status_code=resp.status_code, headers=out)
 
     for path in ROUTES:
         app.add_api_route(path, forward, methods=["POST"])

@@ -75,6 +75,10 @@ def _events(n: int, model: str) -> list[bytes]:
 def upstream_app(seen: dict) -> FastAPI:
     app = FastAPI()
 
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "up-model", "object": "model"}]}
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await request.json()
@@ -162,6 +166,13 @@ def test_a_stream_passes_through_unchanged_and_is_recorded(rig):
     root = rows("SELECT span_id FROM spans WHERE name = 'request'")[0][0]
     assert root == tp[2]  # the upstream's parent is the proxy's request span
     assert spans == {"request": None, "gateway": root, "stream": root}
+
+
+def test_the_model_list_passes_through(rig):
+    url, up, _, rows, _ = rig
+    r = httpx.get(url + "/v1/models", timeout=10)
+    assert r.status_code == 200 and r.content == httpx.get(up.url + "/v1/models").content
+    assert rows("SELECT count(*) FROM requests") == [(0,)]  # not a request to the model
 
 
 def test_a_callers_traceparent_is_kept(rig):
