@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from tokenmill.telemetry.cli import err, fail
+from tokenmill.telemetry.cli import err, fail, open_store
 
 app = typer.Typer(add_completion=False)
 
@@ -73,7 +73,6 @@ def proxy(
         single_key_tenants,
     )
     from tokenmill.engine.durations import parse_duration
-    from tokenmill.telemetry.store import TraceStore, TraceStoreInUse
 
     if not upstream.startswith(("http://", "https://")):
         fail(f"--upstream {upstream}: give an http(s) URL, e.g. http://127.0.0.1:8000")
@@ -92,12 +91,7 @@ def proxy(
             gateway = Gateway()
     except TenantsFileError as exc:
         fail(str(exc))
-    try:
-        store = TraceStore(trace_db)
-    except TraceStoreInUse as exc:
-        fail(str(exc))
-    except Exception as exc:  # a file that is not a store, an unwritable folder
-        fail(f"--trace-db {trace_db}: {str(exc).splitlines()[0]}")
+    store = open_store(trace_db)
     import uvicorn
 
     from .app import ProxyState, build_proxy_app

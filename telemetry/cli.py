@@ -27,6 +27,19 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+def open_store(trace_db: Path):
+    """A ``TraceStore`` on ``trace_db`` for a writing command (``collect``, ``proxy``), or one
+    ``error:`` line: the file in use, not a store, or an unwritable folder."""
+    from .store import TraceStore, TraceStoreInUse
+
+    try:
+        return TraceStore(trace_db)
+    except TraceStoreInUse as exc:
+        fail(str(exc))
+    except Exception as exc:
+        fail(f"--trace-db {trace_db}: {str(exc).splitlines()[0]}")
+
+
 app = typer.Typer(add_completion=False)
 
 

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from .cli import err, fail
+from .cli import err, fail, open_store
 
 app = typer.Typer(add_completion=False)
 
@@ -53,7 +53,6 @@ def collect(
 
     from .engine_metrics import ENGINES
     from .scrape import MetricsScraper
-    from .store import TraceStore, TraceStoreInUse
 
     try:
         interval = parse_duration(scrape_interval)
@@ -69,12 +68,7 @@ def collect(
             fail(f"--scrape {u}: give an http(s) URL, e.g. http://127.0.0.1:8000/metrics")
     if not urls and port == 0:
         fail("nothing to collect: give --scrape URL, a --port for OTLP traces, or both")
-    try:
-        store = TraceStore(trace_db)
-    except TraceStoreInUse as exc:
-        fail(str(exc))
-    except Exception as exc:  # a file that is not a store, an unwritable folder
-        fail(f"--trace-db {trace_db}: {str(exc).splitlines()[0]}")
+    store = open_store(trace_db)
     scrapers = [
         MetricsScraper(u, store.submit, interval_s=interval, kind=engine_kind).start() for u in urls
     ]
