@@ -44,6 +44,15 @@ blamed on the engine. The checks, each with its tolerance (:data:`TRAFFIC_TOLERA
   noise floor on its own (rule ``host_contention``). On the shared 2-core reference machine
   other processes took 57–77 % of the CPU during identical runs, which alone more than
   doubled throughput between them; a run without host rows (sampling off) skips the check.
+- host speed: with the same engine config (flags, model, device and versions all equal), the
+  median wall time of a decode-only step at the same batch size within 10 %
+  (:data:`STEP_TOLERANCE`, the batch size with the most steps in both runs, at least
+  :data:`MIN_STEPS` in each). Same flags and build do the same work per step, so a step that
+  ran slower says the host got slower (CPU frequency, a neighbouring VM the sampler cannot
+  see). On the reference machine three identical runs with equal CPU-left figures (91–92 %)
+  ran their 12-sequence decode step in 82, 76 and 88 ms: the pairs 8 % apart compared as
+  "no regression", the pair 17 % apart moved TTFT p50 by +83 % through the queue behind it. With any config difference the check is skipped:
+  there a slower step may be the change itself, which is what the report is for.
 """
 
 from __future__ import annotations
@@ -87,6 +96,13 @@ TRAFFIC_TOLERANCES: dict[str, Tolerance] = {
 #: host check: the CPU left to the server (100 % − others' use), relative to BEFORE
 HOST_TOLERANCE = Tolerance(20.0, "a CPU-bound engine slows with the CPU it is left")
 
+#: host-speed check: a decode-only step of one batch size, same config (module docstring)
+STEP_TOLERANCE = Tolerance(
+    10.0, "same flags and build: a step that ran slower or faster means the host's speed moved"
+)
+#: decode-only steps of one batch size each run needs before the host-speed check is made
+MIN_STEPS = 10
+
 #: the gated metrics and the direction that is worse
 GATED: dict[str, str] = {
     "ttft_p99_ms": "up",
@@ -126,6 +142,7 @@ LABELS = {
     "arrival_rate_per_s": "arrival rate",
     "peak_in_flight": "peak in flight",
     "cpu_left_pct": "host CPU left to the server",
+    "decode_step_ms": "decode step time (same batch, same config)",
     "ttft_p50_ms": "TTFT p50",
     "ttft_p99_ms": "TTFT p99",
     "itl_p50_ms": "ITL p50",
@@ -184,7 +201,9 @@ class Run:
     tokens of completed requests and completed/good requests per second over ``duration_s``
     (first arrival to last end), ``goodput_share`` of the requests, ``error_rate``. ``host``:
     ``others_cpu_pct``/``steal_pct`` means, ``cpu_left_pct`` (100 − others) and
-    ``gpu_other_processes`` max over the run (None where not sampled). ``findings``: rule id → the diagnosis finding (severity, summary,
+    ``gpu_other_processes`` max over the run (None where not sampled),
+    ``decode_steps``: batch size → ``[steps, median wall ms]`` of its decode-only steps
+    (no prefill, no drafts). ``findings``: rule id → the diagnosis finding (severity, summary,
     evidence, example trace ids); ``signals``: the diagnoser's overall signals.
     ``slowest``: trace ids of the completed requests with the longest TTFT.
     """
@@ -394,6 +413,15 @@ SELECT avg(cpu_others_pct) FILTER (WHERE kind = 'host') AS others_cpu_pct,
 FROM device_samples WHERE time_ns >= $lo AND time_ns <= $hi
 """
 
+# decode-only steps per batch size: the host-speed check (module docstring)
+_DECODE_STEPS_SQL = """
+SELECT num_decode_tokens, count(*), median((end_ns - start_ns) / 1e6)
+FROM engine_steps
+WHERE start_ns >= $lo AND end_ns <= $hi AND num_prefill_tokens = 0
+  AND coalesce(num_drafts, 0) = 0 AND num_decode_tokens > 0
+GROUP BY num_decode_tokens
+"""
+
 
 def _one(con, sql: str, **params) -> dict:
     cur = con.execute(sql, {k: v for k, v in params.items() if f"${k}" in sql})
@@ -482,6 +510,10 @@ def measure(
     host = {k: _float(v) for k, v in _one(con, _HOST_SQL, lo=first, hi=last_end).items()}
     others = host["others_cpu_pct"]
     host["cpu_left_pct"] = None if others is None else max(0.0, 100.0 - others)
+    host["decode_steps"] = {
+        int(b): [int(n), float(ms)]
+        for b, n, ms in con.execute(_DECODE_STEPS_SQL, {"lo": first, "hi": last_end}).fetchall()
+    }
     report = diagnose(con, since_ns=since, until_ns=until, window_s=window_s)
     findings = {
         f.rule_id: {
@@ -543,7 +575,24 @@ def _shift(key: str, before, after, threshold_pct: float, worse: str | None) -> 
     return Shift(key, LABELS.get(key, key), before, after, ch, status)
 
 
-def _checks(b: Run, a: Run) -> list[Check]:
+def _step_check(b: Run, a: Run) -> Check | None:
+    """The host-speed check: the batch size with the most decode-only steps in both runs
+    (None when no batch size has :data:`MIN_STEPS` in each, or a run has no step rows)."""
+    sb, sa = b.host.get("decode_steps") or {}, a.host.get("decode_steps") or {}
+    common = [(min(sb[k][0], sa[k][0]), k) for k in sb.keys() & sa.keys()]
+    common = [(n, k) for n, k in common if n >= MIN_STEPS]
+    if not common:
+        return None
+    _, batch = max(common)
+    before, after = sb[batch][1], sa[batch][1]
+    ch = _pct(before, after)
+    ok = ch is not None and abs(ch) <= STEP_TOLERANCE.pct
+    label = f"{LABELS['decode_step_ms']}, batch {batch}"
+    return Check("decode_step_ms", label, before, after, ch, STEP_TOLERANCE.pct, ok,
+                 STEP_TOLERANCE.reason)  # fmt: skip
+
+
+def _checks(b: Run, a: Run, *, same_config: bool = False) -> list[Check]:
     out = []
     for key, tol in TRAFFIC_TOLERANCES.items():
         before, after = b.traffic.get(key), a.traffic.get(key)
@@ -566,6 +615,9 @@ def _checks(b: Run, a: Run) -> list[Check]:
         ok = ch is not None and abs(ch) <= HOST_TOLERANCE.pct
         out.append(Check("cpu_left_pct", LABELS["cpu_left_pct"], before, after, ch,
                          HOST_TOLERANCE.pct, ok, HOST_TOLERANCE.reason))  # fmt: skip
+    step = _step_check(b, a) if same_config else None
+    if step is not None:
+        out.append(step)
     return out
 
 
@@ -696,7 +748,8 @@ def compare(
         )
         if not (backed or more_errors):
             goodput.status = "worse"
-    checks = _checks(before, after)
+    diff = config_diff(before.config, after.config)
+    checks = _checks(before, after, same_config=bool(before.config) and not diff)
     if not all(c.ok for c in checks):  # not comparable: nothing is blamed as a regression
         for s in (*latency, *throughput):
             s.status = {"regressed": "worse", "improved": "better"}.get(s.status, s.status)
@@ -705,7 +758,7 @@ def compare(
         after=after,
         threshold_pct=threshold_pct,
         checks=checks,
-        config_diff=config_diff(before.config, after.config),
+        config_diff=diff,
         latency=latency,
         throughput=throughput,
         stations=stations,
