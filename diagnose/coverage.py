@@ -6,7 +6,8 @@ holds that engine's requests (from its spans) and metric samples, but no per-ste
 device samples of ours: a rule that reads those cannot be judged there, and the report says so
 ("not assessed: needs per-step records, which this vLLM store does not hold") instead of a
 silent "no problems found". A table the store lacks columns of (a store written before them)
-counts the same way.
+counts the same way. A family that ran from its fallback (``Signals.sources``: the engine's
+scraped metrics standing in for our step records) counts as fed.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def store_engine(con: duckdb.DuckDBPyConnection) -> str | None:
 def not_assessed(con: duckdb.DuckDBPyConnection, sig: Signals, rules) -> dict[str, str]:
     """``{rule id: reason}`` for every rule of ``rules`` that reads a family the store cannot
     feed: columns it lacks (``sig.unavailable``) or a table with no rows at all."""
-    needed = {t for r in rules for n in r.reads for t in FAMILIES_BY_NAME[n].needs}
+    fed = sig.sources  # families that ran from their fallback
+    needed = {t for r in rules for n in r.reads if n not in fed for t in FAMILIES_BY_NAME[n].needs}
     empty = _empty_tables(con, needed)
     engine = store_engine(con)
     who = f"this {engine} store does not hold" if engine else "this store does not hold"
@@ -60,6 +62,8 @@ def not_assessed(con: duckdb.DuckDBPyConnection, sig: Signals, rules) -> dict[st
     for rule in rules:
         lacking: set[str] = set()
         for name in rule.reads:
+            if name in fed:
+                continue
             fam = FAMILIES_BY_NAME[name]
             if name in sig.unavailable:
                 lacking |= {c.split(".")[0] for c in sig.unavailable[name]}

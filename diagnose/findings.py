@@ -122,6 +122,9 @@ class Report:
     # written before a column): {rule id: "needs X, which this store does not hold"}
     # (diagnose/coverage.py); never counted as healthy
     not_assessed: dict[str, str] = field(default_factory=dict)
+    # signal families read from another table saying the same thing: {family: its fallback}
+    # (signals/samples.py: another engine's scraped metrics in place of our step records)
+    signal_sources: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -139,6 +142,7 @@ class Report:
             "warmup": self.warmup,
             "inconclusive": [f.to_json() for f in self.inconclusive],
             "not_assessed": self.not_assessed,
+            "signal_sources": self.signal_sources,
         }
 
 
@@ -376,6 +380,7 @@ def diagnose(
         "not_judged": not_judged,
     }
     report.warmup = sig.warmup
+    report.signal_sources = dict(sig.sources)
     report.inconclusive = inconclusive
     spoke = fired | {f.rule_id for f in inconclusive} | {n.rule_id for n in notes}
     report.not_assessed = {

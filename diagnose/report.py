@@ -89,7 +89,8 @@ def to_json(report: Report) -> str:
 
 def baseline_lines(report: Report) -> list[str]:
     """What the windows were compared with: no healthy baseline (why, and the rules not
-    judged), the warm-up requests set apart; empty when neither applies."""
+    judged), the signal families read from scraped metrics, the warm-up requests set apart;
+    empty when none applies."""
     lines = []
     base = report.healthy_baseline or {}
     if base.get("available") is False:
@@ -98,6 +99,13 @@ def baseline_lines(report: Report) -> list[str]:
             f"No healthy baseline in this dump: {base.get('reason')}. Rules that compare with "
             f"the healthiest windows were not judged ({skipped}); findings stand on absolute "
             "evidence."
+        )
+    if report.signal_sources:
+        lines.append(
+            "No per-step records in this store: the engine's queue and KV-cache signals come "
+            "from its scraped /metrics (engine_samples), one reading per scrape, for "
+            + ", ".join(sorted(report.signal_sources))
+            + "."
         )
     warm = report.warmup or {}
     if warm.get("requests"):

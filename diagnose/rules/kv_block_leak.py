@@ -17,9 +17,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if use < p["idle_usage"]:
         return None
     total = last.get("kv_blocks_total") or 0
+    # another engine's scraped KV use says the share, not the pool's size in blocks
+    held = f" (~{use * total:.0f} of {total:.0f} blocks)" if total else ""
     return Evidence(
-        f"with nothing running or waiting, {use:.0%} of the KV cache (~{use * total:.0f} of "
-        f"{total:.0f} blocks) was still held in {_when(last)}: blocks are not returned",
+        f"with nothing running or waiting, {use:.0%} of the KV cache{held} was still held in "
+        f"{_when(last)}: blocks are not returned",
         {"idle_kv_usage": use, "kv_blocks_total": total, "idle_steps": last.get("idle_steps")},
         (last.start_ns, last.end_ns),
         "finish_reason = 'abort' OR error_type IS NOT NULL",

@@ -9,7 +9,10 @@ The signals come in families (:data:`FAMILIES`, one module each; :class:`~.famil
 each declares the store columns it needs, the per-window and overall keys it yields and its SQL.
 :func:`load` runs them all; a family whose columns the store lacks yields its keys as None
 (``Signals.unavailable`` names it and the columns). Each rule declares the families it reads
-(``Rule.reads``).
+(``Rule.reads``). Where the store has no rows for a family's own tables but does for its
+``fallback``'s (another engine's store: its scraped metrics, ``samples.py``), the fallback runs
+instead (``Signals.sources``). A proxy's request rows get their queue and prefill times from
+the upstream's spans of the same trace (``upstream.py``) before anything is computed.
 
 On top of the families: the healthy baseline (``baseline.py``: the dump's healthiest windows,
 and whether they are healthy enough to compare with) and the warm-up after a (re)start, set
@@ -53,6 +56,7 @@ from .family import Family, Yield, unavailable
 from .prefix import engine_block_size, prefix_block_stats, prefix_head_stats
 from .roofline import roofline_peaks
 from .scope import NS, Scope, engine_config, quantile, span, store_columns
+from .upstream import fill_from_upstream_spans
 from .warmup import (
     WARMUP_COMPLETIONS,
     WARMUP_EVENTS,
@@ -119,13 +123,22 @@ def load(
         window_s=window_s,
         short_prompt_tokens=short_prompt_tokens,
     )
+    con = scope.con  # a proxy's store: the requests filled from the upstream's spans
     since, until, w_ns = scope.since, scope.until, scope.w_ns
     values: list[dict] = [{} for _ in range(scope.n_windows)]
     overall: dict = {}
     missing: dict[str, tuple[str, ...]] = {}
+    sources: dict[str, str] = {}
     for fam in FAMILIES:
         lacks = fam.missing(scope)
-        if lacks:
+        alt = _fallback(fam, scope, lacks)
+        if alt is not None:
+            sources[fam.name] = alt.name
+            got = unavailable(fam, scope.n_windows)
+            for i, v in (y := alt.compute(scope)).windows.items():
+                got.windows.setdefault(i, {}).update(v)
+            got.overall.update(y.overall)
+        elif lacks:
             missing[fam.name] = lacks
             got = unavailable(fam, scope.n_windows)
         else:
@@ -166,7 +179,20 @@ def load(
         warmup={"requests": int(n_warm), "intervals": [list(iv) for iv in scope.warmup]},
         decode_seqs_sql=scope.decode_seqs_sql,
         unavailable=missing,
+        sources=sources,
     )
+
+
+def _fallback(fam: Family, scope: Scope, lacks: tuple[str, ...]) -> Family | None:
+    """The family to run instead of ``fam``: its fallback, where the store has no rows (or
+    lacks columns) for ``fam``'s own tables and has them for the fallback's."""
+    alt = fam.fallback
+    if alt is None or alt.missing(scope):
+        return None
+    own_empty = bool(lacks) or not all(scope.has_rows(t) for t in fam.needs)
+    if not own_empty or not all(scope.has_rows(t) for t in alt.needs):
+        return None
+    return alt
 
 
 def make_scope(
@@ -182,6 +208,7 @@ def make_scope(
     Raises:
         NoTraffic: no requests in the range.
     """
+    con = fill_from_upstream_spans(con)  # a proxy's rows: queue/prefill from upstream spans
     cols = store_columns(con)
     since, until = span(con, cols, since_ns, until_ns)
     (n_req,) = con.execute(

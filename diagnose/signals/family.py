@@ -9,6 +9,12 @@ SQL over a :class:`~.scope.Scope`. :func:`tokenmill.diagnose.signals.load` runs 
 written before its columns, another engine's store) yields its keys as None instead of running
 (:func:`unavailable`).
 
+A family may name a ``fallback``: another family yielding some of its keys from another table
+(``samples.py``: the engine's scraped metrics in ``engine_samples``). Where the store has no
+rows for the family's own tables in the whole store (another engine's store has no
+``engine_steps``), :func:`~tokenmill.diagnose.signals.load` runs the fallback instead and the
+keys it does not yield are None; ``Signals.sources`` names the family it ran.
+
 Rules declare the families they read (``Rule.reads``); ``tests/diagnose/test_signal_families.py`` checks
 that every key a rule reads is yielded by one of them, that each family yields exactly the keys
 it declares and reads only the columns it declares.
@@ -43,6 +49,8 @@ class Family:
     compute: Callable[[Scope], Yield]
     # columns it reads when the store has them (the family adapts when it does not)
     optional: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # the same meaning from another table, for a store without rows in this family's tables
+    fallback: Family | None = None
 
     def missing(self, scope: Scope) -> tuple[str, ...]:
         """The ``table.column`` names of ``needs`` the store lacks."""

@@ -14,6 +14,7 @@ from tokenmill.telemetry.schema import WORKING_STEP_SQL
 
 from .family import Family, Yield
 from .requests import COMPLETED_COLUMNS, by_arrival
+from .samples import KV_FROM_SAMPLES
 from .scope import Scope
 from .steps import WORKING_COLUMNS
 
@@ -72,6 +73,7 @@ KV = Family(
     window_keys=_KV_KEYS,
     overall_keys=_KV_KEYS,
     compute=compute_kv,
+    fallback=KV_FROM_SAMPLES,
 )
 
 _REQUESTS_SELECT = """

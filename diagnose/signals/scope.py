@@ -18,7 +18,7 @@ from .window import NoTraffic
 NS = 1_000_000_000
 
 # the tables signals read
-TABLES = ("requests", "engine_steps", "device_samples", "events")
+TABLES = ("requests", "engine_steps", "device_samples", "events", "engine_samples")
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,13 @@ class Scope:
         """Whether the store's ``table`` has every one of ``cols``."""
         have = self.columns.get(table, frozenset())
         return all(c.lower() in have for c in cols)
+
+    def has_rows(self, table: str) -> bool:
+        """Whether the store's ``table`` exists and holds a row (anywhere, not only in range)."""
+        if not self.columns.get(table):
+            return False
+        (found,) = self.con.execute(f"SELECT EXISTS (SELECT 1 FROM {table})").fetchone()
+        return bool(found)
 
     def by_window(self, sql: str, column: str, outside_warmup: str | None, **params) -> dict:
         """Run a windowed query (``win`` first, then one column per key; one ``WHERE <column>

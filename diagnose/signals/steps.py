@@ -14,6 +14,7 @@ from __future__ import annotations
 from tokenmill.telemetry.schema import STEP_DECODE_SEQS_SQL, WORKING_STEP_SQL
 
 from .family import Family, Yield
+from .samples import STEPS_FROM_SAMPLES
 from .scope import Scope
 
 # the columns of WORKING_STEP_SQL (a step that ran tokens, not an idle heartbeat)
@@ -96,4 +97,5 @@ FAMILY = Family(
     window_keys=(*_KEYS, "throughput_tok_s"),
     overall_keys=_KEYS,
     compute=compute,
+    fallback=STEPS_FROM_SAMPLES,
 )

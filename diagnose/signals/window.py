@@ -59,6 +59,9 @@ class Signals:
     # families the store could not feed: name -> the ``table.column`` names it lacks (their
     # keys are None)
     unavailable: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # families that ran from their fallback (another table saying the same thing): name -> the
+    # fallback family's name (signals/samples.py)
+    sources: dict[str, str] = field(default_factory=dict)
 
     def busy(self, min_arrivals: int = 1) -> list[Window]:
         """Windows with at least ``min_arrivals`` arrivals or completions."""

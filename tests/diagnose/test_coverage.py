@@ -18,6 +18,7 @@ from rich.console import Console
 from tokenmill.diagnose.findings import diagnose
 from tokenmill.diagnose.report import print_text, to_markdown
 from tokenmill.diagnose.rules import RULES
+from tokenmill.diagnose.signals import FAMILIES
 from tokenmill.telemetry.engine_metrics import read_exposition
 from tokenmill.telemetry.otlp_receiver import decode_export, received_rows
 from tokenmill.telemetry.store import TraceStore
@@ -73,20 +74,29 @@ def test_a_vllm_store_names_what_it_could_not_assess(vllm_store):
     assert report.summary["requests"] == 120
     assert report.summary["ttft_p50_ms"] == pytest.approx(800.0)
     missing = report.not_assessed
-    # every rule that reads per-step records or device samples: named, with what it needed
+    # every rule that reads a family only our step records or device samples feed: named,
+    # with what it needed; the queue and KV families come from vLLM's own gauges and counters
+    assert report.signal_sources == {"steps": "steps_from_samples", "kv": "kv_from_samples"}
+    ours_only = {
+        f.name
+        for f in FAMILIES
+        if f.fallback is None and {"engine_steps", "device_samples"} & set(f.needs)
+    }
+    assert {"roofline", "spec", "devices", "step_split"} <= ours_only
     for rule in RULES:
-        needs_steps = any(n in ("steps", "kv", "roofline", "spec", "devices") for n in rule.reads)
-        if needs_steps:
+        if ours_only & set(rule.reads):
             assert rule.id in missing, rule.id
-    assert "per-step records (engine_steps)" in missing["ttft_queueing"]
-    assert missing["ttft_queueing"].endswith("which this vllm store does not hold")
+    assert "per-step records (engine_steps)" in missing["host_bound_steps"]
+    assert missing["host_bound_steps"].endswith("which this vllm store does not hold")
     assert "device samples" in missing["host_contention"]
-    # what the requests alone feed is assessed
-    for rid in ("ttft_prefill_bound", "prefix_cache_miss", "midstream_stall"):
+    # what the requests and vLLM's metrics feed is assessed
+    for rid in ("ttft_prefill_bound", "prefix_cache_miss", "midstream_stall", "ttft_queueing",
+                "overload", "kv_pressure_preemption"):  # fmt: skip
         assert rid not in missing, (rid, missing.get(rid))
     assert report.to_json()["not_assessed"] == missing
     md = to_markdown(report)
-    assert "## Not assessed" in md and "- `kv_block_leak`: needs per-step records" in md
+    assert "## Not assessed" in md and f"- `host_bound_steps`: {missing['host_bound_steps']}" in md
+    assert "queue and KV-cache signals come from its scraped /metrics" in md
     if not report.findings:
         assert "among the rules this store lets us assess" in md
     console = Console(record=True, width=200)

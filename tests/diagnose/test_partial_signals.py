@@ -1,0 +1,164 @@
+"""Signal families filled from what another engine's store holds: the queue and KV signals from
+its scraped metrics (``engine_samples``) where there are no step records, and the request rows
+a proxy wrote completed with the upstream's ``schedule``/``prefill`` stations of the same trace.
+
+The store is written the way ``tokenmill proxy --otlp-receiver`` writes one: the proxy's
+client-side request rows and its ``request``/``gateway``/``stream`` spans, the upstream's own
+station spans under the same trace id, and one ``/metrics`` scrape a second (the real-engine
+comparison of the two stores is ``benchmarks/any_engine.py``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from tokenmill.diagnose.findings import diagnose
+from tokenmill.diagnose.report import baseline_lines
+from tokenmill.diagnose.rules import RULES
+from tokenmill.diagnose.signals import load
+from tokenmill.telemetry.engine_metrics import EngineSampleRow
+from tokenmill.telemetry.rows import RequestRow
+from tokenmill.telemetry.store import TraceStore
+
+T0 = 1_767_225_600_000_000_000
+S = 1_000_000_000
+MS = 1_000_000
+N = 40  # requests, one every 0.5 s over 20 s
+URL = "http://127.0.0.1:8000/metrics"
+
+
+def _span(trace: str, name: str, service: str, start: int, end: int, **kw) -> dict:
+    return {
+        "trace_id": trace,
+        "span_id": f"{abs(hash((trace, name, service))) % 16**16:016x}",
+        "parent_span_id": kw.pop("parent", None),
+        "name": name,
+        "service_name": service,
+        "kind": "INTERNAL",
+        "start_ns": start,
+        "end_ns": end,
+        "duration_ns": end - start,
+        "status_code": "UNSET",
+        "attributes": "{}",
+        "events": "[]",
+        **kw,
+    }
+
+
+def _request(i: int) -> tuple[dict, list[dict]]:
+    """Request ``i`` as the proxy and the upstream recorded it: the second half of the run
+    queued 2 s inside the upstream (the client sees it only as TTFT)."""
+    trace = f"{i + 1:032x}"
+    arrival = T0 + i * S // 2
+    queue_ms = 2000.0 if i >= N // 2 else 20.0
+    ttft_ms = queue_ms + 80.0
+    first = arrival + int(ttft_ms * MS)
+    end = first + 31 * 30 * MS
+    row = RequestRow(
+        request_id=f"chatcmpl-{i}", trace_id=trace, endpoint="chat", stream=True,
+        http_status=200, arrival_ns=arrival, first_token_ns=first, last_token_ns=end,
+        end_ns=end, input_tokens=0, output_tokens=32, ttft_ms=ttft_ms, tpot_ms=30.0,
+        itl_p50_ms=30.0, itl_p99_ms=31.0, itl_max_ms=31.0, e2e_ms=(end - arrival) / MS,
+        decode_ms=(end - first) / MS, finish_reason="length",
+    )  # fmt: skip
+    up = arrival + 2 * MS  # the upstream's own view starts when the proxy forwarded
+    scheduled = up + int(queue_ms * MS)
+    spans = [
+        _span(trace, "request", "tokenmill-proxy", arrival, end, kind="SERVER"),
+        _span(trace, "gateway", "tokenmill-proxy", arrival, up),
+        _span(trace, "request", "tokenmill", up, end, input_tokens=60, output_tokens=32),
+        _span(trace, "schedule", "tokenmill", up, scheduled),
+        _span(trace, "prefill", "tokenmill", scheduled, scheduled + 75 * MS),
+    ]
+    return msgspec.structs.asdict(row), spans
+
+
+def _sample(k: int) -> dict:
+    """Scrape ``k`` (one a second): a queue that builds in the second half, KV use rising to
+    95 %, and 6 preemptions in the last 5 s (counter 10 → 16)."""
+    late = k >= 10
+    row = EngineSampleRow(
+        time_ns=T0 + k * S, url=URL, engine_kind="tokenmill",
+        running=4.0, waiting=float(k - 9) if late else 0.0,
+        kv_usage=0.5 + 0.045 * (k - 9) if late else 0.4,
+        preemptions_total=10.0 + max(0, k - 14),
+    )  # fmt: skip
+    return msgspec.structs.asdict(row)
+
+
+@pytest.fixture(scope="module")
+def proxy_store(tmp_path_factory):
+    store = TraceStore(tmp_path_factory.mktemp("proxy") / "p.duckdb", flush_interval_s=0.05)
+    for i in range(N):
+        row, spans = _request(i)
+        assert store.submit("requests", row)
+        for s in spans:
+            assert store.submit("spans", s)
+    for k in range(21):
+        assert store.submit("engine_samples", _sample(k))
+    assert store.flush()
+    yield store
+    store.close()
+
+
+def test_queue_and_prefill_come_from_the_upstreams_stations(proxy_store):
+    with proxy_store.connection_locked() as con:
+        sig = load(con, window_s=5)
+        # the stored rows are untouched: the proxy's connection still reads NULL queue times
+        assert con.execute("SELECT count(*) FROM requests WHERE queue_ms IS NULL").fetchone() == (
+            N,
+        )
+    w = sig.windows  # 5 s each: requests 0-9, 10-19 (quick), 20-29, 30-39 (queued 2 s)
+    assert w[0].get("queue_p50") == pytest.approx(20.0)
+    assert w[3].get("queue_p50") == pytest.approx(2000.0)
+    assert w[3].get("queue_share_of_ttft") == pytest.approx(2000 / 2080)
+    assert sig.overall["short_prompt_tokens"] == 60  # the upstream's prompt size, not usage's 0
+
+
+def test_queue_and_kv_signals_come_from_the_scraped_metrics(proxy_store):
+    with proxy_store.connection_locked() as con:
+        sig = load(con, window_s=5)
+    assert sig.sources == {"steps": "steps_from_samples", "kv": "kv_from_samples"}
+    w = sig.windows
+    assert w[0].get("waiting_mean") == 0.0 and w[0].get("kv_usage_max") == pytest.approx(0.4)
+    # scrapes 15..19 in the last full window: waiting 6..10, KV up to 0.5 + 0.045 * 10
+    assert w[3].get("waiting_mean") == pytest.approx(8.0)
+    assert w[3].get("kv_usage_max") == pytest.approx(0.95)
+    assert w[3].get("preemptions") == 5 and w[2].get("preemptions") == 0
+    assert sig.overall["preemptions"] == 6
+    # what a scrape cannot say stays None: no step counts, no allocation failures
+    assert w[3].get("steps") is None and w[3].get("allocation_failures") is None
+
+
+def test_rules_reading_queue_and_kv_are_assessed_and_the_report_says_where_from(proxy_store):
+    with proxy_store.connection_locked() as con:
+        report = diagnose(con, window_s=5)
+    for rid in ("ttft_queueing", "overload", "kv_pressure_preemption", "head_of_line_blocking"):
+        assert rid not in report.not_assessed, (rid, report.not_assessed.get(rid))
+    # rules that need what no scrape says are still listed
+    assert "host_contention" in report.not_assessed
+    assert report.to_json()["signal_sources"] == {
+        "steps": "steps_from_samples",
+        "kv": "kv_from_samples",
+    }
+    assert any("scraped /metrics" in line for line in baseline_lines(report))
+    assert {r.id for r in RULES} >= set(report.not_assessed)
+
+
+def test_a_counter_reset_reads_as_a_restart_from_zero(tmp_path):
+    store = TraceStore(tmp_path / "r.duckdb", flush_interval_s=0.05)
+    try:
+        row, _ = _request(0)
+        assert store.submit("requests", row)
+        for k, total in enumerate((50.0, 53.0, 2.0, 4.0)):  # restarted between 1 and 2
+            s = _sample(k)
+            s["time_ns"] = T0 + k * S // 4  # within the one request's range
+            s["preemptions_total"] = total
+            assert store.submit("engine_samples", s)
+        assert store.flush()
+        with store.connection_locked() as con:
+            sig = load(con, window_s=10)
+    finally:
+        store.close()
+    assert sig.overall["preemptions"] == 3 + 2 + 2
