@@ -270,6 +270,46 @@ def server_launch(
     return [*cmd, *sc.server], out, env
 
 
+def start_server(
+    cmd: list[str], out: Path, env: dict[str, str], url: str, log_name: str = "server.log"
+) -> subprocess.Popen:
+    """Start ``cmd`` in ``out`` (its output in ``out/log_name``) and wait until ``url/health``
+    says ``ok``.
+
+    Raises:
+        ScenarioError: it exited first (its last log line), or 600 s passed.
+    """
+    with open(out / log_name, "w") as server_log:
+        server = subprocess.Popen(
+            cmd, stdout=server_log, stderr=subprocess.STDOUT, cwd=out, env=env
+        )
+    deadline = time.monotonic() + 600
+    while True:
+        if server.poll() is not None:
+            tail = (out / log_name).read_text()[-500:].strip().splitlines()
+            raise ScenarioError(f"{cmd[3] if len(cmd) > 3 else 'server'} exited: "
+                                f"{tail[-1] if tail else 'no output'}")  # fmt: skip
+        try:
+            if httpx.get(url + "/health", timeout=2).json().get("status") == "ok":
+                return server
+        except (httpx.HTTPError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            stop_server(server)
+            raise ScenarioError(f"{url} did not become healthy in 600 s")
+        time.sleep(0.5)
+
+
+def stop_server(server: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Ctrl-C, then a kill after ``timeout_s``."""
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 def verdict(expect: list[str], absent: list[str], found: list[str]) -> bool:
     """Whether a scenario passed, from its findings' rule ids in rank order: the top one is
     expected (``expect``); none of ``absent`` fired; or, with neither, nothing fired."""
@@ -310,26 +350,10 @@ def run_scenario(sc: Scenario, out: Path, *, model: str | None = None, log=print
     for p in out.glob("traces.duckdb*"):
         p.unlink()
     log(f"[{name}] starting the server: tokenmill serve {' '.join(sc.server)}")
-    with open(out / "server.log", "w") as server_log:
-        server = subprocess.Popen(
-            cmd, stdout=server_log, stderr=subprocess.STDOUT, cwd=out, env=env
-        )
     url = f"http://127.0.0.1:{port}"
+    server = start_server(cmd, out, env, url)
     proxy = None
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None:
-                tail = (out / "server.log").read_text()[-500:].strip().splitlines()
-                raise ScenarioError(f"server exited: {tail[-1] if tail else 'no output'}")
-            try:
-                if httpx.get(url + "/health", timeout=2).json().get("status") == "ok":
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise ScenarioError("server did not become healthy in 600 s")
-            time.sleep(0.5)
         target = url
         if sc.proxy:
             proxy = _ProxyThread(port)
@@ -348,11 +372,7 @@ def run_scenario(sc: Scenario, out: Path, *, model: str | None = None, log=print
     finally:
         if proxy is not None:
             proxy.stop()
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
     for res in results:  # the client's own TTFT next to the server's
         _tm("bench", "--from-results", str(res), "--record-to", str(store), capture_output=True)
     from tokenmill.diagnose.findings import diagnose

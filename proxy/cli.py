@@ -55,6 +55,18 @@ def proxy(
             "exporter here and its request spans join the proxy's trace in one store.",
         ),
     ] = False,
+    scrape_interval: Annotated[
+        str,
+        typer.Option(
+            metavar="DURATION",
+            help="Scrape the upstream's /metrics this often into TRACE_DB (engine_samples: "
+            "its queue, KV use, preemptions, for the diagnosis); 0: never.",
+        ),
+    ] = "5s",
+    metrics_url: Annotated[
+        str | None,
+        typer.Option(metavar="URL", help="The upstream's metrics URL (default: UPSTREAM/metrics)."),
+    ] = None,
     upstream_api_key: Annotated[
         str | None,
         typer.Option(
@@ -80,6 +92,15 @@ def proxy(
         timeout_s = parse_duration(first_byte_timeout)
     except ValueError as exc:
         fail(f"--first-byte-timeout: {exc}")
+    try:
+        scrape_s = parse_duration(scrape_interval)
+    except ValueError as exc:
+        fail(f"--scrape-interval: {exc}")
+    if scrape_s < 0:
+        fail("--scrape-interval must be 0 (off) or more")
+    metrics_url = metrics_url or upstream.rstrip("/") + "/metrics"
+    if not metrics_url.startswith(("http://", "https://")):
+        fail(f"--metrics-url {metrics_url}: give an http(s) URL")
     if api_key is not None and tenants is not None:
         fail("give --api-key or --tenants, not both")
     try:
@@ -104,16 +125,24 @@ def proxy(
         upstream_api_key=upstream_api_key,
     )
     app = build_proxy_app(state)
+    scraper = None
+    if scrape_s > 0:
+        from tokenmill.telemetry.scrape import MetricsScraper
+
+        scraper = MetricsScraper(metrics_url, store.submit, interval_s=scrape_s).start()
     if otlp_receiver:
         from tokenmill.telemetry.collect import add_receiver
 
         add_receiver(app, store, request_rows=False)
     err.print(
         f"proxying http://{host}:{port} → {upstream}; recording into {trace_db}"
-        + (f"; OTLP/HTTP traces on http://{host}:{port}/v1/traces" if otlp_receiver else ""),
+        + (f"; OTLP/HTTP traces on http://{host}:{port}/v1/traces" if otlp_receiver else "")
+        + (f"; scraping {metrics_url} every {scrape_interval}" if scraper else ""),
         highlight=False,
     )
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
+        if scraper is not None:
+            scraper.stop()
         store.close()

