@@ -96,8 +96,6 @@ def proxy(
         scrape_s = parse_duration(scrape_interval)
     except ValueError as exc:
         fail(f"--scrape-interval: {exc}")
-    if scrape_s < 0:
-        fail("--scrape-interval must be 0 (off) or more")
     metrics_url = metrics_url or upstream.rstrip("/") + "/metrics"
     if not metrics_url.startswith(("http://", "https://")):
         fail(f"--metrics-url {metrics_url}: give an http(s) URL")

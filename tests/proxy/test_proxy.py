@@ -10,21 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
+import duckdb
 import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from tokenmill.engine.api.gateway import Gateway, single_key_tenants
 from tokenmill.proxy.app import ProxyState, build_proxy_app
 from tokenmill.telemetry.store import TraceStore
 
 GAP_S = 0.05  # between the scripted upstream's stream events
+FIXTURES = Path(__file__).resolve().parents[1] / "telemetry" / "fixtures"
 
 
 def _free_port() -> int:
@@ -354,3 +360,66 @@ def test_the_diagnosis_of_a_dead_upstream_names_it(tmp_path):
     assert "no engine steps" in top.summary
     # what a proxy's store cannot feed is said, not taken for health
     assert "kv_block_leak" in report.not_assessed
+
+
+def _proxy_cli(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.engine.cli", "proxy", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [
+        ("--scrape-interval", "-1s", "--scrape-interval: bad duration"),
+        ("--scrape-interval", "soon", "--scrape-interval"),
+        ("--metrics-url", "ftp://x/metrics", "--metrics-url ftp://x/metrics"),
+    ],
+)
+def test_bad_scrape_flags_are_one_line_and_exit_2(tmp_path, flag, value, needle):
+    p = _proxy_cli("--upstream", "http://127.0.0.1:9", "--port", str(_free_port()),
+                   "--trace-db", str(tmp_path / "p.duckdb"), flag, value)  # fmt: skip
+    _out, err = p.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], (p.returncode, err)
+    assert not (tmp_path / "p.duckdb").exists()  # nothing started, nothing written
+
+
+def test_the_proxy_scrapes_its_upstreams_metrics_into_engine_samples(tmp_path):
+    """`tokenmill proxy` as a process before an upstream that serves vLLM's exposition text:
+    its gauges land in `engine_samples`, kind read from the names."""
+    text = (FIXTURES / "metrics" / "vllm.prom").read_text()
+    app = upstream_app({})
+    app.add_api_route("/metrics", lambda: PlainTextResponse(text), methods=["GET"])
+    up = _Serve(app)
+    db = tmp_path / "p.duckdb"
+    port = _free_port()
+    p = _proxy_cli("--upstream", up.url, "--port", str(port), "--trace-db", str(db),
+                   "--scrape-interval", "0.2s")  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        time.sleep(1.5)  # several scrapes
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=30)
+        up.stop()
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        n, kinds, urls, waiting = con.execute(
+            "SELECT count(*), list(DISTINCT engine_kind), list(DISTINCT url), max(waiting) "
+            "FROM engine_samples"
+        ).fetchone()
+    finally:
+        con.close()
+    assert n >= 3 and kinds == ["vllm"] and urls == [up.url + "/metrics"]
+    assert waiting is not None
