@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.engine.api.errors import APIError
 from tokenmill.engine.api.gateway import Gateway
+from tokenmill.engine.api.stations import AdmissionStation
 
 from .observe import Exchange, new_trace
 
@@ -39,6 +40,8 @@ class ProxyState:
         record: called with ``(table, row)`` for every row (``TraceStore.submit``).
         first_byte_timeout_s: longest wait for the upstream's first byte.
         upstream_api_key: sent upstream as the bearer key (else the client's header is).
+        max_in_flight: requests forwarded at once; one more is refused with 429 and
+            ``Retry-After`` (the admission station), recorded; 0: no limit.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class ProxyState:
         gateway: Gateway | None = None,
         first_byte_timeout_s: float = 60.0,
         upstream_api_key: str | None = None,
+        max_in_flight: int = 0,
         transport: httpx.AsyncBaseTransport | None = None,
     ):
         self.upstream = upstream.rstrip("/")
@@ -60,6 +64,11 @@ class ProxyState:
             timeout=httpx.Timeout(first_byte_timeout_s, connect=10.0), transport=transport
         )
         self.requests = 0
+        self.admission = (
+            AdmissionStation(max_in_flight, 0, limit_flag="--max-in-flight")
+            if max_in_flight > 0
+            else None
+        )
 
     def save(self, ex: Exchange) -> None:
         ex.end_ns = ex.end_ns or time.time_ns()
@@ -94,6 +103,32 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
             state.save(ex)
             return exc.response()
         ex.tenant = tenant.name
+        admission = state.admission
+        if admission is not None:
+            try:
+                admission.enter()
+            except APIError as exc:
+                ex.http_status = exc.status
+                ex.fail("queue_full", exc.message)
+                state.save(ex)
+                return exc.response()
+        held = [admission is not None]
+
+        def release() -> None:  # once: when the answer (or the stream) is over
+            if held[0]:
+                held[0] = False
+                admission.leave()
+
+        try:
+            resp = await _forward(request, ex, traceparent, release)
+        except BaseException:
+            release()
+            raise
+        if not isinstance(resp, StreamingResponse):
+            release()
+        return resp
+
+    async def _forward(request: Request, ex: Exchange, traceparent: str, release) -> Response:
         body = await request.body()
         try:
             doc = json.loads(body)
@@ -178,6 +213,7 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
             finally:
                 with contextlib.suppress(Exception):
                     await resp.aclose()  # the upstream sees the client's cancellation
+                release()
                 state.save(ex)
 
         return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)

@@ -48,6 +48,13 @@ def proxy(
         Path | None,
         typer.Option(help="A tenants file (keys, quotas), as `tokenmill serve --tenants`."),
     ] = None,
+    max_in_flight: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Requests forwarded at once; past it a 429 with Retry-After (0: no limit).",
+        ),
+    ] = 0,
     otlp_receiver: Annotated[
         bool,
         typer.Option(
@@ -121,6 +128,7 @@ def proxy(
         gateway=gateway,
         first_byte_timeout_s=timeout_s,
         upstream_api_key=upstream_api_key,
+        max_in_flight=max_in_flight,
     )
     app = build_proxy_app(state)
     scraper = None

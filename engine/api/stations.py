@@ -128,9 +128,11 @@ class AdmissionStation:
     in flight; beyond that new requests are refused with 429 and ``Retry-After`` instead of
     piling up (memory stays bounded, and clients back off)."""
 
-    def __init__(self, max_num_seqs: int, max_queue_len: int):
+    def __init__(self, max_num_seqs: int, max_queue_len: int, *, limit_flag: str | None = None):
         self.max_num_seqs = max_num_seqs
         self.max_queue_len = max_queue_len
+        # the flag a refusal names (default: --max-queue-len, the server's)
+        self.limit_flag = limit_flag
         self.in_flight = 0
         self.rejected = 0
 
@@ -145,9 +147,14 @@ class AdmissionStation:
     def enter(self) -> None:
         if self.in_flight >= self.capacity:
             self.rejected += 1
+            limit = (
+                f"{self.limit_flag} {self.capacity}"
+                if self.limit_flag
+                else f"--max-queue-len {self.max_queue_len}"
+            )
             raise APIError(
                 429,
-                f"server queue is full ({self.queue_depth} requests waiting, --max-queue-len {self.max_queue_len})",
+                f"server queue is full ({self.queue_depth} requests waiting, {limit})",
                 code="queue_full",
                 retry_after=2,
             )

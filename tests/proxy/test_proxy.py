@@ -423,3 +423,38 @@ def test_the_proxy_scrapes_its_upstreams_metrics_into_engine_samples(tmp_path):
         con.close()
     assert n >= 3 and kinds == ["vllm"] and urls == [up.url + "/metrics"]
     assert waiting is not None
+
+
+def test_past_max_in_flight_a_429_is_recorded_and_the_slot_is_held_until_the_stream_ends(
+    tmp_path,
+):
+    """Two forwarded at once: the third, sent while both stream, is refused with 429
+    `queue_full` naming the limit; once they finish, a new one goes through."""
+    up = _Serve(upstream_app({}))
+    store = TraceStore(tmp_path / "p.duckdb", flush_interval_s=0.05)
+    px = _Serve(build_proxy_app(ProxyState(up.url, store.submit, max_in_flight=2)))
+    try:
+        with httpx.Client(timeout=30) as c:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                    "stream": True, "max_tokens": 20}  # fmt: skip
+            with (
+                c.stream("POST", px.url + "/v1/chat/completions", json=body) as a,
+                c.stream("POST", px.url + "/v1/chat/completions", json=body) as b,
+            ):
+                assert a.status_code == b.status_code == 200
+                third = _chat(px.url, "m")
+                assert third.status_code == 429, third.text
+                err = third.json()["error"]
+                assert err["code"] == "queue_full" and "--max-in-flight 2" in err["message"]
+                assert third.headers["retry-after"] == "2"
+                a.read(), b.read()
+            assert _chat(px.url, "m", max_tokens=2).status_code == 200
+        assert store.flush()
+        rows = store.query("SELECT http_status, error_type FROM requests ORDER BY arrival_ns")
+    finally:
+        px.stop()
+        up.stop()
+        store.close()
+    assert sorted(rows, key=str) == sorted(
+        [(200, None), (200, None), (429, "queue_full"), (200, None)], key=str
+    )
