@@ -12,6 +12,7 @@ naming the upstream: 502 when it cannot be reached, 504 when its first byte take
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -42,6 +43,9 @@ class ProxyState:
         upstream_api_key: sent upstream as the bearer key (else the client's header is).
         max_in_flight: requests forwarded at once; one more is refused with 429 and
             ``Retry-After`` (the admission station), recorded; 0: no limit.
+        tokenizer: the upstream model's Hugging Face tokenizer (``--tokenizer``): the tokenize
+            station counts each prompt (chat template included) and holds the tenant's prompt
+            limit; None: prompt sizes from the upstream's ``usage`` only.
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class ProxyState:
         first_byte_timeout_s: float = 60.0,
         upstream_api_key: str | None = None,
         max_in_flight: int = 0,
+        tokenizer=None,
         transport: httpx.AsyncBaseTransport | None = None,
     ):
         self.upstream = upstream.rstrip("/")
@@ -64,6 +69,7 @@ class ProxyState:
             timeout=httpx.Timeout(first_byte_timeout_s, connect=10.0), transport=transport
         )
         self.requests = 0
+        self.tokenizer = tokenizer
         self.admission = (
             AdmissionStation(max_in_flight, 0, limit_flag="--max-in-flight")
             if max_in_flight > 0
@@ -76,6 +82,36 @@ class ProxyState:
         for span in ex.span_rows():
             self.record("spans", span)
         self.requests += 1
+
+
+def count_prompt(tokenizer, doc: dict, endpoint: str) -> tuple[int, str] | None:
+    """The prompt's size in the upstream model's tokens and the field it came from, or None
+    where the body does not say (an odd message shape, token ids, a template that fails: the
+    upstream answers those itself)."""
+    from tokenmill.engine.tokenizer import encode_chat
+
+    try:
+        if endpoint == "chat":
+            msgs = doc.get("messages")
+            if not isinstance(msgs, list):
+                return None
+            messages = []
+            for m in msgs:
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, list):  # content parts: their text
+                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                if not isinstance(content, str):
+                    return None
+                messages.append({"role": str(m.get("role", "user")), "content": content})
+            return len(encode_chat(tokenizer, messages)), "messages"
+        prompt = doc.get("prompt")
+        if isinstance(prompt, str):
+            return len(tokenizer.encode(prompt)), "prompt"
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return len(prompt), "prompt"
+    except Exception:  # the tokenizer's or the template's own errors on odd input
+        return None
+    return None
 
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None):
@@ -103,6 +139,7 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
             state.save(ex)
             return exc.response()
         ex.tenant = tenant.name
+        ex.tenant_limit = tenant.max_prompt_tokens
         admission = state.admission
         if admission is not None:
             try:
@@ -140,6 +177,20 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
             ex.fail("invalid_request", exc.message)
             state.save(ex)
             return exc.response()
+        if state.tokenizer is not None:
+            t0 = time.time_ns()
+            counted = await asyncio.to_thread(count_prompt, state.tokenizer, doc, ex.endpoint)
+            ex.tokenized_ns = (t0, time.time_ns())
+            if counted is not None:
+                ex.counted_prompt_tokens, param = counted
+                limit = ex.tenant_limit
+                if limit and counted[0] > limit:
+                    exc = _error(400, f"{param} is {counted[0]} tokens; tenant {ex.tenant!r} "
+                                 f"allows {limit}", param=param, code="prompt_too_long")  # fmt: skip
+                    ex.http_status = 400
+                    ex.fail("invalid_request", exc.message)
+                    state.save(ex)
+                    return exc.response()
         ex.stream = doc.get("stream") is True
         ex.model = doc.get("model") if isinstance(doc.get("model"), str) else None
         mt = doc.get("max_completion_tokens", doc.get("max_tokens"))

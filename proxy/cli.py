@@ -48,6 +48,15 @@ def proxy(
         Path | None,
         typer.Option(help="A tenants file (keys, quotas), as `tokenmill serve --tenants`."),
     ] = None,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            help="The upstream model's tokenizer folder (tokenizer.json, tokenizer_config.json): "
+            "prompts counted at the proxy, tenants' prompt limits held (default: sizes from "
+            "the upstream's usage).",
+        ),
+    ] = None,
     max_in_flight: Annotated[
         int,
         typer.Option(
@@ -117,6 +126,17 @@ def proxy(
             gateway = Gateway()
     except TenantsFileError as exc:
         fail(str(exc))
+    tok = None
+    if tokenizer is not None:
+        from tokenmill.engine.errors import ModelLoadError
+        from tokenmill.engine.tokenizer import load_tokenizer
+
+        if not tokenizer.exists():
+            fail(f"--tokenizer {tokenizer}: no such folder")
+        try:
+            tok = load_tokenizer(tokenizer)
+        except ModelLoadError as exc:
+            fail(f"--tokenizer: {exc}")
     store = open_store(trace_db)
     import uvicorn
 
@@ -129,6 +149,7 @@ def proxy(
         first_byte_timeout_s=timeout_s,
         upstream_api_key=upstream_api_key,
         max_in_flight=max_in_flight,
+        tokenizer=tok,
     )
     app = build_proxy_app(state)
     scraper = None

@@ -7,7 +7,9 @@ upstream's OpenAI-style server-sent events are read beside the relay (never chan
 line that is not JSON marks the stream malformed. :meth:`Exchange.rows` turns it into a
 ``requests`` row (TTFT, ITL, TPOT, E2E as ``telemetry/spans.py`` defines them, measured at the
 proxy) and the trace: a ``request`` root with the ``gateway`` (arrival → forwarded) and
-``stream`` (first byte → last) stations of the proxy; the upstream's own spans join the same
+``stream`` (first byte → last) stations of the proxy, and ``tokenize`` where the proxy counted
+the prompt with the upstream model's tokenizer (``--tokenizer``: the row's prompt size when the
+upstream's ``usage`` never came); the upstream's own spans join the same
 trace through the ``traceparent`` the proxy sent.
 """
 
@@ -53,6 +55,7 @@ class Exchange:
     span_id: str
     upstream: str
     tenant: str | None = None
+    tenant_limit: int | None = None  # the tenant's prompt-token limit
     model: str | None = None
     stream: bool = False
     client_request_id: str | None = None
@@ -68,6 +71,9 @@ class Exchange:
     error_message: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # the proxy's own count of the prompt (``--tokenizer``) and when it was made
+    counted_prompt_tokens: int | None = None
+    tokenized_ns: tuple[int, int] | None = None
     _pending: bytes = b""
 
     def on_bytes(self, data: bytes, now_ns: int | None = None) -> None:
@@ -162,7 +168,7 @@ class Exchange:
             arrival_ns=self.arrival_ns,
             last_token_ns=self.token_ns[-1] if self.token_ns else None,
             end_ns=end,
-            input_tokens=self.prompt_tokens or 0,
+            input_tokens=self.prompt_tokens or self.counted_prompt_tokens or 0,
             output_tokens=out_tokens or 0,
             first_token_ns=first,
             ttft_ms=(first - self.arrival_ns) * _MS if first is not None else None,
@@ -217,6 +223,8 @@ class Exchange:
             }
         ]
         stations = [("gateway", self.arrival_ns, self.forwarded_ns)]
+        if self.tokenized_ns is not None:
+            stations.append(("tokenize", *self.tokenized_ns))
         stations.append(("stream", self.first_byte_ns, end if self.first_byte_ns else None))
         for name, start, stop in stations:
             if start is None or stop is None:

@@ -108,6 +108,8 @@ def upstream_app(seen: dict) -> FastAPI:
         if mode == "slow-first-byte":
             await asyncio.sleep(3)
         events = _events(int(body.get("max_tokens", 5)), mode)
+        if mode == "no-usage":  # a stream without the final usage frame
+            events = [e for e in events if b'"usage"' not in e]
         if mode == "malformed":
             events.insert(1, b"data: {this is not json\n\n")
 
@@ -378,9 +380,11 @@ def _proxy_cli(*args: str, **kw) -> subprocess.Popen:
         ("--scrape-interval", "-1s", "--scrape-interval: bad duration"),
         ("--scrape-interval", "soon", "--scrape-interval"),
         ("--metrics-url", "ftp://x/metrics", "--metrics-url ftp://x/metrics"),
+        ("--tokenizer", "/nonexistent/tok", "--tokenizer /nonexistent/tok: no such folder"),
+        ("--max-in-flight", "-1", "--max-in-flight"),
     ],
 )
-def test_bad_scrape_flags_are_one_line_and_exit_2(tmp_path, flag, value, needle):
+def test_bad_proxy_flags_are_one_line_and_exit_2(tmp_path, flag, value, needle):
     p = _proxy_cli("--upstream", "http://127.0.0.1:9", "--port", str(_free_port()),
                    "--trace-db", str(tmp_path / "p.duckdb"), flag, value)  # fmt: skip
     _out, err = p.communicate(timeout=60)
@@ -458,3 +462,51 @@ def test_past_max_in_flight_a_429_is_recorded_and_the_slot_is_held_until_the_str
     assert sorted(rows, key=str) == sorted(
         [(200, None), (200, None), (429, "queue_full"), (200, None)], key=str
     )
+
+
+def test_the_tokenize_station_counts_prompts_and_holds_the_tenants_limit(tmp_path, smollm2_dir):
+    """With the upstream model's tokenizer: a stream without `usage` gets the proxy's count
+    (the chat template's tokens included) and a `tokenize` station; a tenant whose prompt limit
+    it passes gets a 400 naming `messages`, never forwarded."""
+    from tokenmill.engine.api.gateway import Tenant, Tenants, hash_key
+    from tokenmill.engine.tokenizer import encode_chat, load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    seen: dict = {}
+    up = _Serve(upstream_app(seen))
+    tenants = Tenants(
+        wide=Tenant(name="wide", key_sha256=hash_key("k-wide")),
+        narrow=Tenant(name="narrow", key_sha256=hash_key("k-narrow"), max_prompt_tokens=5),
+    )
+    store = TraceStore(tmp_path / "p.duckdb", flush_interval_s=0.05)
+    state = ProxyState(up.url, store.submit, gateway=Gateway(tenants), tokenizer=tok)
+    px = _Serve(build_proxy_app(state))
+    text = "tell me about the sea and the ships on it"
+    expect = len(encode_chat(tok, [{"role": "user", "content": text}]))
+    try:
+
+        def chat(key: str) -> httpx.Response:
+            body = {"model": "no-usage", "stream": True, "max_tokens": 3,
+                    "messages": [{"role": "user", "content": text}]}  # fmt: skip
+            return httpx.post(px.url + "/v1/chat/completions", json=body, timeout=30,
+                              headers={"authorization": f"Bearer {key}"})  # fmt: skip
+
+        assert chat("k-wide").status_code == 200
+        seen.clear()
+        r = chat("k-narrow")
+        assert r.status_code == 400 and "body" not in seen  # never forwarded
+        err = r.json()["error"]
+        assert err["param"] == "messages" and err["code"] == "prompt_too_long"
+        assert f"is {expect} tokens" in err["message"] and "allows 5" in err["message"]
+        assert store.flush()
+        rows = store.query(
+            "SELECT tenant, http_status, input_tokens FROM requests ORDER BY arrival_ns"
+        )
+        stations = store.query("SELECT count(*) FROM spans WHERE name = 'tokenize'")
+    finally:
+        px.stop()
+        up.stop()
+        store.close()
+    assert expect > len(text.split())  # the template's tokens counted too
+    assert rows == [("wide", 200, expect), ("narrow", 400, expect)]
+    assert stations == [(2,)]
