@@ -19,8 +19,11 @@ from ._common import (
 )
 
 
-def _failing_share(w: Window) -> float:
-    """Share of the window's working steps in which a KV block allocation failed."""
+def _failing_share(w: Window) -> float | None:
+    """Share of the window's working steps in which a KV block allocation failed; None where
+    the store cannot say (another engine's scraped metrics count no allocation failures)."""
+    if w.get("allocation_failure_steps") is None and w.get("steps") is None:
+        return None
     steps = w.get("steps") or 0
     return (w.get("allocation_failure_steps") or 0) / steps if steps else 0.0
 
@@ -30,10 +33,11 @@ def _detect_absolute(sig: Signals, p: dict) -> Evidence | None:
     (allocation failures in most steps, the pool nearly full, requests preempted)."""
 
     def hit(w: Window) -> bool:
+        share = _failing_share(w)  # unknown from scraped metrics: the other two markers
         return (
             (w.get("preemptions") or 0) >= p["min_preemptions"]
             and (w.get("kv_usage_max") or 0) >= p["absolute_kv_full"]
-            and _failing_share(w) >= p["absolute_failing_steps"]
+            and (share is None or share >= p["absolute_failing_steps"])
         )
 
     w = _worst(sig, "preemptions", hit)
@@ -49,11 +53,16 @@ def _detect_absolute(sig: Signals, p: dict) -> Evidence | None:
     # recompute is counted on the requests that arrived in the window: say it only when seen
     n_re = w.get("recomputed_tokens") or 0
     recomputed = f" ({n_re:.0f} tokens recomputed)" if n_re else ""
+    failed = (
+        f"a block allocation failed in {w.get('allocation_failure_steps'):.0f} of "
+        f"{w.get('steps'):.0f} steps ({share:.0%})"
+        if share is not None
+        else "the engine's metrics count no allocation failures"
+    )
     return Evidence(
         f"KV cache at {(w.get('kv_usage_max') or 0):.0%} with {w.get('preemptions'):.0f} "
-        f"preemptions{recomputed} {span}in {_when(w)}; a "
-        f"block allocation failed in {w.get('allocation_failure_steps'):.0f} of "
-        f"{w.get('steps'):.0f} steps ({share:.0%}); TTFT p99 {_ms(w.get('ttft_p99'))}, TPOT p99 "
+        f"preemptions{recomputed} {span}in {_when(w)}; {failed}; TTFT p99 "
+        f"{_ms(w.get('ttft_p99'))}, TPOT p99 "
         f"{_ms(w.get('tpot_p99'))} (no healthy baseline in this dump to compare them with)",
         {
             "kv_usage_max": w.get("kv_usage_max"),
@@ -73,7 +82,7 @@ def _detect_absolute(sig: Signals, p: dict) -> Evidence | None:
         params,
         "warning",
         _confidence(
-            share / p["absolute_failing_steps"],
+            share / p["absolute_failing_steps"] if share is not None else None,
             (w.get("kv_usage_max") or 0) / p["absolute_kv_full"],
         ),
     )

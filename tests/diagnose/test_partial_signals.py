@@ -162,3 +162,27 @@ def test_a_counter_reset_reads_as_a_restart_from_zero(tmp_path):
     finally:
         store.close()
     assert sig.overall["preemptions"] == 3 + 2 + 2
+
+
+def test_kv_pressure_from_scraped_metrics_alone_names_what_it_could_not_see(tmp_path):
+    """No healthy window (preemptions all along, the KV cache at 97 %): from our step records
+    the rule would also want allocation failures in most steps; the engine's metrics do not
+    count those, so its two other absolute markers decide, and the summary says so."""
+    store = TraceStore(tmp_path / "kv.duckdb", flush_interval_s=0.05)
+    try:
+        for i in range(N):
+            row, spans = _request(i)
+            assert store.submit("requests", row)
+        for k in range(21):
+            s = _sample(k)
+            s.update(kv_usage=0.97, waiting=0.0, preemptions_total=float(3 * k))
+            assert store.submit("engine_samples", s)
+        assert store.flush()
+        with store.connection_locked() as con:
+            report = diagnose(con, window_s=5)
+    finally:
+        store.close()
+    assert report.healthy_baseline["available"] is False
+    kv = next(f for f in report.findings if f.rule_id == "kv_pressure_preemption")
+    assert "count no allocation failures" in kv.summary and "KV cache at 97%" in kv.summary
+    assert kv.evidence["allocation_failure_step_share"] is None
