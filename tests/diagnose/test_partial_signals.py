@@ -171,7 +171,7 @@ def test_kv_pressure_from_scraped_metrics_alone_names_what_it_could_not_see(tmp_
     store = TraceStore(tmp_path / "kv.duckdb", flush_interval_s=0.05)
     try:
         for i in range(N):
-            row, spans = _request(i)
+            row, _ = _request(i)
             assert store.submit("requests", row)
         for k in range(21):
             s = _sample(k)
