@@ -10,6 +10,10 @@ comparison of the two stores is ``benchmarks/any_engine.py``).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import msgspec
 import pytest
 
@@ -46,12 +50,12 @@ def _span(trace: str, name: str, service: str, start: int, end: int, **kw) -> di
     }
 
 
-def _request(i: int) -> tuple[dict, list[dict]]:
-    """Request ``i`` as the proxy and the upstream recorded it: the second half of the run
-    queued 2 s inside the upstream (the client sees it only as TTFT)."""
+def _request(i: int, queued: bool = True) -> tuple[dict, list[dict]]:
+    """Request ``i`` as the proxy and the upstream recorded it: with ``queued``, the second
+    half of the run queued 2 s inside the upstream (the client sees it only as TTFT)."""
     trace = f"{i + 1:032x}"
     arrival = T0 + i * S // 2
-    queue_ms = 2000.0 if i >= N // 2 else 20.0
+    queue_ms = 2000.0 if queued and i >= N // 2 else 20.0
     ttft_ms = queue_ms + 80.0
     first = arrival + int(ttft_ms * MS)
     end = first + 31 * 30 * MS
@@ -186,3 +190,44 @@ def test_kv_pressure_from_scraped_metrics_alone_names_what_it_could_not_see(tmp_
     kv = next(f for f in report.findings if f.rule_id == "kv_pressure_preemption")
     assert "count no allocation failures" in kv.summary and "KV cache at 97%" in kv.summary
     assert kv.evidence["allocation_failure_step_share"] is None
+
+
+def test_several_proxies_stores_read_as_a_fleet(tmp_path):
+    """One proxy per region, each its own store: `tokenmill diagnose east.duckdb west.duckdb`
+    diagnoses each on its own and says which one queues."""
+    for name, queued in (("east", True), ("west", False)):
+        store = TraceStore(tmp_path / f"{name}.duckdb", flush_interval_s=0.05)
+        for i in range(N):
+            row, spans = _request(i, queued=queued)
+            assert store.submit("requests", row)
+            for sp in spans:
+                assert store.submit("spans", sp)
+        for k in range(21):
+            assert store.submit("engine_samples", _sample(k) if queued else {
+                **_sample(0), "time_ns": T0 + k * S})  # fmt: skip
+        assert store.flush()
+        store.close()
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.engine.cli",
+            "diagnose",
+            str(tmp_path / "east.duckdb"),
+            str(tmp_path / "west.duckdb"),
+            "--window",
+            "5s",
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [s["name"] for s in doc["sources"]] == ["east", "west"]
+    fired = {(f["rule"], f.get("source")) for f in doc["findings"]}
+    assert ("ttft_queueing", "east") in fired
+    assert not any(src == "west" for _, src in fired), fired
+    assert doc["fleet_wide"] == []
