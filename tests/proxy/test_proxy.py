@@ -510,3 +510,42 @@ def test_the_tokenize_station_counts_prompts_and_holds_the_tenants_limit(tmp_pat
     assert expect > len(text.split())  # the template's tokens counted too
     assert rows == [("wide", 200, expect), ("narrow", 400, expect)]
     assert stations == [(2,)]
+
+
+def test_a_metrics_404_is_one_warning_and_its_rules_are_not_assessed(tmp_path):
+    """An upstream without `/metrics` (404): the proxy says so once, keeps serving, and the
+    diagnosis of its store lists the queue and KV rules as not assessed."""
+    from tokenmill.diagnose.findings import diagnose
+
+    up = _Serve(upstream_app({}))  # no /metrics route: 404
+    db = tmp_path / "p.duckdb"
+    port = _free_port()
+    p = _proxy_cli("--upstream", up.url, "--port", str(port), "--trace-db", str(db),
+                   "--scrape-interval", "0.2s")  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        for _ in range(4):
+            assert _chat(url, "m", max_tokens=3).status_code == 200
+        time.sleep(1.0)  # several failed scrapes
+    finally:
+        p.send_signal(signal.SIGINT)
+        _out, err = p.communicate(timeout=30)
+        up.stop()
+    warnings = [line for line in err.splitlines() if ": 404:" in line]
+    assert len(warnings) == 1 and up.url + "/metrics" in warnings[0], err
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM engine_samples").fetchone() == (0,)
+        report = diagnose(con, window_s=5)
+    finally:
+        con.close()
+    assert report.summary["requests"] == 4
+    for rid in ("ttft_queueing", "kv_pressure_preemption", "overload"):
+        assert "per-step records" in report.not_assessed[rid], report.not_assessed.get(rid)
