@@ -8,8 +8,14 @@ from ._common import Evidence, Param, Rule, _confidence, _in_window, _when, _wor
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
     cap = sig.config.get("max_num_seqs")
-    if not cap:
-        return None
+    known = bool(cap)
+    if not known:
+        # another engine's store has no config event: the most requests it ever ran at once
+        # (its running gauge) stands for the cap; a batch flat at that while requests wait and
+        # KV is mostly free is capped by something other than memory all the same
+        cap = sig.overall.get("running_max")
+        if not cap or sig.config:
+            return None
 
     def hit(w: Window) -> bool:
         return (
@@ -23,12 +29,19 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if w is None:
         return None
     where, params = _in_window(w)
+    held = (
+        f"max_num_seqs={cap}"
+        if known
+        else (
+            f"{cap:.0f} running (the most it ever ran; the engine's own cap is not in this store)"
+        )
+    )
     return Evidence(
-        f"the batch stayed at max_num_seqs={cap} with {w.get('waiting_mean'):.1f} requests waiting "
+        f"the batch stayed at {held} with {w.get('waiting_mean'):.1f} requests waiting "
         f"on average in {_when(w)} while KV use peaked at only {(w.get('kv_usage_max') or 0):.0%}; "
         f"{w.get('queue_share_of_ttft'):.0%} of TTFT was queueing",
         {
-            "max_num_seqs": cap,
+            "max_num_seqs": cap if known else None,
             "running_max": w.get("running_max"),
             "waiting_mean": w.get("waiting_mean"),
             "kv_usage_max": w.get("kv_usage_max"),

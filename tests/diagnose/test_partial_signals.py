@@ -231,3 +231,30 @@ def test_several_proxies_stores_read_as_a_fleet(tmp_path):
     assert ("ttft_queueing", "east") in fired
     assert not any(src == "west" for _, src in fired), fired
     assert doc["fleet_wide"] == []
+
+
+def test_a_batch_flat_at_its_most_while_requests_wait_is_named_without_the_engines_cap(tmp_path):
+    """A store with no config event (the engine's flags unknown): running flat at 4, the most it
+    ever ran, with requests waiting, KV at 30 % and TTFT mostly queue: `batching_ineffective`
+    names the batch it saw and says the cap itself is not in the store."""
+    store = TraceStore(tmp_path / "b.duckdb", flush_interval_s=0.05)
+    try:
+        for i in range(N):
+            row, spans = _request(i)
+            assert store.submit("requests", row)
+            for sp in spans:
+                assert store.submit("spans", sp)
+        for k in range(21):
+            s = _sample(k)
+            s["kv_usage"] = 0.3
+            assert store.submit("engine_samples", s)
+        assert store.flush()
+        with store.connection_locked() as con:
+            report = diagnose(con, window_s=5)
+    finally:
+        store.close()
+    f = next(f for f in report.findings if f.rule_id == "batching_ineffective")
+    assert "4 running (the most it ever ran; the engine's own cap is not in this store)" in (
+        f.summary
+    )
+    assert f.evidence["max_num_seqs"] is None and f.evidence["running_max"] == 4.0
