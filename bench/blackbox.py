@@ -13,8 +13,9 @@ One run of a scenario (``bench/scenario.py``) with a proxy in front of the serve
 
 Then both stores are diagnosed with the scenario's window, and compared: the top finding of
 each; per request (joined on the trace id) the TTFT the proxy measured against the server's
-own; and how many of the proxy's requests hold, in one trace, the proxy's stations and the
-server's engine stations.
+own (and, where they differ, the proxy's first token against the server's own record of when
+it sent the first byte: its ``stream`` station's start); and how many of the proxy's requests
+hold, in one trace, the proxy's stations and the server's engine stations.
 """
 
 from __future__ import annotations
@@ -83,6 +84,20 @@ FROM requests p JOIN up.requests u USING (trace_id)
 WHERE p.ttft_ms IS NOT NULL AND u.ttft_ms IS NOT NULL
 """
 
+# where the two disagree: the server's TTFT ends at its engine's first token, the proxy's when
+# that token arrived; the server's own `stream` station starts when it sent the first byte
+_FIRST_BYTE_SQL = f"""
+SELECT count(*) AS joined,
+    count(*) FILTER (WHERE abs(p.first_token_ns - s.start_ns) / 1e6 <= greatest({TTFT_AGREE_MS},
+                     {TTFT_AGREE_PCT / 100} * u.ttft_ms)) AS agree,
+    median((p.first_token_ns - s.start_ns) / 1e6) AS after_sent_p50_ms,
+    max((p.first_token_ns - s.start_ns) / 1e6) AS after_sent_max_ms,
+    max((s.start_ns - u.first_token_ns) / 1e6) AS server_send_lag_max_ms
+FROM requests p JOIN up.requests u USING (trace_id)
+JOIN up.spans s ON s.trace_id = u.trace_id AND s.name = 'stream'
+WHERE p.first_token_ns IS NOT NULL AND u.ttft_ms IS NOT NULL
+"""
+
 _TRACES_SQL = f"""
 WITH per AS (
     SELECT trace_id,
@@ -106,13 +121,15 @@ def compare_stores(proxy_store: Path, server_store: Path) -> dict:
         con.execute(f"ATTACH '{server_store}' AS up (READ_ONLY)")
         cur = con.execute(_TTFT_SQL)
         ttft = dict(zip([d[0] for d in cur.description], cur.fetchone(), strict=True))
+        cur = con.execute(_FIRST_BYTE_SQL)
+        first_byte = dict(zip([d[0] for d in cur.description], cur.fetchone(), strict=True))
         cur = con.execute(_TRACES_SQL)
         traces = dict(zip([d[0] for d in cur.description], cur.fetchone(), strict=True))
         (samples,) = con.execute("SELECT count(*) FROM engine_samples").fetchone()
     finally:
         con.close()
     ttft["agree_share"] = ttft["agree"] / ttft["joined"] if ttft["joined"] else None
-    return {"ttft": ttft, "traces": traces, "engine_samples": samples}
+    return {"ttft": ttft, "first_byte": first_byte, "traces": traces, "engine_samples": samples}
 
 
 def run_through_proxy(sc: Scenario, out: Path, *, model: str | None = None, log=print) -> dict:
