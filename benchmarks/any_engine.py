@@ -16,8 +16,11 @@ minutes the first time; cmake, ninja and a C++ compiler needed) on the default m
 GGUF, 2 threads, ``--metrics``:
 
 - proxy overhead: the same ``tokenmill bench`` client straight to the server and through the
-  proxy, one after the other, at one stream (TTFT and ITL p50 added) and at 32 streams (output
-  throughput lost), with 32 slots;
+  proxy, in the order straight, proxy, proxy, straight (each run its own prompts: llama.cpp
+  caches each slot's last prompt), at one stream (TTFT and ITL p50 added, means of two runs
+  each way) and at 32 streams (output throughput lost), with 32 slots; and the proxy's own
+  time before forwarding (its ``gateway`` station, p50/p99), which the differences of two
+  noisy runs cannot resolve to a millisecond;
 - diagnosis: a 2-slot server sent a steady rate, then eight times it, through the proxy with
   its ``/metrics`` scraped every second; the proxy's store is diagnosed (expected: ``overload``
   or ``ttft_queueing``, with llama.cpp's own deferred-request gauge as the queue).
@@ -70,9 +73,13 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_SERVER=ON",
 ]  # fmt: skip
 ONE_STREAM = ["--concurrency", "1", "--num-requests", "8", "--prompt-tokens", "64",
-              "--output-tokens", "64", "--seed", "1"]  # fmt: skip
+              "--output-tokens", "64"]  # fmt: skip
 STREAMS_32 = ["--concurrency", "32", "--num-requests", "64", "--prompt-tokens", "64",
-              "--output-tokens", "64", "--seed", "2"]  # fmt: skip
+              "--output-tokens", "64"]  # fmt: skip
+# straight, proxy, proxy, straight, each with prompts of its own seed: llama.cpp keeps each
+# slot's last prompt (cache_prompt), so a run repeating the one before it would find its
+# prompts cached, and the order alone would favour the second
+ORDER = (("direct", 11), ("proxy", 12), ("proxy", 13), ("direct", 14))
 OVERLOAD = ["--request-rate", "0.5", "--phases", "steady:20s,overload:25s@8x",
             "--prompt-tokens", "uniform:32:64", "--output-tokens", "48", "--seed", "3"]  # fmt: skip
 
@@ -159,6 +166,18 @@ def _bench(url: str, args: list[str], res: Path) -> dict:
     return {k: doc.get(k) for k in keys}
 
 
+def _mean(results: list[dict]) -> dict:
+    """The rounds' figures side by side: their mean (counts summed)."""
+    out = {}
+    for k in results[0]:
+        vals = [r[k] for r in results if r[k] is not None]
+        if k in ("completed", "failed"):
+            out[k] = sum(vals)
+        else:
+            out[k] = sum(vals) / len(vals) if vals else None
+    return out
+
+
 def _llama(binary: Path, work: Path, slots: int, ctx: int, name: str):
     port = _free_port()
     cmd = [str(binary), "-m", str(gguf_file()), "--host", "127.0.0.1", "--port", str(port),
@@ -177,7 +196,7 @@ def _proxy(upstream: str, work: Path, name: str):
     ), port
 
 
-def part_llamacpp(work: Path) -> dict:
+def part_llamacpp(work: Path, *, overhead_only: bool = False) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     binary = llama_server()
     out: dict = {
@@ -191,14 +210,18 @@ def part_llamacpp(work: Path) -> dict:
         proxy, pport = _proxy(up, work, "proxy-overhead")
         via = f"http://127.0.0.1:{pport}"
         try:
-            _bench(up, [*ONE_STREAM[:2], "--num-requests", "2", *ONE_STREAM[4:]], work / "w.json")
+            warm = [*ONE_STREAM[:2], "--num-requests", "2", *ONE_STREAM[4:], "--seed", "10"]
+            _bench(up, warm, work / "w.json")
             runs = {}
             for label, args in (("one_stream", ONE_STREAM), ("streams_32", STREAMS_32)):
-                runs[label] = {
-                    "direct": _bench(up, args, work / f"{label}-direct.json"),
-                    "proxy": _bench(via, args, work / f"{label}-proxy.json"),
-                }
-                log(f"[llama.cpp {label}] {runs[label]}")
+                got: dict[str, list[dict]] = {"direct": [], "proxy": []}
+                for way, seed in ORDER:
+                    res = work / f"{label}-{way}-{seed}.json"
+                    got[way].append(_bench(up if way == "direct" else via,
+                                           [*args, "--seed", str(seed)], res))  # fmt: skip
+                runs[label] = {way: _mean(rs) for way, rs in got.items()}
+                runs[label]["rounds"] = got
+                log(f"[llama.cpp {label}] {runs[label]['direct']} | {runs[label]['proxy']}")
         finally:
             stop_server(proxy)
     finally:
@@ -211,6 +234,9 @@ def part_llamacpp(work: Path) -> dict:
         "throughput_32_lost_pct": 100.0
         * (1 - many["proxy"]["output_throughput"] / many["direct"]["output_throughput"]),
     }
+    out["overhead"]["proxy_gateway_ms"] = proxy_own_ms(work / "proxy-overhead.duckdb")
+    if overhead_only:
+        return out
     # diagnosis: a 2-slot server overloaded through the proxy
     server, port = _llama(binary, work, 2, 4096, "llama-2")
     try:
@@ -234,6 +260,23 @@ def part_llamacpp(work: Path) -> dict:
         "evidence": _evidence(work / "proxy-overload.duckdb"),
     }
     return out
+
+
+def proxy_own_ms(store: Path) -> dict:
+    """The proxy's own time before the upstream is asked (its ``gateway`` station: arrival to
+    forwarded), p50 and p99 over the overhead runs' requests: what it adds to TTFT, measured
+    inside it rather than as a difference of two noisy runs."""
+    import duckdb
+
+    con = duckdb.connect(str(store), read_only=True)
+    try:
+        n, p50, p99 = con.execute(
+            "SELECT count(*), quantile_cont(duration_ns, 0.5) / 1e6, "
+            "quantile_cont(duration_ns, 0.99) / 1e6 FROM spans WHERE name = 'gateway'"
+        ).fetchone()
+    finally:
+        con.close()
+    return {"requests": n, "p50": p50, "p99": p99}
 
 
 def _evidence(store: Path) -> dict:
