@@ -109,6 +109,14 @@ def _div(a, b):
 # ----- the store -----
 
 
+def engine_seen(con) -> str | None:
+    """The engine another engine's store was collected from (``tokenmill proxy`` or
+    ``collect``: the kind its scraped metrics name most), None for our own engine's store."""
+    from tokenmill.diagnose.coverage import store_engine
+
+    return store_engine(con)
+
+
 def time_range(con) -> tuple[int, int] | None:
     """``(first, last + 1)`` ns over every table's own time, or None for an empty store."""
     lo, hi = con.execute(

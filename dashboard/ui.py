@@ -112,6 +112,12 @@ def sidebar() -> Ctx | None:
             return None
         _source_caption(snap, handle)
         con = snap.cursor() if isinstance(snap, FleetSnapshot) else snap.con.cursor()
+        engine = _cached(con, snap.key, "engine_seen", (), ())
+        if engine:
+            st.caption(
+                f"Engine: **{engine}**, seen from outside (its spans and scraped metrics): the "
+                "pages show what it exposes; per-step and device views stay empty."
+            )
         ctx = _window(con, snap)
         ctx.live = handle.live
         if isinstance(snap, FleetSnapshot) and snap.schema is None:

@@ -47,6 +47,11 @@ if ctx is not None:
             )
         elif not report.findings:
             st.success("No problems found in this window.")
+        if report.signal_sources:
+            st.caption(
+                "No per-step records in this store: the engine's queue and KV-cache signals "
+                "come from its scraped /metrics (" + ", ".join(sorted(report.signal_sources)) + ")."
+            )
         if report.not_assessed:
             with st.expander(f"Not assessed: {len(report.not_assessed)} rules"):
                 st.caption(

@@ -943,3 +943,38 @@ def test_roofline_buckets_sum_their_steps(roofline_store):
     assert peaks["ridge"] == pytest.approx(989_000 / 4800)
     fig = dash_charts.roofline(buckets, peaks, per_step=False)
     assert {t.name for t in fig.data} >= {"decode-only steps", "ridge point 206 FLOP/byte"}
+
+
+def test_a_store_of_another_engine_names_it_and_where_its_signals_came_from(monkeypatch, tmp_path):
+    """A proxy's store of a vLLM server (client-side request rows, vLLM's scraped metrics, no
+    step records): the sidebar names the engine, the Diagnosis page says its queue and KV
+    signals came from the scraped metrics and lists what it could not assess."""
+    import msgspec
+
+    from tokenmill.telemetry.engine_metrics import read_exposition
+    from tokenmill.telemetry.rows import RequestRow
+    from tokenmill.telemetry.store import TraceStore
+
+    fixture = Path(__file__).resolve().parents[1] / "telemetry/fixtures/metrics/vllm.prom"
+    path = tmp_path / "proxy.duckdb"
+    store = TraceStore(path, flush_interval_s=0.05)
+    t0, s = 1_767_225_600_000_000_000, 1_000_000_000
+    for i in range(30):
+        a = t0 + i * s
+        row = RequestRow(request_id=f"r{i}", trace_id=f"{i + 1:032x}", arrival_ns=a,
+                         first_token_ns=a + s // 5, last_token_ns=a + s, end_ns=a + s,
+                         input_tokens=40, output_tokens=16, ttft_ms=200.0, tpot_ms=50.0,
+                         itl_p50_ms=50.0, itl_p99_ms=55.0, itl_max_ms=55.0, e2e_ms=1000.0,
+                         finish_reason="length", http_status=200)  # fmt: skip
+        assert store.submit("requests", msgspec.structs.asdict(row))
+    for k in range(31):
+        sample = read_exposition(fixture.read_text(), "http://vllm:8000/metrics", t0 + k * s)
+        assert store.submit("engine_samples", msgspec.structs.asdict(sample))
+    assert store.flush()
+    store.close()
+    at = open_page(monkeypatch, path, "diagnosis")
+    assert any("Engine: **vllm**" in c.value for c in at.sidebar.caption), [
+        c.value for c in at.sidebar.caption
+    ]
+    assert any("come from its scraped /metrics (kv, steps)" in c.value for c in at.caption)
+    assert any(e.label.startswith("Not assessed:") for e in at.expander)
