@@ -26,6 +26,7 @@ from tokenmill.engine.api.errors import APIError
 from tokenmill.engine.api.gateway import Gateway
 from tokenmill.engine.api.stations import AdmissionStation
 
+from .metrics import ProxyMetrics
 from .observe import Exchange, new_trace
 
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -69,6 +70,7 @@ class ProxyState:
             timeout=httpx.Timeout(first_byte_timeout_s, connect=10.0), transport=transport
         )
         self.requests = 0
+        self.metrics = ProxyMetrics(self.upstream)
         self.tokenizer = tokenizer
         self.admission = (
             AdmissionStation(max_in_flight, 0, limit_flag="--max-in-flight")
@@ -78,7 +80,9 @@ class ProxyState:
 
     def save(self, ex: Exchange) -> None:
         ex.end_ns = ex.end_ns or time.time_ns()
-        self.record("requests", ex.request_row())
+        row = ex.request_row()
+        self.record("requests", row)
+        self.metrics.answered(ex, row)
         for span in ex.span_rows():
             self.record("spans", span)
         self.requests += 1
@@ -130,6 +134,7 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
         endpoint = ROUTES[request.url.path]
         trace_id, span_id, traceparent = new_trace(request.headers.get("traceparent"))
         ex = Exchange(arrival, endpoint, trace_id, span_id, state.upstream)
+        state.metrics.arrived()
         ex.client_request_id = request.headers.get("x-request-id")
         try:
             tenant = state.gateway.authenticate(request.headers.get("authorization"))
@@ -268,6 +273,13 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
                 state.save(ex)
 
         return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
+
+    @app.get("/metrics")
+    async def metrics():
+        """The proxy's own series (``metrics.py``): no tenant names in them."""
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

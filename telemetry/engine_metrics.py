@@ -220,11 +220,17 @@ def parse_samples(text: str) -> dict[str, list[float]]:
     return out
 
 
+#: series that carry an engine's prefix but are not an engine's (``tokenmill proxy``'s own)
+NOT_ENGINE_PREFIXES = ("tokenmill_proxy_",)
+
+
 def detect_kind(samples: dict[str, list[float]]) -> str | None:
-    """The engine kind whose prefix most sample names carry; None: no known engine."""
+    """The engine kind whose prefix most sample names carry; None: no known engine (a
+    ``tokenmill proxy``'s own series are not an engine's)."""
     best, hits = None, 0
+    names = [n for n in samples if not n.startswith(NOT_ENGINE_PREFIXES)]
     for e in ENGINES.values():
-        n = sum(1 for name in samples if name.startswith(e.prefix))
+        n = sum(1 for name in names if name.startswith(e.prefix))
         if n > hits:
             best, hits = e.kind, n
     return best

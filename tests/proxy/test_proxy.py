@@ -549,3 +549,33 @@ def test_a_metrics_404_is_one_warning_and_its_rules_are_not_assessed(tmp_path):
     assert report.summary["requests"] == 4
     for rid in ("ttft_queueing", "kv_pressure_preemption", "overload"):
         assert "per-step records" in report.not_assessed[rid], report.not_assessed.get(rid)
+
+
+def test_the_proxys_own_metrics_count_what_its_clients_saw(rig):
+    """`GET /metrics` on the proxy: requests by status, nothing left in flight, one TTFT and
+    the stream's gaps observed; no tenant label; a scraper does not take it for an engine."""
+    from tokenmill.telemetry.engine_metrics import detect_kind, parse_samples
+
+    url, up, _seen, rows, _state = rig
+    assert _chat(url, "ok", max_tokens=4).status_code == 200
+    assert _chat(url, "refuse").status_code == 503
+    text = httpx.get(url + "/metrics", timeout=10).text
+    samples = parse_samples(text)
+    tag = f'upstream="{up.url}"'
+
+    def value(name: str, extra: str = "") -> float:
+        line = next(
+            ln for ln in text.splitlines()
+            if ln.startswith(name + "{") and tag in ln and extra in ln
+        )  # fmt: skip
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("tokenmill_proxy_requests_total", 'code="200"') == 1
+    assert value("tokenmill_proxy_requests_total", 'code="503"') == 1
+    assert value("tokenmill_proxy_requests_in_flight") == 0
+    assert value("tokenmill_proxy_time_to_first_token_seconds_count") == 1
+    assert value("tokenmill_proxy_inter_token_latency_seconds_count") == 3  # 4 events, 3 gaps
+    assert value("tokenmill_proxy_generation_tokens_total") == 4
+    assert "tenant" not in text
+    assert detect_kind(samples) is None
+    assert rows("SELECT count(*) FROM requests") == [(2,)]

@@ -1,0 +1,69 @@
+"""The proxy's own Prometheus series (``GET /metrics`` on the proxy), what its clients saw of
+the upstream, labelled by upstream only (never by tenant):
+
+- ``tokenmill_proxy_requests_total{upstream, code}``: requests answered, by HTTP status
+  (``error`` where none was sent);
+- ``tokenmill_proxy_requests_in_flight{upstream}``: requests between arrival and their row;
+- ``tokenmill_proxy_time_to_first_token_seconds``, ``tokenmill_proxy_inter_token_latency_seconds``
+  (each gap between two output events) and ``tokenmill_proxy_e2e_request_latency_seconds``
+  histograms, as the proxy measured them (``observe.py``), with the server's buckets;
+- ``tokenmill_proxy_prompt_tokens_total`` and ``tokenmill_proxy_generation_tokens_total``.
+
+Their prefix is not an engine's: a scraper pointed at a proxy reads it as no known engine
+(``telemetry/engine_metrics.py``), never as a tokenmill server.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tokenmill.telemetry.metrics import REQUEST_LATENCY_BUCKETS_S, TPOT_BUCKETS_S, TTFT_BUCKETS_S
+
+from .observe import Exchange
+
+PREFIX = "tokenmill_proxy_"
+
+
+class ProxyMetrics:
+    """The series above in a registry of their own."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream
+        self.registry = CollectorRegistry()
+        r, up = self.registry, ("upstream",)
+        self.requests = Counter(PREFIX + "requests", "Requests answered, by HTTP status.",
+                                (*up, "code"), registry=r)  # fmt: skip
+        self.in_flight = Gauge(PREFIX + "requests_in_flight", "Requests not yet answered.", up,
+                               registry=r)  # fmt: skip
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "TTFT as the proxy saw it.", up, buckets=TTFT_BUCKETS_S,
+                              registry=r)  # fmt: skip
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Gaps between output events, as the proxy saw them.", up,
+                             buckets=TPOT_BUCKETS_S, registry=r)  # fmt: skip
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Arrival to the answer's end, as the proxy saw it.", up,
+                             buckets=REQUEST_LATENCY_BUCKETS_S, registry=r)  # fmt: skip
+        self.prompt = Counter(PREFIX + "prompt_tokens", "Prompt tokens (upstream usage or "
+                              "the proxy's count).", up, registry=r)  # fmt: skip
+        self.generation = Counter(PREFIX + "generation_tokens", "Output tokens.", up,
+                                  registry=r)  # fmt: skip
+
+    def arrived(self) -> None:
+        self.in_flight.labels(self.upstream).inc()
+
+    def answered(self, ex: Exchange, row: dict) -> None:
+        """One request's row written: count it and its latencies."""
+        up = self.upstream
+        self.in_flight.labels(up).dec()
+        self.requests.labels(up, str(ex.http_status) if ex.http_status else "error").inc()
+        if row.get("ttft_ms") is not None:
+            self.ttft.labels(up).observe(row["ttft_ms"] / 1e3)
+        for a, b in zip(ex.token_ns, ex.token_ns[1:], strict=False):
+            self.itl.labels(up).observe((b - a) / 1e9)
+        self.e2e.labels(up).observe(row["e2e_ms"] / 1e3)
+        self.prompt.labels(up).inc(row.get("input_tokens") or 0)
+        self.generation.labels(up).inc(row.get("output_tokens") or 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
