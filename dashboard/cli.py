@@ -48,6 +48,7 @@ def dashboard(
 ) -> None:
     """Open the operations console (Streamlit) over a dump, a closed store or a live server."""
     import os
+    import signal
     import socket
     import subprocess
 
@@ -110,6 +111,9 @@ def dashboard(
             soft_wrap=True,
         )
     proc = subprocess.Popen(cmd, env=env)
+    # a SIGTERM (systemd, a supervisor, a process-group kill) stops the console as Ctrl-C does:
+    # the Streamlit process is stopped too, killed if it has not gone in 10 s, never orphaned
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         code = proc.wait()
     except KeyboardInterrupt:
@@ -120,6 +124,10 @@ def dashboard(
             proc.kill()
         code = 130
     raise typer.Exit(code)
+
+
+def _raise_interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def _is_loopback(host: str) -> bool:
