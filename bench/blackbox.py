@@ -47,7 +47,9 @@ PROXY_STATIONS = ("gateway", "stream")
 PROXY_SERVICE = "tokenmill-proxy"
 
 
-def _diagnose(store: Path, window: str) -> dict:
+def diagnose_store(store: Path, window: str) -> dict:
+    """One closed store's diagnosis in brief: top finding, findings, what was not assessed and
+    where the queue/KV signals came from, the request count and TTFT."""
     from tokenmill.diagnose.findings import diagnose
     from tokenmill.telemetry.dump import parse_duration
 
@@ -171,8 +173,8 @@ def run_through_proxy(sc: Scenario, out: Path, *, model: str | None = None, log=
     result = {
         "scenario": sc.name,
         "expect": sc.expect,
-        "server": _diagnose(server_store, sc.window),
-        "proxy": _diagnose(proxy_store, sc.window),
+        "server": diagnose_store(server_store, sc.window),
+        "proxy": diagnose_store(proxy_store, sc.window),
         **compare_stores(proxy_store, server_store),
     }
     result["same_top"] = result["server"]["top"] == result["proxy"]["top"]

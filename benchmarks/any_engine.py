@@ -248,9 +248,9 @@ def part_llamacpp(work: Path, *, overhead_only: bool = False) -> dict:
             stop_server(proxy)
     finally:
         stop_server(server)
-    from tokenmill.bench.blackbox import _diagnose
+    from tokenmill.bench.blackbox import diagnose_store
 
-    diag = _diagnose(work / "proxy-overload.duckdb", "5s")
+    diag = diagnose_store(work / "proxy-overload.duckdb", "5s")
     sc = Scenario("llamacpp_overload", expect=["overload", "ttft_queueing"], steps=[OVERLOAD])
     found = [f["rule"] for f in diag["findings"]]
     out["overload"] = {

@@ -143,10 +143,14 @@ class Exchange:
 
     # ---- rows -------------------------------------------------------------------------------
 
+    def gaps_ms(self) -> list[float]:
+        """The gaps between consecutive output events (the request's ITL samples), ms."""
+        return [(b - a) * _MS for a, b in zip(self.token_ns, self.token_ns[1:], strict=False)]
+
     def request_row(self) -> dict:
         end = self.end_ns or time.time_ns()
         first = self.token_ns[0] if self.token_ns else None
-        gaps = [(b - a) * _MS for a, b in zip(self.token_ns, self.token_ns[1:], strict=False)]
+        gaps = self.gaps_ms()
         out_tokens = self.completion_tokens
         if out_tokens is None:
             out_tokens = len(self.token_ns)  # one event, one token, when usage is absent

@@ -85,37 +85,45 @@ def console(real_store, tmp_path):
         yield url
 
 
-@contextlib.contextmanager
-def _console(store: Path, tmp_path: Path):
-    """``tokenmill dashboard`` on ``store``, on a free port; yields its URL."""
+def _start_console(store: Path, tmp_path: Path, log) -> tuple[subprocess.Popen, str]:
+    """``tokenmill dashboard`` on ``store`` in a session of its own, on a free port, once its
+    health check answers: the process and its URL."""
     port = free_port()
-    log = open(tmp_path / "dashboard.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenmill.engine.cli", "dashboard", "--source", str(store),
          "--host", "127.0.0.1", "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, (tmp_path / "dashboard.log").read_text()
+        try:
+            if httpx.get(url + "/_stcore/health", timeout=2).text.strip() == "ok":
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the console did not come up"
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def _console(store: Path, tmp_path: Path):
+    """``tokenmill dashboard`` on ``store``, on a free port; yields its URL."""
+    log = open(tmp_path / "dashboard.log", "w")  # noqa: SIM115
+    proc = None
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "dashboard.log").read_text()
-            try:
-                if httpx.get(url + "/_stcore/health", timeout=2).text.strip() == "ok":
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the console did not come up"
-            time.sleep(0.5)
+        proc, url = _start_console(store, tmp_path, log)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the CLI and the streamlit process it started
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(20)
-        # whatever of the group is left (a Streamlit that outlived its CLI: one per clean-clone
-        # run was found still serving, orphaned, hours later)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the CLI and the streamlit process it started
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(20)
+            # whatever of the group is left (a Streamlit that outlived its CLI: one per
+            # clean-clone run was found still serving, orphaned, hours later)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
         log.close()
 
 
@@ -234,25 +242,10 @@ def test_a_sigterm_to_the_console_stops_its_streamlit_process_too(tmp_path):
     store = tmp_path / "empty.duckdb"
     with duckdb.connect(str(store)) as con:
         apply_schema(con)
-    port = free_port()
     log = open(tmp_path / "dashboard.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.engine.cli", "dashboard", "--source", str(store),
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}/_stcore/health"
+    proc, base = _start_console(store, tmp_path, log)
+    url = base + "/_stcore/health"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "dashboard.log").read_text()
-            try:
-                if httpx.get(url, timeout=2).text.strip() == "ok":
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the console did not come up"
-            time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)  # the CLI alone, not its group
         proc.wait(30)
         gone = False

@@ -91,17 +91,24 @@ def _sample(k: int) -> dict:
     return msgspec.structs.asdict(row)
 
 
+def _write(path, *, queued: bool = True, spans: bool = True, sample=_sample) -> TraceStore:
+    """An open store holding the run's ``N`` requests (with the upstream's spans when
+    ``spans``) and 21 scrapes of ``sample(k)``, flushed."""
+    store = TraceStore(path, flush_interval_s=0.05)
+    for i in range(N):
+        row, rows = _request(i, queued=queued)
+        assert store.submit("requests", row)
+        for sp in rows if spans else ():
+            assert store.submit("spans", sp)
+    for k in range(21):
+        assert store.submit("engine_samples", sample(k))
+    assert store.flush()
+    return store
+
+
 @pytest.fixture(scope="module")
 def proxy_store(tmp_path_factory):
-    store = TraceStore(tmp_path_factory.mktemp("proxy") / "p.duckdb", flush_interval_s=0.05)
-    for i in range(N):
-        row, spans = _request(i)
-        assert store.submit("requests", row)
-        for s in spans:
-            assert store.submit("spans", s)
-    for k in range(21):
-        assert store.submit("engine_samples", _sample(k))
-    assert store.flush()
+    store = _write(tmp_path_factory.mktemp("proxy") / "p.duckdb")
     yield store
     store.close()
 
@@ -172,16 +179,12 @@ def test_kv_pressure_from_scraped_metrics_alone_names_what_it_could_not_see(tmp_
     """No healthy window (preemptions all along, the KV cache at 97 %): from our step records
     the rule would also want allocation failures in most steps; the engine's metrics do not
     count those, so its two other absolute markers decide, and the summary says so."""
-    store = TraceStore(tmp_path / "kv.duckdb", flush_interval_s=0.05)
+
+    def full(k: int) -> dict:
+        return {**_sample(k), "kv_usage": 0.97, "waiting": 0.0, "preemptions_total": 3.0 * k}
+
+    store = _write(tmp_path / "kv.duckdb", spans=False, sample=full)
     try:
-        for i in range(N):
-            row, _ = _request(i)
-            assert store.submit("requests", row)
-        for k in range(21):
-            s = _sample(k)
-            s.update(kv_usage=0.97, waiting=0.0, preemptions_total=float(3 * k))
-            assert store.submit("engine_samples", s)
-        assert store.flush()
         with store.connection_locked() as con:
             report = diagnose(con, window_s=5)
     finally:
@@ -195,18 +198,12 @@ def test_kv_pressure_from_scraped_metrics_alone_names_what_it_could_not_see(tmp_
 def test_several_proxies_stores_read_as_a_fleet(tmp_path):
     """One proxy per region, each its own store: `tokenmill diagnose east.duckdb west.duckdb`
     diagnoses each on its own and says which one queues."""
-    for name, queued in (("east", True), ("west", False)):
-        store = TraceStore(tmp_path / f"{name}.duckdb", flush_interval_s=0.05)
-        for i in range(N):
-            row, spans = _request(i, queued=queued)
-            assert store.submit("requests", row)
-            for sp in spans:
-                assert store.submit("spans", sp)
-        for k in range(21):
-            assert store.submit("engine_samples", _sample(k) if queued else {
-                **_sample(0), "time_ns": T0 + k * S})  # fmt: skip
-        assert store.flush()
-        store.close()
+
+    def flat(k: int) -> dict:  # no queue building
+        return {**_sample(0), "time_ns": T0 + k * S}
+
+    _write(tmp_path / "east.duckdb").close()
+    _write(tmp_path / "west.duckdb", queued=False, sample=flat).close()
     r = subprocess.run(
         [
             sys.executable,
@@ -237,18 +234,8 @@ def test_a_batch_flat_at_its_most_while_requests_wait_is_named_without_the_engin
     """A store with no config event (the engine's flags unknown): running flat at 4, the most it
     ever ran, with requests waiting, KV at 30 % and TTFT mostly queue: `batching_ineffective`
     names the batch it saw and says the cap itself is not in the store."""
-    store = TraceStore(tmp_path / "b.duckdb", flush_interval_s=0.05)
+    store = _write(tmp_path / "b.duckdb", sample=lambda k: {**_sample(k), "kv_usage": 0.3})
     try:
-        for i in range(N):
-            row, spans = _request(i)
-            assert store.submit("requests", row)
-            for sp in spans:
-                assert store.submit("spans", sp)
-        for k in range(21):
-            s = _sample(k)
-            s["kv_usage"] = 0.3
-            assert store.submit("engine_samples", s)
-        assert store.flush()
         with store.connection_locked() as con:
             report = diagnose(con, window_s=5)
     finally:
