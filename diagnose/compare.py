@@ -364,7 +364,10 @@ COMPARISON_SCHEMA_VERSION = 1
 
 # ----- one run -----
 
-_REQ_SQL = f"""
+#: one run's request numbers (TTFT, ITL, TPOT, E2E percentiles, goodput's count) over the
+#: ``requests`` rows that arrived in ``[$since, $until)``; ``tokenmill plan`` runs it over its
+#: replayed requests too, so a prediction and a measurement use the same definitions
+REQUEST_SUMMARY_SQL = f"""
 SELECT count(*) AS requests,
     count(*) FILTER (WHERE ok) AS completed,
     count(*) FILTER (WHERE error_type IS NOT NULL) AS errors,
@@ -470,7 +473,7 @@ def measure(
     until = until_ns if until_ns is not None else hi + 1
     r = _one(
         con,
-        _REQ_SQL,
+        REQUEST_SUMMARY_SQL,
         since=since,
         until=until,
         ttft=float(slo.ttft_ms),

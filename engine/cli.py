@@ -44,6 +44,7 @@ COMMANDS = {
     "export": "tokenmill.diagnose.export_cli:app",
     "collect": "tokenmill.telemetry.collect_cli:app",
     "proxy": "tokenmill.proxy.cli:app",
+    "plan": "tokenmill.plan.cli:app",
 }
 
 

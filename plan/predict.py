@@ -1,0 +1,327 @@
+"""Predictions: a recording opened once, each what-if replayed and summed up with the same SQL
+that measures a real run (``tokenmill.diagnose.compare.REQUEST_SUMMARY_SQL`` over a
+``requests`` table of the replayed requests), and the error estimate printed with every
+prediction.
+
+The error estimate replays the recording against itself on data the step-cost model never saw:
+the model is fitted on the steps of the first three quarters of the recording, the requests
+that arrived in the last quarter are replayed from an empty engine with the recorded knobs, and
+each summary metric's prediction is set against what that quarter measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import numpy as np
+
+from tokenmill.diagnose.compare import REQUEST_SUMMARY_SQL
+from tokenmill.engine.config import EngineConfig
+
+from .simulate import Setup, SimResult, simulate
+from .step_cost import StepCostError, StepCostModel, fit_step_cost
+from .whatif import CONFIG_FIELDS, Slo, WhatIf
+from .workload import Workload, WorkloadError, engine_config, read_workload
+
+#: the summary metrics a prediction reports, in order (ms, then shares)
+METRICS = (
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
+    "e2e_p50_ms",
+    "e2e_p99_ms",
+    "goodput_share",
+)
+#: share of the recording (by arrival time) the error estimate holds out
+HOLDOUT_SHARE = 0.25
+
+
+class PlanError(ValueError):
+    """Bad input or a store a plan cannot stand on (one line)."""
+
+
+@dataclass
+class Recording:
+    """An opened recording: its knobs, traffic, step-cost model and pool size."""
+
+    path: str
+    con: duckdb.DuckDBPyConnection
+    cfg: dict
+    config: EngineConfig
+    workload: Workload
+    model: StepCostModel
+    num_blocks: int
+    span_ns: tuple[int, int]
+
+    @property
+    def device(self) -> str:
+        return str(self.cfg.get("engine_device") or "cpu")
+
+
+def _engine_config(cfg: dict) -> EngineConfig:
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    try:
+        return EngineConfig(**{k: v for k, v in cfg.items() if k in known})
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"the recorded engine config does not load here ({exc})") from None
+
+
+def open_recording(path: str | Path) -> Recording:
+    """Open a store or dump and fit what a plan needs from it.
+
+    Raises:
+        PlanError: not a store, no requests, no engine steps, too few steps (one line).
+    """
+    from tokenmill.telemetry.dump import DumpError, open_dump
+
+    try:
+        con = open_dump(path, verify=False)
+    except DumpError as exc:
+        raise PlanError(str(exc)) from None
+    try:
+        cfg = engine_config(con)
+        model = fit_step_cost(con, cfg)
+        workload = read_workload(con)
+        (blocks,) = con.execute(
+            "SELECT max(kv_blocks_total) FROM engine_steps WHERE kv_blocks_total > 0"
+        ).fetchone()
+        lo, hi = con.execute("SELECT min(arrival_ns), max(arrival_ns) FROM requests").fetchone()
+    except (StepCostError, WorkloadError) as exc:
+        raise PlanError(f"{path}: {exc}") from None
+    except duckdb.Error as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PlanError(f"{path}: cannot read the store ({first})") from None
+    if not blocks:
+        raise PlanError(f"{path}: the engine steps do not say the KV pool's size")
+    return Recording(
+        str(path), con, cfg, _engine_config(cfg), workload, model, int(blocks), (lo, hi + 1)
+    )
+
+
+def summarize_rows(con: duckdb.DuckDBPyConnection, slo: Slo, since_ns=None, until_ns=None) -> dict:
+    """The summary metrics of a ``requests`` table (a store's, or a replay's)."""
+    lo, hi = con.execute("SELECT min(arrival_ns), max(arrival_ns) FROM requests").fetchone()
+    cur = con.execute(
+        REQUEST_SUMMARY_SQL,
+        {
+            "since": since_ns if since_ns is not None else lo,
+            "until": until_ns if until_ns is not None else hi + 1,
+            "ttft": float(slo.ttft_ms),
+            "itl": float(slo.itl_ms),
+            "e2e": float(slo.e2e_ms),
+        },
+    )
+    row = dict(zip([d[0] for d in cur.description], cur.fetchone(), strict=True))
+    n = int(row["requests"] or 0)
+    out = {k: (float(row[k]) if row.get(k) is not None else None) for k in METRICS[:-1]}
+    out["goodput_share"] = (row["good"] or 0) / n if n else None
+    out["requests"] = n
+    out["completed"] = int(row["completed"] or 0)
+    return out
+
+
+def result_rows(workload: Workload, result: SimResult) -> duckdb.DuckDBPyConnection:
+    """A replay's requests as an in-memory ``requests`` table (the columns the summary reads)."""
+    import pyarrow as pa
+
+    arrival = np.round(workload.arrival_s * 1e9).astype(np.int64)
+    done = ~np.isnan(result.e2e_ms)
+    e2e = np.nan_to_num(result.e2e_ms, nan=0.0)
+    table = pa.table(
+        {
+            "arrival_ns": arrival,
+            "end_ns": arrival + np.round(e2e * 1e6).astype(np.int64),
+            "input_tokens": workload.input_tokens,
+            "output_tokens": result.output_tokens,
+            "ttft_ms": pa.array(result.ttft_ms, from_pandas=True),
+            "itl_p50_ms": pa.array(result.itl_p50_ms, from_pandas=True),
+            "itl_p99_ms": pa.array(result.itl_p99_ms, from_pandas=True),
+            "tpot_ms": pa.array(result.tpot_ms, from_pandas=True),
+            "e2e_ms": pa.array(np.where(done, result.e2e_ms, np.nan), from_pandas=True),
+            "finish_reason": pa.array(np.where(done, "length", None).tolist(), pa.string()),
+            "error_type": pa.nulls(len(arrival), pa.string()),
+        }
+    )
+    con = duckdb.connect()
+    con.register("replayed", table)
+    con.execute("CREATE TABLE requests AS SELECT * FROM replayed")
+    con.unregister("replayed")
+    return con
+
+
+@dataclass
+class Prediction:
+    """One what-if's replay, summed up."""
+
+    whatif: WhatIf
+    summary: dict
+    replay: dict
+    setup: dict
+    notes: list[str] = field(default_factory=list)
+    slo_misses: dict = field(default_factory=dict)
+    slo_margin: float | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "what_if": self.whatif.label,
+            "changes": self.whatif.changes,
+            "setup": self.setup,
+            "summary": self.summary,
+            "replay": self.replay,
+            "slo_met": not self.slo_misses,
+            "slo_misses": {k: {"value": v, "bound": b} for k, (v, b) in self.slo_misses.items()},
+            "slo_margin": self.slo_margin,
+            "notes": self.notes,
+        }
+
+
+def setup_for(
+    rec: Recording, whatif: WhatIf, cost_models: dict[str, StepCostModel] | None = None
+) -> tuple[Setup, Workload, StepCostModel, list[str]]:
+    """The replay a what-if asks for: setup, workload, step-cost model and the notes it needs.
+
+    Raises:
+        PlanError: a quantization without a recording made with it.
+    """
+    ch = whatif.changes
+    notes: list[str] = []
+    config = dataclasses.replace(
+        rec.config, **{CONFIG_FIELDS[k]: v for k, v in ch.items() if k in CONFIG_FIELDS}
+    )
+    model = rec.model
+    want = ch.get("quantization")
+    have = str(rec.cfg.get("quantization") or "none")
+    if want is not None and want != have:
+        other = (cost_models or {}).get(want)
+        if other is None:
+            raise PlanError(
+                f"what-if quantization={want}: the recording ran {have}; give a recording made "
+                f"with --quantization {want} as --cost-from for its step costs"
+            )
+        model = other
+        notes.append(f"step costs from the --cost-from recording made with {want}")
+    replicas = int(ch.get("replicas", 1))
+    threads = None
+    if replicas > 1 and rec.device == "cpu" and model.threads:
+        threads = max(1, model.threads // replicas)
+        if threads != model.threads:
+            notes.append(
+                f"each of {replicas} replicas gets {threads} of the {model.threads} CPU threads "
+                "the recording's forward used; its forward time is scaled by "
+                f"{model.threads}/{threads} (assumed)"
+            )
+    workload = rec.workload
+    if "requests" in ch:
+        workload = workload.repeated(int(ch["requests"]))
+    if "rate" in ch:
+        workload = workload.scaled(float(ch["rate"]))
+    setup = Setup(
+        config=config,
+        num_blocks=int(ch.get("kv_blocks", rec.num_blocks)),
+        replicas=replicas,
+        threads=threads,
+        max_model_len=int(rec.cfg.get("max_model_len") or 1 << 20),
+    )
+    return setup, workload, model, notes
+
+
+def predict(
+    rec: Recording,
+    whatif: WhatIf,
+    slo: Slo,
+    *,
+    cost_models: dict[str, StepCostModel] | None = None,
+    fast_forward: bool = True,
+) -> Prediction:
+    """Replay one what-if and sum it up."""
+    setup, workload, model, notes = setup_for(rec, whatif, cost_models)
+    result = simulate(workload, setup, model, fast_forward=fast_forward)
+    con = result_rows(workload, result)
+    summary = summarize_rows(con, slo)
+    con.close()
+    recorded_batch = model.ranges["max_decode_batch"]
+    if recorded_batch and result.max_decode_batch > 1.5 * recorded_batch:
+        notes.append(
+            f"decode batches reach {result.max_decode_batch}, beyond the recording's "
+            f"{recorded_batch}: the step costs there are extrapolated"
+        )
+    notes += [f"too few {u} in the recording" for u in model.unsupported()]
+    rejected = int(result.rejected.sum())
+    if rejected:
+        notes.append(f"{rejected} requests could never fit this pool or context and were refused")
+    replay = {
+        "requests": len(workload),
+        "preemptions": int(result.preemptions.sum()),
+        "rejected": rejected,
+        "kv_usage_mean": result.kv_usage_mean,
+        "kv_usage_max": result.kv_usage_max,
+        "waiting_mean": result.waiting_mean,
+        "waiting_max": result.waiting_max,
+        "running_mean": result.running_mean,
+        "max_decode_batch": result.max_decode_batch,
+        "steps": result.steps,
+        "scheduler_calls": result.scheduler_calls,
+        "makespan_s": result.makespan_s,
+        "wall_s": result.wall_s,
+        "routed": result.routed,
+        "throughput_tok_s": float(result.output_tokens.sum()) / max(result.makespan_s, 1e-9),
+    }
+    return Prediction(
+        whatif=whatif,
+        summary=summary,
+        replay=replay,
+        setup={
+            "replicas": setup.replicas,
+            "threads_per_replica": setup.threads,
+            "kv_blocks": setup.num_blocks,
+            "max_num_seqs": setup.config.max_num_seqs,
+            "max_num_batched_tokens": setup.config.max_num_batched_tokens,
+            "chunked_prefill": setup.config.enable_chunked_prefill,
+            "prefix_caching": setup.config.enable_prefix_caching,
+            "rate_per_s": workload.rate_per_s,
+        },
+        notes=notes,
+        slo_misses=slo.misses(summary) if slo.bounds else {},
+        slo_margin=slo.margin(summary),
+    )
+
+
+def measured(rec: Recording, slo: Slo) -> dict:
+    """The recording's own summary (the same definitions)."""
+    return summarize_rows(rec.con, slo)
+
+
+def error_estimate(rec: Recording, slo: Slo) -> dict:
+    """Each metric's relative error (%) when the last :data:`HOLDOUT_SHARE` of the recording is
+    predicted from a model fitted on the rest (see the module docstring); ``{}`` with a note
+    when the recording is too short to hold a slice out."""
+    lo, hi = rec.span_ns
+    cut = int(lo + (hi - lo) * (1 - HOLDOUT_SHARE))
+    try:
+        model = fit_step_cost(rec.con, rec.cfg, shape=rec.model.shape, until_ns=cut)
+        tail = read_workload(rec.con, since_ns=cut)
+    except (StepCostError, WorkloadError) as exc:
+        return {"note": f"no error estimate: {exc}"}
+    if len(tail) < 10:
+        return {"note": f"no error estimate: only {len(tail)} requests in the last quarter"}
+    setup = Setup(
+        rec.config, rec.num_blocks, max_model_len=int(rec.cfg.get("max_model_len") or 1 << 20)
+    )
+    result = simulate(tail, setup, model)
+    con = result_rows(tail, result)
+    pred = summarize_rows(con, slo)
+    con.close()
+    real = summarize_rows(rec.con, slo, since_ns=cut)
+    errors = {}
+    for k in METRICS:
+        p, r = pred.get(k), real.get(k)
+        if p is None or r is None:
+            continue
+        errors[k] = (p - r) * 100 if k == "goodput_share" else (p - r) / r * 100 if r else None
+    return {"requests": len(tail), "errors_pct": errors}

@@ -1,0 +1,134 @@
+"""``tokenmill plan``'s output: the JSON contract (``schema_version`` 1) and its text rendering."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from .predict import METRICS
+
+PLAN_SCHEMA_VERSION = 1
+
+_LABELS = {
+    "ttft_p50_ms": "TTFT p50",
+    "ttft_p99_ms": "TTFT p99",
+    "itl_p50_ms": "ITL p50",
+    "itl_p99_ms": "ITL p99",
+    "tpot_p50_ms": "TPOT p50",
+    "tpot_p99_ms": "TPOT p99",
+    "e2e_p50_ms": "E2E p50",
+    "e2e_p99_ms": "E2E p99",
+    "goodput_share": "goodput (share of requests)",
+}
+_REPLAY = (
+    ("preemptions", "preemptions", "{:,}"),
+    ("waiting_mean", "waiting, mean", "{:.1f}"),
+    ("waiting_max", "waiting, max", "{:,}"),
+    ("running_mean", "running, mean", "{:.1f}"),
+    ("kv_usage_mean", "KV use, mean", "{:.0%}"),
+    ("kv_usage_max", "KV use, max", "{:.0%}"),
+    ("throughput_tok_s", "output tok/s", "{:.1f}"),
+)
+
+
+def to_json(doc: dict) -> str:
+    return json.dumps({"schema_version": PLAN_SCHEMA_VERSION, **doc}, indent=2, default=float)
+
+
+def _fmt(key: str, v) -> str:
+    if v is None:
+        return "–"
+    if key == "goodput_share":
+        return f"{v:.0%}"
+    return f"{v:,.0f} ms" if v >= 100 else f"{v:,.1f} ms"
+
+
+def _err(e) -> str:
+    return "–" if e is None else f"{e:+.0f}%"
+
+
+def to_text(doc: dict, width: int = 120) -> str:
+    """The plan as a terminal report."""
+    console = Console(width=width, record=True, file=io.StringIO())
+    rec = doc["recording"]
+    console.print(
+        f"[bold]Recording[/bold] {rec['path']}: {rec['requests']:,} requests at "
+        f"{rec['rate_per_s']:.2f}/s; {rec['knobs']}"
+    )
+    m = doc["step_cost"]
+    hold = m["holdout"]
+    parts = [
+        f"{k.replace('_', ' ')} {v['median_abs_err_pct']:.0f}% (p90 {v['p90_abs_err_pct']:.0f}%, "
+        f"{v['steps']} steps)"
+        for k, v in hold.items()
+        if k != "all" and v["steps"]
+    ]
+    console.print(
+        f"[bold]Step-cost model[/bold]: held-out steps' median error {'; '.join(parts) or '–'}; "
+        f"gap between steps {m['gap_ms']:.1f} ms"
+    )
+    for u in m["unsupported"]:
+        console.print(f"  [yellow]too few {u}[/yellow]: predictions that lean on them are weak")
+    est = doc["error_estimate"]
+    if "errors_pct" in est:
+        errs = ", ".join(
+            f"{_LABELS[k]} {_err(v)}" for k, v in est["errors_pct"].items() if k in _LABELS
+        )
+        console.print(
+            f"[bold]Error estimate[/bold] (the last quarter's {est['requests']} requests replayed "
+            f"from a model fitted on the first three quarters): {errs}"
+        )
+    else:
+        console.print(f"[bold]Error estimate[/bold]: {est.get('note')}")
+    table = Table(box=box.SIMPLE_HEAD)
+    table.add_column("")
+    table.add_column("recorded", justify="right")
+    preds = doc["predictions"]
+    for p in preds:
+        table.add_column(p["what_if"], justify="right")
+    for key in METRICS:
+        table.add_row(
+            _LABELS[key],
+            _fmt(key, doc["measured"].get(key)),
+            *(_fmt(key, p["summary"].get(key)) for p in preds),
+        )
+    for key, label, f in _REPLAY:
+        table.add_row(label, "", *(f.format(p["replay"][key]) for p in preds))
+    if doc.get("slo"):
+        table.add_row(
+            f"SLO {doc['slo']}",
+            "",
+            *("met" if p["slo_met"] else "[red]missed[/red]" for p in preds),
+        )
+    console.print(table)
+    for p in preds:
+        for note in p["notes"]:
+            console.print(f"  {p['what_if']}: {note}")
+    rec_doc = doc.get("recommendation")
+    if rec_doc:
+        console.print(
+            f"[bold]Recommendation[/bold] for SLO {doc['slo']} at {rec_doc['rate_factor']:g}x the "
+            "recorded rate:"
+        )
+        r = rec_doc["replicas"]
+        if r:
+            console.print(
+                f"  replicas: {r['count']} (margin {r['slo_margin']:.0%} inside the tightest bound)"
+            )
+        else:
+            console.print("  replicas: no count up to 64 meets it")
+        if rec_doc["settings"]:
+            best = rec_doc["settings"][0]
+            console.print(
+                f"  knobs at one replica: {best['what_if']} (margin {best['slo_margin']:.0%}; "
+                f"{len(rec_doc['settings'])} of {rec_doc['settings_tried']} settings tried meet it)"
+            )
+        else:
+            console.print(
+                f"  knobs at one replica: none of {rec_doc['settings_tried']} settings meets it"
+            )
+    return console.export_text()

@@ -1,0 +1,408 @@
+"""Replay a workload through the engine's own scheduler with modelled step times.
+
+Each replica is the engine's real :class:`~tokenmill.engine.scheduler.Scheduler` over a real
+:class:`~tokenmill.engine.block_manager.BlockManager` (prefix cache, watermark, preemption by
+recompute, admission policy: whatever the knobs say); several replicas sit behind the data-
+parallel server's own :class:`~tokenmill.engine.api.replicas.Router`. No forward runs: a step
+takes the time the step-cost model gives for what the scheduler put in it, and each request
+stops at its recorded output length.
+
+Time advances from event to event (an arrival, a step's end). Fast-forward: when the scheduler
+plans a step of decodes only, with every running request in it and nothing preempted, the
+steps after it are the same step again (one token more of context each) until a request
+reaches its last token, the pool runs out of free blocks for the blocks the batch grows into,
+or a request arrives at this replica. Those K steps are costed in one go (their times grow
+linearly with the context) and applied at once: blocks allocated, tokens appended, full blocks
+registered in the prefix cache. An arrival routed to a replica in the middle of such a run cuts
+it at the step the arrival falls in, as the engine would admit it at the next step. Within a
+run of K steps a request's K-1 inter-token latencies are booked as their mean (the run's step
+times differ by the context's growth only); ``fast_forward=False`` plans every step through
+the scheduler, which the tests hold the fast path to.
+
+The router's outstanding-token counts are brought up to date when a replica's step (or run of
+steps) ends, so between those moments it sees the count of the last one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenmill.engine.api.replicas import Router
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.errors import RequestRejected
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+
+from .step_cost import StepCostModel
+from .workload import Workload
+
+
+@dataclass
+class Setup:
+    """What the replay runs: the engine's knobs, each replica's KV blocks, the replica count,
+    each replica's CPU threads (None: as recorded) and the context limit."""
+
+    config: EngineConfig
+    num_blocks: int
+    replicas: int = 1
+    threads: int | None = None
+    max_model_len: int = 1 << 20
+
+
+@dataclass
+class SimResult:
+    """Per request (workload order; NaN where it never got there) and overall.
+
+    Times in seconds from the workload's first arrival; latencies in ms, as the store keeps
+    them, with the recording's API time around the engine added (TTFT: before; E2E: both)."""
+
+    ttft_ms: np.ndarray
+    itl_p50_ms: np.ndarray
+    itl_p99_ms: np.ndarray
+    tpot_ms: np.ndarray
+    e2e_ms: np.ndarray
+    output_tokens: np.ndarray
+    preemptions: np.ndarray
+    rejected: np.ndarray
+    steps: int = 0
+    scheduler_calls: int = 0
+    kv_usage_mean: float = 0.0
+    kv_usage_max: float = 0.0
+    waiting_mean: float = 0.0
+    waiting_max: int = 0
+    running_mean: float = 0.0
+    max_decode_batch: int = 0
+    makespan_s: float = 0.0
+    wall_s: float = 0.0
+    routed: list[int] = field(default_factory=list)
+
+
+def _quantile(segs: list[tuple[float, int]], q: float) -> float:
+    """``np.quantile`` (linear) of the samples ``segs`` holds as ``(value, count)`` runs."""
+    segs = sorted(segs)
+    n = sum(c for _, c in segs)
+    pos = q * (n - 1)
+    lo, frac = int(pos), pos - int(pos)
+
+    def at(k: int) -> float:
+        seen = 0
+        for v, c in segs:
+            seen += c
+            if k < seen:
+                return v
+        return segs[-1][0]
+
+    a = at(lo)
+    return a if frac == 0 else a + (at(lo + 1) - a) * frac
+
+
+class _Replica:
+    """One engine core: its scheduler, pool and the step (or run of steps) in flight."""
+
+    def __init__(self, index: int, setup: Setup):
+        cfg = setup.config
+        self.index = index
+        self.bm = BlockManager(
+            setup.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_scope
+        )
+        self.sched = Scheduler(cfg, self.bm, setup.max_model_len)
+        self.out: SchedulerOutput | None = None
+        self.ends: np.ndarray | None = None
+        self.k = 0  # steps of the run in flight that will be applied
+        self.version = 0
+
+
+class Simulation:
+    """One replay (see the module docstring). Use :func:`simulate`."""
+
+    def __init__(
+        self, workload: Workload, setup: Setup, model: StepCostModel, *, fast_forward: bool = True
+    ):
+        self.w, self.setup, self.model, self.fast = workload, setup, model, fast_forward
+        shape = model.shape
+        self._attn = shape.attn_flop_per_pair * shape.layers / 1e9  # GFLOP per attended pair
+        n = len(workload)
+        nan = np.full(n, np.nan)
+        self.first = nan.copy()
+        self.last = nan.copy()
+        self.finish = nan.copy()
+        self.itl50 = nan.copy()
+        self.itl99 = nan.copy()
+        self.produced = np.zeros(n, dtype=np.int64)
+        self.preempt = np.zeros(n, dtype=np.int64)
+        self.rejected = np.zeros(n, dtype=bool)
+        self.segs: dict[int, list[tuple[float, int]]] = {}
+        self.left: dict[int, int] = {}  # router's outstanding tokens per request
+        self.replicas = [_Replica(i, setup) for i in range(setup.replicas)]
+        self.router = Router(setup.replicas, setup.config.block_size)
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.steps = self.calls = 0
+        self.max_batch = 0
+        self._kv = self._wait = self._run = self._t = 0.0
+        self._kv_max = 0.0
+        self._wait_max = 0
+
+    # ----- step cost -----
+    def _row(self, out: SchedulerOutput) -> np.ndarray:
+        kv = pairs = sampled = 0
+        for c in out.chunks:
+            s, q = c.start, c.num_new_tokens
+            kv += s + q
+            pairs += q * s + q * (q + 1) // 2
+            sampled += c.num_logit_rows
+        return np.array(
+            [1.0, out.num_decode_tokens, out.num_prefill_tokens, pairs * self._attn, kv / 1e6]
+        )
+
+    def _ms(self, x: np.ndarray) -> np.ndarray:
+        return self.model.step_ms(x, self.setup.threads)
+
+    # ----- a replica's steps -----
+    def _start(self, rep: _Replica, now: float) -> None:
+        out = rep.sched.schedule()
+        self.calls += 1
+        if out.empty:
+            rep.out = None
+            return
+        for victim in out.preempted:
+            self.preempt[int(victim.request_id)] += 1
+        x = self._row(out)
+        k = 1
+        step_s = float(self._ms(x)) / 1e3
+        if self.fast:
+            k = self._run_length(rep, out)
+        if k > 1:
+            batch = len(out.chunks)
+            dx = np.array([0.0, 0.0, 0.0, batch * self._attn, batch / 1e6])
+            grow = (float(self._ms(x + dx)) - float(self._ms(x))) / 1e3
+            ends = now + np.cumsum(step_s + grow * np.arange(k))
+        else:
+            ends = np.array([now + step_s])
+        rep.out, rep.ends, rep.k = out, ends, k
+        rep.version += 1
+        heapq.heappush(self.heap, (float(ends[-1]), next(self.seq), rep.index, rep.version))
+
+    def _run_length(self, rep: _Replica, out: SchedulerOutput) -> int:
+        """Steps the planned decode-only step repeats for unchanged (1: not such a step)."""
+        sched = rep.sched
+        if (
+            out.num_prefill_chunks
+            or out.preempted
+            or out.allocation_failures
+            or out.num_drafts
+            or len(out.chunks) != len(sched.running)
+        ):
+            return 1
+        reqs = [c.request for c in out.chunks]
+        k = min(int(self.w.output_tokens[int(r.request_id)]) - r.num_output_tokens for r in reqs)
+        if k <= 1:
+            return 1
+        bm = rep.bm
+        free = bm.num_free_blocks
+
+        def need(steps: int) -> int:
+            return sum(
+                max(bm.blocks_needed(r.num_computed_tokens + steps) - len(r.block_ids), 0)
+                for r in reqs
+            )
+
+        if need(k) > free:  # the largest run whose growth the free blocks hold
+            lo, hi = 1, k
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if need(mid) <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+        return k
+
+    def _cut(self, rep: _Replica, t: float) -> None:
+        """A request arrived at ``t`` while ``rep`` runs several steps: stop after the step
+        that ``t`` falls in."""
+        if rep.out is None or rep.k <= 1:
+            return
+        k = int(np.searchsorted(rep.ends, t, side="left")) + 1
+        if k < rep.k:
+            rep.k = k
+            rep.version += 1
+            heapq.heappush(
+                self.heap, (float(rep.ends[k - 1]), next(self.seq), rep.index, rep.version)
+            )
+
+    def _end(self, rep: _Replica) -> float:
+        """Apply the step (or run of steps) that just ended; returns its end time."""
+        out, k = rep.out, rep.k
+        ends = rep.ends[:k]
+        end = float(ends[-1])
+        sched, bm = rep.sched, rep.bm
+        first_end = float(ends[0])
+        sampling = sched.update_after_step(out)
+        self.steps += k
+        taken: dict[int, int] = {}
+        for chunk in sampling:
+            req = chunk.request
+            i = int(req.request_id)
+            tok = self.w.output_token(i)
+            req.all_token_ids.append(tok)
+            req.output_token_ids.append(tok)
+            n = 1
+            if np.isnan(self.first[i]):
+                self.first[i] = first_end
+                taken[i] = int(self.w.input_tokens[i])
+            else:
+                self.segs[i].append((first_end - self.last[i], 1))
+            if k > 1:
+                more = k - 1
+                bm.allocate_slots(req, more)
+                req.all_token_ids.extend([tok] * more)
+                req.output_token_ids.extend([tok] * more)
+                req.num_computed_tokens += more
+                bm.cache_full_blocks(req)
+                self.segs[i].append(((end - first_end) / more, more))
+                n += more
+            req.stats.output_tokens = len(req.output_token_ids)
+            self.last[i] = end
+            self.produced[i] += n
+            taken[i] = taken.get(i, 0) + n
+        if k > 1:
+            sched.step_id += k - 1
+            self.max_batch = max(self.max_batch, len(sampling))
+        elif out.num_prefill_chunks == 0:
+            self.max_batch = max(self.max_batch, len(sampling))
+        for i, n in taken.items():
+            self._count(rep, i, -n)
+        for chunk in sampling:
+            req = chunk.request
+            i = int(req.request_id)
+            if req.num_output_tokens >= int(self.w.output_tokens[i]) and not req.status.finished:
+                sched.finish(req, RequestStatus.FINISHED_LENGTH)
+                self.finish[i] = end
+                self._count(rep, i, -self.left.get(i, 0))
+                self._close(i)
+        return end
+
+    def _count(self, rep: _Replica, i: int, delta: int) -> None:
+        left = self.left.get(i, 0)
+        delta = max(delta, -left)
+        self.left[i] = left + delta
+        self.router.add(rep.index, delta)
+
+    def _close(self, i: int) -> None:
+        segs = self.segs.pop(i, [])
+        self.left.pop(i, None)
+        if segs:
+            self.itl50[i] = _quantile(segs, 0.5) * 1e3
+            self.itl99[i] = _quantile(segs, 0.99) * 1e3
+
+    def _sample(self, rep_list, t: float) -> None:
+        """Time-weighted KV use, queue and batch since the last event, over the replicas."""
+        dt = t - self._t
+        if dt > 0:
+            kv = sum(r.bm.usage() for r in rep_list) / len(rep_list)
+            waiting = sum(len(r.sched.waiting) for r in rep_list)
+            running = sum(len(r.sched.running) for r in rep_list)
+            self._kv += kv * dt
+            self._wait += waiting * dt
+            self._run += running * dt
+            self._kv_max = max(self._kv_max, kv)
+            self._wait_max = max(self._wait_max, waiting)
+        self._t = t
+
+    # ----- the replay -----
+    def _arrive(self, i: int, t: float) -> None:
+        w = self.w
+        prompt = w.prompt(i)
+        max_tokens = int(w.max_tokens[i])
+        rep = self.replicas[self.router.pick(list(range(len(self.replicas))), prompt)]
+        req = Request(
+            str(i),
+            prompt,
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            tenant=w.tenants[i],
+            arrival_ns=int(t * 1e9),
+        )
+        try:
+            rep.sched.add_request(req)
+        except RequestRejected:
+            self.rejected[i] = True
+            return
+        self.segs[i] = []
+        cost = len(prompt) + max_tokens
+        self.left[i] = 0
+        self._count(rep, i, cost)
+        self.router.routed[rep.index] += 1
+        if rep.out is None:
+            self._start(rep, t)
+        else:
+            self._cut(rep, t)
+
+    def run(self) -> SimResult:
+        began = time.perf_counter()
+        arrivals = self.w.arrival_s
+        n = len(arrivals)
+        i = 0
+        reps = self.replicas
+        while i < n or self.heap:
+            t_arr = float(arrivals[i]) if i < n else math.inf
+            if self.heap and self.heap[0][0] <= t_arr:
+                t, _, r, version = heapq.heappop(self.heap)
+                rep = reps[r]
+                if version != rep.version or rep.out is None:
+                    continue
+                self._sample(reps, t)
+                end = self._end(rep)
+                self._start(rep, end)
+            else:
+                self._sample(reps, t_arr)
+                self._arrive(i, t_arr)
+                i += 1
+        return self._result(time.perf_counter() - began)
+
+    def _result(self, wall_s: float) -> SimResult:
+        w = self.w
+        arrival = w.arrival_s
+        pre, post = w.pre_engine_s, w.post_engine_s
+        done = ~np.isnan(self.finish)
+        n_out = self.produced
+        tpot = np.where(
+            done & (n_out > 1), (self.last - self.first) / np.maximum(n_out - 1, 1) * 1e3, np.nan
+        )
+        span = self._t or 1e-9
+        return SimResult(
+            ttft_ms=(self.first - arrival + pre) * 1e3,
+            itl_p50_ms=self.itl50,
+            itl_p99_ms=self.itl99,
+            tpot_ms=tpot,
+            e2e_ms=np.where(done, (self.finish - arrival + pre + post) * 1e3, np.nan),
+            output_tokens=n_out,
+            preemptions=self.preempt,
+            rejected=self.rejected,
+            steps=self.steps,
+            scheduler_calls=self.calls,
+            kv_usage_mean=self._kv / span,
+            kv_usage_max=self._kv_max,
+            waiting_mean=self._wait / span,
+            waiting_max=self._wait_max,
+            running_mean=self._run / span,
+            max_decode_batch=self.max_batch,
+            makespan_s=self._t,
+            wall_s=wall_s,
+            routed=list(self.router.routed),
+        )
+
+
+def simulate(
+    workload: Workload, setup: Setup, model: StepCostModel, *, fast_forward: bool = True
+) -> SimResult:
+    """Replay ``workload`` under ``setup`` with step times from ``model``."""
+    return Simulation(workload, setup, model, fast_forward=fast_forward).run()

@@ -1,0 +1,297 @@
+"""A step's wall time as a function of what the step did, fitted on a store's ``engine_steps``.
+
+One working step costs ``Σ coefficient × term`` milliseconds, with non-negative coefficients
+(least squares under that constraint, :func:`scipy.optimize.nnls`), for two parts fitted apart:
+the forward (``forward_ms``) and the host's share around it (scheduling, input preparation,
+sampling, detokenization). The terms (:data:`TERMS`):
+
+* ``step``: a fixed cost per step;
+* ``decode_tokens``: decode rows (a decode verifying drafts counts each draft);
+* ``prefill_tokens``: prompt tokens computed (chunks and recomputes after a preemption);
+* ``attn_gflop``: attention's FLOPs beyond the linear layers (``flops`` less ``2 × params ×
+  tokens`` and the LM head's rows: :mod:`tokenmill.engine.roofline`'s arithmetic), the quadratic
+  part of a long prefill;
+* ``kv_read_mtok``: KV tokens attention read, all layers, in millions (what a big decode batch
+  with long contexts pays).
+
+Between two back-to-back steps the engine also spends a gap (its outputs sent, the next loop
+turn): the recording's median gap is added to every modelled step.
+
+The fit drops steps further than 4 robust sigmas from a first fit (a warm-up compile, a host
+hiccup) and is scored on a held-out fifth of the steps: the median and 90th-percentile absolute
+error, by step kind (decode-only, with prefill). Each term's coefficient comes with a bootstrap
+95% interval. A kind with fewer than :data:`MIN_STEPS` recorded steps is not supported: a
+prediction that needs it says so.
+
+On a CPU the forward's threads are recorded per step (``cpu_threads``); a replica given fewer
+threads (data-parallel replicas share the cores) has its forward part scaled by the ratio, an
+assumption the prediction names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import nnls
+
+#: the model's terms, in the order of a feature row
+TERMS = ("step", "decode_tokens", "prefill_tokens", "attn_gflop", "kv_read_mtok")
+#: steps of a kind (decode-only, with prefill) a store needs before its predictions lean on it
+MIN_STEPS = 20
+#: bootstrap resamples for the coefficients' intervals
+BOOTSTRAP = 200
+#: residuals beyond this many robust sigmas are dropped before the final fit
+OUTLIER_SIGMAS = 4.0
+
+_STEPS_SQL = """
+SELECT start_ns, end_ns, forward_ms, num_decode_tokens, num_prefill_tokens, num_sampled,
+    kv_read_bytes, flops, coalesce(cpu_threads, 0), num_running, num_waiting, replica
+FROM engine_steps
+WHERE num_prefill_tokens + num_decode_tokens > 0 AND start_ns < $until
+ORDER BY coalesce(replica, 0), start_ns
+"""
+
+
+class StepCostError(ValueError):
+    """The store cannot support a step-cost model (one line: what is missing)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What turns a step's chunks into the model's terms: the model's parameter counts (for
+    the attention FLOPs) and the KV bytes of one token (for the KV read)."""
+
+    linear_params: int
+    lm_head_params: int
+    attn_flop_per_pair: int
+    layers: int
+    kv_bytes_per_token: int
+
+
+def model_shape(cfg: dict) -> Shape:
+    """The shape of the recorded engine's model (its ``config`` event names the folder; the
+    default model where it names none).
+
+    Raises:
+        StepCostError: the model's ``config.json`` cannot be read here.
+    """
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.engine.roofline import ModelCost
+
+    folder = cfg.get("model")
+    if not folder:
+        from tokenmill.engine.model_fetch import default_model_dir
+
+        folder = str(default_model_dir())
+    try:
+        mc = load_model_config(folder)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise StepCostError(
+            f"the recorded model {folder} cannot be read here ({first}); the step-cost model "
+            "needs its config.json"
+        ) from None
+    cost = ModelCost.from_config(mc)
+    kv_token = int(cfg.get("kv_bytes_per_token") or cost.kv_bytes_per_token)
+    return Shape(
+        linear_params=cost.linear_params,
+        lm_head_params=cost.lm_head_params,
+        attn_flop_per_pair=4 * cost.num_heads * cost.head_dim,
+        layers=cost.num_layers,
+        kv_bytes_per_token=kv_token,
+    )
+
+
+def features(shape: Shape, decode, prefill, sampled, kv_read_bytes, flops) -> np.ndarray:
+    """Feature rows ``[n, len(TERMS)]`` from per-step counts (arrays or scalars)."""
+    decode = np.asarray(decode, dtype=float)
+    prefill = np.asarray(prefill, dtype=float)
+    linear = 2.0 * shape.linear_params * (decode + prefill)
+    head = 2.0 * shape.lm_head_params * np.asarray(sampled, dtype=float)
+    attn = np.maximum(np.asarray(flops, dtype=float) - linear - head, 0.0) / 1e9
+    kv = np.asarray(kv_read_bytes, dtype=float) / shape.kv_bytes_per_token / 1e6
+    return np.stack(np.broadcast_arrays(np.ones_like(decode), decode, prefill, attn, kv), axis=-1)
+
+
+@dataclass
+class Fit:
+    """One part's coefficients (ms per unit of each term) and their bootstrap intervals."""
+
+    coef: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+
+
+@dataclass
+class StepCostModel:
+    """The fitted model: forward and host parts, the gap between steps, how well it predicts
+    held-out steps, and what the store supports.
+
+    Attributes:
+        shape: the model's shape (terms from chunks).
+        forward, host: the two parts' fits.
+        gap_ms: the recorded median gap between back-to-back steps.
+        threads: the forward's CPU threads in the recording (median; 0 on a GPU).
+        holdout: per step kind (``decode_only``, ``with_prefill``, ``all``): held-out steps,
+            median and p90 absolute error (%).
+        steps: per kind, recorded steps the fit used.
+        ranges: the largest decode batch and prefill tokens a recorded step had.
+    """
+
+    shape: Shape
+    forward: Fit
+    host: Fit
+    gap_ms: float
+    threads: int
+    holdout: dict
+    steps: dict
+    ranges: dict
+    dropped: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def step_ms(self, x: np.ndarray, threads: int | None = None) -> np.ndarray:
+        """Modelled wall time (ms) of steps with feature rows ``x``, gap included; the forward
+        scaled by ``self.threads / threads`` when a replica has fewer threads."""
+        fwd = x @ self.forward.coef
+        if threads and self.threads and threads != self.threads:
+            fwd = fwd * (self.threads / threads)
+        return fwd + x @ self.host.coef + self.gap_ms
+
+    def unsupported(self) -> list[str]:
+        """Step kinds with too few recorded steps to lean on (one phrase each)."""
+        return [
+            f"{kind.replace('_', ' ')} steps ({n} recorded, {MIN_STEPS} needed)"
+            for kind, n in self.steps.items()
+            if kind != "all" and n < MIN_STEPS
+        ]
+
+    def to_dict(self) -> dict:
+        def part(f: Fit) -> dict:
+            return {
+                t: {"ms": float(c), "ci95": [float(lo), float(hi)]}
+                for t, c, lo, hi in zip(TERMS, f.coef, f.low, f.high, strict=True)
+            }
+
+        return {
+            "terms": list(TERMS),
+            "forward": part(self.forward),
+            "host": part(self.host),
+            "gap_ms": self.gap_ms,
+            "threads": self.threads,
+            "holdout": self.holdout,
+            "steps": self.steps,
+            "ranges": self.ranges,
+            "outliers_dropped": self.dropped,
+            "unsupported": self.unsupported(),
+            "notes": self.notes,
+        }
+
+
+def _fit(x: np.ndarray, y: np.ndarray, rng: np.random.Generator) -> Fit:
+    coef, _ = nnls(x, y)
+    boots = []
+    n = len(y)
+    for _ in range(BOOTSTRAP):
+        i = rng.integers(0, n, n)
+        boots.append(nnls(x[i], y[i])[0])
+    b = np.array(boots)
+    return Fit(coef, np.percentile(b, 2.5, axis=0), np.percentile(b, 97.5, axis=0))
+
+
+def _abs_err(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
+    return np.abs(pred - y) / np.maximum(y, 1e-6) * 100.0
+
+
+def fit_step_cost(
+    con, cfg: dict, *, seed: int = 0, shape: Shape | None = None, until_ns: int | None = None
+) -> StepCostModel:
+    """Fit the model on a store's working steps (those started before ``until_ns``).
+
+    Raises:
+        StepCostError: no working steps, or too few to fit (one line).
+    """
+    rows = con.execute(
+        _STEPS_SQL, {"until": until_ns if until_ns is not None else 1 << 62}
+    ).fetchall()
+    if not rows:
+        raise StepCostError(
+            "the store holds no engine steps: a what-if needs a recording of tokenmill's own "
+            "engine (a proxied or collected store has no step records)"
+        )
+    a = np.array([r[:11] for r in rows], dtype=float)
+    replica = [r[11] for r in rows]
+    if len(a) < 2 * MIN_STEPS:
+        raise StepCostError(f"the store holds {len(a)} engine steps; fitting needs {2 * MIN_STEPS}")
+    shape = shape or model_shape(cfg)
+    start, end, fwd = a[:, 0], a[:, 1], a[:, 2]
+    wall = (end - start) / 1e6
+    host = np.maximum(wall - fwd, 0.0)
+    x = features(shape, a[:, 3], a[:, 4], a[:, 5], a[:, 6], a[:, 7])
+    # back-to-back: the engine had work left after the step, same replica
+    same = np.array([replica[i] == replica[i + 1] for i in range(len(a) - 1)], dtype=bool)
+    busy = (a[:-1, 9] + a[:-1, 10] > 0) & same
+    gaps = (start[1:] - end[:-1])[busy] / 1e6
+    gaps = gaps[(gaps >= 0) & (gaps < 1000)]
+    gap_ms = float(np.median(gaps)) if len(gaps) else 0.0
+    threads = a[:, 8]
+    rng = np.random.default_rng(seed)
+    # held-out fifth (every fifth step) for the error; the rest to fit
+    held = np.zeros(len(a), dtype=bool)
+    held[rng.permutation(len(a))[: max(len(a) // 5, 1)]] = True
+    # first fit on the total to find outliers (warm-up compiles, host hiccups)
+    first, _ = nnls(x[~held], wall[~held])
+    resid = wall - x @ first
+    sigma = 1.4826 * np.median(np.abs(resid[~held] - np.median(resid[~held]))) or 1e-6
+    keep = np.abs(resid) <= OUTLIER_SIGMAS * sigma + 1e-9
+    train = keep & ~held
+    f_fit = _fit(x[train], fwd[train], rng)
+    h_fit = _fit(x[train], host[train], rng)
+    decode_only = a[:, 4] == 0
+    holdout = {}
+    test = held & keep
+    pred = x @ f_fit.coef + x @ h_fit.coef
+    for kind, m in (
+        ("decode_only", decode_only),
+        ("with_prefill", ~decode_only),
+        ("all", np.ones(len(a), dtype=bool)),
+    ):
+        e = _abs_err(pred[test & m], wall[test & m])
+        holdout[kind] = {
+            "steps": len(e),
+            "median_abs_err_pct": float(np.median(e)) if len(e) else None,
+            "p90_abs_err_pct": float(np.percentile(e, 90)) if len(e) else None,
+        }
+    kinds = {
+        "decode_only": int((keep & decode_only).sum()),
+        "with_prefill": int((keep & ~decode_only).sum()),
+        "all": int(keep.sum()),
+    }
+    positive = threads[threads > 0]
+    return StepCostModel(
+        shape=shape,
+        forward=f_fit,
+        host=h_fit,
+        gap_ms=gap_ms,
+        threads=int(np.median(positive)) if len(positive) else 0,
+        holdout=holdout,
+        steps=kinds,
+        ranges={
+            "max_decode_batch": int(a[decode_only, 3].max()) if decode_only.any() else 0,
+            "max_prefill_tokens": int(a[:, 4].max()),
+        },
+        dropped=int((~keep).sum()),
+    )
+
+
+__all__ = [
+    "MIN_STEPS",
+    "TERMS",
+    "Fit",
+    "Shape",
+    "StepCostError",
+    "StepCostModel",
+    "features",
+    "fit_step_cost",
+    "model_shape",
+]

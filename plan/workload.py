@@ -1,0 +1,201 @@
+"""A recorded run's traffic as a replayable workload, and what the recording itself measured.
+
+:func:`read_workload` takes the requests the engine took (``queued_ns`` set) from a store or
+dump: arrival offsets, prompt and output lengths, ``max_tokens``, tenant and the prompt's
+per-block content hashes (``prompt_block_hashes``, the first 32 blocks). A replay needs prompt
+token ids only for the prefix cache, so :meth:`Workload.prompt` makes them up from those
+hashes: two recorded prompts whose leading block hashes agree get the same made-up tokens for
+those blocks (the cache hits they had are possible again), every other token is the request's
+own. The API's own time around the engine (gateway to the engine's queue, last token to the
+response's end) is carried over as the recording's medians.
+
+:meth:`Workload.scaled` and :meth:`Workload.repeated` make the "same traffic" what-ifs: arrivals
+at ``k`` times the rate, and a recording tiled back to back to any number of requests (a block
+that only one recorded prompt held is made unique again in each tile, so a tile does not hit
+the cache on its predecessor's private blocks).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+#: the made-up token ids: blocks from a content hash lie below this, a request's own tokens above
+_OWN_BASE = 1 << 40
+#: room for one request's own tokens (prompt and output) in the made-up id space
+_OWN_SPAN = 1 << 20
+
+
+class WorkloadError(ValueError):
+    """The store cannot be replayed (one line: what is missing)."""
+
+
+@dataclass
+class Workload:
+    """Requests in arrival order (arrays of equal length) and the recording's API overheads.
+
+    Attributes:
+        arrival_s: seconds from the first arrival.
+        input_tokens, output_tokens: prompt tokens; output tokens produced (a replayed request
+            stops there).
+        max_tokens: the request's own ``max_tokens`` (the router counts with it).
+        tenants: each request's tenant ('' when none).
+        block_hashes: per request, the content hashes of its first full prompt blocks.
+        pre_engine_s: the API's time from arrival to the engine's queue (recorded median).
+        post_engine_s: from the last token to the response's end (recorded median).
+        block_size: the recording's KV block size (the hashes' granularity).
+        tile: per request, which copy of the recording it is (0 without :meth:`repeated`).
+    """
+
+    arrival_s: np.ndarray
+    input_tokens: np.ndarray
+    output_tokens: np.ndarray
+    max_tokens: np.ndarray
+    tenants: list[str]
+    block_hashes: list[list[int]]
+    pre_engine_s: float
+    post_engine_s: float
+    block_size: int
+    tile: np.ndarray = field(default=None)  # type: ignore[assignment]
+    _shared: frozenset = field(default=frozenset(), repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.tile is None:
+            self.tile = np.zeros(len(self.arrival_s), dtype=np.int64)
+        if not self._shared:
+            counts = Counter(h for hashes in self.block_hashes for h in set(hashes))
+            self._shared = frozenset(h for h, c in counts.items() if c > 1)
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    @property
+    def duration_s(self) -> float:
+        return float(self.arrival_s[-1]) if len(self) else 0.0
+
+    @property
+    def rate_per_s(self) -> float | None:
+        """Arrivals per second over the arrival span (None for one request)."""
+        return (len(self) - 1) / self.duration_s if len(self) > 1 and self.duration_s else None
+
+    def prompt(self, i: int) -> list[int]:
+        """Request ``i``'s made-up prompt token ids (see the module docstring)."""
+        bs, n = self.block_size, int(self.input_tokens[i])
+        tile = int(self.tile[i])
+        out: list[int] = []
+        for h in self.block_hashes[i][: n // bs]:
+            key = (h, 0 if h in self._shared else tile)
+            block = self._cache.get(key)
+            if block is None:
+                base = ((h ^ (key[1] * 0x9E3779B97F4A7C15)) & ((1 << 34) - 1)) * bs
+                block = self._cache[key] = list(range(base, base + bs))
+            out += block
+        own = _OWN_BASE + i * _OWN_SPAN
+        out += range(own, own + n - len(out))
+        return out
+
+    def output_token(self, i: int) -> int:
+        """A made-up output token id of request ``i`` (its own, after its prompt's)."""
+        return _OWN_BASE + i * _OWN_SPAN + _OWN_SPAN // 2
+
+    def scaled(self, rate_factor: float) -> Workload:
+        """The same requests arriving ``rate_factor`` times as fast (gaps divided by it)."""
+        if not rate_factor > 0:
+            raise WorkloadError(f"a rate factor must be > 0, not {rate_factor}")
+        return replace(self, arrival_s=self.arrival_s / rate_factor, _cache={})
+
+    def take(self, mask: np.ndarray) -> Workload:
+        """The requests ``mask`` selects, arrivals counted from the first of them."""
+        idx = np.flatnonzero(mask)
+        if not len(idx):
+            raise WorkloadError("no requests in the chosen slice")
+        return replace(
+            self,
+            arrival_s=self.arrival_s[idx] - self.arrival_s[idx[0]],
+            input_tokens=self.input_tokens[idx],
+            output_tokens=self.output_tokens[idx],
+            max_tokens=self.max_tokens[idx],
+            tenants=[self.tenants[i] for i in idx],
+            block_hashes=[self.block_hashes[i] for i in idx],
+            tile=self.tile[idx],
+            _cache={},
+        )
+
+    def repeated(self, num_requests: int) -> Workload:
+        """The recording tiled back to back (each tile one mean gap after the last) until
+        ``num_requests`` requests."""
+        n = len(self)
+        if num_requests < 1:
+            raise WorkloadError(f"a replay needs at least 1 request, not {num_requests}")
+        tiles = -(-num_requests // n)
+        gap = self.duration_s / (n - 1) if n > 1 else 1.0
+        period = self.duration_s + gap
+        idx = np.tile(np.arange(n), tiles)[:num_requests]
+        tile = np.repeat(np.arange(tiles), n)[:num_requests]
+        return replace(
+            self,
+            arrival_s=self.arrival_s[idx] + tile * period,
+            input_tokens=self.input_tokens[idx],
+            output_tokens=self.output_tokens[idx],
+            max_tokens=self.max_tokens[idx],
+            tenants=[self.tenants[i] for i in idx],
+            block_hashes=[self.block_hashes[i] for i in idx],
+            tile=tile,
+            _cache={},
+        )
+
+
+_REQUESTS_SQL = """
+SELECT arrival_ns, queued_ns, input_tokens, output_tokens, max_tokens, coalesce(tenant, ''),
+    prompt_block_hashes, last_token_ns, end_ns
+FROM requests
+WHERE queued_ns IS NOT NULL AND input_tokens > 0 AND output_tokens > 0
+ORDER BY arrival_ns
+"""
+
+
+def engine_config(con) -> dict:
+    """The engine flags of the recording (its last ``config`` event), {} without one."""
+    row = con.execute(
+        "SELECT attributes FROM events WHERE kind = 'config' ORDER BY time_ns DESC LIMIT 1"
+    ).fetchone()
+    try:
+        return json.loads(row[0]) if row and row[0] else {}
+    except ValueError:
+        return {}
+
+
+def read_workload(con, *, since_ns: int | None = None, until_ns: int | None = None) -> Workload:
+    """The requests of a store or dump (by arrival, ``[since_ns, until_ns)``) as a workload.
+
+    Raises:
+        WorkloadError: no request the engine took and that produced a token.
+    """
+    rows = [
+        r
+        for r in con.execute(_REQUESTS_SQL).fetchall()
+        if (since_ns is None or r[0] >= since_ns) and (until_ns is None or r[0] < until_ns)
+    ]
+    if not rows:
+        raise WorkloadError("the store holds no request the engine took and answered")
+    arrival = np.array([r[0] for r in rows], dtype=np.int64)
+    queued = np.array([r[1] for r in rows], dtype=np.int64)
+    outputs = np.array([r[3] for r in rows], dtype=np.int64)
+    pre = np.median((queued - arrival) / 1e9)
+    post = [(r[8] - r[7]) / 1e9 for r in rows if r[7] is not None]
+    cfg = engine_config(con)
+    return Workload(
+        arrival_s=(arrival - arrival[0]) / 1e9,
+        input_tokens=np.array([r[2] for r in rows], dtype=np.int64),
+        output_tokens=outputs,
+        max_tokens=np.array([max(r[4] or 0, o) for r, o in zip(rows, outputs, strict=True)]),
+        tenants=[r[5] for r in rows],
+        block_hashes=[list(r[6] or []) for r in rows],
+        pre_engine_s=float(max(pre, 0.0)),
+        post_engine_s=float(max(np.median(post), 0.0)) if post else 0.0,
+        block_size=int(cfg.get("block_size") or 16),
+    )
