@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # first and it is kept.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup model demo test lint format clean promtool chromium scenarios scenario-dumps corpus accuracy
+.PHONY: setup model demo test lint format clean promtool chromium scenarios scenario-dumps corpus accuracy plan-validation plan-scale
 
 setup: $(STAMP)
 
@@ -83,3 +83,11 @@ corpus: model
 
 accuracy: $(STAMP)
 	$(BIN)/python benchmarks/diagnosis_accuracy.py --corpus $(CORPUS) --split eval
+
+# tokenmill plan's predictions against real runs (~20 minutes, alone on the machine), then the
+# 1,000,000-request, 64-replica replay from the kept recording
+plan-validation: model
+	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/plan_validation.py --rate 0.4 --requests 80
+
+plan-scale: $(STAMP)
+	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/plan_scale.py

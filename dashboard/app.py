@@ -27,6 +27,7 @@ nav = st.navigation(
         st.Page(VIEWS / "errors.py", title="Errors", icon=":material/error:"),
         st.Page(VIEWS / "diagnosis.py", title="Diagnosis", icon=":material/troubleshoot:"),
         st.Page(VIEWS / "compare.py", title="Compare", icon=":material/compare_arrows:"),
+        st.Page(VIEWS / "whatif.py", title="What if", icon=":material/query_stats:"),
     ]
 )
 st.session_state["tm_ctx"] = ui.sidebar()

@@ -768,3 +768,44 @@ def compare_distributions(before: pd.DataFrame, after: pd.DataFrame, metrics: li
     fig.update_yaxes(type="log", title_text="ms (log)")
     fig = _layout(fig, 420, title).update_layout(boxmode="group", hovermode="closest")
     return fig.update_layout(legend={"y": -0.14})  # below the station names
+
+
+def whatif_curve(df: pd.DataFrame, knee: float | None) -> go.Figure:
+    """Predicted goodput (share of requests within the SLO, left axis) and TTFT/ITL p99 (ms,
+    right axis, log) against the arrival rate (requests/s), from ``tokenmill plan``'s replays;
+    the recorded rate and the knee (the last rate before goodput falls below 90% of its best)
+    marked."""
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(
+        go.Scatter(
+            x=df["rate_per_s"],
+            y=df["goodput_share"] * 100,
+            name="goodput (% of requests within the SLO)",
+            mode="lines+markers",
+            line={"color": "#2ca02c", "width": 3},
+        )
+    )
+    for key, label, color in (
+        ("ttft_p99_ms", "TTFT p99", _COLORS["p99"]),
+        ("itl_p99_ms", "ITL p99", _COLORS["p50"]),
+    ):
+        fig.add_trace(
+            go.Scatter(
+                x=df["rate_per_s"],
+                y=df[key],
+                name=f"{label} (ms)",
+                mode="lines+markers",
+                line={"color": color, "dash": "dot"},
+            ),
+            secondary_y=True,
+        )
+    recorded = df.loc[df["factor"] == 1.0, "rate_per_s"]
+    if len(recorded):
+        fig.add_vline(x=float(recorded.iloc[0]), line={"color": "#7f7f7f", "dash": "dash"},
+                      annotation_text="recorded")  # fmt: skip
+    if knee is not None:
+        fig.add_vline(x=knee, line={"color": "#d62728"}, annotation_text="knee")
+    fig.update_xaxes(title_text="arrival rate (requests/s)")
+    fig.update_yaxes(title_text="goodput (%)", range=[0, 105], secondary_y=False)
+    fig.update_yaxes(title_text="ms (p99)", type="log", secondary_y=True)
+    return _layout(fig, 420)

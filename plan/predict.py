@@ -3,10 +3,11 @@ that measures a real run (``tokenmill.diagnose.compare.REQUEST_SUMMARY_SQL`` ove
 ``requests`` table of the replayed requests), and the error estimate printed with every
 prediction.
 
-The error estimate replays the recording against itself on data the step-cost model never saw:
-the model is fitted on the steps of the first three quarters of the recording, the requests
-that arrived in the last quarter are replayed from an empty engine with the recorded knobs, and
-each summary metric's prediction is set against what that quarter measured.
+The error estimate replays the recording against itself where the step-cost model saw no step:
+the model is fitted on the steps of the first three quarters of the recording only, the whole
+recording is replayed with it (so the last quarter starts from the queue and batch the replay
+built up, as the real one did), and each summary metric over the requests that arrived in the
+last quarter is set against what the recording measured for them.
 """
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ def open_recording(path: str | Path) -> Recording:
     except DumpError as exc:
         raise PlanError(str(exc)) from None
     try:
+        return recording_from(con, str(path))
+    except PlanError:
+        con.close()
+        raise
+
+
+def recording_from(con: duckdb.DuckDBPyConnection, label: str) -> Recording:
+    """What a plan needs from an open store (the console's, or :func:`open_recording`'s).
+
+    Raises:
+        PlanError: no requests, no engine steps, too few steps (one line naming ``label``).
+    """
+    try:
         cfg = engine_config(con)
         model = fit_step_cost(con, cfg)
         workload = read_workload(con)
@@ -93,14 +107,14 @@ def open_recording(path: str | Path) -> Recording:
         ).fetchone()
         lo, hi = con.execute("SELECT min(arrival_ns), max(arrival_ns) FROM requests").fetchone()
     except (StepCostError, WorkloadError) as exc:
-        raise PlanError(f"{path}: {exc}") from None
+        raise PlanError(f"{label}: {exc}") from None
     except duckdb.Error as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise PlanError(f"{path}: cannot read the store ({first})") from None
+        raise PlanError(f"{label}: cannot read the store ({first})") from None
     if not blocks:
-        raise PlanError(f"{path}: the engine steps do not say the KV pool's size")
+        raise PlanError(f"{label}: the engine steps do not say the KV pool's size")
     return Recording(
-        str(path), con, cfg, _engine_config(cfg), workload, model, int(blocks), (lo, hi + 1)
+        label, con, cfg, _engine_config(cfg), workload, model, int(blocks), (lo, hi + 1)
     )
 
 
@@ -207,13 +221,14 @@ def setup_for(
         model = other
         notes.append(f"step costs from the --cost-from recording made with {want}")
     replicas = int(ch.get("replicas", 1))
+    hosts = int(ch.get("hosts", 1))
     threads = None
     if replicas > 1 and rec.device == "cpu" and model.threads:
         threads = max(1, model.threads // replicas)
         if threads != model.threads:
             notes.append(
-                f"each of {replicas} replicas gets {threads} of the {model.threads} CPU threads "
-                "the recording's forward used; its forward time is scaled by "
+                f"each of {replicas} replicas on a host gets {threads} of the {model.threads} CPU "
+                "threads the recording's forward used; its forward time is scaled by "
                 f"{model.threads}/{threads} (assumed)"
             )
     workload = rec.workload
@@ -224,7 +239,7 @@ def setup_for(
     setup = Setup(
         config=config,
         num_blocks=int(ch.get("kv_blocks", rec.num_blocks)),
-        replicas=replicas,
+        replicas=replicas * hosts,
         threads=threads,
         max_model_len=int(rec.cfg.get("max_model_len") or 1 << 20),
     )
@@ -251,6 +266,14 @@ def predict(
             f"decode batches reach {result.max_decode_batch}, beyond the recording's "
             f"{recorded_batch}: the step costs there are extrapolated"
         )
+    eager = model.ranges.get("max_eager_decode_batch", 0)
+    if model.native_rows and result.max_eager_decode_batch > max(1.5 * eager, model.native_rows):
+        notes.append(
+            f"decode-only batches of {model.native_rows + 1}-{result.max_eager_decode_batch} "
+            "run the eager forward, which the recording "
+            + (f"ran only up to {eager} rows" if eager else "never ran on decode-only steps")
+            + ": their cost is extrapolated from its prefill steps"
+        )
     notes += [f"too few {u} in the recording" for u in model.unsupported()]
     rejected = int(result.rejected.sum())
     if rejected:
@@ -265,6 +288,8 @@ def predict(
         "waiting_max": result.waiting_max,
         "running_mean": result.running_mean,
         "max_decode_batch": result.max_decode_batch,
+        "max_eager_decode_batch": result.max_eager_decode_batch,
+        "prefix_hit_tokens": result.prefix_hit_tokens,
         "steps": result.steps,
         "scheduler_calls": result.scheduler_calls,
         "makespan_s": result.makespan_s,
@@ -278,6 +303,7 @@ def predict(
         replay=replay,
         setup={
             "replicas": setup.replicas,
+            "hosts": int(whatif.changes.get("hosts", 1)),
             "threads_per_replica": setup.threads,
             "kv_blocks": setup.num_blocks,
             "max_num_seqs": setup.config.max_num_seqs,
@@ -298,24 +324,25 @@ def measured(rec: Recording, slo: Slo) -> dict:
 
 
 def error_estimate(rec: Recording, slo: Slo) -> dict:
-    """Each metric's relative error (%) when the last :data:`HOLDOUT_SHARE` of the recording is
-    predicted from a model fitted on the rest (see the module docstring); ``{}`` with a note
-    when the recording is too short to hold a slice out."""
+    """Each metric's error (%; goodput in points) over the last :data:`HOLDOUT_SHARE` of the
+    recording, predicted with a model fitted on the rest (see the module docstring); a note
+    instead when the recording is too short to hold a slice out."""
     lo, hi = rec.span_ns
     cut = int(lo + (hi - lo) * (1 - HOLDOUT_SHARE))
     try:
         model = fit_step_cost(rec.con, rec.cfg, shape=rec.model.shape, until_ns=cut)
-        tail = read_workload(rec.con, since_ns=cut)
-    except (StepCostError, WorkloadError) as exc:
+    except StepCostError as exc:
         return {"note": f"no error estimate: {exc}"}
-    if len(tail) < 10:
-        return {"note": f"no error estimate: only {len(tail)} requests in the last quarter"}
+    w = rec.workload
+    tail = int((w.arrival_s >= (cut - w.start_ns) / 1e9).sum())
+    if tail < 10:
+        return {"note": f"no error estimate: only {tail} requests in the last quarter"}
     setup = Setup(
         rec.config, rec.num_blocks, max_model_len=int(rec.cfg.get("max_model_len") or 1 << 20)
     )
-    result = simulate(tail, setup, model)
-    con = result_rows(tail, result)
-    pred = summarize_rows(con, slo)
+    result = simulate(w, setup, model)
+    con = result_rows(w, result)
+    pred = summarize_rows(con, slo, since_ns=cut - w.start_ns)
     con.close()
     real = summarize_rows(rec.con, slo, since_ns=cut)
     errors = {}
@@ -324,4 +351,4 @@ def error_estimate(rec: Recording, slo: Slo) -> dict:
         if p is None or r is None:
             continue
         errors[k] = (p - r) * 100 if k == "goodput_share" else (p - r) / r * 100 if r else None
-    return {"requests": len(tail), "errors_pct": errors}
+    return {"requests": tail, "errors_pct": errors}

@@ -1,6 +1,7 @@
-"""What to change to meet an SLO at a target rate: the smallest replica count, and the best
-knob setting of a small grid on the recorded replica count, each with its predicted margin
-(how far inside the tightest bound it stays: ``1 - value / bound``)."""
+"""What to change to meet an SLO at a target rate: the smallest number of replicas like the
+recorded engine (``hosts``: each with the recorded machine to itself), and the best knob setting
+of a small grid on one, each with its predicted margin (how far inside the tightest bound it
+stays: ``1 - value / bound``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,22 @@ GRID = {
 }
 #: replica counts tried at most
 MAX_REPLICAS = 64
+#: goodput below this share of its best marks the knee of a goodput-vs-rate curve
+KNEE_SHARE = 0.9
+
+
+def knee(rates: list[float], goodput: list[float]) -> float | None:
+    """The highest rate (ascending ``rates``) before goodput first falls below
+    :data:`KNEE_SHARE` of its best; None when it never does or is never above 0."""
+    best = max(goodput, default=0)
+    if not best:
+        return None
+    last = None
+    for rate, good in zip(rates, goodput, strict=True):
+        if good < KNEE_SHARE * best:
+            return last
+        last = rate
+    return None
 
 
 def _whatif(rate: float, **changes) -> WhatIf:
@@ -44,7 +61,7 @@ def recommend(
     tried: dict[int, Prediction] = {1: base}
     n = 1
     while n <= MAX_REPLICAS:
-        p = tried.get(n) or run(_whatif(rate, replicas=n))
+        p = tried.get(n) or run(_whatif(rate, hosts=n))
         tried[n] = p
         if not p.slo_misses:
             break
@@ -53,7 +70,7 @@ def recommend(
         lo, hi = n // 2, n
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            p = tried.get(mid) or run(_whatif(rate, replicas=mid))
+            p = tried.get(mid) or run(_whatif(rate, hosts=mid))
             tried[mid] = p
             if p.slo_misses:
                 lo = mid

@@ -79,8 +79,8 @@ def to_text(doc: dict, width: int = 120) -> str:
             f"{_LABELS[k]} {_err(v)}" for k, v in est["errors_pct"].items() if k in _LABELS
         )
         console.print(
-            f"[bold]Error estimate[/bold] (the last quarter's {est['requests']} requests replayed "
-            f"from a model fitted on the first three quarters): {errs}"
+            f"[bold]Error estimate[/bold] (the recording's last quarter, {est['requests']} "
+            f"requests, with step costs fitted on the first three quarters only): {errs}"
         )
     else:
         console.print(f"[bold]Error estimate[/bold]: {est.get('note')}")
@@ -117,10 +117,11 @@ def to_text(doc: dict, width: int = 120) -> str:
         r = rec_doc["replicas"]
         if r:
             console.print(
-                f"  replicas: {r['count']} (margin {r['slo_margin']:.0%} inside the tightest bound)"
+                f"  hosts like the recorded one: {r['count']} (margin {r['slo_margin']:.0%} inside "
+                "the tightest bound)"
             )
         else:
-            console.print("  replicas: no count up to 64 meets it")
+            console.print("  hosts like the recorded one: no count up to 64 meets it")
         if rec_doc["settings"]:
             best = rec_doc["settings"][0]
             console.print(

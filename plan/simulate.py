@@ -75,11 +75,18 @@ class SimResult:
     steps: int = 0
     scheduler_calls: int = 0
     kv_usage_mean: float = 0.0
+    """the replicas' KV pools' mean use over time"""
     kv_usage_max: float = 0.0
+    """the fullest any replica's pool got"""
     waiting_mean: float = 0.0
+    """requests waiting over all replicas, mean over time"""
     waiting_max: int = 0
+    """the longest queue of any one replica"""
     running_mean: float = 0.0
+    """requests running over all replicas, mean over time"""
     max_decode_batch: int = 0
+    max_eager_decode_batch: int = 0
+    prefix_hit_tokens: int = 0
     makespan_s: float = 0.0
     wall_s: float = 0.0
     routed: list[int] = field(default_factory=list)
@@ -118,6 +125,24 @@ class _Replica:
         self.ends: np.ndarray | None = None
         self.k = 0  # steps of the run in flight that will be applied
         self.version = 0
+        # KV use, queue and batch integrated over time, and their peaks
+        self.t = 0.0
+        self.kv_area = self.wait_area = self.run_area = 0.0
+        self.kv_max = 0.0
+        self.wait_max = 0
+
+    def touch(self, t: float) -> None:
+        """Book the pool and queue as they stood since the last change, up to ``t``."""
+        dt = t - self.t
+        if dt > 0:
+            kv = self.bm.num_used_blocks / self.bm.num_blocks
+            waiting = len(self.sched.waiting)
+            self.kv_area += kv * dt
+            self.wait_area += waiting * dt
+            self.run_area += len(self.sched.running) * dt
+            self.kv_max = max(self.kv_max, kv)
+            self.wait_max = max(self.wait_max, waiting)
+        self.t = t
 
 
 class Simulation:
@@ -143,13 +168,13 @@ class Simulation:
         self.left: dict[int, int] = {}  # router's outstanding tokens per request
         self.replicas = [_Replica(i, setup) for i in range(setup.replicas)]
         self.router = Router(setup.replicas, setup.config.block_size)
+        self._all = list(range(setup.replicas))
         self.heap: list = []
         self.seq = itertools.count()
         self.steps = self.calls = 0
         self.max_batch = 0
-        self._kv = self._wait = self._run = self._t = 0.0
-        self._kv_max = 0.0
-        self._wait_max = 0
+        self.max_eager = 0  # the largest decode-only batch run on the eager path
+        self._t = 0.0
 
     # ----- step cost -----
     def _row(self, out: SchedulerOutput) -> np.ndarray:
@@ -160,11 +185,25 @@ class Simulation:
             pairs += q * s + q * (q + 1) // 2
             sampled += c.num_logit_rows
         return np.array(
-            [1.0, out.num_decode_tokens, out.num_prefill_tokens, pairs * self._attn, kv / 1e6]
+            [
+                1.0,
+                out.num_decode_tokens,
+                out.num_prefill_tokens,
+                out.num_prefill_chunks,
+                pairs * self._attn,
+                kv / 1e6,
+            ]
         )
 
-    def _ms(self, x: np.ndarray) -> np.ndarray:
-        return self.model.step_ms(x, self.setup.threads)
+    def _path(self, out: SchedulerOutput) -> str:
+        decode_only = not out.num_prefill_chunks and not out.num_drafts
+        path = self.model.path_of(decode_only, out.num_decode_tokens)
+        if decode_only and path == "eager":
+            self.max_eager = max(self.max_eager, out.num_decode_tokens)
+        return path
+
+    def _ms(self, x: np.ndarray, path: str) -> float:
+        return float(self.model.step_ms(x, self.setup.threads, path))
 
     # ----- a replica's steps -----
     def _start(self, rep: _Replica, now: float) -> None:
@@ -176,14 +215,15 @@ class Simulation:
         for victim in out.preempted:
             self.preempt[int(victim.request_id)] += 1
         x = self._row(out)
+        path = self._path(out)
         k = 1
-        step_s = float(self._ms(x)) / 1e3
+        step_s = self._ms(x, path) / 1e3
         if self.fast:
             k = self._run_length(rep, out)
         if k > 1:
             batch = len(out.chunks)
-            dx = np.array([0.0, 0.0, 0.0, batch * self._attn, batch / 1e6])
-            grow = (float(self._ms(x + dx)) - float(self._ms(x))) / 1e3
+            dx = np.array([0.0, 0.0, 0.0, 0.0, batch * self._attn, batch / 1e6])
+            grow = (self._ms(x + dx, path) - self._ms(x, path)) / 1e3
             ends = now + np.cumsum(step_s + grow * np.arange(k))
         else:
             ends = np.array([now + step_s])
@@ -304,26 +344,13 @@ class Simulation:
             self.itl50[i] = _quantile(segs, 0.5) * 1e3
             self.itl99[i] = _quantile(segs, 0.99) * 1e3
 
-    def _sample(self, rep_list, t: float) -> None:
-        """Time-weighted KV use, queue and batch since the last event, over the replicas."""
-        dt = t - self._t
-        if dt > 0:
-            kv = sum(r.bm.usage() for r in rep_list) / len(rep_list)
-            waiting = sum(len(r.sched.waiting) for r in rep_list)
-            running = sum(len(r.sched.running) for r in rep_list)
-            self._kv += kv * dt
-            self._wait += waiting * dt
-            self._run += running * dt
-            self._kv_max = max(self._kv_max, kv)
-            self._wait_max = max(self._wait_max, waiting)
-        self._t = t
-
     # ----- the replay -----
     def _arrive(self, i: int, t: float) -> None:
         w = self.w
         prompt = w.prompt(i)
         max_tokens = int(w.max_tokens[i])
-        rep = self.replicas[self.router.pick(list(range(len(self.replicas))), prompt)]
+        rep = self.replicas[self.router.pick(self._all, prompt)]
+        rep.touch(t)
         req = Request(
             str(i),
             prompt,
@@ -359,11 +386,12 @@ class Simulation:
                 rep = reps[r]
                 if version != rep.version or rep.out is None:
                     continue
-                self._sample(reps, t)
+                rep.touch(t)
+                self._t = t
                 end = self._end(rep)
                 self._start(rep, end)
             else:
-                self._sample(reps, t_arr)
+                self._t = t_arr
                 self._arrive(i, t_arr)
                 i += 1
         return self._result(time.perf_counter() - began)
@@ -378,6 +406,9 @@ class Simulation:
             done & (n_out > 1), (self.last - self.first) / np.maximum(n_out - 1, 1) * 1e3, np.nan
         )
         span = self._t or 1e-9
+        reps = self.replicas
+        for rep in reps:
+            rep.touch(self._t)
         return SimResult(
             ttft_ms=(self.first - arrival + pre) * 1e3,
             itl_p50_ms=self.itl50,
@@ -389,12 +420,14 @@ class Simulation:
             rejected=self.rejected,
             steps=self.steps,
             scheduler_calls=self.calls,
-            kv_usage_mean=self._kv / span,
-            kv_usage_max=self._kv_max,
-            waiting_mean=self._wait / span,
-            waiting_max=self._wait_max,
-            running_mean=self._run / span,
+            kv_usage_mean=sum(r.kv_area for r in reps) / span / len(reps),
+            kv_usage_max=max(r.kv_max for r in reps),
+            waiting_mean=sum(r.wait_area for r in reps) / span,
+            waiting_max=max(r.wait_max for r in reps),
+            running_mean=sum(r.run_area for r in reps) / span,
             max_decode_batch=self.max_batch,
+            max_eager_decode_batch=self.max_eager,
+            prefix_hit_tokens=sum(r.bm.prefix_hits for r in self.replicas),
             makespan_s=self._t,
             wall_s=wall_s,
             routed=list(self.router.routed),

@@ -8,18 +8,25 @@ sampling, detokenization). The terms (:data:`TERMS`):
 * ``step``: a fixed cost per step;
 * ``decode_tokens``: decode rows (a decode verifying drafts counts each draft);
 * ``prefill_tokens``: prompt tokens computed (chunks and recomputes after a preemption);
+* ``prefill_chunks``: prompt chunks (each its own attention call);
 * ``attn_gflop``: attention's FLOPs beyond the linear layers (``flops`` less ``2 × params ×
   tokens`` and the LM head's rows: :mod:`tokenmill.engine.roofline`'s arithmetic), the quadratic
   part of a long prefill;
 * ``kv_read_mtok``: KV tokens attention read, all layers, in millions (what a big decode batch
   with long contexts pays).
 
+Each forward path is fitted apart (:data:`PATHS`): on a CPU, decode-only steps of up to a dozen
+rows run the engine's compiled decode step and everything else the eager module forward, whose
+cost per decode row is several times higher; the replay puts each step on the path the engine
+would (:meth:`StepCostModel.path_of`). A path the recording has too few steps of borrows the
+other's fit, and the prediction says so.
+
 Between two back-to-back steps the engine also spends a gap (its outputs sent, the next loop
 turn): the recording's median gap is added to every modelled step.
 
 The fit drops steps further than 4 robust sigmas from a first fit (a warm-up compile, a host
 hiccup) and is scored on a held-out fifth of the steps: the median and 90th-percentile absolute
-error, by step kind (decode-only, with prefill). Each term's coefficient comes with a bootstrap
+error, by step kind (compiled decode-only, eager decode-only, with prefill). Each term's coefficient comes with a bootstrap
 95% interval. A kind with fewer than :data:`MIN_STEPS` recorded steps is not supported: a
 prediction that needs it says so.
 
@@ -30,13 +37,23 @@ assumption the prediction names.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import nnls
 
 #: the model's terms, in the order of a feature row
-TERMS = ("step", "decode_tokens", "prefill_tokens", "attn_gflop", "kv_read_mtok")
+TERMS = (
+    "step",
+    "decode_tokens",
+    "prefill_tokens",
+    "prefill_chunks",
+    "attn_gflop",
+    "kv_read_mtok",
+)
+#: the forward's paths, fitted apart: the compiled decode step (small decode-only batches on a
+#: CPU) and the eager module forward (everything else)
+PATHS = ("compiled", "eager")
 #: steps of a kind (decode-only, with prefill) a store needs before its predictions lean on it
 MIN_STEPS = 20
 #: bootstrap resamples for the coefficients' intervals
@@ -46,7 +63,8 @@ OUTLIER_SIGMAS = 4.0
 
 _STEPS_SQL = """
 SELECT start_ns, end_ns, forward_ms, num_decode_tokens, num_prefill_tokens, num_sampled,
-    kv_read_bytes, flops, coalesce(cpu_threads, 0), num_running, num_waiting, replica
+    kv_read_bytes, flops, num_prefill_chunks, coalesce(cpu_threads, 0), num_running,
+    num_waiting, coalesce(compiled, false)::INT, replica
 FROM engine_steps
 WHERE num_prefill_tokens + num_decode_tokens > 0 AND start_ns < $until
 ORDER BY coalesce(replica, 0), start_ns
@@ -103,7 +121,7 @@ def model_shape(cfg: dict) -> Shape:
     )
 
 
-def features(shape: Shape, decode, prefill, sampled, kv_read_bytes, flops) -> np.ndarray:
+def features(shape: Shape, decode, prefill, sampled, kv_read_bytes, flops, chunks) -> np.ndarray:
     """Feature rows ``[n, len(TERMS)]`` from per-step counts (arrays or scalars)."""
     decode = np.asarray(decode, dtype=float)
     prefill = np.asarray(prefill, dtype=float)
@@ -111,7 +129,9 @@ def features(shape: Shape, decode, prefill, sampled, kv_read_bytes, flops) -> np
     head = 2.0 * shape.lm_head_params * np.asarray(sampled, dtype=float)
     attn = np.maximum(np.asarray(flops, dtype=float) - linear - head, 0.0) / 1e9
     kv = np.asarray(kv_read_bytes, dtype=float) / shape.kv_bytes_per_token / 1e6
-    return np.stack(np.broadcast_arrays(np.ones_like(decode), decode, prefill, attn, kv), axis=-1)
+    chunks = np.asarray(chunks, dtype=float)
+    cols = np.broadcast_arrays(np.ones_like(decode), decode, prefill, chunks, attn, kv)
+    return np.stack(cols, axis=-1)
 
 
 @dataclass
@@ -124,46 +144,65 @@ class Fit:
 
 
 @dataclass
+class PathFit:
+    """The fit of one forward path: its forward and host parts."""
+
+    forward: Fit
+    host: Fit
+
+    def ms(self, x: np.ndarray, scale: float = 1.0) -> np.ndarray:
+        return (x @ self.forward.coef) * scale + x @ self.host.coef
+
+
+@dataclass
 class StepCostModel:
-    """The fitted model: forward and host parts, the gap between steps, how well it predicts
+    """The fitted model: each forward path's fit, the gap between steps, how well it predicts
     held-out steps, and what the store supports.
 
     Attributes:
         shape: the model's shape (terms from chunks).
-        forward, host: the two parts' fits.
+        paths: per forward path (:data:`PATHS`) that ran in the recording, its fit.
+        native_rows: decode-only steps of at most this many rows ran the compiled step (None:
+            the recording has no compiled steps: GPU, ``--enforce-eager``).
         gap_ms: the recorded median gap between back-to-back steps.
         threads: the forward's CPU threads in the recording (median; 0 on a GPU).
-        holdout: per step kind (``decode_only``, ``with_prefill``, ``all``): held-out steps,
-            median and p90 absolute error (%).
+        holdout: per step kind (:data:`KINDS` and ``all``): held-out steps, median and p90
+            absolute error (%).
         steps: per kind, recorded steps the fit used.
         ranges: the largest decode batch and prefill tokens a recorded step had.
     """
 
     shape: Shape
-    forward: Fit
-    host: Fit
+    paths: dict[str, PathFit]
+    native_rows: int | None
     gap_ms: float
     threads: int
     holdout: dict
     steps: dict
     ranges: dict
     dropped: int = 0
-    notes: list[str] = field(default_factory=list)
 
-    def step_ms(self, x: np.ndarray, threads: int | None = None) -> np.ndarray:
-        """Modelled wall time (ms) of steps with feature rows ``x``, gap included; the forward
+    def path_of(self, decode_only: bool, rows: int) -> str:
+        """The path the engine runs a step on: the compiled step for a decode-only step of at
+        most :attr:`native_rows` rows where the recording had it, else eager."""
+        if self.native_rows and decode_only and rows <= self.native_rows:
+            return "compiled"
+        return "eager"
+
+    def step_ms(self, x: np.ndarray, threads: int | None = None, path: str = "eager") -> np.ndarray:
+        """Modelled wall time (ms) of steps with feature rows ``x`` on ``path`` (the other
+        path's fit where the recording had too few of its steps), gap included; the forward
         scaled by ``self.threads / threads`` when a replica has fewer threads."""
-        fwd = x @ self.forward.coef
-        if threads and self.threads and threads != self.threads:
-            fwd = fwd * (self.threads / threads)
-        return fwd + x @ self.host.coef + self.gap_ms
+        fit = self.paths.get(path) or next(iter(self.paths.values()))
+        scale = self.threads / threads if threads and self.threads else 1.0
+        return fit.ms(x, scale) + self.gap_ms
 
     def unsupported(self) -> list[str]:
         """Step kinds with too few recorded steps to lean on (one phrase each)."""
         return [
             f"{kind.replace('_', ' ')} steps ({n} recorded, {MIN_STEPS} needed)"
             for kind, n in self.steps.items()
-            if kind != "all" and n < MIN_STEPS
+            if kind != "all" and n < MIN_STEPS and (kind != "compiled_decode" or self.native_rows)
         ]
 
     def to_dict(self) -> dict:
@@ -175,8 +214,11 @@ class StepCostModel:
 
         return {
             "terms": list(TERMS),
-            "forward": part(self.forward),
-            "host": part(self.host),
+            "paths": {
+                name: {"forward": part(f.forward), "host": part(f.host)}
+                for name, f in self.paths.items()
+            },
+            "native_rows": self.native_rows,
             "gap_ms": self.gap_ms,
             "threads": self.threads,
             "holdout": self.holdout,
@@ -184,7 +226,6 @@ class StepCostModel:
             "ranges": self.ranges,
             "outliers_dropped": self.dropped,
             "unsupported": self.unsupported(),
-            "notes": self.notes,
         }
 
 
@@ -203,6 +244,15 @@ def _abs_err(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.abs(pred - y) / np.maximum(y, 1e-6) * 100.0
 
 
+def _inliers(x: np.ndarray, y: np.ndarray, use: np.ndarray) -> np.ndarray:
+    """Steps within :data:`OUTLIER_SIGMAS` robust sigmas of a first fit over ``use``."""
+    first, _ = nnls(x[use], y[use])
+    resid = y - x @ first
+    r = resid[use]
+    sigma = 1.4826 * np.median(np.abs(r - np.median(r))) or 1e-6
+    return np.abs(resid) <= OUTLIER_SIGMAS * sigma + 1e-9
+
+
 def fit_step_cost(
     con, cfg: dict, *, seed: int = 0, shape: Shape | None = None, until_ns: int | None = None
 ) -> StepCostModel:
@@ -219,75 +269,91 @@ def fit_step_cost(
             "the store holds no engine steps: a what-if needs a recording of tokenmill's own "
             "engine (a proxied or collected store has no step records)"
         )
-    a = np.array([r[:11] for r in rows], dtype=float)
-    replica = [r[11] for r in rows]
+    a = np.array([r[:13] for r in rows], dtype=float)
+    replica = [r[13] for r in rows]
     if len(a) < 2 * MIN_STEPS:
         raise StepCostError(f"the store holds {len(a)} engine steps; fitting needs {2 * MIN_STEPS}")
     shape = shape or model_shape(cfg)
     start, end, fwd = a[:, 0], a[:, 1], a[:, 2]
     wall = (end - start) / 1e6
     host = np.maximum(wall - fwd, 0.0)
-    x = features(shape, a[:, 3], a[:, 4], a[:, 5], a[:, 6], a[:, 7])
+    x = features(shape, a[:, 3], a[:, 4], a[:, 5], a[:, 6], a[:, 7], a[:, 8])
+    compiled = a[:, 12] > 0
     # back-to-back: the engine had work left after the step, same replica
     same = np.array([replica[i] == replica[i + 1] for i in range(len(a) - 1)], dtype=bool)
-    busy = (a[:-1, 9] + a[:-1, 10] > 0) & same
+    busy = (a[:-1, 10] + a[:-1, 11] > 0) & same
     gaps = (start[1:] - end[:-1])[busy] / 1e6
     gaps = gaps[(gaps >= 0) & (gaps < 1000)]
     gap_ms = float(np.median(gaps)) if len(gaps) else 0.0
-    threads = a[:, 8]
+    threads = a[:, 9]
     rng = np.random.default_rng(seed)
-    # held-out fifth (every fifth step) for the error; the rest to fit
-    held = np.zeros(len(a), dtype=bool)
+    held = np.zeros(len(a), dtype=bool)  # a fifth held out for the error; the rest to fit
     held[rng.permutation(len(a))[: max(len(a) // 5, 1)]] = True
-    # first fit on the total to find outliers (warm-up compiles, host hiccups)
-    first, _ = nnls(x[~held], wall[~held])
-    resid = wall - x @ first
-    sigma = 1.4826 * np.median(np.abs(resid[~held] - np.median(resid[~held]))) or 1e-6
-    keep = np.abs(resid) <= OUTLIER_SIGMAS * sigma + 1e-9
-    train = keep & ~held
-    f_fit = _fit(x[train], fwd[train], rng)
-    h_fit = _fit(x[train], host[train], rng)
+    keep = np.zeros(len(a), dtype=bool)
+    paths: dict[str, PathFit] = {}
+    for name, on in (("compiled", compiled), ("eager", ~compiled)):
+        use = on & ~held
+        if use.sum() < MIN_STEPS:
+            continue
+        keep |= on & _inliers(x, wall, use)
+        train = keep & on & ~held
+        paths[name] = PathFit(_fit(x[train], fwd[train], rng), _fit(x[train], host[train], rng))
+    if not paths:
+        raise StepCostError(f"the store holds {len(a)} engine steps, too few of either kind")
+    model = StepCostModel(
+        shape=shape,
+        paths=paths,
+        native_rows=int(a[compiled, 3].max()) if compiled.any() else None,
+        gap_ms=gap_ms,
+        threads=int(np.median(threads[threads > 0])) if (threads > 0).any() else 0,
+        holdout={},
+        steps={},
+        ranges={},
+        dropped=int((~keep).sum()),
+    )
+    if model.native_rows and str(cfg.get("engine_device") or "cpu") == "cpu":
+        # the engine's own cut-over, which a quiet recording may not have reached
+        from tokenmill.engine.models.native_step import MAX_NATIVE_ROWS
+
+        model.native_rows = max(model.native_rows, MAX_NATIVE_ROWS)
     decode_only = a[:, 4] == 0
-    holdout = {}
+    pred = np.array(
+        [
+            model.step_ms(x[i], path="compiled" if compiled[i] else "eager") - gap_ms
+            for i in range(len(a))
+        ]
+    )
+    kinds = {
+        "compiled_decode": decode_only & compiled,
+        "eager_decode": decode_only & ~compiled,
+        "with_prefill": ~decode_only,
+    }
     test = held & keep
-    pred = x @ f_fit.coef + x @ h_fit.coef
-    for kind, m in (
-        ("decode_only", decode_only),
-        ("with_prefill", ~decode_only),
-        ("all", np.ones(len(a), dtype=bool)),
-    ):
+    for kind, m in (*kinds.items(), ("all", np.ones(len(a), dtype=bool))):
         e = _abs_err(pred[test & m], wall[test & m])
-        holdout[kind] = {
+        model.holdout[kind] = {
             "steps": len(e),
             "median_abs_err_pct": float(np.median(e)) if len(e) else None,
             "p90_abs_err_pct": float(np.percentile(e, 90)) if len(e) else None,
         }
-    kinds = {
-        "decode_only": int((keep & decode_only).sum()),
-        "with_prefill": int((keep & ~decode_only).sum()),
-        "all": int(keep.sum()),
+    model.steps = {kind: int((keep & m).sum()) for kind, m in kinds.items()}
+    model.steps["all"] = int(keep.sum())
+    model.ranges = {
+        "max_decode_batch": int(a[decode_only, 3].max()) if decode_only.any() else 0,
+        "max_eager_decode_batch": int(a[decode_only & ~compiled, 3].max())
+        if (decode_only & ~compiled).any()
+        else 0,
+        "max_prefill_tokens": int(a[:, 4].max()),
     }
-    positive = threads[threads > 0]
-    return StepCostModel(
-        shape=shape,
-        forward=f_fit,
-        host=h_fit,
-        gap_ms=gap_ms,
-        threads=int(np.median(positive)) if len(positive) else 0,
-        holdout=holdout,
-        steps=kinds,
-        ranges={
-            "max_decode_batch": int(a[decode_only, 3].max()) if decode_only.any() else 0,
-            "max_prefill_tokens": int(a[:, 4].max()),
-        },
-        dropped=int((~keep).sum()),
-    )
+    return model
 
 
 __all__ = [
     "MIN_STEPS",
+    "PATHS",
     "TERMS",
     "Fit",
+    "PathFit",
     "Shape",
     "StepCostError",
     "StepCostModel",

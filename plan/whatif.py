@@ -19,7 +19,14 @@ from tokenmill.engine.durations import parse_duration
 KNOBS: dict[str, tuple[str, str]] = {
     "rate": ("the recorded arrivals' rate, times this factor", "a factor > 0, e.g. 2 or 1.5"),
     "requests": ("the recording tiled back to back to this many requests", "an integer >= 1"),
-    "replicas": ("data-parallel replicas (engine cores) behind the router", "an integer >= 1"),
+    "replicas": (
+        "data-parallel replicas on the recorded host (they share its cores)",
+        "an integer >= 1",
+    ),
+    "hosts": (
+        "hosts like the recorded one, each with its replicas, behind one router",
+        "an integer >= 1",
+    ),
     "max_num_seqs": ("requests running at once", "an integer >= 1"),
     "max_num_batched_tokens": ("one step's token budget", "an integer >= 1"),
     "kv_blocks": ("KV blocks in each replica's pool", "an integer >= 1"),

@@ -48,6 +48,7 @@ class Workload:
         post_engine_s: from the last token to the response's end (recorded median).
         block_size: the recording's KV block size (the hashes' granularity).
         tile: per request, which copy of the recording it is (0 without :meth:`repeated`).
+        start_ns: the first arrival's wall-clock time in the recording.
     """
 
     arrival_s: np.ndarray
@@ -60,6 +61,8 @@ class Workload:
     post_engine_s: float
     block_size: int
     tile: np.ndarray = field(default=None)  # type: ignore[assignment]
+    start_ns: int = 0
+    """the first arrival's wall-clock time in the recording"""
     _shared: frozenset = field(default=frozenset(), repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -198,4 +201,5 @@ def read_workload(con, *, since_ns: int | None = None, until_ns: int | None = No
         pre_engine_s=float(max(pre, 0.0)),
         post_engine_s=float(max(np.median(post), 0.0)) if post else 0.0,
         block_size=int(cfg.get("block_size") or 16),
+        start_ns=int(arrival[0]),
     )

@@ -26,7 +26,7 @@ RULE_IDS = [r.id for r in RULES]
 PLACEHOLDER = "<rule_id>"
 
 # folders whose every Python module must have its own line in structure.md
-PACKAGES = ("engine", "kernels", "telemetry", "diagnose", "dashboard", "bench", "runbooks")
+PACKAGES = ("engine", "kernels", "telemetry", "diagnose", "dashboard", "bench", "runbooks", "plan")
 # besides them: the scripts, the benchmarks, the test helpers (not the tests themselves) and the
 # contract files that are not Python
 OTHER_FOLDERS = ("scripts", "benchmarks")

@@ -14,17 +14,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "kernels", "telemetry", "diagnose", "dashboard", "bench", "proxy")
+PACKAGES = ("engine", "kernels", "telemetry", "diagnose", "dashboard", "bench", "proxy", "plan")
 
 #: package → packages it must never import
 FORBIDDEN = {
-    "engine": {"telemetry", "diagnose", "dashboard", "bench", "proxy"},
-    "kernels": {"engine", "telemetry", "diagnose", "dashboard", "bench", "proxy"},
-    "telemetry": {"diagnose", "dashboard", "bench", "proxy"},
-    "diagnose": {"engine", "dashboard", "bench", "proxy"},
+    "engine": {"telemetry", "diagnose", "dashboard", "bench", "proxy", "plan"},
+    "kernels": {"engine", "telemetry", "diagnose", "dashboard", "bench", "proxy", "plan"},
+    "telemetry": {"diagnose", "dashboard", "bench", "proxy", "plan"},
+    "diagnose": {"engine", "dashboard", "bench", "proxy", "plan"},
     "dashboard": {"engine", "bench", "proxy"},
     # the proxy is an API front: the gateway and the store, never the engine's model
-    "proxy": {"diagnose", "dashboard", "bench", "kernels"},
+    "proxy": {"diagnose", "dashboard", "bench", "kernels", "plan"},
+    # what-ifs: the engine's scheduler, pool and router over a recording; never the model run
+    "plan": {"dashboard", "bench", "proxy", "kernels"},
 }
 #: the few edges that are the design, each with its reason
 ALLOWED = {

@@ -1,0 +1,224 @@
+"""``tokenmill plan``'s predictions against real runs on this machine, one run each.
+
+1. Record: ``tokenmill serve`` (default model and knobs) under an open-loop load at a moderate
+   rate (``--rate``, Poisson, 64-512-token prompts, 32-128-token answers, a fixed seed).
+2. Predict from that store: the recording replayed as it was (the sanity floor), 1.5x and 2x
+   the rate, ``max_num_seqs=4``, and 2 data-parallel replicas at 2x the rate.
+3. Run each what-if for real: the same load generator with the same seed (the same prompts,
+   the arrival gaps divided by the factor) against a server started with the what-if's flags.
+4. Recommend: an SLO the recording missed (TTFT p99 below 60% of what it measured), the plan's
+   best knob setting for it, and that setting run for real.
+
+Predicted and measured use the same summary SQL (``REQUEST_SUMMARY_SQL``). Targets: TTFT and
+ITL p50 within 15%, p99 within 30%, goodput within 10 points, preemptions the same order of
+magnitude; the as-recorded replay within 10% on TTFT and ITL p50. Results:
+``benchmarks/results/plan_validation.json``; the table goes in RESULTS.md. Run it alone
+(``make plan-validation``): it takes about 15 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "plan_validation.json"
+LOAD = ["--prompt-tokens", "uniform:64:512", "--output-tokens", "uniform:32:128", "--seed", "7"]
+#: what-if → the serve flags that make it real, the rate factor
+CASES = {
+    "rate=1.5": ([], 1.5),
+    "rate=2": ([], 2.0),
+    "max_num_seqs=4": (["--max-num-seqs", "4"], 1.0),
+    "replicas=2,rate=2": (["--data-parallel-size", "2"], 2.0),
+    # a pool a fifth the size: preemptions
+    "kv_blocks=120": (["--num-gpu-blocks-override", "120"], 1.0),
+}
+TARGETS = {"p50": 15.0, "p99": 30.0, "goodput_points": 10.0, "sanity_p50": 10.0}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def record(work: Path, name: str, flags: list[str], rate: float, n: int) -> Path:
+    """One real run into ``work/name/traces.duckdb``; returns the store."""
+    from tokenmill.bench.scenario import _free_port, start_server, stop_server
+
+    out = work / name
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "traces.duckdb"
+    store.unlink(missing_ok=True)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port),
+           "--trace-db", str(store), *flags]  # fmt: skip
+    server = start_server(cmd, out, {**__import__("os").environ}, url)
+    try:
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tokenmill.engine.cli",
+                "bench",
+                "--url",
+                url,
+                "--request-rate",
+                f"{rate:g}",
+                "--num-requests",
+                str(n),
+                *LOAD,
+                "--out",
+                str(out / "bench.json"),
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"bench failed: {r.stderr.strip()[-400:]}")
+    finally:
+        stop_server(server)
+    return store
+
+
+def plan(store: Path, whatifs: list[str], extra: list[str] = ()) -> dict:
+    args = [sys.executable, "-m", "tokenmill.engine.cli", "plan", str(store), "--format", "json"]
+    for w in whatifs:
+        args += ["--what-if", w]
+    r = subprocess.run([*args, *extra], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"plan failed: {r.stderr.strip()[-400:]}")
+    return json.loads(r.stdout)
+
+
+def measure(store: Path, slo_text: str | None = None) -> dict:
+    from tokenmill.plan.predict import summarize_rows
+    from tokenmill.plan.whatif import parse_slo
+    from tokenmill.telemetry.dump import open_dump
+
+    con = open_dump(store, verify=False)
+    try:
+        out = summarize_rows(con, parse_slo(slo_text))
+        (pre,) = con.execute("SELECT coalesce(sum(preemptions), 0) FROM requests").fetchone()
+        out["preemptions"] = int(pre)
+    finally:
+        con.close()
+    return out
+
+
+def _err(pred, real, key: str):
+    if pred is None or real is None:
+        return None
+    if key == "goodput_share":
+        return (pred - real) * 100
+    return (pred - real) / real * 100 if real else None
+
+
+def verdict(pred: dict, real: dict, sanity: bool = False) -> dict:
+    """Each metric's error and whether it is within its target."""
+    rows = {}
+    for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "goodput_share"):
+        e = _err(pred["summary"].get(key), real.get(key), key)
+        bound = (
+            TARGETS["goodput_points"]
+            if key == "goodput_share"
+            else TARGETS["sanity_p50" if sanity else "p50"]
+            if "p50" in key
+            else TARGETS["p99"]
+        )
+        rows[key] = {
+            "predicted": pred["summary"].get(key),
+            "measured": real.get(key),
+            "error": e,
+            "within": e is not None and abs(e) <= bound,
+        }
+    p, m = pred["replay"]["preemptions"], real["preemptions"]
+    mag = lambda x: math.floor(math.log10(x)) if x > 0 else -1  # noqa: E731
+    rows["preemptions"] = {"predicted": p, "measured": m, "within": mag(p) == mag(m)}
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/tokenmill-plan-validation"))
+    ap.add_argument("--rate", type=float, default=1.0, help="the recording's requests/s")
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--skip-real", action="store_true", help="record and predict only")
+    ap.add_argument("--reuse", action="store_true", help="keep the recording and the real runs "
+                    "already in --work; run only what is missing")  # fmt: skip
+    args = ap.parse_args()
+    began = time.time()
+    base = args.work / "record" / "traces.duckdb"
+    if not (args.reuse and base.is_file()):
+        log(f"recording at {args.rate}/s, {args.requests} requests")
+        base = record(args.work, "record", [], args.rate, args.requests)
+    doc = plan(base, list(CASES))
+    preds = {p["what_if"]: p for p in doc["predictions"]}
+    results = {
+        "date": dt.date.today().isoformat(),
+        "machine": "2 vCPU, no GPU",
+        "rate_per_s": args.rate,
+        "requests": args.requests,
+        "load": " ".join(LOAD),
+        "step_cost": doc["step_cost"],
+        "error_estimate": doc["error_estimate"],
+        "recorded": doc["measured"],
+        "cases": {},
+    }
+    rec_real = measure(base)
+    results["cases"]["as recorded"] = verdict(preds["as recorded"], rec_real, sanity=True)
+    log("as recorded: " + json.dumps(results["cases"]["as recorded"]))
+    if not args.skip_real:
+        for whatif, (flags, factor) in CASES.items():
+            store = args.work / whatif.replace(",", "_").replace("=", "-") / "traces.duckdb"
+            if not (args.reuse and store.is_file()):
+                log(f"real run: {whatif}")
+                store = record(args.work, store.parent.name, flags, args.rate * factor,
+                               args.requests)  # fmt: skip
+            results["cases"][whatif] = verdict(preds[whatif], measure(store))
+            log(f"{whatif}: " + json.dumps(results["cases"][whatif]))
+        # an SLO the recording missed, the plan's recommendation, and that setting for real
+        bound = int(rec_real["ttft_p99_ms"] * 0.6)
+        slo = f"ttft_p99<{bound}ms"
+        rec = plan(base, [], ["--slo", slo, "--recommend"])["recommendation"]
+        results["recommendation"] = {"slo": slo, "recorded_ttft_p99_ms": rec_real["ttft_p99_ms"]}
+        if rec["settings"]:
+            best = rec["settings"][0]
+            flags = []
+            ch = best["changes"]
+            if "max_num_seqs" in ch:
+                flags += ["--max-num-seqs", str(ch["max_num_seqs"])]
+            if "max_num_batched_tokens" in ch:
+                flags += ["--max-num-batched-tokens", str(ch["max_num_batched_tokens"])]
+            if ch.get("chunked_prefill") is False:
+                flags += ["--no-enable-chunked-prefill"]
+            store = args.work / "recommended" / "traces.duckdb"
+            if not (args.reuse and store.is_file() and (store.parent / "what_if").is_file()
+                    and (store.parent / "what_if").read_text() == best["what_if"]):  # fmt: skip
+                log(f"recommended {best['what_if']}; real run")
+                store = record(args.work, "recommended", flags, args.rate, args.requests)
+                (store.parent / "what_if").write_text(best["what_if"])
+            real = measure(store, slo)
+            results["recommendation"] |= {
+                "what_if": best["what_if"],
+                "predicted_ttft_p99_ms": best["summary"]["ttft_p99_ms"],
+                "predicted_margin": best["slo_margin"],
+                "measured_ttft_p99_ms": real["ttft_p99_ms"],
+                "met": real["ttft_p99_ms"] < bound,
+            }
+        else:
+            results["recommendation"]["what_if"] = None
+        log("recommendation: " + json.dumps(results["recommendation"]))
+    results["seconds"] = round(time.time() - began)
+    OUT.write_text(json.dumps(results, indent=2, default=float) + "\n")
+    log(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The What if page on a recording of the real engine (the plan validation's, kept as a
+Parquet dump): its numbers are ``tokenmill plan``'s for the same what-if and SLO, a knob set on
+the page changes them as the plan says, and the knee is where goodput falls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from tokenmill.dashboard import data
+from tokenmill.plan.predict import open_recording, predict
+from tokenmill.plan.recommend import knee
+from tokenmill.plan.whatif import Slo, parse_whatif
+
+APP = Path(data.__file__).parent / "app.py"
+RECORDING = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "plan_recording"
+
+
+def _page(monkeypatch) -> AppTest:
+    monkeypatch.setenv("TOKENMILL_DASHBOARD_SOURCE", str(RECORDING))
+    at = AppTest.from_file(str(APP), default_timeout=300)
+    at.run()
+    at.switch_page("views/whatif.py")
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def _table(at: AppTest) -> pd.DataFrame:
+    return at.dataframe[0].value
+
+
+def test_the_page_shows_the_plans_numbers(monkeypatch):
+    at = _page(monkeypatch)
+    df = _table(at)
+    assert len(df) == 6
+    rec = open_recording(RECORDING)
+    slo = Slo("", {}, *(data.Slo().ttft_ms, data.Slo().itl_ms, data.Slo().e2e_ms))
+    for factor, row in zip((0.5, 1.0, 2.0), (0, 1, 3), strict=True):
+        p = predict(rec, parse_whatif(f"rate={factor:g}" if factor != 1 else ""), slo)
+        assert df["goodput_share"].iloc[row] == pytest.approx(p.summary["goodput_share"])
+        assert df["ttft_p99_ms"].iloc[row] == pytest.approx(p.summary["ttft_p99_ms"])
+    # traffic that grows is served no better
+    assert df["ttft_p99_ms"].iloc[-1] > df["ttft_p99_ms"].iloc[0]
+    seqs = at.number_input[0]
+    seqs.set_value(2).run()
+    assert not at.exception, at.exception
+    fewer = _table(at)
+    p = predict(rec, parse_whatif("max_num_seqs=2"), slo)
+    assert fewer["ttft_p50_ms"].iloc[1] == pytest.approx(p.summary["ttft_p50_ms"])
+    assert fewer["ttft_p50_ms"].iloc[1] > df["ttft_p50_ms"].iloc[1]
+    rec.con.close()
+
+
+def test_the_knee_is_the_last_rate_before_goodput_falls():
+    assert knee([1, 2, 3, 4], [0.9, 0.88, 0.7, 0.1]) == 2
+    assert knee([1, 2], [0.5, 0.5]) is None
+    assert knee([1, 2], [0.0, 0.0]) is None

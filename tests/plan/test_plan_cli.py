@@ -1,0 +1,126 @@
+"""``tokenmill plan`` on a recording of the real engine behind a real server, and its one-line
+refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import duckdb
+import pytest
+
+from tokenmill.plan.cli import run
+
+MODEL = "smollm2-135m-instruct"
+PREFIX = list(range(2000, 2064))  # four KV blocks every "chat" request starts with
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory, smollm2_dir):
+    """One server with a 60-block pool and 6 running at most; 18 requests in three waves
+    (two thirds start with the same 64 tokens), enough decode to preempt."""
+    import asyncio
+
+    import httpx
+    from server_proc import Server
+
+    tmp = tmp_path_factory.mktemp("plan_real")
+    db = tmp / "traces.duckdb"
+    server = Server(
+        tmp, "--model", str(smollm2_dir), "--trace-db", str(db),
+        "--num-gpu-blocks-override", "60", "--max-num-seqs", "6",
+    )  # fmt: skip
+
+    async def send(ac, i):
+        own = list(range(5000 + 300 * i, 5000 + 300 * i + 40 + 7 * i))
+        prompt = PREFIX + own if i % 3 else own
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24 + i, "ignore_eos": True}
+        r = await ac.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+
+    async def load():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as ac:
+            for wave in range(3):
+                await asyncio.gather(*(send(ac, 6 * wave + k) for k in range(6)))
+                await asyncio.sleep(0.3)
+
+    try:
+        asyncio.run(load())
+        import time
+
+        time.sleep(1.0)  # the last rows reach the store
+    finally:
+        server.stop()
+    return db
+
+
+def test_the_recording_replayed_as_it_was(recording):
+    doc = json.loads(run(recording, ["max_num_seqs=2"], None, False, 1.0, [], "json"))
+    con = duckdb.connect(str(recording), read_only=True)
+    rec_tokens, rec_hits, rec_preempt = con.execute(
+        "SELECT sum(output_tokens), sum(cached_tokens), sum(preemptions) FROM requests"
+    ).fetchone()
+    (rec_steps,) = con.execute(
+        "SELECT count(*) FROM engine_steps WHERE num_prefill_tokens + num_decode_tokens > 0"
+    ).fetchone()
+    con.close()
+    same, fewer = doc["predictions"]
+    assert same["what_if"] == "as recorded"
+    assert same["summary"]["completed"] == 18 == doc["measured"]["completed"]
+    assert same["replay"]["throughput_tok_s"] > 0
+    # the scheduler makes the recording's decisions: the same tokens in about as many steps
+    assert rec_steps * 0.65 <= same["replay"]["steps"] <= rec_steps * 1.35
+    # the shared 64-token head is served from the cache in the replay too
+    assert rec_hits > 0 and same["replay"]["prefix_hit_tokens"] > 0
+    if rec_preempt:
+        assert same["replay"]["preemptions"] > 0
+    # two running at most: a longer queue, fewer running, TTFT up
+    assert fewer["replay"]["running_mean"] <= 2.0
+    assert fewer["replay"]["waiting_mean"] > same["replay"]["waiting_mean"]
+    assert fewer["summary"]["ttft_p50_ms"] > same["summary"]["ttft_p50_ms"]
+    assert sum(doc["step_cost"]["steps"].values()) > 0
+    assert rec_tokens == sum(range(24, 24 + 18))
+
+
+def test_text_report_names_the_columns_and_the_error_estimate(recording):
+    text = run(recording, ["rate=2"], "ttft_p99<50ms", False, 1.0, [], "text")
+    assert "as recorded" in text and "rate=2" in text
+    assert "Error estimate" in text
+    assert "SLO ttft_p99<50ms" in text and "missed" in text
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tokenmill.engine.cli", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
+    stepless = tmp_path / "proxy_like.duckdb"
+    con = duckdb.connect(str(stepless))
+    con.execute(f"ATTACH '{recording}' AS rec (READ_ONLY)")
+    for (name,) in con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_catalog = 'rec'"
+    ).fetchall():
+        con.execute(f"CREATE TABLE {name} AS SELECT * FROM rec.{name}")
+    con.execute("DELETE FROM engine_steps")
+    con.execute("DETACH rec")
+    con.close()
+    cases = [
+        ((str(stepless),), "holds no engine steps"),
+        ((str(recording), "--what-if", "max_batch=3"), "unknown knob 'max_batch'"),
+        ((str(recording), "--slo", "ttft<2s"), "unknown metric 'ttft'"),
+        ((str(recording), "--slo", "ttft_p99 under 2s"), "expected metric<duration"),
+        ((str(recording), "--what-if", "rate=0"), "rate=0: a factor > 0"),
+        ((str(recording), "--recommend"), "--recommend needs an --slo"),
+        ((str(tmp_path / "missing.duckdb"),), "missing.duckdb"),
+    ]
+    for args, says in cases:
+        r = _cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], (args, r.stderr)

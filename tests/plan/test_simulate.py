@@ -1,0 +1,144 @@
+"""The replay through the engine's own scheduler, with a step-cost model whose coefficients
+the tests choose, so each latency can be worked out by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.plan.simulate import Setup, simulate
+from tokenmill.plan.step_cost import TERMS, Fit, PathFit, Shape, StepCostModel
+from tokenmill.plan.workload import Workload
+
+SHAPE = Shape(
+    linear_params=1000, lm_head_params=100, attn_flop_per_pair=4, layers=1, kv_bytes_per_token=1
+)
+
+
+def model(step=10.0, decode=1.0, prefill=0.1, attn=0.0, kv=0.0, gap=0.0) -> StepCostModel:
+    coef = np.array([step, decode, prefill, 0.0, attn, kv])
+    zero = np.zeros(len(TERMS))
+    return StepCostModel(
+        shape=SHAPE,
+        paths={"eager": PathFit(Fit(coef, coef, coef), Fit(zero, zero, zero))},
+        native_rows=None,
+        gap_ms=gap,
+        threads=0,
+        holdout={},
+        steps={"eager_decode": 100, "with_prefill": 100, "all": 200},
+        ranges={"max_decode_batch": 64, "max_prefill_tokens": 2048},
+    )
+
+
+def workload(arrivals, prompts, outputs, hashes=None, pre=0.005, post=0.002) -> Workload:
+    n = len(arrivals)
+    return Workload(
+        arrival_s=np.asarray(arrivals, dtype=float),
+        input_tokens=np.asarray(prompts),
+        output_tokens=np.asarray(outputs),
+        max_tokens=np.asarray(outputs),
+        tenants=[""] * n,
+        block_hashes=hashes or [[] for _ in range(n)],
+        pre_engine_s=pre,
+        post_engine_s=post,
+        block_size=16,
+    )
+
+
+def setup(**kw) -> Setup:
+    blocks = kw.pop("num_blocks", 1000)
+    replicas = kw.pop("replicas", 1)
+    return Setup(EngineConfig(**kw), num_blocks=blocks, replicas=replicas)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_one_request_alone_costs_its_prefill_then_its_decodes(fast):
+    # prefill step: 10 + 0.1 x 100 = 20 ms; each decode: 10 + 1 = 11 ms
+    r = simulate(workload([0.0], [100], [10]), setup(), model(), fast_forward=fast)
+    assert r.ttft_ms[0] == pytest.approx(5 + 20)
+    assert r.itl_p50_ms[0] == pytest.approx(11)
+    assert r.itl_p99_ms[0] == pytest.approx(11)
+    assert r.tpot_ms[0] == pytest.approx(11)
+    assert r.e2e_ms[0] == pytest.approx(5 + 20 + 9 * 11 + 2)
+    assert r.output_tokens[0] == 10
+    assert r.steps == 10
+    assert r.scheduler_calls == (3 if fast else 11)  # prefill, one run of 9, the empty plan
+
+
+def test_a_second_request_waits_behind_max_num_seqs():
+    w = workload([0.0, 0.001], [100, 100], [10, 10])
+    one = simulate(w, setup(max_num_seqs=1), model())
+    two = simulate(w, setup(max_num_seqs=2), model())
+    # with one slot the second request starts when the first has ended (20 + 99 ms)
+    assert one.ttft_ms[1] == pytest.approx(5 + 20 + 99 + 20 - 1)
+    # with two it is admitted into the first decode step: 10 + 1 decode + 100 x 0.1 = 21 ms
+    assert two.ttft_ms[1] == pytest.approx(5 + 20 + 21 - 1)
+    assert two.itl_p50_ms[0] == pytest.approx(12)  # two decodes a step
+
+
+def test_a_pool_too_small_for_both_preempts_and_both_still_finish():
+    # 10 blocks of 16 tokens: two 60-token prompts growing to 100 tokens need 14
+    w = workload([0.0, 0.0], [60, 60], [40, 40])
+    r = simulate(w, setup(num_blocks=10, kv_watermark=0.0), model())
+    assert r.preemptions.sum() >= 1
+    assert list(r.output_tokens) == [40, 40]
+    assert not np.isnan(r.e2e_ms).any()
+
+
+def test_a_shared_prefix_hits_the_cache_only_with_caching_on():
+    shared = [[11, 12, 13, 14], [11, 12, 13, 14]]  # the same four leading blocks
+    w = workload([0.0, 1.0], [80, 80], [4, 4], hashes=shared)
+    on = simulate(w, setup(), model())
+    off = simulate(w, setup(enable_prefix_caching=False), model())
+    # the second prompt computes 16 tokens instead of 80 (64 served from the cache)
+    assert on.ttft_ms[1] == pytest.approx(5 + 10 + 0.1 * 16)
+    assert off.ttft_ms[1] == pytest.approx(5 + 10 + 0.1 * 80)
+
+
+def test_two_replicas_split_the_load_by_outstanding_tokens():
+    w = workload([0.0, 0.0, 0.0, 0.0], [100] * 4, [20] * 4)
+    r = simulate(w, setup(replicas=2), model())
+    assert r.routed == [2, 2]
+    one = simulate(w, setup(), model())
+    assert np.nanmean(r.ttft_ms) < np.nanmean(one.ttft_ms)
+
+
+def test_fast_forward_gives_the_percentiles_of_step_by_step():
+    rng = np.random.default_rng(3)
+    n = 80
+    arrivals = np.cumsum(rng.exponential(0.05, n))
+    prompts = rng.integers(40, 400, n)
+    outputs = rng.integers(10, 120, n)
+    hashes = [[1, 2] if i % 3 == 0 else [] for i in range(n)]
+    w = workload(arrivals, prompts, outputs, hashes=hashes)
+    m = model(step=8.0, decode=0.6, prefill=0.05, attn=2.0, kv=40.0)
+    for s in (setup(num_blocks=120), setup(replicas=3, num_blocks=400)):
+        fast = simulate(w, s, m, fast_forward=True)
+        slow = simulate(w, s, m, fast_forward=False)
+        assert fast.scheduler_calls < slow.scheduler_calls / 2
+        assert (fast.output_tokens == slow.output_tokens).all()
+        for got, want in (
+            (fast.ttft_ms, slow.ttft_ms),
+            (fast.e2e_ms, slow.e2e_ms),
+            (fast.itl_p50_ms, slow.itl_p50_ms),
+            (fast.itl_p99_ms, slow.itl_p99_ms),
+        ):
+            for q in (50, 99):
+                assert np.nanpercentile(got, q) == pytest.approx(
+                    np.nanpercentile(want, q), rel=0.01
+                )
+        assert abs(int(fast.preemptions.sum()) - int(slow.preemptions.sum())) <= 1
+
+
+def test_rate_and_tiling_change_the_arrivals_not_the_requests():
+    w = workload([0.0, 1.0, 3.0], [50, 60, 70], [5, 6, 7], hashes=[[1], [1], [2]])
+    fast = w.scaled(2.0)
+    assert list(fast.arrival_s) == [0.0, 0.5, 1.5]
+    big = w.repeated(7)
+    assert len(big) == 7
+    assert list(big.input_tokens) == [50, 60, 70, 50, 60, 70, 50]
+    assert big.arrival_s[3] == pytest.approx(3.0 + 1.5)  # one mean gap after the last
+    # a block two prompts share stays shared across tiles; a private one is new in each tile
+    assert big.prompt(0)[:16] == big.prompt(3)[:16] == big.prompt(1)[:16]
+    assert big.prompt(2)[:16] != big.prompt(5)[:16]

@@ -1,0 +1,103 @@
+"""The step-cost fit recovers known coefficients from steps made with them, says how well it
+predicts steps it never saw, and refuses stores it cannot stand on."""
+
+from __future__ import annotations
+
+import duckdb
+import numpy as np
+import pytest
+
+from tokenmill.plan.step_cost import MIN_STEPS, Shape, StepCostError, fit_step_cost
+
+SHAPE = Shape(
+    linear_params=1000, lm_head_params=100, attn_flop_per_pair=4, layers=1, kv_bytes_per_token=1
+)
+
+
+def steps_store(n: int, prefill_share: float = 0.3, noise: float = 0.02, seed: int = 0):
+    """``engine_steps`` rows made with known costs. Eager steps: a forward of 12 ms + 0.9 ms a
+    decode + 0.05 ms a prompt token + 2 ms a prompt chunk + 30 ms per million KV tokens read;
+    decode-only steps of at most 12 rows run compiled: 6 ms + 0.3 ms a decode + 10 ms per
+    million KV tokens. Host part 1 ms + 0.1 ms a decode; 1 ms between back-to-back steps;
+    every 25th step a 10x hiccup."""
+    rng = np.random.default_rng(seed)
+    con = duckdb.connect()
+    con.execute(
+        "CREATE TABLE engine_steps (start_ns BIGINT, end_ns BIGINT, forward_ms DOUBLE, "
+        "num_decode_tokens INT, num_prefill_tokens INT, num_sampled INT, kv_read_bytes BIGINT, "
+        "flops BIGINT, num_prefill_chunks INT, cpu_threads INT, num_running INT, "
+        "num_waiting INT, compiled BOOLEAN, replica INT)"
+    )
+    t = 1_000_000_000
+    rows = []
+    for i in range(n):
+        decode = int(rng.integers(1, 40))
+        chunks = int(rng.integers(1, 4)) if rng.random() < prefill_share else 0
+        prefill = int(rng.integers(16, 1500)) if chunks else 0
+        kv = int(rng.integers(1_000, 200_000))
+        sampled = decode + (1 if prefill else 0)
+        flops = 2 * SHAPE.linear_params * (decode + prefill) + 2 * SHAPE.lm_head_params * sampled
+        compiled = not prefill and decode <= 12
+        if compiled:
+            fwd = 6 + 0.3 * decode + 10 * kv / 1e6
+        else:
+            fwd = 12 + 0.9 * decode + 0.05 * prefill + 2 * chunks + 30 * kv / 1e6
+        host = 1 + 0.1 * decode
+        fwd *= 1 + noise * rng.standard_normal()
+        if i % 25 == 7:
+            fwd *= 10
+        wall_ns = int((fwd + host) * 1e6)
+        rows.append(
+            (t, t + wall_ns, fwd, decode, prefill, sampled, kv, flops, chunks, 2, 5, 0, compiled, 0)
+        )
+        t += wall_ns + 1_000_000
+    con.executemany("INSERT INTO engine_steps VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+    return con
+
+
+def test_the_fit_recovers_each_paths_coefficients_and_the_gap():
+    m = fit_step_cost(steps_store(900), {}, shape=SHAPE)
+    eager, compiled = m.paths["eager"], m.paths["compiled"]
+    f = eager.forward.coef  # step, decode, prefill, chunks, attention, KV
+    assert f[0] == pytest.approx(12, rel=0.1)
+    assert f[1] == pytest.approx(0.9, rel=0.05)
+    assert f[2] == pytest.approx(0.05, rel=0.05)
+    assert f[3] == pytest.approx(2, rel=0.3)
+    assert f[5] == pytest.approx(30, rel=0.15)
+    for i, true in ((1, 0.9), (2, 0.05)):
+        assert eager.forward.low[i] <= true <= eager.forward.high[i]
+    c = compiled.forward.coef
+    assert c[0] == pytest.approx(6, rel=0.1)
+    assert c[1] == pytest.approx(0.3, rel=0.1)
+    assert c[5] == pytest.approx(10, rel=0.2)
+    assert eager.host.coef[0] == pytest.approx(1, rel=0.1)
+    assert eager.host.coef[1] == pytest.approx(0.1, rel=0.05)
+    assert m.native_rows == 12
+    assert m.path_of(True, 12) == "compiled"
+    assert m.path_of(True, 13) == "eager"
+    assert m.path_of(False, 4) == "eager"
+    assert m.gap_ms == pytest.approx(1.0, abs=0.01)
+    assert m.dropped >= 900 // 25 - 2  # the hiccups, not used for the fit
+    assert m.holdout["all"]["median_abs_err_pct"] < 5
+    assert m.threads == 2
+    assert m.unsupported() == []
+
+
+def test_a_recording_without_prefill_steps_says_so():
+    m = fit_step_cost(steps_store(300, prefill_share=0.0), {}, shape=SHAPE)
+    assert m.steps["with_prefill"] == 0
+    assert m.unsupported() == [f"with prefill steps (0 recorded, {MIN_STEPS} needed)"]
+
+
+def test_no_steps_or_too_few_is_one_line():
+    with pytest.raises(StepCostError, match="holds no engine steps"):
+        fit_step_cost(steps_store(0), {}, shape=SHAPE)
+    with pytest.raises(StepCostError, match="holds 10 engine steps; fitting needs 40"):
+        fit_step_cost(steps_store(10), {}, shape=SHAPE)
+
+
+def test_fitting_stops_at_until_ns():
+    con = steps_store(300)
+    (mid,) = con.execute("SELECT quantile_disc(start_ns, 0.5) FROM engine_steps").fetchone()
+    m = fit_step_cost(con, {}, shape=SHAPE, until_ns=mid)
+    assert m.steps["all"] + m.dropped == 150

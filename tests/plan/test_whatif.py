@@ -1,0 +1,67 @@
+"""What-ifs and SLOs: what parses into what, and one-line refusals naming the part."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.plan.whatif import parse_slo, parse_whatif
+
+
+def test_whatif_parses_each_kind_of_value():
+    w = parse_whatif("rate=1.5, max-num-seqs=4,chunked_prefill=off,replicas=2,kv_blocks=300")
+    assert w.changes == {
+        "rate": 1.5,
+        "max_num_seqs": 4,
+        "chunked_prefill": False,
+        "replicas": 2,
+        "kv_blocks": 300,
+    }
+    assert parse_whatif("").label == "as recorded"
+    assert parse_whatif("prefix_caching=on").changes == {"prefix_caching": True}
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("max_batch=4", "unknown knob 'max_batch' (known: rate, requests"),
+        ("rate=0", "rate=0: a factor > 0"),
+        ("rate=-1", "rate=-1: a factor > 0"),
+        ("rate=fast", "rate=fast: a factor > 0"),
+        ("max_num_seqs=0", "max_num_seqs=0: an integer >= 1"),
+        ("replicas=two", "replicas=two: an integer >= 1"),
+        ("chunked_prefill=maybe", "on | off"),
+        ("rate", "expected knob=value"),
+        ("rate=2,rate=3", "rate is given twice"),
+        ("disaggregation=1:1", "not replayed"),
+    ],
+)
+def test_whatif_refusals_name_the_part(text, says):
+    with pytest.raises(ValueError) as exc:
+        parse_whatif(text)
+    assert says in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_slo_bounds_and_the_per_request_goodput_bounds():
+    slo = parse_slo("ttft_p99<2s, itl_p50<=150ms,e2e_p99<1m")
+    assert slo.bounds == {"ttft_p99_ms": 2000.0, "itl_p50_ms": 150.0, "e2e_p99_ms": 60000.0}
+    assert (slo.ttft_ms, slo.itl_ms, slo.e2e_ms) == (2000.0, 150.0, 60000.0)
+    summary = {"ttft_p99_ms": 1500.0, "itl_p50_ms": 160.0, "e2e_p99_ms": 30000.0}
+    assert slo.misses(summary) == {"itl_p50_ms": (160.0, 150.0)}
+    assert slo.margin(summary) == pytest.approx(1 - 160 / 150)
+    assert parse_slo(None).bounds == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("ttft_p99 2s", "expected metric<duration"),
+        ("ttft_p95<2s", "unknown metric 'ttft_p95'"),
+        ("ttft_p99<soon", "bad duration"),
+        ("ttft_p99<0s", "ttft_p99<0s"),
+    ],
+)
+def test_slo_refusals_name_the_part(text, says):
+    with pytest.raises(ValueError) as exc:
+        parse_slo(text)
+    assert says in str(exc.value)
