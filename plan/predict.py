@@ -274,7 +274,12 @@ def predict(
             + (f"ran only up to {eager} rows" if eager else "never ran on decode-only steps")
             + ": their cost is extrapolated from its prefill steps"
         )
-    notes += [f"too few {u} in the recording" for u in model.unsupported()]
+    for kind, n in model.thin_kinds().items():
+        if result.steps_by_kind.get(kind):
+            notes.append(
+                f"{result.steps_by_kind[kind]:,} replayed {kind.replace('_', ' ')} steps lean "
+                f"on {n} recorded ones (too few to fit)"
+            )
     rejected = int(result.rejected.sum())
     if rejected:
         notes.append(f"{rejected} requests could never fit this pool or context and were refused")
@@ -291,6 +296,7 @@ def predict(
         "max_eager_decode_batch": result.max_eager_decode_batch,
         "prefix_hit_tokens": result.prefix_hit_tokens,
         "steps": result.steps,
+        "steps_by_kind": result.steps_by_kind,
         "scheduler_calls": result.scheduler_calls,
         "makespan_s": result.makespan_s,
         "wall_s": result.wall_s,

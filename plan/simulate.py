@@ -19,8 +19,9 @@ run of K steps a request's K-1 inter-token latencies are booked as their mean (t
 times differ by the context's growth only); ``fast_forward=False`` plans every step through
 the scheduler, which the tests hold the fast path to.
 
-The router's outstanding-token counts are brought up to date when a replica's step (or run of
-steps) ends, so between those moments it sees the count of the last one.
+The router's outstanding-token counts are booked when a replica's step (or run of steps) ends;
+an arrival routed while runs are in flight has each run's ended steps counted off first, so
+the router decides as it would have step by step.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class SimResult:
     """requests running over all replicas, mean over time"""
     max_decode_batch: int = 0
     max_eager_decode_batch: int = 0
+    steps_by_kind: dict = field(default_factory=dict)
     prefix_hit_tokens: int = 0
     makespan_s: float = 0.0
     wall_s: float = 0.0
@@ -169,11 +171,18 @@ class Simulation:
         self.replicas = [_Replica(i, setup) for i in range(setup.replicas)]
         self.router = Router(setup.replicas, setup.config.block_size)
         self._all = list(range(setup.replicas))
+        # each replica's run of steps in flight (start, first step's s, growth per step, batch;
+        # batch 0 when none): the router's counts are brought up to the steps that run has
+        # ended by an arrival, as step-by-step would have booked them
+        r = setup.replicas
+        self._run_t0, self._run_s = np.zeros(r), np.ones(r)
+        self._run_g, self._run_b = np.zeros(r), np.zeros(r)
         self.heap: list = []
         self.seq = itertools.count()
         self.steps = self.calls = 0
         self.max_batch = 0
         self.max_eager = 0  # the largest decode-only batch run on the eager path
+        self.kinds: dict[str, int] = {}  # steps replayed per kind (StepCostModel.steps' kinds)
         self._t = 0.0
 
     # ----- step cost -----
@@ -220,6 +229,8 @@ class Simulation:
         step_s = self._ms(x, path) / 1e3
         if self.fast:
             k = self._run_length(rep, out)
+        kind = "with_prefill" if out.num_prefill_chunks else f"{path}_decode"
+        self.kinds[kind] = self.kinds.get(kind, 0) + k
         if k > 1:
             batch = len(out.chunks)
             dx = np.array([0.0, 0.0, 0.0, 0.0, batch * self._attn, batch / 1e6])
@@ -228,6 +239,12 @@ class Simulation:
         else:
             ends = np.array([now + step_s])
         rep.out, rep.ends, rep.k = out, ends, k
+        j = rep.index
+        if k > 1:
+            self._run_t0[j], self._run_s[j], self._run_g[j] = now, step_s, grow
+            self._run_b[j] = len(out.chunks)
+        else:
+            self._run_b[j] = 0.0
         rep.version += 1
         heapq.heappush(self.heap, (float(ends[-1]), next(self.seq), rep.index, rep.version))
 
@@ -349,7 +366,7 @@ class Simulation:
         w = self.w
         prompt = w.prompt(i)
         max_tokens = int(w.max_tokens[i])
-        rep = self.replicas[self.router.pick(self._all, prompt)]
+        rep = self.replicas[self._pick(t, prompt)]
         rep.touch(t)
         req = Request(
             str(i),
@@ -372,6 +389,26 @@ class Simulation:
             self._start(rep, t)
         else:
             self._cut(rep, t)
+
+    def _pick(self, t: float, prompt: list[int]) -> int:
+        """The router's pick at ``t``, with the tokens of the steps that runs in flight have
+        ended by then counted off (they are booked when the run ends)."""
+        router = self.router
+        if len(self._all) == 1 or not self._run_b.any():
+            return router.pick(self._all, prompt)
+        # steps ended by t of a run whose i-th step ends at t0 + i*s + g*i*(i-1)/2
+        s, g, dt = self._run_s, self._run_g, t - self._run_t0
+        with np.errstate(invalid="ignore", divide="ignore"):
+            a = s - g / 2
+            quad = (-a + np.sqrt(np.maximum(a * a + 2 * g * dt, 0.0))) / g
+        done = np.floor(np.where(g > 1e-15, quad, dt / s) + 1e-9)
+        done = np.maximum(done, 0.0) * self._run_b
+        booked = router.outstanding
+        router.outstanding = [o - int(d) for o, d in zip(booked, done, strict=True)]
+        try:
+            return router.pick(self._all, prompt)
+        finally:
+            router.outstanding = booked
 
     def run(self) -> SimResult:
         began = time.perf_counter()
@@ -427,6 +464,7 @@ class Simulation:
             running_mean=sum(r.run_area for r in reps) / span,
             max_decode_batch=self.max_batch,
             max_eager_decode_batch=self.max_eager,
+            steps_by_kind=dict(self.kinds),
             prefix_hit_tokens=sum(r.bm.prefix_hits for r in self.replicas),
             makespan_s=self._t,
             wall_s=wall_s,

@@ -197,12 +197,20 @@ class StepCostModel:
         scale = self.threads / threads if threads and self.threads else 1.0
         return fit.ms(x, scale) + self.gap_ms
 
-    def unsupported(self) -> list[str]:
-        """Step kinds with too few recorded steps to lean on (one phrase each)."""
-        return [
-            f"{kind.replace('_', ' ')} steps ({n} recorded, {MIN_STEPS} needed)"
+    def thin_kinds(self) -> dict[str, int]:
+        """Step kinds (``compiled_decode``, ``eager_decode``, ``with_prefill``) the recording
+        has fewer than :data:`MIN_STEPS` of, with their count."""
+        return {
+            kind: n
             for kind, n in self.steps.items()
             if kind != "all" and n < MIN_STEPS and (kind != "compiled_decode" or self.native_rows)
+        }
+
+    def unsupported(self) -> list[str]:
+        """:meth:`thin_kinds` as phrases."""
+        return [
+            f"{kind.replace('_', ' ')} steps ({n} recorded, {MIN_STEPS} needed)"
+            for kind, n in self.thin_kinds().items()
         ]
 
     def to_dict(self) -> dict:

@@ -113,22 +113,23 @@ def test_fast_forward_gives_the_percentiles_of_step_by_step():
     hashes = [[1, 2] if i % 3 == 0 else [] for i in range(n)]
     w = workload(arrivals, prompts, outputs, hashes=hashes)
     m = model(step=8.0, decode=0.6, prefill=0.05, attn=2.0, kv=40.0)
-    for s in (setup(num_blocks=120), setup(replicas=3, num_blocks=400)):
+    # a pool so small that requests preempt each other, and three roomy replicas
+    for s, fewer in ((setup(num_blocks=120), 0.95), (setup(replicas=3, num_blocks=400), 0.5)):
         fast = simulate(w, s, m, fast_forward=True)
         slow = simulate(w, s, m, fast_forward=False)
-        assert fast.scheduler_calls < slow.scheduler_calls / 2
+        assert fast.scheduler_calls < slow.scheduler_calls * fewer
         assert (fast.output_tokens == slow.output_tokens).all()
-        for got, want in (
-            (fast.ttft_ms, slow.ttft_ms),
-            (fast.e2e_ms, slow.e2e_ms),
-            (fast.itl_p50_ms, slow.itl_p50_ms),
-            (fast.itl_p99_ms, slow.itl_p99_ms),
-        ):
+        # the same decisions: every request's TTFT and E2E to the nanosecond
+        np.testing.assert_allclose(fast.ttft_ms, slow.ttft_ms, atol=1e-6)
+        np.testing.assert_allclose(fast.e2e_ms, slow.e2e_ms, atol=1e-6)
+        assert (fast.preemptions == slow.preemptions).all()
+        assert fast.routed == slow.routed
+        # a run's inter-token latencies booked as their mean: the percentiles barely move
+        for got, want in ((fast.itl_p50_ms, slow.itl_p50_ms), (fast.itl_p99_ms, slow.itl_p99_ms)):
             for q in (50, 99):
                 assert np.nanpercentile(got, q) == pytest.approx(
-                    np.nanpercentile(want, q), rel=0.01
+                    np.nanpercentile(want, q), rel=1e-3
                 )
-        assert abs(int(fast.preemptions.sum()) - int(slow.preemptions.sum())) <= 1
 
 
 def test_rate_and_tiling_change_the_arrivals_not_the_requests():
