@@ -226,10 +226,10 @@ def setup_for(
     if replicas > 1 and rec.device == "cpu" and model.threads:
         threads = max(1, model.threads // replicas)
         if threads != model.threads:
+            factor, source = model.thread_scale(threads)
             notes.append(
                 f"each of {replicas} replicas on a host gets {threads} of the {model.threads} CPU "
-                "threads the recording's forward used; its forward time is scaled by "
-                f"{model.threads}/{threads} (assumed)"
+                f"threads the recording's forward used: its forward time x{factor:.2f} ({source})"
             )
     workload = rec.workload
     if "requests" in ch:

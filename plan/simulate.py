@@ -113,19 +113,80 @@ def _quantile(segs: list[tuple[float, int]], q: float) -> float:
     return a if frac == 0 else a + (at(lo + 1) - a) * frac
 
 
+class _ReplayBlockManager(BlockManager):
+    """The engine's KV block pool with changes a replay needs and nothing it measures observes:
+    a block's chained hash is Python's tuple hash instead of SHA-256 (equal prefixes still hash
+    equal; a replay hashes millions of blocks); cache-miss reasons and the memory of evicted
+    hashes behind them (reporting only) are left out; and a request's full blocks are
+    registered from the first one not yet looked at, not from its first block each time."""
+
+    def _extend_hashes(self, request: Request, num_full_blocks: int) -> None:
+        bs, salt = self.block_size, self._salt(request)
+        tokens, hashes = request.all_token_ids, request.block_hashes
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(hash((hashes[-1] if i else 0, *tokens[i * bs : (i + 1) * bs], salt)))
+
+    def _content_hashes(self, request: Request, num_full_blocks: int) -> list:
+        bs, tokens, out = self.block_size, request.all_token_ids, request.content_hashes
+        while len(out) < num_full_blocks:
+            i = len(out)
+            out.append(hash((out[-1] if i else 0, *tokens[i * bs : (i + 1) * bs])))
+        return out
+
+    def explain_misses(self, request: Request, num_hits: int) -> list:
+        return []
+
+    def cache_full_blocks(self, request: Request) -> None:
+        # the engine's own registration, from the first block not yet looked at (it walks every
+        # full block of the request each time; a replay calls it once per run of steps)
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        done = getattr(request, "replay_registered", 0)
+        if num_full <= done:
+            return
+        self._extend_hashes(request, num_full)
+        bs, blocks, cached = self.block_size, self.blocks, self.cached
+        for i in range(done, num_full):
+            block = blocks[request.block_ids[i]]
+            if block.block_hash is not None:
+                continue
+            h = request.block_hashes[i]
+            if h in cached:
+                continue
+            block.block_hash = h
+            block.token_ids = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            cached[h] = block
+        request.replay_registered = num_full
+
+    def free(self, request: Request) -> None:
+        super().free(request)
+        request.replay_registered = 0  # a preempted request registers its blocks anew
+
+    def _evict(self, block, by: str | None = None) -> None:
+        # without the evicted-hash memory, which only explains misses
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+
+
 class _Replica:
     """One engine core: its scheduler, pool and the step (or run of steps) in flight."""
 
     def __init__(self, index: int, setup: Setup):
         cfg = setup.config
         self.index = index
-        self.bm = BlockManager(
+        self.bm = _ReplayBlockManager(
             setup.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_scope
         )
         self.sched = Scheduler(cfg, self.bm, setup.max_model_len)
         self.out: SchedulerOutput | None = None
         self.ends: np.ndarray | None = None
         self.k = 0  # steps of the run in flight that will be applied
+        self.kind = ""  # its step kind (StepCostModel.steps' kinds)
         self.version = 0
         # KV use, queue and batch integrated over time, and their peaks
         self.t = 0.0
@@ -218,6 +279,7 @@ class Simulation:
     def _start(self, rep: _Replica, now: float) -> None:
         out = rep.sched.schedule()
         self.calls += 1
+        self._run_b[rep.index] = 0.0
         if out.empty:
             rep.out = None
             return
@@ -229,8 +291,7 @@ class Simulation:
         step_s = self._ms(x, path) / 1e3
         if self.fast:
             k = self._run_length(rep, out)
-        kind = "with_prefill" if out.num_prefill_chunks else f"{path}_decode"
-        self.kinds[kind] = self.kinds.get(kind, 0) + k
+        rep.kind = "with_prefill" if out.num_prefill_chunks else f"{path}_decode"
         if k > 1:
             batch = len(out.chunks)
             dx = np.array([0.0, 0.0, 0.0, 0.0, batch * self._attn, batch / 1e6])
@@ -243,8 +304,6 @@ class Simulation:
         if k > 1:
             self._run_t0[j], self._run_s[j], self._run_g[j] = now, step_s, grow
             self._run_b[j] = len(out.chunks)
-        else:
-            self._run_b[j] = 0.0
         rep.version += 1
         heapq.heappush(self.heap, (float(ends[-1]), next(self.seq), rep.index, rep.version))
 
@@ -305,6 +364,7 @@ class Simulation:
         first_end = float(ends[0])
         sampling = sched.update_after_step(out)
         self.steps += k
+        self.kinds[rep.kind] = self.kinds.get(rep.kind, 0) + k
         taken: dict[int, int] = {}
         for chunk in sampling:
             req = chunk.request
@@ -404,7 +464,7 @@ class Simulation:
         done = np.floor(np.where(g > 1e-15, quad, dt / s) + 1e-9)
         done = np.maximum(done, 0.0) * self._run_b
         booked = router.outstanding
-        router.outstanding = [o - int(d) for o, d in zip(booked, done, strict=True)]
+        router.outstanding = (np.asarray(booked) - done.astype(np.int64)).tolist()
         try:
             return router.pick(self._all, prompt)
         finally:

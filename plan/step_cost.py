@@ -22,7 +22,7 @@ would (:meth:`StepCostModel.path_of`). A path the recording has too few steps of
 other's fit, and the prediction says so.
 
 Between two back-to-back steps the engine also spends a gap (its outputs sent, the next loop
-turn): the recording's median gap is added to every modelled step.
+turn): the recording's mean gap is added to every modelled step.
 
 The fit drops steps further than 4 robust sigmas from a first fit (a warm-up compile, a host
 hiccup) and is scored on a held-out fifth of the steps: the median and 90th-percentile absolute
@@ -30,14 +30,16 @@ error, by step kind (compiled decode-only, eager decode-only, with prefill). Eac
 95% interval. A kind with fewer than :data:`MIN_STEPS` recorded steps is not supported: a
 prediction that needs it says so.
 
-On a CPU the forward's threads are recorded per step (``cpu_threads``); a replica given fewer
-threads (data-parallel replicas share the cores) has its forward part scaled by the ratio, an
-assumption the prediction names.
+On a CPU the forward's threads are recorded per step (``cpu_threads``). The fit uses the steps
+at the recording's usual count; steps the thread governor ran on fewer cores (a neighbour took
+some) price a replica given fewer threads (data-parallel replicas share the cores): the median
+of their forward time over the fit's. Without such steps the forward is scaled by the ratio of
+the counts, an assumption the prediction names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import nnls
@@ -164,7 +166,7 @@ class StepCostModel:
         paths: per forward path (:data:`PATHS`) that ran in the recording, its fit.
         native_rows: decode-only steps of at most this many rows ran the compiled step (None:
             the recording has no compiled steps: GPU, ``--enforce-eager``).
-        gap_ms: the recorded median gap between back-to-back steps.
+        gap_ms: the recorded mean gap between back-to-back steps.
         threads: the forward's CPU threads in the recording (median; 0 on a GPU).
         holdout: per step kind (:data:`KINDS` and ``all``): held-out steps, median and p90
             absolute error (%).
@@ -181,6 +183,9 @@ class StepCostModel:
     steps: dict
     ranges: dict
     dropped: int = 0
+    thread_factors: dict = field(default_factory=dict)
+    """per other thread count the recording ran steps at: ``factor`` (its forward time over the
+    fit's, median) and ``steps``"""
 
     def path_of(self, decode_only: bool, rows: int) -> str:
         """The path the engine runs a step on: the compiled step for a decode-only step of at
@@ -194,8 +199,18 @@ class StepCostModel:
         path's fit where the recording had too few of its steps), gap included; the forward
         scaled by ``self.threads / threads`` when a replica has fewer threads."""
         fit = self.paths.get(path) or next(iter(self.paths.values()))
-        scale = self.threads / threads if threads and self.threads else 1.0
-        return fit.ms(x, scale) + self.gap_ms
+        return fit.ms(x, self.thread_scale(threads)[0]) + self.gap_ms
+
+    def thread_scale(self, threads: int | None) -> tuple[float, str]:
+        """The forward's time factor on ``threads`` CPU threads instead of the recording's, and
+        where it comes from: measured on the recording's own steps at that count, else the
+        ratio of the counts (assumed)."""
+        if not threads or not self.threads or threads == self.threads:
+            return 1.0, "as recorded"
+        seen = self.thread_factors.get(threads)
+        if seen:
+            return seen["factor"], f"measured on {seen['steps']} recorded steps at {threads}"
+        return self.threads / threads, "assumed from the thread counts"
 
     def thin_kinds(self) -> dict[str, int]:
         """Step kinds (``compiled_decode``, ``eager_decode``, ``with_prefill``) the recording
@@ -229,6 +244,7 @@ class StepCostModel:
             "native_rows": self.native_rows,
             "gap_ms": self.gap_ms,
             "threads": self.threads,
+            "thread_factors": self.thread_factors,
             "holdout": self.holdout,
             "steps": self.steps,
             "ranges": self.ranges,
@@ -292,14 +308,19 @@ def fit_step_cost(
     busy = (a[:-1, 10] + a[:-1, 11] > 0) & same
     gaps = (start[1:] - end[:-1])[busy] / 1e6
     gaps = gaps[(gaps >= 0) & (gaps < 1000)]
-    gap_ms = float(np.median(gaps)) if len(gaps) else 0.0
+    gap_ms = float(np.mean(gaps)) if len(gaps) else 0.0
     threads = a[:, 9]
+    positive = threads[threads > 0]
+    main = int(np.bincount(positive.astype(int)).argmax()) if len(positive) else 0
+    # steps the thread governor ran on fewer cores (a neighbour took some) are set apart: they
+    # price a replica given fewer threads
+    at_main = (threads == main) | (threads == 0)
     rng = np.random.default_rng(seed)
     held = np.zeros(len(a), dtype=bool)  # a fifth held out for the error; the rest to fit
     held[rng.permutation(len(a))[: max(len(a) // 5, 1)]] = True
     keep = np.zeros(len(a), dtype=bool)
     paths: dict[str, PathFit] = {}
-    for name, on in (("compiled", compiled), ("eager", ~compiled)):
+    for name, on in (("compiled", compiled & at_main), ("eager", ~compiled & at_main)):
         use = on & ~held
         if use.sum() < MIN_STEPS:
             continue
@@ -313,12 +334,22 @@ def fit_step_cost(
         paths=paths,
         native_rows=int(a[compiled, 3].max()) if compiled.any() else None,
         gap_ms=gap_ms,
-        threads=int(np.median(threads[threads > 0])) if (threads > 0).any() else 0,
+        threads=main,
         holdout={},
         steps={},
         ranges={},
-        dropped=int((~keep).sum()),
+        dropped=int((~keep & at_main).sum()),
     )
+    for t in sorted(set(positive.astype(int)) - {main}):
+        on = threads == t
+        if on.sum() < MIN_STEPS // 2:
+            continue
+        pred_fwd = np.array(
+            [x[i] @ model.paths.get("compiled" if compiled[i] else "eager", next(iter(paths.values()))).forward.coef
+             for i in np.flatnonzero(on)]
+        )  # fmt: skip
+        ratio = fwd[on] / np.maximum(pred_fwd, 1e-6)
+        model.thread_factors[int(t)] = {"factor": float(np.median(ratio)), "steps": int(on.sum())}
     if model.native_rows and str(cfg.get("engine_device") or "cpu") == "cpu":
         # the engine's own cut-over, which a quiet recording may not have reached
         from tokenmill.engine.models.native_step import MAX_NATIVE_ROWS

@@ -6,8 +6,9 @@ per-block content hashes (``prompt_block_hashes``, the first 32 blocks). A repla
 token ids only for the prefix cache, so :meth:`Workload.prompt` makes them up from those
 hashes: two recorded prompts whose leading block hashes agree get the same made-up tokens for
 those blocks (the cache hits they had are possible again), every other token is the request's
-own. The API's own time around the engine (gateway to the engine's queue, last token to the
-response's end) is carried over as the recording's medians.
+own. The API's own time around the engine (gateway to the engine's queue, less the wait for
+the step in progress, which the replay makes itself; last token to the response's end) is
+carried over as the recording's medians.
 
 :meth:`Workload.scaled` and :meth:`Workload.repeated` make the "same traffic" what-ifs: arrivals
 at ``k`` times the rate, and a recording tiled back to back to any number of requests (a block
@@ -29,6 +30,11 @@ _OWN_BASE = 1 << 40
 _OWN_SPAN = 1 << 20
 
 
+def _block_base(h: int, tile: int) -> int:
+    """Where a hashed block's made-up token ids start (in block units, below ``_OWN_BASE``)."""
+    return (h ^ (tile * 0x9E3779B97F4A7C15)) & ((1 << 34) - 1)
+
+
 class WorkloadError(ValueError):
     """The store cannot be replayed (one line: what is missing)."""
 
@@ -44,7 +50,8 @@ class Workload:
         max_tokens: the request's own ``max_tokens`` (the router counts with it).
         tenants: each request's tenant ('' when none).
         block_hashes: per request, the content hashes of its first full prompt blocks.
-        pre_engine_s: the API's time from arrival to the engine's queue (recorded median).
+        pre_engine_s: the API's own time from arrival to the engine's queue (recorded median,
+            less the wait for the engine step in progress, which the replay makes itself).
         post_engine_s: from the last token to the response's end (recorded median).
         block_size: the recording's KV block size (the hashes' granularity).
         tile: per request, which copy of the recording it is (0 without :meth:`repeated`).
@@ -91,12 +98,16 @@ class Workload:
         tile = int(self.tile[i])
         out: list[int] = []
         for h in self.block_hashes[i][: n // bs]:
-            key = (h, 0 if h in self._shared else tile)
-            block = self._cache.get(key)
-            if block is None:
-                base = ((h ^ (key[1] * 0x9E3779B97F4A7C15)) & ((1 << 34) - 1)) * bs
-                block = self._cache[key] = list(range(base, base + bs))
-            out += block
+            if h in self._shared:  # the same tokens wherever it appears (kept)
+                block = self._cache.get(h)
+                if block is None:
+                    block = self._cache[h] = list(
+                        range(_block_base(h, 0) * bs, _block_base(h, 0) * bs + bs)
+                    )
+                out += block
+            else:  # one prompt's own block: new in each tile
+                base = _block_base(h, tile) * bs
+                out += range(base, base + bs)
         own = _OWN_BASE + i * _OWN_SPAN
         out += range(own, own + n - len(out))
         return out
@@ -161,6 +172,26 @@ ORDER BY arrival_ns
 """
 
 
+# a request reaches the engine's queue at the end of the step in progress when it arrived (the
+# engine core reads its input between steps): that wait is the replay's to make, not the API's
+_API_BEFORE_ENGINE_SQL = """
+SELECT median((r.queued_ns - r.arrival_ns)
+              - greatest(least(coalesce(s.end_ns, 0), r.queued_ns) - r.arrival_ns, 0)) / 1e9
+FROM (SELECT arrival_ns, queued_ns FROM requests
+      WHERE queued_ns IS NOT NULL AND input_tokens > 0 AND output_tokens > 0) r
+ASOF LEFT JOIN (SELECT start_ns, end_ns FROM engine_steps
+                WHERE num_prefill_tokens + num_decode_tokens > 0) s
+    ON r.arrival_ns >= s.start_ns
+"""
+
+
+def _api_time_before_engine(con) -> float:
+    """The API's own median time from a request's arrival to the engine's queue, less the wait
+    for the engine step that was running when it arrived."""
+    (pre,) = con.execute(_API_BEFORE_ENGINE_SQL).fetchone()
+    return float(pre or 0.0)
+
+
 def engine_config(con) -> dict:
     """The engine flags of the recording (its last ``config`` event), {} without one."""
     row = con.execute(
@@ -186,9 +217,8 @@ def read_workload(con, *, since_ns: int | None = None, until_ns: int | None = No
     if not rows:
         raise WorkloadError("the store holds no request the engine took and answered")
     arrival = np.array([r[0] for r in rows], dtype=np.int64)
-    queued = np.array([r[1] for r in rows], dtype=np.int64)
     outputs = np.array([r[3] for r in rows], dtype=np.int64)
-    pre = np.median((queued - arrival) / 1e9)
+    pre = _api_time_before_engine(con)
     post = [(r[8] - r[7]) / 1e9 for r in rows if r[7] is not None]
     cfg = engine_config(con)
     return Workload(

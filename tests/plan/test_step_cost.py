@@ -14,12 +14,15 @@ SHAPE = Shape(
 )
 
 
-def steps_store(n: int, prefill_share: float = 0.3, noise: float = 0.02, seed: int = 0):
+def steps_store(
+    n: int, prefill_share: float = 0.3, noise: float = 0.02, seed: int = 0, one_thread: int = 0
+):
     """``engine_steps`` rows made with known costs. Eager steps: a forward of 12 ms + 0.9 ms a
     decode + 0.05 ms a prompt token + 2 ms a prompt chunk + 30 ms per million KV tokens read;
     decode-only steps of at most 12 rows run compiled: 6 ms + 0.3 ms a decode + 10 ms per
     million KV tokens. Host part 1 ms + 0.1 ms a decode; 1 ms between back-to-back steps;
-    every 25th step a 10x hiccup."""
+    every 25th step a 10x hiccup; with ``one_thread``, every such step of the others ran on
+    one thread instead of two, its forward 1.6x as long."""
     rng = np.random.default_rng(seed)
     con = duckdb.connect()
     con.execute(
@@ -46,10 +49,14 @@ def steps_store(n: int, prefill_share: float = 0.3, noise: float = 0.02, seed: i
         fwd *= 1 + noise * rng.standard_normal()
         if i % 25 == 7:
             fwd *= 10
+        threads = 2
+        if one_thread and i % one_thread == 3:
+            threads, fwd = 1, fwd * 1.6
         wall_ns = int((fwd + host) * 1e6)
         rows.append(
-            (t, t + wall_ns, fwd, decode, prefill, sampled, kv, flops, chunks, 2, 5, 0, compiled, 0)
-        )
+            (t, t + wall_ns, fwd, decode, prefill, sampled, kv, flops, chunks, threads, 5, 0,
+             compiled, 0)
+        )  # fmt: skip
         t += wall_ns + 1_000_000
     if rows:
         con.executemany("INSERT INTO engine_steps VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
@@ -105,3 +112,17 @@ def test_fitting_stops_at_until_ns():
     ).fetchone()
     m = fit_step_cost(con, {}, shape=SHAPE, until_ns=mid)
     assert m.steps["all"] + m.dropped == before == 149
+
+
+def test_steps_on_fewer_threads_price_a_replica_given_fewer():
+    m = fit_step_cost(steps_store(900, one_thread=6), {}, shape=SHAPE)
+    assert m.threads == 2
+    assert m.thread_factors[1]["factor"] == pytest.approx(1.6, rel=0.05)
+    assert m.thread_scale(1) == (
+        pytest.approx(1.6, rel=0.05),
+        "measured on 150 recorded steps at 1",
+    )
+    # the fit itself stands on the two-thread steps only
+    assert m.paths["eager"].forward.coef[1] == pytest.approx(0.9, rel=0.05)
+    plain = fit_step_cost(steps_store(300), {}, shape=SHAPE)
+    assert plain.thread_scale(1) == (2.0, "assumed from the thread counts")
