@@ -34,8 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "plan_validation.json"
-LOAD = ["--prompt-tokens", "uniform:64:512", "--output-tokens", "uniform:32:128", "--seed", "7",
-        "--burstiness", "0.15"]  # fmt: skip
+LOAD = ["--prompt-tokens", "uniform:64:512", "--output-tokens", "uniform:32:128", "--seed", "7"]
 #: what-if → the serve flags that make it real, the rate factor
 CASES = {
     "rate=1.5": ([], 1.5),
@@ -52,7 +51,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def record(work: Path, name: str, flags: list[str], rate: float, n: int) -> Path:
+def record(work: Path, name: str, flags: list[str], rate: float, n: int, burstiness: float) -> Path:
     """One real run into ``work/name/traces.duckdb``; returns the store."""
     from tokenmill.bench.scenario import _free_port, start_server, stop_server
 
@@ -79,6 +78,8 @@ def record(work: Path, name: str, flags: list[str], rate: float, n: int) -> Path
                 "--num-requests",
                 str(n),
                 *LOAD,
+                "--burstiness",
+                f"{burstiness:g}",
                 "--out",
                 str(out / "bench.json"),
                 "--no-progress",
@@ -184,18 +185,21 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1.0, help="the recording's requests/s")
     ap.add_argument("--requests", type=int, default=120)
     ap.add_argument("--skip-real", action="store_true", help="record and predict only")
+    ap.add_argument("--no-recommend", action="store_true", help="leave out step 4")
     ap.add_argument("--table", action="store_true", help="print the last results' table")
+    ap.add_argument("--out", type=Path, default=OUT, help="the results JSON")
+    ap.add_argument("--burstiness", type=float, default=0.15, help="gamma shape of the gaps")
     ap.add_argument("--reuse", action="store_true", help="keep the recording and the real runs "
                     "already in --work; run only what is missing")  # fmt: skip
     args = ap.parse_args()
     if args.table:
-        print(table(json.loads(OUT.read_text())))
+        print(table(json.loads(args.out.read_text())))
         return
     began = time.time()
     base = args.work / "record" / "traces.duckdb"
     if not (args.reuse and base.is_file()):
         log(f"recording at {args.rate}/s, {args.requests} requests")
-        base = record(args.work, "record", [], args.rate, args.requests)
+        base = record(args.work, "record", [], args.rate, args.requests, args.burstiness)
     doc = plan(base, list(CASES))
     preds = {p["what_if"]: p for p in doc["predictions"]}
     results = {
@@ -203,7 +207,7 @@ def main() -> None:
         "machine": "2 vCPU, no GPU",
         "rate_per_s": args.rate,
         "requests": args.requests,
-        "load": " ".join(LOAD),
+        "load": " ".join(LOAD) + f" --burstiness {args.burstiness:g}",
         "step_cost": doc["step_cost"],
         "error_estimate": doc["error_estimate"],
         "recorded": doc["measured"],
@@ -218,9 +222,10 @@ def main() -> None:
             if not (args.reuse and store.is_file()):
                 log(f"real run: {whatif}")
                 store = record(args.work, store.parent.name, flags, args.rate * factor,
-                               args.requests)  # fmt: skip
+                               args.requests, args.burstiness)  # fmt: skip
             results["cases"][whatif] = verdict(preds[whatif], measure(store))
             log(f"{whatif}: " + json.dumps(results["cases"][whatif]))
+    if not args.skip_real and not args.no_recommend:
         # an SLO the recording missed, the plan's recommendation, and that setting for real
         bound = int(rec_real["itl_p99_ms"] * 0.6)
         slo = f"itl_p99<{bound}ms"
@@ -240,7 +245,9 @@ def main() -> None:
             if not (args.reuse and store.is_file() and (store.parent / "what_if").is_file()
                     and (store.parent / "what_if").read_text() == best["what_if"]):  # fmt: skip
                 log(f"recommended {best['what_if']}; real run")
-                store = record(args.work, "recommended", flags, args.rate, args.requests)
+                store = record(
+                    args.work, "recommended", flags, args.rate, args.requests, args.burstiness
+                )
                 (store.parent / "what_if").write_text(best["what_if"])
             real = measure(store, slo)
             results["recommendation"] |= {
@@ -254,8 +261,8 @@ def main() -> None:
             results["recommendation"]["what_if"] = None
         log("recommendation: " + json.dumps(results["recommendation"]))
     results["seconds"] = round(time.time() - began)
-    OUT.write_text(json.dumps(results, indent=2, default=float) + "\n")
-    log(f"wrote {OUT}")
+    args.out.write_text(json.dumps(results, indent=2, default=float) + "\n")
+    log(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -217,6 +217,17 @@ class Simulation:
         self.w, self.setup, self.model, self.fast = workload, setup, model, fast_forward
         shape = model.shape
         self._attn = shape.attn_flop_per_pair * shape.layers / 1e9  # GFLOP per attended pair
+        # per path, the forward (scaled to this replica's threads) and host coefficients summed
+        scale = model.thread_scale(setup.threads)[0]
+        fallback = next(iter(model.paths.values()))
+        self._coef = {
+            path: tuple(
+                (model.paths.get(path, fallback).forward.coef * scale
+                 + model.paths.get(path, fallback).host.coef).tolist()
+            )
+            for path in ("compiled", "eager")
+        }  # fmt: skip
+        self._gap = model.gap_ms
         n = len(workload)
         nan = np.full(n, np.nan)
         self.first = nan.copy()
@@ -247,22 +258,19 @@ class Simulation:
         self._t = 0.0
 
     # ----- step cost -----
-    def _row(self, out: SchedulerOutput) -> np.ndarray:
-        kv = pairs = sampled = 0
+    def _row(self, out: SchedulerOutput) -> tuple:
+        kv = pairs = 0
         for c in out.chunks:
             s, q = c.start, c.num_new_tokens
             kv += s + q
             pairs += q * s + q * (q + 1) // 2
-            sampled += c.num_logit_rows
-        return np.array(
-            [
-                1.0,
-                out.num_decode_tokens,
-                out.num_prefill_tokens,
-                out.num_prefill_chunks,
-                pairs * self._attn,
-                kv / 1e6,
-            ]
+        return (
+            1.0,
+            out.num_decode_tokens,
+            out.num_prefill_tokens,
+            out.num_prefill_chunks,
+            pairs * self._attn,
+            kv / 1e6,
         )
 
     def _path(self, out: SchedulerOutput) -> str:
@@ -272,8 +280,18 @@ class Simulation:
             self.max_eager = max(self.max_eager, out.num_decode_tokens)
         return path
 
-    def _ms(self, x: np.ndarray, path: str) -> float:
-        return float(self.model.step_ms(x, self.setup.threads, path))
+    def _ms(self, x: tuple, path: str) -> float:
+        """:meth:`StepCostModel.step_ms` of one step, in plain floats (a replay costs millions)."""
+        c = self._coef[path]
+        return (
+            self._gap
+            + c[0] * x[0]
+            + c[1] * x[1]
+            + c[2] * x[2]
+            + c[3] * x[3]
+            + c[4] * x[4]
+            + c[5] * x[5]
+        )
 
     # ----- a replica's steps -----
     def _start(self, rep: _Replica, now: float) -> None:
@@ -293,12 +311,13 @@ class Simulation:
             k = self._run_length(rep, out)
         rep.kind = "with_prefill" if out.num_prefill_chunks else f"{path}_decode"
         if k > 1:
+            # each step of the run reads one more KV token per request (and attends to it)
             batch = len(out.chunks)
-            dx = np.array([0.0, 0.0, 0.0, 0.0, batch * self._attn, batch / 1e6])
-            grow = (self._ms(x + dx, path) - self._ms(x, path)) / 1e3
+            c = self._coef[path]
+            grow = (c[4] * batch * self._attn + c[5] * batch / 1e6) / 1e3
             ends = now + np.cumsum(step_s + grow * np.arange(k))
         else:
-            ends = np.array([now + step_s])
+            ends = (now + step_s,)
         rep.out, rep.ends, rep.k = out, ends, k
         j = rep.index
         if k > 1:
