@@ -28,7 +28,7 @@ from tokenmill.telemetry.dump import write_dump
 from tokenmill.telemetry.schema import apply_schema
 
 APP = Path(data.__file__).parent / "app.py"
-PAGES = ("overview", "requests", "engine", "devices", "errors", "diagnosis", "compare")
+PAGES = ("overview", "requests", "engine", "devices", "errors", "diagnosis", "compare", "whatif")
 OK = "finish_reason IN ('stop', 'length') AND error_type IS NULL"
 HEALTHY = Phase(duration_s=40, gpu=True, error_share=0.1, preempt_share=0.2)
 
