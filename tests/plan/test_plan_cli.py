@@ -117,7 +117,10 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
         ((str(recording), "--slo", "ttft_p99 under 2s"), "expected metric<duration"),
         ((str(recording), "--what-if", "rate=0"), "rate=0: a factor > 0"),
         ((str(recording), "--recommend"), "--recommend needs an --slo"),
-        ((str(recording), "--what-if", "quantization=int8"), "with --quantization int8 as --cost-from"),
+        (
+            (str(recording), "--what-if", "quantization=int8"),
+            "with --quantization int8 as --cost-from",
+        ),
         ((str(recording), "--what-if", "disaggregation=1:1"), "is not replayed"),
         ((str(tmp_path / "missing.duckdb"),), "missing.duckdb"),
     ]
