@@ -36,7 +36,7 @@ def run(
     Raises:
         ValueError: bad input (one-line reason).
     """
-    from .predict import PlanError, error_estimate, measured, open_recording, predict
+    from .predict import error_estimate, measured, open_recording, predict
     from .recommend import recommend
     from .report import to_json, to_text
     from .whatif import parse_slo, parse_whatif
@@ -49,12 +49,12 @@ def run(
     if recommend_it and not slo.bounds:
         raise ValueError("--recommend needs an --slo to meet, e.g. --slo 'ttft_p99<2s'")
     parsed = [parse_whatif(""), *(parse_whatif(w) for w in whatifs)]
-    rec = open_recording(store)
     cost_models = {}
     for path in cost_from:
         other = open_recording(path)
-        q = str(other.cfg.get("quantization") or "none")
-        cost_models[q] = other.model
+        cost_models[str(other.cfg.get("quantization") or "none")] = other.model
+        other.con.close()
+    rec = open_recording(store)
     try:
         preds = [
             predict(rec, w, slo, cost_models=cost_models, fast_forward=not step_by_step)
@@ -81,8 +81,6 @@ def run(
         }
         if recommend_it:
             doc["recommendation"] = recommend(rec, slo, rate=rate, cost_models=cost_models)
-    except PlanError:
-        raise
     finally:
         rec.con.close()
     return to_json(doc) + "\n" if fmt == "json" else to_text(doc)

@@ -344,10 +344,13 @@ def fit_step_cost(
         on = threads == t
         if on.sum() < MIN_STEPS // 2:
             continue
+        fallback = next(iter(paths.values()))
         pred_fwd = np.array(
-            [x[i] @ model.paths.get("compiled" if compiled[i] else "eager", next(iter(paths.values()))).forward.coef
-             for i in np.flatnonzero(on)]
-        )  # fmt: skip
+            [
+                x[i] @ paths.get("compiled" if compiled[i] else "eager", fallback).forward.coef
+                for i in np.flatnonzero(on)
+            ]
+        )
         ratio = fwd[on] / np.maximum(pred_fwd, 1e-6)
         model.thread_factors[int(t)] = {"factor": float(np.median(ratio)), "steps": int(on.sum())}
     if model.native_rows and str(cfg.get("engine_device") or "cpu") == "cpu":
