@@ -9,8 +9,9 @@ import sys
 
 import duckdb
 import pytest
+from typer.testing import CliRunner
 
-from tokenmill.plan.cli import run
+from tokenmill.plan.cli import app, run
 
 MODEL = "smollm2-135m-instruct"
 PREFIX = list(range(2000, 2064))  # four KV blocks every "chat" request starts with
@@ -124,8 +125,14 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
         ((str(recording), "--what-if", "disaggregation=1:1"), "is not replayed"),
         ((str(tmp_path / "missing.duckdb"),), "missing.duckdb"),
     ]
-    for args, says in cases:
-        r = _cli(*args)
-        assert r.returncode == 2, (args, r.stderr)
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and says in lines[0], (args, r.stderr)
+    # one through the installed command (a process of its own), the rest in this process
+    r = _cli(*cases[0][0])
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        line for line in r.stderr.strip().splitlines() if cases[0][1] in line
+    ], r.stderr
+    runner = CliRunner()
+    for args, says in cases[1:]:
+        r = runner.invoke(app, list(args))
+        assert r.exit_code == 2, (args, r.output)
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], (args, r.output)
