@@ -19,26 +19,17 @@ from pathlib import Path
 import duckdb
 import numpy as np
 
-from tokenmill.diagnose.compare import REQUEST_SUMMARY_SQL
+from tokenmill.diagnose.compare import LATENCY_KEYS, REQUEST_SUMMARY_SQL
+from tokenmill.diagnose.signals.scope import engine_config
 from tokenmill.engine.config import EngineConfig
 
 from .simulate import Setup, SimResult, simulate
 from .step_cost import StepCostError, StepCostModel, fit_step_cost
 from .whatif import CONFIG_FIELDS, Slo, WhatIf
-from .workload import Workload, WorkloadError, engine_config, read_workload
+from .workload import Workload, WorkloadError, read_workload
 
 #: the summary metrics a prediction reports, in order (ms, then shares)
-METRICS = (
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "tpot_p50_ms",
-    "tpot_p99_ms",
-    "e2e_p50_ms",
-    "e2e_p99_ms",
-    "goodput_share",
-)
+METRICS = (*LATENCY_KEYS, "goodput_share")
 #: share of the recording (by arrival time) the error estimate holds out
 HOLDOUT_SHARE = 0.25
 

@@ -9,21 +9,12 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from tokenmill.diagnose.compare import LABELS as _LABELS
+
 from .predict import METRICS
 
 PLAN_SCHEMA_VERSION = 1
 
-_LABELS = {
-    "ttft_p50_ms": "TTFT p50",
-    "ttft_p99_ms": "TTFT p99",
-    "itl_p50_ms": "ITL p50",
-    "itl_p99_ms": "ITL p99",
-    "tpot_p50_ms": "TPOT p50",
-    "tpot_p99_ms": "TPOT p99",
-    "e2e_p50_ms": "E2E p50",
-    "e2e_p99_ms": "E2E p99",
-    "goodput_share": "goodput (share of requests)",
-}
 _REPLAY = (
     ("preemptions", "preemptions", "{:,}"),
     ("waiting_mean", "waiting, mean", "{:.1f}"),

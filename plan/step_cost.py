@@ -320,7 +320,7 @@ def fit_step_cost(
     held[rng.permutation(len(a))[: max(len(a) // 5, 1)]] = True
     keep = np.zeros(len(a), dtype=bool)
     paths: dict[str, PathFit] = {}
-    for name, on in (("compiled", compiled & at_main), ("eager", ~compiled & at_main)):
+    for name, on in zip(PATHS, (compiled & at_main, ~compiled & at_main), strict=True):
         use = on & ~held
         if use.sum() < MIN_STEPS:
             continue

@@ -18,11 +18,12 @@ the cache on its predecessor's private blocks).
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+from tokenmill.diagnose.signals.scope import engine_config
 
 #: the made-up token ids: blocks from a content hash lie below this, a request's own tokens above
 _OWN_BASE = 1 << 40
@@ -122,23 +123,6 @@ class Workload:
             raise WorkloadError(f"a rate factor must be > 0, not {rate_factor}")
         return replace(self, arrival_s=self.arrival_s / rate_factor, _cache={})
 
-    def take(self, mask: np.ndarray) -> Workload:
-        """The requests ``mask`` selects, arrivals counted from the first of them."""
-        idx = np.flatnonzero(mask)
-        if not len(idx):
-            raise WorkloadError("no requests in the chosen slice")
-        return replace(
-            self,
-            arrival_s=self.arrival_s[idx] - self.arrival_s[idx[0]],
-            input_tokens=self.input_tokens[idx],
-            output_tokens=self.output_tokens[idx],
-            max_tokens=self.max_tokens[idx],
-            tenants=[self.tenants[i] for i in idx],
-            block_hashes=[self.block_hashes[i] for i in idx],
-            tile=self.tile[idx],
-            _cache={},
-        )
-
     def repeated(self, num_requests: int) -> Workload:
         """The recording tiled back to back (each tile one mean gap after the last) until
         ``num_requests`` requests."""
@@ -190,17 +174,6 @@ def _api_time_before_engine(con) -> float:
     for the engine step that was running when it arrived."""
     (pre,) = con.execute(_API_BEFORE_ENGINE_SQL).fetchone()
     return float(pre or 0.0)
-
-
-def engine_config(con) -> dict:
-    """The engine flags of the recording (its last ``config`` event), {} without one."""
-    row = con.execute(
-        "SELECT attributes FROM events WHERE kind = 'config' ORDER BY time_ns DESC LIMIT 1"
-    ).fetchone()
-    try:
-        return json.loads(row[0]) if row and row[0] else {}
-    except ValueError:
-        return {}
 
 
 def read_workload(con, *, since_ns: int | None = None, until_ns: int | None = None) -> Workload:
