@@ -97,6 +97,11 @@ class ServeConfig:
     )
     no_trace_db: bool = setting(False, "Keep no trace store (metrics and OTLP only).")
     trace_content: bool = setting(False, "Store prompt and output text on spans.")
+    otlp_receiver: bool = setting(
+        False,
+        "Also take OTLP/HTTP traces (protobuf or JSON) on POST /v1/traces into the trace store, "
+        "with the admin key: a gateway's or client's spans join the server's own traces.",
+    )
     otlp_endpoint: str | None = setting(
         None, "OTLP collector, e.g. http://127.0.0.1:4318 (or OTEL_EXPORTER_OTLP_*)."
     )

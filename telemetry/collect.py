@@ -64,14 +64,20 @@ def make_app(store: TraceStore, scrapers: list[MetricsScraper] | None = None) ->
     return app
 
 
-def add_receiver(app: FastAPI, store: TraceStore, *, request_rows: bool = True) -> None:
-    """Add OTLP/HTTP's ``POST /v1/traces`` into ``store`` to ``app`` (the collector's, or the
-    proxy's with ``--otlp-receiver``: the upstream's spans in the proxy's own store).
-    ``request_rows=False``: keep the spans only (the proxy writes each request's row itself,
-    so an engine's request span must not add a second one)."""
+def add_receiver(
+    app: FastAPI, store: TraceStore, *, request_rows: bool = True, authenticate=None
+) -> None:
+    """Add OTLP/HTTP's ``POST /v1/traces`` into ``store`` to ``app`` (the collector's; the
+    proxy's or the server's with ``--otlp-receiver``: spans of other services in their own
+    store). ``request_rows=False``: keep the spans only (the proxy and the server write each
+    request's row themselves, so an engine's request span must not add a second one).
+    ``authenticate(request)`` answers a caller it refuses (401/403), None for one it lets in."""
 
     @app.post("/v1/traces")
     async def traces(request: Request):
+        refusal = authenticate(request) if authenticate is not None else None
+        if refusal is not None:
+            return refusal
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
             return _error(413, f"body of {len(body)} bytes; at most {MAX_BODY_BYTES}")

@@ -19,6 +19,7 @@ from ..model_config import load_model_config
 from ..serve_config import ServeConfig
 from ..tokenizer import load_tokenizer
 from .app import ServerState, build_app
+from .errors import APIError
 from .gateway import (
     Gateway,
     TenantsFileError,
@@ -294,6 +295,9 @@ def make_server(
     }
     if trace_db is not None:
         trace_db = default_trace_db(None if trace_db == "default" else trace_db)
+    elif opts.otlp_receiver:
+        raise ValueError("--otlp-receiver stores what it takes: it needs the trace store "
+                         "(drop --no-trace-db / --no-tracing)")  # fmt: skip
     if tenants is None and not is_loopback(opts.host) and not opts.allow_unauthenticated:
         raise Unauthenticated(
             f"refusing to serve {opts.host} without API keys: give --api-key (or TOKENMILL_API_KEY) "
@@ -452,6 +456,19 @@ def make_server(
     worker.silent_after_s = state.engine_stall_degraded_s
     app = build_app(state)
     app.router.lifespan_context = lifespan
+    if opts.otlp_receiver and telemetry.store is not None:
+        from tokenmill.telemetry.collect import add_receiver
+
+        def admin_only(request):
+            client = request.client.host if request.client else None
+            try:
+                state.gateway.authenticate_admin(request.headers.get("authorization"), client)
+            except APIError as exc:
+                return exc.response(getattr(request.state, "request_id", None))
+            return None
+
+        # the server writes its own request rows; a received engine span adds none
+        add_receiver(app, telemetry.store, request_rows=False, authenticate=admin_only)
     uv_config = uvicorn.Config(
         app, host=opts.host, port=opts.port, log_level="warning", timeout_graceful_shutdown=5
     )

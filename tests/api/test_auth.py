@@ -1,6 +1,7 @@
 """Authentication on a real server: one key (``--api-key``, ``TOKENMILL_API_KEY``), the admin
 key, a keyed ``/metrics``, and the refusal to serve a non-loopback address without a key; the
-same server's JSON logs and access log."""
+same server's JSON logs and access log, and its OTLP receiver (``--otlp-receiver``, admin key)
+putting a gateway's span into the server's own trace."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import duckdb
 import httpx
 import pytest
 from server_proc import Server
@@ -57,7 +59,7 @@ def keyed(tmp_path_factory, smollm2_dir):
     try:
         server = Server(
             tmp, "--model", str(smollm2_dir), "--admin-key", ADMIN, "--metrics-key", METRICS,
-            "--log-format", "json", "--access-log",
+            "--log-format", "json", "--access-log", "--otlp-receiver",
         )  # fmt: skip
     finally:
         del os.environ["TOKENMILL_API_KEY"]
@@ -125,3 +127,63 @@ def test_json_logs_carry_request_and_trace_ids(keyed):
     assert (mine["path"], mine["status"], mine["tenant"]) == ("/v1/completions", 200, "default")
     assert len(mine["trace_id"]) == 32 and mine["duration_ms"] > 0
     assert "C kernels on" in text or "C kernels off (" in text
+
+
+def _gateway_span(trace_id: str, span_id: str, start_ns: int, end_ns: int) -> dict:
+    """An OTLP/JSON export of one span from a gateway in front of the server."""
+    return {
+        "resourceSpans": [{
+            "resource": {"attributes": [
+                {"key": "service.name", "value": {"stringValue": "edge-gateway"}}]},
+            "scopeSpans": [{"scope": {"name": "gateway"}, "spans": [{
+                "traceId": trace_id, "spanId": span_id, "name": "gateway.route",
+                "kind": 2, "startTimeUnixNano": str(start_ns), "endTimeUnixNano": str(end_ns),
+                "attributes": [{"key": "route", "value": {"stringValue": "/v1/completions"}}],
+            }]}],
+        }]
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_otlp_receiver_puts_a_gateways_span_in_the_servers_trace(keyed, tmp_path):
+    """A gateway calls the server with its ``traceparent`` and exports its own span to the
+    server's ``/v1/traces``: the admin key only, and the dump then holds one trace with the
+    gateway's span and the server's stations, the gateway's span their parent."""
+    trace_id, gw_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    began = time.time_ns()
+    r = httpx.post(
+        keyed.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {KEY}", "traceparent": f"00-{trace_id}-{gw_span}-01"},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    export = _gateway_span(trace_id, gw_span, began, time.time_ns())
+    for key, status in ((None, 401), (KEY, 403)):
+        assert _post(keyed, "/v1/traces", export, key).status_code == status
+    assert _post(keyed, "/v1/traces", export, ADMIN).status_code == 200
+    # garbage is a 400 and stores nothing
+    assert _post(keyed, "/v1/traces", {"resourceSpans": "x"}, ADMIN).status_code == 400
+    deadline = time.monotonic() + 30
+    while True:
+        dump = _get(keyed, "/admin/dump", ADMIN)
+        assert dump.status_code == 200
+        path = tmp_path / "dump.duckdb"
+        path.write_bytes(dump.content)
+        con = duckdb.connect(str(path), read_only=True)
+        rows = con.execute(
+            "SELECT name, parent_span_id FROM spans WHERE trace_id = ?", [trace_id]
+        ).fetchall()
+        requests = con.execute(
+            "SELECT count(*) FROM requests WHERE trace_id = ?", [trace_id]
+        ).fetchone()[0]
+        con.close()
+        names = {name for name, _ in rows}
+        if ("gateway.route" in names and "decode" in names) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert {"gateway.route", "gateway", "prefill", "decode"} <= names, rows
+    # the server's root span hangs under the gateway's span; the request row is the server's
+    # own, not a second one from the received span
+    assert [name for name, parent in rows if parent == gw_span], rows
+    assert requests == 1
