@@ -95,6 +95,8 @@ class Engine:
     names: dict[str, str | tuple[str, ...]]
     #: signals read from a histogram's ``_sum`` (a total the engine keeps only as one)
     from_hist_sum: tuple[str, ...] = ()
+    #: signals that are the sum of several series, all of which must be present
+    sum_of: dict[str, tuple[str, ...]] | None = None
 
 
 ENGINES: dict[str, Engine] = {
@@ -156,8 +158,16 @@ ENGINES: dict[str, Engine] = {
                 "running": "llamacpp:requests_processing",
                 "waiting": "llamacpp:requests_deferred",
                 "kv_usage": "llamacpp:kv_cache_usage_ratio",
+                "prefix_hits_total": "llamacpp:prompt_tokens_cached_total",
                 "prompt_tokens_total": "llamacpp:prompt_tokens_total",
                 "generation_tokens_total": "llamacpp:tokens_predicted_total",
+            },
+            # its prompt counter leaves out the tokens a slot's cache served: a lookup covers both
+            sum_of={
+                "prefix_queries_total": (
+                    "llamacpp:prompt_tokens_total",
+                    "llamacpp:prompt_tokens_cached_total",
+                )
             },
         ),
         Engine(
@@ -272,9 +282,50 @@ def read_exposition(
         if values is None:
             continue
         row[signal] = sum(values) / len(values) if signal in RATIOS else sum(values)
+    for signal, names in (engine.sum_of or {}).items():
+        parts = [samples.get(name) for name in names]
+        if all(p is not None for p in parts):
+            row[signal] = sum(sum(p) for p in parts)
     return EngineSampleRow(time_ns=time_ns, url=url, engine_kind=kind, **row)
+
+
+def read_slots(payload) -> dict[str, float]:
+    """llama.cpp's ``GET /slots`` (a JSON array, one object per slot) → the signals it gives:
+    ``running`` (busy slots) and, where each busy slot says its prompt size
+    (``n_prompt_tokens``, current builds), ``kv_usage`` estimated as the tokens the busy slots
+    hold (prompt plus ``next_token[0].n_decoded``, at most the slot's ``n_ctx``) over the
+    slots' summed ``n_ctx``. With a unified KV cache (``--kv-unified``) each slot reports the
+    whole context as its ``n_ctx``, so the estimate is low by the slot count.
+
+    Raises:
+        MetricsFormatError: not such an array.
+    """
+    if not isinstance(payload, list) or not payload:
+        raise MetricsFormatError("/slots: not a JSON array of slots")
+    busy = held = capacity = 0
+    sized = True
+    for slot in payload:
+        n_ctx = slot.get("n_ctx") if isinstance(slot, dict) else None
+        if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx <= 0:
+            raise MetricsFormatError("/slots: a slot without a positive n_ctx")
+        capacity += n_ctx
+        if not slot.get("is_processing"):
+            continue
+        busy += 1
+        prompt = slot.get("n_prompt_tokens")
+        nxt = slot.get("next_token")
+        decoded = nxt[0].get("n_decoded", 0) if isinstance(nxt, list) and nxt else 0
+        if not isinstance(prompt, int) or not isinstance(decoded, int):
+            sized = False
+            continue
+        held += min(prompt + decoded, n_ctx)
+    out: dict[str, float] = {"running": float(busy)}
+    if sized:
+        out["kv_usage"] = held / capacity
+    return out
 
 
 def missing_signals(kind: str) -> list[str]:
     """The signals engine ``kind`` does not expose (its rows leave them NULL)."""
-    return [s for s in SIGNALS if s not in ENGINES[kind].names]
+    engine = ENGINES[kind]
+    return [s for s in SIGNALS if s not in engine.names and s not in (engine.sum_of or {})]

@@ -6,6 +6,11 @@ engine does not serve metrics, or llama.cpp's server started without ``--metrics
 upstream that is down, text that is not Prometheus exposition format, or metrics of no engine
 kind tokenmill knows (then only the client-side view exists). :attr:`MetricsScraper.status`
 says where it stands, for ``/health`` and the report.
+
+llama.cpp's server also answers ``GET /slots`` (unless started with ``--no-slots``): for a
+llama.cpp engine each scrape reads it too and fills what the metrics leave out (KV use,
+estimated from the busy slots' tokens: ``engine_metrics.read_slots``). A server that refuses
+``/slots`` is said once and not asked again; the metrics row is written either way.
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ from collections.abc import Callable
 import httpx
 import msgspec
 
-from .engine_metrics import ENGINES, MetricsFormatError, missing_signals, read_exposition
+from .engine_metrics import (
+    ENGINES,
+    MetricsFormatError,
+    missing_signals,
+    read_exposition,
+    read_slots,
+)
 
 log = logging.getLogger("tokenmill.scrape")
 
@@ -31,6 +42,8 @@ class MetricsScraper:
         submit: the store's ``submit`` (``TraceStore.submit``).
         kind: force an engine kind (``vllm``, ``sglang``, ``llamacpp``, ``tgi``, ``tokenmill``);
             None: read it from the metric names.
+        slots_url: llama.cpp's ``/slots`` (default: beside ``url`` when it ends in
+            ``/metrics``); read only for a llama.cpp engine.
     """
 
     def __init__(
@@ -42,6 +55,7 @@ class MetricsScraper:
         timeout_s: float = 5.0,
         kind: str | None = None,
         client: httpx.Client | None = None,
+        slots_url: str | None = None,
     ):
         if kind is not None and kind not in ENGINES:
             raise ValueError(f"unknown engine kind {kind!r}; known: {', '.join(ENGINES)}")
@@ -54,6 +68,10 @@ class MetricsScraper:
         self.samples = 0
         self.problem: str | None = None  # the current streak's one-line reason
         self.detected: str | None = kind
+        if slots_url is None and url.rstrip("/").endswith("/metrics"):
+            slots_url = url.rstrip("/")[: -len("/metrics")] + "/slots"
+        self.slots_url = slots_url
+        self.slots: str | None = None  # "read", or why /slots is not read
 
     @property
     def status(self) -> dict:
@@ -65,6 +83,7 @@ class MetricsScraper:
             "samples": self.samples,
             "problem": self.problem,
             "not_exposed": missing_signals(self.detected) if self.detected else None,
+            "slots": self.slots,
         }
 
     def _trouble(self, reason: str | None) -> None:
@@ -105,9 +124,36 @@ class MetricsScraper:
         self._trouble(None)
         self.detected = row.engine_kind
         out = msgspec.structs.asdict(row)
+        if row.engine_kind == "llamacpp" and self.slots_url and self.slots in (None, "read"):
+            for signal, value in self._read_slots().items():
+                if out.get(signal) is None:
+                    out[signal] = value
         if self.submit("engine_samples", out):
             self.samples += 1
         return out
+
+    def _read_slots(self) -> dict[str, float]:
+        """What llama.cpp's ``/slots`` adds ({} when it is not read; the reason said once)."""
+        try:
+            r = self._client.get(self.slots_url)
+        except httpx.HTTPError as exc:
+            log.warning("reading %s: no answer (%s)", self.slots_url, type(exc).__name__)
+            return {}
+        if r.status_code != 200:
+            self.slots = (
+                f"HTTP {r.status_code}: the server does not serve /slots (started with "
+                "--no-slots?); KV use is not estimated"
+            )
+            log.warning("reading %s: %s", self.slots_url, self.slots)
+            return {}
+        try:
+            signals = read_slots(r.json())
+        except (ValueError, MetricsFormatError) as exc:
+            self.slots = str(exc) if isinstance(exc, MetricsFormatError) else "/slots: not JSON"
+            log.warning("reading %s: %s", self.slots_url, self.slots)
+            return {}
+        self.slots = "read"
+        return signals
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -2,7 +2,8 @@
 
 vLLM, SGLang and TGI need GPUs, so their exposition text is a fixture written from each
 project's own metric definitions (the version read is in docs/engine_metrics.md); llama.cpp's
-fixture follows its server's `--metrics` output. Each fixture holds one moment of the same load:
+fixtures follow its server's `--metrics` output, an older build and the current one (its prompt counter
+leaves out the tokens a slot's cache served). Each fixture holds one moment of the same load:
 3 running, 5 waiting, KV use 0.62, 4 preemptions, prefix queries 1000 / hits 250, 51,200
 prompt and 12,800 generated tokens, 100 finished requests (queue 25 s, prefill 50 s, decode
 320 s, TTFT 80 s, E2E 400 s summed over them)."""
@@ -10,6 +11,7 @@ prompt and 12,800 generated tokens, 100 finished requests (queue 25 s, prefill 5
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from tokenmill.telemetry.engine_metrics import (
     MetricsFormatError,
     missing_signals,
     read_exposition,
+    read_slots,
 )
 from tokenmill.telemetry.scrape import MetricsScraper
 from tokenmill.telemetry.store import TraceStore
@@ -65,12 +68,23 @@ EXPECTED = {
         "itl_s_count": 12700.0,
         "e2e_s_sum": 400.0,
     },
+    # an older build of llama.cpp's server: a KV gauge, no count of cached prompt tokens
     "llamacpp": {
         **COMMON,
         "kv_usage": 0.62,
         "prompt_tokens_total": 51200.0,
+        "prefix_hits_total": None,
         "preemptions_total": None,
         "ttft_s_sum": None,
+    },
+    # the current build: no KV gauge (see /slots below), cached prompt tokens counted
+    "llamacpp_current": {
+        **COMMON,
+        "kv_usage": None,
+        "prompt_tokens_total": 51200.0,
+        "prefix_hits_total": 250.0,
+        "prefix_queries_total": 51450.0,
+        "preemptions_total": None,
     },
     "tgi": {
         **COMMON,
@@ -87,17 +101,20 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(EXPECTED))
-def test_each_engines_metrics_read_as_the_same_signals(kind):
-    text = (FIXTURES / f"{kind}.prom").read_text()
+@pytest.mark.parametrize("fixture", sorted(EXPECTED))
+def test_each_engines_metrics_read_as_the_same_signals(fixture):
+    kind = fixture.split("_")[0]
+    text = (FIXTURES / f"{fixture}.prom").read_text()
     row = read_exposition(text, f"http://{kind}:8000/metrics", 123)
     assert row is not None and row.engine_kind == kind  # detected from the names alone
-    for signal, want in EXPECTED[kind].items():
+    for signal, want in EXPECTED[fixture].items():
         assert getattr(row, signal) == (pytest.approx(want) if want else None), signal
-    # every signal the table maps is present in the fixture (a renamed metric shows up here)
+    # every signal the table maps is present in the fixture (a renamed metric shows up here),
+    # but what this fixture's version is said above not to have
     for signal in ENGINES[kind].names:
         col = f"{signal}_sum" if signal not in EngineSampleRow.__struct_fields__ else signal
-        assert getattr(row, col) is not None, (kind, signal)
+        if EXPECTED[fixture].get(col, 0) is not None:
+            assert getattr(row, col) is not None, (fixture, signal)
 
 
 def test_the_missing_signals_are_what_the_table_lacks():
@@ -141,14 +158,20 @@ class _Upstream:
 
     def __init__(self):
         self.body, self.status = b"", 200
+        self.slots: tuple[int, bytes] | None = None  # /slots' status and body (None: 404)
+        self.slot_reads = 0
         up = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
-                self.send_response(up.status)
+                status, body = up.status, up.body
+                if self.path == "/slots":
+                    up.slot_reads += 1
+                    status, body = up.slots or (404, b"")
+                self.send_response(status)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.end_headers()
-                self.wfile.write(up.body)
+                self.wfile.write(body)
 
             def log_message(self, *a):
                 pass
@@ -200,6 +223,56 @@ def test_the_scraper_writes_rows_and_says_each_problem_once(tmp_path, caplog):
         assert con.execute("SELECT count(*) FROM engine_samples").fetchone() == (2,)
     finally:
         con.close()
+
+
+def test_llamacpps_slots_say_busy_slots_and_what_they_hold():
+    """llama.cpp's current server (the version built here, docs/engine_metrics.md) has no KV
+    gauge; ``/slots`` gives busy slots and the tokens they hold. The fixture is written from
+    its ``server-context.cpp``."""
+    slots = read_slots(json.loads((FIXTURES / "llamacpp_current_slots.json").read_text()))
+    # three busy slots: 1000+200, 3000+1500 (held at most n_ctx 4096), 500 in prefill; the
+    # idle slot's cached prompt is not in use
+    assert slots == {"running": 3.0, "kv_usage": (1200 + 4096 + 500) / (4 * 4096)}
+    # an older build's slots say no prompt size: busy slots only
+    assert read_slots(json.loads((FIXTURES / "llamacpp_slots.json").read_text())) == {
+        "running": 1.0
+    }
+    for bad in ({}, [], [{"n_ctx": "4096"}], [{"n_ctx": 0}], ["slot"]):
+        with pytest.raises(MetricsFormatError, match="/slots"):
+            read_slots(bad)
+
+
+def test_the_scraper_fills_kv_use_from_llamacpps_slots(tmp_path, caplog):
+    up = _Upstream()
+    store = TraceStore(tmp_path / "s.duckdb", flush_interval_s=0.05)
+    scraper = MetricsScraper(up.url, store.submit, interval_s=60)
+    try:
+        up.body = (FIXTURES / "llamacpp_current.prom").read_bytes()
+        up.slots = (200, (FIXTURES / "llamacpp_current_slots.json").read_bytes())
+        row = scraper.scrape_once()
+        assert row["kv_usage"] == pytest.approx(5796 / 16384)
+        assert row["running"] == 3.0 and scraper.status["slots"] == "read"
+        # a server started with --no-slots answers 501: said once, asked no more, rows go on
+        up.slots = (501, b'{"error": {"code": 501, "type": "not_supported_error"}}')
+        with caplog.at_level("WARNING", logger="tokenmill.scrape"):
+            assert scraper.scrape_once()["kv_usage"] is None
+            assert scraper.scrape_once()["kv_usage"] is None
+        assert up.slot_reads == 2
+        assert "--no-slots" in scraper.status["slots"]
+        assert len([r for r in caplog.records if "/slots" in r.getMessage()]) == 1
+        # another engine's scrape never asks for /slots
+        other = MetricsScraper(up.url, store.submit, interval_s=60)
+        up.body = (FIXTURES / "vllm.prom").read_bytes()
+        other.scrape_once()
+        other.stop()
+        assert up.slot_reads == 2
+        assert store.flush()
+        kv = store.query("SELECT kv_usage FROM engine_samples WHERE engine_kind = 'llamacpp'")
+        assert [k for (k,) in kv] == [pytest.approx(5796 / 16384), None, None]
+    finally:
+        scraper.stop()
+        up.close()
+        store.close()
 
 
 def test_the_scraper_refuses_an_unknown_kind():
