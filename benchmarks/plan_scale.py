@@ -6,7 +6,10 @@ at 0.4 requests/s, kept as a Parquet dump). The big replay tiles it to 1,000,000
 its rate over 64 hosts like the recorded one (each replica about as loaded as the recording),
 in this process: its wall time and the process's peak resident memory (``ru_maxrss``). The
 small replay (the recording tiled to 2,000 requests at 2x its rate over 4 hosts) runs both ways
-and sets their percentiles side by side. Results: ``benchmarks/results/plan_scale.json``.
+and sets their percentiles side by side. A third replay (100,000 requests, same shape) times
+the engine's own ``Scheduler`` calls inside it: the share of a replay that is the real
+scheduler deciding, which no change to the replay loop can take away.
+Results: ``benchmarks/results/plan_scale.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,46 @@ def percentiles(r) -> dict:
         out[f"{name}_p99_ms"] = float(np.nanpercentile(arr, 99))
     out["preemptions"] = int(r.preemptions.sum())
     return out
+
+
+def scheduler_share(rec, requests: int, hosts: int) -> dict:
+    """Replay ``requests`` with the engine scheduler's calls timed: its seconds per call."""
+    from tokenmill.engine.scheduler import Scheduler
+    from tokenmill.plan.predict import setup_for
+    from tokenmill.plan.simulate import simulate
+    from tokenmill.plan.whatif import parse_whatif
+
+    spent = {"s": 0.0}
+    names = ("add_request", "schedule", "update_after_step", "finish")
+    originals = {name: getattr(Scheduler, name) for name in names}
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent["s"] += time.perf_counter() - began
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(Scheduler, name, timed(fn))
+    try:
+        what = parse_whatif(f"requests={requests},rate={hosts},hosts={hosts}")
+        setup, w, model, _ = setup_for(rec, what)
+        r = simulate(w, setup, model)
+    finally:
+        for name, fn in originals.items():
+            setattr(Scheduler, name, fn)
+    return {
+        "what_if": what.text,
+        "wall_s": r.wall_s,
+        "scheduler_s": spent["s"],
+        "scheduler_calls": r.scheduler_calls,
+        "scheduler_us_per_call": spent["s"] / r.scheduler_calls * 1e6,
+        "scheduler_share": spent["s"] / r.wall_s,
+    }
 
 
 def main() -> None:
@@ -62,15 +105,16 @@ def main() -> None:
     big = parse_whatif(f"requests={args.requests},rate={args.hosts},hosts={args.hosts}")
     setup, w, model, _ = setup_for(rec, big)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     r = simulate(w, setup, model)
-    wall = time.perf_counter() - began
+    wall, cpu = time.perf_counter() - began, time.process_time() - cpu_began
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     doc["big"] = {
         "what_if": big.text,
         "requests": len(w),
         "replicas": setup.replicas,
         "wall_s": wall,
+        "cpu_s": cpu,
         "peak_rss_mib": peak / 1024,
         "rss_before_mib": before / 1024,
         "steps": r.steps,
@@ -80,6 +124,11 @@ def main() -> None:
         **percentiles(r),
     }
     print(json.dumps(doc["big"], indent=1), flush=True)
+    share = scheduler_share(rec, min(100_000, args.requests), args.hosts)
+    # the engine scheduler's own time at the big replay's call count: its floor
+    share["big_replay_floor_s"] = share["scheduler_us_per_call"] * r.scheduler_calls / 1e6
+    doc["scheduler"] = share
+    print(json.dumps(share, indent=1), flush=True)
     OUT.write_text(json.dumps(doc, indent=2) + "\n")
 
 

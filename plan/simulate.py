@@ -30,6 +30,7 @@ import heapq
 import itertools
 import math
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -137,12 +138,17 @@ class _ReplayBlockManager(BlockManager):
     def explain_misses(self, request: Request, num_hits: int) -> list:
         return []
 
-    def cache_full_blocks(self, request: Request) -> None:
+    def cache_full_blocks(self, request: Request, upto: int | None = None) -> None:
         # the engine's own registration, from the first block not yet looked at (it walks every
-        # full block of the request each time; a replay calls it once per run of steps)
+        # full block of the request each time). Blocks holding output tokens wait until the
+        # request is freed unfinished (preempted: its recompute may hit them); a block with a
+        # replayed request's own output tokens matches no other request, so registering them
+        # earlier, or for a finished request at all, changes nothing the replay measures.
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if upto is None:
+            num_full = min(num_full, len(request.prompt_token_ids) // self.block_size)
         done = getattr(request, "replay_registered", 0)
         if num_full <= done:
             return
@@ -161,6 +167,8 @@ class _ReplayBlockManager(BlockManager):
         request.replay_registered = num_full
 
     def free(self, request: Request) -> None:
+        if not getattr(request, "replay_finished", False):
+            self.cache_full_blocks(request, upto=-1)  # preempted: all its full blocks, as run
         super().free(request)
         request.replay_registered = 0  # a preempted request registers its blocks anew
 
@@ -184,7 +192,9 @@ class _Replica:
         )
         self.sched = Scheduler(cfg, self.bm, setup.max_model_len)
         self.out: SchedulerOutput | None = None
-        self.ends: np.ndarray | None = None
+        # the run in flight: its j-th step (1-based) ends at t0 + j*s + g*j*(j-1)/2
+        self.t0 = self.s = self.g = 0.0
+        self.batch = 0
         self.k = 0  # steps of the run in flight that will be applied
         self.kind = ""  # its step kind (StepCostModel.steps' kinds)
         self.version = 0
@@ -193,6 +203,20 @@ class _Replica:
         self.kv_area = self.wait_area = self.run_area = 0.0
         self.kv_max = 0.0
         self.wait_max = 0
+
+    def end_of(self, j: int) -> float:
+        """When step ``j`` (1-based) of the run in flight ends."""
+        return self.t0 + j * self.s + self.g * (j * (j - 1) / 2)
+
+    def steps_done(self, t: float) -> int:
+        """Steps of the run in flight ended by ``t`` (the root of :meth:`end_of`)."""
+        dt, s, g = t - self.t0, self.s, self.g
+        if g > 1e-15:
+            a = s - g / 2
+            x = (-a + math.sqrt(max(a * a + 2 * g * dt, 0.0))) / g
+        else:
+            x = dt / s
+        return max(math.floor(x + 1e-9), 0)
 
     def touch(self, t: float) -> None:
         """Book the pool and queue as they stood since the last change, up to ``t``."""
@@ -230,13 +254,17 @@ class Simulation:
         self._gap = model.gap_ms
         n = len(workload)
         nan = np.full(n, np.nan)
-        self.first = nan.copy()
-        self.last = nan.copy()
-        self.finish = nan.copy()
+        # per request, as compact arrays of plain numbers (a replay touches them millions of
+        # times; numpy's per-item access costs more); NaN: not yet
+        self.first = array("d", [math.nan]) * n
+        self.last = array("d", [math.nan]) * n
+        self.finish = array("d", [math.nan]) * n
         self.itl50 = nan.copy()
         self.itl99 = nan.copy()
-        self.produced = np.zeros(n, dtype=np.int64)
-        self.preempt = np.zeros(n, dtype=np.int64)
+        self.produced = array("q", [0]) * n
+        self.preempt = array("q", [0]) * n
+        self._inputs = workload.input_tokens.tolist()
+        self._outputs = workload.output_tokens.tolist()
         self.rejected = np.zeros(n, dtype=bool)
         self.segs: dict[int, list[tuple[float, int]]] = {}
         self.left: dict[int, int] = {}  # router's outstanding tokens per request
@@ -246,9 +274,7 @@ class Simulation:
         # each replica's run of steps in flight (start, first step's s, growth per step, batch;
         # batch 0 when none): the router's counts are brought up to the steps that run has
         # ended by an arrival, as step-by-step would have booked them
-        r = setup.replicas
-        self._run_t0, self._run_s = np.zeros(r), np.ones(r)
-        self._run_g, self._run_b = np.zeros(r), np.zeros(r)
+        self._runs: dict[int, _Replica] = {}  # replicas with a run of several steps in flight
         self.heap: list = []
         self.seq = itertools.count()
         self.steps = self.calls = 0
@@ -297,12 +323,12 @@ class Simulation:
     def _start(self, rep: _Replica, now: float) -> None:
         out = rep.sched.schedule()
         self.calls += 1
-        self._run_b[rep.index] = 0.0
+        self._runs.pop(rep.index, None)
         if out.empty:
             rep.out = None
             return
         for victim in out.preempted:
-            self.preempt[int(victim.request_id)] += 1
+            self.preempt[victim.replay_index] += 1
         x = self._row(out)
         path = self._path(out)
         k = 1
@@ -310,21 +336,17 @@ class Simulation:
         if self.fast:
             k = self._run_length(rep, out)
         rep.kind = "with_prefill" if out.num_prefill_chunks else f"{path}_decode"
+        grow = 0.0
         if k > 1:
             # each step of the run reads one more KV token per request (and attends to it)
             batch = len(out.chunks)
             c = self._coef[path]
             grow = (c[4] * batch * self._attn + c[5] * batch / 1e6) / 1e3
-            ends = now + np.cumsum(step_s + grow * np.arange(k))
-        else:
-            ends = (now + step_s,)
-        rep.out, rep.ends, rep.k = out, ends, k
-        j = rep.index
-        if k > 1:
-            self._run_t0[j], self._run_s[j], self._run_g[j] = now, step_s, grow
-            self._run_b[j] = len(out.chunks)
+            self._runs[rep.index] = rep
+            rep.batch = batch
+        rep.out, rep.t0, rep.s, rep.g, rep.k = out, now, step_s, grow, k
         rep.version += 1
-        heapq.heappush(self.heap, (float(ends[-1]), next(self.seq), rep.index, rep.version))
+        heapq.heappush(self.heap, (rep.end_of(k), next(self.seq), rep.index, rep.version))
 
     def _run_length(self, rep: _Replica, out: SchedulerOutput) -> int:
         """Steps the planned decode-only step repeats for unchanged (1: not such a step)."""
@@ -338,7 +360,8 @@ class Simulation:
         ):
             return 1
         reqs = [c.request for c in out.chunks]
-        k = min(int(self.w.output_tokens[int(r.request_id)]) - r.num_output_tokens for r in reqs)
+        outputs = self._outputs
+        k = min(outputs[r.replay_index] - len(r.output_token_ids) for r in reqs)
         if k <= 1:
             return 1
         bm = rep.bm
@@ -366,49 +389,50 @@ class Simulation:
         that ``t`` falls in."""
         if rep.out is None or rep.k <= 1:
             return
-        k = int(np.searchsorted(rep.ends, t, side="left")) + 1
+        k = min(max(rep.steps_done(t), 1), rep.k)  # the first step ending at or after t
+        while k > 1 and rep.end_of(k - 1) >= t:
+            k -= 1
+        while k < rep.k and rep.end_of(k) < t:
+            k += 1
         if k < rep.k:
             rep.k = k
             rep.version += 1
-            heapq.heappush(
-                self.heap, (float(rep.ends[k - 1]), next(self.seq), rep.index, rep.version)
-            )
+            heapq.heappush(self.heap, (rep.end_of(k), next(self.seq), rep.index, rep.version))
 
     def _end(self, rep: _Replica) -> float:
         """Apply the step (or run of steps) that just ended; returns its end time."""
         out, k = rep.out, rep.k
-        ends = rep.ends[:k]
-        end = float(ends[-1])
+        end = rep.end_of(k)
         sched, bm = rep.sched, rep.bm
-        first_end = float(ends[0])
+        first_end = rep.end_of(1)
         sampling = sched.update_after_step(out)
         self.steps += k
         self.kinds[rep.kind] = self.kinds.get(rep.kind, 0) + k
         taken: dict[int, int] = {}
+        first, last, produced, segs = self.first, self.last, self.produced, self.segs
         for chunk in sampling:
             req = chunk.request
-            i = int(req.request_id)
+            i = req.replay_index
             tok = self.w.output_token(i)
             req.all_token_ids.append(tok)
             req.output_token_ids.append(tok)
             n = 1
-            if np.isnan(self.first[i]):
-                self.first[i] = first_end
-                taken[i] = int(self.w.input_tokens[i])
+            if first[i] != first[i]:  # NaN: its first token
+                first[i] = first_end
+                taken[i] = self._inputs[i]
             else:
-                self.segs[i].append((first_end - self.last[i], 1))
+                segs[i].append((first_end - last[i], 1))
             if k > 1:
                 more = k - 1
                 bm.allocate_slots(req, more)
                 req.all_token_ids.extend([tok] * more)
                 req.output_token_ids.extend([tok] * more)
                 req.num_computed_tokens += more
-                bm.cache_full_blocks(req)
-                self.segs[i].append(((end - first_end) / more, more))
+                segs[i].append(((end - first_end) / more, more))
                 n += more
             req.stats.output_tokens = len(req.output_token_ids)
-            self.last[i] = end
-            self.produced[i] += n
+            last[i] = end
+            produced[i] += n
             taken[i] = taken.get(i, 0) + n
         if k > 1:
             sched.step_id += k - 1
@@ -417,10 +441,12 @@ class Simulation:
             self.max_batch = max(self.max_batch, len(sampling))
         for i, n in taken.items():
             self._count(rep, i, -n)
+        outputs = self._outputs
         for chunk in sampling:
             req = chunk.request
-            i = int(req.request_id)
-            if req.num_output_tokens >= int(self.w.output_tokens[i]) and not req.status.finished:
+            i = req.replay_index
+            if len(req.output_token_ids) >= outputs[i] and not req.status.finished:
+                req.replay_finished = True
                 sched.finish(req, RequestStatus.FINISHED_LENGTH)
                 self.finish[i] = end
                 self._count(rep, i, -self.left.get(i, 0))
@@ -454,6 +480,7 @@ class Simulation:
             tenant=w.tenants[i],
             arrival_ns=int(t * 1e9),
         )
+        req.replay_index = i
         try:
             rep.sched.add_request(req)
         except RequestRejected:
@@ -473,17 +500,22 @@ class Simulation:
         """The router's pick at ``t``, with the tokens of the steps that runs in flight have
         ended by then counted off (they are booked when the run ends)."""
         router = self.router
-        if len(self._all) == 1 or not self._run_b.any():
+        if len(self._all) == 1 or not self._runs:
             return router.pick(self._all, prompt)
-        # steps ended by t of a run whose i-th step ends at t0 + i*s + g*i*(i-1)/2
-        s, g, dt = self._run_s, self._run_g, t - self._run_t0
-        with np.errstate(invalid="ignore", divide="ignore"):
-            a = s - g / 2
-            quad = (-a + np.sqrt(np.maximum(a * a + 2 * g * dt, 0.0))) / g
-        done = np.floor(np.where(g > 1e-15, quad, dt / s) + 1e-9)
-        done = np.maximum(done, 0.0) * self._run_b
         booked = router.outstanding
-        router.outstanding = (np.asarray(booked) - done.astype(np.int64)).tolist()
+        now = booked.copy()
+        sqrt, floor = math.sqrt, math.floor
+        for j, rep in self._runs.items():  # Replica.steps_done, inline (every arrival, each run)
+            dt, s, g = t - rep.t0, rep.s, rep.g
+            if g > 1e-15:
+                a = s - g / 2
+                x = (-a + sqrt(max(a * a + 2 * g * dt, 0.0))) / g
+            else:
+                x = dt / s
+            done = floor(x + 1e-9)
+            if done > 0:
+                now[j] -= done * rep.batch
+        router.outstanding = now
         try:
             return router.pick(self._all, prompt)
         finally:
@@ -516,23 +548,24 @@ class Simulation:
         w = self.w
         arrival = w.arrival_s
         pre, post = w.pre_engine_s, w.post_engine_s
-        done = ~np.isnan(self.finish)
-        n_out = self.produced
-        tpot = np.where(
-            done & (n_out > 1), (self.last - self.first) / np.maximum(n_out - 1, 1) * 1e3, np.nan
+        first, last, finish = (
+            np.frombuffer(x, dtype=np.float64) for x in (self.first, self.last, self.finish)
         )
+        done = ~np.isnan(finish)
+        n_out = np.frombuffer(self.produced, dtype=np.int64).copy()
+        tpot = np.where(done & (n_out > 1), (last - first) / np.maximum(n_out - 1, 1) * 1e3, np.nan)
         span = self._t or 1e-9
         reps = self.replicas
         for rep in reps:
             rep.touch(self._t)
         return SimResult(
-            ttft_ms=(self.first - arrival + pre) * 1e3,
+            ttft_ms=(first - arrival + pre) * 1e3,
             itl_p50_ms=self.itl50,
             itl_p99_ms=self.itl99,
             tpot_ms=tpot,
-            e2e_ms=np.where(done, (self.finish - arrival + pre + post) * 1e3, np.nan),
+            e2e_ms=np.where(done, (finish - arrival + pre + post) * 1e3, np.nan),
             output_tokens=n_out,
-            preemptions=self.preempt,
+            preemptions=np.frombuffer(self.preempt, dtype=np.int64).copy(),
             rejected=self.rejected,
             steps=self.steps,
             scheduler_calls=self.calls,

@@ -31,9 +31,9 @@ _OWN_BASE = 1 << 40
 _OWN_SPAN = 1 << 20
 
 
-def _block_base(h: int, tile: int) -> int:
-    """Where a hashed block's made-up token ids start (in block units, below ``_OWN_BASE``)."""
-    return (h ^ (tile * 0x9E3779B97F4A7C15)) & ((1 << 34) - 1)
+#: where a hashed block's made-up token ids start, in block units: its hash's low bits (a
+#: prompt's own blocks: mixed with the tile first)
+_BASE_MASK = (1 << 34) - 1
 
 
 class WorkloadError(ValueError):
@@ -72,7 +72,6 @@ class Workload:
     start_ns: int = 0
     """the first arrival's wall-clock time in the recording"""
     _shared: frozenset = field(default=frozenset(), repr=False)
-    _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.tile is None:
@@ -96,21 +95,16 @@ class Workload:
     def prompt(self, i: int) -> list[int]:
         """Request ``i``'s made-up prompt token ids (see the module docstring)."""
         bs, n = self.block_size, int(self.input_tokens[i])
-        tile = int(self.tile[i])
+        hashes = self.block_hashes[i][: n // bs]
         out: list[int] = []
-        for h in self.block_hashes[i][: n // bs]:
-            if h in self._shared:  # the same tokens wherever it appears (kept)
-                block = self._cache.get(h)
-                if block is None:
-                    block = self._cache[h] = list(
-                        range(_block_base(h, 0) * bs, _block_base(h, 0) * bs + bs)
-                    )
-                out += block
-            else:  # one prompt's own block: new in each tile
-                base = _block_base(h, tile) * bs
-                out += range(base, base + bs)
+        if hashes:
+            # a shared block has the same tokens wherever it appears; a prompt's own block is
+            # new in each tile
+            shared, key = self._shared, int(self.tile[i]) * 0x9E3779B97F4A7C15
+            bases = [(h if h in shared else h ^ key) & _BASE_MASK for h in hashes]
+            out = (np.array(bases, dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel().tolist()
         own = _OWN_BASE + i * _OWN_SPAN
-        out += range(own, own + n - len(out))
+        out.extend(range(own, own + n - len(out)))
         return out
 
     def output_token(self, i: int) -> int:
@@ -121,7 +115,7 @@ class Workload:
         """The same requests arriving ``rate_factor`` times as fast (gaps divided by it)."""
         if not rate_factor > 0:
             raise WorkloadError(f"a rate factor must be > 0, not {rate_factor}")
-        return replace(self, arrival_s=self.arrival_s / rate_factor, _cache={})
+        return replace(self, arrival_s=self.arrival_s / rate_factor)
 
     def repeated(self, num_requests: int) -> Workload:
         """The recording tiled back to back (each tile one mean gap after the last) until
@@ -143,7 +137,6 @@ class Workload:
             tenants=[self.tenants[i] for i in idx],
             block_hashes=[self.block_hashes[i] for i in idx],
             tile=tile,
-            _cache={},
         )
 
 
