@@ -138,7 +138,7 @@ class _ReplayBlockManager(BlockManager):
     def explain_misses(self, request: Request, num_hits: int) -> list:
         return []
 
-    def cache_full_blocks(self, request: Request, upto: int | None = None) -> None:
+    def cache_full_blocks(self, request: Request, with_outputs: bool = False) -> None:
         # the engine's own registration, from the first block not yet looked at (it walks every
         # full block of the request each time). Blocks holding output tokens wait until the
         # request is freed unfinished (preempted: its recompute may hit them); a block with a
@@ -147,7 +147,7 @@ class _ReplayBlockManager(BlockManager):
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        if upto is None:
+        if not with_outputs:
             num_full = min(num_full, len(request.prompt_token_ids) // self.block_size)
         done = getattr(request, "replay_registered", 0)
         if num_full <= done:
@@ -168,7 +168,9 @@ class _ReplayBlockManager(BlockManager):
 
     def free(self, request: Request) -> None:
         if not getattr(request, "replay_finished", False):
-            self.cache_full_blocks(request, upto=-1)  # preempted: all its full blocks, as run
+            self.cache_full_blocks(
+                request, with_outputs=True
+            )  # preempted: all its full blocks, as run
         super().free(request)
         request.replay_registered = 0  # a preempted request registers its blocks anew
 
@@ -504,17 +506,8 @@ class Simulation:
             return router.pick(self._all, prompt)
         booked = router.outstanding
         now = booked.copy()
-        sqrt, floor = math.sqrt, math.floor
-        for j, rep in self._runs.items():  # Replica.steps_done, inline (every arrival, each run)
-            dt, s, g = t - rep.t0, rep.s, rep.g
-            if g > 1e-15:
-                a = s - g / 2
-                x = (-a + sqrt(max(a * a + 2 * g * dt, 0.0))) / g
-            else:
-                x = dt / s
-            done = floor(x + 1e-9)
-            if done > 0:
-                now[j] -= done * rep.batch
+        for j, rep in self._runs.items():
+            now[j] -= rep.steps_done(t) * rep.batch
         router.outstanding = now
         try:
             return router.pick(self._all, prompt)
