@@ -6,11 +6,17 @@ import itertools
 import statistics
 
 from ..signals import Signals
+from ..stats import Support
 from ._common import Alert, Evidence, Param, Rule, _clock, _confidence, _ms, _severity
 
 # error types an overload causes itself: the admission queue's refusals and clients that gave
-# up waiting (engine/api/stations.py, engine/api/app.py)
-OVERLOAD_ERRORS = ("queue_full", "client_disconnected")
+# up waiting (engine/api/stations.py, engine/api/app.py), the proxy among them: an upstream that
+# sent no first byte within the proxy's timeout (proxy/app.py). A hung upstream completes
+# nothing, so overload (which needs TTFT rising over completed requests) does not fire beside it
+OVERLOAD_ERRORS = ("queue_full", "client_disconnected", "upstream_timeout")
+
+
+OWN_TEST = "arrivals outpacing completions window after window (a trend over min_windows)"
 
 
 def _errors_are_overloads(evidence: dict) -> bool:
@@ -57,6 +63,15 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         return None
     _, ratio, run, ttfts = best
     first, last = run[0], run[-1]
+    # the test is the trend itself: every arrival of the run stands behind it, and it held in
+    # each of the run's windows (an engine that reports no per-request queue time has no
+    # example requests to count)
+    support = Support(
+        n=sum(w.get("arrivals", 0) or 0 for w in run),
+        unit="requests",
+        reference=OWN_TEST,
+        persistence=f"{len(run)} consecutive windows",
+    )
     return Evidence(
         f"{sum(w.get('arrivals', 0) or 0 for w in run)} requests arrived but only "
         f"{sum(w.get('completions', 0) or 0 for w in run)} completed in "
@@ -78,12 +93,13 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         [first.start_ns, last.end_ns],
         _severity(ratio, p["arrival_excess"]),
         _confidence(ratio / p["arrival_excess"], (ttfts[-1] / ttfts[0]) / p["ttft_trend"]),
+        support=support,
     )
 
 
 RULE = Rule(
     id="overload",
-    own_test="arrivals outpacing completions window after window (a trend over min_windows)",
+    own_test=OWN_TEST,
     title="arrivals exceed completions",
     symptom=(
         "arrivals outpace completions in every window of a run while the queue and TTFT trend "

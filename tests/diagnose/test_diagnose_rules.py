@@ -704,11 +704,15 @@ def test_extra_spikes_off_the_period_do_not_hide_it(tmp_path):
     assert 5.5 < f.evidence["period_s"] < 6.5 and f.evidence["period_cv"] < 0.1, f.evidence
 
 
-@pytest.mark.parametrize(("error_type", "explained"), [("queue_full", True), ("nan_logits", False)])
+@pytest.mark.parametrize(
+    ("error_type", "explained"),
+    [("queue_full", True), ("upstream_timeout", True), ("nan_logits", False)],
+)
 def test_overload_explains_an_error_spike_of_its_own_refusals(tmp_path, error_type, explained):
     """CI of 2026-12-02: in the demo's overload phase error_spike (429s from the full queue)
     ranked first by one point of confidence over overload, the cause of those 429s. An error
-    spike made mostly of queue-full refusals (or clients that gave up) is now explained by
+    spike made mostly of queue-full refusals (or clients that gave up, the proxy among them:
+    an overloaded llama.cpp server's requests timing out at the proxy) is now explained by
     overload and ranked after it; one of NaN logits is not."""
     over = HEALTHY.but(
         duration_s=40, rate_per_s=6, queue_growth_ms_per_s=500, waiting_growth_per_s=1,
