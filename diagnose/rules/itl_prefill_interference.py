@@ -50,22 +50,41 @@ def _prefill_stretched(
     """Steps carrying at least ``min_prefill_tokens`` of prefill that took ``local_spike`` x the
     decode-only steps on either side of them: ``(start_ns, ms, neighbour_ms)``. A host stall (a
     neighbour process, GC) slows the steps around a prefill as much as the prefill step itself;
-    a prefill slows only its own."""
+    a prefill slows only its own. So a prefill step beside a stall of decode-only steps is left
+    to the stall only when, slowed no more than the stall's slowest decode step was (that
+    step over the usual one), it would not have been ``local_spike`` x the usual decode step:
+    a 46-token prefill step inside a CPU burst is the burst's, an 8 s prefill of 1,500 tokens
+    beside two decode steps slowed 2x (the load generator starting a client) is its own."""
     out = []
+    usual = base_step or 50.0
     # decode-only steps stalled too around a slow prefill step: something outside the step's
     # work (a host job, a periodic disturbance) slowed it, not its prefill
-    margin = int(STALL_MARGIN_STEPS * (base_step or 50.0) * 1e6)
-    stalls = [(s - margin, e + margin) for s, _, _, e in decode_stalls(sig)]
+    margin = int(STALL_MARGIN_STEPS * usual * 1e6)
+    stalls = [
+        (s - margin, e + margin, _slowest_decode_ms(sig, s, e) / usual)
+        for s, _, _, e in decode_stalls(sig)
+    ]
     for start, ms, near, prefill in sig.con.execute(
         _MIXED_STEPS_SQL, [sig.since_ns, sig.until_ns]
     ).fetchall():
         near = near if near is not None else base_step
         if prefill >= p["min_prefill_tokens"] and near and ms >= p["local_spike"] * near:
             end = start + int(ms * 1e6)
-            if any(a <= end and start <= b for a, b in stalls):
+            slowdown = max((f for a, b, f in stalls if a <= end and start <= b), default=None)
+            if slowdown is not None and ms / max(slowdown, 1.0) < p["local_spike"] * usual:
                 continue
             out.append((start, ms, near))
     return out
+
+
+def _slowest_decode_ms(sig: Signals, start_ns: int, end_ns: int) -> float:
+    """The slowest decode-only step that started in ``[start_ns, end_ns]``, ms."""
+    (ms,) = sig.con.execute(
+        "SELECT max((end_ns - start_ns) / 1e6) FROM engine_steps WHERE start_ns >= ? "
+        "AND start_ns <= ? AND num_prefill_tokens = 0 AND num_decode_tokens > 0",
+        [start_ns, end_ns],
+    ).fetchone()
+    return ms or 0.0
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
