@@ -604,6 +604,47 @@ def load_runs(root: Path, split: str | None = None) -> list[tuple[dict, Path]]:
     return out
 
 
+# The queue as it stood at each step (StepRecord.oldest_wait_*) from the requests' own
+# milestones: queued before the step started, first scheduled (or ended unscheduled) after it.
+# tests/engine/test_engine_batching.py holds the engine's fields equal to this on real steps.
+_QUEUE_AGE_SQL = """
+SELECT s.step_id, s.start_ns,
+       arg_min(r.request_id, r.queued_ns) AS oldest_wait_id,
+       arg_min(r.input_tokens, r.queued_ns) AS oldest_wait_prompt_tokens,
+       (s.start_ns - min(r.queued_ns)) / 1e6 AS oldest_wait_ms
+FROM engine_steps s JOIN requests r
+  ON r.queued_ns <= s.start_ns AND coalesce(r.scheduled_ns, r.end_ns) > s.start_ns
+GROUP BY s.step_id, s.start_ns
+"""
+
+
+def backfill_queue_age(dump: Path) -> bool:
+    """Give a Parquet dump recorded before the step fields ``oldest_wait_ms``,
+    ``oldest_wait_id`` and ``oldest_wait_prompt_tokens`` their values, computed from the
+    requests' milestones as the engine computes them; False when it has them already."""
+    steps = dump / "engine_steps.parquet"
+    con = duckdb.connect()
+    try:
+        con.execute(f"CREATE VIEW engine_steps AS SELECT * FROM read_parquet('{steps}')")
+        con.execute(
+            f"CREATE VIEW requests AS SELECT * FROM read_parquet('{dump / 'requests.parquet'}')"
+        )
+        cols = {r[0] for r in con.execute("DESCRIBE engine_steps").fetchall()}
+        if "oldest_wait_ms" in cols:
+            return False
+        tmp = steps.with_suffix(".tmp.parquet")
+        con.execute(
+            f"COPY (SELECT s.*, q.oldest_wait_ms, q.oldest_wait_id, "
+            f"q.oldest_wait_prompt_tokens::INTEGER AS oldest_wait_prompt_tokens "
+            f"FROM engine_steps s LEFT JOIN ({_QUEUE_AGE_SQL}) q "
+            f"USING (step_id, start_ns) ORDER BY s.start_ns) TO '{tmp}' (FORMAT parquet)"
+        )
+    finally:
+        con.close()
+    tmp.replace(steps)
+    return True
+
+
 def scenario_runs(names: list[str]) -> list[Run]:
     """Named scenarios (``scenarios/*.toml``) as runs to record: each a run of its own family,
     split ``scenario``, so the diagnoser can be checked on its real-engine dump in seconds
@@ -628,7 +669,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", choices=SPLITS)
     ap.add_argument("--model")
     ap.add_argument("--list", action="store_true", help="print the sampled runs and stop")
+    ap.add_argument(
+        "--backfill-queue-age",
+        action="store_true",
+        help="give the dumps under --out recorded before the step fields oldest_wait_* "
+        "their values from the requests' milestones, and stop",
+    )
     a = ap.parse_args(argv)
+    if a.backfill_queue_age:
+        done = [d for d in sorted(a.out.glob("*/dump")) if backfill_queue_age(d)]
+        print(f"{len(done)} dumps given oldest_wait_* from their requests' milestones")
+        return 0
     runs = scenario_runs(a.scenario) if a.scenario else sample(a.per_family, a.family)
     if a.split:
         runs = [r for r in runs if r.split == a.split]

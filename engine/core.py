@@ -289,6 +289,11 @@ class EngineCore:
         start_ns = time.time_ns()
         t0 = time.perf_counter()
         self._detokenize_s = 0.0
+        oldest = min(
+            (r for r in self.scheduler.waiting if r.stats.scheduled_ns is None),
+            key=lambda r: r.stats.queued_ns or start_ns,
+            default=None,
+        )
         if self.spec is not None:
             self._propose()
         sched = self.scheduler.schedule()
@@ -348,6 +353,11 @@ class EngineCore:
             req_tokens=[c.num_new_tokens for c in sched.chunks],
             req_prefill=[c.is_prefill for c in sched.chunks],
             admit_stop=sched.admit_stop,
+            oldest_wait_ms=(start_ns - (oldest.stats.queued_ns or start_ns)) / 1e6
+            if oldest
+            else None,
+            oldest_wait_id=oldest.request_id if oldest else None,
+            oldest_wait_prompt_tokens=len(oldest.prompt_token_ids) if oldest else None,
         )
         return outputs, record
 

@@ -309,6 +309,15 @@ class StepRecord(msgspec.Struct, kw_only=True):
     """why the scheduler stopped admitting waiting requests this step
     (:data:`ADMIT_STOP_REASONS`: ``budget``, ``kv_blocks``, ``max_num_seqs``); NULL when none
     was left waiting, for an idle heartbeat and in dumps from before the field"""
+    oldest_wait_ms: float | None = None
+    """the queue as it stands at the step's start, before its admission: how long the
+    longest-waiting request not yet scheduled has waited since the engine queued it (its queue
+    time so far, part of its TTFT); NULL when none waits and in dumps from before the field. A
+    live store sees a queue form here before any of its requests has ended"""
+    oldest_wait_id: str | None = None
+    """that request's id (still in flight while it waits)"""
+    oldest_wait_prompt_tokens: int | None = None
+    """that request's prompt tokens"""
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

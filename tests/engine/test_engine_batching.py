@@ -182,3 +182,27 @@ def test_stop_string_inside_an_accepted_run_cuts_it_there(base):
     assert cut.token_ids == plain.token_ids and cut.text == plain.text
     assert len(cut.token_ids) <= j + 1 < len(free.token_ids)
     assert stop not in cut.text  # the stop string itself is not returned
+
+
+def test_each_step_records_the_longest_wait_in_the_queue(base):
+    """The queue as it stands at each step's start: the longest-waiting request not yet
+    scheduled, its wait so far and its prompt size, equal to what the requests' own milestones
+    say afterwards (queued before the step started, first scheduled after it)."""
+    llm, ps, _ = base
+    engine = engine_like(llm, max_num_seqs=2)
+    results = engine.generate(ps[:6], SamplingParams(max_tokens=4))
+    waited = 0
+    for rec in engine.step_records:
+        ahead = [
+            r for r in results if r.stats.queued_ns <= rec.start_ns < r.stats.scheduled_ns
+        ]
+        oldest = min(ahead, key=lambda r: r.stats.queued_ns, default=None)
+        if oldest is None:
+            assert rec.oldest_wait_ms is None and rec.oldest_wait_id is None, rec
+            continue
+        waited += 1
+        assert rec.oldest_wait_id == oldest.request_id, (rec.step_id, ahead)
+        assert rec.oldest_wait_prompt_tokens == len(oldest.prompt_token_ids)
+        assert rec.oldest_wait_ms == pytest.approx((rec.start_ns - oldest.stats.queued_ns) / 1e6)
+    # two run at a time: the other four wait over several steps
+    assert waited >= 4, [(r.step_id, r.oldest_wait_id) for r in engine.step_records]
