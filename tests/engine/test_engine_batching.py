@@ -193,9 +193,7 @@ def test_each_step_records_the_longest_wait_in_the_queue(base):
     results = engine.generate(ps[:6], SamplingParams(max_tokens=4))
     waited = 0
     for rec in engine.step_records:
-        ahead = [
-            r for r in results if r.stats.queued_ns <= rec.start_ns < r.stats.scheduled_ns
-        ]
+        ahead = [r for r in results if r.stats.queued_ns <= rec.start_ns < r.stats.scheduled_ns]
         oldest = min(ahead, key=lambda r: r.stats.queued_ns, default=None)
         if oldest is None:
             assert rec.oldest_wait_ms is None and rec.oldest_wait_id is None, rec
