@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import statistics
 
-from ..signals import COMPLETED_SQL, Signals, Window
-from ..stats import compare
+from ..signals import COMPLETED_SQL, Signals, Window, waiting_now
+from ..stats import against_bound, compare
 from ._common import (
     _BASE,
     Evidence,
@@ -117,8 +117,94 @@ def _per_request(sig: Signals, p: dict) -> Evidence | None:
     )
 
 
+# ended requests nothing held back (queue time under queue_share of their TTFT): the reference
+# for requests that have not ended yet
+_UNHELD_SQL = f"""
+SELECT input_tokens, ttft_ms FROM requests
+WHERE arrival_ns >= ? AND arrival_ns < ? AND {COMPLETED_SQL} AND ttft_ms > 0
+  AND input_tokens IS NOT NULL AND coalesce(queue_ms, 0) < ? * ttft_ms
+"""
+# ended requests with the time they stopped holding the queue (their first token)
+_ENDED_SQL = """
+SELECT request_id, input_tokens, arrival_ns, coalesce(first_token_ns, end_ns) FROM requests
+WHERE arrival_ns >= ? AND arrival_ns < ? AND input_tokens IS NOT NULL
+"""
+
+
+def _still_waiting(sig: Signals, p: dict) -> Evidence | None:
+    """The symptom before its requests have ended (a live store, ``signals/queue_now.py``): a
+    request not ended yet that waited at the head of the engine queue ``short_ttft_rise`` x the
+    TTFT of ended requests of its size or smaller that nothing held back, behind a prompt
+    ``long_factor`` x its own queued before it and still without its first token then."""
+    waiting = [x for x in waiting_now(sig) if x.prompt_tokens]
+    if not waiting:
+        return None
+    unheld = sig.con.execute(_UNHELD_SQL, [sig.since_ns, sig.until_ns, p["queue_share"]]).fetchall()
+    if len(unheld) < 2:
+        return None
+    ended = sig.con.execute(_ENDED_SQL, [sig.since_ns, sig.until_ns]).fetchall()
+    found = []  # (waiting, blockers, reference TTFT)
+    for x in waiting:
+        peers = [t for n, t in unheld if n <= x.prompt_tokens]
+        if len(peers) < 2:
+            peers = [t for _, t in unheld]
+        ref = statistics.median(peers)
+        if x.wait_ms < p["short_ttft_rise"] * ref:
+            continue
+        long = p["long_factor"] * x.prompt_tokens
+        ahead = [
+            (y.request_id, y.prompt_tokens)
+            for y in waiting
+            if y.prompt_tokens >= long and y.queued_ns <= x.queued_ns
+        ] + [(rid, n) for rid, n, arr, first in ended if n >= long and arr <= x.queued_ns < first]
+        if ahead:
+            found.append((x, ahead, ref))
+    if not found:
+        return None
+    worst, blockers, free_med = max(found, key=lambda f: f[0].wait_ms)
+    kv = sig.con.execute(_KV_DURING_SQL, [worst.queued_ns, worst.at_ns + 1]).fetchone()[0]
+    if kv is not None and kv >= p["kv_free_below"]:
+        return None
+    r = worst.wait_ms / free_med
+    names = ", ".join(f"{rid} ({n} tokens)" for rid, n in blockers[:3])
+    who = (
+        f"request {worst.request_id} ({worst.prompt_tokens} prompt tokens) waited "
+        f"{_ms(worst.wait_ms)} at the head of the queue behind {names}, queued before it"
+    )
+    return Evidence(
+        f"{who}; ended requests of its size that nothing held back had TTFT p50 "
+        f"{_ms(free_med)}; the waiting request has not ended yet"
+        + (f"; KV use peaked at {kv:.0%}" if kv is not None else ""),
+        {
+            "longest_wait_ms": worst.wait_ms,
+            "waiting_request": worst.request_id,
+            "waiting_prompt_tokens": worst.prompt_tokens,
+            "unheld_ttft_p50_ms": free_med,
+            "blocking_request_ids": [rid for rid, _ in blockers[:5]],
+            "input_tokens_max": max(n for _, n in blockers),
+            "waiting_max": worst.num_waiting,
+            "kv_usage_max": kv,
+        },
+        (worst.queued_ns, worst.at_ns),
+        None,
+        [],
+        _severity(r, p["short_ttft_rise"]),
+        _confidence(r / p["short_ttft_rise"]),
+        support=against_bound(
+            [f[0].wait_ms / f[2] for f in found],
+            p["short_ttft_rise"],
+            unit="requests",
+            reference_name=f"its wait over the TTFT p50 of ended requests of its size nothing "
+            f"held back, against {p['short_ttft_rise']:g} (short_ttft_rise)",
+            min_n=1,
+            why_one="a request that waited behind a long prompt past the bound has at least "
+            "that TTFT: its wait is the symptom itself",
+        ),
+    )
+
+
 def detect(sig: Signals, p: dict) -> Evidence | None:
-    ev = _per_request(sig, p)
+    ev = _per_request(sig, p) or _still_waiting(sig, p)
     if ev is not None or not sig.healthy_baseline:
         return ev  # the per-window ratios need healthy windows; requests are their own reference
     return _per_window(sig, p)

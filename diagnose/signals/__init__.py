@@ -54,6 +54,7 @@ from .baseline import (
 )
 from .family import Family, Yield, unavailable
 from .prefix import engine_block_size, prefix_block_stats, prefix_head_stats
+from .queue_now import Waiting, waiting_now
 from .roofline import roofline_peaks
 from .scope import NS, Scope, engine_config, quantile, span, store_columns
 from .upstream import fill_from_upstream_spans
@@ -283,6 +284,7 @@ __all__ = [
     "NoTraffic",
     "Scope",
     "Signals",
+    "Waiting",
     "Window",
     "Yield",
     "engine_block_size",
@@ -291,5 +293,6 @@ __all__ = [
     "prefix_block_stats",
     "prefix_head_stats",
     "roofline_peaks",
+    "waiting_now",
     "warmup_intervals",
 ]

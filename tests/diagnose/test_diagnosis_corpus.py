@@ -88,3 +88,75 @@ def test_a_long_prefill_step_between_two_slow_decode_steps_is_no_host_stall():
         assert report.findings and report.findings[0].rule_id == "itl_prefill_interference"
     finally:
         con.close()
+
+
+def _live(run, cut_ns: int, *, drop_queue_fields: bool = False):
+    """The diagnosis of a corpus run's store as a live server's stood at ``cut_ns`` (only the
+    requests that had ended by then), with its label's window: findings by rule, and the ids
+    of the requests that had ended."""
+    import json
+
+    from tokenmill.bench.accuracy import store_as_of
+    from tokenmill.diagnose.findings import diagnose
+    from tokenmill.telemetry.dump import open_dump, parse_duration
+
+    label = json.loads((run / "label.json").read_text())
+    con = open_dump(run / "dump", verify=False)
+    try:
+        live = store_as_of(con, cut_ns)
+    finally:
+        con.close()
+    try:
+        if drop_queue_fields:
+            for col in ("oldest_wait_ms", "oldest_wait_id", "oldest_wait_prompt_tokens"):
+                live.execute(f"ALTER TABLE engine_steps DROP COLUMN {col}")
+        report = diagnose(live, window_s=parse_duration(label["window"]))
+        ended = {r for (r,) in live.execute("SELECT request_id FROM requests").fetchall()}
+        return {f.rule_id: f for f in report.findings}, ended
+    finally:
+        live.close()
+
+
+def _run(run_id: str) -> tuple[Path, dict]:
+    import json
+
+    run = CORPUS / run_id
+    if not run.is_dir():
+        pytest.skip(f"no {run_id} in the corpus")
+    return run, json.loads((run / "label.json").read_text())
+
+
+def test_head_of_line_blocking_is_seen_while_its_victim_has_not_ended():
+    """A tune run (hol_low_rate-0: short prompts at a low rate, a long prompt's chunks take the
+    step budget) cut as a live store stood 15 s into the fault: the short request stuck behind
+    the long prompt has not ended, so the ended requests alone show nothing; the steps' record
+    of the queue (the longest-waiting request, its wait and prompt size) names it and the long
+    prompt queued before it."""
+    run, label = _run("hol_low_rate-0")
+    cut = label["fault_start_ns"] + 15 * 10**9
+    found, ended = _live(run, cut)
+    assert "head_of_line_blocking" in found, sorted(found)
+    f = found["head_of_line_blocking"]
+    assert f.evidence["waiting_request"] not in ended, f.summary
+    assert f.evidence["waiting_prompt_tokens"] * 4 <= f.evidence["input_tokens_max"], f.evidence
+    assert f.evidence["longest_wait_ms"] >= 5 * f.evidence["unheld_ttft_p50_ms"], f.evidence
+    without, _ = _live(run, cut, drop_queue_fields=True)
+    assert "head_of_line_blocking" not in without, sorted(without)
+
+
+def test_healthy_runs_never_show_a_waiting_queue():
+    """Every healthy tune run cut at 10 s, 20 s and 40 s: no request waited at the head of the
+    queue long enough for either rule that reads the queue as it stands."""
+    from tokenmill.diagnose.signals import NoTraffic
+
+    runs = sorted(p.parent.name for p in CORPUS.glob("healthy*/label.json"))
+    tune = [r for r in runs if int(r.rsplit("-", 1)[1]) % 2 == 0]
+    assert tune
+    for run_id in tune:
+        run, label = _run(run_id)
+        for after in (10, 20, 40):
+            try:
+                found, _ = _live(run, label["steps_started_ns"] + after * 10**9)
+            except NoTraffic:
+                continue
+            assert not {"head_of_line_blocking", "ttft_queueing"} & set(found), (run_id, after)
