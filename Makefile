@@ -80,6 +80,9 @@ corpus: model
 		--family itl_prefill_interference
 	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.corpus --out $(CORPUS) --per-family 18 \
 		--family itl_prefill_interference --split tune
+	# and five fresh evaluation runs of it, recorded after its rule's last change
+	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.corpus --out $(CORPUS) --per-family 20 \
+		--family itl_prefill_interference --split eval
 
 accuracy: $(STAMP)
 	$(BIN)/python benchmarks/diagnosis_accuracy.py --corpus $(CORPUS) --split eval
