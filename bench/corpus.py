@@ -677,8 +677,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = ap.parse_args(argv)
     if a.backfill_queue_age:
-        done = [d for d in sorted(a.out.glob("*/dump")) if backfill_queue_age(d)]
-        print(f"{len(done)} dumps given oldest_wait_* from their requests' milestones")
+        done = 0
+        for d in sorted(a.out.glob("*/dump")):
+            try:
+                done += backfill_queue_age(d)
+            except duckdb.Error as exc:  # a damaged dump: say which, leave it as it was
+                print(f"error: {d}: {str(exc).splitlines()[0]}", file=sys.stderr)
+                return 2
+        print(f"{done} dumps given oldest_wait_* from their requests' milestones")
         return 0
     runs = scenario_runs(a.scenario) if a.scenario else sample(a.per_family, a.family)
     if a.split:
