@@ -14,7 +14,6 @@ import logging
 import os
 import time
 import zlib
-from pathlib import Path
 
 import msgspec
 import torch
@@ -25,6 +24,7 @@ from .cpu_threads import ThreadGovernor, read_proc
 from .detokenizer import IncrementalDetokenizer
 from .messages import EngineStats, RequestEvent, RequestOutput, StepRecord
 from .model_config import ModelConfig
+from .model_fetch import resolve_model_dir
 from .model_runner import ModelRunner
 from .parallel.kv_transfer import KVHandoff, gather_kv, scatter_kv
 from .request import Request, RequestStatus
@@ -630,18 +630,6 @@ def _cpu_kernels_state() -> str:
     from tokenmill.kernels import cpu
 
     return "on" if cpu.available() else (cpu.unavailable_reason() or "off")
-
-
-def resolve_model_dir(model: str | None) -> Path:
-    """The model folder: ``model`` as given, or the default model (fetched if missing)."""
-    if model is not None:
-        return Path(model).expanduser()
-    from .model_fetch import default_model_dir, fetch_default_model, verify_model_dir
-
-    path = default_model_dir()
-    if not verify_model_dir(path):
-        fetch_default_model(path)
-    return path
 
 
 def _faulty(request_id: str, fraction: float) -> bool:

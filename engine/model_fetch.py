@@ -213,3 +213,14 @@ def _fetch_into(dest: Path, progress: Progress) -> Path:
         out.rename(dest)
     progress(f"default model ready at {dest}")
     return dest
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The model folder: ``model`` as given, or the default model (fetched if missing).
+    Torch-free, so the API process can call it without loading torch."""
+    if model is not None:
+        return Path(model).expanduser()
+    path = default_model_dir()
+    if not verify_model_dir(path):
+        fetch_default_model(path)
+    return path

@@ -17,8 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..sampling import SamplingParams
-from ..sampling_params import MAX_TOKEN_INT
+from ..sampling_params import MAX_TOKEN_INT, SamplingParams
 from .errors import APIError
 
 MAX_STOP_STRINGS = 8

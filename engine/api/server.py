@@ -14,8 +14,8 @@ from pathlib import Path
 import uvicorn
 
 from ..config import EngineConfig
-from ..core import resolve_model_dir
 from ..model_config import load_model_config
+from ..model_fetch import resolve_model_dir
 from ..serve_config import ServeConfig
 from ..tokenizer import load_tokenizer
 from .app import ServerState, build_app

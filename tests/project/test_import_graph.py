@@ -106,6 +106,9 @@ def test_every_allowed_exception_is_still_used():
         "tokenmill.telemetry.schema",
         "tokenmill.telemetry.hub",
         "tokenmill.engine.messages",
+        # the API process: torch is the engine core's (a second copy of it cost every server
+        # start about 1.5 s and the API process its memory)
+        "tokenmill.engine.api.server",
     ],
 )
 def test_readers_of_the_store_do_not_load_torch(module):
