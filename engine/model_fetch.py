@@ -217,7 +217,7 @@ def _fetch_into(dest: Path, progress: Progress) -> Path:
 
 def resolve_model_dir(model: str | None) -> Path:
     """The model folder: ``model`` as given, or the default model (fetched if missing).
-    Torch-free, so the API process can call it without loading torch."""
+    Torch-free, so the API process's start does not wait for torch's import."""
     if model is not None:
         return Path(model).expanduser()
     path = default_model_dir()

@@ -226,7 +226,7 @@ def engine_workers(config) -> EngineWorker | ReplicaPool:
     cpus = os.cpu_count() or 1
     cuda = 0
     if config.device != "cpu":
-        import torch  # only here: a one-replica API process never loads it
+        import torch  # only here: the API's own code has no other use for it
 
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     check_data_parallel(config, cpus, cuda)
