@@ -168,9 +168,8 @@ class _ReplayBlockManager(BlockManager):
 
     def free(self, request: Request) -> None:
         if not getattr(request, "replay_finished", False):
-            self.cache_full_blocks(
-                request, with_outputs=True
-            )  # preempted: all its full blocks, as run
+            # preempted: all its full blocks, as run
+            self.cache_full_blocks(request, with_outputs=True)
         super().free(request)
         request.replay_registered = 0  # a preempted request registers its blocks anew
 

@@ -117,17 +117,13 @@ def _per_request(sig: Signals, p: dict) -> Evidence | None:
     )
 
 
-# ended requests nothing held back (queue time under queue_share of their TTFT): the reference
-# for requests that have not ended yet
-_UNHELD_SQL = f"""
-SELECT input_tokens, ttft_ms FROM requests
-WHERE arrival_ns >= ? AND arrival_ns < ? AND {COMPLETED_SQL} AND ttft_ms > 0
-  AND input_tokens IS NOT NULL AND coalesce(queue_ms, 0) < ? * ttft_ms
-"""
-# ended requests with the time they stopped holding the queue (their first token)
-_ENDED_SQL = """
-SELECT request_id, input_tokens, arrival_ns, coalesce(first_token_ns, end_ns) FROM requests
-WHERE arrival_ns >= ? AND arrival_ns < ? AND input_tokens IS NOT NULL
+# ended requests: prompt size, arrival, when they stopped holding the queue (their first token),
+# TTFT, and whether nothing held them back (completed, queue time under queue_share of TTFT):
+# the reference for requests that have not ended yet
+_ENDED_SQL = f"""
+SELECT request_id, input_tokens, arrival_ns, coalesce(first_token_ns, end_ns), ttft_ms,
+       coalesce({COMPLETED_SQL} AND ttft_ms > 0 AND coalesce(queue_ms, 0) < ? * ttft_ms, false)
+FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? AND input_tokens IS NOT NULL
 """
 
 
@@ -139,10 +135,10 @@ def _still_waiting(sig: Signals, p: dict) -> Evidence | None:
     waiting = [x for x in waiting_now(sig) if x.prompt_tokens]
     if not waiting:
         return None
-    unheld = sig.con.execute(_UNHELD_SQL, [sig.since_ns, sig.until_ns, p["queue_share"]]).fetchall()
+    ended = sig.con.execute(_ENDED_SQL, [p["queue_share"], sig.since_ns, sig.until_ns]).fetchall()
+    unheld = [(n, ttft) for _, n, _, _, ttft, ok in ended if ok]
     if len(unheld) < 2:
         return None
-    ended = sig.con.execute(_ENDED_SQL, [sig.since_ns, sig.until_ns]).fetchall()
     found = []  # (waiting, blockers, reference TTFT)
     for x in waiting:
         peers = [t for n, t in unheld if n <= x.prompt_tokens]
@@ -156,7 +152,11 @@ def _still_waiting(sig: Signals, p: dict) -> Evidence | None:
             (y.request_id, y.prompt_tokens)
             for y in waiting
             if y.prompt_tokens >= long and y.queued_ns <= x.queued_ns
-        ] + [(rid, n) for rid, n, arr, first in ended if n >= long and arr <= x.queued_ns < first]
+        ] + [
+            (rid, n)
+            for rid, n, arr, first, _, _ in ended
+            if n >= long and arr <= x.queued_ns < first
+        ]
         if ahead:
             found.append((x, ahead, ref))
     if not found:
@@ -167,12 +167,10 @@ def _still_waiting(sig: Signals, p: dict) -> Evidence | None:
         return None
     r = worst.wait_ms / free_med
     names = ", ".join(f"{rid} ({n} tokens)" for rid, n in blockers[:3])
-    who = (
-        f"request {worst.request_id} ({worst.prompt_tokens} prompt tokens) waited "
-        f"{_ms(worst.wait_ms)} at the head of the queue behind {names}, queued before it"
-    )
     return Evidence(
-        f"{who}; ended requests of its size that nothing held back had TTFT p50 "
+        f"request {worst.request_id} ({worst.prompt_tokens} prompt tokens) waited "
+        f"{_ms(worst.wait_ms)} at the head of the queue behind {names}, queued before it; "
+        f"ended requests of its size that nothing held back had TTFT p50 "
         f"{_ms(free_med)}; the waiting request has not ended yet"
         + (f"; KV use peaked at {kv:.0%}" if kv is not None else ""),
         {

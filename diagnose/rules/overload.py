@@ -63,24 +63,25 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         return None
     _, ratio, run, ttfts = best
     first, last = run[0], run[-1]
+    arrivals = sum(w.get("arrivals", 0) or 0 for w in run)
+    completions = sum(w.get("completions", 0) or 0 for w in run)
     # the test is the trend itself: every arrival of the run stands behind it, and it held in
     # each of the run's windows (an engine that reports no per-request queue time has no
     # example requests to count)
     support = Support(
-        n=sum(w.get("arrivals", 0) or 0 for w in run),
+        n=arrivals,
         unit="requests",
         reference=OWN_TEST,
         persistence=f"{len(run)} consecutive windows",
     )
     return Evidence(
-        f"{sum(w.get('arrivals', 0) or 0 for w in run)} requests arrived but only "
-        f"{sum(w.get('completions', 0) or 0 for w in run)} completed in "
+        f"{arrivals} requests arrived but only {completions} completed in "
         f"{_clock(first.start_ns)}–{_clock(last.end_ns)} UTC; the engine queue grew from "
         f"{first.get('waiting_mean') or 0:.1f} to {last.get('waiting_mean') or 0:.1f} and TTFT p50 "
         f"from {_ms(ttfts[0])} to {_ms(ttfts[-1])}",
         {
-            "arrivals": sum(w.get("arrivals", 0) or 0 for w in run),
-            "completions": sum(w.get("completions", 0) or 0 for w in run),
+            "arrivals": arrivals,
+            "completions": completions,
             "arrival_rate_per_s": statistics.mean(w.get("arrival_rate") or 0 for w in run),
             "completion_rate_per_s": statistics.mean(w.get("completion_rate") or 0 for w in run),
             "waiting_first": first.get("waiting_mean"),
