@@ -4,7 +4,9 @@ For each run: the diagnosis of its dump (the run's own window length), its top f
 finding with its confidence, the inconclusive items, and the time to detect: the dump is
 diagnosed again as a live store would have stood at each window's end (:func:`store_as_of`:
 only what had ended or been sampled by then), and the first such time at which one of the run's
-expected rules fires, less the fault's start, is the time to detect (also in windows).
+expected rules fires, less the fault's start, is the time to detect. In windows it counts
+the window the fault began in as the first (a fault present before the first request arrived,
+such as a prefix cache off for the whole run, begins with the dump's first window).
 
 Metrics (:func:`score`), over one split:
 
@@ -68,6 +70,8 @@ _AS_OF = {
     "engine_steps": "end_ns",
     "device_samples": "time_ns",
     "events": "time_ns",
+    "engine_samples": "time_ns",
+    "waiting_samples": "time_ns",
 }
 
 
@@ -119,7 +123,9 @@ def evaluate_run(label: dict, dump: Path, *, time_to_detect: bool = True) -> Run
                     live.close()
                 if any(f.rule_id in res.expect for f in part.findings):
                     res.detect_s = (cut - fault) / 1e9
-                    res.detect_windows = math.ceil(res.detect_s / window_s)
+                    # counted from the window the fault began in; a fault there from the
+                    # start (before the first request arrived) begins with the first window
+                    res.detect_windows = math.ceil((cut - max(fault, report.start_ns)) / w_ns)
                     break
         return res
     finally:

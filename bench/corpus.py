@@ -645,6 +645,43 @@ def backfill_queue_age(dump: Path) -> bool:
     return True
 
 
+# the API's waiting samples (engine/api/app.py: ServerState.waiting_rows) as the API would
+# have taken them, one every WAITING_SAMPLE_S from the first arrival: each request past tokenize
+# that had arrived and had no first token yet (nor had ended)
+_WAITING_SQL = """
+WITH r AS (SELECT * FROM requests WHERE input_tokens IS NOT NULL),
+t AS (SELECT unnest(range((SELECT min(arrival_ns) FROM r) + $step,
+                          (SELECT max(end_ns) FROM r), $step)) AS time_ns)
+SELECT t.time_ns, r.request_id, r.arrival_ns, (t.time_ns - r.arrival_ns) / 1e6 AS wait_ms,
+       r.input_tokens AS prompt_tokens, coalesce(r.scheduled_ns <= t.time_ns, false) AS scheduled,
+       r.tenant, r.replica
+FROM t JOIN r ON r.arrival_ns < t.time_ns AND coalesce(r.first_token_ns, r.end_ns) > t.time_ns
+ORDER BY t.time_ns, r.arrival_ns
+"""
+
+
+def backfill_waiting(dump: Path) -> bool:
+    """Give a Parquet dump recorded before the ``waiting_samples`` table its rows, computed from
+    the requests' milestones as the API samples them; False when it has the table already."""
+    out = dump / "waiting_samples.parquet"
+    if out.exists():
+        return False
+    from tokenmill.engine.api.app import WAITING_SAMPLE_S
+
+    tmp = out.with_suffix(".tmp.parquet")
+    con = duckdb.connect()
+    try:
+        con.execute(
+            f"CREATE VIEW requests AS SELECT * FROM read_parquet('{dump / 'requests.parquet'}')"
+        )
+        sql = _WAITING_SQL.replace("$step", str(int(WAITING_SAMPLE_S * 1e9)))
+        con.execute(f"COPY ({sql}) TO '{tmp}' (FORMAT parquet)")
+    finally:
+        con.close()
+    tmp.replace(out)
+    return True
+
+
 def scenario_runs(names: list[str]) -> list[Run]:
     """Named scenarios (``scenarios/*.toml``) as runs to record: each a run of its own family,
     split ``scenario``, so the diagnoser can be checked on its real-engine dump in seconds
@@ -672,19 +709,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--backfill-queue-age",
         action="store_true",
-        help="give the dumps under --out recorded before the step fields oldest_wait_* "
-        "their values from the requests' milestones, and stop",
+        help="give the dumps under --out recorded before the step fields oldest_wait_* and "
+        "the waiting_samples table their values from the requests' milestones, and stop",
     )
     a = ap.parse_args(argv)
     if a.backfill_queue_age:
-        done = 0
+        done = sampled = 0
         for d in sorted(a.out.glob("*/dump")):
             try:
                 done += backfill_queue_age(d)
+                sampled += backfill_waiting(d)
             except duckdb.Error as exc:  # a damaged dump: say which, leave it as it was
                 print(f"error: {d}: {str(exc).splitlines()[0]}", file=sys.stderr)
                 return 2
-        print(f"{done} dumps given oldest_wait_* from their requests' milestones")
+        print(
+            f"{done} dumps given oldest_wait_* and {sampled} given waiting_samples from their "
+            "requests' milestones"
+        )
         return 0
     runs = scenario_runs(a.scenario) if a.scenario else sample(a.per_family, a.family)
     if a.split:

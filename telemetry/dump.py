@@ -37,6 +37,7 @@ TIME_COLUMN = {
     "device_samples": "time_ns",
     "events": "time_ns",
     "engine_samples": "time_ns",
+    "waiting_samples": "time_ns",
 }
 
 
@@ -91,6 +92,7 @@ ENDED_COLUMN = {
     "device_samples": "time_ns",
     "events": "time_ns",
     "engine_samples": "time_ns",
+    "waiting_samples": "time_ns",
 }
 
 

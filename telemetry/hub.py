@@ -246,6 +246,13 @@ class Telemetry:
             self._submit("engine_steps", row)
         self.metrics.observe_step(row)
 
+    def on_waiting(self, rows: list[dict]) -> None:
+        """One sample of the requests in flight without their first token: ``waiting_samples``
+        rows (``rows.WaitingSampleRow``)."""
+        if self.tracing:
+            for row in rows:
+                self._submit("waiting_samples", row)
+
     def on_abandoned(self, out) -> None:
         """The engine's final record of a request whose client left: an ``events`` row
         (``request_abort``) with the tokens it produced and the step it was aborted in."""

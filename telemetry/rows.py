@@ -89,3 +89,26 @@ class RequestRow(RequestStats, kw_only=True):
     runs ``[{"reason", "first_block", "num_blocks", "time_ns"?, "by"?, "tenant"?}]``
     (``engine/messages.py``: ``CacheMiss``, ``CACHE_MISS_REASONS``); NULL when the engine never
     admitted the request"""
+
+
+class WaitingSampleRow(msgspec.Struct, kw_only=True):
+    """One request in flight whose first token had not reached the API (so not the client
+    either) at one sample: field
+    for field the ``waiting_samples`` table. The API takes a sample of every such request each
+    ``WAITING_SAMPLE_S`` (``engine/api/app.py``), so a queue shows in the store while it stands,
+    not only once its requests end (a ``requests`` row is written when the request ends, a step
+    row when its step ends: a short request stuck behind a 10 s prefill is in neither)."""
+
+    time_ns: Ns
+    """when the sample was taken"""
+    request_id: str
+    """the engine id (cmpl-...)"""
+    arrival_ns: Ns
+    """the request reached the gateway (its ``requests.arrival_ns`` once it ends)"""
+    wait_ms: float
+    """time_ns - arrival_ns: its TTFT will be at least this"""
+    prompt_tokens: int | None = None
+    scheduled: bool | None = None
+    """the engine had started its prefill (False: still queued)"""
+    tenant: str | None = None
+    replica: int | None = None

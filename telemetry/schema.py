@@ -2,9 +2,11 @@
 a DuckDB file (a live store or a dump) was written by this version.
 
 ``spans``, ``device_samples``, ``events`` and ``meta`` are written out in ``schema.sql``;
-``requests``, ``engine_steps`` and ``engine_samples`` are generated from their row types
-(:class:`~tokenmill.telemetry.rows.RequestRow`, :class:`~tokenmill.engine.messages.StepRecord`,
-:class:`~tokenmill.telemetry.engine_metrics.EngineSampleRow`), so the engine's step record and
+``requests``, ``engine_steps``, ``engine_samples`` and ``waiting_samples`` are generated from
+their row types (:class:`~tokenmill.telemetry.rows.RequestRow`,
+:class:`~tokenmill.engine.messages.StepRecord`,
+:class:`~tokenmill.telemetry.engine_metrics.EngineSampleRow`,
+:class:`~tokenmill.telemetry.rows.WaitingSampleRow`), so the engine's step record and
 its stored row cannot disagree.
 """
 
@@ -25,14 +27,22 @@ from tokenmill.engine.messages import (
 )
 
 from .engine_metrics import EngineSampleRow
-from .rows import RequestRow
+from .rows import RequestRow, WaitingSampleRow
 
 SCHEMA_VERSION = 4
-TABLES = ("spans", "requests", "engine_steps", "device_samples", "events", "engine_samples")
+TABLES = (
+    "spans",
+    "requests",
+    "engine_steps",
+    "device_samples",
+    "events",
+    "engine_samples",
+    "waiting_samples",
+)
 #: tables added after this version was stamped: a store or dump written before them reads them
 #: as empty (apply_schema creates them, expose_missing_columns gives a read-only file an empty
 #: one, a Parquet dump may lack their file)
-ADDED_TABLES = ("engine_samples",)
+ADDED_TABLES = ("engine_samples", "waiting_samples")
 # the child spans of every `request` span, in the order a request passes them (DESIGN.md §2)
 STATIONS = (
     "gateway",
@@ -134,6 +144,7 @@ ROW_TYPES: dict[str, type[msgspec.Struct]] = {
     "requests": RequestRow,
     "engine_steps": StepRecord,
     "engine_samples": EngineSampleRow,
+    "waiting_samples": WaitingSampleRow,
 }
 
 __all__ = [

@@ -14,7 +14,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if hit_rate is None or hit_rate >= p["hit_rate_below"]:
         return None
     stats = prefix_block_stats(sig.con, sig.since_ns, sig.until_ns, int(p["shared_blocks"]))
-    if stats["prompts"] < p["min_prompts"] or stats["share"] < p["share"]:
+    if stats["prompts"] < p["min_tail_prompts"] or stats["share"] < p["share"]:
         return _recomputed_repeats(sig, p, hit_rate) or _shorter_than_a_block(sig, p, hit_rate)
     # prompt hashes are per engine block (the config event has its size)
     bs = int(sig.config.get("block_size") or DEFAULT_BLOCK_SIZE)
@@ -186,7 +186,13 @@ RULE = Rule(
             4, "blocks after the first that must match (64 tokens at 16 per block)"
         ),
         "share": Param(0.5, "share of prompts with a shared tail but a different first block"),
-        "min_prompts": Param(5, "prompts needed to call it a pattern"),
+        "min_prompts": Param(5, "prompts needed to call a short shared head a pattern"),
+        "min_tail_prompts": Param(
+            3,
+            "prompts needed when they share whole blocks after a differing first one: two "
+            "prompts agreeing on 64+ tokens yet differing before them is structure, not "
+            "chance (5 took 3-4 windows to gather at one or two clients)",
+        ),
         "min_repeats": Param(
             2, "prompts that repeat an earlier prompt's leading blocks, computed again"
         ),

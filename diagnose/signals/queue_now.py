@@ -1,13 +1,20 @@
-"""The queue as it stands: requests still waiting, read from the steps' ``oldest_wait_*``.
+"""The queue as it stands: requests still waiting for their first token, from two samples.
 
 A store holds a request once it has ended, so a queue shows in ``requests`` only when its first
-victims finish: a short request stuck 30 s behind a long prompt is seen 30 s late. Each engine
-step records the longest-waiting request not yet scheduled, its wait so far and its prompt size
-(``StepRecord.oldest_wait_ms``, ``oldest_wait_id``, ``oldest_wait_prompt_tokens``). Where that
-request has no ``requests`` row yet it is still in flight, and its TTFT will be at least its
-wait, all of it queue time. Rules read these waits where the ended requests cannot tell yet (a
-live store); in a store whose requests have all ended there are none, and a store from before
-the fields has none either.
+victims finish: a short request stuck 30 s behind a long prompt is seen 30 s late. Two records
+show it while it stands:
+
+- the API samples every request in flight without its first token each second
+  (``waiting_samples``: its wait so far and its prompt size), whatever the engine is doing; a
+  10 s prefill step hides nothing from it;
+- each engine step records the longest-waiting request not yet scheduled
+  (``StepRecord.oldest_wait_ms``, ``oldest_wait_id``, ``oldest_wait_prompt_tokens``), seen
+  when the step ends.
+
+Where such a request has no ``requests`` row yet it is still in flight, and its TTFT will be at
+least its wait. Rules read these waits where the ended requests cannot tell yet (a live store);
+in a store whose requests have all ended there are none, and a store from before the fields has
+none either.
 """
 
 from __future__ import annotations
@@ -26,15 +33,27 @@ WHERE start_ns >= ? AND start_ns < ? AND oldest_wait_id IS NOT NULL
 GROUP BY oldest_wait_id ORDER BY 3
 """
 
+# the API's samples: per request its longest wait, when, its prompt size, and the most requests
+# waiting in one sample while it did
+_SAMPLED_SQL = """
+WITH w AS (
+    SELECT *, count(*) OVER (PARTITION BY time_ns) AS n FROM waiting_samples
+    WHERE time_ns >= ? AND time_ns < ?)
+SELECT request_id, max(wait_ms), arg_max(time_ns, wait_ms), any_value(prompt_tokens), max(n)
+FROM w WHERE request_id NOT IN (SELECT request_id FROM requests)
+GROUP BY request_id
+"""
+
 
 @dataclass(frozen=True)
 class Waiting:
-    """A request not ended yet that headed the queue at some step: the longest wait a step saw
-    (it may have been scheduled since; its TTFT is at least that wait either way)."""
+    """A request not ended yet, without its first token when last seen: the longest wait a
+    sample or a step saw (it may have been scheduled since; its TTFT is at least that wait
+    either way)."""
 
     request_id: str
     wait_ms: float
-    at_ns: int  # the start of the step that saw that wait
+    at_ns: int  # when that wait was seen (the sample, or the start of the step)
     prompt_tokens: int | None
     num_waiting: int  # the most requests waiting at its steps
 
@@ -48,9 +67,17 @@ def _has(sig: Signals, *names: str) -> bool:
 
 
 def waiting_now(sig: Signals) -> list[Waiting]:
-    """The requests still in flight that waited at the head of the engine queue in the range,
-    each with the longest wait a step saw, in the order of that step."""
-    if not _has(sig, "oldest_wait_id", "oldest_wait_ms", "oldest_wait_prompt_tokens"):
-        return []
-    rows = sig.con.execute(_WAITING_SQL, [sig.since_ns, sig.until_ns]).fetchall()
-    return [Waiting(r[0], r[1], r[2], r[3], r[4] or 0) for r in rows]
+    """The requests still in flight that waited for their first token in the range, each with
+    the longest wait a sample or a step saw, in the order they were seen at that wait."""
+    rows = []
+    if "request_id" in store_columns(sig.con).get("waiting_samples", frozenset()):
+        rows += sig.con.execute(_SAMPLED_SQL, [sig.since_ns, sig.until_ns]).fetchall()
+    if _has(sig, "oldest_wait_id", "oldest_wait_ms", "oldest_wait_prompt_tokens"):
+        rows += sig.con.execute(_WAITING_SQL, [sig.since_ns, sig.until_ns]).fetchall()
+    longest: dict[str, Waiting] = {}
+    for r in rows:
+        x = Waiting(r[0], r[1], r[2], r[3], r[4] or 0)
+        seen = longest.get(x.request_id)
+        if seen is None or x.wait_ms > seen.wait_ms:
+            longest[x.request_id] = x
+    return sorted(longest.values(), key=lambda x: x.at_ns)

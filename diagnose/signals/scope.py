@@ -18,7 +18,14 @@ from .window import NoTraffic
 NS = 1_000_000_000
 
 # the tables signals read
-TABLES = ("requests", "engine_steps", "device_samples", "events", "engine_samples")
+TABLES = (
+    "requests",
+    "engine_steps",
+    "device_samples",
+    "events",
+    "engine_samples",
+    "waiting_samples",
+)
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,7 @@ def store_columns(con) -> dict[str, frozenset[str]]:
 
 def span(con, cols: Mapping[str, frozenset[str]], since_ns, until_ns) -> tuple[int, int]:
     """The range ``[since, until)``: ``since_ns``/``until_ns``, or the first arrival or step
-    start and just after the last request or step end.
+    start and just after the last request or step end (or waiting sample).
 
     Raises:
         NoTraffic: the store holds no requests and no engine steps.
@@ -101,6 +108,10 @@ def span(con, cols: Mapping[str, frozenset[str]], since_ns, until_ns) -> tuple[i
     parts = ["SELECT min(arrival_ns) t0, max(end_ns) t1 FROM requests"]
     if {"start_ns", "end_ns"} <= cols.get("engine_steps", frozenset()):
         parts.append("SELECT min(start_ns), max(end_ns) FROM engine_steps")
+    if {"time_ns", "arrival_ns"} <= cols.get("waiting_samples", frozenset()):
+        # a live store's queue: requests that arrived and still wait (a sample of them is the
+        # latest row while a long step runs and nothing else ends)
+        parts.append("SELECT min(arrival_ns), max(time_ns) FROM waiting_samples")
     lo, hi = con.execute(f"SELECT min(t0), max(t1) FROM ({' UNION ALL '.join(parts)})").fetchone()
     if lo is None:
         raise NoTraffic("the store holds no requests and no engine steps")

@@ -61,6 +61,9 @@ SHUTDOWN_MESSAGE = "the server is shutting down; this request was stopped"
 DRAINING_MESSAGE = "the server is shutting down and takes no new requests; retry on another server"
 #: Retry-After (s) of a request refused while the server drains
 DRAIN_RETRY_S = 5
+# the requests in flight without their first token are sampled this often into the trace store
+# (waiting_samples): a queue shows there while it stands, not only once its requests end
+WAITING_SAMPLE_S = 1.0
 
 
 @dataclass
@@ -100,6 +103,40 @@ class ServerState:
     unsettled: set[str] = field(default_factory=set)
     _early_finals: dict[str, RequestOutput] = field(default_factory=dict)
     _awaiting: dict[str, tuple] = field(default_factory=dict)
+    # the timelines of the completion requests whose response is not over yet
+    live: dict[int, RequestTimeline] = field(default_factory=dict)
+
+    def waiting_rows(self, now_ns: int) -> list[dict]:
+        """``waiting_samples`` rows (``telemetry/rows.py``: ``WaitingSampleRow``): every live
+        request past tokenize without its first token yet, and how long it has waited."""
+        return [
+            {
+                "time_ns": now_ns,
+                "request_id": tl.request_id,
+                "arrival_ns": tl.arrival_ns,
+                "wait_ms": (now_ns - tl.arrival_ns) / 1e6,
+                "prompt_tokens": tl.stats.input_tokens,
+                "scheduled": tl.stats.scheduled_ns is not None,
+                "tenant": tl.tenant,
+                "replica": tl.replica,
+            }
+            for tl in list(self.live.values())
+            if tl.request_id is not None
+            and tl.tokenize_end_ns is not None
+            and tl.stats.first_token_ns is None
+            and tl.error_type is None
+        ]
+
+    async def sample_waiting(self, interval_s: float = WAITING_SAMPLE_S) -> None:
+        """Hand telemetry a ``waiting_samples`` sample every ``interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                rows = self.waiting_rows(time.time_ns())
+                if rows:
+                    self.telemetry.on_waiting(rows)
+            except Exception:  # telemetry must never stop serving
+                log.exception("waiting sample failed")
 
     def finish(self, tl: RequestTimeline) -> None:
         """The response is over: meter the request and hand its timeline to telemetry.
@@ -255,6 +292,7 @@ class TimelineMiddleware:
             await send(message)
 
         self.state.open_requests += 1
+        self.state.live[id(tl)] = tl
         try:
             await self.app(scope, receive, timed_send)
         except BaseException:
@@ -263,6 +301,7 @@ class TimelineMiddleware:
             raise
         finally:
             self.state.open_requests -= 1
+            self.state.live.pop(id(tl), None)
             if tl.http_status and tl.http_status >= 400 and tl.error_type is None:
                 tl.fail(f"http_{tl.http_status}")
             self.state.finish(tl)

@@ -392,9 +392,11 @@ def make_server(
             f"{_auth_line(opts.tenants, tenants, opts.metrics_key)}; "
             f"telemetry: /metrics, /health, trace store {telemetry.trace_db or 'off'})"
         )
+        waiting = asyncio.create_task(state.sample_waiting())
         try:
             yield
         finally:
+            waiting.cancel()
             stop("lifespan end")  # no-op after a signal began it
             deadline = time.monotonic() + SHUTDOWN_SETTLE_S
             while state.unrecorded and time.monotonic() < deadline:

@@ -1,4 +1,5 @@
-"""``bench/corpus.py``'s backfill of the steps' queue fields on dumps recorded before them."""
+"""``bench/corpus.py``'s backfill of the steps' queue fields and of the API's waiting samples
+on dumps recorded before them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from tokenmill.bench.corpus import backfill_queue_age, main
+from tokenmill.bench.corpus import backfill_queue_age, backfill_waiting, main
 
 CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "diagnosis_corpus"
 # recorded by an engine that writes oldest_wait_* itself
@@ -44,6 +45,38 @@ def test_the_backfill_gives_what_the_engine_recorded(tmp_path):
         assert g[2:] == w[2:], (g, w)  # the same request and prompt size
         assert (g[1] is None) == (w[1] is None) and (g[1] is None or abs(g[1] - w[1]) < 0.01)
     assert backfill_queue_age(dump) is False  # once only
+
+
+@pytest.mark.skipif(not (CORPUS / "hol_strict-2").is_dir(), reason="no corpus run")
+def test_the_waiting_samples_backfill_samples_each_second_what_had_no_first_token(tmp_path):
+    """The samples the API would have taken, one each second from the first arrival: request by
+    request, one row at every sample time between its arrival and its first token (or its end
+    without one), its wait that time less its arrival; once only."""
+    from tokenmill.engine.api.app import WAITING_SAMPLE_S
+
+    dump = tmp_path / "run" / "dump"
+    shutil.copytree(CORPUS / "hol_strict-2" / "dump", dump)
+    (dump / "waiting_samples.parquet").unlink(missing_ok=True)
+    assert backfill_waiting(dump) is True
+    reqs = duckdb.sql(
+        f"SELECT request_id, arrival_ns, coalesce(first_token_ns, end_ns), input_tokens "
+        f"FROM read_parquet('{dump / 'requests.parquet'}') WHERE input_tokens IS NOT NULL"
+    ).fetchall()
+    rows = duckdb.sql(
+        f"SELECT time_ns, request_id, arrival_ns, wait_ms, prompt_tokens "
+        f"FROM read_parquet('{dump / 'waiting_samples.parquet'}')"
+    ).fetchall()
+    step = int(WAITING_SAMPLE_S * 1e9)
+    t0 = min(r[1] for r in reqs)
+    last = max(r[2] for r in reqs)
+    times = range(t0 + step, last, step)
+    want = sorted(
+        (t, rid, arr, tokens) for rid, arr, first, tokens in reqs for t in times if arr < t < first
+    )
+    assert sorted((t, rid, arr, n) for t, rid, arr, _, n in rows) == want
+    assert len(want) > 100  # hol_strict: 20 short requests waited about 30 s each
+    assert all(abs(w - (t - a) / 1e6) < 1e-6 for t, _, a, w, _ in rows)
+    assert backfill_waiting(dump) is False
 
 
 def test_a_damaged_dump_is_one_line_and_exit_2(tmp_path, capsys):

@@ -90,10 +90,11 @@ def test_a_long_prefill_step_between_two_slow_decode_steps_is_no_host_stall():
         con.close()
 
 
-def _live(run, cut_ns: int, *, drop_queue_fields: bool = False):
+def _live(run, cut_ns: int, *, drop_queue_fields: bool = False, drop_samples: bool = False):
     """The diagnosis of a corpus run's store as a live server's stood at ``cut_ns`` (only the
     requests that had ended by then), with its label's window: findings by rule, and the ids
-    of the requests that had ended."""
+    of the requests that had ended. ``drop_queue_fields``: without the steps' record of the
+    queue and the API's waiting samples; ``drop_samples``: without the samples alone."""
     import json
 
     from tokenmill.bench.accuracy import store_as_of
@@ -110,6 +111,8 @@ def _live(run, cut_ns: int, *, drop_queue_fields: bool = False):
         if drop_queue_fields:
             for col in ("oldest_wait_ms", "oldest_wait_id", "oldest_wait_prompt_tokens"):
                 live.execute(f"ALTER TABLE engine_steps DROP COLUMN {col}")
+        if drop_queue_fields or drop_samples:
+            live.execute("DELETE FROM waiting_samples")
         report = diagnose(live, window_s=parse_duration(label["window"]))
         ended = {r for (r,) in live.execute("SELECT request_id FROM requests").fetchall()}
         return {f.rule_id: f for f in report.findings}, ended
@@ -141,6 +144,25 @@ def test_head_of_line_blocking_is_seen_while_its_victim_has_not_ended():
     assert f.evidence["waiting_prompt_tokens"] * 4 <= f.evidence["input_tokens_max"], f.evidence
     assert f.evidence["longest_wait_ms"] >= 5 * f.evidence["unheld_ttft_p50_ms"], f.evidence
     without, _ = _live(run, cut, drop_queue_fields=True)
+    assert "head_of_line_blocking" not in without, sorted(without)
+
+
+def test_the_api_samples_show_the_queue_behind_a_step_that_hides_it():
+    """A tune run (hol_strict-2: strict admission stops at 1030-token prompts that do not fit
+    yet; 90-token requests queue behind them) cut 26 s into the fault, while one prefill step
+    of the long prompts runs for 9 s: no step has ended to record the queue, and no short
+    request has ended. The API's waiting samples (``waiting_samples``) show the short requests
+    waiting behind the long prompts queued before them; without the samples nothing fires."""
+    run, label = _run("hol_strict-2")
+    cut = label["fault_start_ns"] + 26 * 10**9
+    found, ended = _live(run, cut)
+    assert "head_of_line_blocking" in found, sorted(found)
+    f = found["head_of_line_blocking"]
+    assert f.evidence["waiting_request"] not in ended, f.summary
+    assert f.evidence["waiting_prompt_tokens"] == 90, f.evidence
+    assert f.evidence["input_tokens_max"] == 1030, f.evidence
+    assert f.evidence["longest_wait_ms"] >= 5 * f.evidence["unheld_ttft_p50_ms"], f.evidence
+    without, _ = _live(run, cut, drop_samples=True)
     assert "head_of_line_blocking" not in without, sorted(without)
 
 

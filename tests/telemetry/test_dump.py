@@ -119,6 +119,17 @@ def hour(tmp_path_factory):
         }
         for m in range(0, 60, 5)
     ]
+    waiting = [
+        {
+            "time_ns": _at(now, m),
+            "request_id": f"w{m}",
+            "arrival_ns": _at(now, m) - 2 * 10**9,
+            "wait_ms": 2000.0,
+            "prompt_tokens": 90,
+            "scheduled": False,
+        }
+        for m in range(0, 60, 3)
+    ]
     rows = {
         "spans": spans,
         "requests": requests,
@@ -126,6 +137,7 @@ def hour(tmp_path_factory):
         "device_samples": samples,
         "events": events,
         "engine_samples": scrapes,
+        "waiting_samples": waiting,
     }
     _fill(path, rows).close()
     return SimpleNamespace(path=path, now=now, rows=rows)
@@ -201,6 +213,7 @@ def test_window_counts_and_whole_traces(hour, tmp_path):
     # (started at -50, though a span of it starts at -25)
     expected = {"spans": 5, "requests": 1, "engine_steps": 20, "device_samples": 10, "events": 2}
     expected["engine_samples"] = 4  # scraped at -30, -25, -20, -15
+    expected["waiting_samples"] = 6  # sampled at -27, -24, ..., -12 (and 30 s)
     assert counts == expected
     assert sorted(os.listdir(tmp_path)) == ["w.duckdb"]  # no temp or .wal file left
     d = open_dump(out)
@@ -241,6 +254,7 @@ def test_whole_store_and_no_overwrite(hour, tmp_path):
             "device_samples": 30,
             "events": 5,
             "engine_samples": 12,
+            "waiting_samples": 20,
         }
         size = out.stat().st_size
         with pytest.raises(DumpError, match="already exists") as ei:
@@ -567,6 +581,7 @@ def test_http_dump_ok(live, tmp_path):
             "device_samples": 15,
             "events": 5,
             "engine_samples": 6,
+            "waiting_samples": 10,
         }
         assert _rows(d, "SELECT kind FROM events WHERE kind = 'fresh'") == ["fresh"]
         assert dict(d.execute("SELECT key, value FROM meta").fetchall())["source"].startswith(

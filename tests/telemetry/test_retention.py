@@ -23,7 +23,7 @@ from tokenmill.telemetry.store import TraceStore, TraceStoreInUse
 CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "diagnosis_corpus"
 RUN = CORPUS / "hol_strict-2"  # head-of-line blocking behind a long prompt (real engine)
 TIMES = {"requests": "arrival_ns", "spans": "start_ns", "engine_steps": "start_ns",
-         "device_samples": "time_ns", "events": "time_ns"}  # fmt: skip
+         "device_samples": "time_ns", "events": "time_ns", "waiting_samples": "time_ns"}  # fmt: skip
 
 
 def _counts(con) -> dict[str, int]:

@@ -407,3 +407,35 @@ def test_diagnose_reads_the_real_engine_store(traced, tmp_path):
     assert report.summary["preemptions"] > 0
     for f in report.findings:
         assert f.example_trace_ids == [] or all(len(t) == 32 for t in f.example_trace_ids)
+
+
+def test_requests_waiting_for_their_first_token_are_sampled_while_they_wait(traced):
+    """``waiting_samples``: each second the API records every request in flight without its
+    first token, with its wait so far. Against the requests rows written when they ended: the
+    same arrival and prompt size, every sample taken before the request ended (and before its
+    first token reached the API, which can be later than the engine sampled it: the samples
+    record what the client has not got yet), its wait the sample's time less the arrival; a
+    request that waited over two sample periods for its first token was sampled at least
+    once."""
+    from tokenmill.engine.api.app import WAITING_SAMPLE_S
+
+    con = traced["con"]
+    reqs = {r["request_id"]: r for r in _rows(con, "SELECT * FROM requests")}
+    samples = _rows(con, "SELECT * FROM waiting_samples ORDER BY time_ns")
+    assert samples, "no waiting samples"
+    for s in samples:
+        r = reqs[s["request_id"]]
+        assert s["arrival_ns"] == r["arrival_ns"] and s["prompt_tokens"] == r["input_tokens"]
+        assert s["wait_ms"] == pytest.approx((s["time_ns"] - s["arrival_ns"]) / 1e6)
+        assert s["time_ns"] < r["end_ns"], (s, r)
+        if s["scheduled"]:
+            assert r["scheduled_ns"] is not None and r["scheduled_ns"] <= s["time_ns"]
+    slow = [
+        r
+        for r in reqs.values()
+        if r["first_token_ns"]
+        and r["first_token_ns"] - r["arrival_ns"] > 2 * WAITING_SAMPLE_S * 1e9
+    ]
+    assert slow, sorted((r["first_token_ns"] or 0) - r["arrival_ns"] for r in reqs.values())
+    sampled = {s["request_id"] for s in samples}
+    assert all(r["request_id"] in sampled for r in slow), [r["request_id"] for r in slow]
