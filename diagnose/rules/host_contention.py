@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import statistics
 
-from ..signals import Signals, Window
+from ..signals import Signals, Window, open_step, waiting_now
+from ..stats import against_bound
 from ._common import (
     Evidence,
     Hint,
@@ -22,6 +23,7 @@ from ._common import (
     Rule,
     _confidence,
     _in_window,
+    _ms,
     _when,
 )
 
@@ -30,6 +32,19 @@ _BUSY_SQL = """
 SELECT busy_others FROM device_samples
 WHERE kind = 'host' AND time_ns >= ? AND time_ns < ? AND busy_others IS NOT NULL
 """
+
+
+# CPU % used outside the server, less tokenmill's own load generator's, over a time range
+_OTHERS_SQL = """
+SELECT avg(greatest(cpu_others_pct - coalesce(loadgen_cpu_pct, 0), 0)), avg(steal_pct)
+FROM device_samples WHERE kind = 'host' AND time_ns >= ? AND time_ns <= ?
+"""
+
+
+def others_cpu_pct(sig: Signals, start_ns: int, end_ns: int) -> float | None:
+    """CPU % used outside the server (less the load generator's) over ``[start_ns, end_ns]``,
+    the mean of the host samples; None without any."""
+    return sig.con.execute(_OTHERS_SQL, [start_ns, end_ns]).fetchone()[0]
 
 
 def _others(w: Window) -> float:
@@ -66,7 +81,76 @@ def busy_processes(sig: Signals, start_ns: int, end_ns: int, *, loadgen: bool = 
     return sorted(out, key=lambda d: -d["cpu_pct"])[:5]
 
 
+def _slow_now(sig: Signals, p: dict) -> Evidence | None:
+    """The symptom while the slowed step still runs (a live store, ``signals/queue_now.py``): a
+    CPU hog can stretch one decode step from 0.1 s to 5 s, and a step is stored when it ends.
+    The engine has been in one step ``open_step_rise`` x both its usual decode step and the
+    steps just before it, no prompt of ``prefill_tokens`` or more was waiting when it began (a
+    long prefill is a slow step of its own), and processes outside the server used the CPU
+    meanwhile."""
+    if sig.device_kind == "gpu":
+        return None
+    step = open_step(sig)
+    base = sig.baseline.get("decode_step_ms_p50") or sig.overall.get("decode_step_ms_p50")
+    if step is None or not base:
+        return None
+    usual = max(base, step.pace_ms)
+    if step.lasted_ms < p["open_step_rise"] * usual:
+        return None
+    if any(
+        (x.prompt_tokens or 0) >= p["prefill_tokens"] and x.queued_ns <= step.start_ns
+        for x in waiting_now(sig)
+        if x.at_ns >= step.start_ns
+    ):
+        return None
+    others, steal = sig.con.execute(_OTHERS_SQL, [step.start_ns, step.now_ns]).fetchone()
+    if (others or 0) < p["others_cpu_pct"] and (steal or 0) < p["steal_pct"]:
+        return None
+    r = step.lasted_ms / usual
+    named = busy_processes(sig, step.start_ns, step.now_ns)
+    who = f"processes outside the server used {others:.0f}% of the CPU" + (
+        " ("
+        + ", ".join(f"pid {d['pid']} `{d['command']}` {d['cpu_pct']:.0f}%" for d in named[:3])
+        + ")"
+        if named
+        else ""
+    )
+    if (steal or 0) >= 1:
+        who += f" and the hypervisor stole {steal:.0f}%"
+    return Evidence(
+        f"the engine has been in one step for {_ms(step.lasted_ms)}, {r:.0f}x the steps before "
+        f"it ({_ms(usual)}), with {step.running} request(s) running and no long prompt "
+        f"waiting, while {who}; the step has not ended yet",
+        {
+            "open_step_ms": step.lasted_ms,
+            "usual_step_ms": usual,
+            "running_requests": step.running,
+            "cpu_others_pct": others,
+            "steal_pct": steal,
+            "busy_processes": named,
+        },
+        (step.start_ns, step.now_ns),
+        None,
+        [],
+        "critical" if r >= 2 * p["open_step_rise"] else "warning",
+        _confidence(r / p["open_step_rise"]),
+        support=against_bound(
+            [r],
+            p["open_step_rise"],
+            unit="steps",
+            reference_name=f"the open step over the steps before it, against "
+            f"{p['open_step_rise']:g} (open_step_rise)",
+            min_n=1,
+            why_one="one step stretched this far with the host busy elsewhere is the symptom",
+        ),
+    )
+
+
 def detect(sig: Signals, p: dict) -> Evidence | None:
+    return _slow_steps(sig, p) or _slow_now(sig, p)
+
+
+def _slow_steps(sig: Signals, p: dict) -> Evidence | None:
     def hit(w: Window) -> bool:
         return (w.get("same_work_slowdown") or 0) >= p["slowdown"] and _neighbour(sig, w, p)
 
@@ -191,6 +275,17 @@ RULE = Rule(
             "an engine that uses every core has no spare for it)",
         ),
         "steal_pct": Param(10.0, "CPU % the hypervisor gave to other guests"),
+        "open_step_rise": Param(
+            8.0,
+            "a step still running against the usual decode step and the steps before it: "
+            "its work is not known yet, so far past slowdown (as itl_prefill_interference's "
+            "itl_spike)",
+        ),
+        "prefill_tokens": Param(
+            256,
+            "a prompt this long waiting when the open step began may be its prefill: a slow "
+            "step of its own, not the host's (itl_prefill_interference's min_prefill_tokens)",
+        ),
         "loadgen_cpu_pct": Param(
             10.0,
             "CPU % (of all CPUs) tokenmill's own load generator used in a window before the "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..signals import Signals, Window
+from ..signals import Signals, Window, open_step, waiting_now
 from ..stats import against_bound
 from ._common import (
     _BASE,
@@ -17,6 +17,7 @@ from ._common import (
     _when,
     _worst,
 )
+from .host_contention import others_cpu_pct
 from .periodic_itl_spikes import decode_stalls
 
 # a prefill step within this many usual decode steps of a stall of decode-only steps shares its
@@ -87,7 +88,77 @@ def _slowest_decode_ms(sig: Signals, start_ns: int, end_ns: int) -> float:
     return ms or 0.0
 
 
+def _stalled_now(sig: Signals, p: dict) -> Evidence | None:
+    """The symptom while the prefill still runs (a live store, ``signals/queue_now.py``): the
+    engine has been in one step ``itl_spike`` x its usual decode step (and x the steps just
+    before it) or longer, with requests running beside it, and the step began while a prompt of ``min_prefill_tokens`` or more was
+    waiting for its first token; the host was not busy with other work meanwhile (that is
+    ``host_contention``'s). The running requests have had no token since the step began."""
+    step = open_step(sig)
+    base = sig.baseline.get("decode_step_ms_p50") or sig.overall.get("decode_step_ms_p50")
+    if step is None or not base:
+        return None
+    # against the pace just before too: a step no slower than its predecessors is no spike
+    # (every step carrying a prefill chunk is slow ITL all along, batch_too_large's)
+    if step.lasted_ms < p["itl_spike"] * max(base, step.pace_ms):
+        return None
+    # requests still without their first token when the step began get none during it: of the
+    # running requests, at least the others are decoding beside it
+    waiting = [x for x in waiting_now(sig) if x.at_ns >= step.start_ns]
+    decoding = step.running - len(waiting)
+    long = [
+        x
+        for x in waiting
+        if (x.prompt_tokens or 0) >= p["min_prefill_tokens"] and x.queued_ns <= step.start_ns
+    ]
+    if not long or decoding <= 0:
+        return None  # no prompt to prefill, or nothing known to decode beside it
+    others = others_cpu_pct(sig, step.start_ns, step.now_ns)
+    if others is not None and others >= p["host_busy_pct"]:
+        return None
+    r = step.lasted_ms / base
+    big = max(long, key=lambda x: x.prompt_tokens)
+    cfg = sig.config
+    return Evidence(
+        f"the engine has been in one step for {_ms(step.lasted_ms)} (decode steps take "
+        f"{_ms(base)}), begun while request {big.request_id} ({big.prompt_tokens} prompt "
+        f"tokens) waited for its first token: at least {decoding} running request(s) have had "
+        f"no token since; the step has not ended yet (chunked prefill "
+        f"{'on' if cfg.get('enable_chunked_prefill', True) else 'off'}, step budget "
+        f"{cfg.get('max_num_batched_tokens', '?')} tokens)",
+        {
+            "open_step_ms": step.lasted_ms,
+            "decode_step_ms_p50": base,
+            "prefill_request": big.request_id,
+            "prefill_prompt_tokens": big.prompt_tokens,
+            "decoding_requests": decoding,
+            "host_others_cpu_pct": others,
+            "max_num_batched_tokens": cfg.get("max_num_batched_tokens"),
+            "enable_chunked_prefill": cfg.get("enable_chunked_prefill"),
+        },
+        (step.start_ns, step.now_ns),
+        None,
+        [],
+        _severity(r, p["itl_spike"]),
+        _confidence(r / p["itl_spike"]),
+        support=against_bound(
+            [r],
+            p["itl_spike"],
+            unit="steps",
+            reference_name=f"the open step over the decode step p50, against {p['itl_spike']:g} "
+            "(itl_spike)",
+            min_n=1,
+            why_one="one step with a long prompt's prefill stalls every stream decoding beside "
+            "it: the step is the symptom",
+        ),
+    )
+
+
 def detect(sig: Signals, p: dict) -> Evidence | None:
+    return _stalled_steps(sig, p) or _stalled_now(sig, p)
+
+
+def _stalled_steps(sig: Signals, p: dict) -> Evidence | None:
     base_itl = sig.baseline.get("itl_p50")
     base_step = sig.baseline.get("decode_step_ms_p50")
     stretched = _prefill_stretched(sig, p, base_step)
@@ -191,6 +262,11 @@ RULE = Rule(
             "an ordinary prompt's prefill, or several let in together, is not interference "
             "to tune away (case C02's prompt is ~1,500 tokens; on a 2-core CPU with the C "
             "kernels a 109-token prefill step is already 13x a decode step)",
+        ),
+        "host_busy_pct": Param(
+            20.0,
+            "CPU % used outside the server during a step still in progress: above it the "
+            "long step is host_contention's to judge (its others_cpu_pct)",
         ),
         "local_spike": Param(
             8.0,

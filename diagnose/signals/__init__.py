@@ -54,7 +54,7 @@ from .baseline import (
 )
 from .family import Family, Yield, unavailable
 from .prefix import engine_block_size, prefix_block_stats, prefix_head_stats
-from .queue_now import Waiting, waiting_now
+from .queue_now import OpenStep, Waiting, open_step, waiting_now
 from .roofline import roofline_peaks
 from .scope import NS, Scope, engine_config, quantile, span, store_columns
 from .upstream import fill_from_upstream_spans
@@ -282,6 +282,7 @@ __all__ = [
     "WARMUP_MAX_S",
     "Family",
     "NoTraffic",
+    "OpenStep",
     "Scope",
     "Signals",
     "Waiting",
@@ -290,6 +291,7 @@ __all__ = [
     "engine_block_size",
     "load",
     "make_scope",
+    "open_step",
     "prefix_block_stats",
     "prefix_head_stats",
     "roofline_peaks",

@@ -81,3 +81,65 @@ def waiting_now(sig: Signals) -> list[Waiting]:
         if seen is None or x.wait_ms > seen.wait_ms:
             longest[x.request_id] = x
     return sorted(longest.values(), key=lambda x: x.at_ns)
+
+
+# the last step the store holds, and the latest time anything was recorded: host samples go on
+# each tick whatever the engine does, as do the API's waiting samples
+_LAST_STEP_SQL = """
+SELECT end_ns, num_running - coalesce(num_finished, 0)
+FROM engine_steps WHERE start_ns >= ? ORDER BY end_ns DESC LIMIT 1
+"""
+_PACE_SQL = """
+SELECT median(ms) FROM (SELECT (end_ns - start_ns) / 1e6 AS ms FROM engine_steps
+                        WHERE start_ns >= ? ORDER BY end_ns DESC LIMIT 5)
+"""
+
+
+@dataclass(frozen=True)
+class OpenStep:
+    """The engine's step in progress on a live store: nothing has ended since the last step
+    did, though requests were running then or have waited since. An idle engine writes a
+    heartbeat step every 0.5 s, so a silence with work to do is one step that has lasted at
+    least that long; the requests decoding beside it have had no token since."""
+
+    start_ns: int  # the last stored step's end
+    now_ns: int  # the store's latest record (a host or waiting sample)
+    running: int  # requests running after the last stored step
+    pace_ms: float  # the median of the last five stored steps: the pace before it
+
+    @property
+    def lasted_ms(self) -> float:
+        return (self.now_ns - self.start_ns) / 1e6
+
+
+def open_step(sig: Signals) -> OpenStep | None:
+    """The step in progress at the store's latest record, if requests were running when the
+    last stored step ended (or waited for their first token since) and no step has ended nor
+    token been made since; None where the steps run to
+    the store's end (every finished dump, a range that ends before the store does, a store
+    without samples)."""
+    last = sig.con.execute(_LAST_STEP_SQL, [sig.since_ns]).fetchall()
+    if not last or last[0][0] >= sig.until_ns:
+        return None
+    end_ns, running = last[0][0], max(0, last[0][1] or 0)
+    if not running and not any(x.at_ns >= end_ns for x in waiting_now(sig)):
+        return None  # nothing to run: an idle engine (its heartbeat may just be late)
+    latest = [
+        f"SELECT max(time_ns) FROM {t}"
+        for t in ("device_samples", "waiting_samples")
+        if "time_ns" in store_columns(sig.con).get(t, frozenset())
+    ]
+    if not latest:
+        return None
+    (now,) = sig.con.execute(
+        f"SELECT max(t) FROM ({' UNION ALL '.join(latest)}) AS x(t)"
+    ).fetchone()
+    # a token made after the last stored step came from a step that ended (a request's row is
+    # written after its last token has been streamed, so its end_ns may follow a step's end)
+    (token,) = sig.con.execute(
+        "SELECT max(coalesce(last_token_ns, first_token_ns)) FROM requests"
+    ).fetchone()
+    if now is None or now <= end_ns or (token is not None and token > end_ns):
+        return None
+    (pace,) = sig.con.execute(_PACE_SQL, [sig.since_ns]).fetchone()
+    return OpenStep(end_ns, now, running, pace or 0.0)

@@ -90,11 +90,20 @@ def test_a_long_prefill_step_between_two_slow_decode_steps_is_no_host_stall():
         con.close()
 
 
-def _live(run, cut_ns: int, *, drop_queue_fields: bool = False, drop_samples: bool = False):
+def _live(
+    run,
+    cut_ns: int,
+    *,
+    drop_queue_fields: bool = False,
+    drop_samples: bool = False,
+    drop_clock: bool = False,
+):
     """The diagnosis of a corpus run's store as a live server's stood at ``cut_ns`` (only the
     requests that had ended by then), with its label's window: findings by rule, and the ids
     of the requests that had ended. ``drop_queue_fields``: without the steps' record of the
-    queue and the API's waiting samples; ``drop_samples``: without the samples alone."""
+    queue and the API's waiting samples; ``drop_samples``: without the samples alone;
+    ``drop_clock``: without the host and waiting samples past the last stored step (the clock
+    a step in progress is timed by)."""
     import json
 
     from tokenmill.bench.accuracy import store_as_of
@@ -113,6 +122,10 @@ def _live(run, cut_ns: int, *, drop_queue_fields: bool = False, drop_samples: bo
                 live.execute(f"ALTER TABLE engine_steps DROP COLUMN {col}")
         if drop_queue_fields or drop_samples:
             live.execute("DELETE FROM waiting_samples")
+        if drop_clock:
+            (last,) = live.execute("SELECT max(end_ns) FROM engine_steps").fetchone()
+            for table in ("device_samples", "waiting_samples"):
+                live.execute(f"DELETE FROM {table} WHERE time_ns > {last}")
         report = diagnose(live, window_s=parse_duration(label["window"]))
         ended = {r for (r,) in live.execute("SELECT request_id FROM requests").fetchall()}
         return {f.rule_id: f for f in report.findings}, ended
@@ -166,9 +179,45 @@ def test_the_api_samples_show_the_queue_behind_a_step_that_hides_it():
     assert "head_of_line_blocking" not in without, sorted(without)
 
 
+def test_a_long_prefill_step_is_named_while_it_runs():
+    """A tune run (itl_prefill_interference-0: four streams decode, a 1564-token prompt arrives,
+    chunked prefill off) cut 10 s into the fault, while its 14 s prefill step runs: no step has
+    ended since it began and no stream has ended. The step in progress (the engine silent with
+    requests to run while the host samples go on) stands 8x past the decode step, begun while
+    the long prompt waited: named, with the streams it stalls. Without the host and waiting
+    samples there is no clock past the last step, and nothing fires."""
+    run, label = _run("itl_prefill_interference-0")
+    cut = label["fault_start_ns"] + 10 * 10**9
+    found, ended = _live(run, cut)
+    assert "itl_prefill_interference" in found, sorted(found)
+    ev = found["itl_prefill_interference"].evidence
+    assert ev["prefill_prompt_tokens"] == 1564 and ev["prefill_request"] not in ended, ev
+    assert 3 <= ev["decoding_requests"] <= 4, ev  # a lower bound: at least these decode
+    assert ev["open_step_ms"] >= 8 * ev["decode_step_ms_p50"], ev
+    without, _ = _live(run, cut, drop_clock=True)
+    assert "itl_prefill_interference" not in without, sorted(without)
+
+
+def test_a_step_a_cpu_hog_stretches_is_named_while_it_runs():
+    """A tune run (host_contention-0: four CPU hogs start beside the server) cut 5.5 s into the
+    hog: the step it stretched from ~0.1 s to 7.5 s has not ended, so no window has a slowed
+    step to compare; the step in progress does, with no long prompt waiting and the hogs in the
+    host samples' census, which the finding names."""
+    run, label = _run("host_contention-0")
+    cut = label["fault_start_ns"] + int(5.5 * 10**9)
+    found, _ = _live(run, cut)
+    assert "host_contention" in found, sorted(found)
+    ev = found["host_contention"].evidence
+    assert ev["open_step_ms"] >= 8 * ev["usual_step_ms"], ev
+    assert ev["cpu_others_pct"] >= 20 and ev["busy_processes"], ev
+    without, _ = _live(run, cut, drop_clock=True)
+    assert "host_contention" not in without, sorted(without)
+
+
 def test_healthy_runs_never_show_a_waiting_queue():
     """Every healthy tune run cut at 10 s, 20 s and 40 s: no request waited at the head of the
-    queue long enough for either rule that reads the queue as it stands."""
+    queue long enough for either rule that reads the queue as it stands, and no step in
+    progress was long enough for the rules that time it."""
     from tokenmill.diagnose.signals import NoTraffic
 
     runs = sorted(p.parent.name for p in CORPUS.glob("healthy*/label.json"))
@@ -181,4 +230,10 @@ def test_healthy_runs_never_show_a_waiting_queue():
                 found, _ = _live(run, label["steps_started_ns"] + after * 10**9)
             except NoTraffic:
                 continue
-            assert not {"head_of_line_blocking", "ttft_queueing"} & set(found), (run_id, after)
+            live_rules = {
+                "head_of_line_blocking",
+                "ttft_queueing",
+                "itl_prefill_interference",
+                "host_contention",
+            }
+            assert not live_rules & set(found), (run_id, after)
