@@ -15,7 +15,6 @@ from ._common import (
     _ratio,
     _severity,
     _when,
-    _worst,
 )
 from .host_contention import others_cpu_pct
 from .periodic_itl_spikes import decode_stalls
@@ -78,6 +77,13 @@ def _prefill_stretched(
     return out
 
 
+# the longest ITL of the requests decoding in a window: first token before its end, last after
+# its start
+_ITL_DURING_SQL = """
+SELECT max(itl_max_ms) FROM requests WHERE first_token_ns < ? AND last_token_ns > ?
+"""
+
+
 def _slowest_decode_ms(sig: Signals, start_ns: int, end_ns: int) -> float:
     """The slowest decode-only step that started in ``[start_ns, end_ns]``, ms."""
     (ms,) = sig.con.execute(
@@ -92,8 +98,9 @@ def _stalled_now(sig: Signals, p: dict) -> Evidence | None:
     """The symptom while the prefill still runs (a live store, ``signals/queue_now.py``): the
     engine has been in one step ``itl_spike`` x its usual decode step (and x the steps just
     before it) or longer, with requests running beside it, and the step began while a prompt of ``min_prefill_tokens`` or more was
-    waiting for its first token; the host was not busy with other work meanwhile (that is
-    ``host_contention``'s). The running requests have had no token since the step began."""
+    waiting for its first token, with what other processes on the host could have slowed it
+    taken out (that is ``host_contention``'s). The running requests have had no token since
+    the step began."""
     step = open_step(sig)
     base = sig.baseline.get("decode_step_ms_p50") or sig.overall.get("decode_step_ms_p50")
     if step is None or not base:
@@ -113,8 +120,11 @@ def _stalled_now(sig: Signals, p: dict) -> Evidence | None:
     ]
     if not long or decoding <= 0:
         return None  # no prompt to prefill, or nothing known to decode beside it
+    # the host's share taken out: processes outside the server using X% of the CPUs slow a
+    # step by up to 1 / (1 - X/100) (a fair share of the cores), not 10x
     others = others_cpu_pct(sig, step.start_ns, step.now_ns)
-    if others is not None and others >= p["host_busy_pct"]:
+    host = 1.0 / (1.0 - min(others or 0.0, 95.0) / 100.0)
+    if step.lasted_ms / host < p["itl_spike"] * max(base, step.pace_ms):
         return None
     r = step.lasted_ms / base
     big = max(long, key=lambda x: x.prompt_tokens)
@@ -169,11 +179,19 @@ def _stalled_steps(sig: Signals, p: dict) -> Evidence | None:
     def step_max(w: Window) -> float | None:
         return max((r[1] for r in in_w(w)), default=None)
 
+    def itl_max(w: Window) -> float | None:
+        # the streams decoding in the window, wherever they arrived: a long prompt that comes
+        # a window after the streams it stalls is theirs to feel (the window's own itl_max
+        # counts the requests that arrived in it)
+        if not in_w(w):
+            return None
+        return sig.con.execute(_ITL_DURING_SQL, [w.end_ns, w.start_ns]).fetchone()[0]
+
     def spike(w: Window) -> float | None:
         # a gap longer than the slowest prefill step is not this rule's (preemption, stalls)
-        if w.get("itl_max") is None or step_max(w) is None:
+        if itl_max(w) is None or step_max(w) is None:
             return None
-        return min(w.get("itl_max"), step_max(w))
+        return min(itl_max(w), step_max(w))
 
     def hit(w: Window) -> bool:
         step_r = _ratio(step_max(w), base_step)
@@ -185,7 +203,9 @@ def _stalled_steps(sig: Signals, p: dict) -> Evidence | None:
             and itl_r >= p["itl_spike"]
         )
 
-    w = _worst(sig, "itl_max", hit)
+    # every window a stretched step began in, busy or not: one long step can leave a window
+    # where no request arrives or ends
+    w = max((x for x in sig.windows if hit(x)), key=spike, default=None)
     if w is None:
         return None
     r = _ratio(spike(w), base_itl)
@@ -212,14 +232,14 @@ def _stalled_steps(sig: Signals, p: dict) -> Evidence | None:
     cfg = sig.config
     _where, _params = _in_window(w)
     return Evidence(
-        f"ITL spiked to {_ms(w.get('itl_max'))} (baseline p50 {_ms(base_itl)}) in {_when(w)}; "
+        f"ITL spiked to {_ms(itl_max(w))} (baseline p50 {_ms(base_itl)}) in {_when(w)}; "
         f"steps carrying prefill took up to {_ms(step_max(w))} against {_ms(near)} for the "
         f"decode-only steps around them ({_ms(base_step)} baseline; largest prefill in a step: "
         f"{w.get('prefill_tokens_max') or 0:.0f} tokens; chunked prefill "
         f"{'on' if cfg.get('enable_chunked_prefill', True) else 'off'}, step budget "
         f"{cfg.get('max_num_batched_tokens', '?')} tokens)",
         {
-            "itl_max_ms": w.get("itl_max"),
+            "itl_max_ms": itl_max(w),
             "baseline_itl_p50_ms": base_itl,
             "mixed_step_ms_max": step_max(w),
             "neighbour_decode_step_ms": near,
@@ -262,11 +282,6 @@ RULE = Rule(
             "an ordinary prompt's prefill, or several let in together, is not interference "
             "to tune away (case C02's prompt is ~1,500 tokens; on a 2-core CPU with the C "
             "kernels a 109-token prefill step is already 13x a decode step)",
-        ),
-        "host_busy_pct": Param(
-            20.0,
-            "CPU % used outside the server during a step still in progress: above it the "
-            "long step is host_contention's to judge (its others_cpu_pct)",
         ),
         "local_spike": Param(
             8.0,
