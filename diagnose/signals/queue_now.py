@@ -115,9 +115,10 @@ class OpenStep:
 def open_step(sig: Signals) -> OpenStep | None:
     """The step in progress at the store's latest record, if requests were running when the
     last stored step ended (or waited for their first token since) and no step has ended nor
-    token been made since; None where the steps run to
-    the store's end (every finished dump, a range that ends before the store does, a store
-    without samples)."""
+    token been made since; None where the steps run to the store's end (every finished dump, a
+    range that ends before the store does, a store without samples). With several engines in
+    one store (replicas, a fleet) the latest step of any of them counts: a long step of one
+    is then not seen while another steps."""
     last = sig.con.execute(_LAST_STEP_SQL, [sig.since_ns]).fetchall()
     if not last or last[0][0] >= sig.until_ns:
         return None
