@@ -293,6 +293,6 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="needs",
     evidence_signals=("itl_max", "mixed_step_ms_max", "prefill_tokens_max"),
-    reads=("requests", "completions", "steps"),
+    reads=("requests", "steps"),
     needs={"requests": ("first_token_ns", "last_token_ns")},
 )
