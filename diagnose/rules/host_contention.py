@@ -81,6 +81,21 @@ def busy_processes(sig: Signals, start_ns: int, end_ns: int, *, loadgen: bool = 
     return sorted(out, key=lambda d: -d["cpu_pct"])[:5]
 
 
+def _who_on_cpu(others: float, named: list, steal: float | None) -> str:
+    """Who else used the CPU, in words: the share outside the server, the busiest processes
+    (``busy_processes``), the hypervisor's steal where there was any."""
+    who = f"processes outside the server used {others:.0f}% of the CPU"
+    if named:
+        who += (
+            " ("
+            + ", ".join(f"pid {d['pid']} `{d['command']}` {d['cpu_pct']:.0f}%" for d in named[:3])
+            + ")"
+        )
+    if (steal or 0) >= 1:
+        who += f" and the hypervisor stole {steal:.0f}%"
+    return who
+
+
 def _slow_now(sig: Signals, p: dict) -> Evidence | None:
     """The symptom while the slowed step still runs (a live store, ``signals/queue_now.py``): a
     CPU hog can stretch one decode step from 0.1 s to 5 s, and a step is stored when it ends.
@@ -108,15 +123,7 @@ def _slow_now(sig: Signals, p: dict) -> Evidence | None:
         return None
     r = step.lasted_ms / usual
     named = busy_processes(sig, step.start_ns, step.now_ns)
-    who = f"processes outside the server used {others:.0f}% of the CPU" + (
-        " ("
-        + ", ".join(f"pid {d['pid']} `{d['command']}` {d['cpu_pct']:.0f}%" for d in named[:3])
-        + ")"
-        if named
-        else ""
-    )
-    if (steal or 0) >= 1:
-        who += f" and the hypervisor stole {steal:.0f}%"
+    who = _who_on_cpu(others, named, steal)
     return Evidence(
         f"the engine has been in one step for {_ms(step.lasted_ms)}, {r:.0f}x the steps before "
         f"it ({_ms(usual)}), with {step.running} request(s) running and no long prompt "
@@ -166,18 +173,9 @@ def _slow_steps(sig: Signals, p: dict) -> Evidence | None:
     if sig.device_kind == "gpu":
         who = f"{w.get('other_processes_max'):.0f} other process(es) on the GPU"
     else:
-        who = f"processes outside the server used {_others(w):.0f}% of the CPU"
-        named = busy_processes(sig, w.start_ns, w.end_ns)
-        if named:
-            who += (
-                " ("
-                + ", ".join(
-                    f"pid {d['pid']} `{d['command']}` {d['cpu_pct']:.0f}%" for d in named[:3]
-                )
-                + ")"
-            )
-        if (w.get("steal_mean") or 0) >= 1:
-            who += f" and the hypervisor stole {w.get('steal_mean'):.0f}%"
+        who = _who_on_cpu(
+            _others(w), busy_processes(sig, w.start_ns, w.end_ns), w.get("steal_mean")
+        )
         if w.get("run_queue_mean") is not None:
             who += f" (run queue {w.get('run_queue_mean'):.1f})"
     return Evidence(

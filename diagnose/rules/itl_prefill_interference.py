@@ -97,17 +97,13 @@ def _slowest_decode_ms(sig: Signals, start_ns: int, end_ns: int) -> float:
 def _stalled_now(sig: Signals, p: dict) -> Evidence | None:
     """The symptom while the prefill still runs (a live store, ``signals/queue_now.py``): the
     engine has been in one step ``itl_spike`` x its usual decode step (and x the steps just
-    before it) or longer, with requests running beside it, and the step began while a prompt of ``min_prefill_tokens`` or more was
-    waiting for its first token, with what other processes on the host could have slowed it
-    taken out (that is ``host_contention``'s). The running requests have had no token since
-    the step began."""
+    before it) or longer, with requests running beside it, and the step began while a prompt
+    of ``min_prefill_tokens`` or more was waiting for its first token, with what other
+    processes on the host could have slowed it taken out (that is ``host_contention``'s). The
+    running requests have had no token since the step began."""
     step = open_step(sig)
     base = sig.baseline.get("decode_step_ms_p50") or sig.overall.get("decode_step_ms_p50")
     if step is None or not base:
-        return None
-    # against the pace just before too: a step no slower than its predecessors is no spike
-    # (every step carrying a prefill chunk is slow ITL all along, batch_too_large's)
-    if step.lasted_ms < p["itl_spike"] * max(base, step.pace_ms):
         return None
     # requests still without their first token when the step began get none during it: of the
     # running requests, at least the others are decoding beside it
@@ -121,7 +117,9 @@ def _stalled_now(sig: Signals, p: dict) -> Evidence | None:
     if not long or decoding <= 0:
         return None  # no prompt to prefill, or nothing known to decode beside it
     # the host's share taken out: processes outside the server using X% of the CPUs slow a
-    # step by up to 1 / (1 - X/100) (a fair share of the cores), not 10x
+    # step by up to 1 / (1 - X/100) (a fair share of the cores), not 10x; and against the
+    # pace just before too: a step no slower than its predecessors is no spike (every step
+    # carrying a prefill chunk is slow ITL all along, batch_too_large's)
     others = others_cpu_pct(sig, step.start_ns, step.now_ns)
     host = 1.0 / (1.0 - min(others or 0.0, 95.0) / 100.0)
     if step.lasted_ms / host < p["itl_spike"] * max(base, step.pace_ms):

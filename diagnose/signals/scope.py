@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import duckdb
 
+from tokenmill.telemetry.schema import TABLES as STORE_TABLES
 from tokenmill.telemetry.schema import columns
 
 from .window import NoTraffic
@@ -18,14 +19,7 @@ from .window import NoTraffic
 NS = 1_000_000_000
 
 # the tables signals read
-TABLES = (
-    "requests",
-    "engine_steps",
-    "device_samples",
-    "events",
-    "engine_samples",
-    "waiting_samples",
-)
+TABLES = tuple(t for t in STORE_TABLES if t != "spans")
 
 
 @dataclass(frozen=True)
