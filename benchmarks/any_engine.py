@@ -23,7 +23,9 @@ GGUF, 2 threads, ``--metrics``:
   noisy runs cannot resolve to a millisecond;
 - TTFT added, paired (``paired_ttft``): 60 pairs of requests, one straight and one through the
   proxy, prompts of the same words shuffled (same length, neither cached), order alternating;
-  the median difference with a bootstrap interval;
+  the median difference with a bootstrap interval; ``paired_ttft_short`` the same with 200
+  pairs of 4-word prompts, whose own TTFT varies far less, to read the proxy's share to a
+  fraction of a millisecond;
 - diagnosis: a 2-slot server sent a steady rate, then eight times it, through the proxy with
   its ``/metrics`` and ``/slots`` read every second; the proxy's store is diagnosed (expected:
   ``overload`` or ``ttft_queueing``, with llama.cpp's own deferred-request gauge as the queue,
@@ -32,7 +34,7 @@ GGUF, 2 threads, ``--metrics``:
 Results: ``benchmarks/results/any_engine.json`` (each part's figures, updated in place).
 Run it alone: ``.venv/bin/python benchmarks/any_engine.py --part tokenmill`` (about 5 minutes)
 and ``--part llamacpp`` (about 8 minutes once llama-server is built; ``--llamacpp-parts`` picks
-some of ``overhead,paired_ttft,overload`` and keeps the others' last figures).
+some of ``overhead,paired_ttft,paired_ttft_short,overload`` and keeps the others' last figures).
 """
 
 from __future__ import annotations
@@ -201,7 +203,7 @@ def _proxy(upstream: str, work: Path, name: str):
     ), port
 
 
-LLAMACPP_PARTS = ("overhead", "paired_ttft", "overload")
+LLAMACPP_PARTS = ("overhead", "paired_ttft", "paired_ttft_short", "overload")
 
 
 def part_llamacpp(work: Path, parts: tuple[str, ...] = LLAMACPP_PARTS) -> dict:
@@ -215,6 +217,10 @@ def part_llamacpp(work: Path, parts: tuple[str, ...] = LLAMACPP_PARTS) -> dict:
         out["overhead"] = _overhead(binary, work)
     if "paired_ttft" in parts:
         out["paired_ttft"] = _paired_ttft(binary, work)
+    if "paired_ttft_short" in parts:
+        # a 5-token prompt: the upstream's own TTFT varies by about a millisecond, not tens,
+        # so the proxy's share is read to a fraction of one
+        out["paired_ttft_short"] = _paired_ttft(binary, work, pairs=200, words=4)
     if "overload" in parts:
         out["overload"] = _overload(binary, work)
     return out
@@ -255,10 +261,10 @@ def _first_token_s(client: httpx.Client, url: str, prompt: str) -> float:
     raise RuntimeError(f"{url}: no text in the stream")
 
 
-def _paired_ttft(binary: Path, work: Path, pairs: int = 60) -> dict:
+def _paired_ttft(binary: Path, work: Path, pairs: int = 60, words: int = 64) -> dict:
     """TTFT added by the proxy, paired: request by request, one prompt straight to the server
-    and one of the same words (shuffled) through the proxy, the order alternating, at one
-    stream. The median of the 60 differences, with a bootstrap 95% interval, resolves what
+    and one of the same ``words`` words (shuffled) through the proxy, the order alternating, at
+    one stream. The median of the differences, with a bootstrap 95% interval, resolves what
     two runs' medians cannot (their own spread is tens of ms)."""
     import random
 
@@ -271,7 +277,7 @@ def _paired_ttft(binary: Path, work: Path, pairs: int = 60) -> dict:
         proxy, pport = _proxy(up, work, "proxy-paired")
         via = f"http://127.0.0.1:{pport}"
         rng = random.Random(21)
-        words = WORDS[:64]
+        vocab = WORDS[:64]
         diffs, direct, proxied = [], [], []
         try:
             # a new connection each request: an idle kept-alive one may be closed under it
@@ -281,7 +287,7 @@ def _paired_ttft(binary: Path, work: Path, pairs: int = 60) -> dict:
                     got = {}
                     ways = ((up, "direct"), (via, "proxy"))
                     for url, way in ways if i % 2 == 0 else ways[::-1]:
-                        prompt = f"{i * 2 + (way == 'proxy')} " + " ".join(rng.sample(words, 64))
+                        prompt = f"{i * 2 + (way == 'proxy')} " + " ".join(rng.sample(vocab, words))
                         got[way] = _first_token_s(client, url, prompt)
                     if i >= 2:
                         direct.append(got["direct"] * 1e3)
@@ -294,6 +300,7 @@ def _paired_ttft(binary: Path, work: Path, pairs: int = 60) -> dict:
     ci = bootstrap((np.array(diffs),), np.median, confidence_level=0.95, random_state=0)
     return {
         "pairs": len(diffs),
+        "prompt_words": words,
         "direct_ttft_p50_ms": float(np.median(direct)),
         "proxy_ttft_p50_ms": float(np.median(proxied)),
         "added_p50_ms": float(np.median(diffs)),
@@ -418,7 +425,7 @@ def main() -> int:
     ap.add_argument(
         "--llamacpp-parts",
         default=",".join(LLAMACPP_PARTS),
-        help="llama.cpp: which of overhead, paired_ttft, overload to run (comma-separated; "
+        help="llama.cpp: which of overhead, paired_ttft, paired_ttft_short, overload to run (comma-separated; "
         "the others' last figures are kept)",
     )
     args = ap.parse_args()

@@ -33,6 +33,7 @@ def _bench(*args) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.e2e
 def test_phased_open_loop_builds_and_drains_a_queue(tmp_path, smollm2_dir):
     server = Server(
         tmp_path, "--model", str(smollm2_dir), "--max-num-seqs", "4", "--max-queue-len", "1024"

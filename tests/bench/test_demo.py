@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# the README's tour as a user runs it (minutes): in `make test-e2e`, not `make test`
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def _port() -> int:

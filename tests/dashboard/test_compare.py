@@ -30,7 +30,8 @@ from tokenmill.diagnose.compare import DEFAULT_REGRESSION_PCT
 
 # the five runs take about 2 minutes alone and 25 on a VM shared with other engines: the first
 # test (which builds them) gets 40 minutes, not pytest-timeout's 900 s
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+# six server runs: a whole-product check, in `make test-e2e` (not `make test`)
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(2400)]
 
 # closed loop, 12 in flight: with --max-num-seqs 2 ten of them queue for a turn (with 4, two
 # thirds queued and TTFT p50 rose by less than the gate in one clean-clone run: p99 +87 %)

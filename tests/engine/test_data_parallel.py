@@ -132,6 +132,7 @@ def test_two_replicas_serve_one_engines_greedy_outputs_and_label_everything(
     assert spans == (32, 2)
 
 
+@pytest.mark.e2e
 def test_a_killed_replica_ends_only_its_streams_restarts_and_leaks_nothing(smollm2_dir, tmp_path):
     server = Server(tmp_path, "--model", str(smollm2_dir), "--data-parallel-size", "2")
     try:
@@ -170,6 +171,7 @@ def test_a_killed_replica_ends_only_its_streams_restarts_and_leaks_nothing(smoll
         server.stop()
 
 
+@pytest.mark.e2e
 def test_a_frozen_replica_leaves_the_rotation_and_returns_when_it_thaws(smollm2_dir, tmp_path):
     """A SIGSTOPped replica: once /health calls it silent (here after 2 s), every new request
     goes to the other one and completes; after SIGCONT it speaks, the server is ok again and

@@ -669,6 +669,7 @@ def _free_port_pair() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_the_host_to_host_recipe_serves_and_recovers_from_a_killed_remote_core(
     tmp_path, smollm2_dir
 ):

@@ -105,6 +105,7 @@ def test_the_license_the_metadata_names_is_there():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_the_built_wheel_installs_alone_and_runs(tmp_path, smollm2_dir):
     """`pip wheel .` lists every package and C source; installed (not editable) into a fresh
     venv that borrows only the third-party packages, it generates with the C kernels on and
