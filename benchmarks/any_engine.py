@@ -25,7 +25,8 @@ GGUF, 2 threads, ``--metrics``:
   proxy, prompts of the same words shuffled (same length, neither cached), order alternating;
   the median difference with a bootstrap interval; ``paired_ttft_short`` the same with 200
   pairs of 4-word prompts, whose own TTFT varies far less, to read the proxy's share to a
-  fraction of a millisecond;
+  fraction of a millisecond; ``paired_ttft_short_1t`` again with llama.cpp on one thread, so the
+  proxy and the client do not take CPU from the engine's threads;
 - diagnosis: a 2-slot server sent a steady rate, then eight times it, through the proxy with
   its ``/metrics`` and ``/slots`` read every second; the proxy's store is diagnosed (expected:
   ``overload`` or ``ttft_queueing``, with llama.cpp's own deferred-request gauge as the queue,
@@ -34,7 +35,7 @@ GGUF, 2 threads, ``--metrics``:
 Results: ``benchmarks/results/any_engine.json`` (each part's figures, updated in place).
 Run it alone: ``.venv/bin/python benchmarks/any_engine.py --part tokenmill`` (about 5 minutes)
 and ``--part llamacpp`` (about 8 minutes once llama-server is built; ``--llamacpp-parts`` picks
-some of ``overhead,paired_ttft,paired_ttft_short,overload`` and keeps the others' last figures).
+some of ``overhead,paired_ttft,paired_ttft_short(_1t),overload`` and keeps the others' last figures).
 """
 
 from __future__ import annotations
@@ -185,10 +186,11 @@ def _mean(results: list[dict]) -> dict:
     return out
 
 
-def _llama(binary: Path, work: Path, slots: int, ctx: int, name: str):
+def _llama(binary: Path, work: Path, slots: int, ctx: int, name: str, threads: int = 2):
     port = _free_port()
     cmd = [str(binary), "-m", str(gguf_file()), "--host", "127.0.0.1", "--port", str(port),
-           "-np", str(slots), "-c", str(ctx), "-t", "2", "-tb", "2", "--metrics"]  # fmt: skip
+           "-np", str(slots), "-c", str(ctx), "-t", str(threads), "-tb", str(threads),
+           "--metrics"]  # fmt: skip
     env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
     return start_server(cmd, work, env, f"http://127.0.0.1:{port}", f"{name}.log"), port
 
@@ -203,7 +205,13 @@ def _proxy(upstream: str, work: Path, name: str):
     ), port
 
 
-LLAMACPP_PARTS = ("overhead", "paired_ttft", "paired_ttft_short", "overload")
+LLAMACPP_PARTS = (
+    "overhead",
+    "paired_ttft",
+    "paired_ttft_short",
+    "paired_ttft_short_1t",
+    "overload",
+)
 
 
 def part_llamacpp(work: Path, parts: tuple[str, ...] = LLAMACPP_PARTS) -> dict:
@@ -221,6 +229,11 @@ def part_llamacpp(work: Path, parts: tuple[str, ...] = LLAMACPP_PARTS) -> dict:
         # a 5-token prompt: the upstream's own TTFT varies by about a millisecond, not tens,
         # so the proxy's share is read to a fraction of one
         out["paired_ttft_short"] = _paired_ttft(binary, work, pairs=200, words=4)
+    if "paired_ttft_short_1t" in parts:
+        # the same with llama.cpp on one thread: the proxy and the client get a core of their
+        # own, as a proxy does on a production host, instead of taking CPU from the engine's
+        # two threads while it evaluates the prompt
+        out["paired_ttft_short_1t"] = _paired_ttft(binary, work, pairs=200, words=4, threads=1)
     if "overload" in parts:
         out["overload"] = _overload(binary, work)
     return out
@@ -261,7 +274,9 @@ def _first_token_s(client: httpx.Client, url: str, prompt: str) -> float:
     raise RuntimeError(f"{url}: no text in the stream")
 
 
-def _paired_ttft(binary: Path, work: Path, pairs: int = 60, words: int = 64) -> dict:
+def _paired_ttft(
+    binary: Path, work: Path, pairs: int = 60, words: int = 64, threads: int = 2
+) -> dict:
     """TTFT added by the proxy, paired: request by request, one prompt straight to the server
     and one of the same ``words`` words (shuffled) through the proxy, the order alternating, at
     one stream. The median of the differences, with a bootstrap 95% interval, resolves what
@@ -271,7 +286,7 @@ def _paired_ttft(binary: Path, work: Path, pairs: int = 60, words: int = 64) -> 
     import numpy as np
     from scipy.stats import bootstrap
 
-    server, port = _llama(binary, work, 4, 4096, "llama-paired")
+    server, port = _llama(binary, work, 4, 4096, "llama-paired", threads)
     up = f"http://127.0.0.1:{port}"
     try:
         proxy, pport = _proxy(up, work, "proxy-paired")
@@ -301,6 +316,7 @@ def _paired_ttft(binary: Path, work: Path, pairs: int = 60, words: int = 64) -> 
     return {
         "pairs": len(diffs),
         "prompt_words": words,
+        "llama_threads": threads,
         "direct_ttft_p50_ms": float(np.median(direct)),
         "proxy_ttft_p50_ms": float(np.median(proxied)),
         "added_p50_ms": float(np.median(diffs)),
@@ -425,7 +441,7 @@ def main() -> int:
     ap.add_argument(
         "--llamacpp-parts",
         default=",".join(LLAMACPP_PARTS),
-        help="llama.cpp: which of overhead, paired_ttft, paired_ttft_short, overload to run (comma-separated; "
+        help="llama.cpp: which of " + ", ".join(LLAMACPP_PARTS) + " to run (comma-separated; "
         "the others' last figures are kept)",
     )
     args = ap.parse_args()
