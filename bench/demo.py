@@ -173,9 +173,13 @@ def run(*, port: int = 8000, console_port: int = 8501, wait: bool = True, say=pr
     finally:
         if previous_sigint is None:
             previous_sigint = _ignore_sigint()
+        # SIGTERM, not SIGINT: a job started in the background by a non-interactive shell
+        # inherits SIGINT ignored, and then neither child would stop on it (the console's
+        # Streamlit process was left running after `--no-wait` runs started that way); both
+        # stop on SIGTERM as on Ctrl-C, the server after the requests in flight (none by now)
         for p in reversed(procs):
             if p.poll() is None:
-                p.send_signal(signal.SIGINT)
+                p.send_signal(signal.SIGTERM)
         for p in procs:
             try:
                 p.wait(30)

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 # the README's tour as a user runs it (minutes): in `make test-e2e`, not `make test`
@@ -20,6 +21,7 @@ def _port() -> int:
 
 
 def test_demo_runs_the_tour_and_prints_the_diagnosis_and_console(smollm2_dir):
+    console_port = _port()
     r = subprocess.run(
         [
             sys.executable,
@@ -30,7 +32,7 @@ def test_demo_runs_the_tour_and_prints_the_diagnosis_and_console(smollm2_dir):
             "--port",
             str(_port()),
             "--console-port",
-            str(_port()),
+            str(console_port),
         ],
         capture_output=True,
         text=True,
@@ -57,3 +59,15 @@ def test_demo_runs_the_tour_and_prints_the_diagnosis_and_console(smollm2_dir):
         assert phase in r.stderr and " of 50 s · sent " in r.stderr, r.stderr[-2000:]
     assert "· done " in r.stderr and "fetching a dump" in r.stdout
     assert "Traceback" not in r.stderr
+    # nothing left running: the console's Streamlit process stopped with its CLI (it was once
+    # left serving when the test ran in a background job, where SIGINT is ignored)
+    flag = ["--server.port", str(console_port)]
+    left = [
+        p.info["pid"]
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if any(
+            (p.info["cmdline"] or [])[k : k + 2] == flag
+            for k in range(len(p.info["cmdline"] or []))
+        )
+    ]
+    assert left == [], left
