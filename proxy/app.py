@@ -85,9 +85,12 @@ class ProxyState:
     @property
     def session(self) -> aiohttp.ClientSession:
         """The upstream client, made on first use inside the server's event loop; the body is
-        passed on as the upstream sent it (no decompression), and no cookies are kept."""
+        passed on as the upstream sent it (no decompression), and no cookies are kept. Its
+        connections are not capped (aiohttp's default is 100): a cap there would queue requests
+        unseen, where ``--max-in-flight`` is the proxy's one limit, refused and recorded."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
                 timeout=self.timeout,
                 auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(),

@@ -114,6 +114,8 @@ def upstream_app(seen: dict) -> FastAPI:
             events.insert(1, b"data: {this is not json\n\n")
 
         async def gen():
+            seen["open"] = seen.get("open", 0) + 1
+            seen["open_max"] = max(seen.get("open_max", 0), seen["open"])
             try:
                 for ev in events:
                     yield ev
@@ -121,6 +123,8 @@ def upstream_app(seen: dict) -> FastAPI:
             except BaseException:
                 seen["cancelled"] = True
                 raise
+            finally:
+                seen["open"] -= 1
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
@@ -579,3 +583,27 @@ def test_the_proxys_own_metrics_count_what_its_clients_saw(rig):
     assert "tenant" not in text
     assert detect_kind(samples) is None
     assert rows("SELECT count(*) FROM requests") == [(2,)]
+
+
+def test_past_a_hundred_streams_none_wait_unseen_in_the_proxy(rig):
+    """Without --max-in-flight the proxy has no limit of its own: 130 streams at once are all
+    open at the upstream together (an HTTP client's default pool of 100 connections would hold
+    30 back unrecorded)."""
+    url, _, seen, rows, _ = rig
+    n = 130
+
+    async def one(ac):
+        body = {"model": "stream-ok", "messages": [], "stream": True, "max_tokens": 40}
+        async with ac.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            async for _ in r.aiter_raw():
+                pass
+
+    async def main():
+        limits = httpx.Limits(max_connections=n + 10)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as ac:
+            await asyncio.gather(*(one(ac) for _ in range(n)))
+
+    asyncio.run(main())
+    assert seen["open_max"] == n, seen["open_max"]
+    assert rows("SELECT count(*), count(*) FILTER (http_status = 200) FROM requests") == [(n, n)]
