@@ -356,6 +356,8 @@ async def _post(session: aiohttp.ClientSession, url: str, body: bytes, headers: 
     answer, so the request is sent again rather than failed."""
     try:
         return await session.post(url, data=body, headers=headers)
+    except aiohttp.ClientConnectorError:  # no connection made: nothing to retry
+        raise
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
         return await session.post(url, data=body, headers=headers)
 

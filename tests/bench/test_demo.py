@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import socket
 import subprocess
@@ -61,13 +62,13 @@ def test_demo_runs_the_tour_and_prints_the_diagnosis_and_console(smollm2_dir):
     assert "Traceback" not in r.stderr
     # nothing left running: the console's Streamlit process stopped with its CLI (it was once
     # left serving when the test ran in a background job, where SIGINT is ignored)
-    flag = ["--server.port", str(console_port)]
+    port = str(console_port)
     left = [
         p.info["pid"]
         for p in psutil.process_iter(["pid", "cmdline"])
         if any(
-            (p.info["cmdline"] or [])[k : k + 2] == flag
-            for k in range(len(p.info["cmdline"] or []))
+            a == "--server.port" and b == port
+            for a, b in itertools.pairwise(p.info["cmdline"] or [])
         )
     ]
     assert left == [], left

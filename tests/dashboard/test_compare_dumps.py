@@ -13,36 +13,15 @@ renders the pair.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import duckdb
-
-from tokenmill.dashboard import data
+from test_compare import APP, _one_line_exit_2, tm
 
 CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "diagnosis_corpus"
 BEFORE = CORPUS / "hol_low_rate-0" / "dump"
 AFTER = CORPUS / "hol_low_rate-2" / "dump"
-APP = Path(data.__file__).parent / "app.py"
-
-
-def tm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tokenmill.engine.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "COLUMNS": "200"},
-    )
-
-
-def _one_line_exit_2(r: subprocess.CompletedProcess, needle: str) -> None:
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
-    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
 
 
 def _labels() -> tuple[dict, dict]:
