@@ -1,8 +1,9 @@
 """``bench/corpus.py``'s backfill of the steps' queue fields and of the API's waiting samples
-on dumps recorded before them."""
+on dumps recorded before them, and a family's label against what its runs' engine recorded."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -86,3 +87,46 @@ def test_a_damaged_dump_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["--out", str(tmp_path), "--backfill-queue-age"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {dump}: ") and len(err.splitlines()) == 1
+
+
+QUEUEING = sorted(CORPUS.glob("ttft_queueing-*/label.json"))
+
+
+@pytest.mark.skipif(not QUEUEING, reason="no recorded ttft_queueing run")
+def test_the_queueing_label_starts_where_the_clients_outnumber_what_the_pool_admits():
+    """``ttft_queueing`` runs step 4 clients up by 1.5x, 2x, ... every ``step_s``. The label puts
+    the fault at the 2x step: the engine's largest running batch over the whole run (what the
+    small KV pool admitted at once) holds the 1.5x step's 6 clients and not the 2x step's 8, so
+    nothing can wait before the 2x step, and requests must wait after it."""
+    for path in QUEUEING:
+        label = json.loads(path.read_text())
+        p = label["params"]
+        assert label["fault_start_ns"] == label["steps_started_ns"] + int(2 * p["step_s"] * 1e9)
+        steps = path.parent / "dump" / "engine_steps.parquet"
+        [(peak,)] = duckdb.sql(f"SELECT max(num_running) FROM read_parquet('{steps}')").fetchall()
+        assert 1.5 * p["clients"] <= peak < 2 * p["clients"], (path.parent.name, peak)
+
+
+def test_a_run_id_the_sample_does_not_hold_is_one_line_and_exit_2(tmp_path, capsys):
+    assert (
+        main(["--out", str(tmp_path), "--family", "healthy", "--run", "healthy-9", "--list"]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --run healthy-9: not among the sampled runs", err
+    assert (
+        main(
+            [
+                "--out",
+                str(tmp_path),
+                "--per-family",
+                "10",
+                "--family",
+                "healthy",
+                "--run",
+                "healthy-9",
+                "--list",
+            ]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.split()[0] == "healthy-9"
