@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..signals import COMPLETED_SQL, Signals, Window
-from ..stats import Support, compare
+from ..signals import COMPLETED_SQL, Signals, Window, waiting_now
+from ..stats import Support, against_bound, compare
 from ._common import (
     _BASE,
     Alert,
@@ -53,6 +53,12 @@ def _causes(sig: Signals, w: Window, p: dict) -> tuple[tuple[str, ...], dict]:
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
+    return _risen(sig, p) or _onset(sig, p)
+
+
+def _risen(sig: Signals, p: dict) -> Evidence | None:
+    """The symptom in the ended requests: a window's TTFT p99 ``ttft_rise`` x the baseline,
+    most of it queue time, ITL flat."""
     base, base_itl = sig.baseline.get("ttft_p99"), sig.baseline.get("itl_p99")
 
     def hit(w: Window) -> bool:
@@ -94,6 +100,104 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         _confidence(r / p["ttft_rise"], (w.get("queue_share_of_ttft") or 0) / p["queue_share"]),
         causes=causes,
         support=support,
+    )
+
+
+# the requests that arrived in a window and have ended: their queue wait (ms)
+_ENDED_WAITS_SQL = """
+SELECT request_id, queue_ms FROM requests
+WHERE arrival_ns >= ? AND arrival_ns < ? AND queue_ms IS NOT NULL
+"""
+# long prompts without their first token at some time in a window (queued or prefilling)
+_LONG_OPEN_SQL = """
+SELECT count(*) FROM requests
+WHERE input_tokens >= ? AND arrival_ns < ? AND coalesce(first_token_ns, end_ns) > ?
+"""
+
+
+def _onset(sig: Signals, p: dict) -> Evidence | None:
+    """The queue as it forms, before its requests' TTFT has risen far or they have ended (a
+    live store). In a window, a share ``queue_steps`` of the engine's steps began with requests
+    waiting and prefilled nothing: admission was closed (the running batch at its cap, the KV
+    pool at its limit), not a burst of prompts let in over the step budget. Requests waited at
+    least ``wait_rise`` x the healthy TTFT p50 for admission (their queue wait if they have
+    ended, their wait so far if not), no long prompt held the queue (that is head-of-line
+    blocking) and ITL stayed within ``onset_itl_flat`` (the batch grows to its cap as the queue
+    forms, so its steps slow)."""
+    base50, base_itl = sig.baseline.get("ttft_p50"), sig.baseline.get("itl_p99")
+    if not base50:
+        return None
+    bound = p["wait_rise"] * base50
+    long = p["long_factor"] * (sig.overall.get("short_prompt_tokens") or 0)
+    live = waiting_now(sig)
+    hits = []  # (window, [(request id, wait ms)] past the bound)
+    for w in sig.busy():
+        itl = _ratio(w.get("itl_p99"), base_itl)
+        if (w.get("waiting_decode_only_share") or 0) < p["queue_steps"] or (
+            itl is not None and itl > p["onset_itl_flat"]
+        ):
+            continue
+        if long and (
+            sig.con.execute(_LONG_OPEN_SQL, [long, w.end_ns, w.start_ns]).fetchone()[0]
+            or any(
+                (x.prompt_tokens or 0) >= long and x.at_ns >= w.start_ns and x.queued_ns < w.end_ns
+                for x in live
+            )
+        ):
+            continue
+        rows = sig.con.execute(_ENDED_WAITS_SQL, [w.start_ns, w.end_ns]).fetchall()
+        waits = {rid: ms or 0.0 for rid, ms in rows}
+        for x in live:
+            if w.start_ns <= x.queued_ns < w.end_ns:
+                waits[x.request_id] = max(x.wait_ms, waits.setdefault(x.request_id, 0.0))
+        past = [(rid, ms) for rid, ms in waits.items() if ms >= bound]
+        if past:
+            hits.append((w, past))
+    if not hits:
+        return None
+    w, past = max(hits, key=lambda h: max(ms for _, ms in h[1]))
+    rid, longest = max(past, key=lambda x: x[1])
+    r = longest / base50
+    where, params = _in_window(w)
+    causes, shown = _causes(sig, w, p)
+    return Evidence(
+        f"requests queue for admission in {_when(w)}: {w.get('waiting_decode_only_share'):.0%} "
+        f"of its steps began with requests waiting and admitted none "
+        f"({w.get('waiting_mean'):.1f} waiting on average), {len(past)} request(s) waited {_ms(bound)} or more "
+        f"(request {rid}: {_ms(longest)}), against a TTFT p50 of {_ms(base50)} in the healthy "
+        f"windows; ITL p99 {_ms(w.get('itl_p99'))} (baseline {_ms(base_itl)}), no long prompt "
+        "ahead of them",
+        {
+            "longest_wait_ms": longest,
+            "waiting_request": rid,
+            "baseline_ttft_p50_ms": base50,
+            "waiting_mean": w.get("waiting_mean"),
+            "waiting_decode_only_share": w.get("waiting_decode_only_share"),
+            "waiting_max": w.get("waiting_max"),
+            "running_max": w.get("running_max"),
+            "itl_p99_ms": w.get("itl_p99"),
+            "baseline_itl_p99_ms": base_itl,
+            "queued_requests": len(past),
+            **shown,
+        },
+        (w.start_ns, w.end_ns),
+        where + " AND queue_ms >= ?",
+        [*params, bound],
+        _severity(r, 2 * p["wait_rise"]),
+        _confidence(
+            r / p["wait_rise"], (w.get("waiting_decode_only_share") or 0) / p["queue_steps"]
+        ),
+        causes=causes,
+        support=against_bound(
+            [ms / base50 for h in hits for _, ms in h[1]],
+            p["wait_rise"],
+            unit="requests",
+            reference_name=f"each queued request's wait over the healthy windows' TTFT p50, "
+            f"against {p['wait_rise']:g} (wait_rise)",
+            persistence=f"{len(hits)} of {sig.busy_windows or len(sig.windows)} busy windows",
+            why_one="a request that waited in the queue has at least that TTFT: its wait is "
+            "the symptom itself",
+        ),
     )
 
 
@@ -154,6 +258,31 @@ RULE = Rule(
             "queue time a large part of TTFT (0.4 on the tune split: that load's windows showed "
             "0.44-0.48, healthy windows 0.0)",
         ),
+        "queue_steps": Param(
+            0.4,
+            "share of a window's steps that began with requests waiting and prefilled nothing, "
+            "for the queue as it forms (tune split: the stepped-up load's windows after its 2x "
+            "step 0.44-0.71; 0 in every window of the healthy runs, of head-of-line blocking "
+            "at a low rate and of 24 prompts let in over a 256-token step budget)",
+        ),
+        "wait_rise": Param(
+            1.0,
+            "a request's queue wait over the healthy windows' TTFT p50, for the queue as it "
+            "forms: it waited a whole usual TTFT before its prefill began (tune split: 1.2x "
+            "and 1.6x in those windows)",
+        ),
+        "onset_itl_flat": Param(
+            2.0,
+            f"ITL p99 {_BASE} still counted as flat while the queue forms: the running batch "
+            "fills to its cap then, and each step carries more decodes (tune split: the "
+            "stepped-up load's queueing windows 1.05-1.74x; the windows of head-of-line "
+            "blocking that queued 5-15x)",
+        ),
+        "long_factor": Param(
+            4.0,
+            "a long prompt has this many times the dump's median prompt tokens: a queue "
+            "behind one is head_of_line_blocking's (its long_factor)",
+        ),
         "support_effect": Param(
             1.5,
             "the queued requests' TTFT median over the healthy windows' requests': the lower "
@@ -177,5 +306,5 @@ RULE = Rule(
         value="TTFT p99 over its baseline",
     ),
     reads=("requests", "completions", "steps", "kv"),
-    needs={"requests": ("tenant",)},
+    needs={"requests": ("tenant", "request_id", "queue_ms", "input_tokens", "first_token_ns")},
 )

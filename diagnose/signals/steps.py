@@ -45,7 +45,8 @@ SELECT (start_ns - $t0) // $w AS win,
     avg(num_prefill_chunks + __DECODE_SEQS__) FILTER (WHERE {WORKING_STEP_SQL}) AS batch_mean,
     max(num_running) AS running_max,
     avg(num_waiting) AS waiting_mean,
-    max(num_waiting) AS waiting_max
+    max(num_waiting) AS waiting_max,
+    avg((num_waiting > 0 AND num_prefill_tokens = 0)::DOUBLE) AS waiting_decode_only_share
 FROM engine_steps WHERE start_ns >= $since AND start_ns < $until
 GROUP BY win
 """
@@ -67,6 +68,7 @@ _KEYS = (
     "running_max",
     "waiting_mean",
     "waiting_max",
+    "waiting_decode_only_share",
 )
 
 
