@@ -96,11 +96,40 @@ def _who_on_cpu(others: float, named: list, steal: float | None) -> str:
     return who
 
 
+# the last host sample at or before a time in which nothing outside the server (less the load
+# generator) was busy: the neighbour's quiet side
+_CALM_SQL = """
+SELECT max(time_ns) FROM device_samples
+WHERE kind = 'host' AND time_ns >= ? AND time_ns <= ?
+  AND greatest(cpu_others_pct - coalesce(loadgen_cpu_pct, 0), 0) < ?
+  AND coalesce(steal_pct, 0) < ?
+"""
+# the median of the last five steps that ended by a time
+_PACE_BY_SQL = """
+SELECT median(ms) FROM (SELECT (end_ns - start_ns) / 1e6 AS ms FROM engine_steps
+                        WHERE start_ns >= ? AND end_ns <= ? ORDER BY end_ns DESC LIMIT 5)
+"""
+
+
+def _pace_before_neighbour(sig: Signals, now_ns: int, p: dict) -> float | None:
+    """The engine's pace before the neighbour got busy: the median of the last five steps that
+    ended by the last host sample without it. Steps the neighbour already stretched are the
+    symptom, not the engine's own pace (a hog that makes every step 3 s makes the steps just
+    before the open one 3 s too). None without such a sample or such steps."""
+    (calm,) = sig.con.execute(
+        _CALM_SQL, [sig.since_ns, now_ns, p["others_cpu_pct"], p["steal_pct"]]
+    ).fetchone()
+    if calm is None:
+        return None
+    return sig.con.execute(_PACE_BY_SQL, [sig.since_ns, calm]).fetchone()[0]
+
+
 def _slow_now(sig: Signals, p: dict) -> Evidence | None:
     """The symptom while the slowed step still runs (a live store, ``signals/queue_now.py``): a
     CPU hog can stretch one decode step from 0.1 s to 5 s, and a step is stored when it ends.
     The engine has been in one step ``open_step_rise`` x both its usual decode step and the
-    steps just before it, no prompt of ``prefill_tokens`` or more was waiting when it began (a
+    steps just before the neighbour got busy (or just before it, without host samples of the
+    neighbour's quiet side), no prompt of ``prefill_tokens`` or more was waiting when it began (a
     long prefill is a slow step of its own), and processes outside the server used the CPU
     meanwhile."""
     if sig.device_kind == "gpu":
@@ -109,7 +138,8 @@ def _slow_now(sig: Signals, p: dict) -> Evidence | None:
     base = sig.baseline.get("decode_step_ms_p50") or sig.overall.get("decode_step_ms_p50")
     if step is None or not base:
         return None
-    usual = max(base, step.pace_ms)
+    pace = _pace_before_neighbour(sig, step.now_ns, p)
+    usual = max(base, step.pace_ms if pace is None else pace)
     if step.lasted_ms < p["open_step_rise"] * usual:
         return None
     if any(
@@ -125,8 +155,9 @@ def _slow_now(sig: Signals, p: dict) -> Evidence | None:
     named = busy_processes(sig, step.start_ns, step.now_ns)
     who = _who_on_cpu(others, named, steal)
     return Evidence(
-        f"the engine has been in one step for {_ms(step.lasted_ms)}, {r:.0f}x the steps before "
-        f"it ({_ms(usual)}), with {step.running} request(s) running and no long prompt "
+        f"the engine has been in one step for {_ms(step.lasted_ms)}, {r:.0f}x "
+        + ("the steps before it" if pace is None else "its steps before the neighbour")
+        + f" ({_ms(usual)}), with {step.running} request(s) running and no long prompt "
         f"waiting, while {who}; the step has not ended yet",
         {
             "open_step_ms": step.lasted_ms,
@@ -145,7 +176,7 @@ def _slow_now(sig: Signals, p: dict) -> Evidence | None:
             [r],
             p["open_step_rise"],
             unit="steps",
-            reference_name=f"the open step over the steps before it, against "
+            reference_name=f"the open step over the steps before the neighbour, against "
             f"{p['open_step_rise']:g} (open_step_rise)",
             min_n=1,
             why_one="one step stretched this far with the host busy elsewhere is the symptom",

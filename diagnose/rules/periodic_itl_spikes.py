@@ -202,7 +202,12 @@ RULE = Rule(
             "usual-speed steps (decode or prefill) that may fall between two slow decode "
             "steps of one spike",
         ),
-        "min_spikes": Param(5, "spikes needed"),
+        "min_spikes": Param(
+            4,
+            "spikes needed, on one grid of the period (tune split: a job every 6 s one of whose "
+            "bursts left no slow decode step showed 4 stalls at two 15 s windows; 5 took a "
+            "third window)",
+        ),
         "max_cv": Param(0.2, "coefficient of variation of the spike period"),
         "min_regular": Param(0.8, "share of spikes on one grid of the period"),
         "max_duty": Param(
