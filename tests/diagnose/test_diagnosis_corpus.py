@@ -90,6 +90,18 @@ def test_a_long_prefill_step_between_two_slow_decode_steps_is_no_host_stall():
         con.close()
 
 
+def _live_store(run, cut_ns: int):
+    """A corpus run's store as a live server's stood at ``cut_ns``, in memory."""
+    from tokenmill.bench.accuracy import store_as_of
+    from tokenmill.telemetry.dump import open_dump
+
+    con = open_dump(run / "dump", verify=False)
+    try:
+        return store_as_of(con, cut_ns)
+    finally:
+        con.close()
+
+
 def _live(
     run,
     cut_ns: int,
@@ -106,16 +118,11 @@ def _live(
     a step in progress is timed by)."""
     import json
 
-    from tokenmill.bench.accuracy import store_as_of
     from tokenmill.diagnose.findings import diagnose
-    from tokenmill.telemetry.dump import open_dump, parse_duration
+    from tokenmill.telemetry.dump import parse_duration
 
     label = json.loads((run / "label.json").read_text())
-    con = open_dump(run / "dump", verify=False)
-    try:
-        live = store_as_of(con, cut_ns)
-    finally:
-        con.close()
+    live = _live_store(run, cut_ns)
     try:
         if drop_queue_fields:
             for col in ("oldest_wait_ms", "oldest_wait_id", "oldest_wait_prompt_tokens"):
@@ -237,3 +244,58 @@ def test_healthy_runs_never_show_a_waiting_queue():
                 "host_contention",
             }
             assert not live_rules & set(found), (run_id, after)
+
+
+def test_a_queue_is_named_while_it_forms():
+    """A tune run (ttft_queueing-2: clients step up past what a small KV pool admits) cut a
+    10 s window after its 2x step, where 8 clients first outnumber the pool's 6 places. The
+    ended requests' TTFT has not risen the rule's 2.5x yet; the queue as it forms has: requests
+    waited through most of the window's steps, and a request waited longer than the healthy
+    windows' whole TTFT p50 before its prefill began."""
+    from tokenmill.diagnose.rules.ttft_queueing import RULE, _risen
+    from tokenmill.diagnose.signals import load
+    from tokenmill.telemetry.dump import parse_duration
+
+    run, label = _run("ttft_queueing-2")
+    cut = label["fault_start_ns"] + 10 * 10**9
+    found, _ = _live(run, cut)
+    assert "ttft_queueing" in found, sorted(found)
+    ev = found["ttft_queueing"].evidence
+    assert ev["longest_wait_ms"] >= ev["baseline_ttft_p50_ms"], ev
+    assert ev["waiting_decode_only_share"] >= 0.4 and ev["queued_requests"] >= 1, ev
+    # the ended requests alone do not show it yet
+    live = _live_store(run, cut)
+    try:
+        sig = load(live, window_s=parse_duration(label["window"]))
+        assert _risen(sig, {k: v.default for k, v in RULE.params.items()}) is None
+    finally:
+        live.close()
+
+
+def test_a_hog_is_named_against_the_engine_pace_before_it():
+    """A tune run (host_contention-2: three CPU hogs beside two streams) cut 5.4 s into the
+    hog. Every step since the hog began takes ~3 s against ~50 ms before it, so the steps just
+    before the open one are already the hog's; the open step is set against the steps that ended
+    before the host samples first showed the neighbour, and named."""
+    run, label = _run("host_contention-2")
+    cut = label["fault_start_ns"] + int(5.4 * 10**9)
+    found, _ = _live(run, cut)
+    assert "host_contention" in found, sorted(found)
+    ev = found["host_contention"].evidence
+    assert ev["usual_step_ms"] < 100, ev  # the engine's own pace, not the hog's 3 s steps
+    assert ev["open_step_ms"] >= 8 * ev["usual_step_ms"] and ev["busy_processes"], ev
+
+
+def test_a_short_request_behind_a_long_prompt_is_named_before_it_waits_five_usual_ttfts():
+    """A tune run (hol_strict-0: strict admission stops at 1030-token prompts; 90-token
+    requests queue behind them) cut 15 s into the fault: the short requests have waited 4-5x
+    the TTFT of ended requests nothing held back, short of the 5x the ended requests' rule asks
+    (short_ttft_rise). Still waiting, behind a long prompt seen queued ahead of them, 3x is
+    enough (live_wait_rise)."""
+    run, label = _run("hol_strict-0")
+    found, ended = _live(run, label["fault_start_ns"] + 15 * 10**9)
+    assert "head_of_line_blocking" in found, sorted(found)
+    ev = found["head_of_line_blocking"].evidence
+    assert ev["waiting_request"] not in ended and ev["waiting_prompt_tokens"] == 90, ev
+    assert ev["input_tokens_max"] == 1030, ev
+    assert 3 <= ev["longest_wait_ms"] / ev["unheld_ttft_p50_ms"] < 5, ev
