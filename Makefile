@@ -89,7 +89,7 @@ corpus: model
 	# and five fresh evaluation runs of it, recorded after its rule's last change
 	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.corpus --out $(CORPUS) --per-family 20 \
 		--family itl_prefill_interference --split eval
-	# siblings of the two families slowest to detect: queueing (some with 5 s windows) and periodic
+	# tune and eval siblings of the two families slowest to detect: queueing (some with 5 s windows) and periodic
 	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.corpus --out $(CORPUS) --per-family 15 \
 		--family ttft_queueing --family periodic_itl_spikes \
 		$(foreach i,4 5 6 7 8 9 12,--run ttft_queueing-$(i)) \

@@ -11,7 +11,8 @@ in code (the same runner as ``tokenmill scenario run``), kept as a Parquet dump 
 ``label.json`` (family, expected rules, split, the sampled parameters, fault start in wall-clock
 ns).
 
-``python -m tokenmill.bench.corpus --out DIR [--per-family N] [--family F ...] [--split S]``
+``python -m tokenmill.bench.corpus --out DIR [--per-family N] [--family F ...] [--split S]
+[--run ID ...]``
 generates (resumable: a run whose ``label.json`` exists is skipped); ``make corpus`` runs it.
 ``benchmarks/diagnosis_accuracy.py`` scores the diagnoser on it.
 
@@ -341,7 +342,7 @@ def _queueing(rng: random.Random):
     ]
     server = ["--num-gpu-blocks-override", str(p["blocks"]), "--kv-watermark", "0.3"]
     # the fault, requests queueing for the pool, begins at the 2x step: the pool admits 6-7 of
-    # these requests at once, so the 1.5x step's 6 clients still fit and its 8 do not (until
+    # these requests at once, so the 1.5x step's 6 clients still fit and the 2x step's 8 do not (until
     # 2026-12-05 the label put it at the 1.5x step, where nothing waited;
     # tests/bench/test_corpus.py checks the running batch against both steps)
     return {"steps": steps, "server": server}, p, 2.0 * step_s

@@ -176,8 +176,9 @@ def _slow_now(sig: Signals, p: dict) -> Evidence | None:
             [r],
             p["open_step_rise"],
             unit="steps",
-            reference_name=f"the open step over the steps before the neighbour, against "
-            f"{p['open_step_rise']:g} (open_step_rise)",
+            reference_name="the open step over "
+            + ("the steps before it" if pace is None else "the steps before the neighbour")
+            + f", against {p['open_step_rise']:g} (open_step_rise)",
             min_n=1,
             why_one="one step stretched this far with the host busy elsewhere is the symptom",
         ),
@@ -306,8 +307,8 @@ RULE = Rule(
         "steal_pct": Param(10.0, "CPU % the hypervisor gave to other guests"),
         "open_step_rise": Param(
             8.0,
-            "a step still running against the usual decode step and the steps before it: "
-            "its work is not known yet, so far past slowdown (as itl_prefill_interference's "
+            "a step still running against the usual decode step and the steps before the "
+            "neighbour got busy (before it, without a host sample of the quiet side): its work is not known yet, so far past slowdown (as itl_prefill_interference's "
             "itl_spike)",
         ),
         "prefill_tokens": Param(

@@ -204,7 +204,7 @@ RULE = Rule(
         ),
         "min_spikes": Param(
             4,
-            "spikes needed, on one grid of the period (tune split: a job every 6 s one of whose "
+            "stalls needed, min_regular of them on one grid of the period (tune split: a job every 6 s one of whose "
             "bursts left no slow decode step showed 4 stalls at two 15 s windows; 5 took a "
             "third window)",
         ),

@@ -181,6 +181,8 @@ def _onset(sig: Signals, p: dict) -> Evidence | None:
             **shown,
         },
         (w.start_ns, w.end_ns),
+        # the examples are the window's ended requests that waited past the bound; the requests
+        # still waiting count in queued_requests and may be the one named
         where + " AND queue_ms >= ?",
         [*params, bound],
         _severity(r, 2 * p["wait_rise"]),

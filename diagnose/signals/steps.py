@@ -28,6 +28,8 @@ def decode_seqs_sql(scope_columns) -> str:
     return STEP_DECODE_SEQS_SQL if "num_draft_tokens" in scope_columns else "num_decode_tokens"
 
 
+# waiting_decode_only_share: of all the window's steps (an idle heartbeat has nothing waiting),
+# those that began with requests waiting and prefilled nothing: admission closed
 _STEP_WINDOW_SQL = f"""
 SELECT (start_ns - $t0) // $w AS win,
     count(*) FILTER (WHERE {WORKING_STEP_SQL}) AS steps,

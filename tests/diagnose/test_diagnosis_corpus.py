@@ -248,7 +248,7 @@ def test_healthy_runs_never_show_a_waiting_queue():
 
 def test_a_queue_is_named_while_it_forms():
     """A tune run (ttft_queueing-2: clients step up past what a small KV pool admits) cut a
-    10 s window after its 2x step, where 8 clients first outnumber the pool's 6 places. The
+    10 s window after its 2x step, where 8 clients first outnumber the 6-7 the pool admits. The
     ended requests' TTFT has not risen the rule's 2.5x yet; the queue as it forms has: requests
     waited through most of the window's steps, and a request waited longer than the healthy
     windows' whole TTFT p50 before its prefill began."""
