@@ -18,6 +18,7 @@ from ._common import (
     _when,
     _worst,
 )
+from .head_of_line_blocking import RULE as HOL
 
 
 def _causes(sig: Signals, w: Window, p: dict) -> tuple[tuple[str, ...], dict]:
@@ -128,7 +129,8 @@ def _onset(sig: Signals, p: dict) -> Evidence | None:
     if not base50:
         return None
     bound = p["wait_rise"] * base50
-    long = p["long_factor"] * (sig.overall.get("short_prompt_tokens") or 0)
+    # a queue behind a long prompt is head_of_line_blocking's: its own cut for "long"
+    long = HOL.params["long_factor"].default * (sig.overall.get("short_prompt_tokens") or 0)
     live = waiting_now(sig)
     hits = []  # (window, [(request id, wait ms)] past the bound)
     for w in sig.busy():
@@ -279,11 +281,6 @@ RULE = Rule(
             "fills to its cap then, and each step carries more decodes (tune split: the "
             "stepped-up load's queueing windows 1.05-1.74x; the windows of head-of-line "
             "blocking that queued 5-15x)",
-        ),
-        "long_factor": Param(
-            4.0,
-            "a long prompt has this many times the dump's median prompt tokens: a queue "
-            "behind one is head_of_line_blocking's (its long_factor)",
         ),
         "support_effect": Param(
             1.5,
