@@ -386,6 +386,7 @@ def test_the_tenant_cap_applies_when_no_cap_is_sent(server):
     assert r.json()["usage"]["completion_tokens"] == 8
 
 
+@pytest.mark.e2e  # a failure drill or tour: `make test-e2e`
 @pytest.mark.slow
 @pytest.mark.parametrize("signals", [("SIGTERM",), ("SIGINT", "SIGINT")])
 def test_shutdown_with_an_open_stream_is_recorded_as_shutdown(tmp_path, smollm2_dir, signals):
@@ -563,6 +564,7 @@ def test_restarts_back_off_and_a_crash_loop_gives_up(monkeypatch):
     assert big._backoff_s() == w.RESTART_BACKOFF_MAX_S
 
 
+@pytest.mark.e2e  # a failure drill or tour: `make test-e2e`
 @pytest.mark.slow
 def test_a_crash_looping_engine_ends_the_server_in_one_line(tmp_path, smollm2_dir):
     """An engine core that dies at its first step every time (the crash drill): after three

@@ -119,6 +119,7 @@ def fleet(tmp_path_factory) -> dict[str, Path]:
     return {"duckdb": dumps, "parquet": parquet, "runs": root / "runs"}
 
 
+@pytest.mark.e2e  # three real servers side by side: `make test-e2e`
 def test_fleet_names_the_leaky_replica_only(fleet):
     r = tm("diagnose", str(fleet["duckdb"]), "--format", "json", "--window", "5s")
     assert r.returncode == 0, r.stderr
@@ -163,6 +164,7 @@ def test_fleet_names_the_leaky_replica_only(fleet):
     assert all(f"kv_block_leak on {n}" not in flat for n in REPLICAS if n != LEAKY)
 
 
+@pytest.mark.e2e  # three real servers side by side: `make test-e2e`
 def test_parquet_dumps_round_trip_to_the_same_findings(fleet):
     def findings(path: Path) -> list[dict]:
         r = tm("diagnose", str(path), "--format", "json", "--window", "5s")

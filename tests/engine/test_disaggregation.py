@@ -456,6 +456,7 @@ def _wait(server, pred, limit_s: float = 300) -> dict:
     raise AssertionError(f"never reached: {h}")
 
 
+@pytest.mark.e2e  # a failure drill or tour: `make test-e2e`
 @pytest.mark.slow
 def test_a_killed_decode_core_fails_streams_cleanly_and_both_sides_come_back(tmp_path):
     """SIGKILL the decode core while 6 streams decode: every stream ends (an error event, or
@@ -585,6 +586,7 @@ def test_a_decode_side_down_at_the_hand_off_ends_the_stream_as_engine_died():
     assert msgspec.structs.asdict(ended[0])["new_token_ids"] == [7]
 
 
+@pytest.mark.e2e  # a failure drill or tour: `make test-e2e`
 @pytest.mark.slow
 def test_two_prefill_and_two_decode_cores_route_both_ways_and_equal_colocated(
     tmp_path, smollm2_dir
