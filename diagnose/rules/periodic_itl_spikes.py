@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 
 from ..signals import Signals
@@ -69,36 +70,48 @@ def _spikes(slow: list, spike: float, max_gap: int) -> list[tuple[int, float, in
     return out
 
 
-def _on_grid(times: list[int], period_s: float, tol: float) -> list[bool]:
-    """Which spikes (start times, ns) fall on one grid of about ``period_s``: each spike gets
-    a cycle number (the last spike near its cycle's plus the time since it in periods,
-    rounded), a line through (cycle, time) is fitted by least squares, refitted on the spikes
-    within ``tol`` periods of it, and those within ``tol`` of the refit are on the grid.
+def _on_grid(times: list[int], ends: list[int], period_s: float, tol: float) -> list[bool]:
+    """Which spikes (start and end times, ns) fall on one grid of about ``period_s``: each
+    spike gets a cycle number (counted in periods from the last spike that began near its
+    cycle), a line through (cycle, start) is fitted by least squares on the spikes that began
+    within ``tol`` periods of their cycle, refitted on those within ``tol`` of it, and a spike
+    is on the grid when its grid point lies between its start and its end (give or take
+    ``tol``).
     Counting spikes on the grid rather than gaps of one period lets a missed spike (it fell on
     a prefill step: a gap of 2 or 3 periods) and one extra spike off the grid (a slow step
     after the job: one period split in two) each cost one spike, not two gaps; the fit keeps
-    a long window's grid from drifting off the period's rounding."""
+    a long window's grid from drifting off the period's rounding. A stall whose slow steps
+    began well before the job's burst and ran on through it (a prefill the burst slowed, the
+    tail of another stall) holds its grid point inside it rather than at its start."""
     ts = [(t - times[0]) / 1e9 for t in times]
-    cycles, ref = [0], 0  # ref: the last spike that fell near its cycle, the one to count from
+    te = [(e - times[0]) / 1e9 for e in ends]
+    cycles, near, ref = [0], [True], 0  # ref: the last spike that began near its cycle
     for i in range(1, len(ts)):
         n = (ts[i] - ts[ref]) / period_s
         cycles.append(cycles[ref] + round(n))
-        if abs(n - round(n)) <= tol:
+        near.append(abs(n - round(n)) <= tol)
+        if near[-1]:
             ref = i
-    on = [True] * len(ts)
+        else:
+            # the first cycle the stall reaches, if it reaches one before it ends
+            k = math.ceil(n - tol)
+            if k <= (te[i] - ts[ref]) / period_s + tol:
+                cycles[-1] = cycles[ref] + k
+    fit = (
+        near if len({c for c, n in zip(cycles, near, strict=True) if n}) >= 2 else [True] * len(ts)
+    )
     for _ in range(2):
-        pts = [(c, t) for c, t, o in zip(cycles, ts, on, strict=True) if o]
+        pts = [(c, t) for c, t, f in zip(cycles, ts, fit, strict=True) if f]
         if len({c for c, _ in pts}) < 2:
-            return on
+            return fit
         mc = statistics.mean(c for c, _ in pts)
         mt = statistics.mean(t for _, t in pts)
         slope = sum((c - mc) * (t - mt) for c, t in pts) / sum((c - mc) ** 2 for c, _ in pts)
         if slope <= 0:
             return [False] * len(ts)
-        on = [
-            abs(t - (mt + slope * (c - mc))) <= tol * slope for c, t in zip(cycles, ts, strict=True)
-        ]
-    return on
+        line = [mt + slope * (c - mc) for c in cycles]
+        fit = [abs(t - x) <= tol * slope for t, x in zip(ts, line, strict=True)]
+    return [t - tol * slope <= x <= e + tol * slope for t, e, x in zip(ts, te, line, strict=True)]
 
 
 def decode_stalls(sig: Signals, p: dict | None = None) -> list[tuple[int, float, int, int]]:
@@ -133,7 +146,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     period = statistics.median(gaps)
     if period <= 0:
         return None
-    grid = _on_grid(times, period, p["max_cv"])
+    grid = _on_grid(times, [r[3] for r in rows], period, p["max_cv"])
     regular = sum(grid) / len(times)
     on_period = [
         g for g, a, b in zip(gaps, grid, grid[1:], strict=False)

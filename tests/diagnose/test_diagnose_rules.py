@@ -754,3 +754,40 @@ def test_pd_ratio_imbalance_names_the_side_the_line_is_short_of(tmp_path):
     assert ev["bottleneck"] == "decode" and ev["prefill_busy_share"] < 0.2
     assert ev["kv_wait_p50_ms"] / ev["itl_p50_ms"] > 10 and ev["decode_kv_use_max"] >= 0.9
     assert "short of decode" in f.summary and "decode workers" in f.knob
+
+
+def test_a_stall_that_began_before_the_burst_is_still_on_its_grid(tmp_path):
+    """A spike is timed by its first slow step. When slow steps run on into the job's burst
+    from well before it (a prefill slowed by it, the tail of another stall), the spike starts
+    off the grid though the burst inside it is on it; three such spikes of ten dropped the share
+    on the grid below 80% and the rule stayed quiet. A spike is now on the grid when its grid
+    point lies inside it."""
+    from tokenmill.diagnose.rules.periodic_itl_spikes import decode_stalls
+
+    bursts = dict(host_burst_every_s=6, host_burst_s=1.5, host_burst_slowdown=9)
+    path = tmp_path / "early_stalls.duckdb"
+    write_store(path, [HEALTHY.but(duration_s=60, **bursts)], seed=7)
+    con = duckdb.connect(str(path))
+    decode = "num_prefill_tokens = 0 AND num_decode_tokens > 0"
+    med = con.execute(
+        f"SELECT quantile_cont((end_ns - start_ns) / 1e6, 0.5) FROM engine_steps WHERE {decode}"
+    ).fetchone()[0]
+    (f,) = [f for f in diagnose(con).findings if f.rule_id == "periodic_itl_spikes"]
+    spikes = f.evidence["spikes"]
+    starts = [s[0] for s in decode_stalls(load_signals(con))]
+    assert len(starts) == spikes >= 9, (starts, spikes)
+    # three spikes, each led by 2.2 s of slow steps: a third of the period, past the 0.2 allowed
+    for s in starts[1:8:3]:
+        con.execute(
+            f"""UPDATE engine_steps SET end_ns = start_ns + CAST(? * 1e6 AS BIGINT)
+                WHERE {decode} AND start_ns >= ? AND start_ns < ?""",
+            [3 * med, s - int(2.2e9), s],
+        )
+    moved = [s[0] for s in decode_stalls(load_signals(con))]
+    assert (
+        len(moved) == spikes and sum(a < b - 2.0e9 for a, b in zip(moved, starts, strict=True)) == 3
+    )
+    (f,) = [f for f in diagnose(con).findings if f.rule_id == "periodic_itl_spikes"]
+    con.close()
+    assert f.evidence["spikes"] == spikes, f.evidence
+    assert 5.5 < f.evidence["period_s"] < 6.5 and f.evidence["period_cv"] < 0.1, f.evidence
