@@ -11,18 +11,22 @@ from .scope import Scope
 _CLIENT_SELECT = """
     quantile_cont(client_ttft_ms, 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS client_ttft_p50,
     quantile_cont(ttft_ms, 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS server_ttft_p50_with_client,
-    quantile_cont(ttft_ms + coalesce(text_holdback_ms, 0), 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS server_first_text_p50_with_client"""
+    quantile_cont(ttft_ms + coalesce(text_holdback_ms, 0), 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS server_first_text_p50_with_client,
+    quantile_cont(client_ttft_ms / ttft_ms, 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL AND ttft_ms > 0) AS client_over_server_ttft_p50"""
 
 _CLIENT_KEYS = (
     "client_ttft_p50",
     "server_ttft_p50_with_client",
     "server_first_text_p50_with_client",
+    "client_over_server_ttft_p50",
 )
 
 
 def compute_client(scope: Scope) -> Yield:
-    """Per window: the client's TTFT p50, the server's TTFT p50 of the same requests, and when
-    the server released their first text (TTFT + ``text_holdback_ms``)."""
+    """Per window: the client's TTFT p50, the server's TTFT p50 of the same requests, when
+    the server released their first text (TTFT + ``text_holdback_ms``), and the median over
+    those requests of each one's client TTFT / server TTFT (the pair read request by request:
+    the two medians can come from different requests)."""
     return by_arrival(scope, _CLIENT_SELECT)
 
 

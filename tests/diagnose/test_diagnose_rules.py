@@ -791,3 +791,24 @@ def test_a_stall_that_began_before_the_burst_is_still_on_its_grid(tmp_path):
     con.close()
     assert f.evidence["spikes"] == spikes, f.evidence
     assert 5.5 < f.evidence["period_s"] < 6.5 and f.evidence["period_cv"] < 0.1, f.evidence
+
+
+def test_a_client_gap_in_one_window_is_inconclusive(tmp_path):
+    """A load generator's first requests pay its own start (new connections, a server still
+    warming): in the healthy tune runs' first window each client's first request saw 2-5x the
+    server's TTFT. A gap that held in one window is listed as inconclusive, not a finding; the
+    same gap held over four windows is a finding."""
+    for seconds, windows in ((8, 1), (40, 4)):
+        path = tmp_path / f"gap_{seconds}s.duckdb"
+        write_store(path, [HEALTHY.but(duration_s=seconds, client_ttft_factor=4.0)], seed=3)
+        con = duckdb.connect(str(path), read_only=True)
+        report = diagnose(con)
+        con.close()
+        found = [f for f in report.findings if f.rule_id == "client_server_ttft_gap"]
+        held = [f for f in report.inconclusive if f.rule_id == "client_server_ttft_gap"]
+        if windows == 1:
+            assert not found and len(held) == 1, (report.findings, report.inconclusive)
+            assert "1 of 1 windows" in held[0].support["reason"], held[0].support
+        else:
+            assert len(found) == 1 and not held, (report.findings, report.inconclusive)
+            assert found[0].support["persistence"] == "4 of 4 windows with client timings"

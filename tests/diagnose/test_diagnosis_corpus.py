@@ -299,3 +299,33 @@ def test_a_short_request_behind_a_long_prompt_is_named_before_it_waits_five_usua
     assert ev["waiting_request"] not in ended and ev["waiting_prompt_tokens"] == 90, ev
     assert ev["input_tokens_max"] == 1030, ev
     assert 3 <= ev["longest_wait_ms"] / ev["unheld_ttft_p50_ms"] < 5, ev
+
+
+def test_a_client_gap_is_read_request_by_request():
+    """A tune run (kv_pressure_preemption-2) cut as a live store 100 s in: every ended
+    request's client TTFT is within 5% of its server TTFT but three, which waited 3-4.5 s on
+    the client's side. Their client TTFTs sit at the middle of the client column and short
+    server TTFTs at the middle of the server column, so the two medians read 2x; the rule read
+    that ratio and named a proxy. It reads each request's own ratio now (about 1)."""
+    from tokenmill.bench.accuracy import store_as_of
+    from tokenmill.diagnose.findings import diagnose
+    from tokenmill.telemetry.dump import open_dump, parse_duration
+
+    run, label = _run("kv_pressure_preemption-2")
+    con = open_dump(run / "dump", verify=False)
+    window_s = parse_duration(label["window"])
+    start = diagnose(con, window_s=window_s).start_ns
+    live = store_as_of(con, start + 20 * int(window_s * 1e9))
+    con.close()
+    try:
+        client, server, per_request = live.execute(
+            "SELECT quantile_cont(client_ttft_ms, 0.5), quantile_cont(ttft_ms, 0.5), "
+            "quantile_cont(client_ttft_ms / ttft_ms, 0.5) FROM requests "
+            "WHERE client_ttft_ms IS NOT NULL"
+        ).fetchone()
+        assert client >= 2 * server and per_request < 1.05, (client, server, per_request)
+        report = diagnose(live, window_s=window_s)
+    finally:
+        live.close()
+    rules = {f.rule_id for f in report.findings} | {f.rule_id for f in report.inconclusive}
+    assert "client_server_ttft_gap" not in rules, rules
