@@ -94,43 +94,8 @@ def record(work: Path, name: str, flags: list[str], rate: float, n: int, burstin
     return store
 
 
-def calibrate(work: Path, concurrency: int = 64, n: int = 128) -> Path:
-    """A closed-loop sweep at the engine's full batch (``max_num_seqs``, 64 by default) with
-    the validation's prompt and answer lengths: decode batches up to 64 and prefill chunks
-    beside them, the steps a moderate recording never runs. Returns its store."""
-    from tokenmill.bench.scenario import _free_port, start_server, stop_server
-
-    out = work / "calibration"
-    out.mkdir(parents=True, exist_ok=True)
-    store = out / "traces.duckdb"
-    store.unlink(missing_ok=True)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port),
-           "--trace-db", str(store)]  # fmt: skip
-    server = start_server(cmd, out, {**__import__("os").environ}, url)
-    try:
-        r = subprocess.run(
-            [sys.executable, "-m", "tokenmill.engine.cli", "bench", "--url", url,
-             "--concurrency", str(concurrency), "--num-requests", str(n), *LOAD,
-             "--out", str(out / "bench.json"), "--no-progress"],
-            capture_output=True,
-            text=True,
-        )  # fmt: skip
-        if r.returncode != 0:
-            raise RuntimeError(f"bench failed: {r.stderr.strip()[-400:]}")
-    finally:
-        stop_server(server)
-    return store
-
-
-#: ``--steps-from`` arguments every plan call gets (the calibration sweep, when one is used)
-STEPS_FROM: list[str] = []
-
-
 def plan(store: Path, whatifs: list[str], extra: list[str] = ()) -> dict:
     args = [sys.executable, "-m", "tokenmill.engine.cli", "plan", str(store), "--format", "json"]
-    args += STEPS_FROM
     for w in whatifs:
         args += ["--what-if", w]
     r = subprocess.run([*args, *extra], capture_output=True, text=True)
@@ -226,9 +191,6 @@ def main() -> None:
     ap.add_argument("--burstiness", type=float, default=0.15, help="gamma shape of the gaps")
     ap.add_argument("--reuse", action="store_true", help="keep the recording and the real runs "
                     "already in --work; run only what is missing")  # fmt: skip
-    ap.add_argument("--calibration", type=Path, help="a closed-loop sweep's store whose steps "
-                    "join the fit (--steps-from); recorded into --work when it does not exist")  # fmt: skip
-    ap.add_argument("--no-calibration", action="store_true", help="fit on the recording alone")
     args = ap.parse_args()
     if args.table:
         print(table(json.loads(args.out.read_text())))
@@ -238,12 +200,6 @@ def main() -> None:
     if not (args.reuse and base.is_file()):
         log(f"recording at {args.rate}/s, {args.requests} requests")
         base = record(args.work, "record", [], args.rate, args.requests, args.burstiness)
-    if not args.no_calibration:
-        cal = args.calibration or args.work / "calibration" / "traces.duckdb"
-        if not cal.exists():
-            log("calibration sweep: 64 clients, 128 requests")
-            cal = calibrate(args.work)
-        STEPS_FROM[:] = ["--steps-from", str(cal)]
     doc = plan(base, list(CASES))
     preds = {p["what_if"]: p for p in doc["predictions"]}
     results = {
@@ -252,7 +208,6 @@ def main() -> None:
         "rate_per_s": args.rate,
         "requests": args.requests,
         "load": " ".join(LOAD) + f" --burstiness {args.burstiness:g}",
-        "calibration": STEPS_FROM[1] if STEPS_FROM else None,
         "step_cost": doc["step_cost"],
         "error_estimate": doc["error_estimate"],
         "recorded": doc["measured"],

@@ -1,5 +1,5 @@
 """``tokenmill plan STORE [--what-if K=V,...]... [--slo M<D,...] [--recommend] [--rate K]
-[--cost-from STORE]... [--steps-from STORE]... [--format text|json]``: predictions from a recording (:mod:`.predict`).
+[--cost-from STORE]... [--format text|json]``: predictions from a recording (:mod:`.predict`).
 
 Every run replays the recording as it was too (the sanity floor beside the what-ifs) and prints
 the error estimate. Bad input (a store without engine steps, an unknown knob, an SLO that does
@@ -30,7 +30,6 @@ def run(
     cost_from: list[Path],
     fmt: str,
     step_by_step: bool = False,
-    steps_from: tuple = (),
 ) -> str:
     """The plan rendered as ``fmt``.
 
@@ -55,7 +54,7 @@ def run(
         other = open_recording(path)
         cost_models[str(other.cfg.get("quantization") or "none")] = other.model
         other.con.close()
-    rec = open_recording(store, tuple(steps_from))
+    rec = open_recording(store)
     try:
         preds = [
             predict(rec, w, slo, cost_models=cost_models, fast_forward=not step_by_step)
@@ -123,14 +122,6 @@ def plan(
             help="A recording made with another --quantization, for its step costs (repeatable).",
         ),
     ] = [],  # noqa: B006
-    steps_from: Annotated[
-        list[Path],
-        typer.Option(
-            "--steps-from",
-            help="Another recording of the same model on this host (say a calibration sweep "
-            "at full batch) whose engine steps join the step-cost fit (repeatable).",
-        ),
-    ] = [],  # noqa: B006
     format: Annotated[str, typer.Option("--format", help="text | json")] = "text",
     step_by_step: Annotated[
         bool,
@@ -142,9 +133,7 @@ def plan(
     """Predict what-ifs from a recorded run: its arrivals replayed through the engine's own
     scheduler, KV pool and router, with step times from a model fitted on its steps."""
     try:
-        text = run(
-            store, what_if, slo, recommend, rate, cost_from, format, step_by_step, steps_from
-        )
+        text = run(store, what_if, slo, recommend, rate, cost_from, format, step_by_step)
     except ValueError as exc:
         fail(str(exc))
     typer.echo(text, nl=False)

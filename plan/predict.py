@@ -32,17 +32,6 @@ from .workload import Workload, WorkloadError, read_workload
 METRICS = (*LATENCY_KEYS, "goodput_share")
 #: share of the recording (by arrival time) the error estimate holds out
 HOLDOUT_SHARE = 0.25
-#: what a store must share with the recording for its steps to join the step-cost fit
-SAME_FOR_STEPS = (
-    "model",
-    "quantization",
-    "model_dtype",
-    "engine_device",
-    "device_name",
-    "tensor_parallel_size",
-    "compiled_decode",
-    "cpu_kernels",
-)
 
 
 class PlanError(ValueError):
@@ -61,8 +50,6 @@ class Recording:
     model: StepCostModel
     num_blocks: int
     span_ns: tuple[int, int]
-    #: stores whose steps joined the fit (``--steps-from``), each an in-memory ``engine_steps``
-    extra_steps: tuple = ()
 
     @property
     def device(self) -> str:
@@ -77,13 +64,11 @@ def _engine_config(cfg: dict) -> EngineConfig:
         raise PlanError(f"the recorded engine config does not load here ({exc})") from None
 
 
-def open_recording(path: str | Path, steps_from: tuple = ()) -> Recording:
-    """Open a store or dump and fit what a plan needs from it (and from the engine steps of
-    the ``steps_from`` stores: :func:`steps_stores`).
+def open_recording(path: str | Path) -> Recording:
+    """Open a store or dump and fit what a plan needs from it.
 
     Raises:
-        PlanError: not a store, no requests, no engine steps, too few steps, a ``steps_from``
-            store of another model or device (one line).
+        PlanError: not a store, no requests, no engine steps, too few steps (one line).
     """
     from tokenmill.telemetry.dump import DumpError, open_dump
 
@@ -92,68 +77,21 @@ def open_recording(path: str | Path, steps_from: tuple = ()) -> Recording:
     except DumpError as exc:
         raise PlanError(str(exc)) from None
     try:
-        extra = steps_stores(engine_config(con), steps_from) if steps_from else ()
-        return recording_from(con, str(path), extra)
-    except duckdb.Error as exc:
-        con.close()
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise PlanError(f"{path}: cannot read the store ({first})") from None
+        return recording_from(con, str(path))
     except PlanError:
         con.close()
         raise
 
 
-def steps_stores(cfg: dict, paths) -> tuple[duckdb.DuckDBPyConnection, ...]:
-    """The engine steps of other recordings of the same model on the same host (a calibration
-    sweep that ran the batch sizes the recording never reached), each copied into an in-memory
-    ``engine_steps`` for the step-cost fit.
-
-    Raises:
-        PlanError: a store that does not open, has no engine steps, or ran another model,
-            precision or device than the recording (:data:`SAME_FOR_STEPS`; one line).
-    """
-    from tokenmill.telemetry.dump import DumpError, open_dump
-
-    out = []
-    for path in paths:
-        try:
-            con = open_dump(path, verify=False)
-        except DumpError as exc:
-            raise PlanError(f"--steps-from {path}: {exc}") from None
-        try:
-            steps = con.sql("SELECT * FROM engine_steps").to_arrow_table()
-            other = engine_config(con)
-            for key in SAME_FOR_STEPS:
-                if other.get(key) != cfg.get(key):
-                    raise PlanError(
-                        f"--steps-from {path}: recorded with {key} {other.get(key)!r}, the "
-                        f"recording with {cfg.get(key)!r}; its step costs do not carry over"
-                    )
-        except duckdb.Error as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise PlanError(
-                f"--steps-from {path}: cannot read its engine steps ({first})"
-            ) from None
-        finally:
-            con.close()
-        if steps.num_rows == 0:
-            raise PlanError(f"--steps-from {path}: the store holds no engine steps")
-        mem = duckdb.connect()
-        mem.execute("CREATE TABLE engine_steps AS SELECT * FROM steps")
-        out.append(mem)
-    return tuple(out)
-
-
-def recording_from(con: duckdb.DuckDBPyConnection, label: str, extra: tuple = ()) -> Recording:
-    """What a plan needs from an open store (the console's, or :func:`open_recording`'s), its
-    step costs fitted on its own steps and on those of ``extra`` (:func:`steps_stores`).
+def recording_from(con: duckdb.DuckDBPyConnection, label: str) -> Recording:
+    """What a plan needs from an open store (the console's, or :func:`open_recording`'s).
 
     Raises:
         PlanError: no requests, no engine steps, too few steps (one line naming ``label``).
     """
     try:
         cfg = engine_config(con)
-        model = fit_step_cost(con, cfg, extra=extra)
+        model = fit_step_cost(con, cfg)
         workload = read_workload(con)
         (blocks,) = con.execute(
             "SELECT max(kv_blocks_total) FROM engine_steps WHERE kv_blocks_total > 0"
@@ -167,7 +105,7 @@ def recording_from(con: duckdb.DuckDBPyConnection, label: str, extra: tuple = ()
     if not blocks:
         raise PlanError(f"{label}: the engine steps do not say the KV pool's size")
     return Recording(
-        label, con, cfg, _engine_config(cfg), workload, model, int(blocks), (lo, hi + 1), extra
+        label, con, cfg, _engine_config(cfg), workload, model, int(blocks), (lo, hi + 1)
     )
 
 
@@ -389,9 +327,7 @@ def error_estimate(rec: Recording, slo: Slo) -> dict:
     lo, hi = rec.span_ns
     cut = int(lo + (hi - lo) * (1 - HOLDOUT_SHARE))
     try:
-        model = fit_step_cost(
-            rec.con, rec.cfg, shape=rec.model.shape, until_ns=cut, extra=rec.extra_steps
-        )
+        model = fit_step_cost(rec.con, rec.cfg, shape=rec.model.shape, until_ns=cut)
     except StepCostError as exc:
         return {"note": f"no error estimate: {exc}"}
     w = rec.workload

@@ -278,18 +278,9 @@ def _inliers(x: np.ndarray, y: np.ndarray, use: np.ndarray) -> np.ndarray:
 
 
 def fit_step_cost(
-    con,
-    cfg: dict,
-    *,
-    seed: int = 0,
-    shape: Shape | None = None,
-    until_ns: int | None = None,
-    extra: tuple = (),
+    con, cfg: dict, *, seed: int = 0, shape: Shape | None = None, until_ns: int | None = None
 ) -> StepCostModel:
-    """Fit the model on a store's working steps (those started before ``until_ns``), and on
-    every working step of the ``extra`` stores (connections: more recordings of the same model
-    on the same host, such as a calibration sweep that ran the batch sizes the recording never
-    reached).
+    """Fit the model on a store's working steps (those started before ``until_ns``).
 
     Raises:
         StepCostError: no working steps, or too few to fit (one line).
@@ -297,11 +288,6 @@ def fit_step_cost(
     rows = con.execute(
         _STEPS_SQL, {"until": until_ns if until_ns is not None else 1 << 62}
     ).fetchall()
-    for k, other in enumerate(extra, start=1):
-        # each store's replicas apart from the others': a gap is measured within one
-        rows += [
-            (*r[:13], (k, r[13])) for r in other.execute(_STEPS_SQL, {"until": 1 << 62}).fetchall()
-        ]
     if not rows:
         raise StepCostError(
             "the store holds no engine steps: a what-if needs a recording of tokenmill's own "
