@@ -94,7 +94,7 @@ corpus: model
 		--family ttft_queueing --family periodic_itl_spikes \
 		$(foreach i,4 5 6 7 8 9 12,--run ttft_queueing-$(i)) \
 		$(foreach i,8 9 10 12 14,--run periodic_itl_spikes-$(i))
-	# a third set, all with 2 clients and a 4 s period for periodic (the slowest held-out run's kind)
+	# a third set; the periodic runs all with 2 clients and a job every 4 s (the slowest held-out run's kind)
 	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.corpus --out $(CORPUS) --per-family 30 \
 		--family ttft_queueing --family periodic_itl_spikes \
 		$(foreach i,10 11 14 17 18,--run ttft_queueing-$(i)) \

@@ -55,12 +55,12 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         reference_name="client TTFT / server TTFT, request by request, against the rule's ratio",
         persistence=f"{n_held} of {seen} windows with client timings",
     )
-    if support.verdict == "conclusive" and (n_held < p["min_windows"] or 2 * n_held < seen):
+    if support.verdict == "conclusive" and (n_held < p["held_windows"] or 2 * n_held < seen):
         support.verdict = "inconclusive"
         support.reason = (
-            f"the gap held in {n_held} of {seen} windows with client timings, {p['min_windows']} "
-            "needed: a load generator's first requests pay its own start (connections, a "
-            "server still warming)"
+            f"the gap held in {n_held} of {seen} windows with client timings; it must hold in "
+            f"{p['held_windows']:g} or more and in half of them: a load generator's first "
+            "requests pay its own start (connections, a server still warming)"
         )
     gap = client - server
     held = max(0.0, first_text - server) if first_text is not None else 0.0
@@ -116,7 +116,7 @@ RULE = Rule(
             2.0,
             "the median over requests of client TTFT / server TTFT (symptom case C08)",
         ),
-        "min_windows": Param(
+        "held_windows": Param(
             2,
             "windows in which the gap held, and at least half of those with client timings "
             "(tune: at a load generator's start its clients' first requests saw 2-5x in one "

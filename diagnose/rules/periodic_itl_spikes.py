@@ -71,12 +71,15 @@ def _spikes(slow: list, spike: float, max_gap: int) -> list[tuple[int, float, in
 
 
 def _on_grid(times: list[int], ends: list[int], period_s: float, tol: float) -> list[bool]:
-    """Which spikes (start and end times, ns) fall on one grid of about ``period_s``: each
-    spike gets a cycle number (counted in periods from the last spike that began near its
-    cycle), a line through (cycle, start) is fitted by least squares on the spikes that began
-    within ``tol`` periods of their cycle, refitted on those within ``tol`` of it, and a spike
-    is on the grid when its grid point lies between its start and its end (give or take
-    ``tol``).
+    """Which spikes (start and end times, ns) fall on one grid of about ``period_s``.
+
+    Each spike gets a cycle number, counted in periods from the last spike that began within
+    ``tol`` periods of its cycle; a spike that began off its cycle but ran on into the next
+    grid point takes that point's cycle, unless a spike that began near it holds it. A line
+    through (cycle, start) is fitted by least squares on the spikes that began near their
+    cycle (on all of them when those cover fewer than two cycles), refitted on those within
+    ``tol`` of it, and a spike is on the grid when its grid point lies between its start and
+    its end (give or take ``tol``).
     Counting spikes on the grid rather than gaps of one period lets a missed spike (it fell on
     a prefill step: a gap of 2 or 3 periods) and one extra spike off the grid (a slow step
     after the job: one period split in two) each cost one spike, not two gaps; the fit keeps
@@ -86,6 +89,7 @@ def _on_grid(times: list[int], ends: list[int], period_s: float, tol: float) -> 
     ts = [(t - times[0]) / 1e9 for t in times]
     te = [(e - times[0]) / 1e9 for e in ends]
     cycles, near, ref = [0], [True], 0  # ref: the last spike that began near its cycle
+    moved = []  # spikes given the cycle of a grid point they ran into
     for i in range(1, len(ts)):
         n = (ts[i] - ts[ref]) / period_s
         cycles.append(cycles[ref] + round(n))
@@ -97,9 +101,11 @@ def _on_grid(times: list[int], ends: list[int], period_s: float, tol: float) -> 
             k = math.ceil(n - tol)
             if k <= (te[i] - ts[ref]) / period_s + tol:
                 cycles[-1] = cycles[ref] + k
-    fit = (
-        near if len({c for c, n in zip(cycles, near, strict=True) if n}) >= 2 else [True] * len(ts)
-    )
+                moved.append(i)
+    held = {c for c, nr in zip(cycles, near, strict=True) if nr}
+    # a grid point counts once: a spike that began near it holds it over one that ran into it
+    twice = {i for i in moved if cycles[i] in held}
+    fit = near if len(held) >= 2 else [True] * len(ts)
     for _ in range(2):
         pts = [(c, t) for c, t, f in zip(cycles, ts, fit, strict=True) if f]
         if len({c for c, _ in pts}) < 2:
@@ -111,7 +117,10 @@ def _on_grid(times: list[int], ends: list[int], period_s: float, tol: float) -> 
             return [False] * len(ts)
         line = [mt + slope * (c - mc) for c in cycles]
         fit = [abs(t - x) <= tol * slope for t, x in zip(ts, line, strict=True)]
-    return [t - tol * slope <= x <= e + tol * slope for t, e, x in zip(ts, te, line, strict=True)]
+    return [
+        i not in twice and t - tol * slope <= x <= e + tol * slope
+        for i, (t, e, x) in enumerate(zip(ts, te, line, strict=True))
+    ]
 
 
 def decode_stalls(sig: Signals, p: dict | None = None) -> list[tuple[int, float, int, int]]:

@@ -131,7 +131,7 @@ def greedy(model, prompts: list[list[int]], max_new: int, chunk: int, block_size
     return outs, step_logits
 
 
-@pytest.mark.e2e  # a failure drill or tour: `make test-e2e`
+@pytest.mark.e2e  # a minute of the real model on the interpreted Triton backend: `make test-e2e`
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_equal_torch_backend(smollm2_dir):
     """The default model with ``attention_backend="triton"`` (Triton attention, norms, RoPE and
