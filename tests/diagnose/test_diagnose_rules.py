@@ -673,20 +673,30 @@ def test_short_requests_beside_prefill_chunks_still_show_head_of_line_blocking(t
     assert report.findings[0].rule_id == "head_of_line_blocking", report.findings
 
 
+# decode-only steps, in SQL
+DECODE_ONLY = "num_prefill_tokens = 0 AND num_decode_tokens > 0"
+
+
+def _bursty_store(path):
+    """A 60 s healthy store with a host job slowing steps 9x for 1.5 s every 6 s: its open
+    connection, the decode-only filter and the median decode-only step (ms)."""
+    bursts = dict(host_burst_every_s=6, host_burst_s=1.5, host_burst_slowdown=9)
+    write_store(path, [HEALTHY.but(duration_s=60, **bursts)], seed=7)
+    con = duckdb.connect(str(path))
+    med = con.execute(
+        "SELECT quantile_cont((end_ns - start_ns) / 1e6, 0.5) FROM engine_steps "
+        f"WHERE {DECODE_ONLY}"
+    ).fetchone()[0]
+    return con, DECODE_ONLY, med
+
+
 def test_extra_spikes_off_the_period_do_not_hide_it(tmp_path):
     """Stop 27's CI: in the periodic_itl_spikes scenario a one-thread step after a burst made
     an extra "spike" 2 s after a real one; counting gaps of one period, that split period cost
     two of nine gaps and the rule stayed quiet. Spikes are counted on the period's grid now:
     two extra spikes (in different periods) cost two of twelve spikes, and the 6 s period is
     still named."""
-    bursts = dict(host_burst_every_s=6, host_burst_s=1.5, host_burst_slowdown=9)
-    path = tmp_path / "bursts_and_strays.duckdb"
-    write_store(path, [HEALTHY.but(duration_s=60, **bursts)], seed=7)
-    con = duckdb.connect(str(path))
-    decode = "num_prefill_tokens = 0 AND num_decode_tokens > 0"
-    med = con.execute(
-        f"SELECT quantile_cont((end_ns - start_ns) / 1e6, 0.5) FROM engine_steps WHERE {decode}"
-    ).fetchone()[0]
+    con, decode, med = _bursty_store(tmp_path / "bursts_and_strays.duckdb")
     t0 = con.execute(f"SELECT min(start_ns) FROM engine_steps WHERE {decode}").fetchone()[0]
     before = diagnose(con).findings
     (f,) = [f for f in before if f.rule_id == "periodic_itl_spikes"]
@@ -764,14 +774,7 @@ def test_a_stall_that_began_before_the_burst_is_still_on_its_grid(tmp_path):
     point lies inside it."""
     from tokenmill.diagnose.rules.periodic_itl_spikes import decode_stalls
 
-    bursts = dict(host_burst_every_s=6, host_burst_s=1.5, host_burst_slowdown=9)
-    path = tmp_path / "early_stalls.duckdb"
-    write_store(path, [HEALTHY.but(duration_s=60, **bursts)], seed=7)
-    con = duckdb.connect(str(path))
-    decode = "num_prefill_tokens = 0 AND num_decode_tokens > 0"
-    med = con.execute(
-        f"SELECT quantile_cont((end_ns - start_ns) / 1e6, 0.5) FROM engine_steps WHERE {decode}"
-    ).fetchone()[0]
+    con, decode, med = _bursty_store(tmp_path / "early_stalls.duckdb")
     (f,) = [f for f in diagnose(con).findings if f.rule_id == "periodic_itl_spikes"]
     spikes = f.evidence["spikes"]
     starts = [s[0] for s in decode_stalls(load_signals(con))]
