@@ -3,8 +3,9 @@ healthy windows to compare with; rules then stand on their absolute evidence or 
 not judged. Warm-up after a server start is set apart, and a finding's text follows its window
 (who was refused and by which limit; no tokens is not "normal throughput").
 
-Synthetic stores (tests/helpers/synth_store.py) for each case, then (slow) real-engine runs cut to start
-inside the trouble with ``write_dump(since_ns=...)``."""
+Synthetic stores (tests/helpers/synth_store.py) for each case, then real-engine runs (one from
+the diagnosis corpus, one served here) cut to start inside the trouble with
+``write_dump(since_ns=...)``."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ from tokenmill.diagnose.report import print_text, to_json, to_markdown
 from tokenmill.diagnose.rules import RULES
 from tokenmill.diagnose.rules._common import BASELINE_NEEDS
 from tokenmill.diagnose.signals import WARMUP_MAX_S
-from tokenmill.telemetry.dump import write_dump
+from tokenmill.telemetry.dump import open_dump, write_dump
 
 ROOT = Path(__file__).resolve().parents[2]
+CORPUS = ROOT / "benchmarks" / "data" / "diagnosis_corpus"
 HEALTHY = Phase(duration_s=40)
 # KV pool nearly full all along: preemptions, a block allocation failing in 80% of the steps
 PRESSURE = HEALTHY.but(kv_usage=0.99, preempt_share=0.3, queue_ms=300, alloc_failures_per_step=0.8)
@@ -206,11 +208,16 @@ def _serve_and_bench(tmp_path, smollm2_dir, server_args, bench_args) -> Path:
     return store
 
 
-def _cut(store: Path, out: Path, since_sql: str) -> int:
-    with duckdb.connect(str(store), read_only=True) as con:
+def _cut(store: Path | duckdb.DuckDBPyConnection, out: Path, since_sql: str) -> int:
+    """Write ``store`` (a path or an open connection) from ``since_sql``'s time on to ``out``."""
+    con = duckdb.connect(str(store), read_only=True) if isinstance(store, Path) else store
+    try:
         (since,) = con.execute(since_sql).fetchone()
         assert since is not None, since_sql
         write_dump(con, out, since_ns=since)
+    finally:
+        if isinstance(store, Path):
+            con.close()
     return since
 
 
@@ -225,22 +232,20 @@ def _diagnose_cli(dump: Path, fmt: str, window: str = "5s") -> str:
     return r.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # a loaded 2-core VM ran it 14 min; quiet: 1 min
-def test_real_kv_pressure_dump_cut_inside_the_trouble(tmp_path, smollm2_dir):
-    """kv_pressure_preemption's scenario, short: 6 clients, 150-token prompts and 60-token
-    answers in a 40-block pool (each request needs 14 blocks: three do not fit). The dump
-    starts at the first preemption, so none of its windows is healthy."""
-    store = _serve_and_bench(
-        tmp_path,
-        smollm2_dir,
-        ["--num-gpu-blocks-override", "40"],
-        ["--concurrency", "6", "--num-requests", "12", "--prompt-tokens", "150",
-         "--output-tokens", "60", "--seed", "8", "--timeout", "1200"],
-    )  # fmt: skip
+def test_real_kv_pressure_dump_cut_inside_the_trouble(tmp_path):
+    """kv_pressure_preemption's scenario as the real engine recorded it (a corpus run: 10
+    clients, 168-token prompts in a 36-block pool). The dump starts at the first preemption,
+    so none of its windows is healthy."""
+    run = CORPUS / "kv_pressure_preemption-0"
+    if not run.is_dir():
+        pytest.skip(f"no {run.name} under {CORPUS} (make corpus)")
+    store = open_dump(run / "dump", verify=False)
     dump = tmp_path / "cut.duckdb"
-    _cut(store, dump, "SELECT min(start_ns) FROM engine_steps WHERE num_preempted > 0")
-    report = json.loads(_diagnose_cli(dump, "json"))
+    try:
+        _cut(store, dump, "SELECT min(start_ns) FROM engine_steps WHERE num_preempted > 0")
+    finally:
+        store.close()
+    report = json.loads(_diagnose_cli(dump, "json", "10s"))  # the run's window
     base = report["healthy_baseline"]
     assert base["available"] is False, base
     assert "ttft_queueing" in base["not_judged"]
@@ -257,7 +262,7 @@ def test_real_kv_pressure_dump_cut_inside_the_trouble(tmp_path, smollm2_dir):
             "SELECT max(kv_blocks_used::DOUBLE / kv_blocks_total) FROM engine_steps"
         ).fetchone()
     assert ev["kv_usage_max"] <= kv_max + 1e-9
-    text = _diagnose_cli(dump, "text")
+    text = _diagnose_cli(dump, "text", "10s")
     assert "No healthy baseline in this dump" in text and "not judged" in text
 
 
