@@ -65,6 +65,9 @@ class Family:
     # diagnosis windows a run is judged in (drawn per run; the run itself does not depend on
     # it): a periodic symptom over windows a few of its periods long
     windows: tuple[str, ...] = ("5s", "10s")
+    # (the recorded store, the run's params) -> why the recording contradicts the label, or
+    # None: a run that fails it is not written to the corpus
+    label_check: Callable[[duckdb.DuckDBPyConnection, dict], str | None] | None = None
 
 
 def _u(rng: random.Random, lo: int, hi: int) -> int:
@@ -348,6 +351,22 @@ def _queueing(rng: random.Random):
     return {"steps": steps, "server": server}, p, 2.0 * step_s
 
 
+def queueing_label_check(con: duckdb.DuckDBPyConnection, params: dict) -> str | None:
+    """A queueing run's label puts the fault at the 2x step: the pool must hold the 1.5x step's
+    clients at once and not the 2x step's, so nothing can wait before that step and requests
+    must wait after it. The engine's largest running batch over the run is what the pool
+    admitted at once."""
+    (peak,) = con.execute("SELECT max(num_running) FROM engine_steps").fetchone()
+    lo, hi = 1.5 * params["clients"], 2 * params["clients"]
+    if peak is None or not lo <= peak < hi:
+        return (
+            f"the largest running batch was {peak}, outside [{lo:g}, {hi:g}): the pool "
+            f"({params['blocks']} blocks) "
+            + ("ran the 2x step's clients at once" if (peak or 0) >= hi else "held fewer")
+        )
+    return None
+
+
 def _kv_pressure(rng: random.Random):
     # far more running requests than the KV pool holds: preemption by recompute
     blocks = _u(rng, 36, 48)
@@ -421,6 +440,7 @@ FAMILIES: dict[str, Family] = {
             ("ttft_queueing", "overload"),
             _queueing,
             "clients step up until requests queue for a small KV pool",
+            label_check=queueing_label_check,
         ),
         Family(
             "kv_pressure_preemption",
@@ -567,6 +587,16 @@ def generate(out: Path, runs: list[Run], *, model: str | None = None, log=print)
             result = None
         if result is None:
             continue
+        check = FAMILIES[r.family].label_check if r.family in FAMILIES else None
+        if check is not None:
+            con = duckdb.connect(str(work / "traces.duckdb"), read_only=True)
+            try:
+                wrong = check(con, r.params)
+            finally:
+                con.close()
+            if wrong:
+                log(f"  {r.id} not written: its recording contradicts its label: {wrong}")
+                continue
         if folder.exists():
             shutil.rmtree(folder)
         folder.mkdir(parents=True)

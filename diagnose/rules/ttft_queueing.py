@@ -263,10 +263,11 @@ RULE = Rule(
             "0.44-0.48, healthy windows 0.0)",
         ),
         "queue_steps": Param(
-            0.4,
+            0.25,
             "share of a window's steps that began with requests waiting and prefilled nothing, "
             "for the queue as it forms (tune split: the stepped-up load's windows after its 2x "
-            "step 0.44-0.71; 0 in every window of the healthy runs, of head-of-line blocking "
+            "step 0.30-0.71, a pool that nearly holds the 2x step's clients 0.30-0.36 for three "
+            "5 s windows; 0 in every window of the healthy runs, of head-of-line blocking "
             "at a low rate and of 24 prompts let in over a 256-token step budget)",
         ),
         "wait_rise": Param(

@@ -10,7 +10,12 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from tokenmill.bench.corpus import backfill_queue_age, backfill_waiting, main
+from tokenmill.bench.corpus import (
+    backfill_queue_age,
+    backfill_waiting,
+    main,
+    queueing_label_check,
+)
 
 CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "diagnosis_corpus"
 # recorded by an engine that writes oldest_wait_* itself
@@ -95,16 +100,33 @@ QUEUEING = sorted(CORPUS.glob("ttft_queueing-*/label.json"))
 @pytest.mark.skipif(not QUEUEING, reason="no recorded ttft_queueing run")
 def test_the_queueing_label_starts_where_the_clients_outnumber_what_the_pool_admits():
     """``ttft_queueing`` runs step 4 clients up by 1.5x, 2x, ... every ``step_s``. The label puts
-    the fault at the 2x step: the engine's largest running batch over the whole run (what the
-    small KV pool admitted at once) holds the 1.5x step's 6 clients and not the 2x step's 8, so
-    nothing can wait before the 2x step, and requests must wait after it."""
+    the fault at the 2x step, and every queueing run in the corpus passes the family's label
+    check (the largest running batch holds the 1.5x step's clients and not the 2x step's)."""
     for path in QUEUEING:
         label = json.loads(path.read_text())
         p = label["params"]
         assert label["fault_start_ns"] == label["steps_started_ns"] + int(2 * p["step_s"] * 1e9)
         steps = path.parent / "dump" / "engine_steps.parquet"
-        [(peak,)] = duckdb.sql(f"SELECT max(num_running) FROM read_parquet('{steps}')").fetchall()
-        assert 1.5 * p["clients"] <= peak < 2 * p["clients"], (path.parent.name, peak)
+        con = duckdb.connect()
+        try:
+            con.execute(f"CREATE VIEW engine_steps AS SELECT * FROM read_parquet('{steps}')")
+            assert queueing_label_check(con, p) is None, path.parent.name
+        finally:
+            con.close()
+
+
+def test_the_label_check_refuses_a_pool_that_runs_the_2x_steps_clients():
+    """A pool that ran 8 of 4-client runs' requests at once (the 2x step's clients) or only 5
+    (fewer than the 1.5x step's 6) contradicts the label; 6 and 7 agree with it."""
+    p = {"clients": 4, "blocks": 52}
+    for peak, ok in ((5, False), (6, True), (7, True), (8, False)):
+        con = duckdb.connect()
+        con.execute(f"CREATE TABLE engine_steps AS SELECT {peak} AS num_running")
+        wrong = queueing_label_check(con, p)
+        assert (wrong is None) is ok, (peak, wrong)
+        if peak == 8:
+            assert "largest running batch was 8" in wrong and "52 blocks" in wrong
+        con.close()
 
 
 def test_a_run_id_the_sample_does_not_hold_is_one_line_and_exit_2(tmp_path, capsys):

@@ -250,8 +250,8 @@ def test_a_queue_is_named_while_it_forms():
     """A tune run (ttft_queueing-2: clients step up past what a small KV pool admits) cut a
     10 s window after its 2x step, where 8 clients first outnumber the 6-7 the pool admits. The
     ended requests' TTFT has not risen the rule's 2.5x yet; the queue as it forms has: requests
-    waited through most of the window's steps, and a request waited longer than the healthy
-    windows' whole TTFT p50 before its prefill began."""
+    waited through a quarter or more of the window's steps (``queue_steps``), and a request
+    waited longer than the healthy windows' whole TTFT p50 before its prefill began."""
     from tokenmill.diagnose.rules.ttft_queueing import RULE, _risen
     from tokenmill.diagnose.signals import load
     from tokenmill.telemetry.dump import parse_duration
@@ -262,7 +262,8 @@ def test_a_queue_is_named_while_it_forms():
     assert "ttft_queueing" in found, sorted(found)
     ev = found["ttft_queueing"].evidence
     assert ev["longest_wait_ms"] >= ev["baseline_ttft_p50_ms"], ev
-    assert ev["waiting_decode_only_share"] >= 0.4 and ev["queued_requests"] >= 1, ev
+    floor = RULE.params["queue_steps"].default
+    assert ev["waiting_decode_only_share"] >= floor and ev["queued_requests"] >= 1, ev
     # the ended requests alone do not show it yet
     live = _live_store(run, cut)
     try:
@@ -270,6 +271,31 @@ def test_a_queue_is_named_while_it_forms():
         assert _risen(sig, {k: v.default for k, v in RULE.params.items()}) is None
     finally:
         live.close()
+
+
+def test_a_queue_in_a_third_of_the_steps_is_named_by_the_second_window():
+    """A tune run whose KV pool (49 blocks) nearly holds the 2x step's 8 clients
+    (ttft_queueing-20, 5 s windows): after the step, a third of each window's steps begin with
+    requests waiting and none admitted, and requests wait 1.5-2.6x the healthy TTFT p50. Cut
+    where the accuracy replay cuts, at the end of the second window from the fault's, the queue
+    is named (with queue_steps at 0.4 it was named two windows later)."""
+    from tokenmill.diagnose.findings import diagnose
+    from tokenmill.telemetry.dump import open_dump, parse_duration
+
+    run, label = _run("ttft_queueing-20")
+    w_ns = int(parse_duration(label["window"]) * 1e9)
+    con = open_dump(run / "dump", verify=False)
+    try:
+        start = diagnose(con, window_s=w_ns / 1e9).start_ns
+    finally:
+        con.close()
+    fault = label["fault_start_ns"]
+    cut = start + ((fault - start) // w_ns + 2) * w_ns
+    found, _ = _live(run, cut)
+    assert "ttft_queueing" in found, sorted(found)
+    ev = found["ttft_queueing"].evidence
+    assert 0.25 <= ev["waiting_decode_only_share"] < 0.4, ev
+    assert ev["longest_wait_ms"] >= ev["baseline_ttft_p50_ms"], ev
 
 
 def test_a_hog_is_named_against_the_engine_pace_before_it():
