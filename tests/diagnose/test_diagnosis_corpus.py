@@ -298,6 +298,29 @@ def test_a_queue_in_a_third_of_the_steps_is_named_by_the_second_window():
     assert ev["longest_wait_ms"] >= ev["baseline_ttft_p50_ms"], ev
 
 
+def test_uncached_history_is_named_once_its_first_two_repeats_end():
+    """A tune run of two uncached chats (multi_turn_uncached-0, 5 s windows), cut 15 s in: five
+    requests have ended, two of them second turns that repeated their first turn's 12 blocks
+    and had them computed again, 384 of 1,288 prompt tokens (0.298). The rule names it there
+    (at a 0.3 share it waited two more windows)."""
+    from tokenmill.diagnose.findings import diagnose
+    from tokenmill.telemetry.dump import open_dump, parse_duration
+
+    run, label = _run("multi_turn_uncached-0")
+    w_ns = int(parse_duration(label["window"]) * 1e9)
+    con = open_dump(run / "dump", verify=False)
+    try:
+        start = diagnose(con, window_s=w_ns / 1e9).start_ns
+    finally:
+        con.close()
+    found, ended = _live(run, start + 3 * w_ns)
+    assert len(ended) == 5
+    assert "prefix_cache_miss" in found, sorted(found)
+    ev = found["prefix_cache_miss"].evidence
+    assert ev["repeating_prompts"] == 2 and ev["enable_prefix_caching"] is False, ev
+    assert 0.2 <= ev["recomputed_share_of_prompt_tokens"] < 0.3, ev
+
+
 def test_a_hog_is_named_against_the_engine_pace_before_it():
     """A tune run (host_contention-2: three CPU hogs beside two streams) cut 5.4 s into the
     hog. Every step since the hog began takes ~3 s against ~50 ms before it, so the steps just
