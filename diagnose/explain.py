@@ -665,7 +665,14 @@ def _part_text(d: dict) -> str:
             what = "prefill" if top["prefill"] else "decode"
             text += f"; behind {_who(top)}: {top['tokens']} {what} tokens{steps}"
         elif top and reason in ("kv_blocks", "max_num_seqs"):
-            text += f"; {d['behind_count']} running, the largest {_who(top)}{steps}"
+            # over several steps the running set changes member by member: the count is of
+            # every request that held a place in it, not of those running at once
+            held = (
+                f"{d['behind_count']} requests held the running batch in turn{steps}"
+                if d.get("steps", 0) > 1
+                else f"{d['behind_count']} running"
+            )
+            text += f"; {held}, the largest {_who(top)}"
         else:
             text += steps
         ahead = d.get("ahead") or {}

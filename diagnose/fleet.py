@@ -52,8 +52,15 @@ def collect_dumps(paths: list[Path]) -> list[Path]:
                 if (c.is_file() and c.suffix == ".duckdb") or is_parquet_dump(c) or is_archive(c)
             )
             if not inside:
+                # a Parquet dump folder short of its meta.parquet says so, not "no dumps"
+                lacks = (
+                    " (it holds Parquet tables but no meta.parquet, which a Parquet dump needs)"
+                    if any(c.suffix == ".parquet" for c in p.iterdir())
+                    and not (p / "meta.parquet").exists()
+                    else ""
+                )
                 raise FleetError(
-                    f"{p}: folder holds no dumps (*.duckdb files or Parquet dump folders)"
+                    f"{p}: folder holds no dumps (*.duckdb files or Parquet dump folders){lacks}"
                 )
             found += inside
         else:

@@ -45,6 +45,11 @@ def run(
         raise ValueError(f"--format must be text or json, not {fmt!r}")
     if not rate > 0 or rate == float("inf"):
         raise ValueError(f"--rate must be a factor > 0, not {rate}")
+    if slo_text is not None and not slo_text.strip(" ,"):
+        raise ValueError("--slo is empty: give bounds such as 'ttft_p99<2s,itl_p50<100ms'")
+    for text in whatifs:
+        if not text.strip(" ,"):
+            raise ValueError("--what-if is empty: give knob=value changes such as rate=2")
     slo = parse_slo(slo_text)
     if recommend_it and not slo.bounds:
         raise ValueError("--recommend needs an --slo to meet, e.g. --slo 'ttft_p99<2s'")
@@ -77,6 +82,8 @@ def run(
             "error_estimate": error_estimate(rec, slo),
             "measured": measured(rec, slo),
             "slo": slo.text or None,
+            # what a request must meet to count in goodput (the SLO's, else the defaults)
+            "goodput_bounds_ms": {"ttft": slo.ttft_ms, "itl_p99": slo.itl_ms, "e2e": slo.e2e_ms},
             "predictions": [p.to_dict() for p in preds],
         }
         if recommend_it:

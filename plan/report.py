@@ -38,8 +38,10 @@ def _fmt(key: str, v) -> str:
     return f"{v:,.0f} ms" if v >= 100 else f"{v:,.1f} ms"
 
 
-def _err(e) -> str:
-    return "–" if e is None else f"{e:+.0f}%"
+def _err(e, key: str = "") -> str:
+    if e is None:
+        return "–"
+    return f"{e:+.0f} pts" if key == "goodput_share" else f"{e:+.0f}%"
 
 
 def to_text(doc: dict, width: int = 120) -> str:
@@ -67,7 +69,7 @@ def to_text(doc: dict, width: int = 120) -> str:
     est = doc["error_estimate"]
     if "errors_pct" in est:
         errs = ", ".join(
-            f"{_LABELS[k]} {_err(v)}" for k, v in est["errors_pct"].items() if k in _LABELS
+            f"{_LABELS[k]} {_err(v, k)}" for k, v in est["errors_pct"].items() if k in _LABELS
         )
         console.print(
             f"[bold]Error estimate[/bold] (the recording's last quarter, {est['requests']} "
@@ -96,6 +98,17 @@ def to_text(doc: dict, width: int = 120) -> str:
             *("met" if p["slo_met"] else "[red]missed[/red]" for p in preds),
         )
     console.print(table)
+    bounds = doc.get("goodput_bounds_ms")
+    if bounds:
+        console.print(
+            f"Goodput: the share of requests that completed with TTFT ≤ {_fmt('', bounds['ttft'])}, "
+            f"ITL p99 ≤ {_fmt('', bounds['itl_p99'])} and E2E ≤ {_fmt('', bounds['e2e'])} "
+            + (
+                "(from --slo; a metric it does not bound keeps its default)"
+                if doc.get("slo")
+                else "(defaults; --slo sets them)"
+            )
+        )
     for p in preds:
         for note in p["notes"]:
             console.print(f"  {p['what_if']}: {note}")

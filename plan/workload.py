@@ -36,6 +36,10 @@ _OWN_SPAN = 1 << 20
 _BASE_MASK = (1 << 34) - 1
 
 
+# the replay's clock is int64 nanoseconds: arrivals (s) must stay well inside it
+MAX_SPAN_S = 2**62 / 1e9
+
+
 class WorkloadError(ValueError):
     """The store cannot be replayed (one line: what is missing)."""
 
@@ -115,7 +119,14 @@ class Workload:
         """The same requests arriving ``rate_factor`` times as fast (gaps divided by it)."""
         if not rate_factor > 0:
             raise WorkloadError(f"a rate factor must be > 0, not {rate_factor}")
-        return replace(self, arrival_s=self.arrival_s / rate_factor)
+        arrival_s = self.arrival_s / rate_factor
+        if len(arrival_s) and not float(arrival_s.max()) < MAX_SPAN_S:
+            raise WorkloadError(
+                f"rate={rate_factor:g} stretches the recording's arrivals to "
+                f"{float(arrival_s.max()):.3g} s, past the {MAX_SPAN_S:.3g} s a nanosecond "
+                "clock holds: choose a larger rate"
+            )
+        return replace(self, arrival_s=arrival_s)
 
     def repeated(self, num_requests: int) -> Workload:
         """The recording tiled back to back (each tile one mean gap after the last) until

@@ -276,6 +276,8 @@ def duckdb_file_problem(p: Path, folder_noun: str, what: str) -> str | None:
     except OSError as exc:
         return f"{p}: cannot read: {exc.strerror or exc}"
     if len(head) < 12 or head[8:12] != DUCKDB_MAGIC:
+        if p.suffix == ".parquet":
+            return f"{p}: one table of a Parquet dump; give its folder, {p.parent}"
         return f"{p}: not a DuckDB file (is it a {what}?)"
     return None
 

@@ -60,7 +60,9 @@ HEALTHY_MAX_QUEUE_SHARE = 0.5
 HEALTHY_MAX_FAILING_STEPS = 0.5
 MIN_HEALTHY_WINDOWS = 1
 # a window with fewer requests ending than this cannot show an error rate under 5% on its own
-# (one error in 10 is already 10%): it is judged on the whole range's error rate instead
+# (one error in 10 is already 10%): it is judged on the error rate of all such sparse windows'
+# requests pooled instead (errors spread thin over a slow period show there; a burst of errors
+# in one busy window does not taint the quiet windows around it)
 HEALTHY_MIN_ENDED = 10
 # signals where a higher value is the healthier one
 HIGHER_IS_HEALTHIER = ("sm_clock_mean", "throughput_tok_s")
@@ -82,21 +84,28 @@ def baseline_values(busy: list[Window], healthy: list[Window]) -> dict[str, floa
     return out
 
 
-def judge_baseline(
-    busy: list[Window], range_error_rate: float | None
-) -> tuple[bool, list[Window], str]:
+def sparse_error_rate(windows: list[Window]) -> float | None:
+    """The error rate of the requests ending in the windows where fewer than
+    ``HEALTHY_MIN_ENDED`` end, pooled; None when no request ends in such a window."""
+    sparse = [w for w in windows if 0 < (w.get("ended") or 0) < HEALTHY_MIN_ENDED]
+    ended = sum(w.get("ended") or 0 for w in sparse)
+    return sum(w.get("errors") or 0 for w in sparse) / ended if ended else None
+
+
+def judge_baseline(busy: list[Window]) -> tuple[bool, list[Window], str]:
     """Whether the healthiest windows can serve as a baseline: ``(usable, healthy windows,
     reason it is not)``. A healthy window is busy and shows no preemption, allocation failures
     in fewer than ``HEALTHY_MAX_FAILING_STEPS`` of its working steps, errors below
     ``HEALTHY_MAX_ERROR_RATE`` (a window with fewer than ``HEALTHY_MIN_ENDED`` requests ending:
-    ``range_error_rate``, the whole range's, when higher) and queue time below
-    ``HEALTHY_MAX_QUEUE_SHARE`` of TTFT; usable with at least ``MIN_HEALTHY_WINDOWS`` of them.
-    Returns the healthy windows themselves as the second item."""
+    the pooled rate of all such windows, :func:`sparse_error_rate`, when higher) and queue time
+    below ``HEALTHY_MAX_QUEUE_SHARE`` of TTFT; usable with at least ``MIN_HEALTHY_WINDOWS`` of
+    them. Returns the healthy windows themselves as the second item."""
+    pooled = sparse_error_rate(busy) or 0.0
 
     def error_rate(w: Window) -> float:
         rate = w.get("error_rate") or 0
         if (w.get("ended") or 0) < HEALTHY_MIN_ENDED:
-            rate = max(rate, range_error_rate or 0)
+            rate = max(rate, pooled)
         return rate
 
     markers = {

@@ -105,6 +105,12 @@ def test_bad_input_is_one_line_exit_2(tmp_path, queued):
     text.write_text("hello")
     _bad(tm("diagnose", str(text)), "notes.txt")
     _bad(tm("diagnose", str(tmp_path / "missing.duckdb")), "missing.duckdb")
+    # one table of a Parquet dump, and a folder of tables without the dump's meta.parquet
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    duckdb.sql("COPY (SELECT 1 AS x) TO '" + str(tables / "requests.parquet") + "'")
+    _bad(tm("diagnose", str(tables / "requests.parquet")), f"give its folder, {tables}")
+    _bad(tm("diagnose", str(tables)), "no meta.parquet")
 
     old = tmp_path / "old.duckdb"
     con = duckdb.connect(str(old))

@@ -171,6 +171,33 @@ def test_warm_up_after_a_server_start_is_set_apart(tmp_path):
     assert f"{n_before} requests" in to_markdown(report)
 
 
+def test_an_error_burst_in_one_busy_window_leaves_the_quiet_windows_healthy(tmp_path):
+    """A low-rate run (3 requests a 10 s window, too few to show an error rate under 5% on
+    their own) with one burst of failing requests in a single window: the quiet windows are
+    judged on the quiet windows' own requests pooled (no error), not on the whole run's rate
+    (about 40% here), so the dump keeps its healthy baseline and the burst is error_spike's."""
+    quiet = HEALTHY.but(rate_per_s=0.3)
+    report = _report(
+        tmp_path / "burst.duckdb",
+        [quiet, HEALTHY.but(duration_s=4, rate_per_s=5.0, error_share=0.9), quiet],
+    )
+    base = report.healthy_baseline
+    assert base["available"] is True, base
+    assert base["healthy_windows"] >= 4, base
+    assert "error_spike" in {f.rule_id for f in report.findings}
+
+
+def test_errors_spread_thin_over_quiet_windows_leave_no_healthy_one(tmp_path):
+    """The same low rate with a third of the requests failing all along: each window's few
+    requests may show none, but pooled they fail at about 30%, and no window is healthy."""
+    report = _report(
+        tmp_path / "thin.duckdb", [HEALTHY.but(duration_s=80, rate_per_s=0.3, error_share=0.3)]
+    )
+    base = report.healthy_baseline
+    assert base["available"] is False, base
+    assert "errors in ≥ 5% of requests" in base["reason"], base
+
+
 def test_warm_up_is_capped_when_nothing_completes(tmp_path):
     """A server that never completes a request is not warming up for ever: WARMUP_MAX_S after
     the first arrival."""
