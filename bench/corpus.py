@@ -346,8 +346,8 @@ def _queueing(rng: random.Random):
     server = ["--num-gpu-blocks-override", str(p["blocks"]), "--kv-watermark", "0.3"]
     # the fault, requests queueing for the pool, begins at the 2x step: the pool admits 6-7 of
     # these requests at once, so the 1.5x step's 6 clients still fit and the 2x step's 8 do not (until
-    # 2026-12-05 the label put it at the 1.5x step, where nothing waited;
-    # tests/bench/test_corpus.py checks the running batch against both steps)
+    # 2026-12-05 the label put it at the 1.5x step, where nothing waited). A pool at the top of
+    # the range can hold all 8: queueing_label_check refuses such a run before it is written
     return {"steps": steps, "server": server}, p, 2.0 * step_s
 
 
@@ -358,11 +358,13 @@ def queueing_label_check(con: duckdb.DuckDBPyConnection, params: dict) -> str | 
     admitted at once."""
     (peak,) = con.execute("SELECT max(num_running) FROM engine_steps").fetchone()
     lo, hi = 1.5 * params["clients"], 2 * params["clients"]
-    if peak is None or not lo <= peak < hi:
+    if peak is None:
+        return "no engine step was recorded"
+    if not lo <= peak < hi:
         return (
             f"the largest running batch was {peak}, outside [{lo:g}, {hi:g}): the pool "
             f"({params['blocks']} blocks) "
-            + ("ran the 2x step's clients at once" if (peak or 0) >= hi else "held fewer")
+            + ("ran the 2x step's clients at once" if peak >= hi else "held fewer")
         )
     return None
 
@@ -596,6 +598,7 @@ def generate(out: Path, runs: list[Run], *, model: str | None = None, log=print)
                 con.close()
             if wrong:
                 log(f"  {r.id} not written: its recording contradicts its label: {wrong}")
+                shutil.rmtree(work, ignore_errors=True)
                 continue
         if folder.exists():
             shutil.rmtree(folder)

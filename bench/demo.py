@@ -148,7 +148,7 @@ def run(*, port: int = 8000, console_port: int = 8501, wait: bool = True, say=pr
             )
         say(
             "• the tour: 25 s of healthy traffic, then 25 s at 8x the rate (batch capped at 2), "
-            "then the backlog drains; about 1.5 minutes on a 2-core CPU"
+            "then the backlog drains; 1.5 to 3.5 minutes on a 2-core CPU"
         )
         # the load generator's own progress: a bar on a terminal, a line per phase and every
         # 10 s otherwise (phase, elapsed, requests sent/done/failed/in flight)

@@ -665,14 +665,9 @@ def _part_text(d: dict) -> str:
             what = "prefill" if top["prefill"] else "decode"
             text += f"; behind {_who(top)}: {top['tokens']} {what} tokens{steps}"
         elif top and reason in ("kv_blocks", "max_num_seqs"):
-            # over several steps the running set changes member by member: the count is of
-            # every request that held a place in it, not of those running at once
-            held = (
-                f"{d['behind_count']} requests held the running batch in turn{steps}"
-                if d.get("steps", 0) > 1
-                else f"{d['behind_count']} running"
+            text += (
+                f"; {_running_set(d['behind_count'], d.get('steps', 0))}, the largest {_who(top)}"
             )
-            text += f"; {held}, the largest {_who(top)}"
         else:
             text += steps
         ahead = d.get("ahead") or {}
@@ -724,6 +719,14 @@ def _part_text(d: dict) -> str:
         "metering": "metering",
         "unknown": f"{d['phase']}: the step rows do not say what ran",
     }.get(kind, kind)
+
+
+def _running_set(count: int, steps: int) -> str:
+    """The running batch a queued request waited on: over several steps its members change one
+    by one, so ``count`` is every request that had a place in it, not those running at once."""
+    if steps > 1:
+        return f"{_n(count, 'request')} ran in it over those {steps} steps"
+    return f"{count} running"
 
 
 def _n(n: int, word: str) -> str:

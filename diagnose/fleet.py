@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from tokenmill.telemetry.parquet_dump import is_parquet_dump
+from tokenmill.telemetry.parquet_dump import is_parquet_dump, not_a_parquet_dump
 from tokenmill.telemetry.retention import is_archive
 
 from .findings import SEVERITY_RANK, Report
@@ -52,15 +52,9 @@ def collect_dumps(paths: list[Path]) -> list[Path]:
                 if (c.is_file() and c.suffix == ".duckdb") or is_parquet_dump(c) or is_archive(c)
             )
             if not inside:
-                # a Parquet dump folder short of its meta.parquet says so, not "no dumps"
-                lacks = (
-                    " (it holds Parquet tables but no meta.parquet, which a Parquet dump needs)"
-                    if any(c.suffix == ".parquet" for c in p.iterdir())
-                    and not (p / "meta.parquet").exists()
-                    else ""
-                )
                 raise FleetError(
-                    f"{p}: folder holds no dumps (*.duckdb files or Parquet dump folders){lacks}"
+                    not_a_parquet_dump(p)
+                    or f"{p}: folder holds no dumps (*.duckdb files or Parquet dump folders)"
                 )
             found += inside
         else:

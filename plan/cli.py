@@ -45,10 +45,10 @@ def run(
         raise ValueError(f"--format must be text or json, not {fmt!r}")
     if not rate > 0 or rate == float("inf"):
         raise ValueError(f"--rate must be a factor > 0, not {rate}")
-    if slo_text is not None and not slo_text.strip(" ,"):
+    if slo_text is not None and not any(part.strip() for part in slo_text.split(",")):
         raise ValueError("--slo is empty: give bounds such as 'ttft_p99<2s,itl_p50<100ms'")
     for text in whatifs:
-        if not text.strip(" ,"):
+        if not any(part.strip() for part in text.split(",")):
             raise ValueError("--what-if is empty: give knob=value changes such as rate=2")
     slo = parse_slo(slo_text)
     if recommend_it and not slo.bounds:

@@ -101,10 +101,12 @@ def to_text(doc: dict, width: int = 120) -> str:
     bounds = doc.get("goodput_bounds_ms")
     if bounds:
         console.print(
-            f"Goodput: the share of requests that completed with TTFT ≤ {_fmt('', bounds['ttft'])}, "
-            f"ITL p99 ≤ {_fmt('', bounds['itl_p99'])} and E2E ≤ {_fmt('', bounds['e2e'])} "
+            "Goodput: the share of requests that completed with their own TTFT ≤ "
+            f"{_fmt('', bounds['ttft'])}, ITL p99 ≤ {_fmt('', bounds['itl_p99'])} and E2E ≤ "
+            f"{_fmt('', bounds['e2e'])} "
             + (
-                "(from --slo; a metric it does not bound keeps its default)"
+                "(each the SLO's bound on that metric, any percentile; a default where it "
+                "sets none)"
                 if doc.get("slo")
                 else "(defaults; --slo sets them)"
             )

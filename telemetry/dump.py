@@ -27,7 +27,7 @@ import duckdb
 # the one duration grammar (engine/durations.py), here for the store's readers (diagnose)
 from tokenmill.engine.durations import duration_ns, parse_duration  # noqa: F401
 
-from .parquet_dump import ParquetDumpError, is_parquet_dump, load_parquet
+from .parquet_dump import ParquetDumpError, is_parquet_dump, load_parquet, not_a_parquet_dump
 from .schema import TABLES, SchemaError, apply_schema, check_schema, expose_missing_columns
 
 DUCKDB_MAGIC = b"DUCK"  # bytes 8..12 of every DuckDB database file
@@ -276,8 +276,6 @@ def duckdb_file_problem(p: Path, folder_noun: str, what: str) -> str | None:
     except OSError as exc:
         return f"{p}: cannot read: {exc.strerror or exc}"
     if len(head) < 12 or head[8:12] != DUCKDB_MAGIC:
-        if p.suffix == ".parquet":
-            return f"{p}: one table of a Parquet dump; give its folder, {p.parent}"
         return f"{p}: not a DuckDB file (is it a {what}?)"
     return None
 
@@ -306,7 +304,7 @@ def open_dump(path: str | Path, *, verify: bool = True) -> duckdb.DuckDBPyConnec
             return load_parquet(p)
         except ParquetDumpError as exc:
             raise DumpError(str(exc)) from None
-    problem = duckdb_file_problem(p, "dump file", "tokenmill dump")
+    problem = not_a_parquet_dump(p) or duckdb_file_problem(p, "dump file", "tokenmill dump")
     if problem:
         raise DumpError(problem)
     try:

@@ -42,6 +42,17 @@ def is_parquet_dump(path: str | Path) -> bool:
     return p.is_dir() and (p / META_FILE).is_file()
 
 
+def not_a_parquet_dump(path: str | Path) -> str | None:
+    """Why ``path`` looks like part of a Parquet dump but is not one (one line), or None: a
+    lone table file of a dump, or a folder of Parquet tables without :data:`META_FILE`."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".parquet":
+        return f"{p}: one table of a Parquet dump; give the dump's folder, {p.parent}"
+    if p.is_dir() and not (p / META_FILE).is_file() and any(p.glob("*.parquet")):
+        return f"{p}: Parquet tables without {META_FILE}, which a Parquet dump folder holds"
+    return None
+
+
 def export_parquet(
     con: duckdb.DuckDBPyConnection, out_dir: str | Path, *, overwrite: bool = False
 ) -> None:

@@ -152,7 +152,7 @@ def load(
         for i, v in enumerate(values)
     ]
     busy = [w for w in windows if (w.get("completed_arrivals") or 0) > 0]
-    usable, healthy, why_not = judge_baseline(busy)
+    usable, healthy, why_not = judge_baseline(busy, windows)
     (n_warm,) = con.execute(
         f"SELECT count(*) FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
         f"AND NOT ({scope.not_warm_req})",

@@ -60,9 +60,9 @@ HEALTHY_MAX_QUEUE_SHARE = 0.5
 HEALTHY_MAX_FAILING_STEPS = 0.5
 MIN_HEALTHY_WINDOWS = 1
 # a window with fewer requests ending than this cannot show an error rate under 5% on its own
-# (one error in 10 is already 10%): it is judged on the error rate of all such sparse windows'
-# requests pooled instead (errors spread thin over a slow period show there; a burst of errors
-# in one busy window does not taint the quiet windows around it)
+# (one error in 10 is already 10%): it is judged on its neighbourhood instead, the nearest
+# windows around it pooled until this many requests end there (errors spread thin over a slow
+# period show in every neighbourhood; a burst of errors spoils only the windows near it)
 HEALTHY_MIN_ENDED = 10
 # signals where a higher value is the healthier one
 HIGHER_IS_HEALTHIER = ("sm_clock_mean", "throughput_tok_s")
@@ -84,29 +84,51 @@ def baseline_values(busy: list[Window], healthy: list[Window]) -> dict[str, floa
     return out
 
 
-def sparse_error_rate(windows: list[Window]) -> float | None:
-    """The error rate of the requests ending in the windows where fewer than
-    ``HEALTHY_MIN_ENDED`` end, pooled; None when no request ends in such a window."""
-    sparse = [w for w in windows if 0 < (w.get("ended") or 0) < HEALTHY_MIN_ENDED]
-    ended = sum(w.get("ended") or 0 for w in sparse)
-    return sum(w.get("errors") or 0 for w in sparse) / ended if ended else None
+def local_error_rates(windows: list[Window]) -> dict[int, float]:
+    """For each window (by index) where fewer than ``HEALTHY_MIN_ENDED`` requests end: the
+    error rate of the requests ending in the smallest span of windows centred on it (every
+    window of the range counts, also those where no request completed) in which at least
+    ``HEALTHY_MIN_ENDED`` end, or the whole range when none is that large."""
+    ended = [0]
+    errors = [0]
+    for w in windows:
+        ended.append(ended[-1] + (w.get("ended") or 0))
+        errors.append(errors[-1] + (w.get("errors") or 0))
+    n = len(windows)
+
+    def span(i: int, r: int) -> tuple[int, int]:
+        lo, hi = max(0, i - r), min(n, i + r + 1)
+        return ended[hi] - ended[lo], errors[hi] - errors[lo]
+
+    out = {}
+    for i, w in enumerate(windows):
+        if (w.get("ended") or 0) >= HEALTHY_MIN_ENDED:
+            continue
+        lo, hi = 0, n  # the least radius whose span holds enough ended requests
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if span(i, mid)[0] >= HEALTHY_MIN_ENDED:
+                hi = mid
+            else:
+                lo = mid + 1
+        done, failed = span(i, lo)
+        out[w.index] = failed / done if done else 0.0
+    return out
 
 
-def judge_baseline(busy: list[Window]) -> tuple[bool, list[Window], str]:
+def judge_baseline(busy: list[Window], windows: list[Window]) -> tuple[bool, list[Window], str]:
     """Whether the healthiest windows can serve as a baseline: ``(usable, healthy windows,
     reason it is not)``. A healthy window is busy and shows no preemption, allocation failures
     in fewer than ``HEALTHY_MAX_FAILING_STEPS`` of its working steps, errors below
     ``HEALTHY_MAX_ERROR_RATE`` (a window with fewer than ``HEALTHY_MIN_ENDED`` requests ending:
-    the pooled rate of all such windows, :func:`sparse_error_rate`, when higher) and queue time
-    below ``HEALTHY_MAX_QUEUE_SHARE`` of TTFT; usable with at least ``MIN_HEALTHY_WINDOWS`` of
-    them. Returns the healthy windows themselves as the second item."""
-    pooled = sparse_error_rate(busy) or 0.0
+    its neighbourhood's rate among ``windows``, every window of the range,
+    :func:`local_error_rates`, when higher) and queue time below ``HEALTHY_MAX_QUEUE_SHARE`` of
+    TTFT; usable with at least ``MIN_HEALTHY_WINDOWS`` of them. Returns the healthy windows
+    themselves as the second item."""
+    local = local_error_rates(windows)
 
     def error_rate(w: Window) -> float:
-        rate = w.get("error_rate") or 0
-        if (w.get("ended") or 0) < HEALTHY_MIN_ENDED:
-            rate = max(rate, pooled)
-        return rate
+        return max(w.get("error_rate") or 0, local.get(w.index, 0.0))
 
     markers = {
         "preemptions": lambda w: (

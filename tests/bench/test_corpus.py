@@ -117,16 +117,18 @@ def test_the_queueing_label_starts_where_the_clients_outnumber_what_the_pool_adm
 
 def test_the_label_check_refuses_a_pool_that_runs_the_2x_steps_clients():
     """A pool that ran 8 of 4-client runs' requests at once (the 2x step's clients) or only 5
-    (fewer than the 1.5x step's 6) contradicts the label; 6 and 7 agree with it."""
+    (fewer than the 1.5x step's 6), or a run without steps, contradicts the label; 6 and 7
+    agree with it."""
     p = {"clients": 4, "blocks": 52}
-    for peak, ok in ((5, False), (6, True), (7, True), (8, False)):
-        con = duckdb.connect()
-        con.execute(f"CREATE TABLE engine_steps AS SELECT {peak} AS num_running")
-        wrong = queueing_label_check(con, p)
+    for peak, ok in ((5, False), (6, True), (7, True), (8, False), ("NULL", False)):
+        with duckdb.connect() as con:
+            con.execute(f"CREATE TABLE engine_steps AS SELECT {peak}::INTEGER AS num_running")
+            wrong = queueing_label_check(con, p)
         assert (wrong is None) is ok, (peak, wrong)
         if peak == 8:
             assert "largest running batch was 8" in wrong and "52 blocks" in wrong
-        con.close()
+        if peak == "NULL":
+            assert wrong == "no engine step was recorded"
 
 
 def test_a_run_id_the_sample_does_not_hold_is_one_line_and_exit_2(tmp_path, capsys):

@@ -109,8 +109,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, queued):
     tables = tmp_path / "tables"
     tables.mkdir()
     duckdb.sql("COPY (SELECT 1 AS x) TO '" + str(tables / "requests.parquet") + "'")
-    _bad(tm("diagnose", str(tables / "requests.parquet")), f"give its folder, {tables}")
-    _bad(tm("diagnose", str(tables)), "no meta.parquet")
+    _bad(tm("diagnose", str(tables / "requests.parquet")), f"give the dump's folder, {tables}")
+    _bad(tm("diagnose", str(tables)), "without meta.parquet")
 
     old = tmp_path / "old.duckdb"
     con = duckdb.connect(str(old))

@@ -171,15 +171,21 @@ def test_warm_up_after_a_server_start_is_set_apart(tmp_path):
     assert f"{n_before} requests" in to_markdown(report)
 
 
-def test_an_error_burst_in_one_busy_window_leaves_the_quiet_windows_healthy(tmp_path):
+@pytest.mark.parametrize("burst_at_s", [60, 67])  # inside one 10 s window; across two
+def test_an_error_burst_leaves_the_quiet_windows_far_from_it_healthy(tmp_path, burst_at_s):
     """A low-rate run (3 requests a 10 s window, too few to show an error rate under 5% on
-    their own) with one burst of failing requests in a single window: the quiet windows are
-    judged on the quiet windows' own requests pooled (no error), not on the whole run's rate
-    (about 40% here), so the dump keeps its healthy baseline and the burst is error_spike's."""
+    their own) with one 4 s burst of failing requests, inside one window or across a window
+    boundary: each quiet window is judged on its neighbourhood (the windows around it pooled
+    until 10 requests end), not on the whole run's rate (about 30% here), so the windows far
+    from the burst stay healthy, the dump keeps its baseline, and the burst is error_spike's."""
     quiet = HEALTHY.but(rate_per_s=0.3)
     report = _report(
         tmp_path / "burst.duckdb",
-        [quiet, HEALTHY.but(duration_s=4, rate_per_s=5.0, error_share=0.9), quiet],
+        [
+            quiet.but(duration_s=burst_at_s),
+            HEALTHY.but(duration_s=4, rate_per_s=5.0, error_share=0.9),
+            quiet.but(duration_s=130 - burst_at_s),
+        ],
     )
     base = report.healthy_baseline
     assert base["available"] is True, base
@@ -187,15 +193,32 @@ def test_an_error_burst_in_one_busy_window_leaves_the_quiet_windows_healthy(tmp_
     assert "error_spike" in {f.rule_id for f in report.findings}
 
 
-def test_errors_spread_thin_over_quiet_windows_leave_no_healthy_one(tmp_path):
-    """The same low rate with a third of the requests failing all along: each window's few
-    requests may show none, but pooled they fail at about 30%, and no window is healthy."""
+@pytest.mark.parametrize("rate", [0.3, 0.1])  # 3 requests a window; 1 in most windows
+def test_errors_spread_thin_over_quiet_windows_leave_no_healthy_one(tmp_path, rate):
+    """A low rate with 30% of the requests failing all along: each window's few requests may
+    show no error (at 0.1/s a window whose one request failed has none completed), but every
+    neighbourhood of 10 ended requests fails at about 30%, and no window is healthy."""
     report = _report(
-        tmp_path / "thin.duckdb", [HEALTHY.but(duration_s=80, rate_per_s=0.3, error_share=0.3)]
+        tmp_path / "thin.duckdb", [HEALTHY.but(duration_s=200, rate_per_s=rate, error_share=0.3)]
     )
     base = report.healthy_baseline
     assert base["available"] is False, base
     assert "errors in ≥ 5% of requests" in base["reason"], base
+
+
+def test_a_neighbourhood_grows_until_ten_requests_end():
+    """local_error_rates on hand-set windows: a quiet window takes the nearest windows on both
+    sides until 10 requests end; a window where 10 end is judged on its own."""
+    from tokenmill.diagnose.signals.baseline import local_error_rates
+    from tokenmill.diagnose.signals.window import Window
+
+    counts = [(2, 0), (2, 0), (2, 0), (12, 9), (2, 0), (2, 0), (2, 0), (2, 0), (2, 0), (2, 0)]
+    windows = [Window(i, i, i + 1, {"ended": e, "errors": f}) for i, (e, f) in enumerate(counts)]
+    local = local_error_rates(windows)
+    assert 3 not in local  # 12 ended: its own rate
+    assert local[2] == pytest.approx(9 / 16)  # radius 1: windows 1-3
+    assert local[8] == pytest.approx(0.0)  # radius 2: windows 6-9 (8 ended), then 5-9 (10)
+    assert local[0] == pytest.approx(9 / 18)  # radius 3: windows 0-3
 
 
 def test_warm_up_is_capped_when_nothing_completes(tmp_path):

@@ -391,3 +391,13 @@ def test_real_engine_parts_add_up_and_cache_misses_say_why(served):
         _engine_id(served, c) for c in ("victim", "preemptor", "other", "short")
     }
     assert again[-1]["reason"] == "partial_block"
+
+
+def test_the_running_set_says_it_changed_over_the_steps():
+    """A queue part over many steps names everyone who ran in the capped batch meanwhile, not
+    as if they ran at once; one step's part says how many ran."""
+    from tokenmill.diagnose.explain import _running_set
+
+    assert _running_set(13, 259) == "13 requests ran in it over those 259 steps"
+    assert _running_set(1, 4) == "1 request ran in it over those 4 steps"
+    assert _running_set(3, 1) == "3 running"

@@ -4,6 +4,7 @@ refusals of bad input."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -87,8 +88,11 @@ def test_the_recording_replayed_as_it_was(recording):
 def test_text_report_names_the_columns_and_the_error_estimate(recording):
     text = run(recording, ["rate=2"], "ttft_p99<50ms", False, 1.0, [], "text")
     assert "as recorded" in text and "rate=2" in text
-    assert "Error estimate" in text
+    flat = " ".join(text.split())  # the report wraps at the terminal's width
+    assert "Error estimate" in text and re.search(r"goodput share [+-]\d+ pts", flat)
     assert "SLO ttft_p99<50ms" in text and "missed" in text
+    # goodput's per-request bounds: the SLO's TTFT, the defaults for ITL p99 and E2E
+    assert "own TTFT ≤ 50.0 ms, ITL p99 ≤ 200 ms and E2E ≤ 60,000 ms" in flat
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
