@@ -217,5 +217,6 @@ def test_served_steps_carry_the_stream_write_time(tmp_path, smollm2_dir):
     assert all(w is not None for _, _, w in rows), rows
     decode = [w for p, d, w in rows if p == 0 and d > 0]
     # the first token is the prefill step's; the drill skips the first text chunk, so every
-    # decode step but possibly the first waits on it
-    assert len(decode) >= 10 and all(w >= 40.0 for w in decode[1:]), decode
+    # decode step but possibly the first waits on it. asyncio may end a 40 ms sleep up to its
+    # clock's resolution early (a clean clone read 39.83 ms), hence the 1 ms of slack
+    assert len(decode) >= 10 and all(w >= 39.0 for w in decode[1:]), decode
