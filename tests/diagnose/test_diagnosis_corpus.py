@@ -140,6 +140,20 @@ def _live(
         live.close()
 
 
+def _first_window(run, label) -> tuple[int, int]:
+    """Where the full run's diagnosis starts its windows, and their length (ns): the grid the
+    accuracy replay cuts on."""
+    from tokenmill.diagnose.findings import diagnose
+    from tokenmill.telemetry.dump import open_dump, parse_duration
+
+    w_ns = int(parse_duration(label["window"]) * 1e9)
+    con = open_dump(run / "dump", verify=False)
+    try:
+        return diagnose(con, window_s=w_ns / 1e9).start_ns, w_ns
+    finally:
+        con.close()
+
+
 def _run(run_id: str) -> tuple[Path, dict]:
     import json
 
@@ -279,16 +293,8 @@ def test_a_queue_in_a_third_of_the_steps_is_named_by_the_second_window():
     requests waiting and none admitted, and requests wait 1.5-2.6x the healthy TTFT p50. Cut
     where the accuracy replay cuts, at the end of the second window from the fault's, the queue
     is named (with queue_steps at 0.4 it was named two windows later)."""
-    from tokenmill.diagnose.findings import diagnose
-    from tokenmill.telemetry.dump import open_dump, parse_duration
-
     run, label = _run("ttft_queueing-20")
-    w_ns = int(parse_duration(label["window"]) * 1e9)
-    con = open_dump(run / "dump", verify=False)
-    try:
-        start = diagnose(con, window_s=w_ns / 1e9).start_ns
-    finally:
-        con.close()
+    start, w_ns = _first_window(run, label)
     fault = label["fault_start_ns"]
     cut = start + ((fault - start) // w_ns + 2) * w_ns
     found, _ = _live(run, cut)
@@ -303,16 +309,8 @@ def test_uncached_history_is_named_once_its_first_two_repeats_end():
     requests have ended, two of them second turns that repeated their first turn's 12 blocks
     and had them computed again, 384 of 1,288 prompt tokens (0.298). The rule names it there
     (at a 0.3 share it waited two more windows)."""
-    from tokenmill.diagnose.findings import diagnose
-    from tokenmill.telemetry.dump import open_dump, parse_duration
-
     run, label = _run("multi_turn_uncached-0")
-    w_ns = int(parse_duration(label["window"]) * 1e9)
-    con = open_dump(run / "dump", verify=False)
-    try:
-        start = diagnose(con, window_s=w_ns / 1e9).start_ns
-    finally:
-        con.close()
+    start, w_ns = _first_window(run, label)
     found, ended = _live(run, start + 3 * w_ns)
     assert len(ended) == 5
     assert "prefix_cache_miss" in found, sorted(found)
