@@ -4,7 +4,9 @@ recording, and fast-forward against step-by-step on a small replay.
 The recording is the plan validation's (``benchmarks/data/plan_recording/``: the default model
 at 0.4 requests/s, kept as a Parquet dump). The big replay tiles it to 1,000,000 requests at 64x
 its rate over 64 hosts like the recorded one (each replica about as loaded as the recording),
-in this process: its wall time and the process's peak resident memory (``ru_maxrss``). The
+twice: in this process alone, then split over this host's cores (``plan/split.py``, the
+default for a replay this big), each with its wall time and peak resident memory
+(``ru_maxrss``, this process's; the split's other process is about as big). The
 small replay (the recording tiled to 2,000 requests at 2x its rate over 4 hosts) runs both ways
 and sets their percentiles side by side. A third replay (100,000 requests, same shape) times
 the engine's own ``Scheduler`` calls inside it: the share of a replay that is the real
@@ -64,7 +66,7 @@ def scheduler_share(rec, requests: int, hosts: int) -> dict:
     try:
         what = parse_whatif(f"requests={requests},rate={hosts},hosts={hosts}")
         setup, w, model, _ = setup_for(rec, what)
-        r = simulate(w, setup, model)
+        r = simulate(w, setup, model, processes=1)
     finally:
         for name, fn in originals.items():
             setattr(Scheduler, name, fn)
@@ -104,26 +106,35 @@ def main() -> None:
 
     big = parse_whatif(f"requests={args.requests},rate={args.hosts},hosts={args.hosts}")
     setup, w, model, _ = setup_for(rec, big)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    began, cpu_began = time.perf_counter(), time.process_time()
-    r = simulate(w, setup, model)
-    wall, cpu = time.perf_counter() - began, time.process_time() - cpu_began
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    doc["big"] = {
-        "what_if": big.text,
-        "requests": len(w),
-        "replicas": setup.replicas,
-        "wall_s": wall,
-        "cpu_s": cpu,
-        "peak_rss_mib": peak / 1024,
-        "rss_before_mib": before / 1024,
-        "steps": r.steps,
-        "scheduler_calls": r.scheduler_calls,
-        "simulated_s": r.makespan_s,
-        "completed": int((~np.isnan(r.e2e_ms)).sum()),
-        **percentiles(r),
-    }
-    print(json.dumps(doc["big"], indent=1), flush=True)
+    for key, processes in (("big_one_process", 1), ("big", None)):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        began, cpu_began = time.perf_counter(), time.process_time()
+        r = simulate(w, setup, model, processes=processes)
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu_began
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        doc[key] = {
+            "what_if": big.text,
+            "processes": processes or "auto",
+            "requests": len(w),
+            "replicas": setup.replicas,
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "children_cpu_s": children.ru_utime + children.ru_stime,
+            "peak_rss_mib": peak / 1024,
+            "children_peak_rss_mib": children.ru_maxrss / 1024,
+            "rss_before_mib": before / 1024,
+            "steps": r.steps,
+            "scheduler_calls": r.scheduler_calls,
+            "simulated_s": r.makespan_s,
+            "completed": int((~np.isnan(r.e2e_ms)).sum()),
+            **percentiles(r),
+        }
+        print(json.dumps(doc[key], indent=1), flush=True)
+    one, split = doc["big_one_process"], doc["big"]
+    doc["split_speedup"] = one["wall_s"] / split["wall_s"]
+    doc["split_same_percentiles"] = all(one[k] == split[k] for k in percentiles(r))
+    print(f"split: {doc['split_speedup']:.2f}x, same percentiles: {doc['split_same_percentiles']}")
     share = scheduler_share(rec, min(100_000, args.requests), args.hosts)
     # the engine scheduler's own time at the big replay's call count: its floor
     share["big_replay_floor_s"] = share["scheduler_us_per_call"] * r.scheduler_calls / 1e6

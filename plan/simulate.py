@@ -43,8 +43,14 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 
+from .split import Part, Seat, run_split, usable_cores
 from .step_cost import StepCostModel
 from .workload import Workload
+
+#: a replay splits its replicas over processes (one per usable core, at most) from this many
+#: replicas and requests: below them, starting processes costs more than it saves
+SPLIT_MIN_REPLICAS = 4
+SPLIT_MIN_REQUESTS = 20_000
 
 
 @dataclass
@@ -234,12 +240,25 @@ class _Replica:
 
 
 class Simulation:
-    """One replay (see the module docstring). Use :func:`simulate`."""
+    """One replay (see the module docstring). Use :func:`simulate`.
+
+    With ``replicas`` and ``seat`` it replays only that block of the fleet's replicas, one
+    process of a split replay (:mod:`.split`): every arrival is routed at the meeting, and only
+    those routed to its replicas are admitted here."""
 
     def __init__(
-        self, workload: Workload, setup: Setup, model: StepCostModel, *, fast_forward: bool = True
+        self,
+        workload: Workload,
+        setup: Setup,
+        model: StepCostModel,
+        *,
+        fast_forward: bool = True,
+        replicas: range | None = None,
+        seat: Seat | None = None,
     ):
         self.w, self.setup, self.model, self.fast = workload, setup, model, fast_forward
+        self.owned = replicas if replicas is not None else range(setup.replicas)
+        self.seat = seat
         shape = model.shape
         self._attn = shape.attn_flop_per_pair * shape.layers / 1e9  # GFLOP per attended pair
         # per path, the forward (scaled to this replica's threads) and host coefficients summed
@@ -269,7 +288,10 @@ class Simulation:
         self.rejected = np.zeros(n, dtype=bool)
         self.segs: dict[int, list[tuple[float, int]]] = {}
         self.left: dict[int, int] = {}  # router's outstanding tokens per request
-        self.replicas = [_Replica(i, setup) for i in range(setup.replicas)]
+        self.replicas = [
+            _Replica(i, setup) if i in self.owned else None for i in range(setup.replicas)
+        ]
+        self.route = array("h", [-1]) * (n if seat is not None else 0)  # each arrival's replica
         self.router = Router(setup.replicas, setup.config.block_size)
         self._all = list(range(setup.replicas))
         # each replica's run of steps in flight (start, first step's s, growth per step, batch;
@@ -277,6 +299,7 @@ class Simulation:
         # ended by an arrival, as step-by-step would have booked them
         self._runs: dict[int, _Replica] = {}  # replicas with a run of several steps in flight
         self.heap: list = []
+        self._held: list = []  # heap entries set aside by _work_ahead
         self.seq = itertools.count()
         self.steps = self.calls = 0
         self.max_batch = 0
@@ -470,9 +493,22 @@ class Simulation:
     # ----- the replay -----
     def _arrive(self, i: int, t: float) -> None:
         w = self.w
-        prompt = w.prompt(i)
+        if self.seat is None:
+            prompt = w.prompt(i)
+            rep = self.replicas[self._pick(t, prompt)]
+        else:
+            least, mine = self._least(t)
+            until = float(w.arrival_s[i + 1]) if i + 1 < len(w) else math.inf
+            j = self.seat.pick(i, least, mine, idle=lambda: self._work_ahead(until, mine))
+            for entry in self._held:  # the offered replica's step, set aside while waiting
+                heapq.heappush(self.heap, entry)
+            self._held.clear()
+            self.route[i] = j
+            rep = self.replicas[j]
+            if rep is None:
+                return  # another process's replica
+            prompt = w.prompt(i)
         max_tokens = int(w.max_tokens[i])
-        rep = self.replicas[self._pick(t, prompt)]
         rep.touch(t)
         req = Request(
             str(i),
@@ -497,87 +533,205 @@ class Simulation:
         else:
             self._cut(rep, t)
 
+    def _counts(self, t: float) -> list[int]:
+        """The router's outstanding tokens at ``t``, with the tokens of the steps that runs in
+        flight have ended by then counted off (they are booked when the run ends)."""
+        now = self.router.outstanding.copy()
+        sqrt, floor = math.sqrt, math.floor
+        for j, rep in self._runs.items():  # _Replica.steps_done, inline (every arrival, every run)
+            dt, s, g = t - rep.t0, rep.s, rep.g
+            if g > 1e-15:
+                a = s - g / 2
+                x = (-a + sqrt(max(a * a + 2 * g * dt, 0.0))) / g
+            else:
+                x = dt / s
+            done = floor(x + 1e-9)
+            if done > 0:
+                now[j] -= done * rep.batch
+        return now
+
     def _pick(self, t: float, prompt: list[int]) -> int:
-        """The router's pick at ``t``, with the tokens of the steps that runs in flight have
-        ended by then counted off (they are booked when the run ends)."""
+        """The router's pick at ``t`` (see :meth:`_counts`)."""
         router = self.router
         if len(self._all) == 1 or not self._runs:
             return router.pick(self._all, prompt)
         booked = router.outstanding
-        now = booked.copy()
-        for j, rep in self._runs.items():
-            now[j] -= rep.steps_done(t) * rep.batch
-        router.outstanding = now
+        router.outstanding = self._counts(t)
         try:
             return router.pick(self._all, prompt)
         finally:
             router.outstanding = booked
 
+    def _least(self, t: float) -> tuple[int, int]:
+        """The least count at ``t`` among this process's replicas and the first replica with it
+        (the router's rule, :meth:`Router.pick <tokenmill.engine.api.replicas.Router.pick>`
+        without prefix affinity, which a split replay does not take)."""
+        lo, hi = self.owned.start, self.owned.stop
+        mine = (self._counts(t) if self._runs else self.router.outstanding)[lo:hi]
+        least = min(mine)
+        return least, lo + mine.index(least)
+
+    def _work_ahead(self, until: float, hold: int) -> bool:
+        """While a split replay waits for the others' offers: apply the next step ending by
+        ``until`` (the next arrival) of a replica other than ``hold`` (the one this process
+        offered). The arrival goes to ``hold`` or to another process, so those replicas' steps
+        up to the next arrival are the same either way. False when there is none."""
+        heap, reps = self.heap, self.replicas
+        while heap and heap[0][0] <= until:
+            t, _, r, version = entry = heapq.heappop(heap)
+            rep = reps[r]
+            if version != rep.version or rep.out is None:
+                continue
+            if r == hold:
+                self._held.append(entry)
+                continue
+            rep.touch(t)
+            self._t = max(self._t, t)
+            self._start(rep, self._end(rep))
+            return True
+        return False
+
     def run(self) -> SimResult:
         began = time.perf_counter()
+        self.run_events()
+        return _result(self.w, [self.part()], None, time.perf_counter() - began)
+
+    def run_events(self) -> None:
+        """Every arrival and step, in time order."""
         arrivals = self.w.arrival_s
         n = len(arrivals)
         i = 0
         reps = self.replicas
-        while i < n or self.heap:
+        heap = self.heap
+        while i < n or heap:
             t_arr = float(arrivals[i]) if i < n else math.inf
-            if self.heap and self.heap[0][0] <= t_arr:
-                t, _, r, version = heapq.heappop(self.heap)
+            if heap and heap[0][0] <= t_arr:
+                t, _, r, version = heapq.heappop(heap)
                 rep = reps[r]
                 if version != rep.version or rep.out is None:
                     continue
                 rep.touch(t)
-                self._t = t
+                self._t = max(self._t, t)  # a split replay may have worked ahead
                 end = self._end(rep)
                 self._start(rep, end)
             else:
-                self._t = t_arr
+                self._t = max(self._t, t_arr)
                 self._arrive(i, t_arr)
                 i += 1
-        return self._result(time.perf_counter() - began)
-
-    def _result(self, wall_s: float) -> SimResult:
-        w = self.w
-        arrival = w.arrival_s
-        pre, post = w.pre_engine_s, w.post_engine_s
-        first, last, finish = (
-            np.frombuffer(x, dtype=np.float64) for x in (self.first, self.last, self.finish)
-        )
-        done = ~np.isnan(finish)
-        n_out = np.frombuffer(self.produced, dtype=np.int64).copy()
-        tpot = np.where(done & (n_out > 1), (last - first) / np.maximum(n_out - 1, 1) * 1e3, np.nan)
-        span = self._t or 1e-9
-        reps = self.replicas
-        for rep in reps:
+        mine = [rep for rep in reps if rep is not None]
+        for rep in mine:
             rep.touch(self._t)
-        return SimResult(
-            ttft_ms=(first - arrival + pre) * 1e3,
-            itl_p50_ms=self.itl50,
-            itl_p99_ms=self.itl99,
-            tpot_ms=tpot,
-            e2e_ms=np.where(done, (finish - arrival + pre + post) * 1e3, np.nan),
-            output_tokens=n_out,
-            preemptions=np.frombuffer(self.preempt, dtype=np.int64).copy(),
-            rejected=self.rejected,
-            steps=self.steps,
-            scheduler_calls=self.calls,
-            kv_usage_mean=sum(r.kv_area for r in reps) / span / len(reps),
-            kv_usage_max=max(r.kv_max for r in reps),
-            waiting_mean=sum(r.wait_area for r in reps) / span,
-            waiting_max=max(r.wait_max for r in reps),
-            running_mean=sum(r.run_area for r in reps) / span,
-            max_decode_batch=self.max_batch,
-            max_eager_decode_batch=self.max_eager,
-            steps_by_kind=dict(self.kinds),
-            prefix_hit_tokens=sum(r.bm.prefix_hits for r in self.replicas),
-            makespan_s=self._t,
-            wall_s=wall_s,
-            routed=list(self.router.routed),
+
+    def part(self) -> Part:
+        """This replay's per-request arrays and totals (one process's share when split)."""
+        mine = [rep for rep in self.replicas if rep is not None]
+        as_np = lambda a, dtype: np.frombuffer(a, dtype=dtype).copy()  # noqa: E731
+        return Part(
+            replicas=self.owned,
+            arrays={
+                "first": as_np(self.first, np.float64),
+                "last": as_np(self.last, np.float64),
+                "finish": as_np(self.finish, np.float64),
+                "itl50": self.itl50,
+                "itl99": self.itl99,
+                "produced": as_np(self.produced, np.int64),
+                "preempt": as_np(self.preempt, np.int64),
+                "rejected": self.rejected,
+            },
+            tally={
+                "steps": self.steps,
+                "calls": self.calls,
+                "max_batch": self.max_batch,
+                "max_eager": self.max_eager,
+                "kinds": dict(self.kinds),
+                "kv_area": sum(r.kv_area for r in mine),
+                "wait_area": sum(r.wait_area for r in mine),
+                "run_area": sum(r.run_area for r in mine),
+                "kv_max": max((r.kv_max for r in mine), default=0.0),
+                "wait_max": max((r.wait_max for r in mine), default=0),
+                "prefix_hits": sum(r.bm.prefix_hits for r in mine),
+                "t": self._t,
+                "routed": [n if j in self.owned else 0 for j, n in enumerate(self.router.routed)],
+            },
+            waited_spins=self.seat.waited_spins if self.seat is not None else 0,
         )
+
+
+def _result(w: Workload, parts: list[Part], route: np.ndarray | None, wall_s: float) -> SimResult:
+    """The replay's :class:`SimResult` from its processes' parts (each request's numbers from
+    the process its replica was in; ``route``: the replica each arrival went to)."""
+    arrays = dict(parts[0].arrays)
+    for part in parts[1:]:
+        theirs = (route >= part.replicas.start) & (route < part.replicas.stop)
+        for name, values in part.arrays.items():
+            arrays[name] = np.where(theirs, values, arrays[name])
+    tallies = [p.tally for p in parts]
+    total = lambda key: sum(t[key] for t in tallies)  # noqa: E731
+    most = lambda key: max(t[key] for t in tallies)  # noqa: E731
+    kinds: dict[str, int] = {}
+    for t in tallies:
+        for kind, n in t["kinds"].items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    arrival = w.arrival_s
+    pre, post = w.pre_engine_s, w.post_engine_s
+    first, last, finish = arrays["first"], arrays["last"], arrays["finish"]
+    done = ~np.isnan(finish)
+    n_out = arrays["produced"]
+    tpot = np.where(done & (n_out > 1), (last - first) / np.maximum(n_out - 1, 1) * 1e3, np.nan)
+    makespan = most("t")
+    span = makespan or 1e-9
+    replicas = sum(len(p.replicas) for p in parts)
+    return SimResult(
+        ttft_ms=(first - arrival + pre) * 1e3,
+        itl_p50_ms=arrays["itl50"],
+        itl_p99_ms=arrays["itl99"],
+        tpot_ms=tpot,
+        e2e_ms=np.where(done, (finish - arrival + pre + post) * 1e3, np.nan),
+        output_tokens=n_out,
+        preemptions=arrays["preempt"],
+        rejected=arrays["rejected"],
+        steps=total("steps"),
+        scheduler_calls=total("calls"),
+        kv_usage_mean=total("kv_area") / span / replicas,
+        kv_usage_max=most("kv_max"),
+        waiting_mean=total("wait_area") / span,
+        waiting_max=most("wait_max"),
+        running_mean=total("run_area") / span,
+        max_decode_batch=most("max_batch"),
+        max_eager_decode_batch=most("max_eager"),
+        steps_by_kind=kinds,
+        prefix_hit_tokens=total("prefix_hits"),
+        makespan_s=makespan,
+        wall_s=wall_s,
+        routed=[sum(col) for col in zip(*(t["routed"] for t in tallies))],
+    )
 
 
 def simulate(
-    workload: Workload, setup: Setup, model: StepCostModel, *, fast_forward: bool = True
+    workload: Workload,
+    setup: Setup,
+    model: StepCostModel,
+    *,
+    fast_forward: bool = True,
+    processes: int | None = None,
 ) -> SimResult:
-    """Replay ``workload`` under ``setup`` with step times from ``model``."""
-    return Simulation(workload, setup, model, fast_forward=fast_forward).run()
+    """Replay ``workload`` under ``setup`` with step times from ``model``.
+
+    ``processes``: how many processes share the fleet's replicas (:mod:`.split`; the result is
+    the same). None: one per usable core, at most two, for a replay of at least
+    :data:`SPLIT_MIN_REPLICAS` replicas and :data:`SPLIT_MIN_REQUESTS` requests; else one."""
+    if processes is None:
+        big = setup.replicas >= SPLIT_MIN_REPLICAS and len(workload) >= SPLIT_MIN_REQUESTS
+        processes = min(usable_cores(), 2) if big else 1
+    processes = max(1, min(processes, setup.replicas))
+    if processes == 1:
+        return Simulation(workload, setup, model, fast_forward=fast_forward).run()
+    began = time.perf_counter()
+
+    def make(replicas: range | None, seat: Seat | None) -> Simulation:
+        return Simulation(
+            workload, setup, model, fast_forward=fast_forward, replicas=replicas, seat=seat
+        )
+
+    parts, route = run_split(make, setup.replicas, processes)
+    return _result(workload, parts, route, time.perf_counter() - began)

@@ -86,7 +86,11 @@ class Router:
     def pick(self, ready: list[int], prompt_token_ids: list[int]) -> int:
         """The replica (one of ``ready``, not empty) for a prompt: the least outstanding tokens
         (lowest index on ties), or the prefix-affine one within :data:`AFFINITY_SLACK_TOKENS`."""
-        least = min(ready, key=lambda r: (self.outstanding[r], r))
+        counts = self.outstanding
+        if len(ready) == len(counts):  # every replica: the first of the smallest counts
+            least = counts.index(min(counts))
+        else:
+            least = min(ready, key=lambda r: (counts[r], r))
         if not self.prefix_affinity or len(prompt_token_ids) < self.key_tokens:
             return least
         key = tuple(prompt_token_ids[: self.key_tokens])

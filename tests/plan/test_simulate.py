@@ -143,3 +143,80 @@ def test_rate_and_tiling_change_the_arrivals_not_the_requests():
     # a block two prompts share stays shared across tiles; a private one is new in each tile
     assert big.prompt(0)[:16] == big.prompt(3)[:16] == big.prompt(1)[:16]
     assert big.prompt(2)[:16] != big.prompt(5)[:16]
+
+
+def _busy_fleet_workload(n: int = 300):
+    rng = np.random.default_rng(11)
+    arrivals = np.cumsum(rng.exponential(0.02, n))
+    prompts = rng.integers(40, 400, n)
+    outputs = rng.integers(10, 120, n)
+    hashes = [[1, 2] if i % 3 == 0 else [] for i in range(n)]
+    return workload(arrivals, prompts, outputs, hashes=hashes)
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_a_split_replay_decides_as_one_process(monkeypatch, processes):
+    from tokenmill.plan.simulate import Simulation
+
+    w = _busy_fleet_workload()
+    m = model(step=8.0, decode=0.6, prefill=0.05, attn=2.0, kv=40.0)
+    s = setup(replicas=5, num_blocks=60)  # small pools: requests preempt each other
+    one = simulate(w, s, m, processes=1)
+    ahead = []  # steps this process applied while waiting at the meeting
+    work_ahead = Simulation._work_ahead
+
+    def counted(self, until, hold):
+        did = work_ahead(self, until, hold)
+        ahead.append(did)
+        return did
+
+    monkeypatch.setattr(Simulation, "_work_ahead", counted)
+    split = simulate(w, s, m, processes=processes)
+    assert one.preemptions.sum() > 0 and min(one.routed) > 0
+    assert sum(ahead) > 0
+    for name in ("ttft_ms", "itl_p50_ms", "itl_p99_ms", "tpot_ms", "e2e_ms", "output_tokens",
+                 "preemptions", "rejected"):  # fmt: skip
+        np.testing.assert_array_equal(getattr(split, name), getattr(one, name), err_msg=name)
+    for name in ("routed", "steps", "scheduler_calls", "steps_by_kind", "max_decode_batch",
+                 "max_eager_decode_batch", "kv_usage_max", "waiting_max", "prefix_hit_tokens",
+                 "makespan_s"):  # fmt: skip
+        assert getattr(split, name) == getattr(one, name), name
+    # means over time: the same areas, summed in another order
+    for name in ("kv_usage_mean", "waiting_mean", "running_mean"):
+        assert getattr(split, name) == pytest.approx(getattr(one, name), rel=1e-12), name
+
+
+@pytest.mark.parametrize("broken_replica", [0, 1])
+def test_a_failing_process_stops_a_split_replay_with_its_reason(monkeypatch, broken_replica):
+    from tokenmill.plan.simulate import Simulation
+    from tokenmill.plan.split import SplitError
+
+    original = Simulation._end
+
+    def broken(self, rep):
+        if rep.index == broken_replica:
+            raise RuntimeError(f"replica {broken_replica} broke")
+        return original(self, rep)
+
+    monkeypatch.setattr(Simulation, "_end", broken)
+    # replica 0 is this process's, replica 1 the other's: either way the replay stops and says
+    # why instead of waiting for the failed one
+    with pytest.raises((SplitError, RuntimeError), match=f"replica {broken_replica} broke"):
+        simulate(_busy_fleet_workload(60), setup(replicas=2), model(), processes=2)
+
+
+def test_a_meeting_word_holds_its_replica_and_count():
+    from tokenmill.plan.split import SplitError, blocks, pack, unpack
+
+    for i, replica, count in (
+        (0, 0, 0),
+        (5, 63, -7),
+        (4095, 4095, (1 << 39) - 1),
+        (7, 1, -(1 << 39)),
+    ):
+        assert unpack(pack(i, replica, count)) == (replica, count)
+    with pytest.raises(SplitError, match="does not fit"):
+        pack(0, 0, 1 << 39)
+    assert blocks(64, 2) == [range(0, 32), range(32, 64)]
+    assert blocks(5, 2) == [range(0, 2), range(2, 5)]
+    assert blocks(2, 4) == [range(0, 1), range(1, 2)]
