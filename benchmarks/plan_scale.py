@@ -4,9 +4,10 @@ recording, and fast-forward against step-by-step on a small replay.
 The recording is the plan validation's (``benchmarks/data/plan_recording/``: the default model
 at 0.4 requests/s, kept as a Parquet dump). The big replay tiles it to 1,000,000 requests at 64x
 its rate over 64 hosts like the recorded one (each replica about as loaded as the recording),
-twice: in this process alone, then split over this host's cores (``plan/split.py``, the
-default for a replay this big), each with its wall time and peak resident memory
-(``ru_maxrss``, this process's; the split's other process is about as big). The
+twice: split over this host's cores (``plan/split.py``, the default for a replay this big),
+then in this process alone, each with its wall time and peak resident memory (``ru_maxrss``:
+the split's first, this process, and its other; a forked process's count includes the pages it
+shares with this one; the one-process figure is this process's peak over both). The
 small replay (the recording tiled to 2,000 requests at 2x its rate over 4 hosts) runs both ways
 and sets their percentiles side by side. A third replay (100,000 requests, same shape) times
 the engine's own ``Scheduler`` calls inside it: the share of a replay that is the real
@@ -106,7 +107,7 @@ def main() -> None:
 
     big = parse_whatif(f"requests={args.requests},rate={args.hosts},hosts={args.hosts}")
     setup, w, model, _ = setup_for(rec, big)
-    for key, processes in (("big_one_process", 1), ("big", None)):
+    for key, processes in (("big_split", None), ("big_one_process", 1)):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         began, cpu_began = time.perf_counter(), time.process_time()
         r = simulate(w, setup, model, processes=processes)
@@ -115,7 +116,7 @@ def main() -> None:
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
         doc[key] = {
             "what_if": big.text,
-            "processes": processes or "auto",
+            "processes": r.processes,
             "requests": len(w),
             "replicas": setup.replicas,
             "wall_s": wall,
@@ -131,7 +132,7 @@ def main() -> None:
             **percentiles(r),
         }
         print(json.dumps(doc[key], indent=1), flush=True)
-    one, split = doc["big_one_process"], doc["big"]
+    one, split = doc["big_one_process"], doc["big_split"]
     doc["split_speedup"] = one["wall_s"] / split["wall_s"]
     doc["split_same_percentiles"] = all(one[k] == split[k] for k in percentiles(r))
     print(f"split: {doc['split_speedup']:.2f}x, same percentiles: {doc['split_same_percentiles']}")

@@ -43,7 +43,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 
-from .split import Part, Seat, run_split, usable_cores
+from .split import Part, Seat, can_split, run_split, usable_cores
 from .step_cost import StepCostModel
 from .workload import Workload
 
@@ -99,6 +99,8 @@ class SimResult:
     makespan_s: float = 0.0
     wall_s: float = 0.0
     routed: list[int] = field(default_factory=list)
+    processes: int = 1
+    """the processes the replay ran in (:mod:`.split`)"""
 
 
 def _quantile(segs: list[tuple[float, int]], q: float) -> float:
@@ -499,7 +501,9 @@ class Simulation:
         else:
             least, mine = self._least(t)
             until = float(w.arrival_s[i + 1]) if i + 1 < len(w) else math.inf
-            j = self.seat.pick(i, least, mine, idle=lambda: self._work_ahead(until, mine))
+            j = self.seat.pick(
+                i, count=least, replica=mine, idle=lambda: self._work_ahead(until, mine)
+            )
             for entry in self._held:  # the offered replica's step, set aside while waiting
                 heapq.heappush(self.heap, entry)
             self._held.clear()
@@ -537,16 +541,9 @@ class Simulation:
         """The router's outstanding tokens at ``t``, with the tokens of the steps that runs in
         flight have ended by then counted off (they are booked when the run ends)."""
         now = self.router.outstanding.copy()
-        sqrt, floor = math.sqrt, math.floor
-        for j, rep in self._runs.items():  # _Replica.steps_done, inline (every arrival, every run)
-            dt, s, g = t - rep.t0, rep.s, rep.g
-            if g > 1e-15:
-                a = s - g / 2
-                x = (-a + sqrt(max(a * a + 2 * g * dt, 0.0))) / g
-            else:
-                x = dt / s
-            done = floor(x + 1e-9)
-            if done > 0:
+        for j, rep in self._runs.items():
+            done = rep.steps_done(t)
+            if done:
                 now[j] -= done * rep.batch
         return now
 
@@ -563,13 +560,17 @@ class Simulation:
             router.outstanding = booked
 
     def _least(self, t: float) -> tuple[int, int]:
-        """The least count at ``t`` among this process's replicas and the first replica with it
-        (the router's rule, :meth:`Router.pick <tokenmill.engine.api.replicas.Router.pick>`
-        without prefix affinity, which a split replay does not take)."""
-        lo, hi = self.owned.start, self.owned.stop
-        mine = (self._counts(t) if self._runs else self.router.outstanding)[lo:hi]
-        least = min(mine)
-        return least, lo + mine.index(least)
+        """This process's offer at ``t``: the least count among its replicas and the replica
+        the router would pick among them (a replay's router has no prefix affinity)."""
+        router = self.router
+        booked = router.outstanding
+        counts = self._counts(t) if self._runs else booked
+        router.outstanding = counts
+        try:
+            j = router.least_in(self.owned.start, self.owned.stop)
+        finally:
+            router.outstanding = booked
+        return counts[j], j
 
     def _work_ahead(self, until: float, hold: int) -> bool:
         """While a split replay waits for the others' offers: apply the next step ending by
@@ -644,16 +645,16 @@ class Simulation:
                 "max_batch": self.max_batch,
                 "max_eager": self.max_eager,
                 "kinds": dict(self.kinds),
-                "kv_area": sum(r.kv_area for r in mine),
-                "wait_area": sum(r.wait_area for r in mine),
-                "run_area": sum(r.run_area for r in mine),
+                # per replica, summed in replica order by _result
+                "kv_area": {r.index: r.kv_area for r in mine},
+                "wait_area": {r.index: r.wait_area for r in mine},
+                "run_area": {r.index: r.run_area for r in mine},
                 "kv_max": max((r.kv_max for r in mine), default=0.0),
                 "wait_max": max((r.wait_max for r in mine), default=0),
                 "prefix_hits": sum(r.bm.prefix_hits for r in mine),
                 "t": self._t,
                 "routed": [n if j in self.owned else 0 for j, n in enumerate(self.router.routed)],
             },
-            waited_spins=self.seat.waited_spins if self.seat is not None else 0,
         )
 
 
@@ -667,6 +668,11 @@ def _result(w: Workload, parts: list[Part], route: np.ndarray | None, wall_s: fl
             arrays[name] = np.where(theirs, values, arrays[name])
     tallies = [p.tally for p in parts]
     total = lambda key: sum(t[key] for t in tallies)  # noqa: E731
+
+    def area(key: str) -> float:
+        per_replica = {j: a for t in tallies for j, a in t[key].items()}
+        return sum(per_replica[j] for j in sorted(per_replica))
+
     most = lambda key: max(t[key] for t in tallies)  # noqa: E731
     kinds: dict[str, int] = {}
     for t in tallies:
@@ -692,18 +698,19 @@ def _result(w: Workload, parts: list[Part], route: np.ndarray | None, wall_s: fl
         rejected=arrays["rejected"],
         steps=total("steps"),
         scheduler_calls=total("calls"),
-        kv_usage_mean=total("kv_area") / span / replicas,
+        kv_usage_mean=area("kv_area") / span / replicas,
         kv_usage_max=most("kv_max"),
-        waiting_mean=total("wait_area") / span,
+        waiting_mean=area("wait_area") / span,
         waiting_max=most("wait_max"),
-        running_mean=total("run_area") / span,
+        running_mean=area("run_area") / span,
         max_decode_batch=most("max_batch"),
         max_eager_decode_batch=most("max_eager"),
         steps_by_kind=kinds,
         prefix_hit_tokens=total("prefix_hits"),
         makespan_s=makespan,
         wall_s=wall_s,
-        routed=[sum(col) for col in zip(*(t["routed"] for t in tallies))],
+        routed=[sum(col) for col in zip(*(t["routed"] for t in tallies), strict=True)],
+        processes=len(parts),
     )
 
 
@@ -719,10 +726,11 @@ def simulate(
 
     ``processes``: how many processes share the fleet's replicas (:mod:`.split`; the result is
     the same). None: one per usable core, at most two, for a replay of at least
-    :data:`SPLIT_MIN_REPLICAS` replicas and :data:`SPLIT_MIN_REQUESTS` requests; else one."""
+    :data:`SPLIT_MIN_REPLICAS` replicas and :data:`SPLIT_MIN_REQUESTS` requests when this
+    process may fork (:func:`~.split.can_split`); else one."""
     if processes is None:
         big = setup.replicas >= SPLIT_MIN_REPLICAS and len(workload) >= SPLIT_MIN_REQUESTS
-        processes = min(usable_cores(), 2) if big else 1
+        processes = min(usable_cores(), 2) if big and can_split() else 1
     processes = max(1, min(processes, setup.replicas))
     if processes == 1:
         return Simulation(workload, setup, model, fast_forward=fast_forward).run()

@@ -13,8 +13,10 @@ shared.
 The meeting is one 64-bit word per process and arrival parity in shared memory (one aligned
 store, so it is seen whole on any CPU): a sequence number, the replica and its count. A
 process waits for the others' words by spinning, as the replay's steps between two arrivals
-take microseconds; a process that fails raises a flag the others see within a few thousand
-spins.
+take microseconds. A process whose replay raises sets a shared flag and sends its traceback;
+one that dies without a word (killed, out of memory) is seen by the first process through its
+exit. Either way every process stops within a few thousand spins and the first raises
+:class:`SplitError` with the reason.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import mmap
+import multiprocessing as mp
 import os
+import threading
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 
 import numpy as np
 
@@ -44,6 +49,10 @@ class SplitError(RuntimeError):
     """A process of a split replay failed (its traceback is the message)."""
 
 
+class _Stopped(SplitError):
+    """This process stopped because another one failed (that one says why)."""
+
+
 def blocks(replicas: int, processes: int) -> list[range]:
     """The consecutive replicas each process replays, as even as the counts allow."""
     processes = max(1, min(processes, replicas))
@@ -56,6 +65,13 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def can_split() -> bool:
+    """Whether this process may fork replay processes: on a platform with ``fork``, and with no
+    other thread running (a thread holding a lock at the fork, as a web server's may, would
+    leave it held in the child)."""
+    return "fork" in mp.get_all_start_methods() and threading.active_count() == 1
 
 
 _SEQ_SHIFT = _REPLICA_BITS + _COUNT_BITS
@@ -94,16 +110,18 @@ class Meeting:
 
 
 class Seat:
-    """Process ``me``'s place at the meeting."""
+    """Process ``me``'s place at the meeting. The first process watches the others' exits
+    (``children``: their sentinels); the others watch the first (``parent_pid``)."""
 
-    def __init__(self, meeting: Meeting, me: int, parent_pid: int | None = None):
+    def __init__(self, meeting: Meeting, me: int, *, parent_pid: int | None = None, children=()):
         self.meeting, self.me = meeting, me
         self.others = [p for p in range(meeting.processes) if p != me]
         self.parent_pid = parent_pid
-        self.waited_spins = 0
+        self.children = list(children)
 
-    def pick(self, i: int, count: int, replica: int, idle=None) -> int:
-        """Arrival ``i``: offer this process's least ``count`` (at ``replica``); the winner.
+    def pick(self, i: int, *, count: int, replica: int, idle=None) -> int:
+        """Arrival ``i``: offer this process's least ``count`` (at ``replica``); the winner by
+        the router's rule (the least count, then the lowest replica index).
         ``idle()`` is called while the others' offers are missing (work that does not depend on
         the winner; it returns False when it has none)."""
         parity = i & 1
@@ -122,17 +140,18 @@ class Seat:
                     if spins % _CHECK_EVERY == 0:
                         self._check()
                 word = words[k]
-            self.waited_spins += spins
             their_replica, theirs = unpack(word)
-            if theirs < best or (theirs == best and their_replica < best_replica):
+            if (theirs, their_replica) < (best, best_replica):
                 best, best_replica = theirs, their_replica
         return best_replica
 
     def _check(self) -> None:
         if self.meeting.failed:
-            raise SplitError("another process of the split replay failed")
+            raise _Stopped("another process of the split replay failed")
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
-            raise SplitError("the split replay's first process is gone")
+            raise _Stopped("the split replay's first process is gone")
+        if self.children and wait(self.children, timeout=0):
+            raise SplitError("a process of the split replay ended without a word (killed?)")
         os.sched_yield()
 
 
@@ -143,7 +162,6 @@ class Part:
     replicas: range
     arrays: dict
     tally: dict
-    waited_spins: int = 0
 
 
 def run_split(make_simulation, replicas: int, processes: int) -> tuple[list[Part], np.ndarray]:
@@ -155,8 +173,6 @@ def run_split(make_simulation, replicas: int, processes: int) -> tuple[list[Part
         SplitError: a process failed (with its traceback), or the meeting cannot name the
             fleet's replicas.
     """
-    import multiprocessing as mp
-
     if replicas > MAX_REPLICAS:
         raise SplitError(f"a split replay names at most {MAX_REPLICAS} replicas, not {replicas}")
     parts_of = blocks(replicas, processes)
@@ -164,54 +180,68 @@ def run_split(make_simulation, replicas: int, processes: int) -> tuple[list[Part
     ctx = mp.get_context("fork")
     parent = os.getpid()
     pipes, children = [], []
-    for p in range(1, len(parts_of)):
-        recv, send = ctx.Pipe(duplex=False)
-        child = ctx.Process(
-            target=_child, args=(make_simulation, parts_of[p], Seat(meeting, p, parent), send),
-            daemon=True,
-        )  # fmt: skip
-        child.start()
-        send.close()
-        pipes.append(recv)
-        children.append(child)
     try:
-        sim = make_simulation(parts_of[0], Seat(meeting, 0))
+        for p in range(1, len(parts_of)):
+            recv, send = ctx.Pipe(duplex=False)
+            seat = Seat(meeting, p, parent_pid=parent)
+            child = ctx.Process(
+                target=_child, args=(make_simulation, parts_of[p], seat, send), daemon=True
+            )
+            child.start()
+            send.close()
+            pipes.append(recv)
+            children.append(child)
+        sim = make_simulation(
+            parts_of[0], Seat(meeting, 0, children=[c.sentinel for c in children])
+        )
         try:
             sim.run_events()
-        except SplitError as e:  # another process failed first: say why
+        except _Stopped:  # another process failed first: its reason
             meeting.fail()
-            raise SplitError(_first_error(pipes) or str(e)) from None
+            raise SplitError(_reason(pipes)) from None
         parts = [sim.part()]
         for recv in pipes:
             try:
                 kind, payload = recv.recv()
             except EOFError:
                 raise SplitError("a process of the split replay ended without its part") from None
-            if kind == "error":
-                raise SplitError(payload)
+            if kind != "part":
+                meeting.fail()
+                raise SplitError(payload if kind == "error" else _reason(pipes))
             parts.append(payload)
     except BaseException:
         meeting.fail()
+        for child in children:
+            child.kill()
         raise
     finally:
         for child in children:
             child.join(timeout=10)
             if child.is_alive():
                 child.kill()
+                child.join()
+        for recv in pipes:
+            recv.close()
     return parts, np.frombuffer(sim.route, dtype=np.int16)
 
 
-def _first_error(pipes, wait_s: float = 10.0) -> str | None:
-    """The traceback a failed process sent, if one did within ``wait_s``."""
-    for recv in pipes:
-        try:
-            if recv.poll(wait_s):
+def _reason(pipes, wait_s: float = 10.0) -> str:
+    """The traceback the failed process sent (rather than another's note that it stopped)."""
+    pending, stopped = list(pipes), None
+    while pending:
+        ready = wait(pending, timeout=wait_s)
+        if not ready:
+            break
+        for recv in ready:
+            pending.remove(recv)
+            try:
                 kind, payload = recv.recv()
-                if kind == "error":
-                    return payload
-        except (EOFError, OSError):
-            continue
-    return None
+            except (EOFError, OSError):
+                continue
+            if kind == "error":
+                return payload
+            stopped = stopped or payload
+    return stopped or "a process of the split replay failed without a word (killed?)"
 
 
 def _child(make_simulation, replicas: range, seat: Seat, send) -> None:
@@ -219,6 +249,10 @@ def _child(make_simulation, replicas: range, seat: Seat, send) -> None:
         sim = make_simulation(replicas, seat)
         sim.run_events()
         send.send(("part", sim.part()))
+    except _Stopped as e:
+        seat.meeting.fail()
+        with contextlib.suppress(BrokenPipeError, OSError):
+            send.send(("stopped", str(e)))
     except BaseException:  # the first process reports it
         seat.meeting.fail()
         with contextlib.suppress(BrokenPipeError, OSError):

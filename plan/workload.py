@@ -4,16 +4,18 @@
 dump: arrival offsets, prompt and output lengths, ``max_tokens``, tenant and the prompt's
 per-block content hashes (``prompt_block_hashes``, the first 32 blocks). A replay needs prompt
 token ids only for the prefix cache, so :meth:`Workload.prompt` makes them up from those
-hashes: two recorded prompts whose leading block hashes agree get the same made-up tokens for
-those blocks (the cache hits they had are possible again), every other token is the request's
-own. The API's own time around the engine (gateway to the engine's queue, less the wait for
+hashes: a block whose hash more than one recorded prompt holds gets the same made-up tokens in
+each (the cache hits they had are possible again). A prompt's first block that no other holds
+gets tokens of the request's own, and the tokens after it are filler, the same in every prompt:
+a block's identity in the prefix cache chains every block before it, so once a prompt has a
+block of its own, none of its later blocks can match another prompt's. The API's own time around the engine (gateway to the engine's queue, less the wait for
 the step in progress, which the replay makes itself; last token to the response's end) is
 carried over as the recording's medians.
 
 :meth:`Workload.scaled` and :meth:`Workload.repeated` make the "same traffic" what-ifs: arrivals
-at ``k`` times the rate, and a recording tiled back to back to any number of requests (a block
-that only one recorded prompt held is made unique again in each tile, so a tile does not hit
-the cache on its predecessor's private blocks).
+at ``k`` times the rate, and a recording tiled back to back to any number of requests (each
+request's own block is its own in every tile, so a tile does not hit the cache on its
+predecessor's private blocks).
 """
 
 from __future__ import annotations
@@ -31,9 +33,18 @@ _OWN_BASE = 1 << 40
 _OWN_SPAN = 1 << 20
 
 
-#: where a hashed block's made-up token ids start, in block units: its hash's low bits (a
-#: prompt's own blocks: mixed with the tile first)
+#: where a shared block's made-up token ids start, in block units: its hash's low bits
 _BASE_MASK = (1 << 34) - 1
+#: the made-up tokens after a prompt's first own block: the same in every prompt
+_FILLER_BASE = 1 << 39
+_FILLER: list[int] = []
+
+
+def _filler(n: int) -> list[int]:
+    """The first ``n`` filler tokens."""
+    if len(_FILLER) < n:
+        _FILLER.extend(range(_FILLER_BASE + len(_FILLER), _FILLER_BASE + n))
+    return _FILLER[:n]
 
 
 # the replay's clock is int64 nanoseconds: arrivals (s) must stay well inside it
@@ -99,16 +110,18 @@ class Workload:
     def prompt(self, i: int) -> list[int]:
         """Request ``i``'s made-up prompt token ids (see the module docstring)."""
         bs, n = self.block_size, int(self.input_tokens[i])
-        hashes = self.block_hashes[i][: n // bs]
         out: list[int] = []
-        if hashes:
-            # a shared block has the same tokens wherever it appears; a prompt's own block is
-            # new in each tile
-            shared, key = self._shared, int(self.tile[i]) * 0x9E3779B97F4A7C15
-            bases = [(h if h in shared else h ^ key) & _BASE_MASK for h in hashes]
-            out = (np.array(bases, dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel().tolist()
+        shared = self._shared
+        for h in self.block_hashes[i][: n // bs]:
+            if h not in shared:
+                break
+            start = (h & _BASE_MASK) * bs
+            out.extend(range(start, start + bs))
         own = _OWN_BASE + i * _OWN_SPAN
-        out.extend(range(own, own + n - len(out)))
+        out.extend(range(own, own + min(bs, n - len(out))))
+        rest = n - len(out)
+        if rest:
+            out.extend(_filler(rest))
         return out
 
     def output_token(self, i: int) -> int:

@@ -84,11 +84,12 @@ class Router:
         self.affine = 0  # requests routed by affinity against the least-loaded choice
 
     def pick(self, ready: list[int], prompt_token_ids: list[int]) -> int:
-        """The replica (one of ``ready``, not empty) for a prompt: the least outstanding tokens
-        (lowest index on ties), or the prefix-affine one within :data:`AFFINITY_SLACK_TOKENS`."""
+        """The replica (one of ``ready``: distinct indices, not empty) for a prompt: the least
+        outstanding tokens (lowest index on ties), or the prefix-affine one within
+        :data:`AFFINITY_SLACK_TOKENS`."""
         counts = self.outstanding
-        if len(ready) == len(counts):  # every replica: the first of the smallest counts
-            least = counts.index(min(counts))
+        if len(ready) == len(counts):  # ready holds distinct indices: every replica
+            least = self.least_in(0, len(counts))
         else:
             least = min(ready, key=lambda r: (counts[r], r))
         if not self.prefix_affinity or len(prompt_token_ids) < self.key_tokens:
@@ -108,6 +109,12 @@ class Router:
         while len(self._last) > AFFINITY_KEYS:
             self._last.popitem(last=False)
         return pick
+
+    def least_in(self, first: int, stop: int) -> int:
+        """The replica of ``first .. stop - 1`` with the fewest outstanding tokens (the lowest
+        index on ties)."""
+        counts = self.outstanding[first:stop]
+        return first + counts.index(min(counts))
 
     def add(self, replica: int, tokens: int) -> None:
         """Count ``tokens`` (may be negative) against ``replica``."""
