@@ -291,6 +291,7 @@ def predict(
         "scheduler_calls": result.scheduler_calls,
         "makespan_s": result.makespan_s,
         "wall_s": result.wall_s,
+        "processes": result.processes,
         "routed": result.routed,
         "throughput_tok_s": float(result.output_tokens.sum()) / max(result.makespan_s, 1e-9),
     }
