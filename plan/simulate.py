@@ -43,7 +43,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 
-from .split import Part, Seat, can_split, run_split, usable_cores
+from .split import MAX_REPLICAS, Part, Seat, can_split, run_split, usable_cores
 from .step_cost import StepCostModel
 from .workload import Workload
 
@@ -726,10 +726,12 @@ def simulate(
 
     ``processes``: how many processes share the fleet's replicas (:mod:`.split`; the result is
     the same). None: one per usable core, at most two, for a replay of at least
-    :data:`SPLIT_MIN_REPLICAS` replicas and :data:`SPLIT_MIN_REQUESTS` requests when this
-    process may fork (:func:`~.split.can_split`); else one."""
+    :data:`SPLIT_MIN_REPLICAS` replicas (at most :data:`~.split.MAX_REPLICAS`) and
+    :data:`SPLIT_MIN_REQUESTS` requests when this process may fork (:func:`~.split.can_split`);
+    else one."""
     if processes is None:
-        big = setup.replicas >= SPLIT_MIN_REPLICAS and len(workload) >= SPLIT_MIN_REQUESTS
+        big = SPLIT_MIN_REPLICAS <= setup.replicas <= MAX_REPLICAS
+        big = big and len(workload) >= SPLIT_MIN_REQUESTS
         processes = min(usable_cores(), 2) if big and can_split() else 1
     processes = max(1, min(processes, setup.replicas))
     if processes == 1:

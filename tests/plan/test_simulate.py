@@ -241,3 +241,16 @@ def test_a_meeting_word_holds_its_replica_and_count():
     assert blocks(64, 2) == [range(0, 32), range(32, 64)]
     assert blocks(5, 2) == [range(0, 2), range(2, 5)]
     assert blocks(2, 4) == [range(0, 1), range(1, 2)]
+
+
+def test_a_fleet_past_what_a_meeting_word_names_replays_in_one_process(monkeypatch):
+    import tokenmill.plan.simulate as sim
+    from tokenmill.plan.split import can_split, usable_cores
+
+    monkeypatch.setattr(sim, "SPLIT_MIN_REQUESTS", 10)
+    w, s = _busy_fleet_workload(60), setup(replicas=5)
+    if can_split() and usable_cores() >= 2:
+        assert simulate(w, s, model()).processes == 2
+    # the split is only a way to run it: a fleet it cannot name runs in one process, not refused
+    monkeypatch.setattr(sim, "MAX_REPLICAS", 4)
+    assert simulate(w, s, model()).processes == 1
