@@ -13,6 +13,7 @@ last quarter is set against what the recording measured for them.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,13 +187,40 @@ class Prediction:
         }
 
 
+#: what a replay holds per KV block of its replicas' pools and per request, in bytes (about
+#: what the million-request, 64-replica replay of ``benchmarks/plan_scale.py`` took)
+REPLAY_BYTES_PER_BLOCK = 300
+REPLAY_BYTES_PER_REQUEST = 600
+
+
+def available_memory() -> int | None:
+    """This host's available memory in bytes (None where the platform does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_memory(replicas: int, num_blocks: int, requests: int) -> None:
+    """Refuse a replay that would not fit in the available memory, before building it."""
+    need = replicas * num_blocks * REPLAY_BYTES_PER_BLOCK + requests * REPLAY_BYTES_PER_REQUEST
+    have = available_memory()
+    if have is not None and need > have:
+        raise PlanError(
+            f"this replay would hold about {need / 2**30:.1f} GiB ({replicas:,} replicas of "
+            f"{num_blocks:,} KV blocks, {requests:,} requests); {have / 2**30:.1f} GiB is "
+            "available: plan fewer hosts, replicas, KV blocks or requests"
+        )
+
+
 def setup_for(
     rec: Recording, whatif: WhatIf, cost_models: dict[str, StepCostModel] | None = None
 ) -> tuple[Setup, Workload, StepCostModel, list[str]]:
     """The replay a what-if asks for: setup, workload, step-cost model and the notes it needs.
 
     Raises:
-        PlanError: a quantization without a recording made with it.
+        PlanError: a quantization without a recording made with it, or a replay bigger than
+            this host's available memory.
     """
     ch = whatif.changes
     notes: list[str] = []
@@ -222,6 +250,8 @@ def setup_for(
                 f"each of {replicas} replicas on a host gets {threads} of the {model.threads} CPU "
                 f"threads the recording's forward used: its forward time x{factor:.2f} ({source})"
             )
+    num_blocks = int(ch.get("kv_blocks", rec.num_blocks))
+    _check_memory(replicas * hosts, num_blocks, int(ch.get("requests", len(rec.workload))))
     workload = rec.workload
     if "requests" in ch:
         workload = workload.repeated(int(ch["requests"]))
@@ -229,7 +259,7 @@ def setup_for(
         workload = workload.scaled(float(ch["rate"]))
     setup = Setup(
         config=config,
-        num_blocks=int(ch.get("kv_blocks", rec.num_blocks)),
+        num_blocks=num_blocks,
         replicas=replicas * hosts,
         threads=threads,
         max_model_len=int(rec.cfg.get("max_model_len") or 1 << 20),

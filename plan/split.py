@@ -253,9 +253,10 @@ def _child(make_simulation, replicas: range, seat: Seat, send) -> None:
         seat.meeting.fail()
         with contextlib.suppress(BrokenPipeError, OSError):
             send.send(("stopped", str(e)))
-    except BaseException:  # the first process reports it
+    except BaseException as e:  # the first process reports it: its first line says what
         seat.meeting.fail()
+        reason = f"a replay process failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"
         with contextlib.suppress(BrokenPipeError, OSError):
-            send.send(("error", traceback.format_exc()))
+            send.send(("error", reason))
     finally:
         send.close()

@@ -132,7 +132,8 @@ class Workload:
         """The same requests arriving ``rate_factor`` times as fast (gaps divided by it)."""
         if not rate_factor > 0:
             raise WorkloadError(f"a rate factor must be > 0, not {rate_factor}")
-        arrival_s = self.arrival_s / rate_factor
+        with np.errstate(over="ignore"):  # a tiny factor: refused below, not warned about
+            arrival_s = self.arrival_s / rate_factor
         if len(arrival_s) and not float(arrival_s.max()) < MAX_SPAN_S:
             raise WorkloadError(
                 f"rate={rate_factor:g} stretches the recording's arrivals to "

@@ -138,6 +138,8 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
         ((str(recording), "--what-if", "disaggregation=1:1"), "is not replayed"),
         ((str(tmp_path / "missing.duckdb"),), "missing.duckdb"),
         ((str(recording), "--what-if", "rate=1e-9"), "past the 4.61e+09 s a nanosecond clock"),
+        ((str(recording), "--what-if", "rate=5e-324"), "a nanosecond clock holds"),
+        ((str(recording), "--what-if", "hosts=10000000"), "GiB is available: plan fewer hosts"),
         ((str(recording), "--what-if", ""), "--what-if is empty"),
         ((str(recording), "--slo", " "), "--slo is empty"),
     ]

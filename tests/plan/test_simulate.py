@@ -205,8 +205,13 @@ def test_a_failing_process_stops_a_split_replay_with_its_reason(monkeypatch, bro
     monkeypatch.setattr(Simulation, "_end", broken)
     # replica 0 is this process's, replica 1 the other's: either way the replay stops and says
     # why instead of waiting for the failed one
-    with pytest.raises((SplitError, RuntimeError), match=f"replica {broken_replica} broke"):
+    with pytest.raises((SplitError, RuntimeError), match=f"replica {broken_replica} broke") as e:
         simulate(_busy_fleet_workload(60), setup(replicas=2), model(), processes=2)
+    # the first line says what failed (a command line prints only that)
+    assert (
+        f"RuntimeError: replica {broken_replica} broke"
+        in (f"{type(e.value).__name__}: {e.value}".splitlines()[0])
+    )
 
 
 def test_a_killed_process_stops_a_split_replay(monkeypatch):
