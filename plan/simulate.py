@@ -293,6 +293,7 @@ class Simulation:
         self.replicas = [
             _Replica(i, setup) if i in self.owned else None for i in range(setup.replicas)
         ]
+        self._mine = [rep for rep in self.replicas if rep is not None]  # this process's
         self.route = array("h", [-1]) * (n if seat is not None else 0)  # each arrival's replica
         self.router = Router(setup.replicas, setup.config.block_size)
         self._all = list(range(setup.replicas))
@@ -619,13 +620,12 @@ class Simulation:
                 self._t = max(self._t, t_arr)
                 self._arrive(i, t_arr)
                 i += 1
-        mine = [rep for rep in reps if rep is not None]
-        for rep in mine:
+        for rep in self._mine:
             rep.touch(self._t)
 
     def part(self) -> Part:
         """This replay's per-request arrays and totals (one process's share when split)."""
-        mine = [rep for rep in self.replicas if rep is not None]
+        mine = self._mine
         as_np = lambda a, dtype: np.frombuffer(a, dtype=dtype).copy()  # noqa: E731
         return Part(
             replicas=self.owned,
@@ -653,7 +653,7 @@ class Simulation:
                 "wait_max": max((r.wait_max for r in mine), default=0),
                 "prefix_hits": sum(r.bm.prefix_hits for r in mine),
                 "t": self._t,
-                "routed": [n if j in self.owned else 0 for j, n in enumerate(self.router.routed)],
+                "routed": list(self.router.routed),  # only this process's replicas counted
             },
         )
 

@@ -6,11 +6,12 @@ per-block content hashes (``prompt_block_hashes``, the first 32 blocks). A repla
 token ids only for the prefix cache, so :meth:`Workload.prompt` makes them up from those
 hashes: a block whose hash more than one recorded prompt holds gets the same made-up tokens in
 each (the cache hits they had are possible again). A prompt's first block that no other holds
-gets tokens of the request's own, and the tokens after it are filler, the same in every prompt:
-a block's identity in the prefix cache chains every block before it, so once a prompt has a
-block of its own, none of its later blocks can match another prompt's. The API's own time around the engine (gateway to the engine's queue, less the wait for
-the step in progress, which the replay makes itself; last token to the response's end) is
-carried over as the recording's medians.
+gets tokens of the request's own, and the tokens after it are filler, the same in every
+prompt: a block's identity in the prefix cache chains every block before it, so once a prompt
+has a block of its own, none of its later blocks can match another prompt's. The API's own
+time around the engine (gateway to the engine's queue, less the wait for the step in progress,
+which the replay makes itself; last token to the response's end) is carried over as the
+recording's medians.
 
 :meth:`Workload.scaled` and :meth:`Workload.repeated` make the "same traffic" what-ifs: arrivals
 at ``k`` times the rate, and a recording tiled back to back to any number of requests (each
@@ -70,7 +71,6 @@ class Workload:
             less the wait for the engine step in progress, which the replay makes itself).
         post_engine_s: from the last token to the response's end (recorded median).
         block_size: the recording's KV block size (the hashes' granularity).
-        tile: per request, which copy of the recording it is (0 without :meth:`repeated`).
         start_ns: the first arrival's wall-clock time in the recording.
     """
 
@@ -83,14 +83,11 @@ class Workload:
     pre_engine_s: float
     post_engine_s: float
     block_size: int
-    tile: np.ndarray = field(default=None)  # type: ignore[assignment]
     start_ns: int = 0
     """the first arrival's wall-clock time in the recording"""
     _shared: frozenset = field(default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:
-        if self.tile is None:
-            self.tile = np.zeros(len(self.arrival_s), dtype=np.int64)
         if not self._shared:
             counts = Counter(h for hashes in self.block_hashes for h in set(hashes))
             self._shared = frozenset(h for h, c in counts.items() if c > 1)
@@ -161,7 +158,6 @@ class Workload:
             max_tokens=self.max_tokens[idx],
             tenants=[self.tenants[i] for i in idx],
             block_hashes=[self.block_hashes[i] for i in idx],
-            tile=tile,
         )
 
 
