@@ -26,6 +26,8 @@ the router decides as it would have step by step.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import itertools
 import math
@@ -126,8 +128,15 @@ class _ReplayBlockManager(BlockManager):
     """The engine's KV block pool with changes a replay needs and nothing it measures observes:
     a block's chained hash is Python's tuple hash instead of SHA-256 (equal prefixes still hash
     equal; a replay hashes millions of blocks); cache-miss reasons and the memory of evicted
-    hashes behind them (reporting only) are left out; and a request's full blocks are
-    registered from the first one not yet looked at, not from its first block each time."""
+    hashes behind them (reporting only) are left out; a lookup hashes a prompt's blocks only as
+    far as it hits, not all of them first; and a request's full blocks are registered from the
+    first one not yet looked at, not from its first block each time.
+
+    A running request's prompt blocks from its first block of its own on
+    (``request.replay_shared`` blocks come before it, :meth:`Workload.shared_blocks`) are not
+    registered: no other prompt holds their tokens, so only the request itself could hit them,
+    after a preemption, and it registers them when it is preempted (:meth:`free`). A finished
+    request's blocks are never looked up again."""
 
     def _extend_hashes(self, request: Request, num_full_blocks: int) -> None:
         bs, salt = self.block_size, self._salt(request)
@@ -146,17 +155,33 @@ class _ReplayBlockManager(BlockManager):
     def explain_misses(self, request: Request, num_hits: int) -> list:
         return []
 
+    def find_cached_prefix(self, request: Request) -> list:
+        # the engine's lookup (hashed and verified hits up to the first miss), hashing each
+        # block only when the lookup gets to it
+        if not self.enable_prefix_caching:
+            return []
+        bs, cached = self.block_size, self.cached
+        tokens, hashes = request.all_token_ids, request.block_hashes
+        hits: list = []
+        for i in range((request.num_tokens - 1) // bs):
+            if i == len(hashes):
+                self._extend_hashes(request, i + 1)
+            block = cached.get(hashes[i])
+            if block is None or block.token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
+                break
+            hits.append(block)
+        return hits
+
     def cache_full_blocks(self, request: Request, with_outputs: bool = False) -> None:
         # the engine's own registration, from the first block not yet looked at (it walks every
-        # full block of the request each time). Blocks holding output tokens wait until the
-        # request is freed unfinished (preempted: its recompute may hit them); a block with a
-        # replayed request's own output tokens matches no other request, so registering them
-        # earlier, or for a finished request at all, changes nothing the replay measures.
+        # full block of the request each time). Blocks only this request holds (its output
+        # tokens' and its prompt's from its own first block on) wait until it is freed
+        # unfinished (preempted: its recompute may hit them).
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         if not with_outputs:
-            num_full = min(num_full, len(request.prompt_token_ids) // self.block_size)
+            num_full = min(num_full, request.replay_shared)
         done = getattr(request, "replay_registered", 0)
         if num_full <= done:
             return
@@ -203,7 +228,6 @@ class _Replica:
         self.out: SchedulerOutput | None = None
         # the run in flight: its j-th step (1-based) ends at t0 + j*s + g*j*(j-1)/2
         self.t0 = self.s = self.g = 0.0
-        self.batch = 0
         self.k = 0  # steps of the run in flight that will be applied
         self.kind = ""  # its step kind (StepCostModel.steps' kinds)
         self.version = 0
@@ -301,6 +325,14 @@ class Simulation:
         # batch 0 when none): the router's counts are brought up to the steps that run has
         # ended by an arrival, as step-by-step would have booked them
         self._runs: dict[int, _Replica] = {}  # replicas with a run of several steps in flight
+        # the same runs as arrays over the fleet's replicas (batch 0: none), for the router's
+        # counts at an arrival in one go (:meth:`_counts`): start, s, g and the terms of
+        # :meth:`_Replica.steps_done` (a = s - g/2, a*a, 2*g, g or 1 where the run is linear)
+        r = setup.replicas
+        self._run_t0, self._run_s = np.zeros(r), np.ones(r)
+        self._run_a, self._run_aa, self._run_g2 = np.zeros(r), np.zeros(r), np.zeros(r)
+        self._run_gd, self._run_curved = np.ones(r), np.zeros(r, dtype=bool)
+        self._run_batch = np.zeros(r, dtype=np.int64)
         self.heap: list = []
         self._held: list = []  # heap entries set aside by _work_ahead
         self.seq = itertools.count()
@@ -350,7 +382,8 @@ class Simulation:
     def _start(self, rep: _Replica, now: float) -> None:
         out = rep.sched.schedule()
         self.calls += 1
-        self._runs.pop(rep.index, None)
+        if self._runs.pop(rep.index, None) is not None:
+            self._run_batch[rep.index] = 0
         if out.empty:
             rep.out = None
             return
@@ -370,7 +403,10 @@ class Simulation:
             c = self._coef[path]
             grow = (c[4] * batch * self._attn + c[5] * batch / 1e6) / 1e3
             self._runs[rep.index] = rep
-            rep.batch = batch
+            j, a, curved = rep.index, step_s - grow / 2, grow > 1e-15
+            self._run_t0[j], self._run_s[j], self._run_batch[j] = now, step_s, batch
+            self._run_a[j], self._run_aa[j], self._run_g2[j] = a, a * a, 2 * grow
+            self._run_gd[j], self._run_curved[j] = grow if curved else 1.0, curved
         rep.out, rep.t0, rep.s, rep.g, rep.k = out, now, step_s, grow, k
         rep.version += 1
         heapq.heappush(self.heap, (rep.end_of(k), next(self.seq), rep.index, rep.version))
@@ -497,7 +533,8 @@ class Simulation:
     def _arrive(self, i: int, t: float) -> None:
         w = self.w
         if self.seat is None:
-            prompt = w.prompt(i)
+            shared = w.shared_blocks(i)
+            prompt = w.prompt(i, shared)
             rep = self.replicas[self._pick(t, prompt)]
         else:
             least, mine = self._least(t)
@@ -512,7 +549,8 @@ class Simulation:
             rep = self.replicas[j]
             if rep is None:
                 return  # another process's replica
-            prompt = w.prompt(i)
+            shared = w.shared_blocks(i)
+            prompt = w.prompt(i, shared)
         max_tokens = int(w.max_tokens[i])
         rep.touch(t)
         req = Request(
@@ -523,6 +561,7 @@ class Simulation:
             arrival_ns=int(t * 1e9),
         )
         req.replay_index = i
+        req.replay_shared = shared
         try:
             rep.sched.add_request(req)
         except RequestRejected:
@@ -538,40 +577,44 @@ class Simulation:
         else:
             self._cut(rep, t)
 
-    def _counts(self, t: float) -> list[int]:
+    def _counts(self, t: float) -> np.ndarray:
         """The router's outstanding tokens at ``t``, with the tokens of the steps that runs in
-        flight have ended by then counted off (they are booked when the run ends)."""
-        now = self.router.outstanding.copy()
-        for j, rep in self._runs.items():
-            done = rep.steps_done(t)
-            if done:
-                now[j] -= done * rep.batch
-        return now
+        flight have ended by then counted off (they are booked when the run ends): each run's
+        :meth:`_Replica.steps_done` for all of them at once, the same float operations in the
+        same order."""
+        dt = t - self._run_t0
+        x = self._run_g2 * dt
+        x += self._run_aa
+        np.maximum(x, 0.0, out=x)
+        np.sqrt(x, out=x)
+        x -= self._run_a
+        x /= self._run_gd
+        x = np.where(self._run_curved, x, dt / self._run_s)
+        x += 1e-9
+        np.floor(x, out=x)
+        np.maximum(x, 0.0, out=x)
+        return (
+            np.array(self.router.outstanding, dtype=np.int64) - x.astype(np.int64) * self._run_batch
+        )
 
     def _pick(self, t: float, prompt: list[int]) -> int:
-        """The router's pick at ``t`` (see :meth:`_counts`)."""
+        """The router's pick at ``t`` (see :meth:`_counts`): its least count, the lowest index
+        on ties (a replay's router has no prefix affinity)."""
         router = self.router
         if len(self._all) == 1 or not self._runs:
             return router.pick(self._all, prompt)
-        booked = router.outstanding
-        router.outstanding = self._counts(t)
-        try:
-            return router.pick(self._all, prompt)
-        finally:
-            router.outstanding = booked
+        return int(np.argmin(self._counts(t)))
 
     def _least(self, t: float) -> tuple[int, int]:
         """This process's offer at ``t``: the least count among its replicas and the replica
         the router would pick among them (a replay's router has no prefix affinity)."""
-        router = self.router
-        booked = router.outstanding
-        counts = self._counts(t) if self._runs else booked
-        router.outstanding = counts
-        try:
-            j = router.least_in(self.owned.start, self.owned.stop)
-        finally:
-            router.outstanding = booked
-        return counts[j], j
+        first, stop = self.owned.start, self.owned.stop
+        if not self._runs:
+            j = self.router.least_in(first, stop)
+            return self.router.outstanding[j], j
+        counts = self._counts(t)[first:stop]
+        j = int(np.argmin(counts))
+        return int(counts[j]), first + j
 
     def _work_ahead(self, until: float, hold: int) -> bool:
         """While a split replay waits for the others' offers: apply the next step ending by
@@ -734,14 +777,32 @@ def simulate(
         big = big and len(workload) >= SPLIT_MIN_REQUESTS
         processes = min(usable_cores(), 2) if big and can_split() else 1
     processes = max(1, min(processes, setup.replicas))
-    if processes == 1:
-        return Simulation(workload, setup, model, fast_forward=fast_forward).run()
-    began = time.perf_counter()
+    with _cyclic_gc_paused():
+        if processes == 1:
+            return Simulation(workload, setup, model, fast_forward=fast_forward).run()
+        began = time.perf_counter()
 
-    def make(replicas: range | None, seat: Seat | None) -> Simulation:
-        return Simulation(
-            workload, setup, model, fast_forward=fast_forward, replicas=replicas, seat=seat
-        )
+        def make(replicas: range | None, seat: Seat | None) -> Simulation:
+            return Simulation(
+                workload, setup, model, fast_forward=fast_forward, replicas=replicas, seat=seat
+            )
 
-    parts, route = run_split(make, setup.replicas, processes)
-    return _result(workload, parts, route, time.perf_counter() - began)
+        parts, route = run_split(make, setup.replicas, processes)
+        return _result(workload, parts, route, time.perf_counter() - began)
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """Python's cycle collector off for the replay (reference counting still frees everything
+    the replay drops). The replay makes next to no reference cycles (a few dozen objects in a
+    100,000-request replay), but its millions of short-lived objects start collector passes
+    that walk the workload's millions of long-lived ones, and in a split replay's forked
+    processes those walks write to pages shared with the first: about a sixth of a big split
+    replay's time."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

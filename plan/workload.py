@@ -104,14 +104,25 @@ class Workload:
         """Arrivals per second over the arrival span (None for one request)."""
         return (len(self) - 1) / self.duration_s if len(self) > 1 and self.duration_s else None
 
-    def prompt(self, i: int) -> list[int]:
-        """Request ``i``'s made-up prompt token ids (see the module docstring)."""
-        bs, n = self.block_size, int(self.input_tokens[i])
-        out: list[int] = []
-        shared = self._shared
-        for h in self.block_hashes[i][: n // bs]:
+    def shared_blocks(self, i: int) -> int:
+        """How many of request ``i``'s first prompt blocks hold made-up tokens another prompt
+        may hold too: those up to its first block of its own. Its later blocks can match no
+        other prompt (see the module docstring)."""
+        n, shared = 0, self._shared
+        for h in self.block_hashes[i][: int(self.input_tokens[i]) // self.block_size]:
             if h not in shared:
                 break
+            n += 1
+        return n
+
+    def prompt(self, i: int, shared_blocks: int | None = None) -> list[int]:
+        """Request ``i``'s made-up prompt token ids (see the module docstring);
+        ``shared_blocks``: :meth:`shared_blocks`, when known."""
+        bs, n = self.block_size, int(self.input_tokens[i])
+        if shared_blocks is None:
+            shared_blocks = self.shared_blocks(i)
+        out: list[int] = []
+        for h in self.block_hashes[i][:shared_blocks]:
             start = (h & _BASE_MASK) * bs
             out.extend(range(start, start + bs))
         own = _OWN_BASE + i * _OWN_SPAN

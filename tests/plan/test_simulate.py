@@ -10,8 +10,9 @@ import signal
 import numpy as np
 import pytest
 
+from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.config import EngineConfig
-from tokenmill.plan.simulate import Setup, simulate
+from tokenmill.plan.simulate import Setup, _ReplayBlockManager, simulate
 from tokenmill.plan.step_cost import TERMS, Fit, PathFit, Shape, StepCostModel
 from tokenmill.plan.workload import Workload
 
@@ -134,6 +135,48 @@ def test_fast_forward_gives_the_percentiles_of_step_by_step():
                 assert np.nanpercentile(got, q) == pytest.approx(
                     np.nanpercentile(want, q), rel=1e-3
                 )
+
+
+class _EngineBlocks(BlockManager):
+    """The engine's own KV pool in the replay's place: SHA-256 hashes, every full block
+    registered at every step, miss reasons kept."""
+
+    def cache_full_blocks(self, request, with_outputs=False):
+        super().cache_full_blocks(request)
+
+
+class _NeverPrivate(_ReplayBlockManager):
+    """The replay's pool, but a request's own blocks are never registered, not even when it is
+    preempted: what the preemption registration is there for."""
+
+    def cache_full_blocks(self, request, with_outputs=False):
+        super().cache_full_blocks(request, with_outputs=False)
+
+
+def test_the_replays_kv_pool_decides_as_the_engines(monkeypatch):
+    import tokenmill.plan.simulate as simulation
+
+    rng = np.random.default_rng(5)
+    n = 60
+    arrivals = np.cumsum(rng.exponential(0.03, n))
+    prompts = rng.integers(40, 200, n)
+    outputs = rng.integers(20, 90, n)
+    hashes = [[1, 2, 3] if i % 2 else [1, 4] for i in range(n)]  # shared heads, then own blocks
+    w = workload(arrivals, prompts, outputs, hashes=hashes)
+    m = model(step=8.0, decode=0.6, prefill=0.05, attn=2.0, kv=40.0)
+    s = setup(num_blocks=70)  # requests preempt each other and recompute
+    results = {}
+    for name, pool in (("replay", _ReplayBlockManager), ("engine", _EngineBlocks),
+                       ("never_private", _NeverPrivate)):  # fmt: skip
+        monkeypatch.setattr(simulation, "_ReplayBlockManager", pool)
+        results[name] = simulate(w, s, m, fast_forward=False)
+    replay, engine = results["replay"], results["engine"]
+    assert engine.preemptions.sum() > 10
+    for name in ("ttft_ms", "itl_p50_ms", "itl_p99_ms", "e2e_ms", "preemptions"):
+        np.testing.assert_array_equal(getattr(replay, name), getattr(engine, name), err_msg=name)
+    assert replay.prefix_hit_tokens == engine.prefix_hit_tokens
+    # the recomputes hit their own blocks: without them fewer tokens come from the cache
+    assert results["never_private"].prefix_hit_tokens < engine.prefix_hit_tokens
 
 
 def test_rate_and_tiling_change_the_arrivals_not_the_requests():
