@@ -3,7 +3,8 @@
 Each replica is the engine's real :class:`~tokenmill.engine.scheduler.Scheduler` over a real
 :class:`~tokenmill.engine.block_manager.BlockManager` (prefix cache, watermark, preemption by
 recompute, admission policy: whatever the knobs say); several replicas sit behind the data-
-parallel server's own :class:`~tokenmill.engine.api.replicas.Router`. No forward runs: a step
+parallel server's own :class:`~tokenmill.engine.api.replicas.Router` (its outstanding-token
+counts, and its rule: the least count, the lowest index on ties). No forward runs: a step
 takes the time the step-cost model gives for what the scheduler put in it, and each request
 stops at its recorded output length.
 
@@ -229,6 +230,7 @@ class _Replica:
         # the run in flight: its j-th step (1-based) ends at t0 + j*s + g*j*(j-1)/2
         self.t0 = self.s = self.g = 0.0
         self.k = 0  # steps of the run in flight that will be applied
+        self.batch = 0  # requests in each of its steps
         self.kind = ""  # its step kind (StepCostModel.steps' kinds)
         self.version = 0
         # KV use, queue and batch integrated over time, and their peaks
@@ -320,19 +322,14 @@ class Simulation:
         self._mine = [rep for rep in self.replicas if rep is not None]  # this process's
         self.route = array("h", [-1]) * (n if seat is not None else 0)  # each arrival's replica
         self.router = Router(setup.replicas, setup.config.block_size)
-        self._all = list(range(setup.replicas))
         # each replica's run of steps in flight (start, first step's s, growth per step, batch;
         # batch 0 when none): the router's counts are brought up to the steps that run has
         # ended by an arrival, as step-by-step would have booked them
         self._runs: dict[int, _Replica] = {}  # replicas with a run of several steps in flight
-        # the same runs as arrays over the fleet's replicas (batch 0: none), for the router's
-        # counts at an arrival in one go (:meth:`_counts`): start, s, g and the terms of
-        # :meth:`_Replica.steps_done` (a = s - g/2, a*a, 2*g, g or 1 where the run is linear)
-        r = setup.replicas
-        self._run_t0, self._run_s = np.zeros(r), np.ones(r)
-        self._run_a, self._run_aa, self._run_g2 = np.zeros(r), np.zeros(r), np.zeros(r)
-        self._run_gd, self._run_curved = np.ones(r), np.zeros(r, dtype=bool)
-        self._run_batch = np.zeros(r, dtype=np.int64)
+        # per replica, a count its outstanding tokens cannot fall below before its next step
+        # (or run) ends: the booked count less every token of the run in flight. An arrival
+        # works out the counts at its time only where this floor does not rule a replica out.
+        self._floor = [0] * setup.replicas
         self.heap: list = []
         self._held: list = []  # heap entries set aside by _work_ahead
         self.seq = itertools.count()
@@ -382,8 +379,8 @@ class Simulation:
     def _start(self, rep: _Replica, now: float) -> None:
         out = rep.sched.schedule()
         self.calls += 1
-        if self._runs.pop(rep.index, None) is not None:
-            self._run_batch[rep.index] = 0
+        self._runs.pop(rep.index, None)
+        self._floor[rep.index] = self.router.outstanding[rep.index]
         if out.empty:
             rep.out = None
             return
@@ -403,10 +400,8 @@ class Simulation:
             c = self._coef[path]
             grow = (c[4] * batch * self._attn + c[5] * batch / 1e6) / 1e3
             self._runs[rep.index] = rep
-            j, a, curved = rep.index, step_s - grow / 2, grow > 1e-15
-            self._run_t0[j], self._run_s[j], self._run_batch[j] = now, step_s, batch
-            self._run_a[j], self._run_aa[j], self._run_g2[j] = a, a * a, 2 * grow
-            self._run_gd[j], self._run_curved[j] = grow if curved else 1.0, curved
+            rep.batch = batch
+            self._floor[rep.index] -= k * batch
         rep.out, rep.t0, rep.s, rep.g, rep.k = out, now, step_s, grow, k
         rep.version += 1
         heapq.heappush(self.heap, (rep.end_of(k), next(self.seq), rep.index, rep.version))
@@ -521,6 +516,7 @@ class Simulation:
         delta = max(delta, -left)
         self.left[i] = left + delta
         self.router.add(rep.index, delta)
+        self._floor[rep.index] += delta
 
     def _close(self, i: int) -> None:
         segs = self.segs.pop(i, [])
@@ -535,7 +531,7 @@ class Simulation:
         if self.seat is None:
             shared = w.shared_blocks(i)
             prompt = w.prompt(i, shared)
-            rep = self.replicas[self._pick(t, prompt)]
+            rep = self.replicas[self._pick(t)]
         else:
             least, mine = self._least(t)
             until = float(w.arrival_s[i + 1]) if i + 1 < len(w) else math.inf
@@ -577,44 +573,30 @@ class Simulation:
         else:
             self._cut(rep, t)
 
-    def _counts(self, t: float) -> np.ndarray:
-        """The router's outstanding tokens at ``t``, with the tokens of the steps that runs in
-        flight have ended by then counted off (they are booked when the run ends): each run's
-        :meth:`_Replica.steps_done` for all of them at once, the same float operations in the
-        same order."""
-        dt = t - self._run_t0
-        x = self._run_g2 * dt
-        x += self._run_aa
-        np.maximum(x, 0.0, out=x)
-        np.sqrt(x, out=x)
-        x -= self._run_a
-        x /= self._run_gd
-        x = np.where(self._run_curved, x, dt / self._run_s)
-        x += 1e-9
-        np.floor(x, out=x)
-        np.maximum(x, 0.0, out=x)
-        return (
-            np.array(self.router.outstanding, dtype=np.int64) - x.astype(np.int64) * self._run_batch
-        )
+    def _least_of(self, t: float, first: int, stop: int) -> tuple[int, int]:
+        """The least outstanding-token count among replicas ``first .. stop - 1`` at ``t``, and
+        its replica (the lowest index on ties: the router's rule; a replay's router has no
+        prefix affinity). A count is the booked one less the tokens of the steps that the
+        replica's run in flight has ended by ``t`` (booked when the run ends), worked out only
+        for replicas whose floor (see ``_floor``) is not above the least booked count."""
+        booked, floor, runs = self.router.outstanding, self._floor, self._runs
+        bound = min(booked[first:stop])  # the least count is at most this
+        best, best_j = bound + 1, first
+        for j in range(first, stop):
+            if floor[j] <= bound:
+                rep = runs.get(j)
+                count = booked[j] - rep.steps_done(t) * rep.batch if rep else booked[j]
+                if count < best:
+                    best, best_j = count, j
+        return best, best_j
 
-    def _pick(self, t: float, prompt: list[int]) -> int:
-        """The router's pick at ``t`` (see :meth:`_counts`): its least count, the lowest index
-        on ties (a replay's router has no prefix affinity)."""
-        router = self.router
-        if len(self._all) == 1 or not self._runs:
-            return router.pick(self._all, prompt)
-        return int(np.argmin(self._counts(t)))
+    def _pick(self, t: float) -> int:
+        """The router's pick at ``t`` among all replicas (see :meth:`_least_of`)."""
+        return self._least_of(t, 0, len(self.replicas))[1]
 
     def _least(self, t: float) -> tuple[int, int]:
-        """This process's offer at ``t``: the least count among its replicas and the replica
-        the router would pick among them (a replay's router has no prefix affinity)."""
-        first, stop = self.owned.start, self.owned.stop
-        if not self._runs:
-            j = self.router.least_in(first, stop)
-            return self.router.outstanding[j], j
-        counts = self._counts(t)[first:stop]
-        j = int(np.argmin(counts))
-        return int(counts[j]), first + j
+        """This process's offer at ``t``: the least count among its replicas and its replica."""
+        return self._least_of(t, self.owned.start, self.owned.stop)
 
     def _work_ahead(self, until: float, hold: int) -> bool:
         """While a split replay waits for the others' offers: apply the next step ending by
