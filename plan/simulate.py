@@ -229,6 +229,7 @@ class _Replica:
         self.out: SchedulerOutput | None = None
         # the run in flight: its j-th step (1-based) ends at t0 + j*s + g*j*(j-1)/2
         self.t0 = self.s = self.g = 0.0
+        self._a = self._aa = self._g2 = 0.0
         self.k = 0  # steps of the run in flight that will be applied
         self.batch = 0  # requests in each of its steps
         self.kind = ""  # its step kind (StepCostModel.steps' kinds)
@@ -243,15 +244,24 @@ class _Replica:
         """When step ``j`` (1-based) of the run in flight ends."""
         return self.t0 + j * self.s + self.g * (j * (j - 1) / 2)
 
+    def start_run(self, t0: float, s: float, g: float, k: int) -> None:
+        """A run of ``k`` steps from ``t0``: the first takes ``s``, each next ``g`` more."""
+        self.t0, self.s, self.g, self.k = t0, s, g, k
+        a = s - g / 2  # the terms of steps_done's root
+        self._a, self._aa, self._g2 = a, a * a, 2 * g
+
     def steps_done(self, t: float) -> int:
         """Steps of the run in flight ended by ``t`` (the root of :meth:`end_of`)."""
-        dt, s, g = t - self.t0, self.s, self.g
-        if g > 1e-15:
-            a = s - g / 2
-            x = (-a + math.sqrt(max(a * a + 2 * g * dt, 0.0))) / g
+        dt = t - self.t0
+        if self.g > 1e-15:
+            q = self._aa + self._g2 * dt  # a * a + 2 * g * dt
+            if q < 0.0:
+                q = 0.0
+            x = (math.sqrt(q) - self._a) / self.g
         else:
-            x = dt / s
-        return max(math.floor(x + 1e-9), 0)
+            x = dt / self.s
+        done = math.floor(x + 1e-9)
+        return done if done > 0 else 0
 
     def touch(self, t: float) -> None:
         """Book the pool and queue as they stood since the last change, up to ``t``."""
@@ -402,7 +412,8 @@ class Simulation:
             self._runs[rep.index] = rep
             rep.batch = batch
             self._floor[rep.index] -= k * batch
-        rep.out, rep.t0, rep.s, rep.g, rep.k = out, now, step_s, grow, k
+        rep.out = out
+        rep.start_run(now, step_s, grow, k)
         rep.version += 1
         heapq.heappush(self.heap, (rep.end_of(k), next(self.seq), rep.index, rep.version))
 
@@ -583,7 +594,7 @@ class Simulation:
         bound = min(booked[first:stop])  # the least count is at most this
         best, best_j = bound + 1, first
         for j in range(first, stop):
-            if floor[j] <= bound:
+            if floor[j] < best:  # else its count cannot be below the best so far
                 rep = runs.get(j)
                 count = booked[j] - rep.steps_done(t) * rep.batch if rep else booked[j]
                 if count < best:
