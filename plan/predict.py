@@ -4,10 +4,12 @@ that measures a real run (``tokenmill.diagnose.compare.REQUEST_SUMMARY_SQL`` ove
 prediction.
 
 The error estimate replays the recording against itself where the step-cost model saw no step:
-the model is fitted on the steps of the first three quarters of the recording only, the whole
-recording is replayed with it (so the last quarter starts from the queue and batch the replay
-built up, as the real one did), and each summary metric over the requests that arrived in the
-last quarter is set against what the recording measured for them.
+the last quarter of the recorded requests (in arrival order; counted, not timed, so bursty
+traffic still leaves a quarter of its requests to score) is held out. The model is fitted on
+the steps that ran before the first of them arrived, the whole recording is replayed with it
+(so the held-out requests start from the queue and batch the replay built up, as the real
+ones did), and each summary metric over the held-out requests is set against what the
+recording measured for them.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from .workload import Workload, WorkloadError, read_workload
 
 #: the summary metrics a prediction reports, in order (ms, then shares)
 METRICS = (*LATENCY_KEYS, "goodput_share")
-#: share of the recording (by arrival time) the error estimate holds out
+#: share of the recorded requests (the last to arrive) the error estimate holds out
 HOLDOUT_SHARE = 0.25
+#: the fewest held-out requests an error estimate is given for
+HOLDOUT_MIN_REQUESTS = 10
 
 
 class PlanError(ValueError):
@@ -50,7 +54,6 @@ class Recording:
     workload: Workload
     model: StepCostModel
     num_blocks: int
-    span_ns: tuple[int, int]
 
     @property
     def device(self) -> str:
@@ -97,7 +100,6 @@ def recording_from(con: duckdb.DuckDBPyConnection, label: str) -> Recording:
         (blocks,) = con.execute(
             "SELECT max(kv_blocks_total) FROM engine_steps WHERE kv_blocks_total > 0"
         ).fetchone()
-        lo, hi = con.execute("SELECT min(arrival_ns), max(arrival_ns) FROM requests").fetchone()
     except (StepCostError, WorkloadError) as exc:
         raise PlanError(f"{label}: {exc}") from None
     except duckdb.Error as exc:
@@ -105,9 +107,7 @@ def recording_from(con: duckdb.DuckDBPyConnection, label: str) -> Recording:
         raise PlanError(f"{label}: cannot read the store ({first})") from None
     if not blocks:
         raise PlanError(f"{label}: the engine steps do not say the KV pool's size")
-    return Recording(
-        label, con, cfg, _engine_config(cfg), workload, model, int(blocks), (lo, hi + 1)
-    )
+    return Recording(label, con, cfg, _engine_config(cfg), workload, model, int(blocks))
 
 
 def summarize_rows(con: duckdb.DuckDBPyConnection, slo: Slo, since_ns=None, until_ns=None) -> dict:
@@ -355,16 +355,19 @@ def error_estimate(rec: Recording, slo: Slo) -> dict:
     """Each metric's error (%; goodput in points) over the last :data:`HOLDOUT_SHARE` of the
     recording, predicted with a model fitted on the rest (see the module docstring); a note
     instead when the recording is too short to hold a slice out."""
-    lo, hi = rec.span_ns
-    cut = int(lo + (hi - lo) * (1 - HOLDOUT_SHARE))
+    w = rec.workload
+    first = int(len(w) * (1 - HOLDOUT_SHARE))  # the first held-out request
+    tail = len(w) - first
+    if tail < HOLDOUT_MIN_REQUESTS:
+        return {"note": f"no error estimate: only {tail} requests in the last quarter"}
+    # halfway between the last fitted request's arrival and the first held-out one's
+    rel_cut_s = (float(w.arrival_s[first - 1]) + float(w.arrival_s[first])) / 2
+    cut = w.start_ns + int(rel_cut_s * 1e9)
+    tail = int((w.arrival_s >= rel_cut_s).sum())  # requests that arrived together stay together
     try:
         model = fit_step_cost(rec.con, rec.cfg, shape=rec.model.shape, until_ns=cut)
     except StepCostError as exc:
         return {"note": f"no error estimate: {exc}"}
-    w = rec.workload
-    tail = int((w.arrival_s >= (cut - w.start_ns) / 1e9).sum())
-    if tail < 10:
-        return {"note": f"no error estimate: only {tail} requests in the last quarter"}
     setup = Setup(
         rec.config, rec.num_blocks, max_model_len=int(rec.cfg.get("max_model_len") or 1 << 20)
     )

@@ -72,8 +72,8 @@ def to_text(doc: dict, width: int = 120) -> str:
             f"{_LABELS[k]} {_err(v, k)}" for k, v in est["errors_pct"].items() if k in _LABELS
         )
         console.print(
-            f"[bold]Error estimate[/bold] (the recording's last quarter, {est['requests']} "
-            f"requests, with step costs fitted on the first three quarters only): {errs}"
+            f"[bold]Error estimate[/bold] (the recording's last {est['requests']} requests, "
+            f"with step costs fitted on the steps before they arrived): {errs}"
         )
     else:
         console.print(f"[bold]Error estimate[/bold]: {est.get('note')}")

@@ -93,5 +93,5 @@ if ctx is not None:
             st.caption(
                 f"Step-cost model: median error {est['median_abs_err_pct']:.0f}% on "
                 f"{est['steps']} held-out steps. `tokenmill plan` prints the error estimate "
-                "on the recording's last quarter."
+                "on the recording's last quarter of requests."
             )

@@ -19,7 +19,7 @@ PREFIX = list(range(2000, 2064))  # four KV blocks every "chat" request starts w
 
 @pytest.fixture(scope="module")
 def recording(tmp_path_factory, smollm2_dir):
-    """One server with a 60-block pool and 6 running at most; 18 requests in three waves
+    """One server with a 48-block pool and 6 running at most; 18 requests in three waves
     (two thirds start with the same 64 tokens), enough decode to preempt."""
     import asyncio
 
@@ -30,7 +30,7 @@ def recording(tmp_path_factory, smollm2_dir):
     db = tmp / "traces.duckdb"
     server = Server(
         tmp, "--model", str(smollm2_dir), "--trace-db", str(db),
-        "--num-gpu-blocks-override", "60", "--max-num-seqs", "6",
+        "--num-gpu-blocks-override", "48", "--max-num-seqs", "6",
     )  # fmt: skip
 
     async def send(ac, i):
@@ -154,3 +154,25 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
         assert r.exit_code == 2, (args, r.output)
         lines = r.output.strip().splitlines()
         assert len(lines) == 1 and says in lines[0], (args, r.output)
+
+
+def test_the_error_estimate_holds_out_the_last_quarter_of_the_requests():
+    """Counted, not timed: the kept recording's last quarter of its span holds 11 of its 81
+    requests; the estimate scores the last 21 to arrive, with step costs fitted before them."""
+    from pathlib import Path
+
+    from tokenmill.plan.predict import error_estimate, open_recording
+    from tokenmill.plan.whatif import parse_slo
+
+    kept = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "plan_recording"
+    rec = open_recording(kept)
+    try:
+        est = error_estimate(rec, parse_slo(None))
+        n = len(rec.workload)
+    finally:
+        rec.con.close()
+    assert n == 81
+    assert est["requests"] == n - int(n * 0.75) == 21
+    errors = est["errors_pct"]
+    assert set(errors) >= {"ttft_p50_ms", "itl_p50_ms", "goodput_share"}
+    assert all(abs(v) < 200 for v in errors.values() if v is not None)
