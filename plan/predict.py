@@ -353,8 +353,9 @@ def measured(rec: Recording, slo: Slo) -> dict:
 
 def error_estimate(rec: Recording, slo: Slo) -> dict:
     """Each metric's error (%; goodput in points) over the last :data:`HOLDOUT_SHARE` of the
-    recording, predicted with a model fitted on the rest (see the module docstring); a note
-    instead when the recording is too short to hold a slice out."""
+    recorded requests (in arrival order), predicted with a model fitted on the steps before
+    the first of them arrived (see the module docstring); a note instead when fewer than
+    :data:`HOLDOUT_MIN_REQUESTS` would be held out."""
     w = rec.workload
     first = int(len(w) * (1 - HOLDOUT_SHARE))  # the first held-out request
     tail = len(w) - first

@@ -174,31 +174,38 @@ class _ReplayBlockManager(BlockManager):
         return hits
 
     def cache_full_blocks(self, request: Request, with_outputs: bool = False) -> None:
-        # the engine's own registration, from the first block not yet looked at (it walks every
-        # full block of the request each time). Blocks only this request holds (its output
-        # tokens' and its prompt's from its own first block on) wait until it is freed
-        # unfinished (preempted: its recompute may hit them).
+        # the engine's own registration, from the first block not yet registered (it walks
+        # every full block of the request each time). A block whose prefix another block
+        # already holds stays unregistered, and is looked at again at the next call, as the
+        # engine does: once that other block is evicted, this one is registered. Blocks only
+        # this request holds (its output tokens' and its prompt's from its own first block
+        # on) wait until it is freed unfinished (preempted: its recompute may hit them).
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
         if not with_outputs:
-            num_full = min(num_full, request.replay_shared)
+            shared = getattr(request, "replay_shared", len(request.prompt_token_ids) // bs)
+            num_full = min(num_full, shared)
         done = getattr(request, "replay_registered", 0)
         if num_full <= done:
             return
         self._extend_hashes(request, num_full)
-        bs, blocks, cached = self.block_size, self.blocks, self.cached
+        blocks, cached = self.blocks, self.cached
+        behind = None  # the first block left unregistered behind another holding its prefix
         for i in range(done, num_full):
             block = blocks[request.block_ids[i]]
             if block.block_hash is not None:
                 continue
             h = request.block_hashes[i]
             if h in cached:
+                if behind is None:
+                    behind = i
                 continue
             block.block_hash = h
             block.token_ids = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
             cached[h] = block
-        request.replay_registered = num_full
+        request.replay_registered = num_full if behind is None else behind
 
     def free(self, request: Request) -> None:
         if not getattr(request, "replay_finished", False):
@@ -231,7 +238,7 @@ class _Replica:
         self.t0 = self.s = self.g = 0.0
         self._a = self._aa = self._g2 = 0.0
         self.k = 0  # steps of the run in flight that will be applied
-        self.batch = 0  # requests in each of its steps
+        self.batch = 0  # requests in each of its steps (read only while it is in _runs)
         self.kind = ""  # its step kind (StepCostModel.steps' kinds)
         self.version = 0
         # KV use, queue and batch integrated over time, and their peaks
@@ -332,10 +339,10 @@ class Simulation:
         self._mine = [rep for rep in self.replicas if rep is not None]  # this process's
         self.route = array("h", [-1]) * (n if seat is not None else 0)  # each arrival's replica
         self.router = Router(setup.replicas, setup.config.block_size)
-        # each replica's run of steps in flight (start, first step's s, growth per step, batch;
-        # batch 0 when none): the router's counts are brought up to the steps that run has
-        # ended by an arrival, as step-by-step would have booked them
-        self._runs: dict[int, _Replica] = {}  # replicas with a run of several steps in flight
+        # the replicas with a run of several steps in flight: at an arrival the router's counts
+        # are brought up to the steps each such run has ended by then, as step-by-step would
+        # have booked them (a run's tokens are booked when it ends)
+        self._runs: dict[int, _Replica] = {}
         # per replica, a count its outstanding tokens cannot fall below before its next step
         # (or run) ends: the booked count less every token of the run in flight. An arrival
         # works out the counts at its time only where this floor does not rule a replica out.
@@ -589,7 +596,7 @@ class Simulation:
         its replica (the lowest index on ties: the router's rule; a replay's router has no
         prefix affinity). A count is the booked one less the tokens of the steps that the
         replica's run in flight has ended by ``t`` (booked when the run ends), worked out only
-        for replicas whose floor (see ``_floor``) is not above the least booked count."""
+        for replicas whose floor (see ``_floor``) is below the least count found so far."""
         booked, floor, runs = self.router.outstanding, self._floor, self._runs
         bound = min(booked[first:stop])  # the least count is at most this
         best, best_j = bound + 1, first
@@ -791,7 +798,8 @@ def _cyclic_gc_paused():
     100,000-request replay), but its millions of short-lived objects start collector passes
     that walk the workload's millions of long-lived ones, and in a split replay's forked
     processes those walks write to pages shared with the first: about a sixth of a big split
-    replay's time."""
+    replay's time. The switch is the process's: in the console, other sessions' threads run
+    without the collector too while a replay runs (it is on again once the replays end)."""
     was = gc.isenabled()
     gc.disable()
     try:

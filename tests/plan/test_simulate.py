@@ -179,6 +179,42 @@ def test_the_replays_kv_pool_decides_as_the_engines(monkeypatch):
     assert results["never_private"].prefix_hit_tokens < engine.prefix_hit_tokens
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_copy_left_unregistered_is_registered_once_the_other_is_evicted(monkeypatch, fast):
+    """Two requests admitted in one step both compute a shared head; only the first copy is
+    registered. Once it is evicted (fillers cycle the pool) the engine registers the copy of
+    the request still running, and a later request with the same head hits it."""
+    import tokenmill.plan.simulate as simulation
+
+    arrivals = [0.0, 0.001, 0.001] + [0.1 + 0.05 * k for k in range(20)] + [1.5]
+    outputs = [300, 2, 200] + [2] * 20 + [2]
+    hashes = [[], [1, 2], [1, 2]] + [[] for _ in range(20)] + [[1, 2]]
+    w = workload(arrivals, [48] * len(arrivals), outputs, hashes=hashes)
+    m = model(step=8.0, decode=0.6, prefill=0.05)
+    results = {}
+    for name, pool in (("replay", _ReplayBlockManager), ("engine", _EngineBlocks)):
+        monkeypatch.setattr(simulation, "_ReplayBlockManager", pool)
+        results[name] = simulate(w, setup(num_blocks=30), m, fast_forward=fast)
+    replay, engine = results["replay"], results["engine"]
+    assert engine.prefix_hit_tokens >= 32  # the last request's head, from the survivor
+    assert replay.prefix_hit_tokens == engine.prefix_hit_tokens
+    np.testing.assert_array_equal(replay.ttft_ms, engine.ttft_ms)
+    np.testing.assert_array_equal(replay.e2e_ms, engine.e2e_ms)
+
+
+def test_the_replays_pick_is_the_routers_rule():
+    """The replay works its pick out itself (its counts are the router's less the steps ended
+    in flight); with nothing in flight it picks what the server's router picks, ties and all."""
+    from tokenmill.plan.simulate import Simulation
+
+    rng = np.random.default_rng(2)
+    sim = Simulation(workload([0.0], [40], [4]), setup(replicas=7), model())
+    for _ in range(300):
+        counts = rng.integers(0, 4, 7).tolist()  # ties on most draws
+        sim.router.outstanding, sim._floor = counts, list(counts)
+        assert sim._pick(0.0) == sim.router.pick(list(range(7)), [1] * 40)
+
+
 def test_rate_and_tiling_change_the_arrivals_not_the_requests():
     w = workload([0.0, 1.0, 3.0], [50, 60, 70], [5, 6, 7], hashes=[[1], [1], [2]])
     fast = w.scaled(2.0)
