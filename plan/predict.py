@@ -358,9 +358,8 @@ def error_estimate(rec: Recording, slo: Slo) -> dict:
     :data:`HOLDOUT_MIN_REQUESTS` would be held out."""
     w = rec.workload
     first = int(len(w) * (1 - HOLDOUT_SHARE))  # the first held-out request
-    tail = len(w) - first
-    if tail < HOLDOUT_MIN_REQUESTS:
-        return {"note": f"no error estimate: only {tail} requests in the last quarter"}
+    if len(w) - first < HOLDOUT_MIN_REQUESTS:
+        return {"note": f"no error estimate: only {len(w) - first} requests in the last quarter"}
     # halfway between the last fitted request's arrival and the first held-out one's
     rel_cut_s = (float(w.arrival_s[first - 1]) + float(w.arrival_s[first])) / 2
     cut = w.start_ns + int(rel_cut_s * 1e9)

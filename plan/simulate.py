@@ -547,8 +547,6 @@ class Simulation:
     def _arrive(self, i: int, t: float) -> None:
         w = self.w
         if self.seat is None:
-            shared = w.shared_blocks(i)
-            prompt = w.prompt(i, shared)
             rep = self.replicas[self._pick(t)]
         else:
             least, mine = self._least(t)
@@ -563,8 +561,8 @@ class Simulation:
             rep = self.replicas[j]
             if rep is None:
                 return  # another process's replica
-            shared = w.shared_blocks(i)
-            prompt = w.prompt(i, shared)
+        shared = w.shared_blocks(i)
+        prompt = w.prompt(i, shared)
         max_tokens = int(w.max_tokens[i])
         rep.touch(t)
         req = Request(
