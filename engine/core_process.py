@@ -220,7 +220,10 @@ def run_engine_core(
             elif isinstance(msg, Shutdown):
                 running = False
                 break
-            events = poller.poll(0)
+            # more input only: the poller also watches a KV link's wake-up socket, and a wake
+            # that came meanwhile would send this loop into a blocking recv on an empty input
+            # (the decode core hung there, its heartbeat stale, while hand-offs waited)
+            events = pull.poll(0)
         if not running:
             break
         if desk is not None:
