@@ -13,6 +13,10 @@
    the arrival gaps divided by the factor) against a server started with the what-if's flags.
 4. Recommend: an SLO the recording missed (ITL p99 below 60% of what it measured), the plan's
    best knob setting for it, and that setting run for real.
+5. Take each miss apart: each real run's pace (its steps' time over the recording's step-cost
+   model's for the same steps: how much slower or faster the host ran than while recording),
+   and each prediction again with ``step_time`` set to that pace. What is left is the replay's
+   own error; what goes away came from the host's pace, which no recording can foresee.
 
 Predicted and measured use the same summary SQL (``REQUEST_SUMMARY_SQL``). Targets: TTFT and
 ITL p50 within 15%, p99 within 30%, goodput within 10 points, preemptions the same order of
@@ -151,6 +155,41 @@ def verdict(pred: dict, real: dict, sanity: bool = False) -> dict:
     return rows
 
 
+def run_pace(base: Path, store: Path) -> float:
+    """The real run's steps' time over the recording's model's time for the same steps."""
+    from tokenmill.plan.predict import open_recording
+    from tokenmill.telemetry.dump import open_dump
+
+    rec = open_recording(base)
+    con = open_dump(store, verify=False)
+    try:
+        return rec.model.pace(con)["factor"]
+    finally:
+        con.close()
+        rec.con.close()
+
+
+def pace_table(results: dict) -> str:
+    """Each case predicted again at its real run's pace: the errors and the metrics within."""
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+    lines = [
+        "| what-if | the real run's pace | "
+        + " | ".join(k.removesuffix("_ms").replace("_", " ").upper() + " err" for k in keys)
+        + " | goodput err | within targets (at the recording's pace) |",
+        "|---" * (len(keys) + 4) + "|",
+    ]
+    for name, case in results.get("at_run_pace", {}).items():
+        rows = case["rows"]
+        cells = [f"{rows[k]['error']:+.0f}%" + ("" if rows[k]["within"] else " ✗") for k in keys]
+        ok = sum(1 for r in rows.values() if r["within"])
+        before = sum(1 for r in results["cases"][name].values() if r["within"])
+        lines.append(
+            f"| {name} | x{case['pace']:.2f} | " + " | ".join(cells)
+            + f" | {rows['goodput_share']['error']:+.0f} pts | {ok} of {len(rows)} ({before}) |"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
 def table(results: dict) -> str:
     """The predicted-vs-measured table for RESULTS.md."""
     keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
@@ -193,7 +232,8 @@ def main() -> None:
                     "already in --work; run only what is missing")  # fmt: skip
     args = ap.parse_args()
     if args.table:
-        print(table(json.loads(args.out.read_text())))
+        doc = json.loads(args.out.read_text())
+        print(table(doc) + "\n\n" + pace_table(doc))
         return
     began = time.time()
     base = args.work / "record" / "traces.duckdb"
@@ -216,6 +256,7 @@ def main() -> None:
     rec_real = measure(base)
     results["cases"]["as recorded"] = verdict(preds["as recorded"], rec_real, sanity=True)
     log("as recorded: " + json.dumps(results["cases"]["as recorded"]))
+    stores = {"as recorded": base}
     if not args.skip_real:
         for whatif, (flags, factor) in CASES.items():
             store = args.work / whatif.replace(",", "_").replace("=", "-") / "traces.duckdb"
@@ -223,8 +264,19 @@ def main() -> None:
                 log(f"real run: {whatif}")
                 store = record(args.work, store.parent.name, flags, args.rate * factor,
                                args.requests, args.burstiness)  # fmt: skip
+            stores[whatif] = store
             results["cases"][whatif] = verdict(preds[whatif], measure(store))
             log(f"{whatif}: " + json.dumps(results["cases"][whatif]))
+        # step 5: each case again at its real run's pace
+        results["at_run_pace"] = {}
+        for whatif, store in stores.items():
+            pace = run_pace(base, store)
+            text = ",".join(p for p in (whatif if whatif in CASES else "", f"step_time={pace:.4f}")
+                            if p)  # fmt: skip
+            (pred,) = [p for p in plan(base, [text])["predictions"] if p["what_if"] == text]
+            rows = verdict(pred, measure(store), sanity=whatif == "as recorded")
+            results["at_run_pace"][whatif] = {"pace": pace, "rows": rows}
+            log(f"{whatif} at the real run's pace x{pace:.3f}: " + json.dumps(rows))
     if not args.skip_real and not args.no_recommend:
         # an SLO the recording missed, the plan's recommendation, and that setting for real
         bound = int(rec_real["itl_p99_ms"] * 0.6)

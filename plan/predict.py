@@ -239,6 +239,9 @@ def setup_for(
             )
         model = other
         notes.append(f"step costs from the --cost-from recording made with {want}")
+    if "step_time" in ch:
+        model = model.scaled(float(ch["step_time"]))
+        notes.append(f"every step takes x{ch['step_time']:g} the time the step costs give")
     replicas = int(ch.get("replicas", 1))
     hosts = int(ch.get("hosts", 1))
     threads = None
@@ -382,4 +385,7 @@ def error_estimate(rec: Recording, slo: Slo) -> dict:
         if p is None or r is None:
             continue
         errors[k] = (p - r) * 100 if k == "goodput_share" else (p - r) / r * 100 if r else None
-    return {"requests": tail, "errors_pct": errors}
+    # the host's pace over the held-out stretch against the fit: how much of the error is the
+    # machine running faster or slower than it did before
+    pace = model.pace(rec.con, since_ns=cut)
+    return {"requests": tail, "errors_pct": errors, "pace": pace["factor"]}

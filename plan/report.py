@@ -75,6 +75,11 @@ def to_text(doc: dict, width: int = 120) -> str:
             f"[bold]Error estimate[/bold] (the recording's last {est['requests']} requests, "
             f"with step costs fitted on the steps before they arrived): {errs}"
         )
+        if est.get("pace"):
+            console.print(
+                f"  its steps took x{est['pace']:.2f} the fitted time: a host that drifts so "
+                "far moves every prediction (what-if step_time prices it)"
+            )
     else:
         console.print(f"[bold]Error estimate[/bold]: {est.get('note')}")
     table = Table(box=box.SIMPLE_HEAD)

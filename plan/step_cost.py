@@ -35,10 +35,16 @@ at the recording's usual count; steps the thread governor ran on fewer cores (a 
 some) price a replica given fewer threads (data-parallel replicas share the cores): the median
 of their forward time over the fit's. Without such steps the forward is scaled by the ratio of
 the counts, an assumption the prediction names.
+
+A host's pace drifts: a shared machine runs the same steps some tens of percent slower or faster
+from one hour to the next. :meth:`StepCostModel.pace` measures it on any store of the same
+engine (another run, a later stretch of the recording): its steps' time over the model's time
+for the same steps. :meth:`StepCostModel.scaled` prices a host at another pace.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,9 +74,22 @@ SELECT start_ns, end_ns, forward_ms, num_decode_tokens, num_prefill_tokens, num_
     kv_read_bytes, flops, num_prefill_chunks, coalesce(cpu_threads, 0), num_running,
     num_waiting, coalesce(compiled, false)::INT, replica
 FROM engine_steps
-WHERE num_prefill_tokens + num_decode_tokens > 0 AND start_ns < $until
+WHERE num_prefill_tokens + num_decode_tokens > 0 AND start_ns >= $since AND start_ns < $until
 ORDER BY coalesce(replica, 0), start_ns
 """
+
+
+def _read_steps(con, since_ns: int | None, until_ns: int | None) -> tuple[np.ndarray, list]:
+    """A store's working steps started in ``[since_ns, until_ns)``: the numeric columns of
+    :data:`_STEPS_SQL` as an array, and each step's replica."""
+    rows = con.execute(
+        _STEPS_SQL,
+        {
+            "since": since_ns if since_ns is not None else -(1 << 62),
+            "until": until_ns if until_ns is not None else 1 << 62,
+        },
+    ).fetchall()
+    return np.array([r[:13] for r in rows], dtype=float).reshape(-1, 13), [r[13] for r in rows]
 
 
 class StepCostError(ValueError):
@@ -228,6 +247,50 @@ class StepCostModel:
             for kind, n in self.thin_kinds().items()
         ]
 
+    def modelled_ms(self, a: np.ndarray) -> np.ndarray:
+        """Modelled wall time (ms, gap left out) of recorded steps (rows of
+        :func:`_read_steps`), each on its path at its thread count."""
+        x = features(self.shape, a[:, 3], a[:, 4], a[:, 5], a[:, 6], a[:, 7], a[:, 8])
+        out = np.empty(len(a))
+        paths = np.where(a[:, 12] > 0, "compiled", "eager")
+        threads = a[:, 9].astype(int)
+        for path in ("compiled", "eager"):
+            for t in np.unique(threads[paths == path]):
+                on = (paths == path) & (threads == t)
+                out[on] = self.step_ms(x[on], threads=int(t) or None, path=path) - self.gap_ms
+        return out
+
+    def pace(self, con, *, since_ns: int | None = None, until_ns: int | None = None) -> dict:
+        """How fast a store's host ran against this model: the store's working steps started in
+        ``[since_ns, until_ns)``, their summed wall time over the model's for the same steps
+        (each on its path and thread count; the gap between steps left out), so 1.2 is a host
+        that took 20% longer. Steps beyond :data:`OUTLIER_SIGMAS` robust sigmas of the median
+        ratio (a compile, a hiccup) are left out. ``{"factor": ..., "steps": ...}``; the factor
+        is None when the window holds no working steps."""
+        a, _ = _read_steps(con, since_ns, until_ns)
+        if not len(a):
+            return {"factor": None, "steps": 0}
+        wall = (a[:, 1] - a[:, 0]) / 1e6
+        model = np.maximum(self.modelled_ms(a), 1e-6)
+        ratio = wall / model
+        mid = np.median(ratio)
+        sigma = 1.4826 * np.median(np.abs(ratio - mid)) or 1e-6
+        keep = np.abs(ratio - mid) <= OUTLIER_SIGMAS * sigma + 1e-9
+        return {"factor": float(wall[keep].sum() / model[keep].sum()), "steps": int(keep.sum())}
+
+    def scaled(self, factor: float) -> StepCostModel:
+        """This model on a host that takes ``factor`` times as long for every step (forward,
+        host share and the gap between steps; a thread count's factor is a ratio and stays)."""
+
+        def times(f: Fit) -> Fit:
+            return Fit(f.coef * factor, f.low * factor, f.high * factor)
+
+        return dataclasses.replace(
+            self,
+            paths={n: PathFit(times(p.forward), times(p.host)) for n, p in self.paths.items()},
+            gap_ms=self.gap_ms * factor,
+        )
+
     def to_dict(self) -> dict:
         def part(f: Fit) -> dict:
             return {
@@ -285,16 +348,12 @@ def fit_step_cost(
     Raises:
         StepCostError: no working steps, or too few to fit (one line).
     """
-    rows = con.execute(
-        _STEPS_SQL, {"until": until_ns if until_ns is not None else 1 << 62}
-    ).fetchall()
-    if not rows:
+    a, replica = _read_steps(con, None, until_ns)
+    if not len(a):
         raise StepCostError(
             "the store holds no engine steps: a what-if needs a recording of tokenmill's own "
             "engine (a proxied or collected store has no step records)"
         )
-    a = np.array([r[:13] for r in rows], dtype=float)
-    replica = [r[13] for r in rows]
     if len(a) < 2 * MIN_STEPS:
         raise StepCostError(f"the store holds {len(a)} engine steps; fitting needs {2 * MIN_STEPS}")
     shape = shape or model_shape(cfg)

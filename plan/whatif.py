@@ -35,6 +35,11 @@ KNOBS: dict[str, tuple[str, str]] = {
     "long_prefill_token_threshold": ("one request's prefill chunk cap (0: none)", "integer >= 0"),
     "admission_policy": ("admission past a request that does not fit", "strict | skip_ahead"),
     "quantization": ("weight precision", "none | int8 | int4 (needs --cost-from)"),
+    "step_time": (
+        "every step's time, times this factor (a host that runs slower or faster than the "
+        "recorded one did)",
+        "a factor > 0, e.g. 1.2",
+    ),
     "disaggregation": ("prefill/decode split", "not replayed"),
 }
 #: what-if knob → the engine config field it sets
@@ -102,13 +107,13 @@ def parse_whatif(text: str) -> WhatIf:
             raise ValueError(f"what-if {part!r}: unknown knob {knob!r} (known: {', '.join(KNOBS)})")
         if knob in changes:
             raise ValueError(f"what-if {knob} is given twice")
-        if knob == "rate":
+        if knob in ("rate", "step_time"):
             try:
                 v = float(value)
             except ValueError:
                 v = float("nan")
             if not v > 0 or v == float("inf"):
-                raise ValueError(f"what-if rate={value}: {KNOBS['rate'][1]}")
+                raise ValueError(f"what-if {knob}={value}: {KNOBS[knob][1]}")
             changes[knob] = v
         elif knob in ("chunked_prefill", "prefix_caching"):
             changes[knob] = _switch(knob, value)

@@ -104,6 +104,16 @@ def test_text_report_names_the_columns_and_the_error_estimate(recording):
     assert "own TTFT ≤ 50.0 ms, ITL p99 ≤ 200 ms and E2E ≤ 60,000 ms" in flat
 
 
+def test_a_slower_host_is_a_what_if(recording):
+    doc = json.loads(run(recording, ["step_time=1.5"], None, False, 1.0, [], "json"))
+    same, slower = doc["predictions"]
+    assert any("x1.5 the time" in n for n in slower["notes"])
+    # every step half as long again: each request's decodes too (its batches may differ)
+    ratio = slower["summary"]["itl_p50_ms"] / same["summary"]["itl_p50_ms"]
+    assert 1.3 < ratio < 1.8
+    assert slower["summary"]["e2e_p50_ms"] > same["summary"]["e2e_p50_ms"]
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "tokenmill.engine.cli", "plan", *args],
@@ -176,3 +186,6 @@ def test_the_error_estimate_holds_out_the_last_quarter_of_the_requests():
     errors = est["errors_pct"]
     assert set(errors) >= {"ttft_p50_ms", "itl_p50_ms", "goodput_share"}
     assert all(abs(v) < 200 for v in errors.values() if v is not None)
+    # the held-out steps' pace against the fit on the steps before them (the same host, a
+    # few minutes on): near 1, and not exactly 1
+    assert 0.7 < est["pace"] < 1.4 and est["pace"] != 1.0

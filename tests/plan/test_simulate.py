@@ -237,6 +237,33 @@ def _busy_fleet_workload(n: int = 300):
     return workload(arrivals, prompts, outputs, hashes=hashes)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_steps_twice_as_long_at_half_the_rate_replay_the_same_twice_as_slow(fast):
+    """A host at half the pace (every step x2) fed at half the rate is the same replay with
+    every clock doubled: the same decisions, every latency x2 (exactly: doubling is exact in
+    floating point)."""
+    n = 200
+    rng = np.random.default_rng(5)
+    w = workload(
+        np.cumsum(rng.exponential(0.01, n)), rng.integers(40, 400, n), rng.integers(10, 120, n),
+        hashes=[[1, 2] if i % 3 == 0 else [] for i in range(n)], pre=0.0, post=0.0,
+    )  # fmt: skip
+    m = model(step=8.0, decode=0.6, prefill=0.05, attn=2.0, kv=40.0, gap=0.5)
+    s = setup(num_blocks=60)  # a small pool: preemptions
+    base = simulate(w, s, m, fast_forward=fast)
+    slow = simulate(w.scaled(0.5), s, m.scaled(2.0), fast_forward=fast)
+    assert base.preemptions.sum() > 0
+    assert list(slow.preemptions) == list(base.preemptions)
+    assert slow.steps == base.steps and slow.scheduler_calls == base.scheduler_calls
+    for a, b in ((slow.ttft_ms, base.ttft_ms), (slow.itl_p99_ms, base.itl_p99_ms),
+                 (slow.e2e_ms, base.e2e_ms)):  # fmt: skip
+        np.testing.assert_allclose(a, 2 * b, rtol=1e-12)
+    assert slow.makespan_s == pytest.approx(2 * base.makespan_s, rel=1e-12)
+    # the pace alone (the same arrivals): every request waits longer
+    alone = simulate(w, s, m.scaled(2.0), fast_forward=fast)
+    assert np.nanmedian(alone.ttft_ms) > 2 * np.nanmedian(base.ttft_ms)
+
+
 @pytest.mark.parametrize("processes", [2, 3])
 def test_a_split_replay_decides_as_one_process(monkeypatch, processes):
     from tokenmill.plan.simulate import Simulation

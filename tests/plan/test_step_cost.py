@@ -15,14 +15,20 @@ SHAPE = Shape(
 
 
 def steps_store(
-    n: int, prefill_share: float = 0.3, noise: float = 0.02, seed: int = 0, one_thread: int = 0
+    n: int,
+    prefill_share: float = 0.3,
+    noise: float = 0.02,
+    seed: int = 0,
+    one_thread: int = 0,
+    pace: float = 1.0,
 ):
     """``engine_steps`` rows made with known costs. Eager steps: a forward of 12 ms + 0.9 ms a
     decode + 0.05 ms a prompt token + 2 ms a prompt chunk + 30 ms per million KV tokens read;
     decode-only steps of at most 12 rows run compiled: 6 ms + 0.3 ms a decode + 10 ms per
     million KV tokens. Host part 1 ms + 0.1 ms a decode; 1 ms between back-to-back steps;
     every 25th step a 10x hiccup; with ``one_thread``, every such step of the others ran on
-    one thread instead of two, its forward 1.6x as long."""
+    one thread instead of two, its forward 1.6x as long. ``pace``: every step's time times it
+    (a slower or faster host)."""
     rng = np.random.default_rng(seed)
     con = duckdb.connect()
     con.execute(
@@ -52,6 +58,7 @@ def steps_store(
         threads = 2
         if one_thread and i % one_thread == 3:
             threads, fwd = 1, fwd * 1.6
+        fwd, host = fwd * pace, host * pace
         wall_ns = int((fwd + host) * 1e6)
         rows.append(
             (t, t + wall_ns, fwd, decode, prefill, sampled, kv, flops, chunks, threads, 5, 0,
@@ -126,3 +133,33 @@ def test_steps_on_fewer_threads_price_a_replica_given_fewer():
     assert m.paths["eager"].forward.coef[1] == pytest.approx(0.9, rel=0.05)
     plain = fit_step_cost(steps_store(300), {}, shape=SHAPE)
     assert plain.thread_scale(1) == (2.0, "assumed from the thread counts")
+
+
+def test_pace_is_a_stores_step_time_over_the_models():
+    m = fit_step_cost(steps_store(900, one_thread=6), {}, shape=SHAPE)
+    own = m.pace(steps_store(300, seed=1, one_thread=6))
+    assert own["factor"] == pytest.approx(1.0, abs=0.02)
+    # every step (each on its path, its thread count) 25% longer; the 10x hiccups left out
+    slower = steps_store(300, seed=2, one_thread=6, pace=1.25)
+    got = m.pace(slower)
+    assert got["factor"] == pytest.approx(1.25, rel=0.02)
+    assert 300 - 300 // 25 - 1 <= got["steps"] < 300
+    (mid,) = slower.execute("SELECT quantile_disc(start_ns, 0.5) FROM engine_steps").fetchone()
+    assert m.pace(slower, since_ns=mid)["steps"] < 160
+    assert m.pace(slower, since_ns=1 << 62) == {"factor": None, "steps": 0}
+
+
+def test_a_scaled_model_prices_every_step_and_gap_times_the_factor():
+    m = fit_step_cost(steps_store(900, one_thread=6), {}, shape=SHAPE)
+    x = np.array([[1.0, 20, 300, 2, 0.5, 0.01], [1.0, 8, 0, 0, 0.1, 0.002]])
+    s = m.scaled(1.5)
+    for path in ("eager", "compiled"):
+        for threads in (None, 1):
+            np.testing.assert_allclose(
+                s.step_ms(x, threads=threads, path=path),
+                1.5 * m.step_ms(x, threads=threads, path=path),
+            )
+    assert s.gap_ms == pytest.approx(1.5 * m.gap_ms)
+    assert s.thread_factors == m.thread_factors
+    assert m.pace(steps_store(300, seed=3, pace=1.5))["factor"] == pytest.approx(1.5, rel=0.02)
+    assert s.pace(steps_store(300, seed=3, pace=1.5))["factor"] == pytest.approx(1.0, rel=0.02)

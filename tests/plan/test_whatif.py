@@ -18,6 +18,7 @@ def test_whatif_parses_each_kind_of_value():
     }
     assert parse_whatif("").label == "as recorded"
     assert parse_whatif("prefix_caching=on").changes == {"prefix_caching": True}
+    assert parse_whatif("step_time=1.25").changes == {"step_time": 1.25}
 
 
 @pytest.mark.parametrize(
@@ -27,6 +28,8 @@ def test_whatif_parses_each_kind_of_value():
         ("rate=0", "rate=0: a factor > 0"),
         ("rate=-1", "rate=-1: a factor > 0"),
         ("rate=fast", "rate=fast: a factor > 0"),
+        ("step_time=0", "step_time=0: a factor > 0"),
+        ("step_time=inf", "step_time=inf: a factor > 0"),
         ("max_num_seqs=0", "max_num_seqs=0: an integer >= 1"),
         ("replicas=two", "replicas=two: an integer >= 1"),
         ("chunked_prefill=maybe", "on | off"),
