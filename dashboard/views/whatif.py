@@ -1,5 +1,6 @@
 """What if: the store's recorded traffic replayed through the engine's own scheduler, KV pool
-and router at other arrival rates and knob settings (``tokenmill plan``, docs/planning.md):
+and router at other arrival rates, knob settings and host paces (``tokenmill plan``,
+docs/planning.md):
 goodput under the sidebar's SLOs against the rate, with its knee, TTFT and ITL p99 beside it,
 and each replay's numbers. The whole store is the recording (the sidebar's window is not
 applied: the step-cost model wants every step)."""
@@ -51,13 +52,22 @@ if ctx is not None:
         rec = None
     if rec is not None:
         cfg = rec.config
-        c = st.columns(4)
+        c = st.columns(5)
         seqs = c[0].number_input("max_num_seqs", 1, 4096, int(cfg.max_num_seqs))
         budget = c[1].number_input(
             "max_num_batched_tokens", 16, 1 << 20, int(cfg.max_num_batched_tokens)
         )
         chunked = c[2].toggle("chunked prefill", bool(cfg.enable_chunked_prefill))
         hosts = c[3].number_input("hosts like this one", 1, 64, 1)
+        pace = c[4].number_input(
+            "step time ×",
+            0.1,
+            10.0,
+            1.0,
+            0.05,
+            help="every step's time times this: a host slower (above 1) or faster than the "
+            "recorded one. A shared host drifts by tens of percent.",
+        )
         knobs = []
         if seqs != cfg.max_num_seqs:
             knobs.append(f"max_num_seqs={seqs}")
@@ -67,6 +77,8 @@ if ctx is not None:
             knobs.append(f"chunked_prefill={'on' if chunked else 'off'}")
         if hosts > 1:
             knobs.append(f"hosts={hosts}")
+        if pace != 1.0:
+            knobs.append(f"step_time={pace:g}")
         slo = (ctx.slo.ttft_ms, ctx.slo.itl_ms, ctx.slo.e2e_ms)
         df = _curve(rec, ctx.key, ",".join(knobs), FACTORS, slo)
         k = knee(list(df["rate_per_s"]), list(df["goodput_share"]))
