@@ -13,10 +13,11 @@
    the arrival gaps divided by the factor) against a server started with the what-if's flags.
 4. Recommend: an SLO the recording missed (ITL p99 below 60% of what it measured), the plan's
    best knob setting for it, and that setting run for real.
-5. Take each miss apart: each real run's pace (its steps' time over the recording's step-cost
-   model's for the same steps: how much slower or faster the host ran than while recording),
-   and each prediction again with ``step_time`` set to that pace. What is left is the replay's
-   own error; what goes away came from the host's pace, which no recording can foresee.
+5. Take each miss apart (``tokenmill plan --check``): each real run's pace (its steps' time
+   over the recording's step-cost model's for the same steps: how much slower or faster the
+   host ran than while recording), and each prediction again with ``step_time`` set to that
+   pace. What is left is the replay's own error; what goes away came from the host's pace,
+   which no recording can foresee.
 
 Predicted and measured use the same summary SQL (``REQUEST_SUMMARY_SQL``). Targets: TTFT and
 ITL p50 within 15%, p99 within 30%, goodput within 10 points, preemptions the same order of
@@ -155,20 +156,6 @@ def verdict(pred: dict, real: dict, sanity: bool = False) -> dict:
     return rows
 
 
-def run_pace(base: Path, store: Path) -> float:
-    """The real run's steps' time over the recording's model's time for the same steps."""
-    from tokenmill.plan.predict import open_recording
-    from tokenmill.telemetry.dump import open_dump
-
-    rec = open_recording(base)
-    con = open_dump(store, verify=False)
-    try:
-        return rec.model.pace(con)["factor"]
-    finally:
-        con.close()
-        rec.con.close()
-
-
 def pace_table(results: dict) -> str:
     """Each case predicted again at its real run's pace: the errors and the metrics within."""
     keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
@@ -267,16 +254,16 @@ def main() -> None:
             stores[whatif] = store
             results["cases"][whatif] = verdict(preds[whatif], measure(store))
             log(f"{whatif}: " + json.dumps(results["cases"][whatif]))
-        # step 5: each case again at its real run's pace
+        # step 5: each case checked against its real run (``tokenmill plan --check``): the
+        # run's pace, and the case again at that pace
         results["at_run_pace"] = {}
         for whatif, store in stores.items():
-            pace = run_pace(base, store)
-            text = ",".join(p for p in (whatif if whatif in CASES else "", f"step_time={pace:.4f}")
-                            if p)  # fmt: skip
-            (pred,) = [p for p in plan(base, [text])["predictions"] if p["what_if"] == text]
-            rows = verdict(pred, measure(store), sanity=whatif == "as recorded")
-            results["at_run_pace"][whatif] = {"pace": pace, "rows": rows}
-            log(f"{whatif} at the real run's pace x{pace:.3f}: " + json.dumps(rows))
+            c = plan(base, [whatif] if whatif in CASES else [], ["--check", str(store)])["check"]
+            again = {"summary": c["at_pace"]["summary"],
+                     "replay": {"preemptions": c["at_pace"]["preemptions"]}}  # fmt: skip
+            rows = verdict(again, measure(store), sanity=whatif == "as recorded")
+            results["at_run_pace"][whatif] = {"pace": c["pace"], "rows": rows}
+            log(f"{whatif} at the real run's pace x{c['pace']:.3f}: " + json.dumps(rows))
     if not args.skip_real and not args.no_recommend:
         # an SLO the recording missed, the plan's recommendation, and that setting for real
         bound = int(rec_real["itl_p99_ms"] * 0.6)

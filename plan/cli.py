@@ -1,5 +1,6 @@
 """``tokenmill plan STORE [--what-if K=V,...]... [--slo M<D,...] [--recommend] [--rate K]
-[--cost-from STORE]... [--format text|json]``: predictions from a recording (:mod:`.predict`).
+[--cost-from STORE]... [--check RUN] [--format text|json]``: predictions from a recording
+(:mod:`.predict`), and a prediction held to the run that made it real (:mod:`.check`).
 
 Every run replays the recording as it was too (the sanity floor beside the what-ifs) and prints
 the error estimate. Bad input (a store without engine steps, an unknown knob, an SLO that does
@@ -30,12 +31,14 @@ def run(
     cost_from: list[Path],
     fmt: str,
     step_by_step: bool = False,
+    check_run: Path | None = None,
 ) -> str:
     """The plan rendered as ``fmt``.
 
     Raises:
         ValueError: bad input (one-line reason).
     """
+    from .check import check
     from .predict import error_estimate, measured, open_recording, predict
     from .recommend import recommend
     from .report import to_json, to_text
@@ -50,6 +53,11 @@ def run(
     for text in whatifs:
         if not any(part.strip() for part in text.split(",")):
             raise ValueError("--what-if is empty: give knob=value changes such as rate=2")
+    if check_run is not None and len(whatifs) > 1:
+        raise ValueError(
+            "--check holds one prediction to the run that made it real: give at most one "
+            "--what-if (none: the recording as it was)"
+        )
     slo = parse_slo(slo_text)
     if recommend_it and not slo.bounds:
         raise ValueError("--recommend needs an --slo to meet, e.g. --slo 'ttft_p99<2s'")
@@ -88,6 +96,11 @@ def run(
         }
         if recommend_it:
             doc["recommendation"] = recommend(rec, slo, rate=rate, cost_models=cost_models)
+        if check_run is not None:
+            doc["check"] = check(
+                rec, preds[-1], slo, check_run,
+                cost_models=cost_models, fast_forward=not step_by_step,
+            )  # fmt: skip
     finally:
         rec.con.close()
     return to_json(doc) + "\n" if fmt == "json" else to_text(doc)
@@ -107,7 +120,7 @@ def plan(
             "--what-if",
             help="knob=value[,knob=value...], repeatable: rate (x), requests, replicas, "
             "max_num_seqs, max_num_batched_tokens, kv_blocks, chunked_prefill, prefix_caching, "
-            "long_prefill_token_threshold, admission_policy, quantization.",
+            "long_prefill_token_threshold, admission_policy, quantization, step_time (x).",
         ),
     ] = [],  # noqa: B006 - typer reads the default
     slo: Annotated[
@@ -129,6 +142,15 @@ def plan(
             help="A recording made with another --quantization, for its step costs (repeatable).",
         ),
     ] = [],  # noqa: B006
+    check: Annotated[
+        Path | None,
+        typer.Option(
+            "--check",
+            metavar="RUN",
+            help="A store of the --what-if run for real: the prediction's error, the run's "
+            "pace and the prediction again at that pace.",
+        ),
+    ] = None,
     format: Annotated[str, typer.Option("--format", help="text | json")] = "text",
     step_by_step: Annotated[
         bool,
@@ -140,7 +162,7 @@ def plan(
     """Predict what-ifs from a recorded run: its arrivals replayed through the engine's own
     scheduler, KV pool and router, with step times from a model fitted on its steps."""
     try:
-        text = run(store, what_if, slo, recommend, rate, cost_from, format, step_by_step)
+        text = run(store, what_if, slo, recommend, rate, cost_from, format, step_by_step, check)
     except ValueError as exc:
         fail(str(exc))
     typer.echo(text, nl=False)

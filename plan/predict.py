@@ -354,6 +354,18 @@ def measured(rec: Recording, slo: Slo) -> dict:
     return summarize_rows(rec.con, slo)
 
 
+def errors_pct(pred: dict, real: dict) -> dict:
+    """Each summary metric's error of ``pred`` against ``real``: relative (%) for latencies,
+    a difference in points for goodput; metrics either side lacks are left out."""
+    errors = {}
+    for k in METRICS:
+        p, r = pred.get(k), real.get(k)
+        if p is None or r is None:
+            continue
+        errors[k] = (p - r) * 100 if k == "goodput_share" else (p - r) / r * 100 if r else None
+    return errors
+
+
 def error_estimate(rec: Recording, slo: Slo) -> dict:
     """Each metric's error (%; goodput in points) over the last :data:`HOLDOUT_SHARE` of the
     recorded requests (in arrival order), predicted with a model fitted on the steps before
@@ -379,12 +391,7 @@ def error_estimate(rec: Recording, slo: Slo) -> dict:
     pred = summarize_rows(con, slo, since_ns=cut - w.start_ns)
     con.close()
     real = summarize_rows(rec.con, slo, since_ns=cut)
-    errors = {}
-    for k in METRICS:
-        p, r = pred.get(k), real.get(k)
-        if p is None or r is None:
-            continue
-        errors[k] = (p - r) * 100 if k == "goodput_share" else (p - r) / r * 100 if r else None
+    errors = errors_pct(pred, real)
     # the host's pace over the held-out stretch against the fit: how much of the error is the
     # machine running faster or slower than it did before
     pace = model.pace(rec.con, since_ns=cut)

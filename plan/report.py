@@ -143,4 +143,49 @@ def to_text(doc: dict, width: int = 120) -> str:
             console.print(
                 f"  knobs at one replica: none of {rec_doc['settings_tried']} settings meets it"
             )
+    if doc.get("check"):
+        _check(console, doc["check"])
     return console.export_text()
+
+
+def _check(console: Console, c: dict) -> None:
+    """The plan against the real run: measured, predicted and its error, and again at the
+    run's pace."""
+    n = c["requests"]
+    console.print(
+        f"[bold]Check[/bold] of {c['what_if']} against {c['run']} ({n['measured']:,} requests "
+        f"measured, {n['planned']:,} replayed)"
+    )
+    table = Table(box=box.SIMPLE_HEAD)
+    for col in ("", "measured", "predicted", "error"):
+        table.add_column(col, justify="right" if col else "left")
+    again = c["at_pace"]
+    if again:
+        table.add_column(f"at the run's pace (x{c['pace']:.2f})", justify="right")
+        table.add_column("error", justify="right")
+    for key in METRICS:
+        real = c["measured"].get(key)
+        predicted = c["predicted"].get(key)
+        row = [
+            _LABELS[key],
+            _fmt(key, real),
+            _fmt(key, predicted),
+            _err(c["errors_pct"].get(key), key),
+        ]
+        if again:
+            row += [_fmt(key, again["summary"].get(key)), _err(again["errors_pct"].get(key), key)]
+        table.add_row(*row)
+    pre = c["preemptions"]
+    row = ["preemptions", f"{pre['measured']:,}", f"{pre['predicted']:,}", ""]
+    if again:
+        row += [f"{again['preemptions']:,}", ""]
+    table.add_row(*row)
+    console.print(table)
+    if again:
+        console.print(
+            f"The run's steps took x{c['pace']:.2f} the time the plan priced them at "
+            f"({c['pace_steps']:,} steps). What the pace takes away came from the host running "
+            "slower or faster than the recorded one; what is left is the replay's own error."
+        )
+    else:
+        console.print("The run holds no engine steps: its pace is unknown.")

@@ -114,6 +114,47 @@ def test_a_slower_host_is_a_what_if(recording):
     assert slower["summary"]["e2e_p50_ms"] > same["summary"]["e2e_p50_ms"]
 
 
+def test_a_check_against_the_run_takes_the_hosts_pace_apart(recording, tmp_path):
+    """The recording checked against itself: no pace to speak of, and the errors are the
+    as-recorded replay's. Against a copy whose steps each took 1.4x as long: that pace, and the
+    prediction again at it."""
+    doc = json.loads(run(recording, [], None, False, 1.0, [], "json", check_run=recording))
+    c = doc["check"]
+    assert c["what_if"] == "as recorded" and c["run"] == str(recording)
+    assert c["requests"] == {"measured": 18, "planned": 18}
+    same = doc["predictions"][0]["summary"]
+    assert c["errors_pct"]["ttft_p50_ms"] == pytest.approx(
+        (same["ttft_p50_ms"] - c["measured"]["ttft_p50_ms"]) / c["measured"]["ttft_p50_ms"] * 100
+    )
+    assert 0.85 < c["pace"] < 1.15 and c["pace_steps"] > 40
+    slow = tmp_path / "slow.duckdb"
+    con = duckdb.connect(str(slow))
+    con.execute(f"ATTACH '{recording}' AS rec (READ_ONLY)")
+    for (name,) in con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_catalog = 'rec'"
+    ).fetchall():
+        con.execute(f"CREATE TABLE {name} AS SELECT * FROM rec.{name}")
+    con.execute("DETACH rec")
+    con.execute(
+        "UPDATE engine_steps SET end_ns = start_ns + CAST((end_ns - start_ns) * 1.4 AS BIGINT), "
+        "forward_ms = forward_ms * 1.4"
+    )
+    con.close()
+    doc = json.loads(run(recording, ["max_num_seqs=2"], None, False, 1.0, [], "json",
+                         check_run=slow))  # fmt: skip
+    c = doc["check"]
+    assert c["what_if"] == "max_num_seqs=2"
+    assert c["pace"] == pytest.approx(1.4 * (
+        json.loads(run(recording, [], None, False, 1.0, [], "json", check_run=recording))
+        ["check"]["pace"]), rel=0.03)  # fmt: skip
+    again = c["at_pace"]
+    assert again["what_if"] == f"max_num_seqs=2,step_time={c['pace']:.4g}"
+    planned = doc["predictions"][1]["summary"]
+    assert again["summary"]["itl_p50_ms"] > 1.25 * planned["itl_p50_ms"]
+    text = run(recording, ["max_num_seqs=2"], None, False, 1.0, [], "text", check_run=slow)
+    assert "Check of max_num_seqs=2" in text and f"at the run's pace (x{c['pace']:.2f})" in text
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "tokenmill.engine.cli", "plan", *args],
@@ -152,6 +193,20 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
         ((str(recording), "--what-if", "hosts=10000000"), "GiB is available: plan fewer hosts"),
         ((str(recording), "--what-if", ""), "--what-if is empty"),
         ((str(recording), "--slo", " "), "--slo is empty"),
+        ((str(recording), "--check", str(tmp_path / "gone.duckdb")), "--check"),
+        (
+            (
+                str(recording),
+                "--what-if",
+                "rate=2",
+                "--what-if",
+                "rate=3",
+                "--check",
+                str(recording),
+            ),
+            "give at most one --what-if",
+        ),
+        ((str(recording), "--what-if", "step_time=-1"), "step_time=-1: a factor > 0"),
     ]
     # one through the installed command (a process of its own), the rest in this process
     r = _cli(*cases[0][0])

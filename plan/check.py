@@ -1,0 +1,99 @@
+"""A plan held to the run that made it real (``tokenmill plan RECORDING --what-if X --check
+RUN``).
+
+Once a what-if has run for real, its store says how close the plan came, and why not: each
+summary metric's error; the run's pace (its working steps' time over the step costs the plan
+priced them at, :meth:`StepCostModel.pace`: x1.2 is a host that took 20% longer for the same
+steps); and the what-if planned again with ``step_time`` at that pace. What the pace takes away
+came from the host running slower or faster than the recorded one; what is left is the
+replay's own error (its scheduling, batching, queueing, preemption and routing).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+
+from .predict import (
+    PlanError,
+    Prediction,
+    Recording,
+    errors_pct,
+    predict,
+    setup_for,
+    summarize_rows,
+)
+from .whatif import Slo, WhatIf, parse_whatif
+
+
+def at_pace(whatif: WhatIf, pace: float) -> WhatIf:
+    """``whatif`` on a host at ``pace`` (its own ``step_time``, if any, times it)."""
+    parts = [
+        p for p in whatif.text.split(",")
+        if p.strip() and p.partition("=")[0].strip().replace("-", "_") != "step_time"
+    ]  # fmt: skip
+    step_time = float(whatif.changes.get("step_time", 1.0)) * pace
+    return parse_whatif(",".join([*parts, f"step_time={step_time:.4g}"]))
+
+
+def check(
+    rec: Recording,
+    planned: Prediction,
+    slo: Slo,
+    run: Path,
+    *,
+    cost_models: dict | None = None,
+    fast_forward: bool = True,
+) -> dict:
+    """``planned`` (a prediction from ``rec``) against the real run in the store ``run``.
+
+    Raises:
+        PlanError: ``run`` is not a store, or holds no requests (one line).
+    """
+    from tokenmill.telemetry.dump import DumpError, open_dump
+
+    try:
+        con = open_dump(run, verify=False)
+    except DumpError as exc:
+        raise PlanError(f"--check {run}: {exc}") from None
+    try:
+        try:
+            real = summarize_rows(con, slo)
+            (pre,) = con.execute("SELECT coalesce(sum(preemptions), 0) FROM requests").fetchone()
+        except duckdb.Error as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise PlanError(f"--check {run}: cannot read its requests ({first})") from None
+        if not real["requests"]:
+            raise PlanError(f"--check {run}: the store holds no requests")
+        _, _, model, _ = setup_for(rec, planned.whatif, cost_models)
+        pace = model.pace(con)
+    finally:
+        con.close()
+    out = {
+        "run": str(run),
+        "what_if": planned.whatif.label,
+        "requests": {"measured": real["requests"], "planned": planned.replay["requests"]},
+        "measured": real,
+        "predicted": planned.summary,
+        "errors_pct": errors_pct(planned.summary, real),
+        "preemptions": {"predicted": planned.replay["preemptions"], "measured": int(pre)},
+        "pace": pace["factor"],
+        "pace_steps": pace["steps"],
+        "at_pace": None,
+    }
+    if pace["factor"] is not None:
+        again = predict(
+            rec, at_pace(planned.whatif, pace["factor"]), slo,
+            cost_models=cost_models, fast_forward=fast_forward,
+        )  # fmt: skip
+        out["at_pace"] = {
+            "what_if": again.whatif.label,
+            "summary": again.summary,
+            "errors_pct": errors_pct(again.summary, real),
+            "preemptions": again.replay["preemptions"],
+        }
+    return out
+
+
+__all__ = ["at_pace", "check"]
