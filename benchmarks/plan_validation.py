@@ -124,19 +124,14 @@ def measure(store: Path, slo_text: str | None = None) -> dict:
     return out
 
 
-def _err(pred, real, key: str):
-    if pred is None or real is None:
-        return None
-    if key == "goodput_share":
-        return (pred - real) * 100
-    return (pred - real) / real * 100 if real else None
-
-
 def verdict(pred: dict, real: dict, sanity: bool = False) -> dict:
     """Each metric's error and whether it is within its target."""
+    from tokenmill.plan.predict import errors_pct
+
+    errors = errors_pct(pred["summary"], real)
     rows = {}
     for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "goodput_share"):
-        e = _err(pred["summary"].get(key), real.get(key), key)
+        e = errors.get(key)
         bound = (
             TARGETS["goodput_points"]
             if key == "goodput_share"
@@ -259,9 +254,13 @@ def main() -> None:
         results["at_run_pace"] = {}
         for whatif, store in stores.items():
             c = plan(base, [whatif] if whatif in CASES else [], ["--check", str(store)])["check"]
+            if c["at_pace"] is None:
+                log(f"{whatif}: the run holds no engine steps, no pace")
+                continue
             again = {"summary": c["at_pace"]["summary"],
                      "replay": {"preemptions": c["at_pace"]["preemptions"]}}  # fmt: skip
-            rows = verdict(again, measure(store), sanity=whatif == "as recorded")
+            real = c["measured"] | {"preemptions": c["preemptions"]["measured"]}
+            rows = verdict(again, real, sanity=whatif == "as recorded")
             results["at_run_pace"][whatif] = {"pace": c["pace"], "rows": rows}
             log(f"{whatif} at the real run's pace x{c['pace']:.3f}: " + json.dumps(rows))
     if not args.skip_real and not args.no_recommend:

@@ -56,18 +56,19 @@ def check(
     try:
         con = open_dump(run, verify=False)
     except DumpError as exc:
-        raise PlanError(f"--check {run}: {exc}") from None
+        raise PlanError(f"--check: {exc}") from None
     try:
         try:
+            (n,) = con.execute("SELECT count(*) FROM requests").fetchone()
+            if not n:
+                raise PlanError(f"--check {run}: the store holds no requests")
             real = summarize_rows(con, slo)
             (pre,) = con.execute("SELECT coalesce(sum(preemptions), 0) FROM requests").fetchone()
+            _, _, model, _ = setup_for(rec, planned.whatif, cost_models)
+            pace = model.pace(con)
         except duckdb.Error as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise PlanError(f"--check {run}: cannot read its requests ({first})") from None
-        if not real["requests"]:
-            raise PlanError(f"--check {run}: the store holds no requests")
-        _, _, model, _ = setup_for(rec, planned.whatif, cost_models)
-        pace = model.pace(con)
+            raise PlanError(f"--check {run}: cannot read the store ({first})") from None
     finally:
         con.close()
     out = {

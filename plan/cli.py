@@ -58,6 +58,13 @@ def run(
             "--check holds one prediction to the run that made it real: give at most one "
             "--what-if (none: the recording as it was)"
         )
+    if check_run is not None:  # a path that does not open fails before the replays run
+        from tokenmill.telemetry.dump import DumpError, open_dump
+
+        try:
+            open_dump(check_run, verify=False).close()
+        except DumpError as exc:
+            raise ValueError(f"--check: {exc}") from None
     slo = parse_slo(slo_text)
     if recommend_it and not slo.bounds:
         raise ValueError("--recommend needs an --slo to meet, e.g. --slo 'ttft_p99<2s'")

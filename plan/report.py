@@ -75,10 +75,11 @@ def to_text(doc: dict, width: int = 120) -> str:
             f"[bold]Error estimate[/bold] (the recording's last {est['requests']} requests, "
             f"with step costs fitted on the steps before they arrived): {errs}"
         )
-        if est.get("pace"):
+        if est.get("pace") and abs(est["pace"] - 1) > 0.05:
             console.print(
-                f"  its steps took x{est['pace']:.2f} the fitted time: a host that drifts so "
-                "far moves every prediction (what-if step_time prices it)"
+                f"  its steps took x{est['pace']:.2f} the fitted time: the host's pace drifted "
+                "while recording, and a drift like it moves every prediction (the what-if "
+                "step_time prices one)"
             )
     else:
         console.print(f"[bold]Error estimate[/bold]: {est.get('note')}")
@@ -181,6 +182,11 @@ def _check(console: Console, c: dict) -> None:
         row += [f"{again['preemptions']:,}", ""]
     table.add_row(*row)
     console.print(table)
+    if n["measured"] != n["planned"]:
+        console.print(
+            f"[yellow]The run measured {n['measured']:,} requests and the plan replayed "
+            f"{n['planned']:,}[/yellow]: was the run fed the what-if's traffic?"
+        )
     if again:
         console.print(
             f"The run's steps took x{c['pace']:.2f} the time the plan priced them at "

@@ -273,18 +273,18 @@ class StepCostModel:
         wall = (a[:, 1] - a[:, 0]) / 1e6
         model = np.maximum(self.modelled_ms(a), 1e-6)
         ratio = wall / model
-        mid = np.median(ratio)
-        sigma = 1.4826 * np.median(np.abs(ratio - mid)) or 1e-6
-        keep = np.abs(ratio - mid) <= OUTLIER_SIGMAS * sigma + 1e-9
+        keep = _within_sigmas(ratio - np.median(ratio), ratio)
         return {"factor": float(wall[keep].sum() / model[keep].sum()), "steps": int(keep.sum())}
 
     def scaled(self, factor: float) -> StepCostModel:
-        """This model on a host that takes ``factor`` times as long for every step (forward,
-        host share and the gap between steps; a thread count's factor is a ratio and stays)."""
+        """This model on a host that takes ``factor`` times as long for every engine step
+        (forward, host share and the gap between steps; a thread count's factor is a ratio and
+        stays; the API's time around the engine is the workload's, not the model's)."""
 
         def times(f: Fit) -> Fit:
             return Fit(f.coef * factor, f.low * factor, f.high * factor)
 
+        # the fit's bookkeeping (holdout, steps, ranges, thread factors) is shared: read only
         return dataclasses.replace(
             self,
             paths={n: PathFit(times(p.forward), times(p.host)) for n, p in self.paths.items()},
@@ -331,13 +331,18 @@ def _abs_err(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.abs(pred - y) / np.maximum(y, 1e-6) * 100.0
 
 
+def _within_sigmas(deviations: np.ndarray, sample: np.ndarray) -> np.ndarray:
+    """Which ``deviations`` are within :data:`OUTLIER_SIGMAS` robust sigmas (1.4826 median
+    absolute deviations of ``sample`` from its median)."""
+    sigma = 1.4826 * np.median(np.abs(sample - np.median(sample))) or 1e-6
+    return np.abs(deviations) <= OUTLIER_SIGMAS * sigma + 1e-9
+
+
 def _inliers(x: np.ndarray, y: np.ndarray, use: np.ndarray) -> np.ndarray:
     """Steps within :data:`OUTLIER_SIGMAS` robust sigmas of a first fit over ``use``."""
     first, _ = nnls(x[use], y[use])
     resid = y - x @ first
-    r = resid[use]
-    sigma = 1.4826 * np.median(np.abs(r - np.median(r))) or 1e-6
-    return np.abs(resid) <= OUTLIER_SIGMAS * sigma + 1e-9
+    return _within_sigmas(resid, resid[use])
 
 
 def fit_step_cost(

@@ -36,8 +36,8 @@ KNOBS: dict[str, tuple[str, str]] = {
     "admission_policy": ("admission past a request that does not fit", "strict | skip_ahead"),
     "quantization": ("weight precision", "none | int8 | int4 (needs --cost-from)"),
     "step_time": (
-        "every step's time, times this factor (a host that runs slower or faster than the "
-        "recorded one did)",
+        "every engine step's time, times this factor (a host whose steps run slower or faster "
+        "than the recorded one's)",
         "a factor > 0, e.g. 1.2",
     ),
     "disaggregation": ("prefill/decode split", "not replayed"),

@@ -53,7 +53,7 @@ def test_the_page_shows_the_plans_numbers(monkeypatch):
     assert fewer["ttft_p50_ms"].iloc[1] == pytest.approx(p.summary["ttft_p50_ms"])
     assert fewer["ttft_p50_ms"].iloc[1] > df["ttft_p50_ms"].iloc[1]
     at.number_input[0].set_value(int(rec.config.max_num_seqs))
-    at.number_input[3].set_value(1.5).run()  # a host half as slow again
+    at.number_input[3].set_value(1.5).run()  # every step half as long again
     assert not at.exception, at.exception
     slower = _table(at)
     p = predict(rec, parse_whatif("step_time=1.5"), slo)

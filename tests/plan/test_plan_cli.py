@@ -175,6 +175,16 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
     con.execute("DELETE FROM engine_steps")
     con.execute("DETACH rec")
     con.close()
+    requestless = tmp_path / "no_requests.duckdb"
+    con = duckdb.connect(str(requestless))
+    con.execute(f"ATTACH '{recording}' AS rec (READ_ONLY)")
+    for (name,) in con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_catalog = 'rec'"
+    ).fetchall():
+        con.execute(f"CREATE TABLE {name} AS SELECT * FROM rec.{name}")
+    con.execute("DELETE FROM requests")
+    con.execute("DETACH rec")
+    con.close()
     cases = [
         ((str(stepless),), "holds no engine steps"),
         ((str(recording), "--what-if", "max_batch=3"), "unknown knob 'max_batch'"),
@@ -193,7 +203,8 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
         ((str(recording), "--what-if", "hosts=10000000"), "GiB is available: plan fewer hosts"),
         ((str(recording), "--what-if", ""), "--what-if is empty"),
         ((str(recording), "--slo", " "), "--slo is empty"),
-        ((str(recording), "--check", str(tmp_path / "gone.duckdb")), "--check"),
+        ((str(recording), "--check", str(tmp_path / "gone.duckdb")), "gone.duckdb"),
+        ((str(recording), "--check", str(requestless)), "the store holds no requests"),
         (
             (
                 str(recording),
