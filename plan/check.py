@@ -24,7 +24,7 @@ from .predict import (
     setup_for,
     summarize_rows,
 )
-from .whatif import Slo, WhatIf, parse_whatif
+from .whatif import STEP_TIME_RANGE, Slo, WhatIf, parse_whatif
 
 
 def at_pace(whatif: WhatIf, pace: float) -> WhatIf:
@@ -59,7 +59,9 @@ def check(
         raise PlanError(f"--check: {exc}") from None
     try:
         try:
-            (n,) = con.execute("SELECT count(*) FROM requests").fetchone()
+            n, first_ns, last_ns = con.execute(
+                "SELECT count(*), min(arrival_ns), max(arrival_ns) FROM requests"
+            ).fetchone()
             if not n:
                 raise PlanError(f"--check {run}: the store holds no requests")
             real = summarize_rows(con, slo)
@@ -71,6 +73,29 @@ def check(
             raise PlanError(f"--check {run}: cannot read the store ({first})") from None
     finally:
         con.close()
+    notes = []
+    planned_rate = planned.setup["rate_per_s"]
+    real_rate = (n - 1) / ((last_ns - first_ns) / 1e9) if n > 1 and last_ns > first_ns else None
+    if planned_rate and real_rate and not 0.8 < real_rate / planned_rate < 1.25:
+        notes.append(
+            f"the run's requests arrived at {real_rate:.3g}/s and the plan's at "
+            f"{planned_rate:.3g}/s: was the run fed the what-if's traffic?"
+        )
+    if n != planned.replay["requests"]:
+        notes.append(
+            f"the run measured {n:,} requests and the plan replayed "
+            f"{planned.replay['requests']:,}: was the run fed the what-if's traffic?"
+        )
+    factor = pace["factor"]
+    step_time = factor and factor * float(planned.whatif.changes.get("step_time", 1.0))
+    if factor is None:
+        notes.append("the run holds no working engine steps with a duration: its pace is unknown")
+    elif not STEP_TIME_RANGE[0] <= step_time <= STEP_TIME_RANGE[1]:
+        notes.append(
+            f"the run's steps took x{factor:.3g} the priced time, past the "
+            f"{STEP_TIME_RANGE[0]:g}-{STEP_TIME_RANGE[1]:g} a replay takes: not replayed at it"
+        )
+        factor = None
     out = {
         "run": str(run),
         "what_if": planned.whatif.label,
@@ -82,10 +107,11 @@ def check(
         "pace": pace["factor"],
         "pace_steps": pace["steps"],
         "at_pace": None,
+        "notes": notes,
     }
-    if pace["factor"] is not None:
+    if factor is not None:
         again = predict(
-            rec, at_pace(planned.whatif, pace["factor"]), slo,
+            rec, at_pace(planned.whatif, factor), slo,
             cost_models=cost_models, fast_forward=fast_forward,
         )  # fmt: skip
         out["at_pace"] = {

@@ -182,16 +182,11 @@ def _check(console: Console, c: dict) -> None:
         row += [f"{again['preemptions']:,}", ""]
     table.add_row(*row)
     console.print(table)
-    if n["measured"] != n["planned"]:
-        console.print(
-            f"[yellow]The run measured {n['measured']:,} requests and the plan replayed "
-            f"{n['planned']:,}[/yellow]: was the run fed the what-if's traffic?"
-        )
+    for note in c["notes"]:
+        console.print(f"  [yellow]{note}[/yellow]")
     if again:
         console.print(
             f"The run's steps took x{c['pace']:.2f} the time the plan priced them at "
             f"({c['pace_steps']:,} steps). What the pace takes away came from the host running "
             "slower or faster than the recorded one; what is left is the replay's own error."
         )
-    else:
-        console.print("The run holds no engine steps: its pace is unknown.")

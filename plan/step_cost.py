@@ -265,12 +265,15 @@ class StepCostModel:
         ``[since_ns, until_ns)``, their summed wall time over the model's for the same steps
         (each on its path and thread count; the gap between steps left out), so 1.2 is a host
         that took 20% longer. Steps beyond :data:`OUTLIER_SIGMAS` robust sigmas of the median
-        ratio (a compile, a hiccup) are left out. ``{"factor": ..., "steps": ...}``; the factor
-        is None when the window holds no working steps."""
+        ratio (a compile, a hiccup) are left out, and so are steps without a positive duration.
+        ``{"factor": ..., "steps": ...}``; the factor is None when no step is left."""
         a, _ = _read_steps(con, since_ns, until_ns)
         if not len(a):
             return {"factor": None, "steps": 0}
         wall = (a[:, 1] - a[:, 0]) / 1e6
+        a, wall = a[wall > 0], wall[wall > 0]  # a step without a duration says nothing
+        if not len(a):
+            return {"factor": None, "steps": 0}
         model = np.maximum(self.modelled_ms(a), 1e-6)
         ratio = wall / model
         keep = _within_sigmas(ratio - np.median(ratio), ratio)

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.durations import parse_duration
 
+#: the step-time factors a replay takes: a host 100x slower or faster is another machine, and
+#: far past that the replay's clock overflows
+STEP_TIME_RANGE = (0.01, 100.0)
 #: knob → (what it changes, the value's grammar)
 KNOBS: dict[str, tuple[str, str]] = {
     "rate": ("the recorded arrivals' rate, times this factor", "a factor > 0, e.g. 2 or 1.5"),
@@ -38,7 +41,7 @@ KNOBS: dict[str, tuple[str, str]] = {
     "step_time": (
         "every engine step's time, times this factor (a host whose steps run slower or faster "
         "than the recorded one's)",
-        "a factor > 0, e.g. 1.2",
+        f"a factor from {STEP_TIME_RANGE[0]:g} to {STEP_TIME_RANGE[1]:g}, e.g. 1.2",
     ),
     "disaggregation": ("prefill/decode split", "not replayed"),
 }
@@ -113,6 +116,8 @@ def parse_whatif(text: str) -> WhatIf:
             except ValueError:
                 v = float("nan")
             if not v > 0 or v == float("inf"):
+                raise ValueError(f"what-if {knob}={value}: {KNOBS[knob][1]}")
+            if knob == "step_time" and not STEP_TIME_RANGE[0] <= v <= STEP_TIME_RANGE[1]:
                 raise ValueError(f"what-if {knob}={value}: {KNOBS[knob][1]}")
             changes[knob] = v
         elif knob in ("chunked_prefill", "prefix_caching"):

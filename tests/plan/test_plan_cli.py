@@ -153,6 +153,17 @@ def test_a_check_against_the_run_takes_the_hosts_pace_apart(recording, tmp_path)
     assert again["summary"]["itl_p50_ms"] > 1.25 * planned["itl_p50_ms"]
     text = run(recording, ["max_num_seqs=2"], None, False, 1.0, [], "text", check_run=slow)
     assert "Check of max_num_seqs=2" in text and f"at the run's pace (x{c['pace']:.2f})" in text
+    assert c["notes"] == []
+    # steps without a duration: no pace, said so, and the rest of the check stands
+    con = duckdb.connect(str(slow))
+    con.execute("UPDATE engine_steps SET end_ns = start_ns")
+    con.close()
+    c = json.loads(run(recording, [], None, False, 1.0, [], "json", check_run=slow))["check"]
+    assert c["pace"] is None and c["at_pace"] is None
+    assert c["notes"] == [
+        "the run holds no working engine steps with a duration: its pace is unknown"
+    ]
+    assert c["errors_pct"]["ttft_p50_ms"] is not None
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -217,7 +228,7 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
             ),
             "give at most one --what-if",
         ),
-        ((str(recording), "--what-if", "step_time=-1"), "step_time=-1: a factor > 0"),
+        ((str(recording), "--what-if", "step_time=-1"), "step_time=-1: a factor from 0.01"),
     ]
     # one through the installed command (a process of its own), the rest in this process
     r = _cli(*cases[0][0])
