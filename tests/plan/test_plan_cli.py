@@ -56,6 +56,18 @@ def recording(tmp_path_factory, smollm2_dir):
     return db
 
 
+def copy_store(src, dst) -> duckdb.DuckDBPyConnection:
+    """A writable copy of the store ``src`` at ``dst``, open."""
+    con = duckdb.connect(str(dst))
+    con.execute(f"ATTACH '{src}' AS src (READ_ONLY)")
+    for (name,) in con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_catalog = 'src'"
+    ).fetchall():
+        con.execute(f"CREATE TABLE {name} AS SELECT * FROM src.{name}")
+    con.execute("DETACH src")
+    return con
+
+
 def test_the_recording_replayed_as_it_was(recording):
     doc = json.loads(run(recording, ["max_num_seqs=2"], None, False, 1.0, [], "json"))
     con = duckdb.connect(str(recording), read_only=True)
@@ -128,13 +140,7 @@ def test_a_check_against_the_run_takes_the_hosts_pace_apart(recording, tmp_path)
     )
     assert 0.85 < c["pace"] < 1.15 and c["pace_steps"] > 40
     slow = tmp_path / "slow.duckdb"
-    con = duckdb.connect(str(slow))
-    con.execute(f"ATTACH '{recording}' AS rec (READ_ONLY)")
-    for (name,) in con.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_catalog = 'rec'"
-    ).fetchall():
-        con.execute(f"CREATE TABLE {name} AS SELECT * FROM rec.{name}")
-    con.execute("DETACH rec")
+    con = copy_store(recording, slow)
     con.execute(
         "UPDATE engine_steps SET end_ns = start_ns + CAST((end_ns - start_ns) * 1.4 AS BIGINT), "
         "forward_ms = forward_ms * 1.4"
@@ -177,24 +183,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
     stepless = tmp_path / "proxy_like.duckdb"
-    con = duckdb.connect(str(stepless))
-    con.execute(f"ATTACH '{recording}' AS rec (READ_ONLY)")
-    for (name,) in con.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_catalog = 'rec'"
-    ).fetchall():
-        con.execute(f"CREATE TABLE {name} AS SELECT * FROM rec.{name}")
+    con = copy_store(recording, stepless)
     con.execute("DELETE FROM engine_steps")
-    con.execute("DETACH rec")
     con.close()
     requestless = tmp_path / "no_requests.duckdb"
-    con = duckdb.connect(str(requestless))
-    con.execute(f"ATTACH '{recording}' AS rec (READ_ONLY)")
-    for (name,) in con.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_catalog = 'rec'"
-    ).fetchall():
-        con.execute(f"CREATE TABLE {name} AS SELECT * FROM rec.{name}")
+    con = copy_store(recording, requestless)
     con.execute("DELETE FROM requests")
-    con.execute("DETACH rec")
     con.close()
     cases = [
         ((str(stepless),), "holds no engine steps"),
