@@ -37,42 +37,49 @@ def at_pace(whatif: WhatIf, pace: float) -> WhatIf:
     return parse_whatif(",".join([*parts, f"step_time={step_time:.4g}"]))
 
 
-def check(
-    rec: Recording,
-    planned: Prediction,
-    slo: Slo,
-    run: Path,
-    *,
-    cost_models: dict | None = None,
-    fast_forward: bool = True,
-) -> dict:
-    """``planned`` (a prediction from ``rec``) against the real run in the store ``run``.
+def open_run(path: Path) -> duckdb.DuckDBPyConnection:
+    """The run's store, open for :func:`check`.
 
     Raises:
-        PlanError: ``run`` is not a store, or holds no requests (one line).
+        PlanError: it does not open as a store or dump (one line).
     """
     from tokenmill.telemetry.dump import DumpError, open_dump
 
     try:
-        con = open_dump(run, verify=False)
+        return open_dump(path, verify=False)
     except DumpError as exc:
         raise PlanError(f"--check: {exc}") from None
+
+
+def check(
+    rec: Recording,
+    planned: Prediction,
+    slo: Slo,
+    con: duckdb.DuckDBPyConnection,
+    run: str,
+    *,
+    cost_models: dict | None = None,
+    fast_forward: bool = True,
+) -> dict:
+    """``planned`` (a prediction from ``rec``) against the real run in the open store ``con``
+    (:func:`open_run`; ``run`` names it).
+
+    Raises:
+        PlanError: the run holds no requests, or its tables do not read (one line).
+    """
     try:
-        try:
-            n, first_ns, last_ns = con.execute(
-                "SELECT count(*), min(arrival_ns), max(arrival_ns) FROM requests"
-            ).fetchone()
-            if not n:
-                raise PlanError(f"--check {run}: the store holds no requests")
-            real = summarize_rows(con, slo)
-            (pre,) = con.execute("SELECT coalesce(sum(preemptions), 0) FROM requests").fetchone()
-            _, _, model, _ = setup_for(rec, planned.whatif, cost_models)
-            pace = model.pace(con)
-        except duckdb.Error as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise PlanError(f"--check {run}: cannot read the store ({first})") from None
-    finally:
-        con.close()
+        n, first_ns, last_ns = con.execute(
+            "SELECT count(*), min(arrival_ns), max(arrival_ns) FROM requests"
+        ).fetchone()
+        if not n:
+            raise PlanError(f"--check {run}: the store holds no requests")
+        real = summarize_rows(con, slo)
+        (pre,) = con.execute("SELECT coalesce(sum(preemptions), 0) FROM requests").fetchone()
+        _, _, model, _ = setup_for(rec, planned.whatif, cost_models)
+        pace = model.pace(con)
+    except duckdb.Error as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PlanError(f"--check {run}: cannot read the store ({first})") from None
     notes = []
     planned_rate = planned.setup["rate_per_s"]
     real_rate = (n - 1) / ((last_ns - first_ns) / 1e9) if n > 1 and last_ns > first_ns else None
@@ -97,7 +104,7 @@ def check(
         )
         factor = None
     out = {
-        "run": str(run),
+        "run": run,
         "what_if": planned.whatif.label,
         "requests": {"measured": real["requests"], "planned": planned.replay["requests"]},
         "measured": real,
@@ -123,4 +130,4 @@ def check(
     return out
 
 
-__all__ = ["at_pace", "check"]
+__all__ = ["at_pace", "check", "open_run"]

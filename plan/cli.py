@@ -38,7 +38,7 @@ def run(
     Raises:
         ValueError: bad input (one-line reason).
     """
-    from .check import check
+    from .check import check, open_run
     from .predict import error_estimate, measured, open_recording, predict
     from .recommend import recommend
     from .report import to_json, to_text
@@ -58,13 +58,6 @@ def run(
             "--check holds one prediction to the run that made it real: give at most one "
             "--what-if (none: the recording as it was)"
         )
-    if check_run is not None:  # a path that does not open fails before the replays run
-        from tokenmill.telemetry.dump import DumpError, open_dump
-
-        try:
-            open_dump(check_run, verify=False).close()
-        except DumpError as exc:
-            raise ValueError(f"--check: {exc}") from None
     slo = parse_slo(slo_text)
     if recommend_it and not slo.bounds:
         raise ValueError("--recommend needs an --slo to meet, e.g. --slo 'ttft_p99<2s'")
@@ -75,7 +68,10 @@ def run(
         cost_models[str(other.cfg.get("quantization") or "none")] = other.model
         other.con.close()
     rec = open_recording(store)
+    run_con = None
     try:
+        # the run opens before the replays: a path that does not open fails first
+        run_con = open_run(check_run) if check_run is not None else None
         preds = [
             predict(rec, w, slo, cost_models=cost_models, fast_forward=not step_by_step)
             for w in parsed
@@ -103,13 +99,15 @@ def run(
         }
         if recommend_it:
             doc["recommendation"] = recommend(rec, slo, rate=rate, cost_models=cost_models)
-        if check_run is not None:
+        if run_con is not None:
             doc["check"] = check(
-                rec, preds[-1], slo, check_run,
+                rec, preds[-1], slo, run_con, str(check_run),
                 cost_models=cost_models, fast_forward=not step_by_step,
             )  # fmt: skip
     finally:
         rec.con.close()
+        if run_con is not None:
+            run_con.close()
     return to_json(doc) + "\n" if fmt == "json" else to_text(doc)
 
 

@@ -115,9 +115,8 @@ def parse_whatif(text: str) -> WhatIf:
                 v = float(value)
             except ValueError:
                 v = float("nan")
-            if not v > 0 or v == float("inf"):
-                raise ValueError(f"what-if {knob}={value}: {KNOBS[knob][1]}")
-            if knob == "step_time" and not STEP_TIME_RANGE[0] <= v <= STEP_TIME_RANGE[1]:
+            lo, hi = STEP_TIME_RANGE if knob == "step_time" else (0.0, float("inf"))
+            if not (v > 0 and v != float("inf") and lo <= v <= hi):
                 raise ValueError(f"what-if {knob}={value}: {KNOBS[knob][1]}")
             changes[knob] = v
         elif knob in ("chunked_prefill", "prefix_caching"):
