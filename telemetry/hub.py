@@ -31,7 +31,7 @@ from .spans import (
     make_resource,
     make_tracer_provider,
 )
-from .store import TraceStore, TraceStoreInUse
+from .store import TraceStore, TraceStoreInUse, by_reason
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class Telemetry:
             except Exception as exc:  # serve on without a store; count what is lost
                 self.store_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
                 log.error("trace store %s unavailable: %s", trace_db, self.store_error)
-        self.metrics.set_drops_source(self.dropped)
+        self.metrics.set_drops_source(self.drops)
         self.provider = None
         self.tracer = None
         self._otlp = None
@@ -294,17 +294,27 @@ class Telemetry:
 
     # ----- outputs -----
     def dropped(self) -> dict[str, int]:
-        """Rows dropped per table (queue full, writer dead, or no store)."""
-        out = Counter(self.lost)
+        """Rows dropped per table (every reason together)."""
+        out: Counter = Counter()
+        for (table, _), n in self.drops().items():
+            out[table] += n
+        return dict(out)
+
+    def drops(self) -> dict[tuple[str, str], int]:
+        """Rows dropped per ``(table, reason)`` (``store.DROP_REASONS``; ``no_store``: the
+        store could not be opened)."""
+        out = Counter({(table, "no_store"): n for table, n in dict(self.lost).items()})
         if self.store is not None:
-            out.update(self.store.dropped)
+            out.update(dict(self.store.drops))
         return dict(out)
 
     def health(self) -> dict:
         """The ``telemetry`` block of ``/health``."""
         dropped = self.dropped()
         store = self.store.health() if self.store is not None else None
-        ok = self.store_error is None and (store is None or store["writer_alive"])
+        ok = self.store_error is None and (
+            store is None or (store["writer_alive"] and store["problem"] is None)
+        )
         return {
             "status": "ok" if ok else "degraded",
             "tracing": self.tracing,
@@ -313,6 +323,7 @@ class Telemetry:
             "store_error": self.store_error or (store or {}).get("error"),
             "dropped_total": sum(dropped.values()),
             "dropped": dropped,
+            "dropped_by_reason": by_reason(self.drops()),
             "sampler": None
             if self.sampler is None
             else {"mode": self.sampler.mode, "last_error": self.sampler.last_error},

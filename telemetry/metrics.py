@@ -121,40 +121,44 @@ def _label(value: object) -> str:
 
 
 class _DropsCollector:
-    """``tokenmill_telemetry_dropped_total{model_name,table}``: rows the trace store dropped.
+    """``tokenmill_telemetry_dropped_total{model_name,table,reason}``: rows that did not reach
+    the trace store, by table and reason (``telemetry/store.py``: ``DROP_REASONS``).
 
-    Read at every scrape from ``source() -> {table: count}`` (the store's own per-table drop
+    Read at every scrape from ``source() -> {(table, reason): count}`` (the store's own drop
     counter), so the exported number can never drift from the store's. The scrape may run in a
-    worker thread while other threads add a table's first drop; a copy that meets that
+    worker thread while other threads add a first drop; a copy that meets that
     (``RuntimeError``) is retried.
     """
 
     NAME = PREFIX + "telemetry_dropped"
-    HELP = "Telemetry rows dropped by the trace store (queue full or writer down), by table."
+    HELP = (
+        "Telemetry rows that did not reach the trace store, by table and reason (queue_full, "
+        "closed, bad_value, disk_full, unwritable, store_error, unknown_table, no_store)."
+    )
 
     def __init__(self, model_name: str):
         self.model_name = model_name
-        self.source: Callable[[], dict[str, int]] | None = None
+        self.source: Callable[[], dict[tuple[str, str], int]] | None = None
 
     def _family(self) -> CounterMetricFamily:
-        return CounterMetricFamily(self.NAME, self.HELP, labels=["model_name", "table"])
+        return CounterMetricFamily(self.NAME, self.HELP, labels=["model_name", "table", "reason"])
 
     def describe(self) -> Iterable[Metric]:
         return [self._family()]
 
     def collect(self) -> Iterable[Metric]:
         fam = self._family()
-        counts: dict[str, int] = {}
+        counts: dict[tuple[str, str], int] = {}
         for _ in range(3 if self.source is not None else 0):
             try:
                 counts = dict(self.source() or {})
                 break
-            except RuntimeError:  # a table's first drop landed mid-copy (another thread): again
+            except RuntimeError:  # a first drop landed mid-copy (another thread): again
                 continue
             except Exception:  # a failing source must not break the whole scrape
                 break
-        for table in sorted(counts):
-            fam.add_metric([self.model_name, str(table)], float(counts[table]))
+        for table, reason in sorted(counts):
+            fam.add_metric([self.model_name, str(table), str(reason)], float(counts[table, reason]))
         return [fam]
 
 
@@ -384,7 +388,7 @@ class ServingMetrics:
             (
                 _DropsCollector.NAME + "_total",
                 "counter",
-                ("model_name", "table"),
+                ("model_name", "table", "reason"),
                 _DropsCollector.HELP,
             )
         )
@@ -409,9 +413,10 @@ class ServingMetrics:
             metric.labels(model_name)
 
     # ------------------------------------------------------------------------------------------
-    def set_drops_source(self, fn: Callable[[], dict[str, int]] | None) -> None:
-        """Sets where ``tokenmill_telemetry_dropped_total`` reads from: ``fn() -> {table: rows}``,
-        the store's cumulative per-table drop counts, called at every scrape."""
+    def set_drops_source(self, fn: Callable[[], dict[tuple[str, str], int]] | None) -> None:
+        """Sets where ``tokenmill_telemetry_dropped_total`` reads from:
+        ``fn() -> {(table, reason): rows}``, the store's cumulative drop counts, called at
+        every scrape."""
         self._drops.source = fn
 
     def observe_request(self, row: dict, itl_ms: list[float]) -> None:

@@ -427,7 +427,7 @@ def _metrics_names() -> set[str]:
     """Sample names of a real ``/metrics`` render: ServingMetrics fed one request of each
     outcome, a step and the engine state (so labelled counters exist too)."""
     m = ServingMetrics(MODEL)
-    m.set_drops_source(lambda: {"spans": 0})
+    m.set_drops_source(lambda: {("spans", "queue_full"): 0})
     ok = dict(
         tenant="t",
         http_status=200,

@@ -100,7 +100,7 @@ HOST = dict(kind="host", device_index=None, cpu_pct=150.0, rss_bytes=2 * 2**30)
 
 def _fed() -> tuple[ServingMetrics, dict[str, int]]:
     m = ServingMetrics(MODEL)
-    drops = {"spans": 7, "requests": 0}
+    drops = {("spans", "queue_full"): 7, ("requests", "queue_full"): 0}
     m.set_drops_source(lambda: dict(drops))
     for row, itl in COMPLETED:
         m.observe_request(row, itl)
@@ -212,10 +212,13 @@ def test_numbers_match_rows():
     assert _get(s, "tokenmill_request_prompt_tokens_sum") == 40 + 12 + 100 + 30
     assert _get(s, "tokenmill_host_rss_bytes") == 2 * 2**30
 
-    assert _get(s, "tokenmill_telemetry_dropped_total", table="spans") == 7
-    drops["spans"] = 11
+    drop = dict(table="spans", reason="queue_full")
+    assert _get(s, "tokenmill_telemetry_dropped_total", **drop) == 7
+    drops["spans", "queue_full"] = 11
+    drops["spans", "disk_full"] = 3
     s = _samples(m.render()[0])
-    assert _get(s, "tokenmill_telemetry_dropped_total", table="spans") == 11
+    assert _get(s, "tokenmill_telemetry_dropped_total", **drop) == 11
+    assert _get(s, "tokenmill_telemetry_dropped_total", table="spans", reason="disk_full") == 3
 
 
 def test_spec_decode_counters_from_step_records():
@@ -463,7 +466,7 @@ def test_render_in_a_thread_while_observing_loses_nothing():
     import threading
 
     m = ServingMetrics(MODEL)
-    m.set_drops_source(lambda: {"spans": 1})
+    m.set_drops_source(lambda: {("spans", "queue_full"): 1})
     bodies = []
     stop = threading.Event()
 
