@@ -15,6 +15,7 @@ The process ends with its API process: when that one dies without sending :class
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -26,6 +27,7 @@ import zmq
 from .config import EngineConfig
 from .errors import RequestRejected
 from .messages import (
+    DRAIN_REQUEST_SIGNAL,
     INPUT_DECODER,
     AbortRequests,
     AddRequest,
@@ -97,6 +99,22 @@ def _adopt_arrivals(core, link, desk, send) -> None:
     desk.expire()
 
 
+def ignore_stop_signals(api_pid: int | None) -> None:
+    """An engine process's stop signals: SIGINT is ignored (Ctrl-C reaches the whole group; the
+    API process drains), SIGTERM asks the API process ``api_pid`` to drain
+    (:data:`DRAIN_REQUEST_SIGNAL`) instead of ending this process mid-step. A stop sent to the
+    server's process group (systemd's ``KillMode=control-group``, ``kill -TERM -PGID``) thus
+    drains as a SIGTERM to the API alone does; the API stops its cores once its streams end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def ask_api_to_drain(signum, frame) -> None:
+        if api_pid is not None and os.getppid() == api_pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(api_pid, DRAIN_REQUEST_SIGNAL)
+
+    signal.signal(signal.SIGTERM, ask_api_to_drain)
+
+
 def run_engine_core(
     config: EngineConfig, in_addr: str, out_addr: str, pd: dict | None = None
 ) -> None:
@@ -106,11 +124,11 @@ def run_engine_core(
     "port": rendezvous port, "cpus": cores to pin to or None, "rank", "world_size",
     "num_prefill": its place in the KV link's group}`` (``engine/parallel/pd_link.py``).
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
+    api_pid = os.getppid()
+    ignore_stop_signals(api_pid)  # the API process decides when we stop
     from .logs import configure_from_env
 
     configure_from_env()  # the server's --log-level and --log-format
-    api_pid = os.getppid()
     link = desk = None
     if pd is not None:
         from .parallel.pd_link import pin

@@ -24,6 +24,7 @@ and the engine line that sets it.
 
 from __future__ import annotations
 
+import signal
 from typing import Annotated, Any
 
 import msgspec
@@ -37,6 +38,12 @@ Ns = Annotated[int, msgspec.Meta(extra={"sql": "BIGINT"})]
 BigInt = Annotated[int, msgspec.Meta(extra={"sql": "BIGINT"})]
 #: wall-clock Unix nanoseconds, or None when the moment has not come (a nullable BIGINT)
 NsOrNull = Annotated[int | None, msgspec.Meta(extra={"sql": "BIGINT"})]
+
+#: The signal an engine core sends its API process when it is asked to stop (SIGTERM to the core
+#: alone, or to the server's whole process group): a request to drain, never a second stop
+#: signal. Engine cores and worker ranks ignore SIGINT and SIGTERM themselves; the API process
+#: decides when they stop (``TokenmillServer``), and they exit when it is gone.
+DRAIN_REQUEST_SIGNAL = signal.SIGUSR1
 
 #: An ``engine_steps`` row with tokens; rows without are an idle engine's heartbeats
 #: (:meth:`EngineCore.idle_record`), which count for KV use and queue depth but not as steps.

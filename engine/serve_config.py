@@ -142,9 +142,9 @@ class ServeConfig:
     )
     shutdown_timeout: float = setting(
         30.0,
-        "SIGTERM: refuse new requests (503, /health/ready 503) and let those in flight finish "
-        "for up to this long (a duration) before they end with server_shutdown; a second "
-        "signal or Ctrl-C stops at once.",
+        "A first SIGTERM or SIGINT (to the server or its process group): refuse new requests "
+        "(503, /health/ready 503) and let those in flight finish for up to this long (a "
+        "duration) before they end with server_shutdown; a second signal stops at once.",
         duration=True,
     )
     fault_stream_delay_ms: float = setting(

@@ -8,12 +8,14 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import uvicorn
 
 from ..config import EngineConfig
+from ..messages import DRAIN_REQUEST_SIGNAL
 from ..model_config import load_model_config
 from ..model_fetch import resolve_model_dir
 from ..serve_config import ServeConfig
@@ -42,14 +44,17 @@ SHUTDOWN_SETTLE_S = 3.0
 class TokenmillServer(uvicorn.Server):
     """uvicorn's server with tokenmill's shutdown.
 
-    SIGTERM (an orchestrator's stop, a rolling deploy) first drains: ``on_drain(signal_name)``
-    in the event loop (``/health/ready`` answers 503 and new requests 503 + Retry-After), then
-    the requests in flight (``busy()``) get up to ``drain_s`` seconds to finish. After that, or
-    at once for SIGINT (Ctrl-C), a second signal or ``drain_s`` 0, ``on_stop(signal_name)`` ends
-    every open stream with a ``server_shutdown`` error and uvicorn stops as usual. A second
-    SIGINT skips waiting for connections but never the cleanup (engine stop, store flush), which
-    uvicorn alone would skip. A signal that stopped the server is not raised again afterwards,
-    so the process exits 0 (:attr:`stop_signals` lists them).
+    The first SIGTERM or SIGINT (an orchestrator's stop, a rolling deploy, Ctrl-C, systemd's
+    stop of the whole process group) drains: ``on_drain(signal_name)`` in the event loop
+    (``/health/ready`` answers 503 and new requests 503 + Retry-After), then the requests in
+    flight (``busy()``) get up to ``drain_s`` seconds to finish. An engine core asked to stop
+    sends :data:`DRAIN_REQUEST_SIGNAL` instead of dying, which drains the same way but never
+    counts as a second signal (a stop sent to the process group reaches the API and its cores
+    at once). After the drain, at once for a second signal or ``drain_s`` 0, ``on_stop(name)``
+    ends every open stream with a ``server_shutdown`` error and uvicorn stops as usual; a
+    third SIGINT skips waiting for connections but never the cleanup (engine stop, store
+    flush), which uvicorn alone would skip. A signal that stopped the server is not raised
+    again afterwards, so the process exits 0 (:attr:`stop_signals` lists them).
     """
 
     def __init__(
@@ -61,6 +66,7 @@ class TokenmillServer(uvicorn.Server):
         self.busy = busy or (lambda: 0)
         self.drain_s = drain_s
         self.draining = False
+        self.signals_received = 0  # SIGTERM/SIGINT to this process (drain requests not counted)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_signals: list[int] = []
         self.startup_error: str | None = None  # why the lifespan could not start the engine
@@ -72,7 +78,19 @@ class TokenmillServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
-        drain = sig == signal.SIGTERM and self.drain_s > 0 and self.on_drain is not None
+        if sig == DRAIN_REQUEST_SIGNAL:  # an engine core was asked to stop: drain, once
+            if not self.draining and not self.should_exit:
+                self._drain_or_stop(signal.SIGTERM, frame)
+            return
+        # a drain request never counts as a signal: a stop sent to the process group reaches
+        # the cores too, and Python runs a pending SIGUSR1 before a pending SIGTERM
+        self.signals_received += 1
+        if self.signals_received == 1 and self.draining:
+            return
+        self._drain_or_stop(sig, frame)
+
+    def _drain_or_stop(self, sig: int, frame) -> None:
+        drain = self.drain_s > 0 and self.on_drain is not None
         if drain and not self.draining and not self.should_exit and self.loop is not None:
             self.draining = True
             self._captured_signals.append(sig)
@@ -98,8 +116,8 @@ class TokenmillServer(uvicorn.Server):
         while self.busy() and time.monotonic() < deadline and not self.should_exit:
             await asyncio.sleep(0.05)
         if not self.should_exit:
-            self._captured_signals.remove(sig)  # handle_exit records it again
-            self.handle_exit(sig, None)
+            self._captured_signals.remove(sig)  # _drain_or_stop records it again
+            self._drain_or_stop(sig, None)
 
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets)
@@ -108,12 +126,18 @@ class TokenmillServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self):
-        with super().capture_signals():
-            try:
-                yield
-            finally:  # handled: uvicorn would raise them again once serve() returns
-                self.stop_signals = list(self._captured_signals)
-                self._captured_signals.clear()
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(DRAIN_REQUEST_SIGNAL, self.handle_exit) if main else None
+        try:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:  # handled: uvicorn would raise them again once serve() returns
+                    self.stop_signals = list(self._captured_signals)
+                    self._captured_signals.clear()
+        finally:
+            if main:
+                signal.signal(DRAIN_REQUEST_SIGNAL, previous)
 
 
 def runtime_versions() -> dict[str, str | None]:

@@ -19,12 +19,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import signal
 import time
 
 import zmq
 
 from ..config import EngineConfig
-from ..messages import INPUT_DECODER, EngineError, EngineFatal, RemoteStart, encode
+from ..messages import (
+    DRAIN_REQUEST_SIGNAL,
+    INPUT_DECODER,
+    EngineError,
+    EngineFatal,
+    RemoteStart,
+    encode,
+)
 from .pd_spec import core_addresses
 
 log = logging.getLogger(__name__)
@@ -102,6 +110,8 @@ def run_pd_worker(connect: str, model: str | None = None, *, once: bool = False)
 
     in_addr, out_addr = addresses(connect)
     mp = multiprocessing.get_context("spawn")
+    # a SIGTERM to the core asks its parent to drain; the API that drains is on another host
+    signal.signal(DRAIN_REQUEST_SIGNAL, signal.SIG_IGN)
     log.warning("pd-worker: waiting for the API at %s", connect)
     while True:
         msg = wait_for_start(in_addr)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -113,6 +114,10 @@ def run_worker(rank: int, world: int, init_method: str, parent: int, load: dict)
     from ..model_config import load_model_config
 
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    # a stop sent to the server's process group is the API's to handle: this rank ends when
+    # rank 0 sends None or its process is gone
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # a rank that cannot read the model (e.g. a host without the folder) exits before joining:
     # rank 0 then names it instead of waiting on a group that will never form
     load_model_config(load["model_dir"])

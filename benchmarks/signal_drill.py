@@ -1,0 +1,63 @@
+"""The stop-signal drill (``bench/signal_drill.py``): every case on a real server with 8 streams
+open, on one engine core, on two data-parallel replicas and on two tensor-parallel ranks; streams
+completed / cut with an error / cut silently, exit codes and leftover processes per case.
+
+    python benchmarks/signal_drill.py [--out benchmarks/results/signal_drill.json]
+
+Alone on the machine: a few minutes (each case starts a server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+from tokenmill.bench.signal_drill import CASES, STREAMS, run_case
+
+#: the server layouts every case runs on: extra ``tokenmill serve`` options
+LAYOUTS = {
+    "one core": (),
+    "2 data-parallel replicas": ("--data-parallel-size", "2", "--cpu-threads", "1"),
+    "2 tensor-parallel ranks": ("--tensor-parallel-size", "2"),
+}
+#: the cases run on the parallel layouts (all of them run on one core)
+PARALLEL_CASES = ("term_group", "int_group", "kill_api")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/signal_drill.json")
+    ap.add_argument("--layout", action="append", choices=list(LAYOUTS), help="default: all")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in args.layout or list(LAYOUTS):
+            cases = list(CASES) if layout == "one core" else PARALLEL_CASES
+            for case in cases:
+                r = run_case(case, Path(tmp) / layout.replace(" ", "_"), LAYOUTS[layout])
+                row = {"layout": layout, **r.to_dict()}
+                rows.append(row)
+                print(
+                    f"{layout:26s} {case:11s} completed {r.completed}/{STREAMS}, error "
+                    f"{r.cut_with_error}, silent {r.cut_silently}, exit {r.exit_code}, "
+                    f"leftover {len(r.leftover_processes)}, {r.seconds_to_exit} s",
+                    flush=True,
+                )
+    out = {
+        "benchmark": "signal_drill",
+        "date": time.strftime("%Y-%m-%d"),
+        "host": platform.processor() or platform.machine(),
+        "streams": STREAMS,
+        "cases": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
