@@ -6,13 +6,16 @@ engine's ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` at it) and ``GET /health``, plus
 it fills is read by ``diagnose``, ``explain`` and the console like any other.
 
 A body that does not decode is a 400 naming the reason and stores nothing; a body larger than
-:data:`MAX_BODY_BYTES` is a 413. Rows the store could not queue are reported back as OTLP's
-``partial_success`` (rejected spans), never silently lost.
+:data:`MAX_BODY_BYTES`, on the wire or once inflated, is a 413, refused while it is read or
+inflated (a chunked body or a gzip bomb is never held whole). A span that cannot be stored (ids
+of the wrong length, a string token count, a time past 2^63) is left out and the rest of its
+export stored; OTLP's ``partial_success`` says how many were rejected and why (an export whose
+every span is rejected is a 400), as it does for rows the store could not queue: never silently
+lost.
 """
 
 from __future__ import annotations
 
-import gzip
 import zlib
 
 from fastapi import FastAPI, Request
@@ -20,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
+from starlette.concurrency import run_in_threadpool
 
 from .otlp_receiver import OTLPDecodeError, decode_export, received_rows
 from .scrape import MetricsScraper
@@ -35,15 +39,66 @@ def _error(status: int, message: str) -> JSONResponse:
     )
 
 
-def _inflate(body: bytes, encoding: str) -> bytes:
+class BodyTooLarge(ValueError):
+    """A body past :data:`MAX_BODY_BYTES` (the 413's one line)."""
+
+
+async def read_capped(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request's body, refused (:class:`BodyTooLarge`) as soon as it passes ``limit``:
+    a declared ``Content-Length`` before reading, a chunked body while it arrives."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"body of {int(declared)} bytes; at most {limit}")
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"body of more than {limit} bytes; at most {limit}")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def inflate(body: bytes, encoding: str | None, limit: int = MAX_BODY_BYTES) -> bytes:
+    """``body`` decoded per its ``Content-Encoding`` (gzip, deflate or none), refused
+    (:class:`BodyTooLarge`) as soon as the output passes ``limit``: a bomb is never inflated
+    whole. Raises OTLPDecodeError for an unknown encoding or a body that does not inflate."""
     enc = (encoding or "identity").strip().lower()
     if enc == "identity":
         return body
     if enc == "gzip":
-        return gzip.decompress(body)
-    if enc == "deflate":
-        return zlib.decompress(body)
+        return _inflate(body, 16 + zlib.MAX_WBITS, limit, enc)
+    if enc == "deflate":  # zlib-wrapped as HTTP says, or raw as some clients send it
+        try:
+            return _inflate(body, zlib.MAX_WBITS, limit, enc)
+        except OTLPDecodeError:
+            return _inflate(body, -zlib.MAX_WBITS, limit, enc)
     raise OTLPDecodeError(f"content-encoding {encoding!r}: send gzip, deflate or none")
+
+
+def _inflate(body: bytes, wbits: int, limit: int, enc: str) -> bytes:
+    out, size, data = [], 0, body
+    try:
+        while data:  # a gzip body may hold several members, one after another
+            d = zlib.decompressobj(wbits)
+            while True:
+                chunk = d.decompress(data, limit + 1 - size)
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"body inflates past {limit} bytes; at most {limit}")
+                out.append(chunk)
+                data = d.unconsumed_tail
+                if d.eof or not (chunk or data):
+                    break
+            if not d.eof and wbits > 0:
+                raise OTLPDecodeError(f"{enc} body is cut short")
+            data = d.unused_data if wbits > zlib.MAX_WBITS else b""
+    except zlib.error as exc:
+        raise OTLPDecodeError(f"not a {enc} body ({exc})") from None
+    return b"".join(out)
+
+
+def _receive(body: bytes, content_type: str, store: TraceStore):
+    return received_rows(decode_export(body, content_type), store.check_rows)
 
 
 def make_app(store: TraceStore, scrapers: list[MetricsScraper] | None = None) -> FastAPI:
@@ -78,35 +133,47 @@ def add_receiver(
         refusal = authenticate(request) if authenticate is not None else None
         if refusal is not None:
             return refusal
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            return _error(413, f"body of {len(body)} bytes; at most {MAX_BODY_BYTES}")
-        content_type = request.headers.get("content-type", "")
         try:
-            body = _inflate(body, request.headers.get("content-encoding", ""))
-            export = decode_export(body, content_type)
-            rows = received_rows(export)
-            if not request_rows:
-                rows.pop("requests", None)
-        except (OTLPDecodeError, OSError, EOFError, zlib.error) as exc:
+            body = await read_capped(request)
+            body = await run_in_threadpool(inflate, body, request.headers.get("content-encoding"))
+        except BodyTooLarge as exc:
+            return _error(413, str(exc))
+        except OTLPDecodeError as exc:
             return _error(400, str(exc))
-        rejected = 0
+        content_type = request.headers.get("content-type", "")
+        try:  # off the event loop: the server's and the proxy's loop also serve requests
+            received = await run_in_threadpool(_receive, body, content_type, store)
+        except OTLPDecodeError as exc:
+            return _error(400, str(exc))
+        del body
+        if received.spans and len(received.rejected) == received.spans:
+            store.drop("spans", "bad_value", received.spans)
+            return _error(400, f"no span could be stored: {received.rejected[0]}")
+        rows = received.rows
+        if not request_rows:
+            rows.pop("requests", None)
+        rejected = len(received.rejected)
+        store.drop("spans", "bad_value", rejected)
+        reasons = [f"{rejected} span(s) rejected: {received.rejected[0]}"] if rejected else []
+        unqueued = 0
         for table, table_rows in rows.items():
             for row in table_rows:
                 if not store.submit(table, row) and table == "spans":
-                    rejected += 1
+                    unqueued += 1
+        if unqueued:
+            reasons.append(f"{unqueued} span(s) not queued: the trace store's queue is full")
         reply = ExportTraceServiceResponse()
-        if rejected:
-            reply.partial_success.rejected_spans = rejected
-            reply.partial_success.error_message = "the trace store's queue is full"
+        if rejected + unqueued:
+            reply.partial_success.rejected_spans = rejected + unqueued
+            reply.partial_success.error_message = "; ".join(reasons)
         if content_type.split(";")[0].strip().lower() == "application/json":
-            body = {}
-            if rejected:
-                body = {
+            doc = {}
+            if rejected + unqueued:
+                doc = {
                     "partialSuccess": {
-                        "rejectedSpans": str(rejected),
+                        "rejectedSpans": str(rejected + unqueued),
                         "errorMessage": reply.partial_success.error_message,
                     }
                 }
-            return JSONResponse(body)
+            return JSONResponse(doc)
         return Response(reply.SerializeToString(), media_type="application/x-protobuf")

@@ -16,7 +16,10 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 from google.protobuf import json_format
@@ -96,29 +99,57 @@ def decode_export(body: bytes, content_type: str) -> ExportTraceServiceRequest:
     elif kind == "application/json":
         try:
             doc = json.loads(body)
+        except RecursionError:
+            raise OTLPDecodeError(_TOO_DEEP) from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise OTLPDecodeError(f"not JSON ({exc})") from None
         if not isinstance(doc, dict):
             raise OTLPDecodeError("not an OTLP trace export (the JSON is not an object)")
+        if _depth_over(doc, MAX_JSON_DEPTH):
+            raise OTLPDecodeError(_TOO_DEEP)
         try:
             json_format.ParseDict(_hex_ids_to_base64(doc), req)
+        except RecursionError:
+            raise OTLPDecodeError(_TOO_DEEP) from None
         except (json_format.ParseError, binascii.Error) as exc:
             raise OTLPDecodeError(f"not an OTLP trace export ({str(exc)[:160]})") from None
     else:
         raise OTLPDecodeError(
             f"content type {content_type!r}: send application/x-protobuf or application/json"
         )
-    for rs in req.resource_spans:
-        for ss in rs.scope_spans:
-            for sp in ss.spans:
-                if len(sp.trace_id) != 16 or len(sp.span_id) != 8:
-                    raise OTLPDecodeError(
-                        f"span {sp.name!r}: trace id must be 16 bytes and span id 8 "
-                        f"(got {len(sp.trace_id)} and {len(sp.span_id)})"
-                    )
-                if sp.end_time_unix_nano < sp.start_time_unix_nano:
-                    raise OTLPDecodeError(f"span {sp.name!r} ends before it starts")
     return req
+
+
+#: nesting an OTLP/JSON export may have (an attribute's kvlist/array values nest; protobuf's
+#: own parser stops at 100 levels)
+MAX_JSON_DEPTH = 64
+_TOO_DEEP = f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
+
+
+def _depth_over(doc, limit: int) -> bool:
+    """Whether ``doc`` nests deeper than ``limit`` (iterative: no recursion to run out of)."""
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, dict | list))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, dict | list))
+    return False
+
+
+def span_problem(sp: Span) -> str | None:
+    """Why one received span cannot be stored as a span (one line), or None."""
+    if len(sp.trace_id) != 16 or len(sp.span_id) != 8:
+        return (
+            f"trace id must be 16 bytes and span id 8 (got {len(sp.trace_id)} and "
+            f"{len(sp.span_id)})"
+        )
+    if sp.end_time_unix_nano < sp.start_time_unix_nano:
+        return "ends before it starts"
+    return None
 
 
 def _value(v: AnyValue):
@@ -138,58 +169,91 @@ def _attrs(kvs) -> dict:
     return {kv.key: _value(kv.value) for kv in kvs}
 
 
+def _finite(node):
+    """``node`` with NaN and ±Inf floats as None (what strict JSON can hold)."""
+    if isinstance(node, float):
+        return node if math.isfinite(node) else None
+    if isinstance(node, dict):
+        return {k: _finite(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_finite(v) for v in node]
+    return node
+
+
+def _json(node) -> str:
+    try:
+        return json.dumps(node, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(node), allow_nan=False)
+
+
 def span_rows(req: ExportTraceServiceRequest) -> list[dict]:
-    """``spans`` rows, one per received span, as received (attributes and events as JSON)."""
-    rows = []
+    """``spans`` rows, one per received span, as received (attributes and events as JSON);
+    a span that cannot be one is left out (:func:`received_rows` says why)."""
+    return [row for _, row, _ in _spans(req) if row is not None]
+
+
+def _spans(req: ExportTraceServiceRequest):
+    """Per received span: its name, its ``spans`` row or None, and why not (one line)."""
     for rs in req.resource_spans:
-        service = _attrs(rs.resource.attributes).get("service.name")
+        try:
+            service = _attrs(rs.resource.attributes).get("service.name")
+        except RecursionError:
+            service = None
         for ss in rs.scope_spans:
             for sp in ss.spans:
-                attrs = _attrs(sp.attributes)
-                reasons = attrs.get("gen_ai.response.finish_reasons")
-                if isinstance(reasons, str):  # vLLM writes the list as a JSON string
+                problem = span_problem(sp)
+                if problem is None:
                     try:
-                        reasons = json.loads(reasons)
-                    except ValueError:
-                        reasons = [reasons]
-                rows.append(
-                    {
-                        "trace_id": sp.trace_id.hex(),
-                        "span_id": sp.span_id.hex(),
-                        "parent_span_id": sp.parent_span_id.hex() or None,
-                        "name": sp.name,
-                        "kind": _KIND.get(sp.kind, "UNSPECIFIED"),
-                        "start_ns": sp.start_time_unix_nano,
-                        "end_ns": sp.end_time_unix_nano,
-                        "duration_ns": sp.end_time_unix_nano - sp.start_time_unix_nano,
-                        "status_code": _STATUS.get(sp.status.code, "UNSET"),
-                        "status_message": sp.status.message or None,
-                        "service_name": service,
-                        "attributes": json.dumps(attrs),
-                        "events": json.dumps(
-                            [
-                                {
-                                    "name": e.name,
-                                    "time_ns": e.time_unix_nano,
-                                    "attributes": _attrs(e.attributes),
-                                }
-                                for e in sp.events
-                            ]
-                        ),
-                        "request_id": attrs.get("tokenmill.request_id")
-                        or attrs.get(VLLM["request_id"]),
-                        "tenant": attrs.get("tokenmill.tenant"),
-                        "model": attrs.get("gen_ai.request.model") or attrs.get(VLLM["model"]),
-                        "input_tokens": attrs.get("gen_ai.usage.input_tokens")
-                        or attrs.get(VLLM["input_tokens"]),
-                        "output_tokens": attrs.get("gen_ai.usage.output_tokens")
-                        or attrs.get(VLLM["output_tokens"]),
-                        "cached_tokens": attrs.get("tokenmill.usage.cached_tokens"),
-                        "finish_reason": reasons[0] if reasons else None,
-                        "error_type": attrs.get("error.type"),
-                    }
-                )
-    return rows
+                        yield sp.name, _span_row(sp, service), None
+                        continue
+                    except (TypeError, ValueError, KeyError, IndexError, RecursionError) as exc:
+                        problem = f"{type(exc).__name__}: {str(exc)[:120]}"
+                yield sp.name, None, problem
+
+
+def _span_row(sp: Span, service) -> dict:
+    """One span as its ``spans`` row."""
+    attrs = _attrs(sp.attributes)
+    reasons = attrs.get("gen_ai.response.finish_reasons")
+    if isinstance(reasons, str):  # vLLM writes the list as a JSON string
+        try:
+            reasons = json.loads(reasons)
+        except ValueError:
+            reasons = [reasons]
+    return {
+        "trace_id": sp.trace_id.hex(),
+        "span_id": sp.span_id.hex(),
+        "parent_span_id": sp.parent_span_id.hex() or None,
+        "name": sp.name,
+        "kind": _KIND.get(sp.kind, "UNSPECIFIED"),
+        "start_ns": sp.start_time_unix_nano,
+        "end_ns": sp.end_time_unix_nano,
+        "duration_ns": sp.end_time_unix_nano - sp.start_time_unix_nano,
+        "status_code": _STATUS.get(sp.status.code, "UNSET"),
+        "status_message": sp.status.message or None,
+        "service_name": service,
+        "attributes": _json(attrs),
+        "events": _json(
+            [
+                {
+                    "name": e.name,
+                    "time_ns": e.time_unix_nano,
+                    "attributes": _attrs(e.attributes),
+                }
+                for e in sp.events
+            ]
+        ),
+        "request_id": attrs.get("tokenmill.request_id") or attrs.get(VLLM["request_id"]),
+        "tenant": attrs.get("tokenmill.tenant"),
+        "model": attrs.get("gen_ai.request.model") or attrs.get(VLLM["model"]),
+        "input_tokens": attrs.get("gen_ai.usage.input_tokens") or attrs.get(VLLM["input_tokens"]),
+        "output_tokens": attrs.get("gen_ai.usage.output_tokens")
+        or attrs.get(VLLM["output_tokens"]),
+        "cached_tokens": attrs.get("tokenmill.usage.cached_tokens"),
+        "finish_reason": reasons[0] if reasons else None,
+        "error_type": attrs.get("error.type"),
+    }
 
 
 def _child(parent: dict, name: str, start_ns: int, end_ns: int, attrs: dict) -> dict:
@@ -234,7 +298,8 @@ def station_rows(span: dict) -> tuple[list[dict], dict | None]:
 
     def sec(key):
         v = a.get(VLLM[key])
-        return float(v) if isinstance(v, int | float) else None
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        return float(v) if ok else None  # NaN and ±Inf are no time
 
     start = span["start_ns"]
     queue, prefill, decode = sec("queue_s"), sec("prefill_s"), sec("decode_s")
@@ -281,13 +346,53 @@ def station_rows(span: dict) -> tuple[list[dict], dict | None]:
     return children, msgspec.structs.asdict(request)
 
 
-def received_rows(req: ExportTraceServiceRequest) -> dict[str, list[dict]]:
-    """Everything one export adds to the store: ``{"spans": [...], "requests": [...]}``."""
-    spans = span_rows(req)
-    mapped, requests = [], []
-    for s in spans:
-        children, request = station_rows(s)
-        mapped += children
-        if request is not None:
-            requests.append(request)
-    return {"spans": spans + mapped, "requests": requests}
+@dataclass
+class Received:
+    """What one export adds to the store, and what of it could not be stored."""
+
+    rows: dict[str, list[dict]]
+    """``{"spans": [...], "requests": [...]}``"""
+    spans: int = 0
+    """spans in the export"""
+    rejected: list[str] = field(default_factory=list)
+    """one line per span left out: its name and why"""
+
+
+def received_rows(
+    req: ExportTraceServiceRequest,
+    check: Callable[[str, list[dict]], list[str | None]] | None = None,
+) -> Received:
+    """Everything one export adds to the store, span by span: a span that cannot be stored
+    (ids of the wrong length, an end before its start, a mapping that fails, or a value
+    ``check(table, rows)`` refuses: the store's ``TraceStore.check_rows``) is left out with
+    the rows it maps to, and named in :attr:`Received.rejected`; the others are kept."""
+    groups: list[dict[str, list[dict]]] = []
+    out = Received(rows={"spans": [], "requests": []})
+    for name, span, problem in _spans(req):
+        out.spans += 1
+        group: dict[str, list[dict]] = {}
+        if span is not None:
+            try:
+                children, request = station_rows(span)
+                group = {"spans": [span, *children], "requests": [request] if request else []}
+            except (OTLPDecodeError, ValueError, TypeError, OverflowError) as exc:
+                problem = str(exc) if isinstance(exc, OTLPDecodeError) else f"{exc}"
+        if problem is not None:
+            out.rejected.append(f"span {name!r}: {problem}")
+        else:
+            groups.append(group)
+    if check is not None and groups:
+        bad = set()
+        for table in ("spans", "requests"):
+            owners = [i for i, g in enumerate(groups) for _ in g[table]]
+            rows = [row for g in groups for row in g[table]]
+            for i, why in zip(owners, check(table, rows), strict=True):
+                if why is not None and i not in bad:
+                    bad.add(i)
+                    name = groups[i]["spans"][0]["name"]
+                    out.rejected.append(f"span {name!r}: {why}")
+        groups = [g for i, g in enumerate(groups) if i not in bad]
+    for g in groups:
+        for table, rows in g.items():
+            out.rows[table] += rows
+    return out

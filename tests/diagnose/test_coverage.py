@@ -54,7 +54,8 @@ def vllm_store(tmp_path_factory):
     store = TraceStore(path, flush_interval_s=0.05)
     t0 = 1_767_225_600_000_000_000
     for i in range(120):
-        rows = received_rows(decode_export(_export(i, t0 + i * 10**9, 0.25), "application/json"))
+        export = decode_export(_export(i, t0 + i * 10**9, 0.25), "application/json")
+        rows = received_rows(export).rows
         for table, table_rows in rows.items():
             for row in table_rows:
                 assert store.submit(table, row)

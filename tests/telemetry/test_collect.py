@@ -1,6 +1,9 @@
 """The collector: OTLP/HTTP traces (protobuf and JSON) from another engine into the store, known
 engine spans mapped onto our stations, garbage refused with a 400 and nothing stored; and
-`tokenmill collect` as a process, fed by the real OpenTelemetry SDK's OTLP/HTTP exporter.
+`tokenmill collect` as a process, fed by the real OpenTelemetry SDK's OTLP/HTTP exporter. Bad
+input never breaks it: a partly bad export keeps its good spans and says what it rejected in
+`partial_success`, deep JSON and bad encodings are a 400, and a 256 MiB chunked body or a 1 GiB
+gzip bomb is refused while read or inflated, the process's peak memory far below either.
 
 vLLM and SGLang need GPUs: their spans are fixtures written from their published span
 definitions (docs/engine_metrics.md)."""
@@ -8,15 +11,18 @@ definitions (docs/engine_metrics.md)."""
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import duckdb
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -233,3 +239,246 @@ def test_collect_refuses_bad_options_in_one_line(tmp_path):
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(lines) == 1, r.stderr
         assert needle in lines[0], lines[0]
+
+
+# ----- bad input never breaks the receiver or the store (issue 53) -----
+
+
+def _export(spans: list[dict]) -> bytes:
+    """A real OTLP protobuf export of ``spans`` ({name, start, end, attrs})."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    rs.resource.attributes.append(
+        KeyValue(key="service.name", value=AnyValue(string_value="engine"))
+    )
+    ss = rs.scope_spans.add()
+    for i, s in enumerate(spans):
+        sp = ss.spans.add()
+        sp.trace_id = (1000 + i).to_bytes(16, "big")
+        sp.span_id = (1000 + i).to_bytes(8, "big")
+        sp.name = s["name"]
+        sp.start_time_unix_nano = s.get("start", 1_767_225_600_000_000_000 + i)
+        sp.end_time_unix_nano = s.get("end", sp.start_time_unix_nano + 1_000_000)
+        for key, value in s.get("attrs", {}).items():
+            v = (
+                AnyValue(string_value=value)
+                if isinstance(value, str)
+                else AnyValue(int_value=value)
+                if isinstance(value, int)
+                else AnyValue(double_value=value)
+            )
+            sp.attributes.append(KeyValue(key=key, value=v))
+    return req.SerializeToString()
+
+
+def _post_pb(client, body: bytes, **headers):
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceResponse,
+    )
+
+    r = client.post(
+        "/v1/traces", content=body, headers={"content-type": "application/x-protobuf", **headers}
+    )
+    reply = ExportTraceServiceResponse()
+    if r.status_code == 200:
+        reply.ParseFromString(r.content)
+    return r, reply
+
+
+GOOD = [{"name": f"good{i}", "attrs": {"gen_ai.usage.input_tokens": 10 + i}} for i in range(5)]
+
+
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ({"attrs": {"gen_ai.usage.input_tokens": "12"}}, "input_tokens '12' does not fit"),
+        ({"attrs": {"gen_ai.usage.output_tokens": 2**31}}, "output_tokens"),
+        ({"start": 2**63 + 5, "end": 2**63 + 9}, "start_ns"),
+        ({"start": 2**63 - 10, "end": 2**64 - 1}, "end_ns"),
+        ({"attrs": {"gen_ai.latency.e2e": float("nan")}, "name": "llm_request"}, None),
+    ],
+    ids=["string-tokens", "tokens-past-2^31", "start-past-2^63", "end-past-2^63", "nan-attr"],
+)
+def test_a_partly_bad_export_keeps_its_good_spans_and_says_how_many_it_rejected(
+    collector, bad, why
+):
+    client, store = collector
+    body = _export([*GOOD[:3], {"name": "bad", **bad}, *GOOD[3:]])
+    r, reply = _post_pb(client, body)
+    assert r.status_code == 200, r.text
+    if why is None:  # a NaN attribute: stored as null (strict JSON), never a NaN statistic
+        assert reply.partial_success.rejected_spans == 0
+        assert _count_spans(store) == 6
+        (attrs,) = store.query("SELECT attributes FROM spans WHERE name = 'llm_request'")[0]
+        assert json.loads(attrs) == {"gen_ai.latency.e2e": None}
+        # the request's E2E is the span's own length, not NaN
+        assert store.query("SELECT e2e_ms FROM requests") == [(1.0,)]
+        return
+    assert reply.partial_success.rejected_spans == 1
+    assert f"1 span(s) rejected: span 'bad': {why}" in reply.partial_success.error_message
+    assert _count_spans(store) == 5
+    assert store.drops == {("spans", "bad_value"): 1}
+    # the writer goes on: a later export lands
+    r, reply = _post_pb(client, _export(GOOD[:2]))
+    assert r.status_code == 200 and reply.partial_success.rejected_spans == 0
+    assert _count_spans(store) == 7 and store.writer_alive and store.problem is None
+
+
+def _count_spans(store) -> int:
+    assert store.flush()
+    return store.query("SELECT count(*) FROM spans")[0][0]
+
+
+def test_a_partly_bad_json_export_reports_partial_success_in_json(collector):
+    client, store = collector
+    doc = json.loads(VLLM_JSON)
+    spans = doc["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    bad = json.loads(json.dumps(spans[0]))
+    bad["spanId"] = "00f067aa0ba902b8"
+    for a in bad["attributes"]:
+        if a["key"] == "gen_ai.usage.prompt_tokens":
+            a["value"] = {"stringValue": "lots"}
+    spans.append(bad)
+    r = client.post("/v1/traces", json=doc)
+    assert r.status_code == 200
+    ps = r.json()["partialSuccess"]
+    assert ps["rejectedSpans"] == "1" and "span 'llm_request'" in ps["errorMessage"]
+    assert _count_spans(store) == 4  # the good request span and its three stations
+    assert store.query("SELECT count(*) FROM requests") == [(1,)]
+
+
+def test_an_export_of_only_bad_spans_is_a_400_naming_why(collector):
+    client, store = collector
+    body = _export([{"name": "late", "start": 10, "end": 5}])
+    r, _ = _post_pb(client, body)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        "no span could be stored: span 'late': ends before it starts"
+    )
+    assert _count_spans(store) == 0 and store.drops == {("spans", "bad_value"): 1}
+
+
+def test_deeply_nested_json_is_a_400(collector):
+    client, store = collector
+    deep = b'{"resourceSpans": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = client.post("/v1/traces", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested deeper than 64" in r.json()["error"]["message"]
+    shallow_but_deep = b'{"resourceSpans": ' + b"[" * 200 + b"]" * 200 + b"}"
+    r = client.post(
+        "/v1/traces", content=shallow_but_deep, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and "nested deeper than 64" in r.json()["error"]["message"]
+    assert _count_spans(store) == 0
+
+
+@pytest.mark.parametrize(
+    "body, encoding, needle",
+    [
+        (gzip.compress(b"x" * 1000)[:-12], "gzip", "gzip body is cut short"),
+        (b"\x1f\x8b\x08\x00 not really", "gzip", "not a gzip body"),
+        (b"plain", "br", "content-encoding 'br'"),
+    ],
+    ids=["gzip-cut-short", "gzip-garbage", "brotli"],
+)
+def test_malformed_encodings_are_a_400_naming_why(collector, body, encoding, needle):
+    client, _ = collector
+    r, _ = _post_pb(client, body, **{"content-encoding": encoding})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"]
+
+
+@pytest.fixture
+def collect_process(tmp_path):
+    """``tokenmill collect`` as a process: (url, pid)."""
+    port = _free_port()
+    db = tmp_path / "collected.duckdb"
+    proc = subprocess.Popen(
+        [TOKENMILL, "collect", "--trace-db", str(db), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(150):  # a hang guard, not a bound
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.2)
+        yield url, proc.pid
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident memory (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def _post_stream(url: str, chunks, headers: dict) -> int | None:
+    """POST a streamed (chunked) body; the status, or None when the server closed the
+    connection before the body ended (it refused it mid-body)."""
+    try:
+        r = httpx.post(url + "/v1/traces", content=chunks, headers=headers, timeout=60)
+    except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
+        return None
+    return r.status_code
+
+
+def _warm(url: str) -> None:
+    body = gzip.compress(_export(GOOD))
+    r = httpx.post(
+        url + "/v1/traces",
+        content=body,
+        headers={"content-type": "application/x-protobuf", "content-encoding": "gzip"},
+    )
+    assert r.status_code == 200
+
+
+def test_a_256_mb_chunked_body_is_refused_while_read(collect_process):
+    url, pid = collect_process
+    _warm(url)
+    before = _peak_rss(pid)
+
+    def body():
+        block = b"\0" * 2**20
+        for _ in range(256):
+            yield block
+
+    status = _post_stream(url, body(), {"content-type": "application/x-protobuf"})
+    assert status in (413, None)
+    grew = _peak_rss(pid) - before
+    print(f"256 MiB chunked body: peak RSS +{grew / 2**20:.1f} MiB")
+    assert grew < 64 * 2**20  # the cap is 32 MiB: never the body's 256
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_a_gzip_bomb_is_refused_while_inflated(collect_process):
+    url, pid = collect_process
+    _warm(url)
+    squeeze = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = b"\0" * 2**20
+    bomb = b"".join(squeeze.compress(zeros) for _ in range(1024)) + squeeze.flush()
+    assert len(bomb) < 2 * 2**20  # 1 GiB inflated
+    before = _peak_rss(pid)
+    r = httpx.post(
+        url + "/v1/traces",
+        content=bomb,
+        headers={"content-type": "application/x-protobuf", "content-encoding": "gzip"},
+        timeout=60,
+    )
+    assert r.status_code == 413 and "inflates past" in r.json()["error"]["message"]
+    grew = _peak_rss(pid) - before
+    print(f"1 GiB gzip bomb: peak RSS +{grew / 2**20:.1f} MiB")
+    assert grew < 96 * 2**20  # the 32 MiB cap and its copy: never the bomb's GiB
+    _warm(url)  # and the receiver goes on
