@@ -1,13 +1,21 @@
 """The proxy's HTTP app: OpenAI's completion routes forwarded to an upstream server.
 
-For each ``POST /v1/chat/completions`` or ``/v1/completions``: the gateway (the same tenants
-and keys as ``tokenmill serve``), a body check (JSON, an object), then the request forwarded
-with a ``traceparent`` of this request's trace; the upstream's status, headers that describe the
-body, and body bytes go back unchanged (a stream relayed piece by piece as it arrives), while
-:class:`~.observe.Exchange` reads the events beside the relay. A client that goes away closes
-the upstream request too. What the upstream does wrong is answered in OpenAI's error shape,
-naming the upstream: 502 when it cannot be reached, 504 when its first byte takes longer than
-``first_byte_timeout_s``; every request, failed or not, leaves its row and trace.
+For each ``POST /v1/chat/completions`` or ``/v1/completions``: the body limit (``max_body_bytes``,
+the server's own ``BodyLimitMiddleware``: 413 ``body_too_large`` while reading, never the whole
+body held), the gateway (the same tenants and keys as ``tokenmill serve``), a body check (JSON,
+an object, not nested past the parser's depth: 400 naming ``body``), then the request forwarded
+with a ``traceparent`` of this request's trace, once: a request the upstream may have read is
+never sent again. The upstream's status, body bytes and its headers (``Retry-After``,
+``x-ratelimit-*``, ``Content-Encoding`` ...: all but the per-connection ones) go back unchanged,
+a stream piece by piece as it arrives, while :class:`~.observe.Exchange` reads the events beside
+the relay; what it cannot read is dropped and counted, never the client's problem. A stream the
+upstream cuts (a close, a reset, no byte within ``first_byte_timeout_s``, an end without
+``[DONE]``) ends in an error event ``upstream_stream_cut`` the client sees. A client that hangs
+up closes the upstream request, streamed or not, and gives back its ``--max-in-flight`` slot.
+What the upstream does wrong is answered in OpenAI's error shape, naming the upstream: 502 when
+it cannot be reached or closes without an answer, 504 when its first byte takes longer than
+``first_byte_timeout_s``; every request, failed or not, leaves its row and trace
+(:class:`_Recorder`, outermost, whatever ended it).
 
 The upstream is asked through aiohttp's client (its HTTP parser is compiled): a request through
 httpx's pure-Python stack cost about 1.5 ms more per request here, most of the proxy's share of
@@ -20,23 +28,44 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 
+from tokenmill.engine.api.app import BodyLimitMiddleware
 from tokenmill.engine.api.errors import APIError
 from tokenmill.engine.api.gateway import Gateway
 from tokenmill.engine.api.stations import AdmissionStation
+from tokenmill.engine.serve_config import ServeConfig
 
 from .metrics import ProxyMetrics
 from .observe import Exchange, new_trace
 
+log = logging.getLogger("tokenmill.proxy")
+
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-# response headers that describe the body the client gets (framing headers are the server's)
-PASS_HEADERS = ("content-type", "x-request-id", "openai-processing-ms")
+#: the upstream's response headers that are not relayed: those of one connection (RFC 9110
+#: 7.6.1) and those this server writes itself (framing, date, server); every other one goes back
+NOT_RELAYED = frozenset(
+    {
+        "connection", "keep-alive", "proxy-connection", "proxy-authenticate",
+        "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade",
+        "content-length", "date", "server",
+    }
+)  # fmt: skip
+#: the largest request body forwarded: the server's own default (``serve --max-body-bytes``)
+DEFAULT_MAX_BODY_BYTES = ServeConfig().max_body_bytes
+#: idle upstream connections are let go sooner than common servers close them (uvicorn's 5 s),
+#: so a request rarely meets a connection the upstream is closing (it is not sent again)
+KEEPALIVE_S = 4.0
+_FLIGHT = "tokenmill.proxy.flight"  # the scope key of a request's :class:`_Flight`
 
 
 class ProxyState:
@@ -45,13 +74,15 @@ class ProxyState:
     Args:
         upstream: the upstream server's base URL (``http://host:port``).
         record: called with ``(table, row)`` for every row (``TraceStore.submit``).
-        first_byte_timeout_s: longest wait for the upstream's first byte.
+        first_byte_timeout_s: longest wait for the upstream's first byte, and for each later
+            one of a stream.
         upstream_api_key: sent upstream as the bearer key (else the client's header is).
         max_in_flight: requests forwarded at once; one more is refused with 429 and
             ``Retry-After`` (the admission station), recorded; 0: no limit.
         tokenizer: the upstream model's Hugging Face tokenizer (``--tokenizer``): the tokenize
             station counts each prompt (chat template included) and holds the tenant's prompt
             limit; None: prompt sizes from the upstream's ``usage`` only.
+        max_body_bytes: the largest request body; past it a 413 while reading.
     """
 
     def __init__(
@@ -64,17 +95,20 @@ class ProxyState:
         upstream_api_key: str | None = None,
         max_in_flight: int = 0,
         tokenizer=None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ):
         self.upstream = upstream.rstrip("/")
         self.record = record
         self.gateway = gateway or Gateway()
         self.first_byte_timeout_s = first_byte_timeout_s
         self.upstream_api_key = upstream_api_key
+        self.max_body_bytes = max_body_bytes
         # each read waits first_byte_timeout_s at most (the first byte, and every later one)
         self.timeout = aiohttp.ClientTimeout(sock_connect=10.0, sock_read=first_byte_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self.requests = 0
         self.metrics = ProxyMetrics(self.upstream)
+        self.dropped: Counter = Counter()  # what could not be recorded, by reason
         self.tokenizer = tokenizer
         self.admission = (
             AdmissionStation(max_in_flight, 0, limit_flag="--max-in-flight")
@@ -87,10 +121,11 @@ class ProxyState:
         """The upstream client, made on first use inside the server's event loop; the body is
         passed on as the upstream sent it (no decompression), and no cookies are kept. Its
         connections are not capped (aiohttp's default is 100): a cap there would queue requests
-        unseen, where ``--max-in-flight`` is the proxy's one limit, refused and recorded."""
+        unseen, where ``--max-in-flight`` is the proxy's one limit, refused and recorded. A
+        POST is never retried (aiohttp retries only idempotent methods)."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                 timeout=self.timeout,
                 auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
@@ -102,13 +137,215 @@ class ProxyState:
             await self._session.close()
 
     def save(self, ex: Exchange) -> None:
+        """The request's row, spans and metrics, once. Never raises: what cannot be recorded is
+        dropped and counted (:meth:`count_drops`)."""
+        if ex.saved:
+            return
+        ex.saved = True
         ex.end_ns = ex.end_ns or time.time_ns()
-        row = ex.request_row()
-        self.record("requests", row)
-        self.metrics.answered(ex, row)
-        for span in ex.span_rows():
-            self.record("spans", span)
         self.requests += 1
+        self.metrics.left()
+        try:
+            row = ex.request_row()
+            spans = ex.span_rows()
+            self.metrics.answered(ex, row)
+            self.record("requests", row)
+            for span in spans:
+                self.record("spans", span)
+        except Exception as exc:  # the observer never fails the observed
+            ex.dropped["record_failed"] += 1
+            self.count_drops(ex.dropped, f"{type(exc).__name__}: {exc}")
+            return
+        self.count_drops(ex.dropped)
+
+    def count_drops(self, drops: Counter, detail: str | None = None) -> None:
+        """Counts what a request could not record (``tokenmill_proxy_telemetry_dropped_total``,
+        ``/health``); each reason is logged once, when first seen."""
+        for reason, n in drops.items():
+            if n <= 0:
+                continue
+            if reason not in self.dropped:
+                log.warning(
+                    "proxy: left out of the trace store: %s%s (counted from now on in "
+                    "tokenmill_proxy_telemetry_dropped_total; the answers are relayed unchanged)",
+                    reason,
+                    f" ({detail})" if detail else "",
+                )
+            self.dropped[reason] += n
+            self.metrics.dropped(reason, n)
+
+
+class _Flight:
+    """One request between the :class:`_Recorder` and the route: its exchange, the
+    ``traceparent`` sent upstream, and its ``--max-in-flight`` slot (given back once)."""
+
+    def __init__(self, ex: Exchange, traceparent: str):
+        self.ex = ex
+        self.traceparent = traceparent
+        self.slot: AdmissionStation | None = None
+
+    def release(self) -> None:
+        if self.slot is not None:
+            self.slot, slot = None, self.slot
+            slot.leave()
+
+
+class _Recorder:
+    """Outermost around the completion routes: each request gets its :class:`Exchange` here
+    and leaves its row here, once, whatever ended it (an answer, the end of its stream, a 413
+    from the body limit before the route ran, a client that hung up, the proxy's own error);
+    its ``--max-in-flight`` slot is given back here too. The body limit (the server's
+    ``BodyLimitMiddleware``) guards these routes only."""
+
+    def __init__(self, app, state: ProxyState):
+        self.app = app
+        self.state = state
+        self.limited = BodyLimitMiddleware(app, limit=state.max_body_bytes)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in ROUTES or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        state = self.state
+        headers = Headers(scope=scope)
+        trace_id, span_id, traceparent = new_trace(headers.get("traceparent"))
+        ex = Exchange(time.time_ns(), ROUTES[scope["path"]], trace_id, span_id, state.upstream)
+        ex.client_request_id = headers.get("x-request-id")
+        flight = scope[_FLIGHT] = _Flight(ex, traceparent)
+        state.metrics.arrived()
+        sent: list[int] = []
+
+        def done() -> None:
+            flight.release()
+            status = sent[-1] if sent else None
+            if status == 413 and ex.http_status is None:
+                ex.http_status = 413
+                limit = state.max_body_bytes
+                ex.fail("body_too_large", f"request body is over the {limit}-byte limit")
+            elif ex.http_status is None and ex.error_type != "client_disconnected":
+                ex.http_status = status
+            state.save(ex)
+
+        async def watched_send(message):
+            if message["type"] == "http.response.start":
+                sent.append(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                done()  # before the client sees the end: its slot and its row are settled
+            await send(message)
+
+        try:
+            await self.limited(scope, receive, watched_send)
+        except Exception as exc:  # the server's error handler answers 500
+            if ex.error_type is None:
+                ex.http_status = ex.http_status or 500
+                ex.fail("internal_error", type(exc).__name__)
+            raise
+        finally:
+            done()  # once: a no-op when the answer's end did it
+
+
+class _Relay(StreamingResponse):
+    """The upstream's event stream, relayed piece by piece and read beside. A stream that
+    breaks off ends in an error event (``upstream_stream_cut``) and ``[DONE]``; the upstream
+    response is closed whenever the relay did not reach its end (the client left)."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, ex: Exchange, state: ProxyState):
+        super().__init__(self._pieces(), status_code=resp.status)
+        _relay_headers(self, resp)
+        self.upstream, self.ex, self.state = resp, ex, state
+        self.finished = False
+
+    async def _pieces(self):
+        ex, resp = self.ex, self.upstream
+        cut = None
+        tail = b"\n\n"
+        try:
+            async for piece in resp.content.iter_any():
+                ex.on_bytes(piece)
+                tail = (tail + piece)[-4:]
+                yield piece
+        except TimeoutError:  # aiohttp's read timeouts are TimeoutErrors
+            cut = f"sent nothing for {self.state.first_byte_timeout_s:g} s mid-stream"
+        except aiohttp.ClientError as exc:
+            cut = f"broke off its stream ({type(exc).__name__})"
+        else:
+            if not (ex.saw_done or ex.finish_reason or ex.upstream_error or resp.status >= 400):
+                cut = "ended its stream without [DONE]"
+        rest = _unread(resp.content) if cut is not None else b""
+        if rest:  # what came before the cut still goes to the client
+            ex.on_bytes(rest)
+            tail = (tail + rest)[-4:]
+            yield rest
+        if cut is None:
+            resp.release()  # the connection may serve the next request
+        else:
+            resp.close()
+            message = f"upstream {self.state.upstream} {cut}: the answer is incomplete"
+            ex.fail("upstream_stream_cut", message)
+            if "content-encoding" not in resp.headers:  # plain text can be added to it
+                end = b"" if tail.endswith((b"\n\n", b"\r\n\r\n")) else b"\n\n"
+                err = APIError(502, message, code="upstream_stream_cut").body()
+                yield end + b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
+        self.finished = True
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.finished:
+                self.upstream.close()  # the upstream's sign that the client cancelled
+                if self.ex.error_type is None:
+                    self.ex.fail("client_disconnected", "the client closed the stream")
+
+
+def _unread(content: aiohttp.StreamReader) -> bytes:
+    """The bytes aiohttp had received when a stream broke: its reader raises the error before
+    it hands them out, so they are taken from its buffer (a private method: nothing if gone)."""
+    read = getattr(content, "_read_nowait", None)
+    if read is None or not getattr(content, "_buffer", None):
+        return b""
+    try:
+        return read(-1)
+    except Exception:
+        return b""
+
+
+def _relay_headers(response: Response, upstream: aiohttp.ClientResponse) -> None:
+    """The upstream's headers onto ``response``, each value as it came (see NOT_RELAYED)."""
+    named = {
+        t.strip().lower() for v in upstream.headers.getall("connection", []) for t in v.split(",")
+    }
+    for key, value in upstream.headers.items():
+        low = key.lower()
+        if low not in NOT_RELAYED and low not in named:
+            response.headers.append(low, value)
+
+
+async def _client_left(receive) -> None:
+    """Returns when the client hangs up (its body already read, only that can come)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_client_leaves(request: Request, ex: Exchange, work) -> Response:
+    """``work``'s answer; cancelled when the client hangs up first, which closes the upstream
+    request: the upstream stops generating and the slot is free."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_left(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        gone.cancel()
+        raise
+    gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    ex.fail("client_disconnected", "the client hung up before the answer; the upstream "
+            "request was closed")  # fmt: skip
+    return Response(status_code=499)  # nobody reads it
 
 
 def count_prompt(tokenizer, doc: dict, endpoint: str) -> tuple[int, str] | None:
@@ -145,6 +382,12 @@ def _error(status: int, message: str, *, param: str | None = None, code: str | N
     return APIError(status, message, param=param, code=code)
 
 
+def _refuse(ex: Exchange, exc: APIError, error_type: str) -> Response:
+    ex.http_status = exc.status
+    ex.fail(error_type, exc.message)
+    return exc.response()
+
+
 def build_proxy_app(state: ProxyState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -152,64 +395,47 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
         await state.close()
 
     app = FastAPI(title="tokenmill proxy", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(_Recorder, state=state)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "upstream": state.upstream, "requests": state.requests}
+        return {
+            "status": "ok",
+            "upstream": state.upstream,
+            "requests": state.requests,
+            "telemetry_dropped": dict(state.dropped),
+        }
 
     async def forward(request: Request) -> Response:
-        arrival = time.time_ns()
-        endpoint = ROUTES[request.url.path]
-        trace_id, span_id, traceparent = new_trace(request.headers.get("traceparent"))
-        ex = Exchange(arrival, endpoint, trace_id, span_id, state.upstream)
-        state.metrics.arrived()
-        ex.client_request_id = request.headers.get("x-request-id")
+        flight: _Flight = request.scope[_FLIGHT]
+        ex = flight.ex
         try:
             tenant = state.gateway.authenticate(request.headers.get("authorization"))
         except APIError as exc:
-            ex.http_status = exc.status
-            ex.fail("unauthorized", exc.message)
-            state.save(ex)
-            return exc.response()
+            return _refuse(ex, exc, "unauthorized")
         ex.tenant = tenant.name
         ex.tenant_limit = tenant.max_prompt_tokens
-        admission = state.admission
-        if admission is not None:
+        if state.admission is not None:
             try:
-                admission.enter()
+                state.admission.enter()
             except APIError as exc:
-                ex.http_status = exc.status
-                ex.fail("queue_full", exc.message)
-                state.save(ex)
-                return exc.response()
-        held = [admission is not None]
-
-        def release() -> None:  # once: when the answer (or the stream) is over
-            if held[0]:
-                held[0] = False
-                admission.leave()
-
+                return _refuse(ex, exc, "queue_full")
+            flight.slot = state.admission
         try:
-            resp = await _forward(request, ex, traceparent, release)
-        except BaseException:
-            release()
-            raise
-        if not isinstance(resp, StreamingResponse):
-            release()
-        return resp
-
-    async def _forward(request: Request, ex: Exchange, traceparent: str, release) -> Response:
-        body = await request.body()
+            body = await request.body()  # within max_body_bytes (the body limit)
+        except ClientDisconnect:  # or past it: then the limit answers 413
+            ex.fail("client_disconnected", "the client left before its body was read")
+            return Response(status_code=499)
         try:
             doc = json.loads(body)
+        except RecursionError:
+            err = _error(400, "the body is JSON nested too deeply to read", param="body")
+            return _refuse(ex, err, "invalid_request")
         except ValueError:
             doc = None
         if not isinstance(doc, dict):
-            exc = _error(400, "the body must be a JSON object", param="body")
-            ex.http_status = 400
-            ex.fail("invalid_request", exc.message)
-            state.save(ex)
-            return exc.response()
+            err = _error(400, "the body must be a JSON object", param="body")
+            return _refuse(ex, err, "invalid_request")
         if state.tokenizer is not None:
             t0 = time.time_ns()
             counted = await asyncio.to_thread(count_prompt, state.tokenizer, doc, ex.endpoint)
@@ -220,16 +446,18 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
                 if limit and counted[0] > limit:
                     exc = _error(400, f"{param} is {counted[0]} tokens; tenant {ex.tenant!r} "
                                  f"allows {limit}", param=param, code="prompt_too_long")  # fmt: skip
-                    ex.http_status = 400
-                    ex.fail("invalid_request", exc.message)
-                    state.save(ex)
-                    return exc.response()
+                    return _refuse(ex, exc, "invalid_request")
         ex.stream = doc.get("stream") is True
         ex.model = doc.get("model") if isinstance(doc.get("model"), str) else None
         mt = doc.get("max_completion_tokens", doc.get("max_tokens"))
-        ex.max_tokens = mt if isinstance(mt, int) else None
-        # identity: the body goes back byte for byte, so the upstream must not compress it
-        # for a client that did not ask
+        ex.max_tokens = mt if isinstance(mt, int) and not isinstance(mt, bool) else None
+        return await _unless_client_leaves(
+            request, ex, _forward(request, ex, body, flight.traceparent)
+        )
+
+    async def _forward(request: Request, ex: Exchange, body: bytes, traceparent: str):
+        # identity: the body goes back byte for byte, so the upstream should not compress it
+        # for a client that did not ask (one that does anyway is relayed with its encoding)
         headers = {
             "content-type": "application/json",
             "traceparent": traceparent,
@@ -243,67 +471,41 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
             headers["x-request-id"] = ex.client_request_id
         url = state.upstream + request.url.path
         ex.forwarded_ns = time.time_ns()
-        try:
-            resp = await _post(state.session, url, body, headers)
+        up = state.upstream
+        try:  # once: a request the upstream may have read is never sent again
+            resp = await state.session.post(url, data=body, headers=headers)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            reason = f"could not be reached: {type(exc).__name__}"
+            return _failed(ex, 502, f"upstream {up} {reason}", "upstream_unreachable")
         except TimeoutError:
-            return _failed(
-                state,
-                ex,
-                504,
-                f"upstream {state.upstream} sent no first byte in {state.first_byte_timeout_s:g} s",
-                "upstream_timeout",
-            )
+            message = f"upstream {up} sent no first byte in {state.first_byte_timeout_s:g} s"
+            return _failed(ex, 504, message, "upstream_timeout")
         except aiohttp.ClientError as exc:
-            return _failed(
-                state,
-                ex,
-                502,
-                f"upstream {state.upstream} could not be reached: {type(exc).__name__}",
-                "upstream_unreachable",
-            )
-        ex.http_status = resp.status
-        out_headers = {k: v for k, v in resp.headers.items() if k.lower() in PASS_HEADERS}
-        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        if resp.status >= 400:
-            ex.fail("upstream_error", f"upstream answered HTTP {resp.status}")
-        if not is_sse:
+            message = (f"upstream {up} closed the connection without an answer "
+                       f"({type(exc).__name__}); the request was not sent again: the upstream "
+                       "may have read it")  # fmt: skip
+            return _failed(ex, 502, message, "upstream_broken")
+        try:
+            ex.http_status = resp.status
+            ex.set_encoding(resp.headers.get("content-encoding"))
+            if resp.status >= 400:
+                ex.fail("upstream_error", f"upstream answered HTTP {resp.status}")
+            if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                return _Relay(resp, ex, state)
             try:
                 data = await resp.read()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 resp.close()
-                return _failed(
-                    state,
-                    ex,
-                    502,
-                    f"upstream {state.upstream} broke off its answer: {type(exc).__name__}",
-                    "upstream_broken",
-                )
+                message = f"upstream {up} broke off its answer: {type(exc).__name__}"
+                return _failed(ex, 502, message, "upstream_broken")
             resp.release()
             ex.on_body(data)
-            state.save(ex)
-            return Response(data, status_code=resp.status, headers=out_headers)
-
-        async def relay():
-            finished = False
-            try:
-                async for piece in resp.content.iter_any():
-                    ex.on_bytes(piece)
-                    yield piece
-                finished = True
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                ex.fail("upstream_broken", f"the upstream stream broke: {type(exc).__name__}")
-            except BaseException:  # the client went away (the response was cancelled)
-                ex.fail("client_disconnected", "the client closed the stream")
-                raise
-            finally:
-                if finished:
-                    resp.release()  # the connection may serve the next request
-                else:  # closed: the upstream's sign that the client cancelled
-                    resp.close()
-                release()
-                state.save(ex)
-
-        return StreamingResponse(relay(), status_code=resp.status, headers=out_headers)
+            out = Response(data, status_code=resp.status)
+            _relay_headers(out, resp)
+            return out
+        except BaseException:  # cancelled (the client left): close the upstream request
+            resp.close()
+            raise
 
     @app.get("/metrics")
     async def metrics():
@@ -326,8 +528,8 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
             headers["authorization"] = request.headers["authorization"]
         try:
             async with state.session.get(state.upstream + "/v1/models", headers=headers) as r:
-                content, status = await r.read(), r.status
-                out = {k: v for k, v in r.headers.items() if k.lower() in PASS_HEADERS}
+                out = Response(await r.read(), status_code=r.status)
+                _relay_headers(out, r)
         except (aiohttp.ClientError, TimeoutError) as exc:
             message = f"upstream {state.upstream} could not be reached: {type(exc).__name__}"
             return JSONResponse(
@@ -341,31 +543,16 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
                 },
                 status_code=502,
             )
-        return Response(content, status_code=status, headers=out)
+        return out
 
     for path in ROUTES:
         app.add_api_route(path, forward, methods=["POST"])
     return app
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict):
-    """POST, once more on a new connection when the first try's connection was closed under
-    it before any answer: an upstream may close a kept-alive connection just as it is reused
-    (llama.cpp's server closes each one after a streamed answer; about one request in fifty
-    here found it closed too late to be left out of the pool). A closed connection carried no
-    answer, so the request is sent again rather than failed."""
-    try:
-        return await session.post(url, data=body, headers=headers)
-    except aiohttp.ClientConnectorError:  # no connection made: nothing to retry
-        raise
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-        return await session.post(url, data=body, headers=headers)
-
-
-def _failed(state: ProxyState, ex: Exchange, status: int, message: str, kind: str):
+def _failed(ex: Exchange, status: int, message: str, kind: str):
     ex.http_status = status
     ex.fail(kind, message)
-    state.save(ex)
     return JSONResponse(
         {"error": {"message": message, "type": "upstream_error", "param": None, "code": kind}},
         status_code=status,

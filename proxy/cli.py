@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from tokenmill.engine.serve_config import ServeConfig
 from tokenmill.telemetry.cli import err, fail, open_store
 
 app = typer.Typer(add_completion=False)
@@ -79,6 +80,15 @@ def proxy(
             "its queue, KV use, preemptions, for the diagnosis); 0: never.",
         ),
     ] = "5s",
+    max_body_bytes: Annotated[
+        int,
+        typer.Option(
+            metavar="BYTES",
+            min=1024,
+            help="Largest request body forwarded; past it a 413 while reading (the server's "
+            "own default).",
+        ),
+    ] = ServeConfig().max_body_bytes,
     metrics_url: Annotated[
         str | None,
         typer.Option(metavar="URL", help="The upstream's metrics URL (default: UPSTREAM/metrics)."),
@@ -109,7 +119,7 @@ def proxy(
     except ValueError as exc:
         fail(f"--first-byte-timeout: {exc}")
     try:
-        scrape_s = parse_duration(scrape_interval)
+        scrape_s = parse_duration(scrape_interval, allow_zero=True)  # 0: never
     except ValueError as exc:
         fail(f"--scrape-interval: {exc}")
     metrics_url = metrics_url or upstream.rstrip("/") + "/metrics"
@@ -150,6 +160,7 @@ def proxy(
         upstream_api_key=upstream_api_key,
         max_in_flight=max_in_flight,
         tokenizer=tok,
+        max_body_bytes=max_body_bytes,
     )
     app = build_proxy_app(state)
     scraper = None

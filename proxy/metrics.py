@@ -7,7 +7,11 @@ the upstream, labelled by upstream only (never by tenant):
 - ``tokenmill_proxy_time_to_first_token_seconds``, ``tokenmill_proxy_inter_token_latency_seconds``
   (each gap between two output events) and ``tokenmill_proxy_e2e_request_latency_seconds``
   histograms, as the proxy measured them (``observe.py``), with the server's buckets;
-- ``tokenmill_proxy_prompt_tokens_total`` and ``tokenmill_proxy_generation_tokens_total``.
+- ``tokenmill_proxy_prompt_tokens_total`` and ``tokenmill_proxy_generation_tokens_total``;
+- ``tokenmill_proxy_telemetry_dropped_total{upstream, reason}``: what the proxy could not record
+  of an answer it relayed unchanged (``usage_not_a_count``: a ``usage`` count that is not a whole
+  number in 0..2^31-1; ``unreadable_event``/``unreadable_body``; ``event_too_long``;
+  ``encoded_body``: an encoding it cannot read; ``record_failed``: a row it could not build).
 
 Their prefix is not an engine's: a scraper pointed at a proxy reads it as no known engine
 (``telemetry/engine_metrics.py``), never as a tokenmill server.
@@ -48,14 +52,23 @@ class ProxyMetrics:
                               "the proxy's count).", up, registry=r)  # fmt: skip
         self.generation = Counter(PREFIX + "generation_tokens", "Output tokens.", up,
                                   registry=r)  # fmt: skip
+        self.telemetry_dropped = Counter(PREFIX + "telemetry_dropped", "What could not be "
+                                         "recorded of answers relayed unchanged, by reason.",
+                                         (*up, "reason"), registry=r)  # fmt: skip
 
     def arrived(self) -> None:
         self.in_flight.labels(self.upstream).inc()
 
+    def left(self) -> None:
+        """A request is over (its row is next): out of the in-flight gauge."""
+        self.in_flight.labels(self.upstream).dec()
+
+    def dropped(self, reason: str, n: int = 1) -> None:
+        self.telemetry_dropped.labels(self.upstream, reason).inc(n)
+
     def answered(self, ex: Exchange, row: dict) -> None:
         """One request's row written: count it and its latencies."""
         up = self.upstream
-        self.in_flight.labels(up).dec()
         self.requests.labels(up, str(ex.http_status) if ex.http_status else "error").inc()
         if row.get("ttft_ms") is not None:
             self.ttft.labels(up).observe(row["ttft_ms"] / 1e3)

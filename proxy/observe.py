@@ -4,7 +4,11 @@
 upstream was asked, its first byte, each streamed event that carried output, the end. The
 upstream's OpenAI-style server-sent events are read beside the relay (never changed): a
 ``data:`` line's JSON gives the response id, the content deltas and the final ``usage``; a
-line that is not JSON marks the stream malformed. :meth:`Exchange.rows` turns it into a
+line that is not JSON marks the stream malformed. A compressed body (``Content-Encoding`` gzip
+or deflate, relayed as it came) is read from a decoded copy. What cannot be recorded (a
+``usage`` count that is not a whole number in the store's range, a field of the wrong type, an
+event that fails to parse) is left out of the row and counted in :attr:`Exchange.dropped` by
+reason, never raised: watching a request must never fail it. :meth:`Exchange.rows` turns it into a
 ``requests`` row (TTFT, ITL, TPOT, E2E as ``telemetry/spans.py`` defines them, measured at the
 proxy) and the trace: a ``request`` root with the ``gateway`` (arrival → forwarded) and
 ``stream`` (first byte → last) stations of the proxy, and ``tokenize`` where the proxy counted
@@ -18,14 +22,33 @@ from __future__ import annotations
 import json
 import secrets
 import time
+import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 
 import msgspec
 
+from tokenmill.engine.sampling_params import MAX_TOKEN_INT
 from tokenmill.telemetry.rows import RequestRow
 from tokenmill.telemetry.spans import percentile
 
 _MS = 1e-6
+#: the most of an event stream's unfinished line, or of a decoded body, kept for reading: past
+#: it the rest is relayed unread (an upstream's one endless line must not grow the proxy)
+MAX_READ_BYTES = 4 << 20
+#: the body encodings read from a decoded copy (zlib's window bits: gzip, zlib deflate)
+_DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def token_count(value) -> int | None:
+    """``value`` as a token count the store holds (a whole number in 0..2^31-1), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_INT:
+        return value
+    return None
+
+
+def _text(value, limit: int = 200) -> str | None:
+    return value[:limit] if isinstance(value, str) else None
 
 
 def new_trace(traceparent: str | None) -> tuple[str, str, str]:
@@ -74,26 +97,73 @@ class Exchange:
     # the proxy's own count of the prompt (``--tokenizer``) and when it was made
     counted_prompt_tokens: int | None = None
     tokenized_ns: tuple[int, int] | None = None
+    saved: bool = False  # its row written (once)
+    saw_done: bool = False  # the stream's ``data: [DONE]``
+    upstream_error: bool = False  # the upstream sent an error event of its own
+    # what could not be recorded, by reason (``ProxyMetrics`` counts it)
+    dropped: Counter = field(default_factory=Counter)
     _pending: bytes = b""
+    _decoder: object = None  # a zlib decoder for a compressed body; False: not readable
+
+    def set_encoding(self, encoding: str | None) -> None:
+        """The upstream's ``Content-Encoding``: a body in gzip or deflate is read decoded, one
+        in another encoding is not read (counted once as ``encoded_body``)."""
+        enc = (encoding or "identity").strip().lower()
+        if enc in ("", "identity"):
+            return
+        if enc in _DECODERS:
+            self._decoder = zlib.decompressobj(_DECODERS[enc])
+        else:
+            self._decoder = False
+            self.dropped["encoded_body"] += 1
+
+    def _decoded(self, data: bytes) -> bytes:
+        dec = self._decoder
+        if dec is None:
+            return data
+        if dec is False:
+            return b""
+        try:
+            out = dec.decompress(data, MAX_READ_BYTES)
+        except zlib.error:
+            out = None
+        if out is None or dec.unconsumed_tail:  # not the encoding it says, or a bomb
+            self._decoder = False
+            self.dropped["encoded_body"] += 1
+            return b""
+        return out
 
     def on_bytes(self, data: bytes, now_ns: int | None = None) -> None:
-        """Read a relayed piece of the upstream's event stream (side effects only)."""
+        """Read a relayed piece of the upstream's event stream (side effects only; never
+        raises: what fails to read is counted in :attr:`dropped`)."""
         now = now_ns or time.time_ns()
         if self.first_byte_ns is None:
             self.first_byte_ns = now
-        self._pending += data
-        *lines, self._pending = self._pending.split(b"\n")
-        for line in lines:
-            self._on_line(line.strip(), now)
+        try:
+            self._pending += self._decoded(data)
+            *lines, self._pending = self._pending.split(b"\n")
+            if len(self._pending) > MAX_READ_BYTES:
+                self._pending = b""
+                self.dropped["event_too_long"] += 1
+            for line in lines:
+                self._on_line(line.strip(), now)
+        except Exception:  # a reader's fault is counted, the relay goes on
+            self.dropped["unreadable_event"] += 1
 
     def _on_line(self, line: bytes, now: int) -> None:
         if not line.startswith(b"data:"):
             return
         payload = line[5:].strip()
-        if payload == b"[DONE]" or not payload:
+        if payload == b"[DONE]":
+            self.saw_done = True
+            return
+        if not payload:
             return
         try:
             event = json.loads(payload)
+        except RecursionError:
+            self.dropped["unreadable_event"] += 1
+            return
         except ValueError:
             self.error_type = self.error_type or "upstream_malformed_stream"
             self.error_message = f"a data line that is not JSON: {payload[:80]!r}"
@@ -104,31 +174,56 @@ class Exchange:
         self._read_event(event, now)
 
     def _read_event(self, event: dict, now: int) -> None:
-        self.response_id = self.response_id or event.get("id")
-        self.model = event.get("model") or self.model
+        self.response_id = self.response_id or _text(event.get("id"))
+        self.model = _text(event.get("model")) or self.model
         if isinstance(event.get("error"), dict):
+            self.upstream_error = True
             self.error_type = self.error_type or "upstream_error"
             self.error_message = str(event["error"].get("message"))[:200]
-        for choice in event.get("choices") or []:
+        choices = event.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
                 continue
-            delta = choice.get("delta") or {}
+            delta = choice.get("delta")
+            delta = delta if isinstance(delta, dict) else {}
             text = choice.get("text") if "text" in choice else delta.get("content")
             if text:
                 self.token_ns.append(now)
             if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+                self.finish_reason = _text(choice["finish_reason"], 40) or self.finish_reason
         usage = event.get("usage")
         if isinstance(usage, dict):
-            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
-            self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+            for key in ("prompt_tokens", "completion_tokens"):
+                value = usage.get(key)
+                if value is None:  # absent: nothing to record
+                    continue
+                count = token_count(value)
+                if count is None:
+                    self.dropped["usage_not_a_count"] += 1
+                elif key == "prompt_tokens":
+                    self.prompt_tokens = count
+                else:
+                    self.completion_tokens = count
+        elif usage is not None:
+            self.dropped["usage_not_a_count"] += 1
 
     def on_body(self, body: bytes, now_ns: int | None = None) -> None:
-        """Read a whole (non-streamed) JSON answer."""
+        """Read a whole (non-streamed) JSON answer (never raises, as :meth:`on_bytes`)."""
         now = now_ns or time.time_ns()
         self.first_byte_ns = self.first_byte_ns or now
         try:
+            self._on_body(self._decoded(body), now)
+        except Exception:  # a reader's fault is counted, the answer goes back
+            self.dropped["unreadable_body"] += 1
+
+    def _on_body(self, body: bytes, now: int) -> None:
+        if self._decoder is False:
+            return
+        try:
             event = json.loads(body)
+        except RecursionError:
+            self.dropped["unreadable_body"] += 1
+            return
         except ValueError:
             if self.http_status and self.http_status < 400:
                 self.error_type = self.error_type or "upstream_malformed_response"

@@ -20,6 +20,7 @@ UPSTREAM = (
     "upstream_timeout",
     "upstream_error",
     "upstream_broken",
+    "upstream_stream_cut",
     "upstream_malformed_stream",
     "upstream_malformed_response",
 )

@@ -386,6 +386,7 @@ def _proxy_cli(*args: str, **kw) -> subprocess.Popen:
         ("--metrics-url", "ftp://x/metrics", "--metrics-url ftp://x/metrics"),
         ("--tokenizer", "/nonexistent/tok", "--tokenizer /nonexistent/tok: no such folder"),
         ("--max-in-flight", "-1", "--max-in-flight"),
+        ("--max-body-bytes", "10", "--max-body-bytes"),
     ],
 )
 def test_bad_proxy_flags_are_one_line_and_exit_2(tmp_path, flag, value, needle):
