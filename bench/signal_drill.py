@@ -148,7 +148,9 @@ def engine_core_pid(api_pid: int) -> int | None:
     return None
 
 
-def _stream(url: str, model: str, out: StreamOutcome, index: int) -> None:
+def _stream(
+    url: str, model: str, out: StreamOutcome, index: int, request_id: str | None = None
+) -> None:
     body = {
         "model": model,
         "prompt": f"{PROMPT} (story {index})",
@@ -158,7 +160,10 @@ def _stream(url: str, model: str, out: StreamOutcome, index: int) -> None:
     }
     finished = done = False
     try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=180) as r:
+        headers = {"x-request-id": request_id} if request_id else {}
+        with httpx.stream(
+            "POST", url + "/v1/completions", json=body, headers=headers, timeout=180
+        ) as r:
             if r.status_code != 200:
                 out.outcome, out.detail = "error", f"HTTP {r.status_code}"
                 out.first_token.set()
@@ -310,3 +315,116 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path) -> None:
             pass
         time.sleep(0.5)
     raise RuntimeError("the server did not become healthy within 300 s")
+
+
+@dataclass
+class CoreKillResult:
+    """SIGKILL to the engine core under load (the kernel's OOM killer): how fast every open
+    stream learned of it, how fast the server served again, and what the diagnoser said."""
+
+    completed: int
+    cut_with_error: int
+    cut_silently: int
+    seconds_to_last_error: float | None  # SIGKILL → the last cut stream's end
+    seconds_to_recovery: float | None  # SIGKILL → /health ok and a request answered
+    served_after: bool
+    error_codes: list[str]
+    first_finding: str | None
+    finding_summary: str | None
+    cut_request_ids: list[str]  # the streams' x-request-id
+    named_in_finding: int  # how many of them the finding names
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_core_kill(workdir: Path, serve_args: tuple[str, ...] = ()) -> CoreKillResult:
+    """Start a server, open the streams, SIGKILL the engine core once every stream has its
+    first token, time the streams' ends and the recovery, stop the server (SIGTERM), then
+    diagnose its store."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    db = workdir / "core_kill.duckdb"
+    log_path = workdir / "core_kill.log"
+    cmd = [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port),
+           "--trace-db", str(db), "--device-sample-interval", "0", *serve_args]  # fmt: skip
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True
+        )
+    ids = [f"drill-kill-{i}" for i in range(STREAMS)]
+    try:
+        _wait_healthy(url, proc, log_path)
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        outcomes = [StreamOutcome() for _ in range(STREAMS)]
+        ended = [0.0] * STREAMS
+
+        def one(i: int) -> None:
+            _stream(url, model, outcomes[i], i, request_id=ids[i])
+            ended[i] = time.monotonic()
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(STREAMS)]
+        for t in threads:
+            t.start()
+        for o in outcomes:
+            o.first_token.wait(300)
+        core = engine_core_pid(proc.pid)
+        if core is None:
+            raise RuntimeError("no engine core process found under the API process")
+        t_kill = time.monotonic()
+        os.kill(core, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        recovery = None
+        served = False
+        deadline = t_kill + 120
+        while time.monotonic() < deadline and not served:
+            try:
+                if httpx.get(url + "/health", timeout=2).json().get("status") == "ok":
+                    r = httpx.post(
+                        url + "/v1/completions",
+                        json={"model": model, "prompt": "Hello", "max_tokens": 4},
+                        timeout=60,
+                    )
+                    served = r.status_code == 200
+            except (httpx.HTTPError, ValueError):
+                pass
+            if served:
+                recovery = time.monotonic() - t_kill
+            else:
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    diagnose = [sys.executable, "-m", "tokenmill.engine.cli", "diagnose", "--db", str(db),
+                "--format", "json"]  # fmt: skip
+    report = json.loads(
+        subprocess.run(
+            diagnose,
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        or "{}"
+    )
+    first = (report.get("findings") or [None])[0]
+    text = json.dumps(first) if first else ""
+    cut = [ids[i] for i, o in enumerate(outcomes) if o.outcome == "error"]
+    errors_end = [ended[i] - t_kill for i, o in enumerate(outcomes) if o.outcome == "error"]
+    return CoreKillResult(
+        completed=sum(o.outcome == "completed" for o in outcomes),
+        cut_with_error=len(cut),
+        cut_silently=sum(o.outcome == "silent" for o in outcomes),
+        seconds_to_last_error=round(max(errors_end), 2) if errors_end else None,
+        seconds_to_recovery=None if recovery is None else round(recovery, 2),
+        served_after=served,
+        error_codes=sorted({o.detail for o in outcomes if o.detail}),
+        first_finding=first.get("rule") if first else None,
+        finding_summary=first.get("summary") if first else None,
+        cut_request_ids=cut,
+        named_in_finding=sum(i in text for i in cut),
+    )

@@ -1,5 +1,5 @@
 """The stop-signal drill (``bench/signal_drill.py``): every case on a real server with 8 streams
-open, on one engine core, on two data-parallel replicas and on two tensor-parallel ranks; streams
+open, on one engine core, on two data-parallel replicas and on three tensor-parallel ranks; streams
 completed / cut with an error / cut silently, exit codes and leftover processes per case.
 
     python benchmarks/signal_drill.py [--out benchmarks/results/signal_drill.json]
@@ -22,7 +22,7 @@ from tokenmill.bench.signal_drill import CASES, STREAMS, run_case
 LAYOUTS = {
     "one core": (),
     "2 data-parallel replicas": ("--data-parallel-size", "2", "--cpu-threads", "1"),
-    "2 tensor-parallel ranks": ("--tensor-parallel-size", "2"),
+    "3 tensor-parallel ranks": ("--tensor-parallel-size", "3"),
 }
 #: the cases run on the parallel layouts (all of them run on one core)
 PARALLEL_CASES = ("term_group", "int_group", "kill_api")

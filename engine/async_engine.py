@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -151,6 +152,9 @@ class AsyncEngine:
         self.info: dict = {}
         self.stats: dict = {}
         self.dead_reason: str | None = None
+        # when it died: the requests it cut (ids) and the last step it reported
+        self.cut_requests: list[str] = []
+        self.last_step_id: int | None = None
         self.started_monotonic: float | None = None
         # time.monotonic() of the last message read from the engine (any kind): the engine
         # sends one per step and a Heartbeat at least every IDLE_POLL_MS while idle
@@ -437,7 +441,7 @@ class AsyncEngine:
                     if isinstance(self.process, RemoteCore) and self.process.exitcode is None:
                         why = f"remote engine core silent for {REMOTE_SILENCE_S:g} s"
                     else:
-                        why = f"engine core process exited with code {self.process.exitcode}"
+                        why = exit_reason(self.process.exitcode)
                     self._fail_all(why)
                     return
                 continue
@@ -488,6 +492,7 @@ class AsyncEngine:
                 log.exception("abandoned-output listener failed")
 
     def _update_stats(self, record: StepRecord) -> None:
+        self.last_step_id = record.step_id
         self.stats.update(
             num_running=record.num_running,
             num_waiting=record.num_waiting,
@@ -506,11 +511,25 @@ class AsyncEngine:
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
+        self.cut_requests = list(self._queues)
         self._writes.flush()
         self._carried_events.clear()
         log.error("engine core died: %s", reason)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(f"engine core died: {reason}"))
+
+
+def exit_reason(code: int | None) -> str:
+    """Why an engine core process ended, from its exit code: a signal by name (SIGKILL is what
+    the kernel's OOM killer sends), else the code."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        oom = " (the kernel's OOM killer sends it; see dmesg)" if -code == signal.SIGKILL else ""
+        return f"engine core process killed by {name}{oom}"
+    return f"engine core process exited with code {code}"
 
 
 def _drain(queue: asyncio.Queue) -> list:

@@ -21,6 +21,7 @@ from . import (
     batch_too_large,
     batching_ineffective,
     client_server_ttft_gap,
+    engine_crash,
     error_spike,
     gpu_throttling,
     head_of_line_blocking,
@@ -74,6 +75,7 @@ RULES: tuple[Rule, ...] = (
     rank_straggler.RULE,
     kv_transfer_bound.RULE,
     pd_ratio_imbalance.RULE,
+    engine_crash.RULE,
 )
 
 RULES_BY_ID: dict[str, Rule] = {r.id: r for r in RULES}

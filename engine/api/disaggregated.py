@@ -165,7 +165,7 @@ class PDPool(ReplicaPool):
             w.add_event_listener(self._on_event_of(w))
 
     def _on_event_of(self, worker: EngineWorker):
-        def on_event(kind: str, severity: str, message: str) -> None:
+        def on_event(kind: str, severity: str, message: str, **_) -> None:
             if kind == "engine_crash":
                 self._relink(worker)
 
@@ -232,11 +232,17 @@ class PDPool(ReplicaPool):
         router = self.router
         stats = {w.replica: w.engine.stats or {} for w in self.decodes}
         pool = max(int(st.get("kv_blocks_total") or 0) for st in stats.values())
-        need = router.blocks_for(len(prompt_token_ids) + params.max_tokens)
-        if pool and need > pool:
+        n = len(prompt_token_ids)
+        need = router.blocks_for(n + params.max_tokens)
+        if pool and need > pool:  # refused before any prefill: the API's 400 names the field
+            prompt_alone = router.blocks_for(n + 1) > pool
+            what = f"the {n}-token prompt"
+            if not prompt_alone:
+                what = f"max_tokens={params.max_tokens} plus {what}"
             raise RequestRejected(
-                f"prompt + max_tokens needs {need} KV blocks but a decode core's pool has "
-                f"{pool}; it could never run"
+                f"{what} needs {need} KV blocks but a decode core's pool has {pool} "
+                f"({pool * router.block_size} tokens); it could never run",
+                blame="prompt" if prompt_alone else "max_tokens",
             )
         prefill = self.workers[router.pick_prefill([w.replica for w in self.prefills])]
         free = {r: int(st.get("kv_blocks_free") or 0) for r, st in stats.items()}

@@ -39,6 +39,9 @@ log = logging.getLogger("tokenmill.serve")
 #: At shutdown, how long (s) to wait for the stopped streams to end and for the engine's final
 #: records of their requests.
 SHUTDOWN_SETTLE_S = 3.0
+#: what the exit needs after the OTLP flush (the store's close, the interpreter's exit): the
+#: flush ends this long before --shutdown-timeout runs out, counted from the lifespan's end
+EXIT_RESERVE_S = 1.0
 
 
 class TokenmillServer(uvicorn.Server):
@@ -280,7 +283,7 @@ def _tenants(tenants_file: str | None, api_key: str | None, admin_key: str | Non
     return None
 
 
-def _auth_line(tenants_file: str | None, tenants, metrics_key: str | None) -> str:
+def _auth_line(tenants_file: str | None, tenants, metrics_keyed: bool) -> str:
     """How the server authenticates, for its start line (never a key)."""
     if tenants_file:
         line = f"tenants from {tenants_file}"
@@ -288,7 +291,9 @@ def _auth_line(tenants_file: str | None, tenants, metrics_key: str | None) -> st
         line = "one API key" + (" and an admin key" if tenants.admin_key_sha256 else "")
     else:
         line = "open local mode, no API keys"
-    return line + (", keyed /metrics" if metrics_key else "")
+    if metrics_keyed:
+        return line + ", keyed /metrics"
+    return line + (", open /metrics" if tenants is not None else "")
 
 
 def make_server(
@@ -311,6 +316,8 @@ def make_server(
 
     opts = serve or ServeConfig()
     tenants = _tenants(opts.tenants, opts.api_key, opts.admin_key)
+    if opts.open_metrics and opts.metrics_key:
+        raise ValueError("--open-metrics opens /metrics to any caller: drop it or --metrics-key")
     trace_db = None if opts.no_trace_db or opts.no_tracing else (opts.trace_db or "default")
     retention = {
         "retention_s": opts.trace_retention,
@@ -357,11 +364,13 @@ def make_server(
     worker.add_step_listener(telemetry.on_step)
     worker.add_abandoned_listener(telemetry.on_abandoned)
     worker.add_abandoned_listener(lambda out: state.on_engine_final(out))
-    worker.add_event_listener(lambda kind, sev, msg: telemetry.event(kind, sev, msg))
+    worker.add_event_listener(
+        lambda kind, sev, msg, **attrs: telemetry.event(kind, sev, msg, **attrs)
+    )
     for w in worker.workers:
         w.max_crashes, w.crash_window_s = opts.engine_restart_limit, opts.engine_restart_window
 
-    def on_crash_loop(kind: str, severity: str, message: str) -> None:
+    def on_crash_loop(kind: str, severity: str, message: str, **_) -> None:
         """An engine core that keeps crashing: stop serving so the supervisor takes over."""
         if kind == "engine_crash_loop" and server.fatal_error is None:
             server.fatal_error = message
@@ -413,13 +422,14 @@ def make_server(
             f"tokenmill serving {name!r} at http://{opts.host}:{opts.port}/v1  "
             f"({engine_line(info, kv_tokens)}, "
             f"context {info['max_model_len']}; {memory_line(model_info)}{spec_line(config)}"
-            f"{_auth_line(opts.tenants, tenants, opts.metrics_key)}; "
+            f"{_auth_line(opts.tenants, tenants, state.gateway.metrics_keyed)}; "
             f"telemetry: /metrics, /health, trace store {telemetry.trace_db or 'off'})"
         )
         waiting = asyncio.create_task(state.sample_waiting())
         try:
             yield
         finally:
+            stopping = time.monotonic()
             waiting.cancel()
             stop("lifespan end")  # no-op after a signal began it
             deadline = time.monotonic() + SHUTDOWN_SETTLE_S
@@ -427,7 +437,9 @@ def make_server(
                 await asyncio.sleep(0.02)  # the stopped streams end, the engine's records come
             await worker.stop()
             state.record_awaiting()
-            telemetry.close()
+            # the OTLP flush (a collector that hangs) gets what --shutdown-timeout leaves
+            left = opts.shutdown_timeout - (time.monotonic() - stopping) - EXIT_RESERVE_S
+            telemetry.close(max(0.0, left))
 
     def drain(cause: str) -> None:
         """SIGTERM: take no new requests, let those in flight finish (TokenmillServer)."""
@@ -462,7 +474,9 @@ def make_server(
     state = ServerState(
         worker=worker,
         gateway=Gateway(
-            tenants, metrics_key_sha256=hash_key(opts.metrics_key) if opts.metrics_key else None
+            tenants,
+            metrics_key_sha256=hash_key(opts.metrics_key) if opts.metrics_key else None,
+            open_metrics=opts.open_metrics,
         ),
         tokenize=TokenizeStation(None, config.max_model_len or 1 << 30, 1 << 31),
         admission=AdmissionStation(config.max_num_seqs * serving_cores(config), opts.max_queue_len),

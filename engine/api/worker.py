@@ -11,6 +11,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import signal
 import time
 
 from ..async_engine import AsyncEngine, EngineDeadError
@@ -115,13 +116,15 @@ class EngineWorker:
             self.engine.add_abandoned_listener(fn)
 
     def add_event_listener(self, fn) -> None:
-        """Call ``fn(kind, severity, message)`` on engine crash and restart."""
+        """Call ``fn(kind, severity, message, **attributes)`` on engine crash and restart
+        (an ``engine_crash`` carries ``exit_code``, ``signal``, ``last_step_id`` and
+        ``cut_requests``, the ids of the requests it ended)."""
         self._event_listeners.append(fn)
 
-    def _emit(self, kind: str, severity: str, message: str) -> None:
+    def _emit(self, kind: str, severity: str, message: str, **attrs) -> None:
         for fn in self._event_listeners:
             try:
-                fn(kind, severity, message)
+                fn(kind, severity, message, **attrs)
             except Exception:
                 log.exception("event listener failed")
 
@@ -166,7 +169,7 @@ class EngineWorker:
                 return
             self.last_error = reason
             log.error("%s: engine core died (%s); restarting", self.name, reason)
-            self._emit("engine_crash", "error", f"{self.name}: {reason}")
+            self._emit("engine_crash", "error", f"{self.name}: {reason}", **self._crash_facts())
             self.state = "restarting"
             old, self.engine = self.engine, None
             if old is not None:
@@ -185,6 +188,26 @@ class EngineWorker:
                 except Exception as exc:
                     self.state = "down"
                     self.last_error = reason = str(exc)
+
+    def _crash_facts(self) -> dict:
+        """What the ``engine_crash`` event records of a core that died: its exit code and the
+        signal that ended it (None for an exit), the last step it reported and the requests
+        it cut."""
+        engine = self.engine
+        process = getattr(engine, "process", None)
+        code = getattr(process, "exitcode", None)
+        sig = None
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                sig = signal.Signals(-code).name
+        return {
+            "replica": self.name,
+            "pid": getattr(process, "pid", None),
+            "exit_code": code,
+            "signal": sig,
+            "last_step_id": getattr(engine, "last_step_id", None),
+            "cut_requests": list(getattr(engine, "cut_requests", []) or []),
+        }
 
     def _crash_loop(self, reason: str) -> bool:
         """Count a crash (or a failed restart); True, with the worker ``failed`` and an

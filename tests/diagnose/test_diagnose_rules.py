@@ -50,6 +50,8 @@ SCENARIOS: dict[str, list[Phase]] = {
     ],
     "kv_block_leak": [HEALTHY, HEALTHY.but(duration_s=20, rate_per_s=0, idle_kv_usage=0.3)],
     "error_spike": [HEALTHY, HEALTHY.but(duration_s=30, rate_per_s=3, error_share=0.4)],
+    # the engine core killed 10 s into a busy phase: the requests in flight cut at once
+    "engine_crash": [HEALTHY, HEALTHY.but(duration_s=30, rate_per_s=3, crash_at_s=10)],
     "prefix_cache_miss": [
         HEALTHY.but(prompt_tokens=(100, 200), prefix_cached_share=0.0, first_block_varies=True)
     ],
@@ -121,6 +123,7 @@ EXPECTED = {
     "oom_low_average_memory": ("kv_usage_mean", lambda v: v < 0.4),
     "kv_block_leak": ("idle_kv_usage", lambda v: abs(v - 0.3) < 0.01),
     "error_spike": ("errors_by_type", lambda v: set(v) == {"nan_logits"}),
+    "engine_crash": ("cut_requests", lambda v: v >= 1),
     "prefix_cache_miss": ("share", lambda v: v > 0.9),
     "client_server_ttft_gap": ("ratio", lambda v: 3.5 < v < 4.5),
     "batching_ineffective": ("max_num_seqs", lambda v: v == 8),

@@ -164,6 +164,7 @@ HEALTHY = dict(
     waiting=0,
     in_flight=4,
     preempt=0,  # a minute
+    restarts=0,  # engine core restarts a minute
 )
 
 
@@ -236,6 +237,7 @@ def _series(bad: dict) -> list[dict]:
     counter("tokenmill_request_errors_total", ',error_type="nan_logits"', lambda k: k["errors"])
     counter("tokenmill_generation_tokens_total", ',tenant="default"', lambda k: k["tokens"])
     counter("tokenmill_num_preemptions_total", "", lambda k: k["preempt"])
+    counter("tokenmill_engine_restarts_total", "", lambda k: k["restarts"])
     gauge("tokenmill_kv_cache_usage_perc", "kv")
     gauge("tokenmill_num_requests_running", "running")
     gauge("tokenmill_num_requests_waiting", "waiting")
@@ -302,7 +304,13 @@ SCENARIOS = {
         ["kv_pressure_preemption", "error_spike"],
     ),
     "TTFT trend, queue flat": (dict(ttft_le=_steps(0.15, 0.5, 1.5)), {}, ["overload"]),
-    "error spike": (ERRORS, {"error_spike": 18 / 60}, ["ttft_queueing", "overload"]),
+    "error spike": (
+        ERRORS,
+        {"error_spike": 18 / 60},
+        ["ttft_queueing", "overload", "engine_crash"],
+    ),
+    # an engine core killed every minute: 5 restarts in the 5-minute window
+    "engine core crashing": (dict(restarts=1), {"engine_crash": 5.0}, ["kv_block_leak"]),
     "errors while throughput halves": ({**ERRORS, "tokens": 3000}, {}, ["error_spike"]),
     "idle with KV held": (
         {**IDLE, "kv": 0.2},

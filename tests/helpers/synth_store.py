@@ -63,6 +63,10 @@ class Phase:
     alloc_failures_per_step: float = 0.0
     error_share: float = 0.0
     error_type: str = "nan_logits"
+    # the engine core killed this many seconds into the phase (SIGKILL, as the OOM killer
+    # sends it): requests in flight then end with engine_died, an engine_crash event lists
+    # them and an engine_restart follows 1.5 s later (None: no crash)
+    crash_at_s: float | None = None
     client_ttft_factor: float | None = None  # client TTFT / server TTFT (None: not recorded)
     text_holdback_ms: float = 0.0  # the server withholds the first text this long (stop strings)
     # prefill/decode disaggregation: each request's KV takes this long from the prefill to the
@@ -132,6 +136,7 @@ class SyntheticRun:
     model: str = "smollm2-135m-instruct"
     shared_system_blocks: int = 8
     counts: dict = field(default_factory=dict)
+    cut: list = field(default_factory=list)  # ids of the requests the next crash ends
 
     def run(self, path: str | Path, phases: list[Phase], *, spans: bool = True) -> dict:
         """Write the phases' rows into a fresh store at ``path``; returns row counts."""
@@ -200,6 +205,8 @@ class SyntheticRun:
                     n_req += 1
                     self._request(tel, rng, ph, int(at), n_req)
                     at += rng.expovariate(1.0) * gap
+            if ph.crash_at_s is not None:
+                self._crash(tel, self._phase_start + int(ph.crash_at_s * S))
             t = end
         tel.store.flush(600)
         counts = {k: v for k, v in tel.store.written.items()}
@@ -470,7 +477,13 @@ class SyntheticRun:
         tl.events.insert(
             0, RequestEvent("chunk", n, tl.stats.first_token_ns - MS, {"tokens": n_in - cached})
         )
-        if rng.random() < ph.error_share:
+        crash_ns = self._phase_start + int(ph.crash_at_s * S) if ph.crash_at_s is not None else None
+        if crash_ns is not None and tl.stats.first_token_ns < crash_ns < tokens[-1]:
+            tokens[:] = [x for x in tokens if x < crash_ns]
+            tl.stats.output_tokens = len(tokens)
+            tl.finish_reason, tl.error_type, tl.finished_ns = "error", "engine_died", crash_ns
+            self.cut.append(tl.request_id)
+        elif rng.random() < ph.error_share:
             tl.finish_reason = "error"
             tl.error_type = ph.error_type
             tl.finished_ns = tokens[-1]
@@ -498,6 +511,26 @@ class SyntheticRun:
             server_ttft = (tl.stats.first_token_ns - tl.arrival_ns) / MS
             self.counts.setdefault("client_ttft", []).append(
                 (tl.request_id, server_ttft * ph.client_ttft_factor + ph.text_holdback_ms)
+            )
+
+    def _crash(self, tel, at_ns: int) -> None:
+        """The engine core's death as the server records it, and its restart."""
+        cut, self.cut = self.cut, []
+        attrs = {"replica": "engine", "pid": 5000, "exit_code": -9, "signal": "SIGKILL",
+                 "last_step_id": 0, "cut_requests": cut}  # fmt: skip
+        for kind, t, a in (
+            ("engine_crash", at_ns, attrs),
+            ("engine_restart", at_ns + S * 3 // 2, {}),
+        ):
+            tel.store.submit(
+                "events",
+                {
+                    "time_ns": t,
+                    "kind": kind,
+                    "severity": "error",
+                    "message": kind,
+                    "attributes": json.dumps(a),
+                },
             )
 
     def _blocks(self, rng, n_in: int, first_varies: bool, n: int) -> list[int]:
