@@ -64,8 +64,14 @@ class ServeConfig:
     )
     metrics_key: str | None = setting(
         None,
-        "/metrics answers only 'Authorization: Bearer <this key>' (it names tenants).",
+        "/metrics answers only 'Authorization: Bearer <this key>' or the admin key (its series "
+        "name tenants).",
         envvar="TOKENMILL_METRICS_KEY",
+    )
+    open_metrics: bool = setting(
+        False,
+        "/metrics answers any caller without a key, also on a keyed server (a scraper inside "
+        "a trusted network; its series name tenants). Off: /metrics follows the server's auth.",
     )
     allow_unauthenticated: bool = setting(
         False, "Serve a non-loopback --host with no API key (anyone who reaches it)."

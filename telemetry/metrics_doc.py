@@ -47,8 +47,9 @@ HEADER = """# Metrics
 What `GET /metrics` exports (Prometheus text format). Every series carries `model_name`; the
 per-tenant ones also `tenant`, the per-replica ones `replica`, the per-GPU ones `gpu`. Times are
 in seconds, sizes in bytes, `_ratio` and `_perc` are 0..1. Latency histograms count completed
-requests only; token counters count every request that reached the engine. With
-`--metrics-key` a scrape needs `Authorization: Bearer <key>`.
+requests only; token counters count every request that reached the engine. On a keyed server
+a scrape needs `Authorization: Bearer <key>` with the `--metrics-key` or the admin key
+(`--open-metrics`: none).
 
 Where vLLM exports the same metric, its name is given: a vLLM dashboard reads ours after the
 rename `vllm:` → `tokenmill_`.

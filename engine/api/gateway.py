@@ -19,8 +19,10 @@ one tenant ``default`` with no limits (:func:`single_key_tenants`), its admin ke
 ``--admin-key``. Without either the server runs in open local mode: one tenant ``local`` with
 no limits, and it refuses to bind anything but a loopback address unless told
 ``--allow-unauthenticated``. On a keyed server every route but ``/health`` needs a key:
-``/v1/*`` and ``/openapi.json`` a tenant's, ``/admin/*`` the admin key, and ``/metrics`` the
-``--metrics-key`` when one is set (:meth:`Gateway.authenticate_metrics`).
+``/v1/*`` and ``/openapi.json`` a tenant's, ``/admin/*`` the admin key, and ``/metrics`` (its
+series name tenants) the ``--metrics-key`` or the admin key, never a tenant's; ``--open-metrics``
+opens it to any caller. In open local mode ``/metrics`` needs the ``--metrics-key`` when one is
+set, else nothing (:meth:`Gateway.authenticate_metrics`).
 
 Admin endpoints (:meth:`Gateway.authenticate_admin`) take only the ``[admin]`` key: a tenant key
 gets 403, and with a tenants file but no ``[admin]`` table they are refused (403). In open local
@@ -135,6 +137,13 @@ def load_tenants(path: str | Path) -> Tenants:
     return tenants
 
 
+#: why no key opens ``/metrics`` on a keyed server without a metrics or admin key
+_NO_METRICS_KEY = (
+    " (this server has no metrics or admin key: start it with --metrics-key, or --open-metrics "
+    "to let any caller scrape)"
+)
+
+
 class Gateway:
     """Authenticates requests and enforces per-tenant rate and concurrency limits.
 
@@ -142,6 +151,8 @@ class Gateway:
         tenants: from :func:`load_tenants`; None = open local mode.
         admin_key_sha256: the admin key's hash; default: the ``[admin]`` table of the tenants
             file (``tenants.admin_key_sha256``).
+        metrics_key_sha256: ``--metrics-key``'s hash (:meth:`authenticate_metrics`).
+        open_metrics: ``--open-metrics``: ``/metrics`` answers any caller on a keyed server.
     """
 
     def __init__(
@@ -149,30 +160,50 @@ class Gateway:
         tenants: dict[str, Tenant] | None = None,
         admin_key_sha256: str | None = None,
         metrics_key_sha256: str | None = None,
+        open_metrics: bool = False,
     ):
         self.open_mode = tenants is None
         self.tenants = tenants or {"local": Tenant(name="local")}
         self.admin_key_sha256 = admin_key_sha256 or getattr(tenants, "admin_key_sha256", None)
         self.metrics_key_sha256 = metrics_key_sha256
+        self.open_metrics = open_metrics
+
+    @property
+    def metrics_keyed(self) -> bool:
+        """Whether ``/metrics`` needs a key: a ``--metrics-key``, or a keyed server without
+        ``--open-metrics``."""
+        return bool(self.metrics_key_sha256) or not (self.open_mode or self.open_metrics)
 
     def authenticate_metrics(self, authorization: str | None) -> None:
-        """Allow a ``/metrics`` scrape: any caller unless ``--metrics-key`` was set, then only
-        ``Authorization: Bearer <metrics key>`` (Prometheus: ``authorization: {credentials}``).
+        """Allow a ``/metrics`` scrape (``Authorization: Bearer <key>``; in Prometheus
+        ``authorization: {credentials}``). It follows the server's auth: on a keyed server the
+        ``--metrics-key`` or the admin key, never a tenant's (the series name every tenant);
+        in open local mode, or with ``--open-metrics``, any caller, unless a ``--metrics-key``
+        is set.
 
         Raises:
-            APIError: 401 missing or wrong key.
+            APIError: 401 missing or wrong key (naming the flag when no key could pass).
         """
-        if not self.metrics_key_sha256:
+        if not self.metrics_keyed:
             return
-        given = authorization[7:].strip() if authorization else ""
+        keys = [h for h in (self.metrics_key_sha256, self.admin_key_sha256) if h]
         if not authorization or not authorization.lower().startswith("bearer "):
             raise APIError(
                 401,
-                "missing metrics key: send 'Authorization: Bearer <metrics key>'",
+                "missing metrics key: send 'Authorization: Bearer <metrics key>'"
+                + ("" if keys else _NO_METRICS_KEY),
                 code="invalid_api_key",
             )
-        if not hmac.compare_digest(hash_key(given), self.metrics_key_sha256):
-            raise APIError(401, "invalid metrics key", code="invalid_api_key")
+        digest = hash_key(authorization[7:].strip())
+        ok = False
+        for key in keys:  # no early exit: every hash is compared
+            ok = hmac.compare_digest(digest, key) or ok
+        if not ok:
+            raise APIError(
+                401,
+                "invalid metrics key" + ("" if keys else _NO_METRICS_KEY),
+                code="invalid_api_key",
+            )
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant owning the bearer key in ``authorization``.

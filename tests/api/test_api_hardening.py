@@ -38,6 +38,9 @@ ADMIN_KEY = "sk-admin-9"
 STORY = "Tell me a long story about a lighthouse keeper and the sea."
 
 
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
 def _auth(tenant: str) -> dict:
     return {"Authorization": f"Bearer {KEYS[tenant]}"}
 
@@ -118,7 +121,7 @@ def _request(srv, tmp_path, client_request_id: str) -> tuple[dict, dict, dict | 
 
 
 def _counters(srv, tenant: str) -> dict[str, float]:
-    text = httpx.get(srv.url + "/metrics", timeout=30).text
+    text = httpx.get(srv.url + "/metrics", headers=ADMIN, timeout=30).text
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -128,6 +131,21 @@ def _counters(srv, tenant: str) -> dict[str, float]:
             ):
                 out[s.name] = s.value
     return out
+
+
+@pytest.mark.slow
+def test_metrics_follows_the_servers_auth_by_default(server):
+    """A keyed server (tenants file, [admin] key, no --metrics-key, no --open-metrics): its
+    /metrics, whose series name every tenant, answers the admin key only; no key and a
+    tenant's key get 401 (before: 200 to anyone, tenant names included)."""
+    r = httpx.get(server.url + "/metrics", timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    assert "tenant=" not in r.text
+    r = httpx.get(server.url + "/metrics", headers=_auth("spell"), timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["message"] == "invalid metrics key"
+    r = httpx.get(server.url + "/metrics", headers=ADMIN, timeout=30)
+    assert r.status_code == 200 and "tokenmill_requests_total" in r.text
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # stays open
 
 
 def _wait_idle(srv) -> None:

@@ -46,6 +46,7 @@ def test_a_public_address_without_a_key_is_refused_in_one_line(tmp_path):
         (("--api-key", "k", "--tenants", "t.toml"), "not both"),
         (("--admin-key", "a"), "goes with --api-key"),
         (("--api-key", " "), "is empty"),
+        (("--open-metrics", "--metrics-key", "m"), "drop it or --metrics-key"),
     ):
         proc = _cli("serve", "--model", missing, *args)
         assert proc.returncode == 1 and needle in proc.stderr, proc.stderr

@@ -116,6 +116,7 @@ def traced(tmp_path_factory, smollm2_dir):
         str(db),
         "--device-sample-interval",
         "0.05",
+        "--open-metrics",  # a keyed server whose /metrics any caller may scrape
     )
     try:
         load = asyncio.run(_mixed_load(server.url))
