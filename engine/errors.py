@@ -15,4 +15,15 @@ class ModelFetchError(TokenmillError):
 
 class RequestRejected(TokenmillError):
     """A request can never be served by this engine: prompt + max_tokens exceeds the model's
-    context or the whole KV pool."""
+    context or the whole KV pool.
+
+    Args:
+        message: the one-line reason.
+        blame: what the client must cut, when the refusal knows: ``"prompt"`` (it alone can
+            never fit) or ``"max_tokens"`` (the prompt fits, the output budget does not); None
+            names the prompt.
+    """
+
+    def __init__(self, message: str, *, blame: str | None = None):
+        super().__init__(message)
+        self.blame = blame

@@ -772,6 +772,9 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
         except EngineUnavailable as exc:
             code = "server_shutdown" if state.shutting_down else "engine_unavailable"
             raise APIError(503, str(exc), code=code, retry_after=exc.retry_after) from None
+        except RequestRejected as exc:  # it can never fit (a P/D pool's decode side says so)
+            param = tok.max_param if exc.blame == "max_tokens" else tok.prompt_param
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         routed = state.worker.replica_of(engine_id)  # the replica the router picked
         if routed is not None:
             tl.pool, tl.replica = routed.name, routed.replica

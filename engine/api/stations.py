@@ -17,6 +17,7 @@ class Tokenized:
     prompt_token_ids: list[int]
     max_tokens: int
     prompt_param: str
+    max_param: str = "max_tokens"  # or max_completion_tokens, as the client named it
 
 
 class TokenizeStation:
@@ -111,7 +112,7 @@ class TokenizeStation:
                     param=max_param,
                 )
             granted = requested
-        return Tokenized(ids, granted, param)
+        return Tokenized(ids, granted, param, max_param)
 
 
 def _has_lone_surrogate(body: ChatCompletionRequest | CompletionRequest) -> bool:

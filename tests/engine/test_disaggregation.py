@@ -827,6 +827,60 @@ def test_the_router_spreads_a_burst_and_refuses_what_no_decode_pool_holds():
     with pytest.raises(RequestRejected, match="needs 13 KV blocks but a decode core's pool has 12"):
         p.generate("c", [1] * 200, SamplingParams(max_tokens=8))
     assert p.router.outstanding == [0, 0, 0, 0] and not p._where
+    # what the client must cut: the prompt when it alone can never fit, else max_tokens
+    for prompt, max_tokens, blame in ((200, 8, "prompt"), (40, 400, "max_tokens")):
+        with pytest.raises(RequestRejected) as err:
+            p.generate("d", [1] * prompt, SamplingParams(max_tokens=max_tokens))
+        assert err.value.blame == blame, str(err.value)
+
+
+@pytest.mark.slow
+def test_a_request_no_decode_pool_holds_is_a_400_naming_the_field(tmp_path):
+    """``--disaggregation prefill=1,decode=1`` with an 8-block (128-token) decode pool: a
+    request that can never fit it is refused before any prefill with an OpenAI-style 400
+    naming what to cut (``max_tokens``, ``messages`` or ``prompt``), streamed or not, and no
+    traceback in the log; a request that fits is answered. Before: 500 ``internal_error``."""
+    import httpx
+    from server_proc import Server
+
+    server = Server(
+        tmp_path,
+        *("--disaggregation", "prefill=1,decode=1", "--decode-num-gpu-blocks-override", "8"),
+    )
+    model = "smollm2-135m-instruct"
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    long_text = "one two three four five six seven eight nine ten " * 20  # > 128 tokens
+    cases = [
+        ("/v1/chat/completions", {**chat, "max_tokens": 200}, "max_tokens"),
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": 200}, "max_completion_tokens"),
+        ("/v1/chat/completions", {**chat, "max_tokens": 200, "stream": True}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {**chat, "messages": [{"role": "user", "content": long_text}]},
+            "messages",
+        ),
+        ("/v1/completions", {"model": model, "prompt": [7] * 150, "max_tokens": 4}, "prompt"),
+    ]
+    try:
+        for path, body, param in cases:
+            if "max_completion_tokens" in body:
+                body = {k: v for k, v in body.items() if k != "max_tokens"}
+            r = httpx.post(server.url + path, json=body, timeout=120)
+            assert r.status_code == 400, (body, r.status_code, r.text)
+            err = r.json()["error"]
+            assert (err["param"], err["code"], err["type"]) == (
+                param,
+                "context_length_exceeded",
+                "invalid_request_error",
+            ), err
+            assert "decode core's pool has 8 (128 tokens)" in err["message"], err
+        r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+        assert server.health()["in_flight"] == 0
+    finally:
+        server.stop()
+    log = (tmp_path / f"server-{server.port}.log").read_text()
+    assert "Traceback" not in log and "internal_error" not in log, log[-3000:]
 
 
 @pytest.mark.parametrize(
