@@ -22,7 +22,7 @@ from tokenmill.engine.messages import StepRecord, to_row
 
 from .dump import DumpError, latest_ns, write_dump
 from .metrics import ServingMetrics
-from .otlp import GenAIServerMetrics, export_configured, span_exporter
+from .otlp import GenAIServerMetrics, SpanExport, export_configured, export_timeout_s
 from .sampler import DeviceSampler
 from .spans import (
     SampledExport,
@@ -168,6 +168,7 @@ class Telemetry:
         self.provider = None
         self.tracer = None
         self._otlp = None
+        self.otlp_export: SpanExport | None = None
         resource = {
             "service.name": "tokenmill",
             "service.instance.id": f"{socket.gethostname()}:{os.getpid()}",
@@ -196,10 +197,10 @@ class Telemetry:
         variables) when anything names a collector. Raises OTLPConfigError (one line)."""
         if not export_configured(endpoint, "traces"):
             return
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
+        # bounded in memory and time, what it could not deliver counted (otlp.SpanExport);
         # unsampled callers' requests stay in our store only (spans.SampledExport)
-        self._otlp = SampledExport(BatchSpanProcessor(span_exporter(endpoint)))
+        self.otlp_export = SpanExport(endpoint)
+        self._otlp = SampledExport(self.otlp_export)
         self.provider.add_span_processor(self._otlp)
 
     # ----- lifecycle -----
@@ -212,16 +213,36 @@ class Telemetry:
             self.sampler.start()
         self.event("server_start", "info", f"serving {self.model_name}")
 
-    def close(self) -> None:
-        """Stop the sampler, flush spans, close the store."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the sampler, flush spans, close the store.
+
+        The OTLP export's last flush (spans and metrics at once) waits at most the export
+        timeout, and never more than ``timeout_s`` (``--shutdown-timeout``); a collector that
+        does not answer by then is left behind (daemon threads, never holding the exit) and the
+        spans it did not take are counted (``otlp_shutdown``)."""
         if self.sampler is not None:
             self.sampler.stop()
+        deadline = time.monotonic()
+        closing = []
+        parts = {"traces": self.otlp_export, "metrics": self.genai_metrics}
+        signals = [signal for signal, part in parts.items() if part is not None]
+        if signals:  # the OTLP flush runs while the store closes
+            wait = max(export_timeout_s(s) for s in signals)
+            if timeout_s is not None:
+                wait = min(wait, max(0.0, timeout_s))
+            deadline += wait
+            if self.otlp_export is not None:
+                closing.append(self.otlp_export.begin_close())
+            if self.genai_metrics is not None:
+                closing.append(self.genai_metrics.begin_close(wait))  # exports what is left
         if self.provider is not None:
-            self.provider.shutdown()
-        if self.genai_metrics is not None:
-            self.genai_metrics.shutdown()  # exports what is left
+            self.provider.shutdown()  # the store's spans; the OTLP part is closing already
         if self.store is not None:
             self.store.close()
+        for thread in closing:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if self.otlp_export is not None:
+            self.otlp_export.seal()
 
     # ----- inputs -----
     def on_request(self, tl: RequestTimeline) -> None:
@@ -306,6 +327,8 @@ class Telemetry:
         out = Counter({(table, "no_store"): n for table, n in dict(self.lost).items()})
         if self.store is not None:
             out.update(dict(self.store.drops))
+        if self.otlp_export is not None:  # spans the OTLP collector did not take
+            out.update({("spans", reason): n for reason, n in self.otlp_export.drops().items()})
         return dict(out)
 
     def health(self) -> dict:
@@ -327,5 +350,5 @@ class Telemetry:
             "sampler": None
             if self.sampler is None
             else {"mode": self.sampler.mode, "last_error": self.sampler.last_error},
-            "otlp": self._otlp is not None,
+            "otlp": None if self.otlp_export is None else self.otlp_export.health(),
         }
