@@ -1,6 +1,8 @@
 """The stop-signal drill (``bench/signal_drill.py``): every case on a real server with 8 streams
 open, on one engine core, on two data-parallel replicas and on three tensor-parallel ranks; streams
-completed / cut with an error / cut silently, exit codes and leftover processes per case.
+completed / cut with an error / cut silently, exit codes and leftover processes per case; then
+SIGKILL to the engine core under load (``run_core_kill``): how fast the streams learned of it,
+how fast the server served again, and whether the diagnoser named the cut requests.
 
     python benchmarks/signal_drill.py [--out benchmarks/results/signal_drill.json]
 
@@ -16,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenmill.bench.signal_drill import CASES, STREAMS, run_case
+from tokenmill.bench.signal_drill import CASES, STREAMS, run_case, run_core_kill
 
 #: the server layouts every case runs on: extra ``tokenmill serve`` options
 LAYOUTS = {
@@ -47,12 +49,23 @@ def main() -> None:
                     f"leftover {len(r.leftover_processes)}, {r.seconds_to_exit} s",
                     flush=True,
                 )
+        kill = None
+        if not args.layout or "one core" in args.layout:
+            kill = run_core_kill(Path(tmp) / "core_kill").to_dict()
+            print(
+                f"SIGKILL to the engine core: cut with an error {kill['cut_with_error']}/{STREAMS}"
+                f" (silent {kill['cut_silently']}), last error {kill['seconds_to_last_error']} s "
+                f"after the kill, serving again after {kill['seconds_to_recovery']} s; first "
+                f"finding {kill['first_finding']} naming {kill['named_in_finding']} of them",
+                flush=True,
+            )
     out = {
         "benchmark": "signal_drill",
         "date": time.strftime("%Y-%m-%d"),
         "host": platform.processor() or platform.machine(),
         "streams": STREAMS,
         "cases": rows,
+        "core_kill": kill,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

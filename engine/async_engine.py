@@ -225,6 +225,15 @@ class AsyncEngine:
         self._ctx.term()
         self._tmp.cleanup()
 
+    def fail_if_dead(self) -> None:
+        """A core process found dead before the output reader noticed: end every open stream
+        now with why (:func:`exit_reason`), as the reader would a second later."""
+        if self.process is None or self.process.is_alive() or self.dead_reason is not None:
+            return
+        if self._closing or isinstance(self.process, RemoteCore):
+            return
+        self._fail_all(exit_reason(self.process.exitcode))
+
     @property
     def alive(self) -> bool:
         return self.process is not None and self.process.is_alive() and self.dead_reason is None

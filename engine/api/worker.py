@@ -163,6 +163,8 @@ class EngineWorker:
             await asyncio.sleep(0.25)
             if self.engine is not None and self.engine.alive:
                 continue
+            if self.engine is not None and not self.closing:
+                self.engine.fail_if_dead()  # its streams end now, with the exit's cause
             reason = self.engine.dead_reason if self.engine else "not running"
             if self.closing:  # the shutdown's signal reached the engine too: no crash
                 log.info("%s: engine core exited during shutdown (%s)", self.name, reason)

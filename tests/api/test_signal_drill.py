@@ -37,3 +37,20 @@ def test_sigkill_to_the_api_leaves_no_process_and_no_silent_end(tmp_path, smollm
     r = run_case("kill_api", tmp_path, ("--model", str(smollm2_dir)))
     assert (r.cut_with_error, r.cut_silently) == (STREAMS, 0), r
     assert r.exit_code == -9 and r.leftover_processes == [], r
+
+
+def test_sigkill_of_the_engine_core_ends_every_stream_and_is_named_with_its_requests(
+    tmp_path, smollm2_dir
+):
+    """The OOM killer takes the engine core mid-batch: every open stream gets an
+    ``engine_died`` error event, the core restarts and serves again, and the diagnoser's first
+    finding is ``engine_crash`` naming every cut request by the client's id. Before: the
+    streams waited for the old core's shutdown, and the crash event said neither the signal nor
+    the requests (no rule read it)."""
+    from tokenmill.bench.signal_drill import run_core_kill
+
+    r = run_core_kill(tmp_path, ("--model", str(smollm2_dir)))
+    assert (r.cut_with_error, r.cut_silently) == (STREAMS, 0), r
+    assert r.error_codes == ["engine_died"] and r.served_after, r
+    assert r.first_finding == "engine_crash", r
+    assert "SIGKILL" in r.finding_summary and r.named_in_finding == STREAMS, r
