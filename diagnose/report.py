@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import re
 from datetime import UTC, datetime
 
+import msgspec
 from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
@@ -84,7 +84,12 @@ def _fleet_lines(report: Report) -> list[str]:
 
 
 def to_json(report: Report) -> str:
-    return json.dumps(report.to_json(), indent=2, default=str)
+    """The report as strict JSON (RFC 8259): a NaN or ±Inf anywhere is written as null (msgspec
+    does), never as Python's invalid ``NaN``/``Infinity``; a value JSON has no type for is
+    written as its string."""
+    return msgspec.json.format(
+        msgspec.json.encode(report.to_json(), enc_hook=str), indent=2
+    ).decode()
 
 
 def baseline_lines(report: Report) -> list[str]:

@@ -30,7 +30,8 @@ def collect(
         ),
     ] = None,
     scrape_interval: Annotated[
-        str, typer.Option(metavar="DURATION", help="Time between scrapes: 1s, 5s, 1m.")
+        str,
+        typer.Option(metavar="DURATION", help="Time between scrapes: 1s, 5s, 1m; 0: never."),
     ] = "5s",
     engine_kind: Annotated[
         str | None,
@@ -55,17 +56,17 @@ def collect(
     from .scrape import MetricsScraper
 
     try:
-        interval = parse_duration(scrape_interval)
+        interval = parse_duration(scrape_interval, allow_zero=True)
     except ValueError as exc:
         fail(f"--scrape-interval: {exc}")
-    if interval <= 0:
-        fail("--scrape-interval must be more than 0")
     if engine_kind is not None and engine_kind not in ENGINES:
         fail(f"--engine-kind must be one of {', '.join(ENGINES)}, not {engine_kind!r}")
     urls = scrape or []
     for u in urls:
         if not u.startswith(("http://", "https://")):
             fail(f"--scrape {u}: give an http(s) URL, e.g. http://127.0.0.1:8000/metrics")
+    if interval == 0:  # never: the URLs are checked, not scraped
+        urls = []
     if not urls and port == 0:
         fail("nothing to collect: give --scrape URL, a --port for OTLP traces, or both")
     store = open_store(trace_db)
@@ -75,7 +76,8 @@ def collect(
     err.print(
         f"collecting into {trace_db}"
         + (f"; OTLP/HTTP traces on http://{host}:{port}/v1/traces" if port else "")
-        + (f"; scraping {', '.join(urls)} every {scrape_interval}" if urls else ""),
+        + (f"; scraping {', '.join(urls)} every {scrape_interval}" if urls else "")
+        + ("; not scraping (--scrape-interval 0)" if scrape and not urls else ""),
         highlight=False,
     )
     try:

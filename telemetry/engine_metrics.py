@@ -9,12 +9,16 @@ read is in ``docs/engine_metrics.md``); :func:`read_exposition` turns one scrape
 engine does not expose stays NULL, and :func:`missing_signals` says which.
 
 Aggregation over label sets (several models, data-parallel engine indexes, finish reasons):
-counts and counters are summed; a ratio gauge (KV-cache use) is averaged.
+counts and counters are summed; a ratio gauge (KV-cache use) is averaged. A NaN or ±Inf reading
+is no reading: it is skipped, never summed or averaged. Counters are summed per series with
+each series' own resets undone (:class:`CounterResets`, the scraper keeps one per URL), so one
+engine index restarting is not read as a reset of the whole sum.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
@@ -213,28 +217,61 @@ ENGINES: dict[str, Engine] = {
 }
 
 
-def parse_samples(text: str) -> dict[str, list[float]]:
-    """Exposition text → every sample's values by sample name (one value per label set).
+#: one series of a scrape: its sample name and its labels
+Series = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def parse_samples(text: str) -> dict[str, dict[Series, float]]:
+    """Exposition text → every sample's value by sample name, per series (name and labels).
+    NaN and ±Inf values are left out: a reading that is not a number is no reading.
 
     Raises:
         MetricsFormatError: the text is not Prometheus exposition format.
     """
-    out: dict[str, list[float]] = {}
+    out: dict[str, dict[Series, float]] = {}
     try:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                out.setdefault(s.name, []).append(float(s.value))
+                value = float(s.value)
+                if not math.isfinite(value):
+                    continue
+                series = (s.name, tuple(sorted(s.labels.items())))
+                out.setdefault(s.name, {})[series] = value
     except (ValueError, TypeError, IndexError) as exc:
         reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         raise MetricsFormatError(f"not Prometheus exposition text ({reason})") from None
     return out
 
 
+@dataclass
+class CounterResets:
+    """One scrape target's counters, series by series, with each series' resets undone
+    (Prometheus's ``increase``: a value below the series' last is a restart from 0, and what
+    the series had counted until then is kept). :meth:`total` is the sum over every series
+    seen so far, so it only grows: one engine index restarting among several, or a series
+    that goes away, does not make the sum fall. A restarted scraper starts afresh (its first
+    row then reads as a reset)."""
+
+    _series: dict[str, dict[Series, list[float]]] = field(default_factory=dict)
+
+    def total(self, signal: str, series: dict[Series, float]) -> float:
+        known = self._series.setdefault(signal, {})
+        for key, value in series.items():
+            kept = known.get(key)
+            if kept is None:
+                known[key] = [0.0, value]
+                continue
+            if value < kept[1]:  # this series restarted: keep what it had counted
+                kept[0] += kept[1]
+            kept[1] = value
+        return sum(base + last for base, last in known.values())
+
+
 #: series that carry an engine's prefix but are not an engine's (``tokenmill proxy``'s own)
 NOT_ENGINE_PREFIXES = ("tokenmill_proxy_",)
 
 
-def detect_kind(samples: dict[str, list[float]]) -> str | None:
+def detect_kind(samples: dict[str, dict[Series, float]]) -> str | None:
     """The engine kind whose prefix most sample names carry; None: no known engine (a
     ``tokenmill proxy``'s own series are not an engine's)."""
     best, hits = None, 0
@@ -246,7 +283,7 @@ def detect_kind(samples: dict[str, list[float]]) -> str | None:
     return best
 
 
-def _first(samples: dict[str, list[float]], names: str | tuple[str, ...], suffix: str = ""):
+def _first(samples: dict[str, dict[Series, float]], names: str | tuple[str, ...], suffix=""):
     for name in (names,) if isinstance(names, str) else names:
         if name + suffix in samples:
             return samples[name + suffix]
@@ -254,10 +291,16 @@ def _first(samples: dict[str, list[float]], names: str | tuple[str, ...], suffix
 
 
 def read_exposition(
-    text: str, url: str, time_ns: int, kind: str | None = None
+    text: str,
+    url: str,
+    time_ns: int,
+    kind: str | None = None,
+    counters: CounterResets | None = None,
 ) -> EngineSampleRow | None:
     """One scrape → one row; None when no known engine's metrics are in it (``kind`` forces
-    one).
+    one). With ``counters`` (the same one for every scrape of ``url``) each counter and
+    histogram sum/count is summed over its series with each series' resets undone; without,
+    the scrape's own sum.
 
     Raises:
         MetricsFormatError: the text is not Prometheus exposition format.
@@ -267,25 +310,36 @@ def read_exposition(
     if kind is None:
         return None
     engine = ENGINES[kind]
+
+    def counted(signal: str, series: dict[Series, float]) -> float:
+        if counters is None:
+            return sum(series.values())
+        return counters.total(signal, series)
+
     row: dict[str, float] = {}
     for signal, names in engine.names.items():
         if signal in HISTOGRAMS:
             for part in ("sum", "count"):
-                values = _first(samples, names, "_" + part)
-                if values is not None:
-                    row[f"{signal}_{part}"] = sum(values)
+                series = _first(samples, names, "_" + part)
+                if series:
+                    row[f"{signal}_{part}"] = counted(f"{signal}_{part}", series)
             continue
         if signal in engine.from_hist_sum:
-            values = _first(samples, names, "_sum")
+            series = _first(samples, names, "_sum")
         else:
-            values = _first(samples, names)
-        if values is None:
+            series = _first(samples, names)
+        if not series:
             continue
-        row[signal] = sum(values) / len(values) if signal in RATIOS else sum(values)
+        if signal in RATIOS:
+            row[signal] = sum(series.values()) / len(series)
+        elif signal in COUNTERS:
+            row[signal] = counted(signal, series)
+        else:
+            row[signal] = sum(series.values())
     for signal, names in (engine.sum_of or {}).items():
         parts = [samples.get(name) for name in names]
-        if all(p is not None for p in parts):
-            row[signal] = sum(sum(p) for p in parts)
+        if all(parts):
+            row[signal] = counted(signal, {k: v for p in parts for k, v in p.items()})
     return EngineSampleRow(time_ns=time_ns, url=url, engine_kind=kind, **row)
 
 

@@ -169,22 +169,10 @@ def _attrs(kvs) -> dict:
     return {kv.key: _value(kv.value) for kv in kvs}
 
 
-def _finite(node):
-    """``node`` with NaN and ±Inf floats as None (what strict JSON can hold)."""
-    if isinstance(node, float):
-        return node if math.isfinite(node) else None
-    if isinstance(node, dict):
-        return {k: _finite(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_finite(v) for v in node]
-    return node
-
-
 def _json(node) -> str:
-    try:
-        return json.dumps(node, allow_nan=False)
-    except ValueError:
-        return json.dumps(_finite(node), allow_nan=False)
+    """Strict JSON for the store's JSON columns: a NaN or ±Inf (a double attribute may hold
+    one) is written as null, never as the invalid token ``NaN``."""
+    return msgspec.json.encode(node).decode()
 
 
 def span_rows(req: ExportTraceServiceRequest) -> list[dict]:

@@ -25,6 +25,7 @@ import msgspec
 
 from .engine_metrics import (
     ENGINES,
+    CounterResets,
     MetricsFormatError,
     missing_signals,
     read_exposition,
@@ -72,6 +73,7 @@ class MetricsScraper:
             slots_url = url.rstrip("/")[: -len("/metrics")] + "/slots"
         self.slots_url = slots_url
         self.slots: str | None = None  # "read", or why /slots is not read
+        self.counters = CounterResets()  # each counter series' resets, across scrapes
 
     @property
     def status(self) -> dict:
@@ -111,7 +113,7 @@ class MetricsScraper:
             self._trouble(f"HTTP {r.status_code}")
             return None
         try:
-            row = read_exposition(r.text, self.url, now, self.kind)
+            row = read_exposition(r.text, self.url, now, self.kind, self.counters)
         except MetricsFormatError as exc:
             self._trouble(str(exc))
             return None

@@ -11,11 +11,13 @@ still says some of the same things, one scrape at a time (``telemetry/engine_met
   the engine's gauges at the scrape times, where our step records see every step.
 - ``kv_from_samples`` yields the ``kv`` family's ``kv_usage_mean``/``kv_usage_max`` (KV-cache
   use 0..1 at the scrapes), ``preemptions`` (the increase of the engine's preemption counter
-  over the window, a counter reset read as a restart from 0), and ``idle_kv_usage_max`` /
+  over the window, a counter reset read as a restart from 0; per URL and engine, each series'
+  own resets undone by the scraper), and ``idle_kv_usage_max`` /
   ``idle_steps``: the KV use at scrapes that found nothing running or waiting, and how many
   did (a leak shows there, as in our idle heartbeats).
 
-Every other key of the family they stand in for stays None (a rule that reads it decides
+A NaN or ±Inf reading (an older store may hold one) is skipped, never a mean or a peak. Every
+other key of the family they stand in for stays None (a rule that reads it decides
 without it). Samples are bucketed by scrape time; the warm-up is not set apart (a scrape says
 nothing about which requests it counted).
 """
@@ -25,19 +27,30 @@ from __future__ import annotations
 from .family import Family, Yield
 from .scope import Scope
 
-# the increase of a cumulative counter between one url's consecutive scrapes (a reset: from 0)
+# a reading that is not a number (NaN, ±Inf) is no reading: NULL, never a mean or a peak
+_FINITE = "CASE WHEN isfinite({c}) THEN {c} END AS {c}"
+_SAMPLES = "(SELECT time_ns, url, engine_kind, {cols} FROM engine_samples)"
+
+
+def _finite(*cols: str) -> str:
+    return _SAMPLES.format(cols=", ".join(_FINITE.format(c=c) for c in cols))
+
+
+# the increase of a cumulative counter between one engine's consecutive scrapes (a reset: from
+# 0; a scrape without it is passed over); the scraper sums an engine's series with each one's resets undone (CounterResets), so a
+# drop here is the whole engine restarting (or the scraper)
 _DELTA = """CASE WHEN {c} IS NULL THEN NULL
-    WHEN lag({c}) OVER w IS NULL THEN 0
-    WHEN {c} >= lag({c}) OVER w THEN {c} - lag({c}) OVER w
+    WHEN lag({c} IGNORE NULLS) OVER w IS NULL THEN 0
+    WHEN {c} >= lag({c} IGNORE NULLS) OVER w THEN {c} - lag({c} IGNORE NULLS) OVER w
     ELSE {c} END"""
 
-_STEPS_SQL = """
+_STEPS_SQL = f"""
 SELECT (time_ns - $t0) // $w AS win,
     avg(waiting) AS waiting_mean,
     max(waiting) AS waiting_max,
     avg(running) AS running_mean,
     max(running) AS running_max
-FROM engine_samples WHERE time_ns >= $since AND time_ns < $until
+FROM {_finite("waiting", "running")} WHERE time_ns >= $since AND time_ns < $until
 GROUP BY win
 """
 
@@ -49,7 +62,8 @@ SELECT (time_ns - $t0) // $w AS win,
     max(kv_usage) FILTER (WHERE running = 0 AND waiting = 0) AS idle_kv_usage_max,
     count(*) FILTER (WHERE running = 0 AND waiting = 0) AS idle_steps
 FROM (SELECT time_ns, kv_usage, running, waiting, {_DELTA.format(c="preemptions_total")} AS preempted
-      FROM engine_samples WINDOW w AS (PARTITION BY url ORDER BY time_ns))
+      FROM {_finite("kv_usage", "running", "waiting", "preemptions_total")}
+      WINDOW w AS (PARTITION BY url, engine_kind ORDER BY time_ns))
 WHERE time_ns >= $since AND time_ns < $until
 GROUP BY win
 """

@@ -245,3 +245,54 @@ def test_a_batch_flat_at_its_most_while_requests_wait_is_named_without_the_engin
         f.summary
     )
     assert f.evidence["max_num_seqs"] is None and f.evidence["running_max"] == 4.0
+
+
+def _strict(text: str):
+    """Parse ``text`` as RFC 8259 JSON: ``NaN``/``Infinity`` are refused."""
+
+    def refuse(token):
+        raise AssertionError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_nan_and_inf_readings_are_no_statistic_and_the_json_report_is_strict(tmp_path):
+    """An engine's /metrics may say NaN or +Inf (a gauge divided by zero); an older store may
+    hold such readings. They never become a mean, a peak or a counter's increase, and
+    `diagnose --format json` stays strict JSON."""
+
+    def odd(k: int) -> dict:
+        s = _sample(k)
+        if k == 17:
+            s["preemptions_total"] = float("nan")
+        if k in (18, 19):
+            s["kv_usage"] = float("nan") if k == 18 else float("inf")
+        return s
+
+    path = tmp_path / "nan.duckdb"
+    store = _write(path, sample=odd)
+    try:
+        with store.connection_locked() as con:
+            sig = load(con, window_s=5)
+            report = diagnose(con, window_s=5)
+    finally:
+        store.close()
+    w = sig.windows
+    assert w[3].get("kv_usage_max") == pytest.approx(0.5 + 0.045 * 8)  # scrape 17, not NaN
+    assert w[3].get("kv_usage_mean") == pytest.approx(
+        sum(0.5 + 0.045 * (k - 9) for k in (15, 16, 17)) / 3
+    )
+    assert sig.overall["preemptions"] == 6  # 10 → 16, the NaN scrape passed over
+    # a NaN that reaches a report anyway is written as null
+    from tokenmill.diagnose.report import to_json
+
+    report.findings[0].evidence["odd"] = float("nan")
+    doc = _strict(to_json(report))
+    assert doc["findings"][0]["evidence"]["odd"] is None
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenmill.engine.cli", "diagnose", "--db", str(path),
+         "--window", "5s", "--format", "json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert _strict(r.stdout)["findings"]

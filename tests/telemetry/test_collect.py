@@ -482,3 +482,34 @@ def test_a_gzip_bomb_is_refused_while_inflated(collect_process):
     print(f"1 GiB gzip bomb: peak RSS +{grew / 2**20:.1f} MiB")
     assert grew < 96 * 2**20  # the 32 MiB cap and its copy: never the bomb's GiB
     _warm(url)  # and the receiver goes on
+
+
+def test_scrape_interval_0_means_never(tmp_path):
+    """As the proxy's help says of the same option: `--scrape-interval 0` scrapes nothing."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [TOKENMILL, "collect", "--trace-db", str(tmp_path / "c.duckdb"), "--port", str(port),
+         "--scrape", "http://127.0.0.1:9/metrics", "--scrape-interval", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        health = None
+        for _ in range(150):  # a hang guard, not a bound
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.2)
+        assert health is not None and health["scrapers"] == [] and health["status"] == "ok"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "not scraping (--scrape-interval 0)" in " ".join(stderr.split())
+    r = subprocess.run(
+        [TOKENMILL, "collect", "--trace-db", str(tmp_path / "x.duckdb"), "--port", "0",
+         "--scrape", "http://127.0.0.1:9/metrics", "--scrape-interval", "0"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 2 and "nothing to collect" in r.stderr

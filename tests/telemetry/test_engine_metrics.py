@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import duckdb
+import msgspec
 import pytest
 
 from tokenmill.telemetry.engine_metrics import (
@@ -278,3 +279,59 @@ def test_the_scraper_fills_kv_use_from_llamacpps_slots(tmp_path, caplog):
 def test_the_scraper_refuses_an_unknown_kind():
     with pytest.raises(ValueError, match="unknown engine kind 'triton'"):
         MetricsScraper("http://x/metrics", lambda t, r: True, kind="triton")
+
+
+def _two_engines(pre0: float, pre1: float, kv0: str, kv1: str) -> bytes:
+    """vLLM's exposition with two data-parallel engine indexes (one label set each)."""
+    return (
+        "# TYPE vllm:num_preemptions counter\n"
+        f'vllm:num_preemptions_total{{engine="0",model_name="m"}} {pre0}\n'
+        f'vllm:num_preemptions_total{{engine="1",model_name="m"}} {pre1}\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {kv0}\n'
+        f'vllm:kv_cache_usage_perc{{engine="1",model_name="m"}} {kv1}\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 2\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 1\n'
+    ).encode()
+
+
+def test_one_engines_counter_reset_and_nan_readings_through_the_real_scraper(tmp_path):
+    """Two engines behind one /metrics: engine 0 restarts between scrapes 2 and 3 (its counter
+    20 → 2) while engine 1 counts on (10 → 16): 10 + 2 + 6 = 18 preemptions, where the sum's
+    own reset (30 → 18) read 28. A NaN or +Inf KV reading is no reading: never the peak."""
+    from tokenmill.diagnose.signals import load
+    from tokenmill.telemetry.rows import RequestRow
+
+    up = _Upstream()
+    store = TraceStore(tmp_path / "s.duckdb", flush_interval_s=0.05)
+    scraper = MetricsScraper(up.url, store.submit, interval_s=60)
+    try:
+        first = None
+        for pre0, pre1, kv0, kv1 in (
+            (10, 10, "0.5", "0.3"),
+            (20, 10, "NaN", "+Inf"),  # no KV reading at all in this scrape
+            (2, 16, "NaN", "0.7"),  # engine 0 restarted; its KV reading is NaN
+        ):
+            up.body = _two_engines(pre0, pre1, kv0, kv1)
+            row = scraper.scrape_once()
+            first = first or row["time_ns"]
+        assert row["preemptions_total"] == 38.0  # 20 + 18: only grows
+        assert row["kv_usage"] == 0.7  # the one finite reading, not NaN
+        t0, t1 = first - 10**9, row["time_ns"] + 10**9  # one request over the scrapes
+        request = RequestRow(request_id="r", trace_id="0" * 32, arrival_ns=t0, end_ns=t1)
+        assert store.submit(
+            "requests", {**msgspec.structs.asdict(request), "e2e_ms": (t1 - t0) / 1e6}
+        )
+        assert store.flush()
+        assert store.query("SELECT count(*), count(kv_usage) FROM engine_samples") == [(3, 2)]
+        with store.connection_locked() as con:
+            sig = load(con, window_s=3600)
+    finally:
+        scraper.stop()
+        up.close()
+        store.close()
+    assert sig.overall["preemptions"] == 18
+    assert sig.overall["kv_usage_max"] == pytest.approx(0.7)
+    assert sig.overall["kv_usage_mean"] == pytest.approx((0.4 + 0.7) / 2)
