@@ -122,7 +122,8 @@ def _label(value: object) -> str:
 
 class _DropsCollector:
     """``tokenmill_telemetry_dropped_total{model_name,table,reason}``: rows that did not reach
-    the trace store, by table and reason (``telemetry/store.py``: ``DROP_REASONS``).
+    the trace store, by table and reason (``telemetry/store.py``: ``DROP_REASONS``), and spans
+    the OTLP collector did not take (``telemetry/otlp.py``: ``DROP_REASONS``).
 
     Read at every scrape from ``source() -> {(table, reason): count}`` (the store's own drop
     counter), so the exported number can never drift from the store's. The scrape may run in a
@@ -132,8 +133,10 @@ class _DropsCollector:
 
     NAME = PREFIX + "telemetry_dropped"
     HELP = (
-        "Telemetry rows that did not reach the trace store, by table and reason (queue_full, "
-        "closed, bad_value, disk_full, unwritable, store_error, unknown_table, no_store)."
+        "Telemetry rows that did not reach the trace store, or spans the OTLP collector did not "
+        "take, by table and reason (the store's: queue_full, closed, bad_value, disk_full, "
+        "unwritable, store_error, unknown_table, no_store; the OTLP export's: "
+        "otlp_export_failed, otlp_queue_full, otlp_shutdown)."
     )
 
     def __init__(self, model_name: str):

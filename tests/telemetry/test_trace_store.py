@@ -271,3 +271,11 @@ def test_a_store_of_another_version_is_refused(tmp_path):
     con.close()
     with pytest.raises(SchemaError, match=f"version 999.*version {SCHEMA_VERSION}"):
         TraceStore(path)
+
+
+def test_the_drop_counters_help_names_every_reason():
+    from tokenmill.telemetry.metrics import _DropsCollector
+    from tokenmill.telemetry.otlp import DROP_REASONS as OTLP_REASONS
+    from tokenmill.telemetry.store import DROP_REASONS
+
+    assert [r for r in (*DROP_REASONS, *OTLP_REASONS) if r not in _DropsCollector.HELP] == []
