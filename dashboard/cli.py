@@ -110,7 +110,7 @@ def dashboard(
             markup=False,
             soft_wrap=True,
         )
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
     # a SIGTERM (systemd, a supervisor, a process-group kill) stops the console as Ctrl-C does:
     # the Streamlit process is stopped too, killed if it has not gone in 10 s, never orphaned
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -128,6 +128,19 @@ def dashboard(
 
 def _raise_interrupt(*_) -> None:
     raise KeyboardInterrupt
+
+
+def _die_with_parent() -> None:
+    """In the Streamlit child before it runs: the kernel sends it SIGTERM when this process
+    dies, even by SIGKILL, so the console never outlives its command (Linux's
+    ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _is_loopback(host: str) -> bool:

@@ -42,7 +42,7 @@ NsOrNull = Annotated[int | None, msgspec.Meta(extra={"sql": "BIGINT"})]
 #: The signal an engine core sends its API process when it is asked to stop (SIGTERM to the core
 #: alone, or to the server's whole process group): a request to drain, never a second stop
 #: signal. Engine cores and worker ranks ignore SIGINT and SIGTERM themselves; the API process
-#: decides when they stop (``TokenmillServer``), and they exit when it is gone.
+#: decides when they stop (``DrainingServer``, engine/api/shutdown.py), and they exit when it is gone.
 DRAIN_REQUEST_SIGNAL = signal.SIGUSR1
 
 #: An ``engine_steps`` row with tokens; rows without are an idle engine's heartbeats

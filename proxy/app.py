@@ -107,6 +107,8 @@ class ProxyState:
         self.timeout = aiohttp.ClientTimeout(sock_connect=10.0, sock_read=first_byte_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self.requests = 0
+        self.open_requests = 0  # completion requests the proxy holds now (a drain waits on them)
+        self.draining = False  # a stop signal came: new requests get 503, open ones finish
         self.metrics = ProxyMetrics(self.upstream)
         self.dropped: Counter = Counter()  # what could not be recorded, by reason
         self.tokenizer = tokenizer
@@ -232,6 +234,7 @@ class _Recorder:
                 done()  # before the client sees the end: its slot and its row are settled
             await send(message)
 
+        state.open_requests += 1
         try:
             await self.limited(scope, receive, watched_send)
         except Exception as exc:  # the server's error handler answers 500
@@ -240,6 +243,7 @@ class _Recorder:
                 ex.fail("internal_error", type(exc).__name__)
             raise
         finally:
+            state.open_requests -= 1
             done()  # once: a no-op when the answer's end did it
 
 
@@ -399,16 +403,22 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {
-            "status": "ok",
+        body = {
+            "status": "draining" if state.draining else "ok",
             "upstream": state.upstream,
             "requests": state.requests,
+            "open_requests": state.open_requests,
             "telemetry_dropped": dict(state.dropped),
         }
+        return JSONResponse(body, status_code=503 if state.draining else 200)
 
     async def forward(request: Request) -> Response:
         flight: _Flight = request.scope[_FLIGHT]
         ex = flight.ex
+        if state.draining:
+            err = APIError(503, "the proxy is shutting down; retry", code="server_shutdown",
+                           retry_after=5)  # fmt: skip
+            return _refuse(ex, err, "server_shutdown")
         try:
             tenant = state.gateway.authenticate(request.headers.get("authorization"))
         except APIError as exc:

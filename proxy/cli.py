@@ -38,6 +38,14 @@ def proxy(
             help="Longest wait for the upstream's first byte before a 504: 30s, 2m.",
         ),
     ] = "60s",
+    shutdown_timeout: Annotated[
+        str,
+        typer.Option(
+            metavar="DURATION",
+            help="A first SIGTERM or SIGINT (to the proxy or its process group): new requests "
+            "get 503 and those in flight get this long to finish; a second signal stops at once.",
+        ),
+    ] = "30s",
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -122,6 +130,10 @@ def proxy(
         scrape_s = parse_duration(scrape_interval, allow_zero=True)  # 0: never
     except ValueError as exc:
         fail(f"--scrape-interval: {exc}")
+    try:
+        shutdown_s = parse_duration(shutdown_timeout, allow_zero=True)
+    except ValueError as exc:
+        fail(f"--shutdown-timeout: {exc}")
     metrics_url = metrics_url or upstream.rstrip("/") + "/metrics"
     if not metrics_url.startswith(("http://", "https://")):
         fail(f"--metrics-url {metrics_url}: give an http(s) URL")
@@ -148,7 +160,7 @@ def proxy(
         except ModelLoadError as exc:
             fail(f"--tokenizer: {exc}")
     store = open_store(trace_db)
-    import uvicorn
+    from tokenmill.engine.api.shutdown import serve_app
 
     from .app import ProxyState, build_proxy_app
 
@@ -178,8 +190,19 @@ def proxy(
         + (f"; scraping {metrics_url} every {scrape_interval}" if scraper else ""),
         highlight=False,
     )
+
+    def drain(cause: str) -> None:
+        state.draining = True
+        err.print(
+            f"{cause}: draining {state.open_requests} requests in flight (up to "
+            f"{shutdown_s:g} s); new requests get 503",
+            highlight=False,
+        )
+
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        serve_app(
+            app, host, port, busy=lambda: state.open_requests, on_drain=drain, drain_s=shutdown_s
+        )
     finally:
         if scraper is not None:
             scraper.stop()

@@ -48,6 +48,7 @@ def collect(
 ) -> None:
     """Receive OTLP/HTTP traces on HOST:PORT/v1/traces and scrape engines' /metrics into a
     trace store, until Ctrl-C. Then `tokenmill diagnose --db TRACE_DB` reads it."""
+    import signal
     import time
 
     from tokenmill.engine.durations import parse_duration
@@ -82,12 +83,15 @@ def collect(
     )
     try:
         if port:
-            import uvicorn
+            from tokenmill.engine.api.shutdown import serve_app
 
             from .collect import make_app
 
-            uvicorn.run(make_app(store, scrapers), host=host, port=port, log_level="warning")
+            # a stop signal ends it after the export in hand; the store keeps its last rows
+            serve_app(make_app(store, scrapers), host, port)
         else:
+            # SIGTERM (systemd, a group stop) ends the scrapers as Ctrl-C does
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
             while True:
                 time.sleep(3600)
     except KeyboardInterrupt:

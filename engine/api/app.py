@@ -94,7 +94,7 @@ class ServerState:
     metrics_off_loop: bool = True
     shutting_down: bool = False
     # SIGTERM's drain: /health/ready answers 503 and new requests 503 + Retry-After while the
-    # requests in flight finish (server.TokenmillServer)
+    # requests in flight finish (shutdown.DrainingServer)
     draining: bool = False
     access_log: bool = False  # --access-log: one tokenmill.access line per completion request
     open_requests: int = 0  # completion requests whose response is not over yet

@@ -7,15 +7,12 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 
 import uvicorn
 
 from ..config import EngineConfig
-from ..messages import DRAIN_REQUEST_SIGNAL
 from ..model_config import load_model_config
 from ..model_fetch import resolve_model_dir
 from ..serve_config import ServeConfig
@@ -31,6 +28,7 @@ from .gateway import (
     single_key_tenants,
 )
 from .replicas import ReplicaPool, check_data_parallel
+from .shutdown import DrainingServer
 from .stations import AdmissionStation, MeteringStation, TokenizeStation
 from .worker import EngineWorker
 
@@ -43,105 +41,6 @@ SHUTDOWN_SETTLE_S = 3.0
 #: interpreter's exit after it: 1.2 s on the 2-core CPU host): the flush ends this long before
 #: --shutdown-timeout runs out, counted from the lifespan's end
 EXIT_RESERVE_S = 2.0
-
-
-class TokenmillServer(uvicorn.Server):
-    """uvicorn's server with tokenmill's shutdown.
-
-    The first SIGTERM or SIGINT (an orchestrator's stop, a rolling deploy, Ctrl-C, systemd's
-    stop of the whole process group) drains: ``on_drain(signal_name)`` in the event loop
-    (``/health/ready`` answers 503 and new requests 503 + Retry-After), then the requests in
-    flight (``busy()``) get up to ``drain_s`` seconds to finish. An engine core asked to stop
-    sends :data:`DRAIN_REQUEST_SIGNAL` instead of dying, which drains the same way but never
-    counts as a second signal (a stop sent to the process group reaches the API and its cores
-    at once). After the drain, at once for a second signal or ``drain_s`` 0, ``on_stop(name)``
-    ends every open stream with a ``server_shutdown`` error and uvicorn stops as usual; a
-    third SIGINT skips waiting for connections but never the cleanup (engine stop, store
-    flush), which uvicorn alone would skip. A signal that stopped the server is not raised
-    again afterwards, so the process exits 0 (:attr:`stop_signals` lists them).
-    """
-
-    def __init__(
-        self, config: uvicorn.Config, on_stop=None, on_drain=None, busy=None, drain_s: float = 0.0
-    ):
-        super().__init__(config)
-        self.on_stop = on_stop
-        self.on_drain = on_drain
-        self.busy = busy or (lambda: 0)
-        self.drain_s = drain_s
-        self.draining = False
-        self.signals_received = 0  # SIGTERM/SIGINT to this process (drain requests not counted)
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.stop_signals: list[int] = []
-        self.startup_error: str | None = None  # why the lifespan could not start the engine
-        self.fatal_error: str | None = None  # why it stopped on its own (an engine crash loop)
-        self._drain_task: asyncio.Task | None = None
-
-    async def serve(self, sockets=None) -> None:
-        self.loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if sig == DRAIN_REQUEST_SIGNAL:  # an engine core was asked to stop: drain, once
-            if not self.draining and not self.should_exit:
-                self._drain_or_stop(signal.SIGTERM, frame)
-            return
-        # a drain request never counts as a signal: a stop sent to the process group reaches
-        # the cores too, and Python runs a pending SIGUSR1 before a pending SIGTERM
-        self.signals_received += 1
-        if self.signals_received == 1 and self.draining:
-            return
-        self._drain_or_stop(sig, frame)
-
-    def _drain_or_stop(self, sig: int, frame) -> None:
-        drain = self.drain_s > 0 and self.on_drain is not None
-        if drain and not self.draining and not self.should_exit and self.loop is not None:
-            self.draining = True
-            self._captured_signals.append(sig)
-            self.loop.call_soon_threadsafe(self._begin_drain, sig)
-            return
-        first = not self.should_exit
-        super().handle_exit(sig, frame)
-        if first and self.on_stop is not None and self.loop is not None:
-            try:
-                name = signal.Signals(sig).name
-            except ValueError:
-                name = str(sig)
-            self.loop.call_soon_threadsafe(self.on_stop, name)
-
-    def _begin_drain(self, sig: int) -> None:
-        self.on_drain(signal.Signals(sig).name)
-        self._drain_task = asyncio.ensure_future(self._drain_then_stop(sig))
-
-    async def _drain_then_stop(self, sig: int) -> None:
-        """Wait for the requests in flight (at most ``drain_s``), then stop as a first signal
-        would (unless another signal already did)."""
-        deadline = time.monotonic() + self.drain_s
-        while self.busy() and time.monotonic() < deadline and not self.should_exit:
-            await asyncio.sleep(0.05)
-        if not self.should_exit:
-            self._captured_signals.remove(sig)  # _drain_or_stop records it again
-            self._drain_or_stop(sig, None)
-
-    async def shutdown(self, sockets=None) -> None:
-        await super().shutdown(sockets)
-        if self.force_exit:  # a second Ctrl-C: uvicorn skipped the lifespan shutdown
-            await self.lifespan.shutdown()
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(DRAIN_REQUEST_SIGNAL, self.handle_exit) if main else None
-        try:
-            with super().capture_signals():
-                try:
-                    yield
-                finally:  # handled: uvicorn would raise them again once serve() returns
-                    self.stop_signals = list(self._captured_signals)
-                    self._captured_signals.clear()
-        finally:
-            if main:
-                signal.signal(DRAIN_REQUEST_SIGNAL, previous)
 
 
 def runtime_versions() -> dict[str, str | None]:
@@ -443,7 +342,7 @@ def make_server(
             telemetry.close(max(0.0, left))
 
     def drain(cause: str) -> None:
-        """SIGTERM: take no new requests, let those in flight finish (TokenmillServer)."""
+        """A first stop signal: take no new requests, let those in flight finish (DrainingServer)."""
         state.draining = True
         telemetry.event(
             "server_draining",
@@ -513,7 +412,7 @@ def make_server(
     uv_config = uvicorn.Config(
         app, host=opts.host, port=opts.port, log_level="warning", timeout_graceful_shutdown=5
     )
-    server = TokenmillServer(
+    server = DrainingServer(
         uv_config,
         on_stop=stop,
         on_drain=drain,

@@ -232,9 +232,11 @@ def test_pd_pools_and_kv_transfer_in_headless_chromium(tmp_path):
     assert (shots / "engine-pd.png").stat().st_size > 10_000
 
 
-def test_a_sigterm_to_the_console_stops_its_streamlit_process_too(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_stop_of_the_console_stops_its_streamlit_process_too(tmp_path, sig):
     """`tokenmill dashboard` stopped by SIGTERM to its own process only (systemd, a
-    supervisor): the Streamlit server it started goes with it, never left orphaned."""
+    supervisor), or killed (SIGKILL: the OOM killer): the Streamlit server it started goes
+    with it, never left orphaned (before, a SIGKILL left it serving)."""
     import duckdb
 
     from tokenmill.telemetry.schema import apply_schema
@@ -246,7 +248,7 @@ def test_a_sigterm_to_the_console_stops_its_streamlit_process_too(tmp_path):
     proc, base = _start_console(store, tmp_path, log)
     url = base + "/_stcore/health"
     try:
-        proc.send_signal(signal.SIGTERM)  # the CLI alone, not its group
+        proc.send_signal(getattr(signal, sig))  # the CLI alone, not its group
         proc.wait(30)
         gone = False
         for _ in range(40):

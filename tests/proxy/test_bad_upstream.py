@@ -29,6 +29,7 @@ from tokenmill.proxy.app import ProxyState, build_proxy_app
 from tokenmill.telemetry.store import TraceStore
 
 HANG_GUARD_S = 20.0  # the longest any wait below may take before the test gives up
+DRIP_S = 0.1  # the gap between a "drip" stream's events
 
 
 def _free_port() -> int:
@@ -222,6 +223,15 @@ class RawUpstream:
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                          b"content-encoding: gzip\r\nvary: accept-encoding\r\n"
                          b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            await writer.drain()
+            return True
+        if kind == "drip":  # a whole stream of `arg` events, one every DRIP_S (a stop drill)
+            writer.write(SSE_HEAD)
+            for i in range(int(arg)):
+                writer.write(_chunk(_event(i)))
+                await writer.drain()
+                await asyncio.sleep(DRIP_S)
+            writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
             await writer.drain()
             return True
         if kind == "ok":

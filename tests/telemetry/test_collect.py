@@ -162,9 +162,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_tokenmill_collect_receives_the_sdks_otlp_export(tmp_path):
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM to the group"])
+def test_tokenmill_collect_receives_the_sdks_otlp_export(tmp_path, stop):
     """The collector as a process; the OpenTelemetry SDK's own OTLP/HTTP exporter sends it a
-    vLLM-shaped request span (as vLLM's tracer does) and a span of no known engine."""
+    vLLM-shaped request span (as vLLM's tracer does) and a span of no known engine. Stopped by
+    Ctrl-C or by a stop sent to its process group (systemd's), it exits 0 with every row in the
+    store (before: a SIGTERM was raised again after uvicorn's stop and killed the process
+    before the store's last rows were written)."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -177,6 +181,7 @@ def test_tokenmill_collect_receives_the_sdks_otlp_export(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
     try:
         import httpx
@@ -209,7 +214,10 @@ def test_tokenmill_collect_receives_the_sdks_otlp_export(tmp_path):
         tracer.start_span("something_else").end()
         provider.shutdown()
     finally:
-        proc.send_signal(signal.SIGINT)
+        if stop == "SIGINT":
+            proc.send_signal(signal.SIGINT)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
         _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr
     con = duckdb.connect(str(db), read_only=True)

@@ -1,0 +1,93 @@
+"""`tokenmill proxy` stopped the way `tokenmill serve` is (engine/api/shutdown.py): the first
+SIGTERM or SIGINT, to the proxy or to its process group, drains (new requests 503 with
+Retry-After, /health 503 "draining", open streams finish), and the store keeps every row."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import duckdb
+import httpx
+import pytest
+from test_bad_upstream import DRIP_S, HANG_GUARD_S, RawUpstream, _free_port
+
+STREAMS = 4
+EVENTS = 20  # each stream's events: EVENTS x DRIP_S seconds, open when the signal comes
+
+
+def _stream(url: str, out: list) -> None:
+    body = {"model": f"drip:{EVENTS}", "messages": [{"role": "user", "content": "hi"}],
+            "stream": True}  # fmt: skip
+    lines = []
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    except httpx.HTTPError as exc:
+        lines.append(f"error {exc}")
+    out.append(lines)
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM to the group", "SIGINT to the group"])
+def test_a_stop_signal_drains_the_proxys_streams_and_keeps_every_row(tmp_path, stop):
+    up = RawUpstream()
+    port = _free_port()
+    db = tmp_path / "p.duckdb"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.engine.cli", "proxy", "--upstream", up.url,
+         "--port", str(port), "--trace-db", str(db), "--scrape-interval", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    outs: list = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+            try:
+                httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        threads = [threading.Thread(target=_stream, args=(url, outs)) for _ in range(STREAMS)]
+        for t in threads:
+            t.start()
+        while len(up.received) < STREAMS:  # every stream reached the upstream
+            assert time.monotonic() < deadline, up.received
+            time.sleep(0.05)
+        time.sleep(3 * DRIP_S)
+        os.killpg(proc.pid, signal.SIGTERM if "TERM" in stop else signal.SIGINT)
+        time.sleep(2 * DRIP_S)
+        health = httpx.get(url + "/health", timeout=5)
+        late = httpx.post(
+            url + "/v1/chat/completions", json={"model": "ok", "messages": []}, timeout=5
+        )
+        for t in threads:
+            t.join(HANG_GUARD_S)
+        _, stderr = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        up.stop()
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    assert late.status_code == 503 and late.headers.get("retry-after")
+    assert late.json()["error"]["code"] == "server_shutdown"
+    assert len(outs) == STREAMS
+    for lines in outs:  # each stream whole: every event, then [DONE]
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert len(lines) == EVENTS + 1, len(lines)
+        assert all("error" not in json.loads(ln[6:]) for ln in lines[:-1])
+    assert proc.returncode == 0, stderr
+    con = duckdb.connect(str(db), read_only=True)
+    rows = con.execute(
+        "SELECT count(*) FILTER (WHERE error_type IS NULL), "
+        "count(*) FILTER (WHERE error_type = 'server_shutdown') FROM requests"
+    ).fetchone()
+    con.close()
+    assert rows == (STREAMS, 1)  # the streams, and the request refused while draining
