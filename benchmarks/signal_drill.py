@@ -1,6 +1,7 @@
 """The stop-signal drill (``bench/signal_drill.py``): every case on a real server with 8 streams
-open, on one engine core, on two data-parallel replicas and on three tensor-parallel ranks; streams
-completed / cut with an error / cut silently, exit codes and leftover processes per case; then
+open, on one engine core; three of them on two data-parallel replicas, on three tensor-parallel
+ranks and on a disaggregated 1+1 prefill/decode pair; streams completed / cut with an error /
+cut silently, exit codes and leftover processes per case; then
 SIGKILL to the engine core under load (``run_core_kill``): how fast the streams learned of it,
 how fast the server served again, and whether the diagnoser named the cut requests.
 
@@ -25,6 +26,7 @@ LAYOUTS = {
     "one core": (),
     "2 data-parallel replicas": ("--data-parallel-size", "2", "--cpu-threads", "1"),
     "3 tensor-parallel ranks": ("--tensor-parallel-size", "3"),
+    "prefill/decode 1+1": ("--disaggregation", "prefill=1,decode=1"),
 }
 #: the cases run on the parallel layouts (all of them run on one core)
 PARALLEL_CASES = ("term_group", "int_group", "kill_api")
