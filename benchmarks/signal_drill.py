@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import tempfile
 import time
 from pathlib import Path
 
 from tokenmill.bench.signal_drill import CASES, STREAMS, run_case, run_core_kill
+from tokenmill.engine.device_peaks import cpu_name
 
 #: the server layouts every case runs on: extra ``tokenmill serve`` options
 LAYOUTS = {
@@ -64,7 +65,7 @@ def main() -> None:
     out = {
         "benchmark": "signal_drill",
         "date": time.strftime("%Y-%m-%d"),
-        "host": platform.processor() or platform.machine(),
+        "host": f"{cpu_name()}, {os.cpu_count()} vCPUs",
         "streams": STREAMS,
         "cases": rows,
         "core_kill": kill,
