@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import queue
@@ -170,6 +171,7 @@ class TraceStore:
         self.error: str | None = None  # the last write error (one line); None once writing again
         self.problem: str | None = None  # the reason rows are being dropped now, if any
         self._problem_since: Counter = Counter()  # drops of the current problem, per table
+        self._problem_started_ns: int | None = None
         self._bad_logged = 0.0  # when a dropped bad value was last logged (monotonic)
         self._bad_unlogged = 0
         self.reopened = 0  # times the file was reopened (removed under us, or invalidated)
@@ -477,6 +479,7 @@ class TraceStore:
         if reason != self.problem:
             self._end_problem(f"now {reason}")
             self.problem = reason
+            self._problem_started_ns = time.time_ns()
             log.error(
                 "trace store %s: dropping rows (%s): %s; serving goes on, the drops are counted "
                 "and writing resumes by itself when the cause goes",
@@ -485,6 +488,26 @@ class TraceStore:
                 self.error,
             )
         self._problem_since.update(rows)
+
+    def _record_gap(self) -> None:
+        """Writing works again after a problem: the store records its own gap, one
+        ``telemetry_dropped`` event (severity warning: the console's Errors page lists it) with
+        the cause, when it began and the rows lost per table, so a reader of the store knows
+        what it is missing and when."""
+        lost = {t: n for t, n in sorted(self._problem_since.items()) if n}
+        self.submit(
+            "events",
+            {
+                "time_ns": time.time_ns(),
+                "kind": "telemetry_dropped",
+                "severity": "warning",
+                "message": f"trace store: {sum(lost.values())} rows dropped while {self.problem} "
+                f"({', '.join(f'{t} {n}' for t, n in lost.items())}); writing again",
+                "attributes": json.dumps(
+                    {"reason": self.problem, "since_ns": self._problem_started_ns, "rows": lost}
+                ),
+            },
+        )
 
     def _end_problem(self, why: str) -> None:
         """The current cause is over (a batch was written, or another cause took its place):
@@ -571,6 +594,8 @@ class TraceStore:
             self._trouble(drop_reason(exc), exc, +rest)
             self._probe()
             return
+        if self.problem is not None:
+            self._record_gap()
         self._end_problem("writing again")
         self.error = None
 

@@ -178,6 +178,15 @@ def test_a_full_disk_drops_and_counts_and_writing_resumes_when_space_is_freed(ti
         f"trace store {store.path}: writing again: {lost} rows dropped (spans {lost}) "
         "while disk_full"
     ]
+    # and the store itself records the gap, for the console's Errors page and any reader
+    store.flush()
+    ((severity, attrs),) = store.query(
+        "SELECT severity, attributes FROM events WHERE kind = 'telemetry_dropped'"
+    )
+    assert severity == "warning"
+    gap = json.loads(attrs)
+    assert gap["reason"] == "disk_full" and gap["rows"] == {"spans": lost}
+    assert gap["since_ns"] > 0
     tel.close()
 
 
