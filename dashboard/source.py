@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
+import httpx
 
 from tokenmill.telemetry.dump import ENDED_COLUMN, DumpError, open_dump
 from tokenmill.telemetry.remote import FetchError, fetch_dump, normalize_url
@@ -116,6 +117,9 @@ class StoreHandle:
         self._mirror: LiveMirror | None = None
         #: rows each fetch brought, newest last (the incremental fetch's proof, for tests)
         self.fetched_rows: list[int] = []
+        #: a live server's ``/health`` ``telemetry`` block at the last fetch (None: not read):
+        #: what the store cannot show, the rows it is losing now
+        self.telemetry: dict | None = None
 
     def snapshot(self, force: bool = False) -> Snapshot:
         """The current store, refetched or reopened when due.
@@ -175,6 +179,7 @@ class StoreHandle:
         finally:
             with contextlib.suppress(OSError):
                 path.unlink()
+        self.telemetry = live_telemetry(self.spec, self.api_key)
         cursor = self._mirror.con.cursor()
         self._push(Snapshot(f"url:{self.spec}:{self._n}", cursor, self.spec, now), None)
         return self._open[-1][0]
@@ -280,6 +285,38 @@ class LiveMirror:
     def close(self) -> None:
         with contextlib.suppress(duckdb.Error):
             self.con.close()
+
+
+def live_telemetry(url: str, api_key: str | None = None) -> dict | None:
+    """A live server's ``/health`` ``telemetry`` block (its store's problem, rows dropped by
+    reason); None when it does not answer in a few seconds or has none."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        body = httpx.get(normalize_url(url) + "/health", headers=headers, timeout=3.0).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    block = body.get("telemetry") if isinstance(body, dict) else None
+    return block if isinstance(block, dict) else None
+
+
+def telemetry_warning(block: dict | None) -> str | None:
+    """One line for the console when a live server's telemetry is losing rows, else None."""
+    if not block:
+        return None
+    store = block.get("store") or {}
+    problem = store.get("problem") if isinstance(store, dict) else None
+    dropped = block.get("dropped_by_reason") or {}
+    lost = {
+        reason: sum(n for n in tables.values() if isinstance(n, (int, float)))
+        for reason, tables in dropped.items()
+        if isinstance(tables, dict)
+    }
+    lost = {r: int(n) for r, n in lost.items() if n}
+    if not problem and not lost:
+        return None
+    said = ", ".join(f"{n:,} {r}" for r, n in sorted(lost.items(), key=lambda kv: -kv[1]))
+    now = f"the trace store is dropping rows now ({problem}); " if problem else ""
+    return f"Telemetry: {now}rows not stored since the server started: {said or 'none'}."
 
 
 def from_env() -> tuple[str | None, str | None, float]:

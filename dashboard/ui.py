@@ -20,7 +20,7 @@ import streamlit as st
 
 from . import data
 from .fleet_source import ALL, FleetHandle, FleetSnapshot, is_fleet
-from .source import Snapshot, SourceError, StoreHandle, from_env
+from .source import Snapshot, SourceError, StoreHandle, from_env, telemetry_warning
 
 NS = data.NS
 PRESETS = {
@@ -111,6 +111,9 @@ def sidebar() -> Ctx | None:
             st.error(f"Cannot read the source: {exc}")
             return None
         _source_caption(snap, handle)
+        warning = telemetry_warning(getattr(handle, "telemetry", None))
+        if warning:
+            st.warning(warning)
         con = snap.cursor() if isinstance(snap, FleetSnapshot) else snap.con.cursor()
         engine = _cached(con, snap.key, "engine_seen", (), ())
         if engine:

@@ -614,6 +614,13 @@ class _AdminDump(http.server.BaseHTTPRequestHandler):
     incremental dump, as the real route answers); each query is kept in ``server.queries``."""
 
     def do_GET(self):
+        if urllib.parse.urlsplit(self.path).path == "/health":  # the server's health, as set
+            body = json.dumps(getattr(self.server, "health", {"status": "ok"})).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
         self.server.queries.append(query)
         if self.headers.get("Authorization") != "Bearer k":
@@ -721,6 +728,25 @@ def test_console_on_a_live_server(monkeypatch, admin_server, host_store):
     assert any(c.value.startswith("Live:") for c in at.sidebar.caption)
     (n,) = sql(host_store, "SELECT count(*) FROM requests")
     assert num(metric(at, "Requests")) == n
+
+
+def test_console_on_a_live_server_says_when_its_telemetry_loses_rows(monkeypatch, admin_server):
+    """What the store cannot show, the rows it is losing now: the live server's /health
+    ``telemetry`` block, one warning in the sidebar (nothing when nothing is lost)."""
+    monkeypatch.setenv("TOKENMILL_ADMIN_KEY", "k")
+    url = f"http://127.0.0.1:{admin_server.server_port}"
+    at = open_page(monkeypatch, url)
+    assert not [w for w in at.sidebar.warning if "Telemetry" in w.value]
+    admin_server.health = {
+        "status": "degraded",
+        "telemetry": {
+            "store": {"problem": "disk_full"},
+            "dropped_by_reason": {"disk_full": {"requests": 12, "spans": 30}, "bad_value": {}},
+        },
+    }
+    at.button(key="tm_refresh").click().run()  # the next fetch reads /health again
+    (warning,) = [w.value for w in at.sidebar.warning if "Telemetry" in w.value]
+    assert "dropping rows now (disk_full)" in warning and "42 disk_full" in warning
 
 
 def tm(*args: str) -> subprocess.CompletedProcess:
