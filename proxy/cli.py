@@ -22,7 +22,8 @@ def proxy(
         str,
         typer.Option(
             metavar="URL",
-            help="The upstream server's base URL, e.g. http://127.0.0.1:8000 (vLLM, SGLang, "
+            help="The upstream server's URL, e.g. http://127.0.0.1:8000 or its OpenAI base URL "
+            "http://127.0.0.1:8000/v1 (vLLM, SGLang, "
             "llama.cpp's llama-server, TGI, tokenmill).",
         ),
     ],
@@ -122,6 +123,10 @@ def proxy(
 
     if not upstream.startswith(("http://", "https://")):
         fail(f"--upstream {upstream}: give an http(s) URL, e.g. http://127.0.0.1:8000")
+    # the OpenAI base URL, as every client writes it (…/v1), names the same server
+    from tokenmill.telemetry.remote import normalize_url
+
+    upstream = normalize_url(upstream)
     try:
         timeout_s = parse_duration(first_byte_timeout)
     except ValueError as exc:

@@ -97,6 +97,7 @@ class RawUpstream:
 
     def __init__(self):
         self.received: list[str] = []
+        self.paths: list[str] = []  # each request's path, as the upstream saw it
         self.hung_up: list[str] = []
         self.sent: dict[str, bytes] = {}  # model -> the body bytes it answered
         self.loop = asyncio.new_event_loop()
@@ -133,6 +134,7 @@ class RawUpstream:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 lines = head.decode("latin-1").split("\r\n")
+                self.paths.append(lines[0].split(" ")[1] if " " in lines[0] else lines[0])
                 headers = {}
                 for line in lines[1:]:
                     if ":" in line:

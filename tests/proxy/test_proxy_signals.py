@@ -91,3 +91,35 @@ def test_a_stop_signal_drains_the_proxys_streams_and_keeps_every_row(tmp_path, s
     ).fetchone()
     con.close()
     assert rows == (STREAMS, 1)  # the streams, and the request refused while draining
+
+
+def test_the_openai_base_url_is_taken_as_the_upstream(tmp_path):
+    """`--upstream http://host:port/v1`, as every OpenAI client writes it: requests go to the
+    upstream's /v1/chat/completions (not /v1/v1/...), and its metrics are scraped from
+    /metrics (not /v1/metrics)."""
+    up = RawUpstream()
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.engine.cli", "proxy", "--upstream", up.url + "/v1/",
+         "--port", str(port), "--trace-db", str(tmp_path / "p.duckdb"),
+         "--scrape-interval", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+            try:
+                httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "ok", "messages": []})
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=HANG_GUARD_S)
+        up.stop()
+    assert r.status_code == 200 and up.received == ["ok"]
+    assert up.paths == ["/v1/chat/completions"]
+    assert f"→ {up.url}; recording" in " ".join(stderr.split())
