@@ -739,7 +739,8 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
 
     # The engine's id is ours alone: a client-chosen x-request-id must never let two requests
     # (or two tenants) share an output stream.
-    engine_id = f"cmpl-{uuid.uuid4().hex}"
+    # OpenAI's prefixes: a chat completion's id starts chatcmpl-, a completion's cmpl-
+    engine_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     tl.request_id = engine_id
     try:
         # tokenize, then admission

@@ -293,6 +293,14 @@ def test_client_ids_never_collide_and_odd_bodies_get_the_error_shape(tenant_serv
     a, b = asyncio.run(twice())
     assert (a.status_code, b.status_code) == (200, 200)
     assert a.json()["id"] != b.json()["id"] and a.headers["x-request-id"] == "same-id"
+    assert a.json()["id"].startswith("cmpl-")  # OpenAI's prefixes: cmpl- here, chatcmpl- for chat
+    chat = httpx.post(
+        tenant_server.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        headers=auth,
+        timeout=60,
+    )
+    assert chat.status_code == 200 and chat.json()["id"].startswith("chatcmpl-"), chat.text
     assert a.json()["usage"]["completion_tokens"] == b.json()["usage"]["completion_tokens"] == 6
     r = httpx.post(url, json={**body, "stream": []}, headers=auth, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
