@@ -239,7 +239,8 @@ class _Recorder:
             await self.limited(scope, receive, watched_send)
         except Exception as exc:  # the server's error handler answers 500
             if ex.error_type is None:
-                ex.http_status = ex.http_status or 500
+                # what the client got: the 500, unless the answer had started already
+                ex.http_status = sent[-1] if sent else 500
                 ex.fail("internal_error", type(exc).__name__)
             raise
         finally:
@@ -314,14 +315,16 @@ def _unread(content: aiohttp.StreamReader) -> bytes:
 
 
 def _relay_headers(response: Response, upstream: aiohttp.ClientResponse) -> None:
-    """The upstream's headers onto ``response``, each value as it came (see NOT_RELAYED)."""
+    """The upstream's headers onto ``response``, each value's bytes as they came (see
+    NOT_RELAYED): taken raw, so a value that is not Latin-1 text once decoded (UTF-8, stray
+    bytes) goes back unchanged instead of failing the answer."""
     named = {
         t.strip().lower() for v in upstream.headers.getall("connection", []) for t in v.split(",")
     }
-    for key, value in upstream.headers.items():
-        low = key.lower()
+    for key, value in upstream.raw_headers:
+        low = key.decode("latin-1").lower()
         if low not in NOT_RELAYED and low not in named:
-            response.headers.append(low, value)
+            response.raw_headers.append((low.encode("latin-1"), value))
 
 
 async def _client_left(receive) -> None:
@@ -494,6 +497,10 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
             message = (f"upstream {up} closed the connection without an answer "
                        f"({type(exc).__name__}); the request was not sent again: the upstream "
                        "may have read it")  # fmt: skip
+            return _failed(ex, 502, message, "upstream_broken")
+        if not 200 <= resp.status <= 599:  # no final HTTP status: nothing to relay
+            resp.close()
+            message = f"upstream {up} answered an invalid HTTP status {resp.status}"
             return _failed(ex, 502, message, "upstream_broken")
         try:
             ex.http_status = resp.status

@@ -20,6 +20,7 @@ trace through the ``traceparent`` the proxy sent.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 import zlib
@@ -37,6 +38,8 @@ _MS = 1e-6
 #: it the rest is relayed unread (an upstream's one endless line must not grow the proxy)
 MAX_READ_BYTES = 4 << 20
 #: the body encodings read from a decoded copy (zlib's window bits: gzip, zlib deflate)
+#: an event stream's line ends: CRLF, LF or a lone CR
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 _DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
@@ -102,7 +105,9 @@ class Exchange:
     upstream_error: bool = False  # the upstream sent an error event of its own
     # what could not be recorded, by reason (``ProxyMetrics`` counts it)
     dropped: Counter = field(default_factory=Counter)
-    _pending: bytes = b""
+    _pending: bytearray = field(default_factory=bytearray)  # the unfinished line
+    _skipping: bool = False  # inside a line past MAX_READ_BYTES: skipped to its end
+    _after_cr: bool = False  # the last piece ended in CR (a LF next ends no second line)
     _decoder: object = None  # a zlib decoder for a compressed body; False: not readable
 
     def set_encoding(self, encoding: str | None) -> None:
@@ -135,20 +140,45 @@ class Exchange:
 
     def on_bytes(self, data: bytes, now_ns: int | None = None) -> None:
         """Read a relayed piece of the upstream's event stream (side effects only; never
-        raises: what fails to read is counted in :attr:`dropped`)."""
+        raises: what fails to read is counted in :attr:`dropped`). Lines end in LF, CRLF or a
+        lone CR (the event-stream format allows all three). A piece with no line end only
+        grows the unfinished line, so a long line arriving in small pieces costs time linear
+        in its length; past :data:`MAX_READ_BYTES` the rest of that line is skipped unread."""
         now = now_ns or time.time_ns()
         if self.first_byte_ns is None:
             self.first_byte_ns = now
         try:
-            self._pending += self._decoded(data)
-            *lines, self._pending = self._pending.split(b"\n")
+            data = self._decoded(data)
+            if self._after_cr and data.startswith(b"\n"):  # the LF of a CRLF split in two
+                data = data[1:]
+            self._after_cr = False
+            if not data:
+                return
+            self._after_cr = data.endswith(b"\r")
+            if b"\n" not in data and b"\r" not in data:  # the unfinished line grows
+                if not self._skipping:
+                    self._pending += data
+                    if len(self._pending) > MAX_READ_BYTES:
+                        self._too_long()
+                return
+            *lines, rest = _LINE_END.split(data)
+            if self._skipping:  # the end of a line too long to read
+                self._skipping = False
+                lines[0] = b""
+            elif self._pending:
+                lines[0] = bytes(self._pending) + lines[0]
+            self._pending = bytearray(rest)
             if len(self._pending) > MAX_READ_BYTES:
-                self._pending = b""
-                self.dropped["event_too_long"] += 1
+                self._too_long()
             for line in lines:
                 self._on_line(line.strip(), now)
         except Exception:  # a reader's fault is counted, the relay goes on
             self.dropped["unreadable_event"] += 1
+
+    def _too_long(self) -> None:
+        self._pending = bytearray()
+        self._skipping = True
+        self.dropped["event_too_long"] += 1
 
     def _on_line(self, line: bytes, now: int) -> None:
         if not line.startswith(b"data:"):

@@ -287,7 +287,7 @@ def station_rows(span: dict) -> tuple[list[dict], dict | None]:
     def sec(key):
         v = a.get(VLLM[key])
         ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-        return float(v) if ok else None  # NaN and ±Inf are no time
+        return float(v) if ok and v >= 0 else None  # NaN, ±Inf and a negative are no time
 
     start = span["start_ns"]
     queue, prefill, decode = sec("queue_s"), sec("prefill_s"), sec("decode_s")
