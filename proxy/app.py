@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -65,6 +66,9 @@ DEFAULT_MAX_BODY_BYTES = ServeConfig().max_body_bytes
 #: idle upstream connections are let go sooner than common servers close them (uvicorn's 5 s),
 #: so a request rarely meets a connection the upstream is closing (it is not sent again)
 KEEPALIVE_S = 4.0
+#: bytes a header value may not hold (uvicorn refuses to send them, which drops the connection
+#: with no answer at all): an upstream header holding one is not relayed
+_UNSENDABLE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _FLIGHT = "tokenmill.proxy.flight"  # the scope key of a request's :class:`_Flight`
 
 
@@ -229,7 +233,9 @@ class _Recorder:
 
         async def watched_send(message):
             if message["type"] == "http.response.start":
-                sent.append(message["status"])
+                await send(message)
+                sent.append(message["status"])  # once sent: a start refused is no answer
+                return
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 done()  # before the client sees the end: its slot and its row are settled
             await send(message)
@@ -323,6 +329,8 @@ def _relay_headers(response: Response, upstream: aiohttp.ClientResponse) -> None
     }
     for key, value in upstream.raw_headers:
         low = key.decode("latin-1").lower()
+        if _UNSENDABLE.search(value):  # a control byte: no HTTP server may send it on
+            continue
         if low not in NOT_RELAYED and low not in named:
             response.raw_headers.append((low.encode("latin-1"), value))
 

@@ -46,6 +46,7 @@ ANSWERS = {
         b"200 OK",
         b"application/json",
         b"x-utf8: \xe6\x97\xa5\xe6\x9c\xac\r\nx-raw: \xff\xfe\r\nx-latin: caf\xc3\xa9\r\n"
+        b"x-del: a\x7fb\r\n"
         b"content-length: 2\r\nconnection: close\r\n\r\n{}",
     ),
     "status-999": _head(
@@ -142,6 +143,7 @@ def test_header_values_that_are_not_latin1_text_go_back_as_their_bytes(proxied):
     assert raw[b"x-utf8"] == b"\xe6\x97\xa5\xe6\x9c\xac"
     assert raw[b"x-raw"] == b"\xff\xfe"
     assert raw[b"x-latin"] == b"caf\xc3\xa9"  # not re-encoded as Latin-1's 0xe9
+    assert b"x-del" not in raw  # a control byte no server may send: left out, not a dropped answer
     assert row("e" * 32)[:2] == (200, None)
 
 
