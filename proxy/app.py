@@ -113,6 +113,9 @@ class ProxyState:
         self.requests = 0
         self.open_requests = 0  # completion requests the proxy holds now (a drain waits on them)
         self.draining = False  # a stop signal came: new requests get 503, open ones finish
+        # the drain is over (or a second signal came): what is still open ends now
+        self.stopping = asyncio.Event()
+        self.relays: set[_Relay] = set()  # streams being relayed now
         self.metrics = ProxyMetrics(self.upstream)
         self.dropped: Counter = Counter()  # what could not be recorded, by reason
         self.tokenizer = tokenizer
@@ -121,6 +124,14 @@ class ProxyState:
             if max_in_flight > 0
             else None
         )
+
+    def stop(self, cause: str = "stop") -> None:
+        """The drain is over: every stream still relayed ends with a ``server_shutdown`` error
+        event and ``[DONE]`` (its upstream request closed), and a request still waiting for
+        the upstream's answer gets 503 ``server_shutdown``; each row says so."""
+        self.stopping.set()
+        for relay in list(self.relays):
+            relay.stop()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -264,6 +275,12 @@ class _Relay(StreamingResponse):
         _relay_headers(self, resp)
         self.upstream, self.ex, self.state = resp, ex, state
         self.finished = False
+        self.stopped = False  # the proxy is stopping: the stream ends here
+        state.relays.add(self)
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.upstream.close()  # the upstream stops generating; the read below ends
 
     async def _pieces(self):
         ex, resp = self.ex, self.upstream
@@ -271,16 +288,33 @@ class _Relay(StreamingResponse):
         tail = b"\n\n"
         try:
             async for piece in resp.content.iter_any():
+                if self.stopped:
+                    break
                 ex.on_bytes(piece)
                 tail = (tail + piece)[-4:]
                 yield piece
-        except TimeoutError:  # aiohttp's read timeouts are TimeoutErrors
-            cut = f"sent nothing for {self.state.first_byte_timeout_s:g} s mid-stream"
-        except aiohttp.ClientError as exc:
-            cut = f"broke off its stream ({type(exc).__name__})"
-        else:
-            if not (ex.saw_done or ex.finish_reason or ex.upstream_error or resp.status >= 400):
-                cut = "ended its stream without [DONE]"
+        except Exception as exc:
+            if not self.stopped and isinstance(exc, TimeoutError):
+                # aiohttp's read timeouts are TimeoutErrors
+                cut = f"sent nothing for {self.state.first_byte_timeout_s:g} s mid-stream"
+            elif not self.stopped and isinstance(exc, aiohttp.ClientError):
+                cut = f"broke off its stream ({type(exc).__name__})"
+            elif not self.stopped:
+                raise
+        if self.stopped:
+            self.finished = True
+            self.state.relays.discard(self)
+            message = "the proxy is shutting down: the stream was stopped before its end"
+            ex.fail("server_shutdown", message)
+            if "content-encoding" not in resp.headers:
+                end = b"" if tail.endswith((b"\n\n", b"\r\n\r\n")) else b"\n\n"
+                err = APIError(503, message, code="server_shutdown").body()
+                yield end + b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
+            return
+        if cut is None and not (
+            ex.saw_done or ex.finish_reason or ex.upstream_error or resp.status >= 400
+        ):
+            cut = "ended its stream without [DONE]"
         rest = _unread(resp.content) if cut is not None else b""
         if rest:  # what came before the cut still goes to the client
             ex.on_bytes(rest)
@@ -302,6 +336,7 @@ class _Relay(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self.state.relays.discard(self)
             if not self.finished:
                 self.upstream.close()  # the upstream's sign that the client cancelled
                 if self.ex.error_type is None:
@@ -341,23 +376,36 @@ async def _client_left(receive) -> None:
         pass
 
 
-async def _unless_client_leaves(request: Request, ex: Exchange, work) -> Response:
+async def _unless_client_leaves(
+    request: Request, ex: Exchange, work, stop: asyncio.Event | None = None
+) -> Response:
     """``work``'s answer; cancelled when the client hangs up first, which closes the upstream
-    request: the upstream stops generating and the slot is free."""
+    request: the upstream stops generating and the slot is free. ``stop`` set first (the proxy
+    is stopping): 503 ``server_shutdown``."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_client_left(request.receive))
+    stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    waits = {task, gone} | ({stopping} if stopping is not None else set())
     try:
-        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
-        task.cancel()
-        gone.cancel()
+        for f in waits:
+            f.cancel()
         raise
     gone.cancel()
+    if stopping is not None:
+        stopping.cancel()
     if task in done:
         return task.result()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    if stopping is not None and stopping in done and gone not in done:
+        err = APIError(503, "the proxy is shutting down: the request was stopped before its "
+                       "answer", code="server_shutdown", retry_after=5)  # fmt: skip
+        ex.http_status = 503
+        ex.fail("server_shutdown", err.message)
+        return err.response()
     ex.fail("client_disconnected", "the client hung up before the answer; the upstream "
             "request was closed")  # fmt: skip
     return Response(status_code=499)  # nobody reads it
@@ -473,7 +521,7 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
         mt = doc.get("max_completion_tokens", doc.get("max_tokens"))
         ex.max_tokens = mt if isinstance(mt, int) and not isinstance(mt, bool) else None
         return await _unless_client_leaves(
-            request, ex, _forward(request, ex, body, flight.traceparent)
+            request, ex, _forward(request, ex, body, flight.traceparent), state.stopping
         )
 
     async def _forward(request: Request, ex: Exchange, body: bytes, traceparent: str):

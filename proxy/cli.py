@@ -206,7 +206,13 @@ def proxy(
 
     try:
         serve_app(
-            app, host, port, busy=lambda: state.open_requests, on_drain=drain, drain_s=shutdown_s
+            app,
+            host,
+            port,
+            busy=lambda: state.open_requests,
+            on_drain=drain,
+            on_stop=state.stop,
+            drain_s=shutdown_s,
         )
     finally:
         if scraper is not None:

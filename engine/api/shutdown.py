@@ -117,15 +117,23 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve_app(
-    app, host: str, port: int, *, busy=None, on_drain=None, drain_s: float = 0.0
+    app,
+    host: str,
+    port: int,
+    *,
+    busy=None,
+    on_drain=None,
+    on_stop=None,
+    drain_s: float = 0.0,
 ) -> DrainingServer:
     """Serve ``app`` until a stop signal, as :class:`DrainingServer` stops: the first SIGTERM
     or SIGINT calls ``on_drain(signal_name)`` and waits up to ``drain_s`` for ``busy()`` to
-    reach 0, a second stops at once; the signal is never raised again afterwards, so the
-    caller's cleanup (a store's last rows) always runs. Returns the server (``stop_signals``)."""
+    reach 0, a second stops at once (``on_stop(signal_name)``: end what is still open); the
+    signal is never raised again afterwards, so the caller's cleanup (a store's last rows)
+    always runs. Returns the server (``stop_signals``)."""
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
     )
-    server = DrainingServer(config, on_drain=on_drain, busy=busy, drain_s=drain_s)
+    server = DrainingServer(config, on_stop=on_stop, on_drain=on_drain, busy=busy, drain_s=drain_s)
     server.run()
     return server
