@@ -102,6 +102,14 @@ def proxy(
         str | None,
         typer.Option(metavar="URL", help="The upstream's metrics URL (default: UPSTREAM/metrics)."),
     ] = None,
+    scrape_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TOKENMILL_SCRAPE_KEY",
+            help="The bearer key the upstream's /metrics wants (a keyed tokenmill server's "
+            "--metrics-key or admin key).",
+        ),
+    ] = None,
     upstream_api_key: Annotated[
         str | None,
         typer.Option(
@@ -184,7 +192,9 @@ def proxy(
     if scrape_s > 0:
         from tokenmill.telemetry.scrape import MetricsScraper
 
-        scraper = MetricsScraper(metrics_url, store.submit, interval_s=scrape_s).start()
+        scraper = MetricsScraper(
+            metrics_url, store.submit, interval_s=scrape_s, key=scrape_key
+        ).start()
     if otlp_receiver:
         from tokenmill.telemetry.collect import add_receiver
 

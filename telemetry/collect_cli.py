@@ -42,6 +42,14 @@ def collect(
         ),
     ] = None,
     host: Annotated[str, typer.Option(help="Address of the OTLP/HTTP receiver.")] = "127.0.0.1",
+    scrape_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TOKENMILL_SCRAPE_KEY",
+            help="The bearer key the scraped /metrics want (a keyed tokenmill server's "
+            "--metrics-key or admin key).",
+        ),
+    ] = None,
     port: Annotated[
         int, typer.Option(min=0, max=65535, help="Port of the OTLP/HTTP receiver (0: none).")
     ] = 4318,
@@ -72,7 +80,10 @@ def collect(
         fail("nothing to collect: give --scrape URL, a --port for OTLP traces, or both")
     store = open_store(trace_db)
     scrapers = [
-        MetricsScraper(u, store.submit, interval_s=interval, kind=engine_kind).start() for u in urls
+        MetricsScraper(
+            u, store.submit, interval_s=interval, kind=engine_kind, key=scrape_key
+        ).start()
+        for u in urls
     ]
     err.print(
         f"collecting into {trace_db}"

@@ -57,13 +57,16 @@ class MetricsScraper:
         kind: str | None = None,
         client: httpx.Client | None = None,
         slots_url: str | None = None,
+        key: str | None = None,
     ):
         if kind is not None and kind not in ENGINES:
             raise ValueError(f"unknown engine kind {kind!r}; known: {', '.join(ENGINES)}")
         if interval_s <= 0:
             raise ValueError("the scrape interval must be > 0")
         self.url, self.submit, self.interval_s, self.kind = url, submit, interval_s, kind
-        self._client = client or httpx.Client(timeout=timeout_s)
+        # a keyed server's /metrics (tokenmill's --metrics-key, a scrape job's bearer token)
+        headers = {"authorization": f"Bearer {key}"} if key else None
+        self._client = client or httpx.Client(timeout=timeout_s, headers=headers)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.samples = 0

@@ -340,6 +340,11 @@ def make_server(
             # the OTLP flush (a collector that hangs) gets what --shutdown-timeout leaves
             left = opts.shutdown_timeout - (time.monotonic() - stopping) - EXIT_RESERVE_S
             telemetry.close(max(0.0, left))
+            log.warning(
+                "stopped: %d requests cut at the stop, engine cores down, trace store %s",
+                cut_at_stop[0],
+                "written" if telemetry.trace_db else "off",
+            )
 
     def drain(cause: str) -> None:
         """A first stop signal: take no new requests, let those in flight finish (DrainingServer)."""
@@ -359,10 +364,13 @@ def make_server(
             opts.shutdown_timeout,
         )
 
+    cut_at_stop = [0]  # the open streams the stop ended (for the last log line)
+
     def stop(cause: str) -> None:
         """Begin the shutdown once: record it, end the open streams (``server_shutdown``)."""
         n = state.begin_shutdown()
         if n is not None:
+            cut_at_stop[0] = n
             telemetry.event(
                 "server_shutdown",
                 "info",

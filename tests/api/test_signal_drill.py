@@ -22,12 +22,16 @@ def test_a_stop_sent_to_the_group_or_a_core_drains_every_stream(tmp_path, smollm
     assert r.leftover_processes == [], r
     assert r.ready_status_while_stopping == 503, r
     assert r.new_request_status_while_stopping == 503 and r.new_request_retry_after, r
+    log = (tmp_path / f"{case}.log").read_text()
+    assert "draining 8 requests in flight" in log and "stopped: 0 requests cut" in log, log
 
 
 def test_a_second_stop_signal_cuts_the_rest_with_an_error_event(tmp_path, smollm2_dir):
     r = run_case("term_twice", tmp_path, ("--model", str(smollm2_dir)))
     assert r.cut_silently == 0 and r.completed + r.cut_with_error == STREAMS, r
     assert r.cut_with_error > 0 and r.details == ["server_shutdown"], r
+    log = (tmp_path / "term_twice.log").read_text()
+    assert f"stopped: {r.cut_with_error} requests cut" in log, log
     assert r.exit_code == 0 and r.leftover_processes == [], r
 
 

@@ -159,6 +159,7 @@ class _Upstream:
 
     def __init__(self):
         self.body, self.status = b"", 200
+        self.key: str | None = None  # the bearer key /metrics wants (None: open)
         self.slots: tuple[int, bytes] | None = None  # /slots' status and body (None: 404)
         self.slot_reads = 0
         up = self
@@ -166,6 +167,8 @@ class _Upstream:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
                 status, body = up.status, up.body
+                if up.key and self.headers.get("Authorization") != f"Bearer {up.key}":
+                    status, body = 401, b'{"error": {"message": "missing metrics key"}}'
                 if self.path == "/slots":
                     up.slot_reads += 1
                     status, body = up.slots or (404, b"")
@@ -224,6 +227,24 @@ def test_the_scraper_writes_rows_and_says_each_problem_once(tmp_path, caplog):
         assert con.execute("SELECT count(*) FROM engine_samples").fetchone() == (2,)
     finally:
         con.close()
+
+
+def test_a_keyed_metrics_endpoint_is_scraped_with_its_key(tmp_path):
+    """A keyed tokenmill server's /metrics answers only its metrics or admin key: the scraper
+    (`proxy`/`collect --scrape-key`) sends it; without it each scrape is a 401, said."""
+    up = _Upstream()
+    up.key, up.body = "m-key", (FIXTURES / "vllm.prom").read_bytes()
+    store = TraceStore(tmp_path / "s.duckdb", flush_interval_s=0.05)
+    keyed = MetricsScraper(up.url, store.submit, interval_s=60, key="m-key")
+    bare = MetricsScraper(up.url, store.submit, interval_s=60)
+    try:
+        assert keyed.scrape_once()["kv_usage"] == 0.62
+        assert bare.scrape_once() is None and "401" in bare.status["problem"]
+    finally:
+        keyed.stop()
+        bare.stop()
+        up.close()
+        store.close()
 
 
 def test_llamacpps_slots_say_busy_slots_and_what_they_hold():
