@@ -211,6 +211,8 @@ def test_preempted_request_carries_the_preemption_event(traced):
     con = traced["con"]
     preempted = _rows(con, "SELECT * FROM requests WHERE preemptions > 0")
     assert preempted, "the tiny KV pool should have forced a preemption"
+    # four ~90-token requests in 10 blocks: some that completed were preempted and resumed
+    assert any(r["finish_reason"] in ("stop", "length") for r in preempted), preempted
     steps_with_preemption = {
         r["step_id"] for r in _rows(con, "SELECT step_id FROM engine_steps WHERE num_preempted > 0")
     }
@@ -222,7 +224,8 @@ def test_preempted_request_carries_the_preemption_event(traced):
         for e in pre:
             assert e["attributes"]["tokenmill.step_id"] in steps_with_preemption
         assert req["recomputed_tokens"] > 0
-        assert any(e["name"] == "resumed" for e in events)
+        if req["finish_reason"] in ("stop", "length"):  # a request cut while preempted
+            assert any(e["name"] == "resumed" for e in events)  # (the aborted one) never resumed
 
 
 def test_rejected_request_has_gateway_span_with_error_type(traced):
