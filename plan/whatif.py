@@ -20,7 +20,7 @@ from tokenmill.engine.durations import parse_duration
 STEP_TIME_RANGE = (0.01, 100.0)
 #: knob → (what it changes, the value's grammar)
 KNOBS: dict[str, tuple[str, str]] = {
-    "rate": ("the recorded arrivals' rate, times this factor", "a factor > 0, e.g. 2 or 1.5"),
+    "rate": ("the recorded arrivals' rate, times this factor", "a factor > 0, e.g. 2, 2x or 1.5"),
     "requests": ("the recording tiled back to back to this many requests", "an integer >= 1"),
     "replicas": (
         "data-parallel replicas on the recorded host (they share its cores)",
@@ -111,8 +111,8 @@ def parse_whatif(text: str) -> WhatIf:
         if knob in changes:
             raise ValueError(f"what-if {knob} is given twice")
         if knob in ("rate", "step_time"):
-            try:
-                v = float(value)
+            try:  # a factor, written as operators write it too: 2, 2x, 1.5×
+                v = float(value.removesuffix("x").removesuffix("X").removesuffix("×"))
             except ValueError:
                 v = float("nan")
             lo, hi = STEP_TIME_RANGE if knob == "step_time" else (0.0, float("inf"))

@@ -19,6 +19,9 @@ def test_whatif_parses_each_kind_of_value():
     assert parse_whatif("").label == "as recorded"
     assert parse_whatif("prefix_caching=on").changes == {"prefix_caching": True}
     assert parse_whatif("step_time=1.25").changes == {"step_time": 1.25}
+    # a factor as operators write it ("twice the traffic": 2x)
+    assert parse_whatif("rate=2x").changes == {"rate": 2.0}
+    assert parse_whatif("rate=1.5×").changes == {"rate": 1.5}
 
 
 @pytest.mark.parametrize(
@@ -28,6 +31,8 @@ def test_whatif_parses_each_kind_of_value():
         ("rate=0", "rate=0: a factor > 0"),
         ("rate=-1", "rate=-1: a factor > 0"),
         ("rate=fast", "rate=fast: a factor > 0"),
+        ("rate=x", "rate=x: a factor > 0"),
+        ("rate=0x", "rate=0x: a factor > 0"),
         ("step_time=0", "step_time=0: a factor from 0.01 to 100"),
         ("step_time=inf", "step_time=inf: a factor from 0.01 to 100"),
         ("step_time=3e8", "step_time=3e8: a factor from 0.01 to 100"),
