@@ -90,16 +90,34 @@ ODD_USAGE_DROPS = {"string": 2, "null": 0, "negative": 2, "huge": 2, "float": 2,
                    "missing": 0}  # fmt: skip
 
 
-class RawUpstream:
-    """An HTTP/1.1 server written on asyncio streams, on its own thread: it reads each request
-    whole, notes its ``model`` in ``received``, and answers as that model says. ``hung_up``
-    holds the models whose request the proxy closed while the upstream was still at work."""
+def start_proxy(
+    upstream: str, db, *args: str, new_session: bool = False
+) -> tuple[subprocess.Popen, str]:
+    """`tokenmill proxy` as a process in front of ``upstream``, recording into ``db`` (no
+    scrapes; ``args`` more options), once its /health answers: the process and its URL.
+    ``new_session``: in a process group of its own, for a stop sent to the group."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.engine.cli", "proxy", "--upstream", upstream,
+         "--port", str(port), "--trace-db", str(db), "--scrape-interval", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=new_session,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+        try:
+            httpx.get(url + "/health", timeout=1)
+            return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+class LoopServer:
+    """A raw TCP server on asyncio streams, on its own thread and event loop: each connection
+    goes to the subclass's ``_conn(reader, writer)``."""
 
     def __init__(self):
-        self.received: list[str] = []
-        self.paths: list[str] = []  # each request's path, as the upstream saw it
-        self.hung_up: list[str] = []
-        self.sent: dict[str, bytes] = {}  # model -> the body bytes it answered
         self.loop = asyncio.new_event_loop()
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -128,6 +146,22 @@ class RawUpstream:
         asyncio.run_coroutine_threadsafe(down(), self.loop).result(HANG_GUARD_S)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        raise NotImplementedError
+
+
+class RawUpstream(LoopServer):
+    """An HTTP/1.1 server written on asyncio streams, on its own thread: it reads each request
+    whole, notes its ``model`` in ``received``, and answers as that model says. ``hung_up``
+    holds the models whose request the proxy closed while the upstream was still at work."""
+
+    def __init__(self):
+        self.received: list[str] = []
+        self.paths: list[str] = []  # each request's path, as the upstream saw it
+        self.hung_up: list[str] = []
+        self.sent: dict[str, bytes] = {}  # model -> the body bytes it answered
+        super().__init__()
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         try:
@@ -457,24 +491,11 @@ def test_an_oversize_body_is_a_413_read_no_further_than_the_limit(tmp_path):
 
     limit = ServeConfig().max_body_bytes
     up = RawUpstream()
-    port = _free_port()
     db = tmp_path / "p.duckdb"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.engine.cli", "proxy", "--upstream", up.url,
-         "--port", str(port), "--trace-db", str(db), "--scrape-interval", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    p, url = start_proxy(up.url, db)
+    port = int(url.rsplit(":", 1)[1])
     body_mib = 64
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert p.poll() is None and time.monotonic() < deadline, "the proxy did not start"
-            try:
-                httpx.get(url + "/health", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         assert _post(url, "ok").status_code == 200  # warm: the request path's code is loaded
         before = _vm_hwm_kib(p.pid)
         with socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD_S) as s:

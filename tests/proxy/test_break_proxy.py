@@ -5,14 +5,13 @@ the row says what the client got."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
 
 import httpx
 import pytest
-from test_bad_upstream import HANG_GUARD_S, _free_port, _Serve
+from test_bad_upstream import HANG_GUARD_S, LoopServer, _Serve
 
 from tokenmill.proxy.app import ProxyState, build_proxy_app
 from tokenmill.proxy.observe import MAX_READ_BYTES, Exchange
@@ -55,26 +54,8 @@ ANSWERS = {
 }
 
 
-class _Upstream:
+class _Upstream(LoopServer):
     """Answers each request with ``ANSWERS[model]``'s bytes, then closes."""
-
-    def __init__(self):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-
-        def run():
-            asyncio.set_event_loop(self.loop)
-            self.server = self.loop.run_until_complete(
-                asyncio.start_server(self._conn, "127.0.0.1", self.port)
-            )
-            started.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert started.wait(HANG_GUARD_S)
 
     async def _conn(self, reader, writer):
         try:
@@ -89,11 +70,6 @@ class _Upstream:
             await writer.drain()
         finally:
             writer.close()
-
-    def stop(self):
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture
@@ -190,32 +166,15 @@ def test_a_long_line_in_small_pieces_is_counted_once_and_the_next_event_read():
 def test_a_stream_still_open_after_the_drain_ends_in_a_server_shutdown_event(tmp_path):
     import os
     import signal
-    import subprocess
-    import sys
 
     import duckdb
-    from test_bad_upstream import RawUpstream
+    from test_bad_upstream import RawUpstream, start_proxy
 
     up = RawUpstream()
-    port = _free_port()
     db = tmp_path / "p.duckdb"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.engine.cli", "proxy", "--upstream", up.url,
-         "--port", str(port), "--trace-db", str(db), "--scrape-interval", "0",
-         "--shutdown-timeout", "1s"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_proxy(up.url, db, "--shutdown-timeout", "1s", new_session=True)
     got: list = []
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
-            try:
-                httpx.get(url + "/health", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
 
         def stream():
             body = {"model": "drip:200", "messages": [], "stream": True}  # 20 s of events

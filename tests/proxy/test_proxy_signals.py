@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import duckdb
 import httpx
 import pytest
-from test_bad_upstream import DRIP_S, HANG_GUARD_S, RawUpstream, _free_port
+from test_bad_upstream import DRIP_S, HANG_GUARD_S, RawUpstream, start_proxy
 
 STREAMS = 4
 EVENTS = 20  # each stream's events: EVENTS x DRIP_S seconds, open when the signal comes
@@ -36,24 +34,11 @@ def _stream(url: str, out: list) -> None:
 @pytest.mark.parametrize("stop", ["SIGTERM to the group", "SIGINT to the group"])
 def test_a_stop_signal_drains_the_proxys_streams_and_keeps_every_row(tmp_path, stop):
     up = RawUpstream()
-    port = _free_port()
     db = tmp_path / "p.duckdb"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.engine.cli", "proxy", "--upstream", up.url,
-         "--port", str(port), "--trace-db", str(db), "--scrape-interval", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_proxy(up.url, db, new_session=True)
     outs: list = []
     try:
         deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
-            try:
-                httpx.get(url + "/health", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         threads = [threading.Thread(target=_stream, args=(url, outs)) for _ in range(STREAMS)]
         for t in threads:
             t.start()
@@ -98,23 +83,8 @@ def test_the_openai_base_url_is_taken_as_the_upstream(tmp_path):
     upstream's /v1/chat/completions (not /v1/v1/...), and its metrics are scraped from
     /metrics (not /v1/metrics)."""
     up = RawUpstream()
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.engine.cli", "proxy", "--upstream", up.url + "/v1/",
-         "--port", str(port), "--trace-db", str(tmp_path / "p.duckdb"),
-         "--scrape-interval", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_proxy(up.url + "/v1/", tmp_path / "p.duckdb")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
-            try:
-                httpx.get(url + "/health", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         r = httpx.post(url + "/v1/chat/completions", json={"model": "ok", "messages": []})
     finally:
         proc.send_signal(signal.SIGINT)
