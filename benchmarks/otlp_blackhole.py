@@ -26,28 +26,20 @@ Run it alone on the machine (others' engines change the ratio):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
-import signal
 import statistics
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.bench.blackhole import BlackHole
-from tokenmill.bench.client import BenchConfig
-from tokenmill.bench.client import run as bench_run
-from tokenmill.bench.phases import Phase
-from tokenmill.bench.report import summarize
+from tokenmill.bench.drill_load import closed_loop_round, counter_by, sigterm_and_wait
 from tokenmill.bench.scenario import _free_port, start_server
-from tokenmill.bench.workload import LengthSpec, Workload
 
 OUT = Path(__file__).parent / "results"
 QUEUE = 256  # OTEL_BSP_MAX_QUEUE_SIZE of the black-holed server
@@ -89,49 +81,6 @@ class RssSampler:
         self._thread.join()
 
 
-def one_round(url: str, args, seed: int) -> dict:
-    cfg = BenchConfig(
-        url=url,
-        workload=Workload(
-            prompt_tokens=LengthSpec("fixed", 64),
-            output_tokens=LengthSpec("fixed", args.max_tokens),
-            seed=seed,
-        ),
-        phases=[Phase("load", float("inf"))],
-        concurrency=args.concurrency,
-        num_requests=args.requests,
-        seed=seed,
-    )
-    s = summarize(asyncio.run(bench_run(cfg)))
-    return {
-        "output_tok_s": s["output_throughput"],
-        "completed": s["completed"],
-        "failed": s["failed"],
-    }
-
-
-def spans_dropped(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return {
-        s.labels.get("reason", "?"): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == "tokenmill_telemetry_dropped_total" and s.labels.get("table") == "spans"
-    }
-
-
-def sigterm_to_exit(proc) -> dict:
-    t = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(timeout=SHUTDOWN_TIMEOUT_S + 90)
-    except Exception:  # a hang: kill it and say so
-        proc.kill()
-        proc.wait()
-        return {"exit_s": None, "exit_code": None, "hung": True}
-    return {"exit_s": round(time.monotonic() - t, 2), "exit_code": code, "hung": False}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -170,23 +119,30 @@ def main() -> int:
         "export_timeout_s": 10.0,
         "shutdown_timeout_s": SHUTDOWN_TIMEOUT_S,
     }
+    load = {"concurrency": args.concurrency, "max_tokens": args.max_tokens}
     try:
         for s in servers.values():  # warm-up
-            one_round(s["url"], argparse.Namespace(**{**vars(args), "requests": 2}), seed=99)
+            closed_loop_round(s["url"], **load, seed=99, requests=2)
             s["rounds"], s["rss"] = [], []
         for r in range(args.rounds):
             for name, s in servers.items():
                 with RssSampler(s["proc"].pid) as rss:
-                    res = one_round(s["url"], args, seed=r)
+                    res = closed_loop_round(s["url"], **load, seed=r, requests=args.requests)
                 s["rounds"].append(res)
                 s["rss"].extend(rss.samples)
                 print(f"round {r} {name}: {res}", flush=True)
-        drops = spans_dropped(servers["blackhole"]["url"])
+        drops = counter_by(
+            servers["blackhole"]["url"],
+            "tokenmill_telemetry_dropped_total",
+            "reason",
+            table="spans",
+        )
         otlp_health = httpx.get(servers["blackhole"]["url"] + "/health", timeout=30).json()[
             "telemetry"
         ]["otlp"]
         for name, s in servers.items():
-            s["stop"] = sigterm_to_exit(s["proc"])
+            code, secs = sigterm_and_wait(s["proc"], SHUTDOWN_TIMEOUT_S + 90)
+            s["stop"] = {"exit_s": secs, "exit_code": code, "hung": code is None}
             print(f"{name}: SIGTERM → exit {s['stop']}", flush=True)
     finally:
         for s in servers.values():

@@ -29,11 +29,9 @@ Needs root (``mount -t tmpfs``). Run it alone on the machine (others' engines ch
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,61 +42,19 @@ from pathlib import Path
 
 import duckdb
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.bench.client import BenchConfig
-from tokenmill.bench.client import run as bench_run
-from tokenmill.bench.phases import Phase
-from tokenmill.bench.report import summarize
+from tokenmill.bench.drill_load import closed_loop_round, counter_by, sigterm_and_wait
 from tokenmill.bench.scenario import _free_port, start_server
-from tokenmill.bench.workload import LengthSpec, Workload
 
 OUT = Path(__file__).parent / "results"
 TMPFS_SIZE = "4m"
-
-
-def one_round(url: str, args, seed: int, seconds: float) -> dict:
-    cfg = BenchConfig(
-        url=url,
-        workload=Workload(
-            prompt_tokens=LengthSpec("fixed", 64),
-            output_tokens=LengthSpec("fixed", args.max_tokens),
-            seed=seed,
-        ),
-        phases=[Phase("load", seconds)],
-        concurrency=args.concurrency,
-        seed=seed,
-    )
-    run = asyncio.run(bench_run(cfg))
-    s = summarize(run)
-    return {
-        "sent": len(run.results),
-        "output_tok_s": s["output_throughput"],
-        "completed": s["completed"],
-        "failed": s["failed"],
-    }
-
-
-def dropped(url: str, table: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return {
-        s.labels.get("reason", "?"): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == "tokenmill_telemetry_dropped_total" and s.labels.get("table") == table
-    }
+DROPPED = "tokenmill_telemetry_dropped_total"
 
 
 def requests_recorded(url: str) -> float:
     """``tokenmill_requests_total`` summed: every request the server recorded a ``requests``
     row for (the client's chat requests and each run's ``GET /v1/models``)."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == "tokenmill_requests_total"
-    )
+    return sum(counter_by(url, "tokenmill_requests_total", "status").values())
 
 
 def store_health(url: str) -> dict:
@@ -127,16 +83,6 @@ class HealthWatch:
         self._stop.set()
         self._thread.join()
         return self.first
-
-
-def sigterm(proc) -> int | None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return None
 
 
 def requests_rows(path: Path) -> int:
@@ -193,15 +139,16 @@ def main() -> int:
             cmd = [*base, "--port", str(port), "--trace-db", str(db)]
             proc = start_server(cmd, folder, env, url, f"{name}.log")
             servers[name] = {"proc": proc, "url": url, "db": db, "rounds": [], "sent": 0}
+        load = {"concurrency": args.concurrency, "max_tokens": args.max_tokens}
         for s in servers.values():  # warm-up
-            w = one_round(s["url"], args, seed=99, seconds=5)
+            w = closed_loop_round(s["url"], **load, seed=99, seconds=5)
             s["sent"] += w["sent"]
             s["warmup_failed"] = w["failed"]
         full = servers["full"]
         watch = HealthWatch(full["url"])
         for r in range(args.rounds):
             for name, s in servers.items():
-                res = one_round(s["url"], args, seed=r, seconds=args.round_s)
+                res = closed_loop_round(s["url"], **load, seed=r, seconds=args.round_s)
                 s["rounds"].append(res)
                 s["sent"] += res["sent"]
                 print(f"round {r} {name}: {res}", flush=True)
@@ -210,17 +157,18 @@ def main() -> int:
         # space again: the filler goes, new requests' rows must arrive without a restart
         written_before = during["store"]["written_rows"].get("requests", 0)
         filler.unlink()
-        rec = one_round(full["url"], args, seed=7, seconds=10)
+        rec = closed_loop_round(full["url"], **load, seed=7, seconds=10)
         full["sent"] += rec["sent"]
         time.sleep(3)  # the writer's next batch (a flush interval is 1 s)
         after = store_health(full["url"])
-        drops = dropped(full["url"], "requests")
+        drops = counter_by(full["url"], DROPPED, "reason", table="requests")
         recorded = requests_recorded(full["url"])
         drops_all = {
-            t: dropped(full["url"], t) for t in ("spans", "engine_steps", "device_samples")
+            t: counter_by(full["url"], DROPPED, "reason", table=t)
+            for t in ("spans", "engine_steps", "device_samples")
         }
         for s in servers.values():
-            s["exit_code"] = sigterm(s["proc"])
+            s["exit_code"], _ = sigterm_and_wait(s["proc"], 120)
         stored = requests_rows(full["db"])
     finally:
         for s in servers.values():
