@@ -174,26 +174,11 @@ def test_tokenmill_collect_receives_the_sdks_otlp_export(tmp_path, stop):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-    port = _free_port()
     db = tmp_path / "collected.duckdb"
-    proc = subprocess.Popen(
-        [TOKENMILL, "collect", "--trace-db", str(db), "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc, url = _start_collect(db, new_session=True)
     try:
-        import httpx
-
-        for _ in range(100):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         provider = TracerProvider(resource=Resource.create({"service.name": "vllm"}))
-        exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}/v1/traces")
+        exporter = OTLPSpanExporter(endpoint=f"{url}/v1/traces")
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         tracer = provider.get_tracer("vllm.llm_engine")
         t0 = time.time_ns()
@@ -399,26 +384,33 @@ def test_malformed_encodings_are_a_400_naming_why(collector, body, encoding, nee
     assert r.status_code == 400 and needle in r.json()["error"]["message"]
 
 
-@pytest.fixture
-def collect_process(tmp_path):
-    """``tokenmill collect`` as a process: (url, pid)."""
+def _start_collect(db, new_session: bool = False) -> tuple[subprocess.Popen, str]:
+    """``tokenmill collect`` as a process recording into ``db``, once its /health answers: the
+    process and its URL (``new_session``: a process group of its own, for a group stop)."""
     port = _free_port()
-    db = tmp_path / "collected.duckdb"
     proc = subprocess.Popen(
         [TOKENMILL, "collect", "--trace-db", str(db), "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=new_session,
     )
     url = f"http://127.0.0.1:{port}"
+    for _ in range(150):  # a hang guard, not a bound
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            assert proc.poll() is None, proc.communicate()[1]
+            time.sleep(0.2)
+    raise AssertionError("tokenmill collect did not start")
+
+
+@pytest.fixture
+def collect_process(tmp_path):
+    """``tokenmill collect`` as a process: (url, pid)."""
+    proc, url = _start_collect(tmp_path / "collected.duckdb")
     try:
-        for _ in range(150):  # a hang guard, not a bound
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert proc.poll() is None, proc.communicate()[1]
-                time.sleep(0.2)
         yield url, proc.pid
     finally:
         proc.send_signal(signal.SIGINT)
