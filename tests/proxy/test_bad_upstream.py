@@ -23,39 +23,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
+from test_proxy import _free_port, _Serve
 
 from tokenmill.proxy.app import ProxyState, build_proxy_app
 from tokenmill.telemetry.store import TraceStore
 
 HANG_GUARD_S = 20.0  # the longest any wait below may take before the test gives up
 DRIP_S = 0.1  # the gap between a "drip" stream's events
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Serve:
-    """A uvicorn server for ``app`` on its own thread."""
-
-    def __init__(self, app):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + HANG_GUARD_S
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def _event(i: int, **extra) -> bytes:

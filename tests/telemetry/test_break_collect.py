@@ -6,20 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-from fastapi.testclient import TestClient
-
-from tokenmill.telemetry.collect import make_app
-from tokenmill.telemetry.store import TraceStore
-
-
-@pytest.fixture
-def collector(tmp_path):
-    store = TraceStore(tmp_path / "c.duckdb", flush_interval_s=0.05)
-    with TestClient(make_app(store)) as client:
-        yield client, store
-    store.close()
-
 
 def _attr(key: str, value: float) -> dict:
     return {"key": key, "value": {"doubleValue": value}}

@@ -24,23 +24,12 @@ from pathlib import Path
 import duckdb
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 
-from tokenmill.telemetry.collect import make_app
 from tokenmill.telemetry.otlp_receiver import decode_export
-from tokenmill.telemetry.store import TraceStore
 
 FIXTURES = Path(__file__).parent / "fixtures" / "otlp"
 VLLM_JSON = (FIXTURES / "vllm_request_span.json").read_bytes()
 TOKENMILL = str(Path(sys.executable).with_name("tokenmill"))
-
-
-@pytest.fixture
-def collector(tmp_path):
-    store = TraceStore(tmp_path / "c.duckdb", flush_interval_s=0.05)
-    with TestClient(make_app(store)) as client:
-        yield client, store
-    store.close()
 
 
 def _spans(store):
