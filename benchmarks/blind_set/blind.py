@@ -42,6 +42,23 @@ def load_path(path: str | Path) -> _sc.Scenario:
         _sc._files = saved
 
 
+def record(out: Path, scenarios: list[_sc.Scenario], model: str | None) -> int:
+    """Each scenario's run on the real engine as a corpus run of split ``blind`` (the corpus's
+    recorder: a run disturbed by another process is run again), its diagnosis left unread: the
+    recorder's own diagnosis is dropped from the label and its log."""
+    from tokenmill.bench.corpus import Run, generate
+
+    runs = [Run(sc.name, sc.name, "blind", list(sc.expect), sc, {}, None) for sc in scenarios]
+    generate(out, runs, model=model, log=lambda m: None if "top:" in m else print(m))
+    for sc in scenarios:
+        label = out / sc.name / "label.json"
+        if label.exists():
+            meta = json.loads(label.read_text())
+            meta.pop("scenario_top", None)
+            label.write_text(json.dumps(meta, indent=2) + "\n")
+    return 0
+
+
 def files() -> list[Path]:
     return sorted(HERE.glob("*.yaml"))
 
@@ -53,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="only parse every file")
     ap.add_argument("--out", type=Path, default=Path("blind-out"))
     ap.add_argument("--model", default=None)
+    ap.add_argument(
+        "--record",
+        type=Path,
+        metavar="DIR",
+        help="record each situation's run as a Parquet dump with its label (DIR/NAME/dump, "
+        "DIR/NAME/label.json; resumable) without diagnosing it: the set is scored once, later, "
+        "by benchmarks/diagnosis_generalization.py --blind DIR",
+    )
     a = ap.parse_args(argv)
     scs = {f.stem: load_path(f) for f in files()}
     labels = {x["name"]: x for x in json.loads((HERE / "labels.json").read_text())}
@@ -60,13 +85,22 @@ def main(argv: list[str] | None = None) -> int:
     for name, sc in scs.items():
         assert sc.name == name and sc.expect == labels[name]["expect"], name
     if a.check:
-        print(f"{len(scs)} situations parse; labels match ({sum(not s.expect for s in scs.values())} healthy)")
+        print(
+            f"{len(scs)} situations parse; labels match ({sum(not s.expect for s in scs.values())} healthy)"
+        )
         return 0
     names = sorted(scs) if a.all else a.names
+    if a.record:
+        return record(a.record, [scs[n] for n in names], a.model)
     for name in names:
         res = _sc.run_scenario(scs[name], a.out / name, model=a.model)
-        line = {"name": name, "expect": scs[name].expect, "top": res["top"], "passed": res["passed"],
-                "found": [f["rule"] for f in res["findings"]]}
+        line = {
+            "name": name,
+            "expect": scs[name].expect,
+            "top": res["top"],
+            "passed": res["passed"],
+            "found": [f["rule"] for f in res["findings"]],
+        }
         with open(a.out / "blind_results.jsonl", "a") as fh:
             fh.write(json.dumps(line) + "\n")
         print(json.dumps(line))
