@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # first and it is kept.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup model demo test test-e2e lint format clean promtool chromium scenarios scenario-dumps corpus accuracy plan-validation plan-scale
+.PHONY: setup model demo test test-e2e lint format clean promtool chromium scenarios scenario-dumps corpus accuracy factorial generalization plan-validation plan-scale
 
 setup: $(STAMP)
 
@@ -106,6 +106,19 @@ corpus: model
 
 accuracy: $(STAMP)
 	$(BIN)/python benchmarks/diagnosis_accuracy.py --corpus $(CORPUS) --split eval
+
+# the factorial corpus (bench/factorial.py): traffic shape × fault × magnitude and a healthy twin
+# of every shape, the small plan (56 runs, 35-50 s of traffic each), tune shapes first; alone on
+# the machine, resumable. Then the diagnoser on its held-out shapes.
+FACTORIAL ?= benchmarks/data/factorial_corpus
+factorial: model
+	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.factorial --out $(FACTORIAL) --plan small \
+		--split tune
+	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.factorial --out $(FACTORIAL) --plan small \
+		--split heldout
+
+generalization: $(STAMP)
+	$(BIN)/python benchmarks/diagnosis_generalization.py --corpus $(FACTORIAL) --split heldout
 
 # tokenmill plan's predictions against real runs (~20 minutes, alone on the machine), then the
 # 1,000,000-request, 64-replica replay from the kept recording

@@ -31,7 +31,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import duckdb
@@ -53,6 +53,8 @@ class Run:
     scenario: Scenario
     params: dict
     fault_start_s: float | None  # seconds after the first bench step starts; None: no fault
+    # more keys for its label.json (bench/factorial.py: shape, fault, magnitude, fault window)
+    labels: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -521,7 +523,7 @@ MAX_ATTEMPTS = 3
 # a process outside the server, the load generator and the run's own drills that used this
 # much CPU (% of all CPUs, its mean over any 5 s) makes the run invalid: it is run again
 FOREIGN_CPU_PCT = 10.0
-_OWN = ("tokenmill.bench.cpu_hog", "tokenmill.bench.corpus")
+_OWN = ("tokenmill.bench.cpu_hog", "tokenmill.bench.corpus", "tokenmill.bench.factorial")
 
 
 def foreign_load(store: Path) -> list[str]:
@@ -565,7 +567,11 @@ def generate(out: Path, runs: list[Run], *, model: str | None = None, log=print)
             # a label's parts that do not depend on the run follow the family's definition
             meta = json.loads(label.read_text())
             meta.update(
-                expect=r.expect, absent=r.scenario.absent, window=r.scenario.window, params=r.params
+                expect=r.expect,
+                absent=r.scenario.absent,
+                window=r.scenario.window,
+                params=r.params,
+                **r.labels,
             )
             label.write_text(json.dumps(meta, indent=2) + "\n")
             done.append(folder)
@@ -624,6 +630,7 @@ def generate(out: Path, runs: list[Run], *, model: str | None = None, log=print)
             "steps_started_ns": steps_ns,
             "scenario_top": result["top"],
             "wall_s": round(time.monotonic() - t, 1),
+            **r.labels,
         }
         label.write_text(json.dumps(meta, indent=2) + "\n")
         shutil.rmtree(work, ignore_errors=True)
