@@ -44,6 +44,8 @@ class Finding:
     knob: str
     runbook: str
     explained_by: list[str] = field(default_factory=list)
+    # the fired findings this one explains: its consequences, the chain from the root down
+    leads_to: list[str] = field(default_factory=list)
     source: str | None = None  # the dump (replica/host) it fired on (diagnose/fleet.py)
     # the test behind it (diagnose/stats.py Support.to_json()); None: the rule states none
     support: dict | None = None
@@ -67,6 +69,7 @@ class Finding:
             "knob": self.knob,
             "runbook": self.runbook,
             "explained_by": self.explained_by,
+            "leads_to": self.leads_to,
             "source": self.source,
             "support": self.support,
         }
@@ -358,6 +361,8 @@ def diagnose(
                 or (f.rule_id in r.explains_when and r.explains_when[f.rule_id](f.evidence))
             )
         )
+    for f in findings:
+        f.leads_to = sorted(g.rule_id for g in findings if f.rule_id in g.explained_by)
     by_id = {f.rule_id: f for f in findings}
     for f in findings:  # a consequence of another finding is less likely the thing to fix
         if f.explained_by:

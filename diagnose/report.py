@@ -133,6 +133,11 @@ def _nothing_found(report: Report) -> str:
     return "No problems found."
 
 
+def _chain(rule_ids: list[str]) -> str:
+    """Findings linked to one through the rules' declared causes (``Rule.explains``)."""
+    return ", ".join(rule_ids)
+
+
 def to_markdown(report: Report) -> str:
     lines = [
         "# tokenmill diagnosis",
@@ -155,6 +160,8 @@ def to_markdown(report: Report) -> str:
             "",
             f"- Window: {_ts(f.window_start_ns)} – {_ts(f.window_end_ns)}",
             "- Evidence: " + format_evidence(f.evidence, code=True),
+            *([f"- Leads to: {_chain(f.leads_to)}"] if f.leads_to else []),
+            *([f"- Explained by: {_chain(f.explained_by)}"] if f.explained_by else []),
             *([f"- Test: {f.support['line']}"] if f.support else []),
             "- Example traces: " + (", ".join(f"`{t}`" for t in f.example_trace_ids) or "none"),
             "- Likely causes: " + "; ".join(f.causes),
@@ -215,6 +222,8 @@ def print_text(report: Report, console: Console) -> None:
             "",
             f"[dim]window[/] {_ts(f.window_start_ns)} – {_ts(f.window_end_ns)}",
             "[dim]evidence[/] " + escape(format_evidence(f.evidence)),
+            *(["[dim]leads to[/] " + escape(_chain(f.leads_to))] if f.leads_to else []),
+            *(["[dim]explained by[/] " + escape(_chain(f.explained_by))] if f.explained_by else []),
             *(["[dim]test[/] " + escape(f.support["line"])] if f.support else []),
             "[dim]examples[/] " + escape(", ".join(f.example_trace_ids) or "none"),
             "[dim]causes[/] " + escape("; ".join(f"{n}. {c}" for n, c in enumerate(f.causes, 1))),

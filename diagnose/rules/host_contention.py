@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import statistics
 
+from tokenmill.telemetry.schema import WORKING_STEP_SQL
+
 from ..signals import Signals, Window, open_step, waiting_now
-from ..stats import against_bound
+from ..stats import against_bound, compare
 from ._common import (
     Evidence,
     Hint,
@@ -186,7 +188,84 @@ def _slow_now(sig: Signals, p: dict) -> Evidence | None:
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
-    return _slow_steps(sig, p) or _slow_now(sig, p)
+    return _slow_steps(sig, p) or _slow_now(sig, p) or _sustained(sig, p)
+
+
+# each working step's time over the quickest quarter of the steps that did the same work
+# (signals/same_work.py's classes), by start
+_STEP_RATIOS_SQL = f"""
+WITH s AS (
+    SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms,
+        num_prefill_chunks + __DECODE_SEQS__ AS batch,
+        CAST(floor(log2(greatest(num_prefill_tokens + num_decode_tokens, 1))) AS INTEGER) AS tok_class
+    FROM engine_steps WHERE start_ns >= ? AND start_ns < ? AND {WORKING_STEP_SQL}
+), ref AS (
+    SELECT batch, tok_class, quantile_cont(ms, 0.25) AS ref_ms
+    FROM s GROUP BY batch, tok_class HAVING count(*) >= 5
+)
+SELECT start_ns, ms / ref_ms FROM s JOIN ref USING (batch, tok_class) WHERE ref_ms > 0
+"""
+
+
+def _sustained(sig: Signals, p: dict) -> Evidence | None:
+    """A moderate neighbour: the windows in which processes outside the server were busy,
+    together ``sustained_s`` or longer, ran the same work ``moderate_slowdown`` x slower than
+    the windows without one (each step over the quickest quarter of its work, the neighbour's
+    windows' steps against the quiet windows', a bootstrap interval of the ratio of medians;
+    an interval reaching below the bound lists it as inconclusive, with its numbers, never as
+    healthy). Far from ``slowdown`` x the quickest steps, but a third off every token for as
+    long as the neighbour runs."""
+    if sig.device_kind == "gpu":
+        return None
+    ran = [x for x in sig.windows if x.get("same_work_slowdown") is not None]
+    busy = [x for x in ran if _neighbour(sig, x, p)]
+    quiet = [x for x in ran if not _neighbour(sig, x, p)]
+    if not busy or not quiet or len(busy) * sig.window_s < p["sustained_s"]:
+        return None
+    ratios = sig.con.execute(
+        _STEP_RATIOS_SQL.replace("__DECODE_SEQS__", sig.decode_seqs_sql),
+        [sig.since_ns, sig.until_ns],
+    ).fetchall()
+
+    def inside(ws: list[Window]) -> list[float]:
+        return [r for t, r in ratios if any(x.start_ns <= t < x.end_ns for x in ws)]
+
+    during, without = inside(busy), inside(quiet)
+    support = compare(
+        during,
+        without,
+        unit="steps",
+        reference_name="the same work's step time in the windows without a neighbour",
+        min_effect=p["moderate_slowdown"],
+        min_n=10,
+        persistence=f"{len(busy)} windows ({len(busy) * sig.window_s:g} s) with a neighbour",
+    )
+    if support.effect is None or support.effect < p["moderate_slowdown"]:
+        return None
+    start, end = busy[0].start_ns, busy[-1].end_ns
+    others = statistics.mean(_others(x) for x in busy)
+    named = busy_processes(sig, start, end)
+    steal = statistics.mean(x.get("steal_mean") or 0 for x in busy)
+    return Evidence(
+        f"engine steps took {support.effect:.2f}x as long for the same work in the "
+        f"{len(busy)} windows ({len(busy) * sig.window_s:g} s) in which "
+        f"{_who_on_cpu(others, named, steal)}, against the windows without a neighbour",
+        {
+            "same_work_vs_quiet": support.effect,
+            "same_work_vs_quiet_ci_low": support.ci_low,
+            "neighbour_windows": len(busy),
+            "quiet_windows": len(quiet),
+            "cpu_others_pct": others,
+            "busy_processes": named,
+            "steal_pct": steal,
+        },
+        (start, end),
+        "first_token_ns < ? AND last_token_ns > ?",
+        [end, start],
+        "warning",
+        _confidence(support.effect / p["moderate_slowdown"]),
+        support=support,
+    )
 
 
 def _slow_steps(sig: Signals, p: dict) -> Evidence | None:
@@ -305,6 +384,12 @@ RULE = Rule(
             "an engine that uses every core has no spare for it)",
         ),
         "steal_pct": Param(10.0, "CPU % the hypervisor gave to other guests"),
+        "moderate_slowdown": Param(
+            1.3,
+            "a sustained neighbour: the same work's step time in its windows over the windows "
+            "without one (a fault that costs 30% of every token for half a minute is named)",
+        ),
+        "sustained_s": Param(30.0, "how long the neighbour's windows must last together"),
         "open_step_rise": Param(
             8.0,
             "a step still running against the usual decode step and the steps before the "

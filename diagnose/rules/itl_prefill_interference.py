@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..signals import Signals, Window, open_step, waiting_now
+from ..signals import Signals, Window, open_step, recompute_steps, waiting_now
 from ..stats import against_bound
 from ._common import (
     _BASE,
@@ -64,9 +64,14 @@ def _prefill_stretched(
         (s - margin, e + margin, _slowest_decode_ms(sig, s, e) / usual)
         for s, _, _, e in decode_stalls(sig)
     ]
+    # a step whose prefill is mostly preempted requests computed again is the KV pool's
+    # (kv_pressure_preemption names it), not a prompt's prefill to chunk
+    recompute = {r.start_ns for r in recompute_steps(sig) if r.mostly_recompute}
     for start, ms, near, prefill in sig.con.execute(
         _MIXED_STEPS_SQL, [sig.since_ns, sig.until_ns]
     ).fetchall():
+        if start in recompute:
+            continue
         near = near if near is not None else base_step
         if prefill >= p["min_prefill_tokens"] and near and ms >= p["local_spike"] * near:
             end = start + int(ms * 1e6)
@@ -292,5 +297,8 @@ RULE = Rule(
     healthy_baseline="needs",
     evidence_signals=("itl_max", "mixed_step_ms_max", "prefill_tokens_max"),
     reads=("requests", "steps"),
-    needs={"requests": ("first_token_ns", "last_token_ns")},
+    needs={
+        "requests": ("first_token_ns", "last_token_ns", "request_id"),
+        "engine_steps": ("req_ids", "req_tokens", "req_prefill"),
+    },
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..signals import Signals, Window
+from ..signals import Signals, Window, recompute_steps
 from ._common import (
     _BASE,
     Alert,
@@ -28,6 +28,45 @@ def _failing_share(w: Window) -> float | None:
     return (w.get("allocation_failure_steps") or 0) / steps if steps else 0.0
 
 
+# the longest gap of the streams decoding across a step (first token before it, last after it),
+# the recomputed requests themselves left out
+_ITL_ACROSS_SQL = """
+SELECT max(itl_max_ms), count(*) FROM requests
+WHERE first_token_ns < ? AND last_token_ns > ? AND NOT list_contains(?::VARCHAR[], request_id)
+"""
+
+
+def recompute_chain(sig: Signals) -> tuple[str, dict]:
+    """The chain's second and third links over the range: steps that recomputed preempted
+    requests' tokens, and the streams they stalled. ``("", {})`` where the store shows none."""
+    steps = recompute_steps(sig)
+    if not steps:
+        return "", {}
+    worst = max(steps, key=lambda r: r.ms)
+    itl, streams = sig.con.execute(
+        _ITL_ACROSS_SQL, [worst.start_ns, worst.end_ns, list(worst.request_ids)]
+    ).fetchone()
+    tokens = sum(r.recomputed_tokens for r in steps)
+    text = (
+        f"; {len(steps)} steps recomputed {tokens} tokens of preempted requests (the slowest "
+        f"{_ms(worst.ms)}, {worst.recomputed_tokens} tokens of {len(worst.request_ids)} "
+        f"request(s)"
+        + (
+            f", while {streams} stream(s) decoding beside it waited: ITL up to {_ms(itl)}"
+            if streams
+            else ""
+        )
+        + ")"
+    )
+    return text, {
+        "recompute_steps": len(steps),
+        "recompute_step_tokens": tokens,
+        "recompute_step_ms_max": worst.ms,
+        "recompute_itl_max_ms": itl,
+        "recompute_example_requests": list(worst.request_ids[:5]),
+    }
+
+
 def _detect_absolute(sig: Signals, p: dict) -> Evidence | None:
     """Without a healthy baseline: the pool's own absolute markers, which need no comparison
     (allocation failures in most steps, the pool nearly full, requests preempted)."""
@@ -49,6 +88,7 @@ def _detect_absolute(sig: Signals, p: dict) -> Evidence | None:
             return None
     share = _failing_share(w)
     where, params = _in_window(w)
+    chain, chain_numbers = recompute_chain(sig)
     span = "over the whole range, " if w.index < 0 else ""
     # recompute is counted on the requests that arrived in the window: say it only when seen
     n_re = w.get("recomputed_tokens") or 0
@@ -63,8 +103,9 @@ def _detect_absolute(sig: Signals, p: dict) -> Evidence | None:
         f"KV cache at {(w.get('kv_usage_max') or 0):.0%} with {w.get('preemptions'):.0f} "
         f"preemptions{recomputed} {span}in {_when(w)}; {failed}; TTFT p99 "
         f"{_ms(w.get('ttft_p99'))}, TPOT p99 "
-        f"{_ms(w.get('tpot_p99'))} (no healthy baseline in this dump to compare them with)",
+        f"{_ms(w.get('tpot_p99'))} (no healthy baseline in this dump to compare them with)" + chain,
         {
+            **chain_numbers,
             "kv_usage_max": w.get("kv_usage_max"),
             "preemptions": w.get("preemptions"),
             "preempted_requests": w.get("preempted_requests_n"),
@@ -106,15 +147,17 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         return None
     r = min(_ratio(w.get("ttft_p99"), base_ttft), _ratio(w.get("tpot_p99"), base_tpot))
     where, params = _in_window(w)
+    chain, chain_numbers = recompute_chain(sig)
     return Evidence(
         f"KV cache at {(w.get('kv_usage_max') or 0):.0%} with {w.get('preemptions'):.0f} preemptions "
         f"({w.get('recomputed_tokens') or 0:.0f} tokens recomputed) in {_when(w)}; TTFT p99 "
         f"{_ms(base_ttft)} → {_ms(w.get('ttft_p99'))}, TPOT p99 {_ms(base_tpot)} → "
-        f"{_ms(w.get('tpot_p99'))}",
+        f"{_ms(w.get('tpot_p99'))}" + chain,
         {
             "kv_usage_max": w.get("kv_usage_max"),
             "preemptions": w.get("preemptions"),
             "recomputed_tokens": w.get("recomputed_tokens"),
+            **chain_numbers,
             "ttft_p99_ms": w.get("ttft_p99"),
             "baseline_ttft_p99_ms": base_ttft,
             "tpot_p99_ms": w.get("tpot_p99"),
@@ -172,4 +215,8 @@ RULE = Rule(
         unit="%",
     ),
     reads=("requests", "kv_requests", "completions", "steps", "kv"),
+    needs={
+        "requests": ("first_token_ns", "request_id"),
+        "engine_steps": ("req_ids", "req_tokens", "req_prefill"),
+    },
 )

@@ -49,11 +49,14 @@ def _decode_starved(w: Window, p: dict, max_num_seqs: int | None) -> float | Non
     if wait is None or not itl or idle is None:
         return None
     steps = wait / itl
-    if steps < p["wait_steps"] or idle > p["idle_share"]:
+    # a wait of severe_wait_steps decode steps or more is the decode side's shortage whatever
+    # the prefill side does: a busy prefill side only adds that the whole line is short
+    severe = steps >= p["severe_wait_steps"]
+    if steps < p["wait_steps"] or (idle > p["idle_share"] and not severe):
         return None
     if kv < p["kv_full"] and not full_batch:
         return None
-    return min(steps / p["wait_steps"], p["idle_share"] / max(idle, 1e-3))
+    return min(steps / p["wait_steps"], max(1.0, p["idle_share"] / max(idle, 1e-3)))
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -184,6 +187,11 @@ RULE = Rule(
             5.0,
             "a prefilled request's wait for the decode side's room, in decode steps "
             "(kv_wait_ms / itl_p50), at least",
+        ),
+        "severe_wait_steps": Param(
+            20.0,
+            "a wait this many decode steps long names the decode side even while the prefill "
+            "side is busy too (prefilled requests that wait seconds for room)",
         ),
         "kv_full": Param(
             0.9,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import statistics
@@ -50,7 +51,8 @@ def _causes(sig: Signals, p: dict, during: float | None, between: float | None):
 
 
 def _spikes(slow: list, spike: float, max_gap: int) -> list[tuple[int, float, int, int]]:
-    """Slow decode steps (``(i, start_ns, ms, num_running, end_ns, median_ms)``, ``i`` the
+    """Slow decode steps (``(i, start_ns, ms, num_running, end_ns, median_ms, usual_ms)``,
+    ``usual_ms`` the median of the steps of the same batch size, ``i`` the
     step's place among all steps: a long prefill step between two decode steps keeps them
     apart) → spikes ``(start_ns, ms, num_running, end_ns)``.
     A spike is a run of slow steps, at most ``max_gap`` usual-speed steps apart, lasting
@@ -62,7 +64,7 @@ def _spikes(slow: list, spike: float, max_gap: int) -> list[tuple[int, float, in
     for row in [*slow, None]:
         if run and (row is None or row[0] > run[-1][0] + 1 + max_gap):
             ms = sum(r[2] for r in run)
-            if ms >= spike * run[0][5]:
+            if ms >= spike * max(r[6] for r in run):
                 out.append((run[0][1], ms, max(r[3] for r in run), run[-1][4]))
             run = []
         if row is not None:
@@ -123,12 +125,19 @@ def _on_grid(times: list[int], ends: list[int], period_s: float, tol: float) -> 
     ]
 
 
+MIN_SAME_BATCH_STEPS = 5
+
+
 def decode_stalls(sig: Signals, p: dict | None = None) -> list[tuple[int, float, int, int]]:
     """Stalls of decode-only steps (no prefill in them), periodic or not: ``(start_ns, ms,
     num_running, end_ns)`` per run of slow steps (``_spikes``), with this rule's thresholds
     (``p``, default its params). A disturbance from outside the engine slows steps whatever
     they carry; a prefill slows only the steps that carry it (itl_prefill_interference asks)."""
     p = p or {k: v.default for k, v in RULE.params.items()}
+    # a step is slow against the decode-only steps of its own batch size where there are
+    # MIN_SAME_BATCH_STEPS of them (and never against less than the median of all): a burst of
+    # arrivals grows the batch, and the bigger batch's steps are slower for their work, not
+    # stalled (a healthy run with clumped arrivals read as a periodic job)
     # a median step of 0 ms (durations not measured) would make every step a "spike"
     slow = sig.con.execute(
         """
@@ -136,14 +145,58 @@ def decode_stalls(sig: Signals, p: dict | None = None) -> list[tuple[int, float,
                           (end_ns - start_ns) / 1e6 AS ms, num_running,
                           num_prefill_tokens = 0 AND num_decode_tokens > 0 AS decode_only
                    FROM engine_steps WHERE start_ns >= ? AND start_ns < ?),
-             s AS (SELECT i, start_ns, end_ns, ms, num_running FROM a WHERE decode_only)
-        SELECT i, start_ns, ms, num_running, end_ns, med
-        FROM s, (SELECT quantile_cont(ms, 0.5) AS med FROM s)
-        WHERE med > 0 AND ms >= ? * med ORDER BY start_ns
+             s AS (SELECT i, start_ns, end_ns, ms, num_running FROM a WHERE decode_only),
+             b AS (SELECT num_running, quantile_cont(ms, 0.5) AS med_b, count(*) AS n_b
+                   FROM s GROUP BY num_running)
+        SELECT i, start_ns, ms, s.num_running, end_ns, med,
+               CASE WHEN n_b >= ? THEN greatest(med_b, med) ELSE med END AS usual
+        FROM s JOIN b USING (num_running), (SELECT quantile_cont(ms, 0.5) AS med FROM s)
+        WHERE med > 0 AND ms >= ? * usual ORDER BY start_ns
         """,
-        [sig.since_ns, sig.until_ns, p["slow_step"]],
+        [sig.since_ns, sig.until_ns, MIN_SAME_BATCH_STEPS, p["slow_step"]],
     ).fetchall()
     return _spikes(slow, p["spike"], int(p["max_gap_steps"]))
+
+
+# arrivals of requests (the client's and the API's work on them: tokenizing, a client process
+# starting) and the first scheduling of their prompts, in the range
+_ARRIVALS_SQL = """
+SELECT arrival_ns FROM requests WHERE arrival_ns >= ? AND arrival_ns < ?
+UNION ALL
+SELECT scheduled_ns FROM requests WHERE scheduled_ns >= ? AND scheduled_ns < ?
+ORDER BY 1
+"""
+
+
+def arrival_locked(sig: Signals, rows: list, lead_s: float) -> tuple[float, float]:
+    """How tied the stalls are to the traffic: the share of stalls (``(start_ns, ms, running,
+    end_ns)``) with a request arriving or first scheduled from ``lead_s`` before the stall
+    began to its end, and the share of the same stretches laid evenly over the stalls' span
+    that have one by chance. A periodic job keeps its period whatever arrives; stalls that
+    come with arrivals are the traffic's (clumped arrivals, client processes starting)."""
+    lead = int(lead_s * 1e9)
+    first, last = rows[0][0], rows[-1][3]
+    events = [
+        t
+        for (t,) in sig.con.execute(
+            _ARRIVALS_SQL, [first - lead, last, first - lead, last]
+        ).fetchall()
+    ]
+
+    def has(a: int, b: int) -> bool:
+        k = bisect.bisect_left(events, a)
+        return k < len(events) and events[k] <= b
+
+    locked = sum(has(s - lead, e) for s, _, _, e in rows) / len(rows)
+    length = int(statistics.median(e - s for s, _, _, e in rows)) + lead
+    n = 200
+    starts = (
+        [first + (last - first - length) * k // n for k in range(n)]
+        if last - first > length
+        else [first]
+    )
+    chance = sum(has(a, a + length) for a in starts) / len(starts)
+    return locked, chance
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -170,6 +223,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     spike_s = statistics.median(r[1] for r in rows) / 1e3
     if spike_s > p["max_duty"] * period:
         return None
+    # stalls that come with the traffic's arrivals far more often than chance are the
+    # traffic's: a job on the host keeps its period whatever arrives
+    locked, chance = arrival_locked(sig, rows, p["arrival_lead_s"])
+    if locked >= p["max_arrival_locked"] and locked - chance >= p["arrival_lock_excess"]:
+        return None
     running = [r[2] for r in rows]
     during, between = _neighbour(sig, rows)
     return Evidence(
@@ -189,6 +247,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "period_cv": cv,
             "spike_ms_max": max(r[1] for r in rows),
             "spike_ms_p50": spike_s * 1e3,
+            "spikes_with_arrivals": locked,
+            "arrivals_by_chance": chance,
             "neighbour_during_spikes": during,
             "neighbour_between_spikes": between,
         },
@@ -237,6 +297,22 @@ RULE = Rule(
             "median spike step / the period: above it the slow steps run back to back, a "
             "sustained slowdown rather than a recurring stall",
         ),
+        "arrival_lead_s": Param(
+            0.5,
+            "a stall comes with an arrival when a request arrived or was first scheduled from "
+            "this long before it began to its end (the client's and the API's work on a new "
+            "request runs just before its prefill)",
+        ),
+        "max_arrival_locked": Param(
+            0.6,
+            "share of stalls that come with an arrival above which the stalls may be the "
+            "traffic's, not a periodic job's",
+        ),
+        "arrival_lock_excess": Param(
+            0.3,
+            "and by this much more than stretches of the same length laid evenly over the span "
+            "(chance): a job's stalls meet arrivals only as often as any moment does",
+        ),
         "others_cpu_pct": Param(
             20.0,
             "CPU % used outside the server during the spikes that names a host job first "
@@ -251,5 +327,5 @@ RULE = Rule(
     explains=("host_contention", "itl_prefill_interference"),
     evidence_signals=("step_ms_p99", "itl_max"),
     reads=("requests", "steps", "devices"),
-    needs={"requests": ("first_token_ns", "last_token_ns")},
+    needs={"requests": ("first_token_ns", "last_token_ns", "scheduled_ns")},
 )

@@ -22,10 +22,17 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         if (w.get("replicas") or 0) < 2 or (w.get("replica_arrivals_max") or 0) < p["min_requests"]:
             return False
         ttft = _ttft_ratio(w)
+        least, most = w.get("replica_running_mean_min") or 0, w.get("replica_running_mean_max") or 0
+        # the least busy replica had room: it idled, or ran at most spare_share of what the
+        # busiest ran while the busiest's TTFT was ttft_ratio x its own (a replica that
+        # serves a few requests is not idle, yet the pinned flood still waits beside it)
+        room = least <= p["idle_running"] or (
+            least <= p["spare_share"] * most and ttft is not None and ttft >= p["ttft_ratio"]
+        )
         return (
             _skew(w) >= p["arrival_skew"]
-            and (w.get("replica_running_mean_min") or 0) <= p["idle_running"]
-            and (w.get("replica_running_mean_max") or 0) >= p["busy_running"]
+            and room
+            and most >= p["busy_running"]
             and (ttft is None or ttft >= p["ttft_ratio"])
         )
 
@@ -98,6 +105,11 @@ RULE = Rule(
             3.0, "busiest replica's TTFT p50 over the least busy one's, when that one had any"
         ),
         "idle_running": Param(0.5, "mean running requests at or below which a replica idles"),
+        "spare_share": Param(
+            0.5,
+            "or, with the TTFT ratio met, mean running requests at the least busy replica at "
+            "most this share of the busiest's",
+        ),
         "busy_running": Param(2.0, "mean running requests the busiest replica holds at least"),
         "min_requests": Param(6, "requests at the busiest replica in the window, at least"),
     },

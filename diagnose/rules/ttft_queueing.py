@@ -54,7 +54,108 @@ def _causes(sig: Signals, w: Window, p: dict) -> tuple[tuple[str, ...], dict]:
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
-    return _risen(sig, p) or _onset(sig, p)
+    if not sig.healthy_baseline:
+        return _absolute(sig, p)
+    # also where the store's "healthy" windows are queued too, unseen: another engine reports
+    # no queue time, so its windows can look healthy while every request waits
+    return _risen(sig, p) or _onset(sig, p) or _absolute(sig, p)
+
+
+# each completed request's TTFT and queue time in a window; where the engine reports no queue
+# time (another engine behind the proxy), the TTFT beyond what its prompt costs on this engine
+# at its quickest: the least TTFT of the dump's requests with a prompt of about its size
+# (0.5-2x its tokens). The prefill floor a request would have had with no one ahead of it
+_QUEUE_EST_SQL = f"""
+WITH r AS (SELECT request_id, arrival_ns, ttft_ms, queue_ms, input_tokens FROM requests
+           WHERE {COMPLETED_SQL} AND ttft_ms IS NOT NULL
+             AND arrival_ns >= ? AND arrival_ns < ?)
+SELECT a.ttft_ms, a.queue_ms,
+       a.ttft_ms - (SELECT min(b.ttft_ms) FROM r b
+                    WHERE b.input_tokens BETWEEN a.input_tokens / 2 AND a.input_tokens * 2)
+FROM r a WHERE a.arrival_ns >= ? AND a.arrival_ns < ?
+"""
+
+
+def _queue_share(sig: Signals, w: Window) -> tuple[float | None, bool]:
+    """The window's requests' queue time over their TTFT, summed; and whether it is estimated
+    (no queue time from the engine: TTFT beyond the prompt's quickest TTFT in the dump)."""
+    rows = sig.con.execute(
+        _QUEUE_EST_SQL, [sig.since_ns, sig.until_ns, w.start_ns, w.end_ns]
+    ).fetchall()
+    ttft = sum(t for t, _, _ in rows)
+    if not rows or not ttft:
+        return None, False
+    if all(q is not None for _, q, _ in rows):
+        return sum(q for _, q, _ in rows) / ttft, False
+    return sum(max(e or 0.0, 0.0) for _, _, e in rows) / ttft, True
+
+
+def _absolute(sig: Signals, p: dict) -> Evidence | None:
+    """Judged on absolute terms, with no healthy window to compare with (an engine overloaded
+    from its first second, seen through the proxy): in ``absolute_windows`` windows or more,
+    the engine's own gauge had at least ``absolute_waiting`` requests waiting per request
+    running, most of the TTFT was queue time (``absolute_queue_share``; estimated where the
+    engine reports none), and TTFT p50 was ``absolute_ttft_itl`` x ITL p50 or more: the seed's
+    first symptom, TTFT diverging from ITL, without a before to compare."""
+    hits = []
+    for w in sig.busy():
+        waiting, running = w.get("waiting_mean"), w.get("running_mean")
+        ttft, itl = w.get("ttft_p50"), w.get("itl_p50")
+        if waiting is None or running is None or not ttft or not itl:
+            continue
+        if waiting < p["absolute_waiting"] * max(running, 1.0):
+            continue
+        if ttft < p["absolute_ttft_itl"] * itl:
+            continue
+        share, estimated = _queue_share(sig, w)
+        if share is None or share < p["absolute_queue_share"]:
+            continue
+        hits.append((ttft, w, share, estimated))
+    if len(hits) < p["absolute_windows"]:
+        return None
+    _, w, share, estimated = max(hits, key=lambda h: h[0])
+    ratio = w.get("ttft_p50") / w.get("itl_p50")
+    where, params = _in_window(w)
+    causes, shown = _causes(sig, w, p)
+    est = " (estimated: TTFT beyond the quickest TTFT of prompts of its size)" if estimated else ""
+    return Evidence(
+        f"requests queued in {len(hits)} of {sig.busy_windows or len(sig.windows)} busy windows: "
+        f"in {_when(w)} the engine's gauge read {w.get('waiting_mean'):.1f} waiting beside "
+        f"{w.get('running_mean'):.1f} running, {share:.0%} of TTFT was queue time{est}, and TTFT "
+        f"p50 was {_ms(w.get('ttft_p50'))} against ITL p50 {_ms(w.get('itl_p50'))} "
+        f"({ratio:.0f}x); judged on absolute terms (no healthy window in this store to compare "
+        "with)",
+        {
+            "waiting_mean": w.get("waiting_mean"),
+            "running_mean": w.get("running_mean"),
+            "waiting_max": w.get("waiting_max"),
+            "queue_share_of_ttft": share,
+            "queue_share_estimated": estimated,
+            "ttft_p50_ms": w.get("ttft_p50"),
+            "ttft_p99_ms": w.get("ttft_p99"),
+            "itl_p50_ms": w.get("itl_p50"),
+            "ttft_over_itl": ratio,
+            "queued_windows": len(hits),
+            "healthy_baseline": False,
+            **shown,
+        },
+        (w.start_ns, w.end_ns),
+        where,
+        params,
+        _severity(share / p["absolute_queue_share"], 1.0),
+        _confidence(
+            share / p["absolute_queue_share"],
+            (w.get("waiting_mean") / max(w.get("running_mean"), 1.0)) / p["absolute_waiting"],
+        ),
+        causes=causes,
+        support=Support(
+            n=len(hits),
+            unit="windows",
+            reference="the engine's own queue gauge and TTFT against ITL (absolute markers)",
+            persistence=f"{len(hits)} of {sig.busy_windows or len(sig.windows)} busy windows",
+            verdict="conclusive",
+        ),
+    )
 
 
 def _risen(sig: Signals, p: dict) -> Evidence | None:
@@ -292,9 +393,22 @@ RULE = Rule(
         "arrival_excess": Param(1.2, "arrivals / completions in the window (overload's)"),
         "kv_full": Param(0.9, "KV use counted as capping the batch (kv_pressure_preemption's)"),
         "tenant_share": Param(0.75, "one tenant of several sent this share of the arrivals"),
+        # judged without a healthy window (an engine in trouble from the store's first second)
+        "absolute_waiting": Param(
+            1.0, "no healthy window: requests waiting per request running (the engine's gauge)"
+        ),
+        "absolute_queue_share": Param(
+            0.5, "no healthy window: queue time over TTFT (estimated where the engine has none)"
+        ),
+        "absolute_ttft_itl": Param(
+            20.0,
+            "no healthy window: TTFT p50 over ITL p50 (seed: TTFT diverges from ITL; a short "
+            "chat's TTFT is a handful of decode steps)",
+        ),
+        "absolute_windows": Param(2, "no healthy window: windows showing all three, at least"),
     },
     detect=detect,
-    healthy_baseline="needs",
+    healthy_baseline="either",
     evidence_signals=("ttft_p99", "queue_p99", "waiting_mean"),
     alert=Alert(
         name="TokenmillTTFTQueueing",

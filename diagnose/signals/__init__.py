@@ -55,6 +55,7 @@ from .baseline import (
 from .family import Family, Yield, unavailable
 from .prefix import engine_block_size, prefix_block_stats, prefix_head_stats
 from .queue_now import OpenStep, Waiting, open_step, waiting_now
+from .recompute import RecomputeStep, recompute_steps
 from .roofline import roofline_peaks
 from .scope import NS, Scope, engine_config, quantile, span, store_columns
 from .upstream import fill_from_upstream_spans
@@ -283,6 +284,7 @@ __all__ = [
     "Family",
     "NoTraffic",
     "OpenStep",
+    "RecomputeStep",
     "Scope",
     "Signals",
     "Waiting",
@@ -294,6 +296,7 @@ __all__ = [
     "open_step",
     "prefix_block_stats",
     "prefix_head_stats",
+    "recompute_steps",
     "roofline_peaks",
     "waiting_now",
     "warmup_intervals",
