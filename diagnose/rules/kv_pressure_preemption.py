@@ -28,41 +28,52 @@ def _failing_share(w: Window) -> float | None:
     return (w.get("allocation_failure_steps") or 0) / steps if steps else 0.0
 
 
-# the longest gap of the streams decoding across a step (first token before it, last after it),
-# the recomputed requests themselves left out
-_ITL_ACROSS_SQL = """
-SELECT max(itl_max_ms), count(*) FROM requests
+# the streams decoding across a step (first token before it, last after it), the recomputed
+# requests themselves left out
+_ACROSS_SQL = """
+SELECT count(*) FROM requests
 WHERE first_token_ns < ? AND last_token_ns > ? AND NOT list_contains(?::VARCHAR[], request_id)
+"""
+# the preempted requests' longest gap between tokens: the wait to be rescheduled and recomputed
+_PREEMPTED_GAP_SQL = """
+SELECT max(itl_max_ms), arg_max(request_id, itl_max_ms) FROM requests
+WHERE preemptions > 0 AND arrival_ns >= ? AND arrival_ns < ?
 """
 
 
 def recompute_chain(sig: Signals) -> tuple[str, dict]:
-    """The chain's second and third links over the range: steps that recomputed preempted
-    requests' tokens, and the streams they stalled. ``("", {})`` where the store shows none."""
+    """The chain past the preemptions over the range: the steps that recomputed preempted
+    requests' tokens and the streams decoding beside them (each stalled for the step), and the
+    preempted requests' own longest gap (waiting to be rescheduled, then recomputed).
+    ``("", {})`` where the store shows no recompute step."""
     steps = recompute_steps(sig)
     if not steps:
         return "", {}
     worst = max(steps, key=lambda r: r.ms)
-    itl, streams = sig.con.execute(
-        _ITL_ACROSS_SQL, [worst.start_ns, worst.end_ns, list(worst.request_ids)]
+    (streams,) = sig.con.execute(
+        _ACROSS_SQL, [worst.start_ns, worst.end_ns, list(worst.request_ids)]
     ).fetchone()
+    gap, gap_id = sig.con.execute(_PREEMPTED_GAP_SQL, [sig.since_ns, sig.until_ns]).fetchone()
     tokens = sum(r.recomputed_tokens for r in steps)
     text = (
-        f"; {len(steps)} steps recomputed {tokens} tokens of preempted requests (the slowest "
-        f"{_ms(worst.ms)}, {worst.recomputed_tokens} tokens of {len(worst.request_ids)} "
+        f"; {len(steps)} steps recomputed {tokens} tokens of preempted requests, the slowest "
+        f"{_ms(worst.ms)} ({worst.recomputed_tokens} tokens of {len(worst.request_ids)} "
         f"request(s)"
+        + (f", stalling {streams} stream(s) decoding beside it" if streams else "")
+        + ")"
         + (
-            f", while {streams} stream(s) decoding beside it waited: ITL up to {_ms(itl)}"
-            if streams
+            f"; a preempted request waited up to {_ms(gap)} between two tokens (request "
+            f"{gap_id}: rescheduled, then recomputed)"
+            if gap
             else ""
         )
-        + ")"
     )
     return text, {
         "recompute_steps": len(steps),
         "recompute_step_tokens": tokens,
         "recompute_step_ms_max": worst.ms,
-        "recompute_itl_max_ms": itl,
+        "recompute_stalled_streams": streams,
+        "preempted_gap_ms_max": gap,
         "recompute_example_requests": list(worst.request_ids[:5]),
     }
 
@@ -101,9 +112,14 @@ def _detect_absolute(sig: Signals, p: dict) -> Evidence | None:
     )
     return Evidence(
         f"KV cache at {(w.get('kv_usage_max') or 0):.0%} with {w.get('preemptions'):.0f} "
-        f"preemptions{recomputed} {span}in {_when(w)}; {failed}; TTFT p99 "
-        f"{_ms(w.get('ttft_p99'))}, TPOT p99 "
-        f"{_ms(w.get('tpot_p99'))} (no healthy baseline in this dump to compare them with)" + chain,
+        f"preemptions{recomputed} {span}in {_when(w)}; {failed}"
+        + (
+            f"; TTFT p99 {_ms(w.get('ttft_p99'))}, TPOT p99 {_ms(w.get('tpot_p99'))}"
+            if w.get("ttft_p99") is not None
+            else ""
+        )
+        + " (no healthy baseline in this dump to compare with)"
+        + chain,
         {
             **chain_numbers,
             "kv_usage_max": w.get("kv_usage_max"),
@@ -216,7 +232,7 @@ RULE = Rule(
     ),
     reads=("requests", "kv_requests", "completions", "steps", "kv"),
     needs={
-        "requests": ("first_token_ns", "request_id"),
+        "requests": ("first_token_ns", "request_id", "preemptions", "itl_max_ms"),
         "engine_steps": ("req_ids", "req_tokens", "req_prefill"),
     },
 )

@@ -59,6 +59,7 @@ FAST = [
     "host_bound_steps",
     "itl_frontend_overhead",
     "kv_block_leak",
+    "kv_pressure_long_answers",
     "oom_low_average_memory",
     "pd_ratio_imbalance",
     "quantization_decode_heavy",
@@ -255,6 +256,14 @@ def test_fast_scenario_names_the_expected_rule(name):
     if label["expect"]:
         top = report.findings[0]
         assert top.evidence, top
+    if name == "kv_pressure_long_answers":
+        # the chain: the pool's preemptions, then the preempted requests' prefill computed again
+        # beside the running decodes; those steps are the pool's, not prefill interference
+        assert top.rule_id == "kv_pressure_preemption", found
+        assert top.evidence["recompute_steps"] >= 1, top.evidence
+        assert top.evidence["recompute_step_tokens"] >= 100, top.evidence
+        assert top.evidence["recompute_stalled_streams"] >= 1, top.evidence
+        assert "itl_prefill_interference" not in found, found
     if name == "itl_frontend_overhead":
         # the API's own measure of the drill: each step's outputs waited >= 500 ms in the
         # streams (engine_steps.stream_write_ms)
