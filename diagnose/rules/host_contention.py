@@ -14,9 +14,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from tokenmill.telemetry.schema import WORKING_STEP_SQL
-
-from ..signals import Signals, Window, open_step, waiting_now
+from ..signals import Signals, Window, open_step, step_ratios_sql, waiting_now
 from ..stats import against_bound, compare
 from ._common import (
     Evidence,
@@ -191,22 +189,6 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     return _slow_steps(sig, p) or _slow_now(sig, p) or _sustained(sig, p)
 
 
-# each working step's time over the quickest quarter of the steps that did the same work
-# (signals/same_work.py's classes), by start
-_STEP_RATIOS_SQL = f"""
-WITH s AS (
-    SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms,
-        num_prefill_chunks + __DECODE_SEQS__ AS batch,
-        CAST(floor(log2(greatest(num_prefill_tokens + num_decode_tokens, 1))) AS INTEGER) AS tok_class
-    FROM engine_steps WHERE start_ns >= ? AND start_ns < ? AND {WORKING_STEP_SQL}
-), ref AS (
-    SELECT batch, tok_class, quantile_cont(ms, 0.25) AS ref_ms
-    FROM s GROUP BY batch, tok_class HAVING count(*) >= 5
-)
-SELECT start_ns, ms / ref_ms FROM s JOIN ref USING (batch, tok_class) WHERE ref_ms > 0
-"""
-
-
 def _sustained(sig: Signals, p: dict) -> Evidence | None:
     """A moderate neighbour: the windows in which processes outside the server were busy,
     together ``sustained_s`` or longer, ran the same work ``moderate_slowdown`` x slower than
@@ -223,8 +205,7 @@ def _sustained(sig: Signals, p: dict) -> Evidence | None:
     if not busy or not quiet or len(busy) * sig.window_s < p["sustained_s"]:
         return None
     ratios = sig.con.execute(
-        _STEP_RATIOS_SQL.replace("__DECODE_SEQS__", sig.decode_seqs_sql),
-        [sig.since_ns, sig.until_ns],
+        step_ratios_sql(sig.decode_seqs_sql), [sig.since_ns, sig.until_ns]
     ).fetchall()
 
     def inside(ws: list[Window]) -> list[float]:

@@ -15,7 +15,9 @@ from .family import Family, Yield
 from .scope import Scope
 from .steps import WORKING_COLUMNS
 
-_SAME_WORK_WINDOW_SQL = f"""
+# each working step and the quickest quarter of the steps that did its work: CTEs ``s`` (the
+# range's working steps with their class) and ``ref`` (each class's 25th percentile)
+SAME_WORK_CTE = f"""
 WITH s AS (
     SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms,
         num_prefill_chunks + __DECODE_SEQS__ AS batch,
@@ -25,12 +27,31 @@ WITH s AS (
     SELECT batch, tok_class, quantile_cont(ms, 0.25) AS ref_ms
     FROM s GROUP BY batch, tok_class HAVING count(*) >= 5
 )
+"""
+_SAME_WORK_WINDOW_SQL = (
+    SAME_WORK_CTE
+    + """
 SELECT (start_ns - $t0) // $w AS win,
     quantile_cont(ms / ref_ms, 0.5) AS same_work_slowdown,
     count(*) AS same_work_steps
 FROM s JOIN ref USING (batch, tok_class) WHERE ref_ms > 0
 GROUP BY win
 """
+)
+
+
+def step_ratios_sql(decode_seqs_sql: str) -> str:
+    """Each working step's time over its class's quickest quarter, ``(start_ns, ratio)``, for
+    the range given as two ``?`` parameters (since, until)."""
+    sql = (
+        SAME_WORK_CTE
+        + "SELECT start_ns, ms / ref_ms FROM s JOIN ref USING (batch, tok_class) WHERE ref_ms > 0"
+    )
+    return (
+        sql.replace("__DECODE_SEQS__", decode_seqs_sql)
+        .replace("$since", "?")
+        .replace("$until", "?")
+    )
 
 
 def compute(scope: Scope) -> Yield:
