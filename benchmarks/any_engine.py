@@ -30,12 +30,17 @@ GGUF, 2 threads, ``--metrics``:
 - diagnosis: a 2-slot server sent a steady rate, then eight times it, through the proxy with
   its ``/metrics`` and ``/slots`` read every second; the proxy's store is diagnosed (expected:
   ``overload`` or ``ttft_queueing``, with llama.cpp's own deferred-request gauge as the queue,
-  and KV use estimated from ``/slots``).
+  and KV use estimated from ``/slots``);
+- diagnosis, overloaded from its first second (``overload_from_start``): the same 2-slot server
+  and proxy, 16 clients in a closed loop for 60 s, so no calm stretch precedes the queue to
+  compare against; the same diagnosis and expectation, with the store's TTFT and ITL, the
+  waiting gauge against the running one, and the queue's share of TTFT where the store has it.
 
 Results: ``benchmarks/results/any_engine.json`` (each part's figures, updated in place).
 Run it alone: ``.venv/bin/python benchmarks/any_engine.py --part tokenmill`` (about 5 minutes)
 and ``--part llamacpp`` (about 8 minutes once llama-server is built; ``--llamacpp-parts`` picks
-some of ``overhead,paired_ttft,paired_ttft_short(_1t),overload`` and keeps the others' last figures).
+some of ``overhead,paired_ttft,paired_ttft_short(_1t),overload,overload_from_start`` and keeps
+the others' last figures; ``--keep DIR`` keeps each proxy's store, e.g. ``proxy-overload.duckdb``).
 """
 
 from __future__ import annotations
@@ -90,6 +95,10 @@ STREAMS_32 = ["--concurrency", "32", "--num-requests", "64", "--prompt-tokens", 
 ORDER = (("direct", 11), ("proxy", 12), ("proxy", 13), ("direct", 14))
 OVERLOAD = ["--request-rate", "0.5", "--phases", "steady:20s,overload:25s@8x",
             "--prompt-tokens", "uniform:32:64", "--output-tokens", "48", "--seed", "3"]  # fmt: skip
+# 16 clients on 2 slots from the first request: eight times the slots, never a calm stretch
+OVERLOAD_FROM_START = ["--concurrency", "16", "--phases", "overload:60s",
+                       "--prompt-tokens", "uniform:32:64", "--output-tokens", "48",
+                       "--seed", "4"]  # fmt: skip
 
 
 def log(msg: str) -> None:
@@ -211,6 +220,7 @@ LLAMACPP_PARTS = (
     "paired_ttft_short",
     "paired_ttft_short_1t",
     "overload",
+    "overload_from_start",
 )
 
 
@@ -236,6 +246,10 @@ def part_llamacpp(work: Path, parts: tuple[str, ...] = LLAMACPP_PARTS) -> dict:
         out["paired_ttft_short_1t"] = _paired_ttft(binary, work, pairs=200, words=4, threads=1)
     if "overload" in parts:
         out["overload"] = _overload(binary, work)
+    if "overload_from_start" in parts:
+        out["overload_from_start"] = _overload(
+            binary, work, "overload_from_start", OVERLOAD_FROM_START
+        )
     return out
 
 
@@ -364,13 +378,17 @@ def _overhead(binary: Path, work: Path) -> dict:
     return out
 
 
-def _overload(binary: Path, work: Path) -> dict:
-    """A 2-slot server overloaded through the proxy, its store diagnosed."""
-    server, port = _llama(binary, work, 2, 4096, "llama-2")
+def _overload(
+    binary: Path, work: Path, name: str = "overload", load_args: list[str] = OVERLOAD
+) -> dict:
+    """A 2-slot server overloaded through the proxy (``load_args``: the bench client's load),
+    its store (``proxy-<name>.duckdb``) diagnosed."""
+    server, port = _llama(binary, work, 2, 4096, f"llama-{name}")
+    store = work / f"proxy-{name}.duckdb"
     try:
-        proxy, pport = _proxy(f"http://127.0.0.1:{port}", work, "proxy-overload")
+        proxy, pport = _proxy(f"http://127.0.0.1:{port}", work, store.stem)
         try:
-            load_doc = _bench(f"http://127.0.0.1:{pport}", OVERLOAD, work / "overload.json")
+            load_doc = _bench(f"http://127.0.0.1:{pport}", load_args, work / f"{name}.json")
         finally:
             time.sleep(2)
             stop_server(proxy)
@@ -378,14 +396,14 @@ def _overload(binary: Path, work: Path) -> dict:
         stop_server(server)
     from tokenmill.bench.blackbox import diagnose_store
 
-    diag = diagnose_store(work / "proxy-overload.duckdb", "5s")
-    sc = Scenario("llamacpp_overload", expect=["overload", "ttft_queueing"], steps=[OVERLOAD])
+    diag = diagnose_store(store, "5s")
+    sc = Scenario(f"llamacpp_{name}", expect=["overload", "ttft_queueing"], steps=[load_args])
     found = [f["rule"] for f in diag["findings"]]
     return {
         "load": load_doc,
         "diagnosis": diag,
         "passed": verdict(sc.expect, [], found),
-        "evidence": _evidence(work / "proxy-overload.duckdb"),
+        "evidence": _evidence(store),
     }
 
 
@@ -407,8 +425,10 @@ def proxy_own_ms(store: Path) -> dict:
 
 
 def _evidence(store: Path) -> dict:
-    """The top finding's evidence and what llama.cpp's own gauges said (max waiting), and what
-    its ``/slots`` and cached-prompt counter added (KV use, prefix hits)."""
+    """The top finding's evidence and what llama.cpp's own gauges said (waiting, i.e.
+    ``llamacpp:requests_deferred``, against running: max and mean over the scrapes), and what
+    its ``/slots`` and cached-prompt counter added (KV use, prefix hits); the store's TTFT and
+    ITL and the queue's share of TTFT (None where no request has a queue time)."""
     import duckdb
 
     from tokenmill.diagnose.findings import diagnose
@@ -416,10 +436,15 @@ def _evidence(store: Path) -> dict:
     con = duckdb.connect(str(store), read_only=True)
     try:
         report = diagnose(con, window_s=5)
-        (waiting_max, samples, kv_rows, kv_max, queries, hits) = con.execute(
+        (waiting_max, samples, kv_rows, kv_max, queries, hits, *gauges) = con.execute(
             "SELECT max(waiting), count(*), count(kv_usage), max(kv_usage), "
-            "max(prefix_queries_total), max(prefix_hits_total) "
+            "max(prefix_queries_total), max(prefix_hits_total), "
+            "avg(waiting), max(running), avg(running) "
             "FROM engine_samples WHERE engine_kind = 'llamacpp'"
+        ).fetchone()
+        queued, queue_share = con.execute(
+            "SELECT count(*), sum(queue_ms) / nullif(sum(ttft_ms), 0) FROM requests "
+            "WHERE queue_ms IS NOT NULL AND ttft_ms IS NOT NULL"
         ).fetchone()
     finally:
         con.close()
@@ -428,6 +453,15 @@ def _evidence(store: Path) -> dict:
         "top_evidence": top.evidence if top else None,
         "llamacpp_samples": samples,
         "llamacpp_waiting_max": waiting_max,
+        "llamacpp_waiting_mean": gauges[0],
+        "llamacpp_running_max": gauges[1],
+        "llamacpp_running_mean": gauges[2],
+        "store": {
+            k: report.summary.get(k)
+            for k in ("requests", "completed", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms")
+        },
+        "requests_with_queue_ms": queued,
+        "queue_share_of_ttft": queue_share,
         "kv_usage_from_slots": {"samples": kv_rows, "max": kv_max},
         "prefix_queries_total": queries,
         "prefix_hits_total": hits,

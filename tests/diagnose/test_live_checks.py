@@ -3,7 +3,12 @@ real ``tokenmill serve`` runs, their waiting samples taken by the API itself, no
 
 ``itl_late_prompt``: four streams of 300 tokens, chunked prefill off; 9 s later one 1630-token
 prompt, whose whole prefill takes one 21 s step. The streams arrived a window before the step
-began."""
+began.
+
+``llamacpp_overload_from_start``: ``tokenmill proxy``'s store (no engine steps; llama.cpp's
+``/metrics`` and ``/slots`` scraped each second) of a 2-slot ``llama-server`` sent 16 clients in
+a closed loop from its first second for 60 s (``benchmarks/any_engine.py --part llamacpp
+--llamacpp-parts overload_from_start``): no calm window to compare with."""
 
 from __future__ import annotations
 
@@ -17,8 +22,8 @@ from tokenmill.telemetry.dump import open_dump
 
 RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "live_checks"
 LATE = RUN / "itl_late_prompt"
-
-pytestmark = pytest.mark.skipif(not LATE.is_dir(), reason=f"no {LATE}")
+OVERLOADED = RUN / "llamacpp_overload_from_start"
+OVERLOADED_EXPECT = ["ttft_queueing", "overload"]  # either one on top
 
 
 def _long_prompt(con) -> tuple[str, int]:
@@ -27,6 +32,11 @@ def _long_prompt(con) -> tuple[str, int]:
     ).fetchall()[0]
 
 
+_late = pytest.mark.skipif(not LATE.is_dir(), reason=f"no {LATE}")
+_overloaded = pytest.mark.skipif(not OVERLOADED.is_dir(), reason=f"no {OVERLOADED}")
+
+
+@_late
 def test_a_long_prompt_a_window_after_the_streams_it_stalls_is_named():
     """The streams' ITL counts in the window the stretched step began in, though they arrived
     in the window before (a window's own ITL figures are of the requests that arrived in it)."""
@@ -41,6 +51,7 @@ def test_a_long_prompt_a_window_after_the_streams_it_stalls_is_named():
     assert ev["prefill_tokens_max_per_step"] >= 1600, ev
 
 
+@_late
 def test_the_step_in_progress_is_named_from_the_apis_own_samples():
     """Cut 5 s after the long prompt arrived: the step has not ended, the store's clock is the
     host and waiting samples the server wrote; the finding names the waiting prompt."""
@@ -62,3 +73,20 @@ def test_the_step_in_progress_is_named_from_the_apis_own_samples():
     ev = found["itl_prefill_interference"].evidence
     assert ev["prefill_request"] == rid and ev["prefill_prompt_tokens"] == 1630, ev
     assert ev["open_step_ms"] >= 3000 and ev["decoding_requests"] >= 3, ev
+
+
+@_overloaded
+def test_an_upstream_overloaded_from_its_first_second_is_named_without_a_calm_window():
+    """Every window is busy: the queue is judged on absolute terms, from llama.cpp's own
+    deferred-request gauge beside its running one, not against a healthy stretch."""
+    con = open_dump(OVERLOADED, verify=False)
+    try:
+        report = diagnose(con, window_s=5.0)
+    finally:
+        con.close()
+    assert report.findings, "no finding on a 2-slot server with 16 clients"
+    top = report.findings[0]
+    assert top.rule_id in OVERLOADED_EXPECT, [f.rule_id for f in report.findings]
+    if top.rule_id == "ttft_queueing":  # the queue read off llama.cpp's own gauges
+        ev = top.evidence
+        assert ev["waiting_max"] >= 10 and ev["waiting_mean"] > ev["running_mean"], ev
