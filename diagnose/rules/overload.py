@@ -40,8 +40,12 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         run = ws[i : i + n]
         arr = sum(w.get("arrivals", 0) or 0 for w in run)
         done = sum(w.get("completions", 0) or 0 for w in run)
-        waits = [w.get("waiting_mean") or 0 for w in run]
+        # the requests in flight: waiting, or running where the engine admits them all (a
+        # large max_num_seqs and KV pool turn an overload into a growing batch, whose steps
+        # slow every stream, rather than a queue)
+        waits = [(w.get("waiting_mean") or 0) + (w.get("running_mean") or 0) for w in run]
         ttfts = [w.get("ttft_p50") for w in run if w.get("ttft_p50") is not None]
+        itls = [w.get("itl_p50") for w in run if w.get("itl_p50")]
         growing = all(b - a >= step for a, b in itertools.pairwise(waits))
         # arrivals outpace completions in each window, not only over the run: one burst that
         # lands at once and then drains (24 requests in 250 ms behind a blocked admission) fills
@@ -51,17 +55,22 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             growing
             and outpaced
             and arr >= p["arrival_excess"] * max(done, 1)
-            and len(ttfts) >= 2
-            and ttfts[-1] >= p["ttft_trend"] * ttfts[0]
+            and (
+                (len(ttfts) >= 2 and ttfts[-1] >= p["ttft_trend"] * ttfts[0])
+                or (len(itls) >= 2 and itls[-1] >= p["ttft_trend"] * itls[0])
+            )
         ):
             # the largest backlog built, not the largest ratio: a ramp-up of 5 arrivals and
             # 2 completions has a higher ratio than a real overload of 40 and 20
             backlog = arr - done
             if best is None or backlog > best[0]:
-                best = (backlog, arr / max(done, 1), run, ttfts)
+                best = (backlog, arr / max(done, 1), run, ttfts, itls, waits)
     if best is None:
         return None
-    _, ratio, run, ttfts = best
+    _, ratio, run, ttfts, itls, waits = best
+    # the latency that trended: TTFT where the backlog queued, ITL where it ran as a bigger batch
+    ttft_up = len(ttfts) >= 2 and ttfts[-1] >= p["ttft_trend"] * ttfts[0]
+    lat, first_v, last_v = ("TTFT", ttfts[0], ttfts[-1]) if ttft_up else ("ITL", itls[0], itls[-1])
     first, last = run[0], run[-1]
     arrivals = sum(w.get("arrivals", 0) or 0 for w in run)
     completions = sum(w.get("completions", 0) or 0 for w in run)
@@ -76,9 +85,10 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     )
     return Evidence(
         f"{arrivals} requests arrived but only {completions} completed in "
-        f"{_clock(first.start_ns)}–{_clock(last.end_ns)} UTC; the engine queue grew from "
-        f"{first.get('waiting_mean') or 0:.1f} to {last.get('waiting_mean') or 0:.1f} and TTFT p50 "
-        f"from {_ms(ttfts[0])} to {_ms(ttfts[-1])}",
+        f"{_clock(first.start_ns)}–{_clock(last.end_ns)} UTC; the requests in the engine "
+        f"(waiting and running) grew from {waits[0]:.1f} to {waits[-1]:.1f} (waiting "
+        f"{first.get('waiting_mean') or 0:.1f} to {last.get('waiting_mean') or 0:.1f}) and "
+        f"{lat} p50 from {_ms(first_v)} to {_ms(last_v)}",
         {
             "arrivals": arrivals,
             "completions": completions,
@@ -86,14 +96,18 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "completion_rate_per_s": statistics.mean(w.get("completion_rate") or 0 for w in run),
             "waiting_first": first.get("waiting_mean"),
             "waiting_last": last.get("waiting_mean"),
-            "ttft_p50_first_ms": ttfts[0],
-            "ttft_p50_last_ms": ttfts[-1],
+            "in_engine_first": waits[0],
+            "in_engine_last": waits[-1],
+            "ttft_p50_first_ms": ttfts[0] if ttfts else None,
+            "ttft_p50_last_ms": ttfts[-1] if ttfts else None,
+            "itl_p50_first_ms": itls[0] if itls else None,
+            "itl_p50_last_ms": itls[-1] if itls else None,
         },
         (first.start_ns, last.end_ns),
         "arrival_ns >= ? AND arrival_ns < ? AND queue_ms > 0.5 * ttft_ms",
         [first.start_ns, last.end_ns],
         _severity(ratio, p["arrival_excess"]),
-        _confidence(ratio / p["arrival_excess"], (ttfts[-1] / ttfts[0]) / p["ttft_trend"]),
+        _confidence(ratio / p["arrival_excess"], (last_v / first_v) / p["ttft_trend"]),
         support=support,
     )
 
@@ -103,8 +117,8 @@ RULE = Rule(
     own_test=OWN_TEST,
     title="arrivals exceed completions",
     symptom=(
-        "arrivals outpace completions in every window of a run while the queue and TTFT trend "
-        "up together"
+        "arrivals outpace completions in every window of a run while the requests in the engine "
+        "and TTFT (or ITL, where the backlog runs as a bigger batch) trend up together"
     ),
     causes=(
         "offered load above capacity",
@@ -115,11 +129,15 @@ RULE = Rule(
     params={
         "min_windows": Param(3, "consecutive windows to call it a trend"),
         "arrival_excess": Param(1.2, "arrivals / completions over those windows"),
-        "ttft_trend": Param(2.0, "TTFT p50 at the end / at the start of the run"),
+        "ttft_trend": Param(
+            2.0,
+            "TTFT p50 (or ITL p50, where the engine admits the backlog into its batch) at the "
+            "end / at the start of the run",
+        ),
         "min_queue_growth": Param(
             1.0,
-            "mean requests waiting in the engine grows by at least one over the run, and by "
-            "its share (1 / (min_windows - 1)) from each window to the next",
+            "mean requests in the engine (waiting and running) grows by at least one over the "
+            "run, and by its share (1 / (min_windows - 1)) from each window to the next",
         ),
     },
     detect=detect,

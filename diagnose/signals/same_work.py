@@ -1,8 +1,9 @@
 """Family ``same_work``: the same work, slower (host_contention).
 
 Each working step against the quickest quarter of the steps that did the same work (same batch:
-prefill chunks + decodes; tokens in the same power of two), over the whole range; classes with
-fewer than 5 steps are left out. A window's ``same_work_slowdown`` is the median of its steps'
+prefill chunks + decodes; tokens in the same power of two), over the whole range; a step whose
+class has fewer than 5 steps is set against the per-token cost of the largest class with no more
+tokens (a conservative ratio: per-token cost falls as a step grows). A window's ``same_work_slowdown`` is the median of its steps'
 ratios: 1.0 when the steps ran as fast as the dump's usual best for their work, 2.0 when the
 same work took twice as long.
 """
@@ -16,37 +17,46 @@ from .scope import Scope
 from .steps import WORKING_COLUMNS
 
 # each working step and the quickest quarter of the steps that did its work: CTEs ``s`` (the
-# range's working steps with their class) and ``ref`` (each class's 25th percentile)
+# range's working steps with their class and tokens), ``ref`` (each class's 25th percentile and
+# median tokens) and ``r`` (each step's ratio: against its own class's reference; a step whose
+# class has too few steps for one, against the per-token cost of the largest class with no more
+# tokens, times its own tokens: a neighbour that grows the queue grows the batch to sizes the
+# dump never ran otherwise, and per-token cost only falls as a step grows, so this ratio errs
+# low)
 SAME_WORK_CTE = f"""
 WITH s AS (
     SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms,
         num_prefill_chunks + __DECODE_SEQS__ AS batch,
+        num_prefill_tokens + num_decode_tokens AS tok,
         CAST(floor(log2(greatest(num_prefill_tokens + num_decode_tokens, 1))) AS INTEGER) AS tok_class
     FROM engine_steps WHERE start_ns >= $since AND start_ns < $until AND {WORKING_STEP_SQL}
 ), ref AS (
-    SELECT batch, tok_class, quantile_cont(ms, 0.25) AS ref_ms
+    SELECT batch, tok_class, quantile_cont(ms, 0.25) AS ref_ms, median(tok) AS ref_tok
     FROM s GROUP BY batch, tok_class HAVING count(*) >= 5
+), r AS (
+    SELECT s.start_ns, coalesce(
+        s.ms / nullif(ref.ref_ms, 0),
+        s.ms / nullif(s.tok * (SELECT arg_max(f.ref_ms / f.ref_tok, f.ref_tok) FROM ref f
+                               WHERE f.ref_tok <= s.tok AND f.ref_tok > 0), 0)) AS ratio
+    FROM s LEFT JOIN ref USING (batch, tok_class)
 )
 """
 _SAME_WORK_WINDOW_SQL = (
     SAME_WORK_CTE
     + """
 SELECT (start_ns - $t0) // $w AS win,
-    quantile_cont(ms / ref_ms, 0.5) AS same_work_slowdown,
+    quantile_cont(ratio, 0.5) AS same_work_slowdown,
     count(*) AS same_work_steps
-FROM s JOIN ref USING (batch, tok_class) WHERE ref_ms > 0
+FROM r WHERE ratio IS NOT NULL
 GROUP BY win
 """
 )
 
 
 def step_ratios_sql(decode_seqs_sql: str) -> str:
-    """Each working step's time over its class's quickest quarter, ``(start_ns, ratio)``, for
+    """Each working step's time over its work's quickest quarter, ``(start_ns, ratio)``, for
     the range given as two ``?`` parameters (since, until)."""
-    sql = (
-        SAME_WORK_CTE
-        + "SELECT start_ns, ms / ref_ms FROM s JOIN ref USING (batch, tok_class) WHERE ref_ms > 0"
-    )
+    sql = SAME_WORK_CTE + "SELECT start_ns, ratio FROM r WHERE ratio IS NOT NULL"
     return (
         sql.replace("__DECODE_SEQS__", decode_seqs_sql)
         .replace("$since", "?")
