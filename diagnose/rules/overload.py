@@ -27,6 +27,14 @@ def _errors_are_overloads(evidence: dict) -> bool:
     return total > 0 and sum(by_type.get(t, 0) for t in OVERLOAD_ERRORS) >= 0.5 * total
 
 
+def _starved(run: list, p: dict) -> bool:
+    """No latency to trend because nothing completed: the run's last window completed no
+    request while the engine's own queue grew by ``min_queue_growth`` over the run (a backlog
+    of long prompts that stops every completion)."""
+    grew = (run[-1].get("waiting_mean") or 0) - (run[0].get("waiting_mean") or 0)
+    return not (run[-1].get("completions") or 0) and grew >= p["min_queue_growth"]
+
+
 def detect(sig: Signals, p: dict) -> Evidence | None:
     ws = sig.busy()
     n = int(p["min_windows"])
@@ -50,7 +58,10 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         # arrivals outpace completions in each window, not only over the run: one burst that
         # lands at once and then drains (24 requests in 250 ms behind a blocked admission) fills
         # the queue across the windows around it without any rate exceeding capacity
-        outpaced = all((w.get("arrivals") or 0) >= max(1, w.get("completions") or 0) for w in run)
+        outpaced = all(
+            (w.get("arrivals") or 0) >= max(1, p["window_excess"] * (w.get("completions") or 0))
+            for w in run
+        )
         if (
             growing
             and outpaced
@@ -58,6 +69,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             and (
                 (len(ttfts) >= 2 and ttfts[-1] >= p["ttft_trend"] * ttfts[0])
                 or (len(itls) >= 2 and itls[-1] >= p["ttft_trend"] * itls[0])
+                or _starved(run, p)
             )
         ):
             # the largest backlog built, not the largest ratio: a ramp-up of 5 arrivals and
@@ -70,7 +82,14 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     _, ratio, run, ttfts, itls, waits = best
     # the latency that trended: TTFT where the backlog queued, ITL where it ran as a bigger batch
     ttft_up = len(ttfts) >= 2 and ttfts[-1] >= p["ttft_trend"] * ttfts[0]
-    lat, first_v, last_v = ("TTFT", ttfts[0], ttfts[-1]) if ttft_up else ("ITL", itls[0], itls[-1])
+    itl_up = len(itls) >= 2 and itls[-1] >= p["ttft_trend"] * itls[0]
+    if ttft_up:
+        lat, first_v, last_v = "TTFT p50", ttfts[0], ttfts[-1]
+    elif itl_up:
+        lat, first_v, last_v = "ITL p50", itls[0], itls[-1]
+    else:  # nothing completed to measure: the queue itself
+        lat = "requests waiting"
+        first_v, last_v = run[0].get("waiting_mean") or 0, run[-1].get("waiting_mean") or 0
     first, last = run[0], run[-1]
     arrivals = sum(w.get("arrivals", 0) or 0 for w in run)
     completions = sum(w.get("completions", 0) or 0 for w in run)
@@ -88,7 +107,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         f"{_clock(first.start_ns)}–{_clock(last.end_ns)} UTC; the requests in the engine "
         f"(waiting and running) grew from {waits[0]:.1f} to {waits[-1]:.1f} (waiting "
         f"{first.get('waiting_mean') or 0:.1f} to {last.get('waiting_mean') or 0:.1f}) and "
-        f"{lat} p50 from {_ms(first_v)} to {_ms(last_v)}",
+        + (
+            f"{lat} from {_ms(first_v)} to {_ms(last_v)}"
+            if lat != "requests waiting"
+            else f"the last window completed nothing while {last_v:.1f} requests waited"
+        ),
         {
             "arrivals": arrivals,
             "completions": completions,
@@ -107,7 +130,10 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         "arrival_ns >= ? AND arrival_ns < ? AND queue_ms > 0.5 * ttft_ms",
         [first.start_ns, last.end_ns],
         _severity(ratio, p["arrival_excess"]),
-        _confidence(ratio / p["arrival_excess"], (last_v / first_v) / p["ttft_trend"]),
+        _confidence(
+            ratio / p["arrival_excess"],
+            (last_v / first_v) / p["ttft_trend"] if first_v else None,
+        ),
         support=support,
     )
 
@@ -129,6 +155,13 @@ RULE = Rule(
     params={
         "min_windows": Param(3, "consecutive windows to call it a trend"),
         "arrival_excess": Param(1.2, "arrivals / completions over those windows"),
+        "window_excess": Param(
+            0.9,
+            "arrivals / completions in each of those windows, at least (a window in which the "
+            "backlog's first requests complete may finish a few more than arrive; tune split: "
+            "23 arrivals beside 25 completions while the requests in the engine still grew "
+            "from 14 to 24)",
+        ),
         "ttft_trend": Param(
             2.0,
             "TTFT p50 (or ITL p50, where the engine admits the backlog into its batch) at the "

@@ -35,8 +35,10 @@ def prefix_block_stats(
 
     Uses ``requests.prompt_block_hashes`` (per-block content hashes of the prompt, not
     chained). For each early block position ``e < early_blocks``, prompts are grouped by their
-    next ``min_shared_blocks`` blocks; a prompt counts when its group holds other prompts whose
-    block ``e`` differs. Such prompts miss the prefix cache by construction: its keys chain from
+    next ``min_shared_blocks`` blocks; ``prompts`` counts those whose group holds another prompt
+    (the prompts that share a run of blocks at all: unrelated prompts beside them could never
+    hit the cache, and do not dilute the share), ``shared_tail_differs_first`` those whose
+    group holds other prompts whose block ``e`` differs. Such prompts miss the prefix cache by construction: its keys chain from
     block 0, so one differing early block makes every later block a miss.
 
     Returns ``{"prompts", "shared_tail_differs_first", "share", "block", "block_size"}`` for
@@ -54,7 +56,8 @@ def prefix_block_stats(
             t AS (SELECT h[{e + 2}:{e + k + 1}] AS tail, count(DISTINCT h[{e + 1}]) AS firsts,
                          count(*) AS n
                   FROM r GROUP BY tail)
-            SELECT coalesce(sum(n), 0), coalesce(sum(n) FILTER (WHERE firsts > 1), 0) FROM t
+            SELECT coalesce(sum(n) FILTER (WHERE n > 1), 0),
+                   coalesce(sum(n) FILTER (WHERE firsts > 1), 0) FROM t
             """,
             [since_ns, until_ns],
         ).fetchone()
