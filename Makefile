@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # first and it is kept.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup model demo test test-e2e lint format clean promtool chromium scenarios scenario-dumps corpus accuracy factorial generalization plan-validation plan-scale
+.PHONY: setup model demo test test-e2e lint format clean promtool chromium scenarios scenario-dumps corpus accuracy factorial blind-set generalization plan-validation plan-scale
 
 setup: $(STAMP)
 
@@ -117,8 +117,15 @@ factorial: model
 	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.factorial --out $(FACTORIAL) --plan small \
 		--split heldout
 
+# the blind set (benchmarks/blind_set/: situations written apart from the rules), recorded
+# without reading a diagnosis; scored with the held-out shapes, once
+BLIND ?= benchmarks/data/blind_set
+blind-set: model
+	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/blind_set/blind.py --all --record $(BLIND)
+
 generalization: $(STAMP)
-	$(BIN)/python benchmarks/diagnosis_generalization.py --corpus $(FACTORIAL) --split heldout
+	$(BIN)/python benchmarks/diagnosis_generalization.py --corpus $(FACTORIAL) --split heldout \
+		--blind $(BLIND)
 
 # tokenmill plan's predictions against real runs (~20 minutes, alone on the machine), then the
 # 1,000,000-request, 64-replica replay from the kept recording
