@@ -70,8 +70,8 @@ scenarios: model
 # record the fast scenarios' real-engine runs as Parquet dumps (~9 minutes, alone on the
 # machine; a recorded one is kept: delete its folder to record it again)
 FAST_SCENARIOS := batching_ineffective client_server_ttft_gap host_bound_steps \
-	itl_frontend_overhead kv_block_leak kv_pressure_long_answers oom_low_average_memory pd_ratio_imbalance \
-	quantization_decode_heavy quantization_no_gain spec_decode_ineffective ttft_prefill_bound
+	itl_frontend_overhead kv_block_leak kv_pressure_long_answers oom_low_average_memory pd_decode_starved pd_ratio_imbalance \
+	quantization_decode_heavy quantization_no_gain replica_imbalance spec_decode_ineffective ttft_prefill_bound
 scenario-dumps: model
 	PYTHONSAFEPATH=1 $(BIN)/python -m tokenmill.bench.corpus --out benchmarks/data/scenario_dumps \
 		$(foreach s,$(FAST_SCENARIOS),--scenario $(s))

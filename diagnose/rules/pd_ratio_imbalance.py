@@ -59,6 +59,13 @@ def _decode_starved(w: Window, p: dict, max_num_seqs: int | None) -> float | Non
     return min(steps / p["wait_steps"], max(1.0, p["idle_share"] / max(idle, 1e-3)))
 
 
+def _stalls_were_preemptions(evidence: dict) -> bool:
+    """A ``midstream_stall`` whose stalled requests were mostly preempted: on a disaggregated
+    server, the decode side's shortage of room is what preempted them."""
+    stalled = evidence.get("stalled_requests") or 0
+    return stalled > 0 and (evidence.get("stalled_and_preempted") or 0) >= 0.5 * stalled
+
+
 def detect(sig: Signals, p: dict) -> Evidence | None:
     max_seqs = sig.config.get("max_num_seqs")
     found: list[tuple[float, str, Window]] = []
@@ -203,6 +210,9 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="absolute",
     explains=("ttft_queueing", "ttft_prefill_bound", "overload", "head_of_line_blocking"),
+    # a decode side short of room preempts its running requests: their streams stall mid-way
+    # (the pd_decode_starved scenario: 13 stalled requests, all preempted at the decode side)
+    explains_when={"midstream_stall": _stalls_were_preemptions},
     evidence_signals=(
         "pd_prefill_busy",
         "pd_decode_busy",

@@ -61,9 +61,11 @@ FAST = [
     "kv_block_leak",
     "kv_pressure_long_answers",
     "oom_low_average_memory",
+    "pd_decode_starved",
     "pd_ratio_imbalance",
     "quantization_decode_heavy",
     "quantization_no_gain",
+    "replica_imbalance",
     "spec_decode_ineffective",
     "ttft_prefill_bound",
 ]
@@ -256,6 +258,10 @@ def test_fast_scenario_names_the_expected_rule(name):
     if label["expect"]:
         top = report.findings[0]
         assert top.evidence, top
+    if name == "pd_decode_starved":
+        # the decode side's shortage first; the streams it preempted stall as its consequence
+        assert top.rule_id == "pd_ratio_imbalance", found
+        assert top.evidence["bottleneck"] == "decode", top.evidence
     if name == "kv_pressure_long_answers":
         # the chain: the pool's preemptions, then the preempted requests' prefill computed again
         # beside the running decodes; those steps are the pool's, not prefill interference
