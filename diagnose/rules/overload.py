@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import statistics
 
-from ..signals import Signals
+from ..signals import Signals, Window
 from ..stats import Support
 from ._common import Alert, Evidence, Param, Rule, _clock, _confidence, _ms, _severity
 
@@ -27,12 +27,12 @@ def _errors_are_overloads(evidence: dict) -> bool:
     return total > 0 and sum(by_type.get(t, 0) for t in OVERLOAD_ERRORS) >= 0.5 * total
 
 
-def _starved(run: list, p: dict) -> bool:
+def _starved(first: Window, last: Window, p: dict) -> bool:
     """No latency to trend because nothing completed: the run's last window completed no
-    request while the engine's own queue grew by ``min_queue_growth`` over the run (a backlog
-    of long prompts that stops every completion)."""
-    grew = (run[-1].get("waiting_mean") or 0) - (run[0].get("waiting_mean") or 0)
-    return not (run[-1].get("completions") or 0) and grew >= p["min_queue_growth"]
+    request while the engine's own queue grew by ``min_queue_growth`` from its first (a
+    backlog of long prompts that stops every completion)."""
+    grew = (last.get("waiting_mean") or 0) - (first.get("waiting_mean") or 0)
+    return not (last.get("completions") or 0) and grew >= p["min_queue_growth"]
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -69,7 +69,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             and (
                 (len(ttfts) >= 2 and ttfts[-1] >= p["ttft_trend"] * ttfts[0])
                 or (len(itls) >= 2 and itls[-1] >= p["ttft_trend"] * itls[0])
-                or _starved(run, p)
+                or _starved(run[0], run[-1], p)
             )
         ):
             # the largest backlog built, not the largest ratio: a ramp-up of 5 arrivals and
@@ -87,10 +87,10 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         lat, first_v, last_v = "TTFT p50", ttfts[0], ttfts[-1]
     elif itl_up:
         lat, first_v, last_v = "ITL p50", itls[0], itls[-1]
-    else:  # nothing completed to measure: the queue itself
-        lat = "requests waiting"
-        first_v, last_v = run[0].get("waiting_mean") or 0, run[-1].get("waiting_mean") or 0
     first, last = run[0], run[-1]
+    if not ttft_up and not itl_up:  # nothing completed to measure: the queue itself
+        lat = "requests waiting"
+        first_v, last_v = first.get("waiting_mean") or 0, last.get("waiting_mean") or 0
     arrivals = sum(w.get("arrivals", 0) or 0 for w in run)
     completions = sum(w.get("completions", 0) or 0 for w in run)
     # the test is the trend itself: every arrival of the run stands behind it, and it held in
