@@ -230,3 +230,19 @@ def markdown(summary: dict, split: str) -> str:
     for f, m in summary["families"].items():
         lines.append(f"| {f} | {m['runs']} | {m['correct']} |")
     return "\n".join(lines) + "\n"
+
+
+def run_meta(split: str, corpus, started: float) -> dict:
+    """The head of a scoring's results JSON: date, split, corpus, machine and seconds since
+    ``started`` (``time.monotonic()``)."""
+    import platform
+    import time
+    from datetime import UTC, datetime
+
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "split": split,
+        "corpus": str(corpus),
+        "machine": platform.processor() or platform.machine(),
+        "seconds": round(time.monotonic() - started, 1),
+    }

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-from tokenmill.bench.accuracy import evaluate_run, markdown, score
+from tokenmill.bench.accuracy import evaluate_run, markdown, run_meta, score
 from tokenmill.bench.corpus import load_runs
 
 ROOT = Path(__file__).resolve().parent
@@ -54,11 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(
         json.dumps(
             {
-                "date": datetime.now(UTC).strftime("%Y-%m-%d"),
-                "split": a.split,
-                "corpus": str(a.corpus),
-                "machine": platform.processor() or platform.machine(),
-                "seconds": round(time.monotonic() - t, 1),
+                **run_meta(a.split, a.corpus, t),
                 "summary": summary,
                 "runs": [r.to_json() for r in results],
             },

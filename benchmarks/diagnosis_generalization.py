@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-from tokenmill.bench.accuracy import evaluate_run
+from tokenmill.bench.accuracy import evaluate_run, run_meta
 from tokenmill.bench.corpus import load_runs
 from tokenmill.bench.generalization import (
     blind_row,
@@ -118,11 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(
         json.dumps(
             {
-                "date": datetime.now(UTC).strftime("%Y-%m-%d"),
-                "split": a.split,
-                "corpus": str(a.corpus),
-                "machine": platform.processor() or platform.machine(),
-                "seconds": round(time.monotonic() - t, 1),
+                **run_meta(a.split, a.corpus, t),
                 "summary": summary,
                 "runs": rows,
                 "blind": None
