@@ -9,8 +9,10 @@ would. Run from the repository root, one situation at a time, alone on the machi
     PYTHONSAFEPATH=1 .venv/bin/python benchmarks/blind_set/blind.py --out /tmp/blind NAME ...
     PYTHONSAFEPATH=1 .venv/bin/python benchmarks/blind_set/blind.py --out /tmp/blind --all
 
-Each run writes ``OUT/NAME/result.json`` (the runner's own) and appends one line to
-``OUT/blind_results.jsonl`` with the top finding next to the label fixed in ``labels.json``.
+``--set DIR`` reads another set of the same layout (its YAML files and ``labels.json``, e.g.
+``--set benchmarks/blind_set_2``); without it, this folder's set. Each run writes
+``OUT/NAME/result.json`` (the runner's own) and appends one line to ``OUT/blind_results.jsonl``
+with the top finding next to the label fixed in ``labels.json``.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ def record(out: Path, scenarios: list[_sc.Scenario], model: str | None) -> int:
     return 0
 
 
-def files() -> list[Path]:
-    return sorted(HERE.glob("*.yaml"))
+def files(folder: Path = HERE) -> list[Path]:
+    return sorted(Path(folder).glob("*.yaml"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("blind-out"))
     ap.add_argument("--model", default=None)
     ap.add_argument(
+        "--set",
+        type=Path,
+        default=HERE,
+        metavar="DIR",
+        help="the set's folder: its *.yaml situations and labels.json (default: this folder)",
+    )
+    ap.add_argument(
         "--record",
         type=Path,
         metavar="DIR",
@@ -79,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         "by benchmarks/diagnosis_generalization.py --blind DIR",
     )
     a = ap.parse_args(argv)
-    scs = {f.stem: load_path(f) for f in files()}
-    labels = {x["name"]: x for x in json.loads((HERE / "labels.json").read_text())}
+    scs = {f.stem: load_path(f) for f in files(a.set)}
+    labels = {x["name"]: x for x in json.loads((a.set / "labels.json").read_text())}
     assert set(labels) == set(scs), set(labels) ^ set(scs)
     for name, sc in scs.items():
         assert sc.name == name and sc.expect == labels[name]["expect"], name
