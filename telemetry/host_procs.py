@@ -69,6 +69,7 @@ class ProcessCensus:
         now = time.monotonic()
         if now - self._at < self.refresh_s:
             return self._last
+        last = self._at
         self._at = now
         seen: dict[int, tuple[float, float]] = {}
         loadgen = 0.0
@@ -83,6 +84,10 @@ class ProcessCensus:
             cpu_s = float(t.user + t.system)
             seen[pid] = (cpu_s, now)
             prev = self._prev.get(pid)
+            if prev is None and not first:
+                # not in the last listing: started since, so all its CPU time is since then
+                # (a client process starting, a short cron job, are busy right at their start)
+                prev = (0.0, last)
             if prev is None or now <= prev[1]:
                 continue
             pct = max(0.0, (cpu_s - prev[0]) / (now - prev[1]) * 100.0 / self._ncpu)

@@ -8,6 +8,8 @@ import math
 import statistics
 
 from ..signals import Signals
+from ..signals.host_bursts import Burst, burst_slowdown, host_bursts, loadgen_starts, near_any
+from ..signals.scope import store_columns
 from ._common import Evidence, Param, Rule, _confidence
 
 # the host's CPU use outside the server (or, on a GPU, other processes on the device) during
@@ -128,11 +130,15 @@ def _on_grid(times: list[int], ends: list[int], period_s: float, tol: float) -> 
 MIN_SAME_BATCH_STEPS = 5
 
 
-def decode_stalls(sig: Signals, p: dict | None = None) -> list[tuple[int, float, int, int]]:
+def decode_stalls(
+    sig: Signals, p: dict | None = None, *, judged_only: bool = False
+) -> list[tuple[int, float, int, int]]:
     """Stalls of decode-only steps (no prefill in them), periodic or not: ``(start_ns, ms,
     num_running, end_ns)`` per run of slow steps (``_spikes``), with this rule's thresholds
     (``p``, default its params). A disturbance from outside the engine slows steps whatever
-    they carry; a prefill slows only the steps that carry it (itl_prefill_interference asks)."""
+    they carry; a prefill slows only the steps that carry it (itl_prefill_interference asks).
+    ``judged_only``: only steps of a batch size seen MIN_SAME_BATCH_STEPS times (a batch that
+    grew past anything before it, under a load that keeps rising, is slower for its work)."""
     p = p or {k: v.default for k, v in RULE.params.items()}
     # a step is slow against the decode-only steps of its own batch size where there are
     # MIN_SAME_BATCH_STEPS of them (and never against less than the median of all): a burst of
@@ -151,9 +157,16 @@ def decode_stalls(sig: Signals, p: dict | None = None) -> list[tuple[int, float,
         SELECT i, start_ns, ms, s.num_running, end_ns, med,
                CASE WHEN n_b >= ? THEN greatest(med_b, med) ELSE med END AS usual
         FROM s JOIN b USING (num_running), (SELECT quantile_cont(ms, 0.5) AS med FROM s)
-        WHERE med > 0 AND ms >= ? * usual ORDER BY start_ns
+        WHERE med > 0 AND ms >= ? * usual AND (NOT ? OR n_b >= ?) ORDER BY start_ns
         """,
-        [sig.since_ns, sig.until_ns, MIN_SAME_BATCH_STEPS, p["slow_step"]],
+        [
+            sig.since_ns,
+            sig.until_ns,
+            MIN_SAME_BATCH_STEPS,
+            p["slow_step"],
+            judged_only,
+            MIN_SAME_BATCH_STEPS,
+        ],
     ).fetchall()
     return _spikes(slow, p["spike"], int(p["max_gap_steps"]))
 
@@ -199,22 +212,160 @@ def arrival_locked(sig: Signals, rows: list, lead_s: float) -> tuple[float, floa
     return locked, chance
 
 
-def detect(sig: Signals, p: dict) -> Evidence | None:
-    rows = decode_stalls(sig, p)
-    if len(rows) < p["min_spikes"]:
-        return None
-    times = [r[0] for r in rows]
-    gaps = [(b - a) / 1e9 for a, b in itertools.pairwise(times)]
+def _periodicity(starts: list[int], ends: list[int], p: dict):
+    """``(period_s, grid, on_period gaps, cv)`` of events (start and end times, ns): the
+    median gap, which events fall on one grid of it (``_on_grid``), the gaps between two
+    on-grid events within ``max_cv`` of the period, and their coefficient of variation (1.0
+    with fewer than two); None when the median gap is not positive."""
+    gaps = [(b - a) / 1e9 for a, b in itertools.pairwise(starts)]
     period = statistics.median(gaps)
     if period <= 0:
         return None
-    grid = _on_grid(times, [r[3] for r in rows], period, p["max_cv"])
-    regular = sum(grid) / len(times)
+    grid = _on_grid(starts, ends, period, p["max_cv"])
     on_period = [
         g for g, a, b in zip(gaps, grid, grid[1:], strict=False)
         if a and b and abs(g / period - 1) <= p["max_cv"]
     ]  # fmt: skip
     cv = statistics.pstdev(on_period) / period if len(on_period) > 1 else 1.0
+    return period, grid, on_period, cv
+
+
+# CPU used outside the server (less the load generator) in the host samples of a span that do
+# not fall within ``pad`` of any of the given stretches: a periodic job leaves the host quiet
+# between its bursts, a sustained neighbour does not
+_BETWEEN_SQL = """
+WITH x AS (SELECT unnest(?::BIGINT[]) AS s, unnest(?::BIGINT[]) AS e)
+SELECT avg(greatest(cpu_others_pct - coalesce({loadgen}, 0), 0))
+FROM device_samples
+WHERE kind = 'host' AND time_ns >= ? AND time_ns <= ? AND cpu_others_pct IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM x WHERE time_ns BETWEEN s - ? AND e + ?)
+"""
+
+
+def quiet_between(sig: Signals, starts: list[int], ends: list[int], pad_s: float) -> float | None:
+    """Mean CPU share used outside the server, less the load generator, between the stretches
+    (``starts``/``ends``, ns) over their span; None without host samples."""
+    cols = store_columns(sig.con).get("device_samples", frozenset())
+    if sig.device_kind != "host" or "cpu_others_pct" not in cols:
+        return None
+    loadgen = "loadgen_cpu_pct" if "loadgen_cpu_pct" in cols else "NULL"
+    pad = int(pad_s * 1e9)
+    (v,) = sig.con.execute(
+        _BETWEEN_SQL.format(loadgen=loadgen), [starts, ends, starts[0], ends[-1], pad, pad]
+    ).fetchone()
+    return v
+
+
+def arrivals_after(sig: Signals, bursts: list[Burst], lag_s: float) -> float | None:
+    """Arrivals per second from each burst's start to ``lag_s`` after its end, against the
+    arrival rate over the bursts' span: a client process starting (the load generator's) is a
+    burst its requests follow; a job keeps its period whatever arrives."""
+    lag = int(lag_s * 1e9)
+    first, last = bursts[0].start_ns, bursts[-1].end_ns
+    (total,) = sig.con.execute(
+        "SELECT count(*) FROM requests WHERE arrival_ns >= ? AND arrival_ns <= ?", [first, last]
+    ).fetchone()
+    if not total or last <= first:
+        return None
+    (near,) = sig.con.execute(
+        "WITH b AS (SELECT unnest(?::BIGINT[]) AS s, unnest(?::BIGINT[]) AS e) "
+        "SELECT count(*) FROM requests, b WHERE arrival_ns BETWEEN s AND e + ?",
+        [[b.start_ns for b in bursts], [b.end_ns for b in bursts], lag],
+    ).fetchone()
+    near_s = sum(b.seconds + lag_s for b in bursts)
+    return (near / near_s) / (total / ((last - first) / 1e9))
+
+
+def _host_job(sig: Signals, p: dict) -> Evidence | None:
+    """The host's own record of a job that comes and goes (``signals/host_bursts.py``): bursts
+    of outside CPU use on one period, the host quiet between them, not followed by arrivals,
+    and the decode steps they overlapped slower than their batch size's usual."""
+    starting = loadgen_starts(sig)
+    lag = int(p["census_lag_s"] * 1e9)
+    bursts = [
+        b
+        for b in host_bursts(sig, p["others_cpu_pct"], p["burst_min_s"], p["burst_merge_s"])
+        if not near_any(starting, b.start_ns, b.start_ns + lag)
+    ]
+    if len(bursts) < p["min_spikes"]:
+        return None
+    starts, ends = [b.start_ns for b in bursts], [b.end_ns for b in bursts]
+    got = _periodicity(starts, ends, p)
+    if got is None:
+        return None
+    period, grid, on_period, cv = got
+    # start-up bursts of other processes fall off the grid: count the ones on it
+    if sum(grid) < p["min_spikes"] or len(on_period) < p["min_spikes"] - 1 or cv > p["max_cv"]:
+        return None
+    busy_s = statistics.median(b.seconds for b in bursts)
+    if busy_s > p["max_duty"] * period:
+        return None
+    between = quiet_between(sig, starts, ends, p["burst_merge_s"])
+    if between is not None and between >= p["others_cpu_pct"] / 2:
+        return None  # a sustained neighbour whose share wavers (host_contention's)
+    follow = arrivals_after(sig, bursts, p["arrival_lead_s"] * 2)
+    if follow is not None and follow >= p["max_arrivals_after"]:
+        return None
+    slow = burst_slowdown(sig, bursts, MIN_SAME_BATCH_STEPS)
+    if slow is None or slow.ratio < p["burst_slowdown"]:
+        return None
+    # steps that outlast the period ran through the bursts and the gaps alike: the engine was
+    # starved throughout (a sustained neighbour the samples see in pulses), not stalled now
+    # and then
+    if slow.inside_ms / 1e3 > p["max_duty"] * period:
+        return None
+    mean = statistics.mean(on_period)
+    pct = statistics.median(b.mean_pct for b in bursts)
+    return Evidence(
+        f"{sum(grid)} bursts of CPU use outside the server ({pct:.0f}% of the host for "
+        f"{busy_s:.1f} s) every {mean:.2f} s (period varies by {cv:.0%}), the host quiet "
+        f"between them ({between or 0:.0f}%); decode steps during them took "
+        f"{slow.inside_ms:.0f} ms against {slow.outside_ms:.0f} ms for the same batch sizes "
+        f"outside (×{slow.ratio:.1f}): a periodic job on the host stalls the loop",
+        {
+            "spikes": sum(grid),
+            "period_s": mean,
+            "period_cv": cv,
+            "burst_s_p50": busy_s,
+            "burst_cpu_pct": pct,
+            "between_cpu_pct": between,
+            "arrivals_after_bursts": follow,
+            "step_slowdown": slow.ratio,
+            "steps_in_bursts": slow.steps_inside,
+            "neighbour_during_spikes": pct,
+            "neighbour_between_spikes": between,
+        },
+        (starts[0], ends[-1]),
+        "first_token_ns < ? AND last_token_ns > ?",
+        [ends[-1], starts[0]],
+        "warning",
+        _confidence(p["max_cv"] / max(cv, 1e-3), sum(grid) / p["min_spikes"]),
+        causes=(RULE.causes[1], *(c for c in RULE.causes if c != RULE.causes[1])),
+    )
+
+
+def detect(sig: Signals, p: dict) -> Evidence | None:
+    return _from_stalls(sig, p) or _host_job(sig, p)
+
+
+def _from_stalls(sig: Signals, p: dict) -> Evidence | None:
+    """Decode-only stalls on one period (a job on the host, GC, a checkpoint)."""
+    starting = loadgen_starts(sig)
+    lead, lag = int(p["arrival_lead_s"] * 1e9), int(p["census_lag_s"] * 1e9)
+    # a stall while one of our own clients started is the benchmark's
+    rows = [
+        r
+        for r in decode_stalls(sig, p, judged_only=True)
+        if not near_any(starting, r[0] - lead, r[0] + lag)
+    ]
+    if len(rows) < p["min_spikes"]:
+        return None
+    times = [r[0] for r in rows]
+    got = _periodicity(times, [r[3] for r in rows], p)
+    if got is None:
+        return None
+    period, grid, on_period, cv = got
+    regular = sum(grid) / len(times)
     if regular < p["min_regular"] or cv > p["max_cv"]:
         return None
     mean = statistics.mean(on_period)
@@ -227,6 +378,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     # traffic's: a job on the host keeps its period whatever arrives
     locked, chance = arrival_locked(sig, rows, p["arrival_lead_s"])
     if locked >= p["max_arrival_locked"] and locked - chance >= p["arrival_lock_excess"]:
+        return None
+    # a neighbour busy between the stalls as well is a sustained one (host_contention's),
+    # its stalls where the traffic made the steps heavier
+    quiet = quiet_between(sig, times, [r[3] for r in rows], p["burst_merge_s"])
+    if quiet is not None and quiet >= p["others_cpu_pct"] / 2:
         return None
     running = [r[2] for r in rows]
     during, between = _neighbour(sig, rows)
@@ -313,6 +469,29 @@ RULE = Rule(
             "and by this much more than stretches of the same length laid evenly over the span "
             "(chance): a job's stalls meet arrivals only as often as any moment does",
         ),
+        "burst_min_s": Param(
+            0.2, "a burst of CPU use outside the server lasts at least this long (s)"
+        ),
+        "burst_merge_s": Param(
+            0.3, "host samples above others_cpu_pct this close together (s) are one burst"
+        ),
+        "burst_slowdown": Param(
+            1.3,
+            "decode steps during the bursts vs steps of the same batch size outside them: "
+            "below it the job did not cost the streams",
+        ),
+        "census_lag_s": Param(
+            1.5,
+            "the process census lists a process up to this long after it started: a stall or "
+            "burst that began this long or less before one of our own load-generator processes "
+            "first showed in the census is that client starting",
+        ),
+        "max_arrivals_after": Param(
+            2.0,
+            "arrivals per second from a burst to 2 x arrival_lead_s after it vs the span's "
+            "rate, above which the bursts are clients starting (tune split: clumps of a "
+            "starting client 2.5-6, periodic jobs 0.7-1.4)",
+        ),
         "others_cpu_pct": Param(
             20.0,
             "CPU % used outside the server during the spikes that names a host job first "
@@ -327,5 +506,9 @@ RULE = Rule(
     explains=("host_contention", "itl_prefill_interference"),
     evidence_signals=("step_ms_p99", "itl_max"),
     reads=("requests", "steps", "devices"),
-    needs={"requests": ("first_token_ns", "last_token_ns", "scheduled_ns")},
+    needs={
+        "requests": ("first_token_ns", "last_token_ns", "scheduled_ns"),
+        # read only where the store has it (the process census)
+        "device_samples": ("busy_others",),
+    },
 )

@@ -117,6 +117,25 @@ def test_census_names_a_busy_process_outside_the_server():
         spin.wait()
 
 
+def test_census_counts_a_process_from_its_start():
+    # a process born between two listings is busy right at its start (a client starting, a
+    # short cron job): its CPU since birth counts in the first listing after it
+    census = ProcessCensus(refresh_s=0.0)
+    census.read(set())
+    time.sleep(0.3)
+    spin = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<20: pass"]
+    )
+    try:
+        time.sleep(1.0)
+        _, busy = census.read(set())
+        mine = [d for d in json.loads(busy) if d["pid"] == spin.pid]
+        assert mine and mine[0]["cpu_pct"] > 10, busy
+    finally:
+        spin.kill()
+        spin.wait()
+
+
 def test_thin_evidence_is_inconclusive_not_a_finding(tmp_path):
     """One request in a dump of sixteen waited 5 s in the queue: the symptom is there, but one
     request cannot carry a finding; it is listed apart, and the report stays healthy."""
