@@ -32,6 +32,7 @@ from tokenmill.bench.corpus import load_runs
 from tokenmill.bench.generalization import (
     blind_row,
     effect,
+    manifested,
     markdown,
     markdown_blind,
     match_twins,
@@ -76,7 +77,7 @@ def score_corpus(runs: list[tuple[dict, Path]]) -> list[dict]:
         ratio = None
         if twin is not None:
             ratio = effect(metrics(label["id"], label["id"]), metrics(twin, label["id"]))
-        rows.append(row(label, res, ratio))
+        rows.append(row(label, res, ratio, manifested(label, dump)))
         print(_line(rows[-1], ratio), flush=True)
     return rows
 

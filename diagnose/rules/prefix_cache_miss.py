@@ -11,10 +11,23 @@ from ._common import Evidence, Param, Rule, _confidence
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
     hit_rate = sig.overall.get("prefix_hit_rate")
-    if hit_rate is None or hit_rate >= p["hit_rate_below"]:
+    if hit_rate is None:
         return None
     stats = prefix_block_stats(sig.con, sig.since_ns, sig.until_ns, int(p["shared_blocks"]))
-    if stats["prompts"] < p["min_tail_prompts"] or stats["share"] < p["share"]:
+    # the prompts that share a tail but differ early miss by construction: judged on their own
+    # hit rate where they are enough prompts, whatever other prompts (another tenant's, with a
+    # stable system prompt) the cache serves beside them
+    group = stats["hit_rate"]
+    on_their_own = (
+        stats["shared_tail_differs_first"] >= p["min_tail_prompts"]
+        and group is not None
+        and group < p["hit_rate_below"]
+    )
+    if not on_their_own and hit_rate >= p["hit_rate_below"]:
+        return None
+    if not on_their_own and (
+        stats["prompts"] < p["min_tail_prompts"] or stats["share"] < p["share"]
+    ):
         return _recomputed_repeats(sig, p, hit_rate) or _shorter_than_a_block(sig, p, hit_rate)
     # prompt hashes are per engine block (the config event has its size)
     bs = int(sig.config.get("block_size") or DEFAULT_BLOCK_SIZE)
@@ -22,10 +35,12 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         f"{stats['shared_tail_differs_first']} of {stats['prompts']} prompts share the "
         f"{int(p['shared_blocks'])} blocks after block {stats['block']} with another prompt but "
         f"differ in block {stats['block']} (tokens {bs * stats['block']}–"
-        f"{bs * stats['block'] + bs - 1}), and the prefix-cache hit rate is {hit_rate:.0%}: "
-        f"something early in the prompt (a timestamp, a request id) changes every time",
+        f"{bs * stats['block'] + bs - 1}), and the prefix-cache hit rate is {hit_rate:.0%}"
+        + (f" ({group:.0%} on those prompts)" if group is not None else "")
+        + ": something early in the prompt (a timestamp, a request id) changes every time",
         {
             "prefix_hit_rate": hit_rate,
+            "differing_prompts_hit_rate": group,
             "prompts_with_shared_tail": stats["shared_tail_differs_first"],
             "prompts": stats["prompts"],
             "share": stats["share"],
@@ -37,7 +52,10 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         "cached_tokens = 0 AND len(prompt_block_hashes) > ?",
         [int(p["shared_blocks"])],
         "warning",
-        _confidence(stats["share"] / p["share"], p["hit_rate_below"] / max(hit_rate, 1e-3)),
+        _confidence(
+            max(stats["share"] / p["share"], 1.0 if on_their_own else 0.0),
+            p["hit_rate_below"] / max(min(hit_rate, 1.0 if group is None else group), 1e-3),
+        ),
     )
 
 
@@ -206,8 +224,10 @@ RULE = Rule(
     },
     detect=detect,
     healthy_baseline="absolute",
-    explains=("ttft_prefill_bound", "itl_prefill_interference"),
+    # prefill the cache should have served is work: the queue it builds and the prefill steps
+    # it stalls decodes with are its consequences
+    explains=("ttft_prefill_bound", "itl_prefill_interference", "overload"),
     evidence_signals=("prefix_hit_rate", "ttft_p99"),
     reads=("requests", "prefix"),
-    needs={"requests": ("prompt_block_hashes", "prompt_head_hashes")},
+    needs={"requests": ("prompt_block_hashes", "prompt_head_hashes", "cached_tokens")},
 )

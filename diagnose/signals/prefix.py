@@ -41,23 +41,34 @@ def prefix_block_stats(
     group holds other prompts whose block ``e`` differs. Such prompts miss the prefix cache by construction: its keys chain from
     block 0, so one differing early block makes every later block a miss.
 
-    Returns ``{"prompts", "shared_tail_differs_first", "share", "block", "block_size"}`` for
-    the position where the pattern is strongest (``block_size``: tokens per hashed block).
+    Returns ``{"prompts", "shared_tail_differs_first", "share", "hit_rate", "block",
+    "block_size"}`` for the position where the pattern is strongest (``hit_rate``: the
+    prefix-cache hit rate of the differing prompts alone, None without them; ``block_size``:
+    tokens per hashed block).
     """
     k = int(min_shared_blocks)
     size = engine_block_size(con)
-    best = {"prompts": 0, "shared_tail_differs_first": 0, "share": 0.0, "block": None}
+    best = {
+        "prompts": 0,
+        "shared_tail_differs_first": 0,
+        "share": 0.0,
+        "hit_rate": None,
+        "block": None,
+    }
     for e in range(int(early_blocks)):
         row = con.execute(
             f"""
             WITH r AS (
-                SELECT prompt_block_hashes AS h FROM requests
+                SELECT prompt_block_hashes AS h, coalesce(cached_tokens, 0) AS cached,
+                       input_tokens FROM requests
                 WHERE arrival_ns >= ? AND arrival_ns < ? AND len(prompt_block_hashes) > {e + k}),
             t AS (SELECT h[{e + 2}:{e + k + 1}] AS tail, count(DISTINCT h[{e + 1}]) AS firsts,
-                         count(*) AS n
+                         count(*) AS n, sum(cached) AS cached, sum(input_tokens) AS tokens
                   FROM r GROUP BY tail)
             SELECT coalesce(sum(n) FILTER (WHERE n > 1), 0),
-                   coalesce(sum(n) FILTER (WHERE firsts > 1), 0) FROM t
+                   coalesce(sum(n) FILTER (WHERE firsts > 1), 0),
+                   sum(cached) FILTER (WHERE firsts > 1) / sum(tokens) FILTER (WHERE firsts > 1)
+            FROM t
             """,
             [since_ns, until_ns],
         ).fetchone()
@@ -68,6 +79,7 @@ def prefix_block_stats(
                 "prompts": prompts,
                 "shared_tail_differs_first": differs,
                 "share": share,
+                "hit_rate": None if row[2] is None else float(row[2]),
                 "block": e,
             }
     return {**best, "block_size": size}
