@@ -1,14 +1,27 @@
 """The factorial diagnosis corpus: traffic SHAPE × FAULT × MAGNITUDE, and a healthy twin of
 every shape, so the diagnoser is judged on traffic it was not tuned on.
 
-A shape is the traffic alone (closed or open loop, clumps, many client processes, tenants,
-long prompts, int8 weights, speculative decoding); a fault is laid on top of it from a known
-offset for at least 25 s (a CPU hog, a periodic job, a KV pool too small, arrivals above what
-the engine sustains, whole long prefills, a system prompt that changes every request) at one of
-three magnitudes. Each shape's traffic is drawn once (``random.Random(f"f-{shape}")``), so a
-faulted run and its shape's twin (``f-<shape>-healthy``) send the same base requests; the
-fault's own parameters are drawn from ``random.Random(run id)``. The split is by shape:
-:data:`TUNE_SHAPES` may be looked at while tuning the rules, :data:`HELDOUT_SHAPES` never.
+A shape is the traffic alone and the server it meets (closed or open loop, clumps, many client
+processes, tenants, long prompts, int8 weights, speculative decoding, two data-parallel
+replicas, disaggregated prefill and decode, an open-loop mix of short chats and long prompts); a
+fault is laid on top of it from a known offset for at least 25 s (a CPU hog, a periodic job, a
+KV pool too small, arrivals above what the engine sustains, whole long prefills, a system prompt
+that changes every request) at one of three magnitudes. Each shape's traffic is drawn once
+(``random.Random(f"f-{shape}")``), so a faulted run and its shape's twin (``f-<shape>-healthy``)
+send the same base requests; the fault's own parameters are drawn from ``random.Random(run
+id)``. The split is by shape: :data:`TUNE_SHAPES` may be looked at while tuning the rules,
+:data:`HELDOUT_SHAPES` never. The first eight shapes have all been looked at and are tune
+shapes; ``dp``, ``pd`` and ``mixed`` are the held-out ones (added after, tuned on by nobody).
+
+A fault means the same on every shape where it can: on ``dp`` a KV pool flag is each
+replica's, so ``kv_pressure`` sizes the pool from a replica's share of the shape's requests and
+sends 4-5 long answers *per replica*; ``overload`` counts no more capacity for two replicas
+(they share the two cores). On ``pd`` ``kv_pressure`` caps the decode side's pool
+(``--decode-num-gpu-blocks-override``: it holds whole requests, the prefill side a prompt until
+it is sent), and
+``prefill_interference``'s unchunked long prompts run on the prefill core, so they can slow
+the decode core's tokens only through the two cores both share. On ``mixed`` ``overload`` sends more of both classes
+in the shape's shares.
 
 Runs are ``bench/corpus.py``'s :class:`~tokenmill.bench.corpus.Run`, recorded by its
 :func:`~tokenmill.bench.corpus.generate`; their ``label.json`` has the corpus's keys plus
@@ -21,9 +34,10 @@ step). ``benchmarks/diagnosis_generalization.py`` scores the diagnoser on it.
 ``label.json`` exists is skipped); ``make factorial`` records the small plan.
 
 Durations come from a cost model of the default model on this 2-core CPU
-(:data:`PREFILL_S_PER_TOKEN`, :data:`DECODE_STEP_S`, :data:`SATURATED_S_PER_OUTPUT_TOKEN`):
-each run's traffic is planned to last 35-50 s (:func:`traffic_s`), and ``overload`` sets its
-arrival rate from the capacity the model gives (:func:`capacity_rps`).
+(:data:`PREFILL_S_PER_TOKEN`, :data:`DECODE_STEP_S`, :data:`SATURATED_S_PER_OUTPUT_TOKEN`; a
+data-parallel replica's :data:`DP_PREFILL_S_PER_TOKEN` and :data:`DP_DECODE_STEP_S`): each
+run's traffic is planned to last 35-50 s (:func:`traffic_s`), and ``overload`` sets its arrival
+rate from the capacity the model gives (:func:`base_capacity_rps`).
 """
 
 from __future__ import annotations
@@ -42,8 +56,8 @@ from .corpus import Run, generate
 from .scenario import Scenario
 from .scenario import _args as scenario_args
 
-TUNE_SHAPES = ("closed", "open", "long", "int8")
-HELDOUT_SHAPES = ("clumped", "procs", "tenants", "spec")
+TUNE_SHAPES = ("closed", "open", "long", "int8", "clumped", "procs", "tenants", "spec")
+HELDOUT_SHAPES = ("dp", "pd", "mixed")
 SPLITS = ("tune", "heldout")
 MAGNITUDES = ("mild", "moderate", "severe")
 PLANS = ("small", "full")
@@ -54,6 +68,13 @@ BLOCK_SIZE = 16  # the engine's default KV block (engine/messages.py DEFAULT_BLO
 PREFILL_S_PER_TOKEN = 0.0025
 DECODE_STEP_S = 0.035
 SATURATED_S_PER_OUTPUT_TOKEN = 0.005
+# data parallel on this CPU (--data-parallel-size 2): each replica runs one torch thread, so
+# a prompt prefills at half the speed and a decode step of 1-2 requests takes ~40 ms (measured:
+# f-dp-healthy, 3 clients: 1.7 s a request, 41 ms between tokens, against f-closed-healthy's
+# 1.57 s and 35 ms on one engine); the two together complete no more than one engine does once
+# busy (they share the two cores)
+DP_PREFILL_S_PER_TOKEN = 2 * PREFILL_S_PER_TOKEN
+DP_DECODE_STEP_S = 0.040
 # the slowest a request's tokens come during a fault (for the drain after a step's last phase)
 DRAIN_S_PER_OUTPUT_TOKEN = 0.04
 
@@ -96,6 +117,16 @@ class Base:
     params: dict
     fault_args: list[str] = field(default_factory=list)
     kv_slack_per_request: int = 0  # speculative drafts take a slot or so each
+    # engine cores the requests are spread over (data parallel): a KV pool flag is per core
+    replicas: int = 1
+    # the server flags kv_pressure sets to its pool size (disaggregated: the decode side's)
+    kv_flags: tuple[str, ...] = ("--num-gpu-blocks-override",)
+    # the KV blocks its own requests hold at most, estimated (None: peak_running times the
+    # largest request's); a shape whose requests are of two very different sizes says so
+    kv_own_blocks: int | None = None
+    # a shape of several request classes: (share of its arrivals, prompt, output) each; the
+    # capacity and overload's extra traffic follow the mix (empty: prompt and output alone)
+    mix: tuple[tuple[float, tuple[int, int], tuple[int, int]], ...] = ()
 
 
 def _latency_s(prompt: float, output: float) -> float:
@@ -110,6 +141,14 @@ def capacity_rps(prompt: tuple[int, int], output: tuple[int, int]) -> float:
     """Requests per second the engine completes at most, for requests of these sizes: one
     request's engine time is its prefill plus its output tokens at the large-batch rate."""
     return 1.0 / (_mid(prompt) * PREFILL_S_PER_TOKEN + _mid(output) * SATURATED_S_PER_OUTPUT_TOKEN)
+
+
+def base_capacity_rps(base: Base) -> float:
+    """:func:`capacity_rps` of the shape's requests; of a mix, one over its mean engine time a
+    request. Data-parallel replicas on this CPU share its two cores, so they add none."""
+    if not base.mix:
+        return capacity_rps(base.prompt, base.output)
+    return 1.0 / sum(share / capacity_rps(p, o) for share, p, o in base.mix)
 
 
 def _blocks(prompt: int, output: int) -> int:
@@ -304,6 +343,88 @@ def _tenants(rng):
     )
 
 
+def _dp(rng):
+    # two engine cores behind one API (--data-parallel-size 2), each a full copy of the model
+    # with one torch thread (the two share this CPU's two cores), short chats routed to the
+    # core with the fewest outstanding tokens
+    b = _closed_loop(rng, rng.choice([3, 4]), (32, 96), (24, 48), ["--data-parallel-size", "2"])
+    b.replicas = 2
+    one = _mid(b.prompt) * DP_PREFILL_S_PER_TOKEN + _mid(b.output) * DP_DECODE_STEP_S
+    b.rate_rps = b.peak_running / one
+    return b
+
+
+# kv_pressure on pd: the decode core holds every request's whole KV (its prompt's, sent from
+# the prefill core, and its answer's) while the prefill core holds a prompt's only until it is
+# sent (at once: the decode side buffers it at its desk), so the pool that is too small is the
+# decode side's: the fault sets --decode-num-gpu-blocks-override to the size it sets
+# --num-gpu-blocks-override to on the other shapes, and leaves the prefill side its default
+# pool. (Capping both alike was tried: at the severe size the prefill side, taking the fault's
+# 4-5 prompts at once, came near its cap too, a second effect that is not the fault's.)
+PD_KV_FLAGS = ("--decode-num-gpu-blocks-override",)
+
+
+def _pd(rng):
+    # prefill and decode on their own engine cores (--disaggregation prefill=1,decode=1, not
+    # pinned: both share the two cores), each request's KV sent from one to the other
+    b = _closed_loop(
+        rng, rng.choice([2, 3]), (32, 96), (24, 48), ["--disaggregation", "prefill=1,decode=1"]
+    )
+    b.kv_flags = PD_KV_FLAGS
+    return b
+
+
+def _mixed(rng):
+    # open loop, two classes each its own Poisson stream: ~80 % short chats, ~20 % with a
+    # 300-600-token prompt (a document to summarise), well under capacity
+    rate = round(rng.uniform(0.5, 0.7), 2)
+    long_rate = round(0.2 * rate, 3)
+    short_rate = round(rate - long_rate, 3)
+    t = rng.randint(42, 46)
+    seed = rng.randint(1, 999)
+    short, long_ = ((32, 96), (16, 48)), ((300, 600), (16, 48))
+    classes = ((short_rate, *short), (long_rate, *long_))
+    steps = [
+        {
+            "start_s": 0.0,
+            "args": _bench(
+                request_rate=r,
+                phases=f"steady:{t}s",
+                prompt_tokens=_uniform(*p),
+                output_tokens=_uniform(*o),
+                seed=seed + k,
+            ),
+        }
+        for k, (r, p, o) in enumerate(classes)
+    ]
+    # Poisson arrivals: up to five running at once now and then; the KV they hold is mostly
+    # the long prompts', usually one at a time: the pool kv_pressure leaves the shape is one
+    # long and three short requests' with the 25 % margin (f-mixed-healthy at 0.7 req/s: 68
+    # blocks at its 99th percentile step; two long prompts together, 103 blocks, once)
+    peak = 5
+    own = math.ceil(
+        1.25 * (3 * _blocks(short[0][1], short[1][1]) + _blocks(long_[0][1], long_[1][1]))
+    )
+    return Base(
+        steps,
+        [],
+        (short[0][0], long_[0][1]),
+        (min(short[1][0], long_[1][0]), max(short[1][1], long_[1][1])),
+        span_s=t,
+        rate_rps=rate,
+        peak_running=peak,
+        params={
+            "rate": rate,
+            "short_rate": short_rate,
+            "long_rate": long_rate,
+            "steady_s": t,
+            "seed": seed,
+        },
+        kv_own_blocks=own,
+        mix=tuple((r / rate, p, o) for r, p, o in classes),
+    )
+
+
 @dataclass(frozen=True)
 class Shape:
     name: str
@@ -326,6 +447,23 @@ SHAPES: dict[str, Shape] = {
         Shape("procs", _procs, "6-8 client processes joining over 20 s, one stream each"),
         Shape("tenants", _tenants, "eight tenants, their own keys, system prompts and rates"),
         Shape("spec", _spec, "n-gram speculative decoding, 2 clients, long answers"),
+        Shape(
+            "dp",
+            _dp,
+            "data parallel: 2 engine cores (one thread each) behind one API, 3-4 closed-loop "
+            "clients, short chats; a KV pool is each core's",
+        ),
+        Shape(
+            "pd",
+            _pd,
+            "disaggregated prefill=1,decode=1 (unpinned), 2-3 closed-loop clients, short chats; "
+            "a KV pool too small is the decode side's",
+        ),
+        Shape(
+            "mixed",
+            _mixed,
+            "open loop, Poisson 0.5-0.7 req/s: ~80 % short chats, ~20 % 300-600-token prompts",
+        ),
     )
 }
 
@@ -395,11 +533,17 @@ def _periodic(base: Base, mag: str, rng: random.Random) -> Fault:
 
 def _kv_pressure(base: Base, mag: str, rng: random.Random) -> Fault:
     start, end = _window(rng, base)
-    clients = rng.choice([4, 5])
+    clients = rng.choice([4, 5])  # a core's: data parallel sends them to every replica
     prompt, output = (64, 128), (150, 250)
     seed = rng.randint(1, 999)
     slack = base.kv_slack_per_request
-    own = math.ceil(base.peak_running * (_blocks(base.prompt[1], base.output[1]) + slack) * 1.25)
+    # the pool is each engine core's: a data-parallel replica holds its share of the shape's
+    # requests (the router balances them; the busier one the larger half) and 4-5 of the
+    # fault's, as a single engine would, so every magnitude means the same on each replica
+    own = base.kv_own_blocks
+    if own is None:
+        running = math.ceil(base.peak_running / base.replicas)
+        own = math.ceil(running * (_blocks(base.prompt[1], base.output[1]) + slack) * 1.25)
     one = _blocks(prompt[1], output[1]) + slack
     extra = clients * one
     blocks = max(own + round(KV_SHARE[mag] * extra), own + one + 2)
@@ -409,7 +553,7 @@ def _kv_pressure(base: Base, mag: str, rng: random.Random) -> Fault:
             "args": [
                 *base.fault_args,
                 *_bench(
-                    concurrency=clients,
+                    concurrency=clients * base.replicas,
                     phases=f"steady:{end - start:g}s",
                     prompt_tokens=_uniform(*prompt),
                     output_tokens=_uniform(*output),
@@ -420,30 +564,36 @@ def _kv_pressure(base: Base, mag: str, rng: random.Random) -> Fault:
     ]
     params = {"clients": clients, "blocks": blocks, "own_blocks": own, "fault_blocks": extra}
     params["seed"] = seed
-    return Fault(start, end, params, steps, ["--num-gpu-blocks-override", str(blocks)])
+    if base.replicas > 1:  # clients, blocks, own_blocks and fault_blocks are each replica's
+        params["replicas"] = base.replicas
+    server = [a for flag in base.kv_flags for a in (flag, str(blocks))]
+    return Fault(start, end, params, steps, server)
 
 
 def _overload(base: Base, mag: str, rng: random.Random) -> Fault:
     start, end = _window(rng, base)
-    cap = capacity_rps(base.prompt, base.output)
+    cap = base_capacity_rps(base)
     rate = round(max(0.5 * cap, OVERLOAD_X[mag] * cap - base.rate_rps), 2)
     seed = rng.randint(1, 999)
+    # a mix sends more of each of its classes, in its shares, each class a step of its own
+    classes = base.mix or ((1.0, base.prompt, base.output),)
     steps = [
         {
             "start_s": start,
             "args": [
                 *base.fault_args,
                 *_bench(
-                    request_rate=rate,
+                    request_rate=rate if len(classes) == 1 else round(share * rate, 3),
                     phases=f"steady:{end - start:g}s",
-                    prompt_tokens=_uniform(*base.prompt),
-                    output_tokens=_uniform(*base.output),
+                    prompt_tokens=_uniform(*p),
+                    output_tokens=_uniform(*o),
                     # the backlog is cut 5 s after the phase (it would take minutes to drain)
                     drain_timeout=5,
-                    seed=seed,
+                    seed=seed + k,
                 ),
             ],
         }
+        for k, (share, p, o) in enumerate(classes)
     ]
     params = {"rate": rate, "capacity_rps": round(cap, 2), "x": OVERLOAD_X[mag], "seed": seed}
     return Fault(start, end, params, steps)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -25,7 +26,7 @@ FULL = fx.plan("full")
 
 def test_the_small_plan_is_every_shape_s_twin_and_each_fault_once_per_shape():
     ids = [r.id for r in SMALL]
-    assert len(ids) == len(set(ids)) == len(fx.SHAPES) * (1 + len(fx.FAULTS)) == 56
+    assert len(ids) == len(set(ids)) == len(fx.SHAPES) * (1 + len(fx.FAULTS)) == 77
     assert {r.id for r in SMALL if r.labels["fault"] is None} == {
         f"f-{s}-healthy" for s in fx.SHAPES
     }
@@ -39,8 +40,8 @@ def test_the_small_plan_is_every_shape_s_twin_and_each_fault_once_per_shape():
 
 
 def test_the_full_plan_and_its_filters():
-    assert len(FULL) == len(fx.SHAPES) * (1 + 3 * len(fx.FAULTS)) == 152
-    assert len({r.id for r in FULL}) == 152
+    assert len(FULL) == len(fx.SHAPES) * (1 + 3 * len(fx.FAULTS)) == 209
+    assert len({r.id for r in FULL}) == 209
     only = fx.plan("full", shapes=["long"], faults=["overload"], magnitudes=["severe"])
     assert [r.id for r in only] == ["f-long-overload-severe"]
     held = fx.plan("small", split="heldout")
@@ -126,6 +127,78 @@ def test_magnitudes_grow_the_fault():
         for m, blocks in zip(fx.MAGNITUDES, pools, strict=True):
             q = p(shape, "kv_pressure", m)
             assert q["own_blocks"] < blocks < q["own_blocks"] + q["fault_blocks"], (shape, m)
+
+
+def test_the_split_and_the_first_eight_shapes_magnitudes():
+    """Every shape looked at is a tune shape; the held-out ones come after them, so adding
+    them left the tune shapes' small-plan magnitudes (by their index) as they were."""
+    assert tuple(fx.SHAPES) == (*fx.TUNE_SHAPES, *fx.HELDOUT_SHAPES)
+    assert len(fx.TUNE_SHAPES) == 8 and fx.HELDOUT_SHAPES == ("dp", "pd", "mixed")
+    ids = {r.id for r in SMALL}
+    assert {
+        "f-closed-neighbour-mild",
+        "f-spec-neighbour-moderate",
+        "f-spec-overload-moderate",
+    } <= ids
+    assert {"f-dp-neighbour-severe", "f-pd-kv_pressure-severe", "f-mixed-prefix_miss-mild"} <= ids
+
+
+def test_kv_pressure_on_two_replicas_is_each_replica_s():
+    """On dp the pool flag is each replica's: it holds a replica's share of the shape's
+    requests (the larger half) and the fault sends 4-5 long answers per replica."""
+    closed, dp = by_id("f-closed-kv_pressure-severe"), by_id("f-dp-kv_pressure-severe")
+    q = dp.params["fault"]
+    assert q["replicas"] == 2 and "replicas" not in closed.params["fault"]
+    clients = dp.params["shape"]["clients"]
+    assert q["own_blocks"] == math.ceil(math.ceil(clients / 2) * 9 * 1.25)
+    step = dp.scenario.steps[-1]["args"]
+    assert step[step.index("--concurrency") + 1] == str(2 * q["clients"])
+    server = dp.scenario.server
+    assert server[:2] == ["--data-parallel-size", "2"]
+    assert server[2:] == ["--num-gpu-blocks-override", str(q["blocks"])]
+
+
+def test_kv_pressure_on_pd_caps_the_decode_side():
+    """The decode core holds whole requests; the prefill side keeps its default pool."""
+    r = by_id("f-pd-kv_pressure-moderate")
+    blocks = str(r.params["fault"]["blocks"])
+    assert r.scenario.server == [
+        "--disaggregation",
+        "prefill=1,decode=1",
+        "--decode-num-gpu-blocks-override",
+        blocks,
+    ]
+    assert fx.check_server_args(r.scenario.server) is None
+
+
+def test_the_mixed_shape_and_its_overload_send_both_classes():
+    """Two concurrent open-loop steps, ~80/20 short chats and 300-600-token prompts, each its
+    own rate and seed; overload adds more of each in the same shares, to a capacity of the mix."""
+    twin = by_id("f-mixed-healthy")
+
+    def opt(args, name):
+        return args[args.index(name) + 1]
+
+    short, long_ = (st["args"] for st in twin.scenario.steps)
+    assert opt(short, "--prompt-tokens") == "uniform:32:96"
+    assert opt(long_, "--prompt-tokens") == "uniform:300:600"
+    assert opt(short, "--seed") != opt(long_, "--seed")
+    rates = [float(opt(a, "--request-rate")) for a in (short, long_)]
+    assert 0.5 <= sum(rates) <= 0.71 and rates[1] / sum(rates) == pytest.approx(0.2, abs=0.01)
+    base = fx.base_of("mixed")
+    cap = fx.base_capacity_rps(base)
+    assert base.rate_rps < 0.5 * cap  # under capacity
+    assert cap < fx.capacity_rps((32, 96), (16, 48))
+    over = by_id("f-mixed-overload-severe")
+    extra = over.scenario.steps[2:]
+    assert [opt(st["args"], "--prompt-tokens") for st in extra] == [
+        "uniform:32:96",
+        "uniform:300:600",
+    ]
+    total = over.params["fault"]["rate"]
+    extra_rates = [float(opt(st["args"], "--request-rate")) for st in extra]
+    assert sum(extra_rates) == pytest.approx(total, abs=0.01)
+    assert total + base.rate_rps == pytest.approx(4.0 * cap, abs=0.02)
 
 
 def test_the_tenants_shape_uses_the_tenants_file_s_keys():
