@@ -728,6 +728,10 @@ def make_run(shape: str, fault: str | None = None, magnitude: str | None = None)
         for st in [*base.steps, *(f.steps if f else [])]
     ]
     expect = list(kind.expect) if kind else []
+    if shape == "pd" and fault == "kv_pressure":
+        # its pool is the decode side's: a decode pool too small for what the prefill side sends
+        # is as rightly named the P/D ratio's (bench/scenarios/pd_decode_starved.yaml)
+        expect.insert(1, "pd_ratio_imbalance")
     sc = Scenario(
         name=rid,
         expect=expect,
