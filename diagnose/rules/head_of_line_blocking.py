@@ -291,9 +291,11 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="either",
     # the long prompts that block the queue are the prefills that stall the running decodes
-    # (and the short requests it held back, let in together, make one big decode batch)
+    # (and the short requests it held back, let in together, make one big decode batch); while
+    # the head blocks admission arrivals outpace completions: a backlog it builds, not overload
     explains=(
         "ttft_queueing",
+        "overload",
         "ttft_prefill_bound",
         "itl_prefill_interference",
         "batch_too_large",

@@ -23,12 +23,18 @@ from .periodic_itl_spikes import decode_stalls
 # cause (a burst on the host slows the steps on both sides of it; a prefill only its own)
 STALL_MARGIN_STEPS = 3
 
-# Each step that carries prefill next to running decodes, with the slower of the decode-only
-# steps just before and just after it (NULL where there is none in the range).
+# Each step that carries prefill next to running decodes, or while streams are mid-answer (a
+# scheduler without chunked prefill runs a prompt's prefill in a step of its own and the streams
+# wait it out: their next token comes after it), with the slower of the decode-only steps just
+# before and just after it (NULL where there is none in the range).
 _MIXED_STEPS_SQL = """
 WITH s AS (SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms,
                   num_prefill_tokens / greatest(num_prefill_chunks, 1) AS prefill,
-                  num_prefill_tokens > 0 AND num_running > num_prefill_chunks AS mixed,
+                  num_prefill_tokens > 0 AND (
+                      num_running > num_prefill_chunks
+                      OR EXISTS (SELECT 1 FROM requests r
+                                 WHERE r.first_token_ns < engine_steps.start_ns
+                                   AND r.last_token_ns > engine_steps.end_ns)) AS mixed,
                   CASE WHEN num_prefill_tokens = 0 AND num_decode_tokens > 0
                        THEN (end_ns - start_ns) / 1e6 END AS decode_ms
            FROM engine_steps WHERE start_ns >= ? AND start_ns < ?),

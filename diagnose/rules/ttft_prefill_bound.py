@@ -53,6 +53,23 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         f"SELECT ttft_ms FROM requests WHERE ({cond}) AND {COMPLETED_SQL} AND ttft_ms IS NOT NULL",
         [t for rng in ranges for t in rng],
     ).fetchall()
+    # more to prefill: the slow requests' prompt tokens the cache did not serve against the
+    # healthy windows' requests'. Prompts of the usual size whose prefill took longer were
+    # slowed by what shared their steps (a burst of arrivals prefilled together, a batch grown
+    # by overload, decodes beside them): other rules' causes, or the traffic's own clumps
+    (slow_new,) = sig.con.execute(
+        f"SELECT median(input_tokens - coalesce(cached_tokens, 0)) FROM requests "
+        f"WHERE arrival_ns >= ? AND arrival_ns < ? AND {COMPLETED_SQL} AND ttft_ms >= ? "
+        f"AND prefill_ms >= ? * ttft_ms",
+        [sig.since_ns, sig.until_ns, p["ttft_rise"] * base, p["prefill_share"]],
+    ).fetchone()
+    (ref_new,) = sig.con.execute(
+        f"SELECT median(input_tokens - coalesce(cached_tokens, 0)) FROM requests "
+        f"WHERE ({cond}) AND {COMPLETED_SQL}",
+        [t for rng in ranges for t in rng],
+    ).fetchone()
+    if slow_new is not None and ref_new and slow_new < p["more_to_prefill"] * ref_new:
+        return None
     w_ns = int(sig.window_s * 1e9)
     held = len({(t - sig.start_ns) // w_ns for _, t in slow_rows})
     support = compare(
@@ -81,6 +98,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "input_tokens_p99": w.get("input_p99"),
             "prefix_hit_rate": hit_rate,
             "slow_prefill_requests": slow,
+            "slow_uncached_prompt_tokens_p50": slow_new,
+            "healthy_uncached_prompt_tokens_p50": ref_new,
         },
         (w.start_ns, w.end_ns),
         where + " AND prefill_ms > 0.5 * ttft_ms",
@@ -115,6 +134,13 @@ RULE = Rule(
             2,
             "requests in the range with TTFT at ttft_rise x the baseline, prefill the larger part: "
             "one oversized prompt is an outlier, not a trend",
+        ),
+        "more_to_prefill": Param(
+            1.5,
+            "the slow requests' uncached prompt tokens (median) over the healthy windows' "
+            "requests': below it their prompts were the usual size and what slowed their "
+            "prefill was what shared its steps (blind set: int8 chat under a Poisson burst, "
+            "150-180-token prompts prefilled together; a surge that grew the batch to 60)",
         ),
         "support_effect": Param(
             1.5,

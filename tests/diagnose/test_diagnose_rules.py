@@ -818,3 +818,22 @@ def test_a_client_gap_in_one_window_is_inconclusive(tmp_path):
         else:
             assert len(found) == 1 and not held, (report.findings, report.inconclusive)
             assert found[0].support["persistence"] == "4 of 4 windows with client timings"
+
+
+@pytest.mark.parametrize(
+    ("error_type", "fires"), [("nan_logits", True), ("client_disconnected", False)]
+)
+def test_the_engine_s_own_failures_need_no_spike(tmp_path, error_type, fires):
+    """Blind set, nan_logits_fraction: 8% of requests failing with NaN logits from the first
+    request had no window above the others, and nothing fired. The engine's own failures at 5%
+    of the range are a finding whatever the baseline; clients that leave at the same share are
+    not (a client may disconnect; an engine should not fail a request)."""
+    steady = HEALTHY.but(duration_s=60, error_share=0.08, error_type=error_type)
+    path = tmp_path / "steady_errors.duckdb"
+    write_store(path, [steady], seed=6)
+    con = duckdb.connect(str(path), read_only=True)
+    findings = {f.rule_id: f for f in diagnose(con).findings}
+    con.close()
+    assert ("error_spike" in findings) is fires, sorted(findings)
+    if fires:
+        assert set(findings["error_spike"].evidence["errors_by_type"]) == {"nan_logits"}
