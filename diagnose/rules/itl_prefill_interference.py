@@ -304,7 +304,8 @@ RULE = Rule(
     evidence_signals=("itl_max", "mixed_step_ms_max", "prefill_tokens_max"),
     reads=("requests", "steps"),
     needs={
-        "requests": ("first_token_ns", "last_token_ns", "request_id"),
+        # decode_ms: the analysis reads the steps' alias of that name in the stall query
+        "requests": ("first_token_ns", "last_token_ns", "request_id", "decode_ms"),
         "engine_steps": ("req_ids", "req_tokens", "req_prefill"),
     },
 )

@@ -9,7 +9,7 @@ import statistics
 
 from ..signals import Signals
 from ..signals.host_bursts import Burst, burst_slowdown, host_bursts, loadgen_starts, near_any
-from ..signals.scope import store_columns
+from ..signals.scope import store_has
 from ._common import Evidence, Param, Rule, _confidence
 
 # the host's CPU use outside the server (or, on a GPU, other processes on the device) during
@@ -245,10 +245,11 @@ WHERE kind = 'host' AND time_ns >= ? AND time_ns <= ? AND cpu_others_pct IS NOT 
 def quiet_between(sig: Signals, starts: list[int], ends: list[int], pad_s: float) -> float | None:
     """Mean CPU share used outside the server, less the load generator, between the stretches
     (``starts``/``ends``, ns) over their span; None without host samples."""
-    cols = store_columns(sig.con).get("device_samples", frozenset())
-    if sig.device_kind != "host" or "cpu_others_pct" not in cols:
+    if sig.device_kind != "host" or not store_has(sig.con, "device_samples", "cpu_others_pct"):
         return None
-    loadgen = "loadgen_cpu_pct" if "loadgen_cpu_pct" in cols else "NULL"
+    loadgen = (
+        "loadgen_cpu_pct" if store_has(sig.con, "device_samples", "loadgen_cpu_pct") else "NULL"
+    )
     pad = int(pad_s * 1e9)
     (v,) = sig.con.execute(
         _BETWEEN_SQL.format(loadgen=loadgen), [starts, ends, starts[0], ends[-1], pad, pad]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..signals import COMPLETED_SQL, Signals, Window
+from ..signals.scope import store_has
 from ..stats import compare
 from ._common import (
     _BASE,
@@ -18,6 +19,30 @@ from ._common import (
     _when,
     _worst,
 )
+
+# the slow prefill-bound requests, each with the most prompts any of its prefill steps carried
+_SHARED_SQL = f"""
+WITH slow AS (SELECT request_id FROM requests
+              WHERE arrival_ns >= ? AND arrival_ns < ? AND {COMPLETED_SQL} AND ttft_ms >= ?
+                AND prefill_ms >= ? * ttft_ms),
+st AS (SELECT num_prefill_chunks AS chunks, unnest(req_ids) AS rid, unnest(req_prefill) AS pf
+       FROM engine_steps WHERE start_ns >= ? AND num_prefill_tokens > 0 AND req_ids IS NOT NULL)
+SELECT slow.request_id, max(st.chunks) FROM slow JOIN st ON st.rid = slow.request_id AND st.pf
+GROUP BY slow.request_id
+"""
+
+
+def _prefilled_together(sig: Signals, p: dict, base: float) -> float:
+    """The share of the slow prefill-bound requests whose prefill shared a step with another
+    prompt's (0 where the store lacks the steps' request lists): prompts let in together are
+    prefilled together, each as slow as all of them."""
+    if not store_has(sig.con, "engine_steps", "req_ids", "req_prefill"):
+        return 0.0
+    rows = sig.con.execute(
+        _SHARED_SQL,
+        [sig.since_ns, sig.until_ns, p["ttft_rise"] * base, p["prefill_share"], sig.since_ns],
+    ).fetchall()
+    return sum((n or 0) >= 2 for _, n in rows) / len(rows) if rows else 0.0
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -68,7 +93,12 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         f"WHERE ({cond}) AND {COMPLETED_SQL}",
         [t for rng in ranges for t in rng],
     ).fetchone()
-    if slow_new is not None and ref_new and slow_new < p["more_to_prefill"] * ref_new:
+    if (
+        slow_new is not None
+        and ref_new
+        and slow_new < p["more_to_prefill"] * ref_new
+        and _prefilled_together(sig, p, base) >= 0.5
+    ):
         return None
     w_ns = int(sig.window_s * 1e9)
     held = len({(t - sig.start_ns) // w_ns for _, t in slow_rows})
@@ -138,9 +168,10 @@ RULE = Rule(
         "more_to_prefill": Param(
             1.5,
             "the slow requests' uncached prompt tokens (median) over the healthy windows' "
-            "requests': below it their prompts were the usual size and what slowed their "
-            "prefill was what shared its steps (blind set: int8 chat under a Poisson burst, "
-            "150-180-token prompts prefilled together; a surge that grew the batch to 60)",
+            "requests': below it, with half of them prefilled in steps shared with other "
+            "prompts, their prompts were the usual size and what slowed their prefill was what "
+            "shared its steps (blind set: int8 chat under a Poisson burst, 150-180-token "
+            "prompts prefilled together; a surge that grew the batch to 60)",
         ),
         "support_effect": Param(
             1.5,
@@ -161,4 +192,8 @@ RULE = Rule(
         value="TTFT p99 over its baseline",
     ),
     reads=("requests", "prefix", "completions"),
+    needs={
+        "requests": ("input_tokens", "cached_tokens", "prefill_ms", "request_id"),
+        "engine_steps": ("num_prefill_tokens", "num_prefill_chunks", "req_ids", "req_prefill"),
+    },
 )

@@ -92,6 +92,11 @@ def store_columns(con) -> dict[str, frozenset[str]]:
     return {t: frozenset(c.lower() for c in columns(con, t)) for t in TABLES}
 
 
+def store_has(con, table: str, *names: str) -> bool:
+    """Whether the store's ``table`` has every one of the columns ``names``."""
+    return set(names) <= store_columns(con).get(table, frozenset())
+
+
 def span(con, cols: Mapping[str, frozenset[str]], since_ns, until_ns) -> tuple[int, int]:
     """The range ``[since, until)``: ``since_ns``/``until_ns``, or the first arrival or step
     start and just after the last request or step end (or waiting sample).
