@@ -1,5 +1,6 @@
 """The diagnoser on the factorial corpus (benchmarks/data/factorial_corpus, ``make factorial``) and
-the blind set's recorded runs (benchmarks/data/blind_set, ``make blind-set``), real-engine dumps:
+the blind sets' recorded runs (benchmarks/data/blind_set and blind_set_2, ``make blind-set``),
+real-engine dumps:
 the figures of benchmarks/RESULTS.md as floors, so a change that loses a run, or names something
 on healthy traffic, fails here. The full report with effect sizes and the confusion matrix is
 ``benchmarks/diagnosis_generalization.py``."""
@@ -12,13 +13,18 @@ import pytest
 
 from tokenmill.bench.accuracy import evaluate_run
 from tokenmill.bench.corpus import load_runs
+from tokenmill.bench.generalization import manifested
 
 DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
 FACTORIAL = [(lb, d) for lb, d in load_runs(DATA / "factorial_corpus") if "shape" in lb]
 BLIND = load_runs(DATA / "blind_set")
+BLIND_2 = load_runs(DATA / "blind_set_2")
+# a KV pool sized to press that held every request: more traffic, not KV pressure
+UNMANIFESTED = {label["id"] for label, dump in FACTORIAL if not manifested(label, dump)}
+SECOND_BLIND = {label["id"] for label, _ in BLIND_2}
 
 pytestmark = pytest.mark.skipif(
-    not FACTORIAL or not BLIND, reason="no factorial corpus or blind set recorded"
+    not FACTORIAL or not BLIND or not BLIND_2, reason="no factorial corpus or blind set recorded"
 )
 
 
@@ -26,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 def results():
     return {
         label["id"]: (label, evaluate_run(label, dump, time_to_detect=False))
-        for label, dump in FACTORIAL + BLIND
+        for label, dump in FACTORIAL + BLIND + BLIND_2
     }
 
 
@@ -35,15 +41,20 @@ def _first(res) -> str | None:
 
 
 def test_no_finding_on_healthy_traffic_of_any_shape(results):
-    """Every shape's healthy twin (clumped arrivals, many client processes, many tenants,
-    speculative decoding, int8 weights among them) and the blind set's healthy situations but
-    one (int8 chat traffic read as prefill-bound, found when the set was scored)."""
+    """Every shape's healthy twin and the blind sets' healthy situations but three, each a
+    prompt of several hundred tokens stalling the decodes beside it at the default prefill
+    budget, read as prefill interference (found when they were scored)."""
     named = {
         rid: [f for f, _ in res.findings]
         for rid, (label, res) in results.items()
         if not label["expect"] and res.findings
     }
-    assert set(named) <= {"healthy_int8_steady"}, named
+    allowed = {
+        "f-mixed-healthy",
+        "healthy_dp2_affinity_short_sessions",
+        "healthy_int4_lognormal_chat",
+    }
+    assert set(named) <= allowed, named
 
 
 def test_the_tune_shapes_at_moderate_and_severe_magnitude(results):
@@ -52,9 +63,33 @@ def test_the_tune_shapes_at_moderate_and_severe_magnitude(results):
         for rid, (label, res) in results.items()
         if label.get("split") == "tune"
         and label.get("magnitude") in ("moderate", "severe")
+        and rid not in UNMANIFESTED
         and _first(res) not in label["expect"]
     }
     assert not misses, misses
+    # the pools that never pressed are the ones left out, no more
+    assert {"f-procs-kv_pressure-moderate", "f-tenants-kv_pressure-severe"} <= UNMANIFESTED
+    assert not any(
+        "kv_pressure-severe" in r for r in UNMANIFESTED - {"f-tenants-kv_pressure-severe"}
+    )
+
+
+def test_a_periodic_job_on_every_tune_shape_and_never_on_aperiodic_runs(results):
+    """The job read from the host's own samples (bursts of outside CPU on one period) where its
+    stalls hide among a changing batch; and no stall of traffic, a starting client or a
+    sustained neighbour read as one."""
+    tune = [(label, res) for label, res in results.values() if label.get("split") == "tune"]
+    periodic = [(label, res) for label, res in tune if label.get("fault") == "periodic"]
+    assert len(periodic) == 8
+    assert all(_first(res) == "periodic_itl_spikes" for _, res in periodic), [
+        (label["id"], res.findings) for label, res in periodic
+    ]
+    wrongly = [
+        label["id"]
+        for label, res in tune
+        if label.get("fault") != "periodic" and _first(res) == "periodic_itl_spikes"
+    ]
+    assert not wrongly, wrongly
 
 
 def test_causes_ranked_before_their_consequences(results):
@@ -70,20 +105,35 @@ def test_causes_ranked_before_their_consequences(results):
     assert _first(res) == "overload", res.findings
 
 
-def test_the_blind_set_as_scored(results):
-    """Scored once, after the last change (benchmarks/RESULTS.md): its faulted situations'
-    first findings, as a floor."""
-    blind = [(label, res) for label, res in results.values() if label.get("split") == "blind"]
-    faulted = [(label, res) for label, res in blind if label["expect"]]
-    right = [label["id"] for label, res in faulted if _first(res) in label["expect"]]
-    assert len(right) >= 12, sorted(set(lb["id"] for lb, _ in faulted) - set(right))
+def _top1(pairs) -> list[str]:
+    return [label["id"] for label, res in pairs if _first(res) in label["expect"]]
+
+
+def test_the_blind_sets(results):
+    """The second set, scored once after the last change (benchmarks/RESULTS.md: 10 of 12), and
+    the first, tuning material since it was scored (14 of 16): floors."""
+    first = [
+        (label, res)
+        for rid, (label, res) in results.items()
+        if label.get("split") == "blind" and rid not in SECOND_BLIND and label["expect"]
+    ]
+    second = [
+        (label, res)
+        for rid, (label, res) in results.items()
+        if rid in SECOND_BLIND and label["expect"]
+    ]
+    assert len(_top1(first)) >= 14, sorted({lb["id"] for lb, _ in first} - set(_top1(first)))
+    assert len(_top1(second)) >= 10, sorted({lb["id"] for lb, _ in second} - set(_top1(second)))
 
 
 def test_the_held_out_shapes_as_scored(results):
-    """Clumped arrivals, many client processes, many tenants and speculative decoding, never
-    tuned on, scored once (benchmarks/RESULTS.md: top-1 9 of 23, recall 13 of 23): a floor."""
+    """Two data-parallel replicas, prefill/decode disaggregation and an open-loop mix of short
+    chats and long prompts, never tuned on, scored once (benchmarks/RESULTS.md: top-1 14 of 17,
+    recall 16 of 17): a floor."""
     held = [(label, res) for label, res in results.values() if label.get("split") == "heldout"]
-    faulted = [(label, res) for label, res in held if label["expect"]]
+    faulted = [
+        (label, res) for label, res in held if label["expect"] and label["id"] not in UNMANIFESTED
+    ]
     top1 = sum(_first(res) in label["expect"] for label, res in faulted)
     named = sum(any(f in label["expect"] for f, _ in res.findings) for label, res in faulted)
-    assert top1 >= 9 and named >= 13, (top1, named, len(faulted))
+    assert len(faulted) == 17 and top1 >= 14 and named >= 16, (top1, named, len(faulted))
