@@ -80,15 +80,19 @@ def _causes(by_type: dict[str, int]) -> tuple[str, ...]:
 def _steady_engine_failures(sig: Signals, p: dict) -> Window | None:
     """The whole range as the incident when the engine's own failures
     (:data:`ENGINE_FAILURES`) are ``min_rate`` of its requests and ``min_engine_failures`` or
-    more: a
-    fault there from the start (a model that overflows on some inputs) has no healthy window
-    to rise over, and none is needed."""
-    o = sig.overall
+    more: a fault there from the start (a model that overflows on some inputs) has no healthy
+    window to rise over, and none is needed."""
     errors = sum(sig.errors_by_type.values())
     fails = sum(n for t, n in sig.errors_by_type.items() if t in ENGINE_FAILURES)
-    rate = (o.get("error_rate") or 0.0) * fails / errors if errors else 0.0
+    rate = (sig.overall.get("error_rate") or 0.0) * fails / errors if errors else 0.0
     if fails < p["min_engine_failures"] or rate < p["min_rate"]:
         return None
+    return _whole_range(sig)
+
+
+def _whole_range(sig: Signals) -> Window:
+    """The range as one window: its overall values and its output tokens per second."""
+    o = sig.overall
     seconds = max((sig.end_ns - sig.start_ns) / 1e9, 1e-9)
     w = Window(-1, sig.start_ns, sig.end_ns, values=dict(o))
     w.values["throughput_tok_s"] = (o.get("sampled_tokens") or 0) / seconds or None
@@ -121,10 +125,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if w is None and not healthy:
         # no window holds min_errors (a slow engine ends few requests a window): without a
         # healthy period the whole range is the incident, judged on the same absolute rate
-        o = sig.overall
-        seconds = max((sig.end_ns - sig.start_ns) / 1e9, 1e-9)
-        w = Window(-1, sig.start_ns, sig.end_ns, values=dict(o))
-        w.values["throughput_tok_s"] = (o.get("sampled_tokens") or 0) / seconds or None
+        w = _whole_range(sig)
         if hit(w):
             by_type = dict(sig.errors_by_type)
         else:

@@ -8,8 +8,14 @@ import math
 import statistics
 
 from ..signals import Signals
-from ..signals.host_bursts import Burst, burst_slowdown, host_bursts, loadgen_starts, near_any
-from ..signals.scope import store_has
+from ..signals.host_bursts import (
+    Burst,
+    burst_slowdown,
+    host_bursts,
+    loadgen_starts,
+    near_any,
+    quiet_between,
+)
 from ._common import Evidence, Param, Rule, _confidence
 
 # the host's CPU use outside the server (or, on a GPU, other processes on the device) during
@@ -230,33 +236,6 @@ def _periodicity(starts: list[int], ends: list[int], p: dict):
     return period, grid, on_period, cv
 
 
-# CPU used outside the server (less the load generator) in the host samples of a span that do
-# not fall within ``pad`` of any of the given stretches: a periodic job leaves the host quiet
-# between its bursts, a sustained neighbour does not
-_BETWEEN_SQL = """
-WITH x AS (SELECT unnest(?::BIGINT[]) AS s, unnest(?::BIGINT[]) AS e)
-SELECT avg(greatest(cpu_others_pct - coalesce({loadgen}, 0), 0))
-FROM device_samples
-WHERE kind = 'host' AND time_ns >= ? AND time_ns <= ? AND cpu_others_pct IS NOT NULL
-  AND NOT EXISTS (SELECT 1 FROM x WHERE time_ns BETWEEN s - ? AND e + ?)
-"""
-
-
-def quiet_between(sig: Signals, starts: list[int], ends: list[int], pad_s: float) -> float | None:
-    """Mean CPU share used outside the server, less the load generator, between the stretches
-    (``starts``/``ends``, ns) over their span; None without host samples."""
-    if sig.device_kind != "host" or not store_has(sig.con, "device_samples", "cpu_others_pct"):
-        return None
-    loadgen = (
-        "loadgen_cpu_pct" if store_has(sig.con, "device_samples", "loadgen_cpu_pct") else "NULL"
-    )
-    pad = int(pad_s * 1e9)
-    (v,) = sig.con.execute(
-        _BETWEEN_SQL.format(loadgen=loadgen), [starts, ends, starts[0], ends[-1], pad, pad]
-    ).fetchone()
-    return v
-
-
 def arrivals_after(sig: Signals, bursts: list[Burst], lag_s: float) -> float | None:
     """Arrivals per second from each burst's start to ``lag_s`` after its end, against the
     arrival rate over the bursts' span: a client process starting (the load generator's) is a
@@ -277,11 +256,11 @@ def arrivals_after(sig: Signals, bursts: list[Burst], lag_s: float) -> float | N
     return (near / near_s) / (total / ((last - first) / 1e9))
 
 
-def _host_job(sig: Signals, p: dict) -> Evidence | None:
+def _host_job(sig: Signals, p: dict, starting: list[int]) -> Evidence | None:
     """The host's own record of a job that comes and goes (``signals/host_bursts.py``): bursts
     of outside CPU use on one period, the host quiet between them, not followed by arrivals,
-    and the decode steps they overlapped slower than their batch size's usual."""
-    starting = loadgen_starts(sig)
+    and the decode steps they overlapped slower than their batch size's usual. ``starting``:
+    when our own client processes started (``loadgen_starts``)."""
     lag = int(p["census_lag_s"] * 1e9)
     bursts = [
         b
@@ -328,8 +307,6 @@ def _host_job(sig: Signals, p: dict) -> Evidence | None:
             "period_s": mean,
             "period_cv": cv,
             "burst_s_p50": busy_s,
-            "burst_cpu_pct": pct,
-            "between_cpu_pct": between,
             "arrivals_after_bursts": follow,
             "step_slowdown": slow.ratio,
             "steps_in_bursts": slow.steps_inside,
@@ -346,12 +323,12 @@ def _host_job(sig: Signals, p: dict) -> Evidence | None:
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
-    return _from_stalls(sig, p) or _host_job(sig, p)
-
-
-def _from_stalls(sig: Signals, p: dict) -> Evidence | None:
-    """Decode-only stalls on one period (a job on the host, GC, a checkpoint)."""
     starting = loadgen_starts(sig)
+    return _from_stalls(sig, p, starting) or _host_job(sig, p, starting)
+
+
+def _from_stalls(sig: Signals, p: dict, starting: list[int]) -> Evidence | None:
+    """Decode-only stalls on one period (a job on the host, GC, a checkpoint)."""
     lead, lag = int(p["arrival_lead_s"] * 1e9), int(p["census_lag_s"] * 1e9)
     # a stall while one of our own clients started is the benchmark's
     rows = [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from ..signals import COMPLETED_SQL, Signals, Window
 from ..signals.scope import store_has
 from ..stats import compare
@@ -20,28 +22,23 @@ from ._common import (
     _worst,
 )
 
-# the slow prefill-bound requests, each with the most prompts any of its prefill steps carried
-_SHARED_SQL = f"""
-WITH slow AS (SELECT request_id FROM requests
-              WHERE arrival_ns >= ? AND arrival_ns < ? AND {COMPLETED_SQL} AND ttft_ms >= ?
-                AND prefill_ms >= ? * ttft_ms),
-st AS (SELECT num_prefill_chunks AS chunks, unnest(req_ids) AS rid, unnest(req_prefill) AS pf
-       FROM engine_steps WHERE start_ns >= ? AND num_prefill_tokens > 0 AND req_ids IS NOT NULL)
-SELECT slow.request_id, max(st.chunks) FROM slow JOIN st ON st.rid = slow.request_id AND st.pf
-GROUP BY slow.request_id
+# the most prompts any prefill step of each of the given requests carried
+_SHARED_SQL = """
+WITH st AS (SELECT num_prefill_chunks AS chunks, unnest(req_ids) AS rid,
+                   unnest(req_prefill) AS pf
+            FROM engine_steps WHERE start_ns >= ? AND num_prefill_tokens > 0
+              AND req_ids IS NOT NULL)
+SELECT rid, max(chunks) FROM st WHERE pf AND rid IN (SELECT unnest(?::VARCHAR[])) GROUP BY rid
 """
 
 
-def _prefilled_together(sig: Signals, p: dict, base: float) -> float:
-    """The share of the slow prefill-bound requests whose prefill shared a step with another
-    prompt's (0 where the store lacks the steps' request lists): prompts let in together are
-    prefilled together, each as slow as all of them."""
+def _prefilled_together(sig: Signals, request_ids: list[str]) -> float:
+    """The share of the requests whose prefill shared a step with another prompt's (0 where
+    the store lacks the steps' request lists): prompts let in together are prefilled together,
+    each as slow as all of them."""
     if not store_has(sig.con, "engine_steps", "req_ids", "req_prefill"):
         return 0.0
-    rows = sig.con.execute(
-        _SHARED_SQL,
-        [sig.since_ns, sig.until_ns, p["ttft_rise"] * base, p["prefill_share"], sig.since_ns],
-    ).fetchall()
+    rows = sig.con.execute(_SHARED_SQL, [sig.since_ns, request_ids]).fetchall()
     return sum((n or 0) >= 2 for _, n in rows) / len(rows) if rows else 0.0
 
 
@@ -63,7 +60,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         return None
     # one oversized prompt is an outlier (oom_low_average_memory, tenant limits), not a trend
     slow_rows = sig.con.execute(
-        f"SELECT ttft_ms, arrival_ns FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
+        f"SELECT ttft_ms, arrival_ns, request_id, input_tokens - coalesce(cached_tokens, 0) "
+        f"FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
         f"AND {COMPLETED_SQL} AND ttft_ms >= ? AND prefill_ms >= ? * ttft_ms",
         [sig.since_ns, sig.until_ns, p["ttft_rise"] * base, p["prefill_share"]],
     ).fetchall()
@@ -82,12 +80,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     # healthy windows' requests'. Prompts of the usual size whose prefill took longer were
     # slowed by what shared their steps (a burst of arrivals prefilled together, a batch grown
     # by overload, decodes beside them): other rules' causes, or the traffic's own clumps
-    (slow_new,) = sig.con.execute(
-        f"SELECT median(input_tokens - coalesce(cached_tokens, 0)) FROM requests "
-        f"WHERE arrival_ns >= ? AND arrival_ns < ? AND {COMPLETED_SQL} AND ttft_ms >= ? "
-        f"AND prefill_ms >= ? * ttft_ms",
-        [sig.since_ns, sig.until_ns, p["ttft_rise"] * base, p["prefill_share"]],
-    ).fetchone()
+    uncached = [r[3] for r in slow_rows if r[3] is not None]
+    slow_new = statistics.median(uncached) if uncached else None
     (ref_new,) = sig.con.execute(
         f"SELECT median(input_tokens - coalesce(cached_tokens, 0)) FROM requests "
         f"WHERE ({cond}) AND {COMPLETED_SQL}",
@@ -97,13 +91,13 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         slow_new is not None
         and ref_new
         and slow_new < p["more_to_prefill"] * ref_new
-        and _prefilled_together(sig, p, base) >= 0.5
+        and _prefilled_together(sig, [r[2] for r in slow_rows]) >= 0.5
     ):
         return None
     w_ns = int(sig.window_s * 1e9)
-    held = len({(t - sig.start_ns) // w_ns for _, t in slow_rows})
+    held = len({(r[1] - sig.start_ns) // w_ns for r in slow_rows})
     support = compare(
-        [v for v, _ in slow_rows],
+        [r[0] for r in slow_rows],
         [v for (v,) in ref],
         unit="requests",
         reference_name="TTFT in the dump's healthy windows",

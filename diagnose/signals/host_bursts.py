@@ -9,7 +9,8 @@ on a grid; a sustained neighbour one long burst; a client process starting one s
 the requests it sends follow.
 
 For each burst, the decode-only steps that overlapped it are compared with those of the same
-batch size outside every burst: that is what the job cost the streams (:func:`burst_slowdown`).
+batch size outside every burst: that is what the job cost the streams (:func:`burst_slowdown`);
+:func:`quiet_between` says how busy the others were between the bursts (or a rule's stalls).
 A store without host samples (a GPU, another engine's store, one recorded before the sampler)
 yields no bursts.
 """
@@ -20,14 +21,23 @@ import bisect
 import json
 from dataclasses import dataclass
 
-from .scope import store_columns
+from .scope import store_has
 from .window import Signals
 
 _SAMPLES_SQL = """
-SELECT time_ns, greatest(cpu_others_pct - coalesce({loadgen}, 0), 0)
+SELECT time_ns, {outside}
 FROM device_samples
 WHERE kind = 'host' AND time_ns >= ? AND time_ns < ? AND cpu_others_pct IS NOT NULL
 ORDER BY time_ns
+"""
+
+# the host samples of a span that fall within ``pad`` of none of the given stretches
+_BETWEEN_SQL = """
+WITH x AS (SELECT unnest(?::BIGINT[]) AS s, unnest(?::BIGINT[]) AS e)
+SELECT avg({outside})
+FROM device_samples
+WHERE kind = 'host' AND time_ns >= ? AND time_ns <= ? AND cpu_others_pct IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM x WHERE time_ns BETWEEN s - ? AND e + ?)
 """
 
 # decode-only steps inside any burst vs outside all of them, per batch size: the median of
@@ -72,14 +82,23 @@ class Slowdown:
     outside_ms: float
 
 
+def _outside_cpu(sig: Signals) -> str | None:
+    """The SQL of a host sample's CPU share used outside the server less the load generator's;
+    None where the store has no host samples of it."""
+    if sig.device_kind != "host" or not store_has(sig.con, "device_samples", "cpu_others_pct"):
+        return None
+    if store_has(sig.con, "device_samples", "loadgen_cpu_pct"):
+        return "greatest(cpu_others_pct - coalesce(loadgen_cpu_pct, 0), 0)"
+    return "cpu_others_pct"
+
+
 def host_bursts(sig: Signals, min_pct: float, min_s: float, merge_gap_s: float) -> list[Burst]:
     """The range's bursts of outside CPU use (module docstring), by start."""
-    cols = store_columns(sig.con).get("device_samples", frozenset())
-    if sig.device_kind != "host" or "cpu_others_pct" not in cols:
+    outside = _outside_cpu(sig)
+    if outside is None:
         return []
-    loadgen = "loadgen_cpu_pct" if "loadgen_cpu_pct" in cols else "NULL"
     rows = sig.con.execute(
-        _SAMPLES_SQL.format(loadgen=loadgen), [sig.since_ns, sig.until_ns]
+        _SAMPLES_SQL.format(outside=outside), [sig.since_ns, sig.until_ns]
     ).fetchall()
     gap = int(merge_gap_s * 1e9)
     runs: list[list[tuple[int, float]]] = []
@@ -94,13 +113,26 @@ def host_bursts(sig: Signals, min_pct: float, min_s: float, merge_gap_s: float) 
             runs.append([(t, v)])
     out = []
     for run in runs:
-        # a sample stands for the time since the one before it: a run of one sample still
-        # lasted the sampling interval
+        # a run of one sample is a blip, not a burst
         start, end = run[0][0], run[-1][0]
         if len(run) < 2 or (end - start) / 1e9 < min_s:
             continue
         out.append(Burst(start, end, sum(v for _, v in run) / len(run)))
     return out
+
+
+def quiet_between(sig: Signals, starts: list[int], ends: list[int], pad_s: float) -> float | None:
+    """Mean CPU share used outside the server, less the load generator, between the stretches
+    (``starts``/``ends``, ns, at least one) over their span: a periodic job leaves the host
+    quiet between its bursts, a sustained neighbour does not. None without host samples."""
+    outside = _outside_cpu(sig)
+    if outside is None:
+        return None
+    pad = int(pad_s * 1e9)
+    (v,) = sig.con.execute(
+        _BETWEEN_SQL.format(outside=outside), [starts, ends, starts[0], ends[-1], pad, pad]
+    ).fetchone()
+    return v
 
 
 def burst_slowdown(sig: Signals, bursts: list[Burst], min_outside: int) -> Slowdown | None:
@@ -128,8 +160,7 @@ def loadgen_starts(sig: Signals) -> list[int]:
     """When each load-generator process (tokenmill's own client, named by the process census)
     first shows in the census's busy list, by time: a client process starting takes the CPU
     for a moment, and the stall it makes is the benchmark's, not the host's."""
-    cols = store_columns(sig.con).get("device_samples", frozenset())
-    if "busy_others" not in cols:
+    if not store_has(sig.con, "device_samples", "busy_others"):
         return []
     rows = sig.con.execute(
         "SELECT time_ns, busy_others FROM device_samples WHERE kind = 'host' "
