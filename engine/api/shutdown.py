@@ -54,6 +54,15 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
+        # Python may run one signal's handler inside another's (between any two bytecodes), and
+        # a stop sent to the process group brings a SIGTERM and a core's drain request at once:
+        # the handler only queues the signal, and the event loop takes them one at a time
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._on_signal, sig, None)
+        else:
+            self._on_signal(sig, frame)
+
+    def _on_signal(self, sig: int, frame) -> None:
         if sig == DRAIN_REQUEST_SIGNAL:  # an engine core was asked to stop: drain, once
             if not self.draining and not self.should_exit:
                 self._drain_or_stop(signal.SIGTERM, frame)
