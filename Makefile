@@ -108,7 +108,7 @@ accuracy: $(STAMP)
 	$(BIN)/python benchmarks/diagnosis_accuracy.py --corpus $(CORPUS) --split eval
 
 # the factorial corpus (bench/factorial.py): traffic shape × fault × magnitude and a healthy twin
-# of every shape, the small plan (77 runs, 35-50 s of traffic each), tune shapes first; alone on
+# of every shape, the small plan (91 runs, 35-50 s of traffic each), tune shapes first; alone on
 # the machine, resumable. Then the diagnoser on its held-out shapes.
 FACTORIAL ?= benchmarks/data/factorial_corpus
 factorial: model

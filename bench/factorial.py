@@ -3,25 +3,33 @@ every shape, so the diagnoser is judged on traffic it was not tuned on.
 
 A shape is the traffic alone and the server it meets (closed or open loop, clumps, many client
 processes, tenants, long prompts, int8 weights, speculative decoding, two data-parallel
-replicas, disaggregated prefill and decode, an open-loop mix of short chats and long prompts); a
+replicas, disaggregated prefill and decode, an open-loop mix of short chats and long prompts,
+short chats behind one long prefix-cached system prompt, a step budget of 256 tokens); a
 fault is laid on top of it from a known offset for at least 25 s (a CPU hog, a periodic job, a
 KV pool too small, arrivals above what the engine sustains, whole long prefills, a system prompt
 that changes every request) at one of three magnitudes. Each shape's traffic is drawn once
 (``random.Random(f"f-{shape}")``), so a faulted run and its shape's twin (``f-<shape>-healthy``)
 send the same base requests; the fault's own parameters are drawn from ``random.Random(run
 id)``. The split is by shape: :data:`TUNE_SHAPES` may be looked at while tuning the rules,
-:data:`HELDOUT_SHAPES` never. The first eight shapes have all been looked at and are tune
-shapes; ``dp``, ``pd`` and ``mixed`` are the held-out ones (added after, tuned on by nobody).
+:data:`HELDOUT_SHAPES` never. A held-out shape, once scored, becomes a tune shape and new ones
+are held out: the first eleven shapes have all been looked at (``dp``, ``pd`` and ``mixed``
+were held out until scored once, at 240ea34) and are tune shapes; ``sysprompt`` and ``budget``
+are the held-out ones (added after, tuned on by nobody).
 
 A fault means the same on every shape where it can: on ``dp`` a KV pool flag is each
 replica's, so ``kv_pressure`` sizes the pool from a replica's share of the shape's requests and
 sends 4-5 long answers *per replica*; ``overload`` counts no more capacity for two replicas
 (they share the two cores). On ``pd`` ``kv_pressure`` caps the decode side's pool
 (``--decode-num-gpu-blocks-override``: it holds whole requests, the prefill side a prompt until
-it is sent), and
-``prefill_interference``'s unchunked long prompts run on the prefill core, so they can slow
-the decode core's tokens only through the two cores both share. On ``mixed`` ``overload`` sends more of both classes
-in the shape's shares.
+it is sent), and ``prefill_interference``'s unchunked long prompts run on the prefill core, so
+they can slow the decode core's tokens only through the two cores both share. On ``mixed``
+``overload`` sends more of both classes in the shape's shares. On ``sysprompt`` the requests
+share their system prompt's KV blocks, so ``kv_pressure``'s pool counts them once, and
+``overload``'s extra requests carry a system prompt of the same length under their own seed
+(their own, prefix-cached after their first); the cost model counts a prompt's uncached
+tokens there, the question's. On ``budget`` ``prefill_interference``'s
+``--no-enable-chunked-prefill`` also prefills the shape's own prompts whole (no longer split at
+256 tokens), as that flag does every shape's prompts.
 
 Runs are ``bench/corpus.py``'s :class:`~tokenmill.bench.corpus.Run`, recorded by its
 :func:`~tokenmill.bench.corpus.generate`; their ``label.json`` has the corpus's keys plus
@@ -56,8 +64,20 @@ from .corpus import Run, generate
 from .scenario import Scenario
 from .scenario import _args as scenario_args
 
-TUNE_SHAPES = ("closed", "open", "long", "int8", "clumped", "procs", "tenants", "spec")
-HELDOUT_SHAPES = ("dp", "pd", "mixed")
+TUNE_SHAPES = (
+    "closed",
+    "open",
+    "long",
+    "int8",
+    "clumped",
+    "procs",
+    "tenants",
+    "spec",
+    "dp",
+    "pd",
+    "mixed",
+)
+HELDOUT_SHAPES = ("sysprompt", "budget")
 SPLITS = ("tune", "heldout")
 MAGNITUDES = ("mild", "moderate", "severe")
 PLANS = ("small", "full")
@@ -127,6 +147,9 @@ class Base:
     # a shape of several request classes: (share of its arrivals, prompt, output) each; the
     # capacity and overload's extra traffic follow the mix (empty: prompt and output alone)
     mix: tuple[tuple[float, tuple[int, int], tuple[int, int]], ...] = ()
+    # bench options its requests carry besides their sizes (a shared system prompt): overload's
+    # extra requests carry them too, under their own seed
+    request_args: list[str] = field(default_factory=list)
 
 
 def _latency_s(prompt: float, output: float) -> float:
@@ -425,6 +448,56 @@ def _mixed(rng):
     )
 
 
+def _sysprompt(rng):
+    # open loop, many users of one chat app: every request opens with the same 300-400-token
+    # system prompt (prefix-cached after the first request), then a short question; the cost
+    # model counts a prompt's uncached tokens, the question's
+    rate = round(rng.uniform(1.0, 1.4), 2)
+    system = rng.randint(300, 400)
+    t = rng.randint(42, 46)
+    seed = rng.randint(1, 999)
+    prompt, output = (16, 64), (16, 48)
+    shared = ["--shared-prefix", f"{system}:1000"]  # one group: a run sends < 1000 requests
+    steps = [
+        {
+            "start_s": 0.0,
+            "args": _bench(
+                request_rate=rate,
+                phases=f"steady:{t}s",
+                prompt_tokens=_uniform(*prompt),
+                output_tokens=_uniform(*output),
+                seed=seed,
+            )
+            + shared,
+        }
+    ]
+    # Poisson arrivals: up to six running now and then; they share the system prompt's blocks
+    # (held once) and each holds its question's and answer's, and the block where the system
+    # prompt ends
+    peak = 6
+    own = math.ceil(1.25 * (_blocks(system, 0) + peak * (_blocks(prompt[1], output[1]) + 1)))
+    return Base(
+        steps,
+        [],
+        prompt,
+        output,
+        span_s=t,
+        rate_rps=rate,
+        peak_running=peak,
+        params={"rate": rate, "system_prompt": system, "steady_s": t, "seed": seed},
+        kv_own_blocks=own,
+        request_args=shared,
+    )
+
+
+def _budget(rng):
+    # a small step budget: prompts of 32-448 tokens, those over ~250 prefilled in two steps
+    # beside the other clients' decodes
+    return _closed_loop(
+        rng, rng.choice([2, 3]), (32, 448), (24, 64), ["--max-num-batched-tokens", "256"]
+    )
+
+
 @dataclass(frozen=True)
 class Shape:
     name: str
@@ -463,6 +536,18 @@ SHAPES: dict[str, Shape] = {
             "mixed",
             _mixed,
             "open loop, Poisson 0.5-0.7 req/s: ~80 % short chats, ~20 % 300-600-token prompts",
+        ),
+        Shape(
+            "sysprompt",
+            _sysprompt,
+            "open loop, Poisson 1.0-1.4 req/s: short chats all behind one 300-400-token system "
+            "prompt, prefix-cached",
+        ),
+        Shape(
+            "budget",
+            _budget,
+            "a step budget of 256 tokens (--max-num-batched-tokens 256), 2-3 closed-loop "
+            "clients, prompts 32-448 tokens",
         ),
     )
 }
@@ -591,6 +676,7 @@ def _overload(base: Base, mag: str, rng: random.Random) -> Fault:
                     drain_timeout=5,
                     seed=seed + k,
                 ),
+                *base.request_args,
             ],
         }
         for k, (share, p, o) in enumerate(classes)

@@ -26,7 +26,7 @@ FULL = fx.plan("full")
 
 def test_the_small_plan_is_every_shape_s_twin_and_each_fault_once_per_shape():
     ids = [r.id for r in SMALL]
-    assert len(ids) == len(set(ids)) == len(fx.SHAPES) * (1 + len(fx.FAULTS)) == 77
+    assert len(ids) == len(set(ids)) == len(fx.SHAPES) * (1 + len(fx.FAULTS)) == 91
     assert {r.id for r in SMALL if r.labels["fault"] is None} == {
         f"f-{s}-healthy" for s in fx.SHAPES
     }
@@ -40,8 +40,8 @@ def test_the_small_plan_is_every_shape_s_twin_and_each_fault_once_per_shape():
 
 
 def test_the_full_plan_and_its_filters():
-    assert len(FULL) == len(fx.SHAPES) * (1 + 3 * len(fx.FAULTS)) == 209
-    assert len({r.id for r in FULL}) == 209
+    assert len(FULL) == len(fx.SHAPES) * (1 + 3 * len(fx.FAULTS)) == 247
+    assert len({r.id for r in FULL}) == 247
     only = fx.plan("full", shapes=["long"], faults=["overload"], magnitudes=["severe"])
     assert [r.id for r in only] == ["f-long-overload-severe"]
     held = fx.plan("small", split="heldout")
@@ -133,11 +133,13 @@ def test_magnitudes_grow_the_fault():
             assert q["own_blocks"] < blocks < q["own_blocks"] + q["fault_blocks"], (shape, m)
 
 
-def test_the_split_and_the_first_eight_shapes_magnitudes():
-    """Every shape looked at is a tune shape; the held-out ones come after them, so adding
-    them left the tune shapes' small-plan magnitudes (by their index) as they were."""
+def test_the_split_and_the_tune_shapes_magnitudes():
+    """Every shape looked at is a tune shape (dp, pd and mixed since they were scored); the
+    held-out ones come after them, so adding them left the tune shapes' small-plan magnitudes
+    (by their index) as they were."""
     assert tuple(fx.SHAPES) == (*fx.TUNE_SHAPES, *fx.HELDOUT_SHAPES)
-    assert len(fx.TUNE_SHAPES) == 8 and fx.HELDOUT_SHAPES == ("dp", "pd", "mixed")
+    assert len(fx.TUNE_SHAPES) == 11 and fx.TUNE_SHAPES[8:] == ("dp", "pd", "mixed")
+    assert fx.HELDOUT_SHAPES == ("sysprompt", "budget")
     ids = {r.id for r in SMALL}
     assert {
         "f-closed-neighbour-mild",
@@ -145,6 +147,8 @@ def test_the_split_and_the_first_eight_shapes_magnitudes():
         "f-spec-overload-moderate",
     } <= ids
     assert {"f-dp-neighbour-severe", "f-pd-kv_pressure-severe", "f-mixed-prefix_miss-mild"} <= ids
+    assert {"f-sysprompt-neighbour-severe", "f-budget-neighbour-mild"} <= ids
+    assert {r.split for r in SMALL if r.labels["shape"] in ("dp", "pd", "mixed")} == {"tune"}
 
 
 def test_kv_pressure_on_two_replicas_is_each_replica_s():
@@ -203,6 +207,51 @@ def test_the_mixed_shape_and_its_overload_send_both_classes():
     extra_rates = [float(opt(st["args"], "--request-rate")) for st in extra]
     assert sum(extra_rates) == pytest.approx(total, abs=0.01)
     assert total + base.rate_rps == pytest.approx(4.0 * cap, abs=0.02)
+
+
+def test_the_sysprompt_shape_shares_one_system_prompt_and_its_overload_its_length():
+    """One open-loop step whose requests all open with one 300-400-token system prompt: the
+    pool kv_pressure leaves holds its blocks once; overload's extra requests carry a system
+    prompt of the same length under their own seed; the capacity is the questions'."""
+    twin = by_id("f-sysprompt-healthy")
+
+    def opt(args, name):
+        return args[args.index(name) + 1]
+
+    [step] = twin.scenario.steps
+    system = twin.params["shape"]["system_prompt"]
+    assert 300 <= system <= 400 and opt(step["args"], "--shared-prefix") == f"{system}:1000"
+    assert opt(step["args"], "--prompt-tokens") == "uniform:16:64"
+    assert twin.scenario.server == []
+    q = by_id("f-sysprompt-kv_pressure-severe").params["fault"]
+    assert q["own_blocks"] == math.ceil(1.25 * (math.ceil(system / 16) + 6 * (7 + 1)))
+    base = fx.base_of("sysprompt")
+    assert fx.base_capacity_rps(base) == fx.capacity_rps((16, 64), (16, 48))
+    over = by_id("f-sysprompt-overload-mild")
+    extra = over.scenario.steps[-1]["args"]
+    assert opt(extra, "--shared-prefix") == f"{system}:1000"
+    assert opt(extra, "--seed") != opt(step["args"], "--seed")
+    # the prefix-miss fault's own system prompt changes every request
+    miss = by_id("f-sysprompt-prefix_miss-moderate").scenario.steps[-1]["args"]
+    assert opt(miss, "--shared-prefix").endswith(":volatile")
+
+
+def test_the_budget_shape_keeps_its_step_budget_under_every_fault():
+    """A step budget of 256 tokens on the twin and every faulted run, the prefill-interference
+    runs' chunked prefill off beside it (the commands accept both)."""
+    for r in FULL:
+        if r.labels["shape"] != "budget":
+            continue
+        assert r.scenario.server[:2] == ["--max-num-batched-tokens", "256"], r.id
+    r = by_id("f-budget-prefill_interference-severe")
+    assert r.scenario.server == [
+        "--max-num-batched-tokens",
+        "256",
+        "--no-enable-chunked-prefill",
+    ]
+    assert fx.check_server_args(r.scenario.server) is None
+    [step] = by_id("f-budget-healthy").scenario.steps
+    assert step["args"][step["args"].index("--prompt-tokens") + 1] == "uniform:32:448"
 
 
 def test_the_tenants_shape_uses_the_tenants_file_s_keys():
