@@ -188,6 +188,12 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     )
 
 
+def _prefills_waited_on_recompute(evidence: dict) -> bool:
+    """A ``ttft_prefill_bound`` whose slow requests mostly prefilled beside the recompute of
+    preempted requests: the pool's shortage is what slowed their prefill."""
+    return (evidence.get("slow_prefills_beside_recompute_share") or 0.0) >= 0.5
+
+
 RULE = Rule(
     id="kv_pressure_preemption",
     own_test="preemptions by recompute and KV use in the engine's steps (absolute markers)",
@@ -217,6 +223,7 @@ RULE = Rule(
     detect=detect,
     healthy_baseline="either",
     explains=("midstream_stall", "ttft_queueing", "overload"),
+    explains_when={"ttft_prefill_bound": _prefills_waited_on_recompute},
     evidence_signals=("kv_usage_max", "preemptions", "ttft_p99"),
     alert=Alert(
         name="TokenmillKVPressurePreemption",

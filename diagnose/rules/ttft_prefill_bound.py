@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..signals import COMPLETED_SQL, Signals, Window
+from ..signals import COMPLETED_SQL, Signals, Window, recompute_steps
 from ..signals.scope import store_has
 from ..stats import compare
 from ._common import (
@@ -40,6 +40,22 @@ def _prefilled_together(sig: Signals, request_ids: list[str]) -> float:
         return 0.0
     rows = sig.con.execute(_SHARED_SQL, [sig.since_ns, request_ids]).fetchall()
     return sum((n or 0) >= 2 for _, n in rows) / len(rows) if rows else 0.0
+
+
+def beside_recompute(sig: Signals, request_ids: list[str]) -> float:
+    """The share of the requests whose prefill (scheduled to first token) overlapped a step
+    recomputing preempted requests: their prefill waited on the KV pool's recompute work (the
+    chain KV pressure → preemption → recompute prefill → slow TTFT; ``signals/recompute.py``)."""
+    steps = recompute_steps(sig)
+    if not steps or not request_ids:
+        return 0.0
+    rows = sig.con.execute(
+        "SELECT first_token_ns - CAST(prefill_ms * 1e6 AS BIGINT), first_token_ns FROM requests "
+        "WHERE request_id IN (SELECT unnest(?::VARCHAR[])) AND first_token_ns IS NOT NULL",
+        [request_ids],
+    ).fetchall()
+    hit = sum(any(s.start_ns < b and a < s.end_ns for s in steps) for a, b in rows if a and b)
+    return hit / len(rows) if rows else 0.0
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -107,6 +123,12 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     )
     r = _ratio(w.get("ttft_p99"), base)
     where, params = _in_window(w)
+    # the window's slow requests, for the chain: prefills that waited on recompute work
+    in_window_slow = sig.con.execute(
+        f"SELECT request_id FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
+        f"AND {COMPLETED_SQL} AND ttft_ms >= ?",
+        [w.start_ns, w.end_ns, p["ttft_rise"] * base],
+    ).fetchall()
     hit_rate = w.get("prefix_hit_rate")
     return Evidence(
         f"TTFT p99 rose from {_ms(base)} to {_ms(w.get('ttft_p99'))} in {_when(w)}; "
@@ -124,6 +146,9 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "slow_prefill_requests": slow,
             "slow_uncached_prompt_tokens_p50": slow_new,
             "healthy_uncached_prompt_tokens_p50": ref_new,
+            "slow_prefills_beside_recompute_share": beside_recompute(
+                sig, [rid for (rid,) in in_window_slow]
+            ),
         },
         (w.start_ns, w.end_ns),
         where + " AND prefill_ms > 0.5 * ttft_ms",
@@ -187,7 +212,13 @@ RULE = Rule(
     ),
     reads=("requests", "prefix", "completions"),
     needs={
-        "requests": ("input_tokens", "cached_tokens", "prefill_ms", "request_id"),
-        "engine_steps": ("num_prefill_tokens", "num_prefill_chunks", "req_ids", "req_prefill"),
+        "requests": ("input_tokens", "cached_tokens", "prefill_ms", "request_id", "first_token_ns"),
+        "engine_steps": (
+            "num_prefill_tokens",
+            "num_prefill_chunks",
+            "req_ids",
+            "req_prefill",
+            "req_tokens",
+        ),
     },
 )

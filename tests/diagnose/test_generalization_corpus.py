@@ -41,20 +41,17 @@ def _first(res) -> str | None:
 
 
 def test_no_finding_on_healthy_traffic_of_any_shape(results):
-    """Every shape's healthy twin and the blind sets' healthy situations but three, each a
-    prompt of several hundred tokens stalling the decodes beside it at the default prefill
-    budget, read as prefill interference (found when they were scored)."""
+    """Every shape's healthy twin and every healthy blind situation. Before: three, each a prompt
+    of several hundred tokens now and then stalling the streams beside it for under a second
+    (1-6% of their decode time), read as prefill interference; now inconclusive at most."""
     named = {
         rid: [f for f, _ in res.findings]
         for rid, (label, res) in results.items()
         if not label["expect"] and res.findings
     }
-    allowed = {
-        "f-mixed-healthy",
-        "healthy_dp2_affinity_short_sessions",
-        "healthy_int4_lognormal_chat",
-    }
-    assert set(named) <= allowed, named
+    assert not named, named
+    _, res = results["f-mixed-healthy"]
+    assert res.inconclusive == ["itl_prefill_interference"], res.inconclusive
 
 
 def test_the_tune_shapes_at_moderate_and_severe_magnitude(results):
@@ -129,11 +126,14 @@ def test_the_blind_sets(results):
 def test_the_held_out_shapes_as_scored(results):
     """Two data-parallel replicas, prefill/decode disaggregation and an open-loop mix of short
     chats and long prompts, never tuned on, scored once (benchmarks/RESULTS.md: top-1 14 of 17,
-    recall 16 of 17): a floor."""
+    recall 16 of 17; now 15, as one data-parallel replica's two long prompts in 47 s cost its
+    streams 3% of their decode time, under min_stall_share: inconclusive): a floor."""
     held = [(label, res) for label, res in results.values() if label.get("split") == "heldout"]
     faulted = [
         (label, res) for label, res in held if label["expect"] and label["id"] not in UNMANIFESTED
     ]
     top1 = sum(_first(res) in label["expect"] for label, res in faulted)
     named = sum(any(f in label["expect"] for f, _ in res.findings) for label, res in faulted)
-    assert len(faulted) == 17 and top1 >= 14 and named >= 16, (top1, named, len(faulted))
+    assert len(faulted) == 17 and top1 >= 14 and named >= 15, (top1, named, len(faulted))
+    _, res = results["f-dp-prefill_interference-mild"]
+    assert res.inconclusive == ["itl_prefill_interference"], res.inconclusive
