@@ -120,8 +120,8 @@ factorial: model
 # the blind sets (benchmarks/blind_set*/: situations written apart from the rules), recorded
 # without reading a diagnosis; the newest, never scored, is scored with the held-out shapes, once
 # (the first set, scored before, is tune material now)
-BLIND_SET ?= benchmarks/blind_set_2
-BLIND ?= benchmarks/data/blind_set_2
+BLIND_SET ?= benchmarks/blind_set_3
+BLIND ?= benchmarks/data/blind_set_3
 blind-set: model
 	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/blind_set/blind.py --set $(BLIND_SET) --all \
 		--record $(BLIND)
