@@ -19,7 +19,14 @@ Their prefix is not an engine's: a scraper pointed at a proxy reads it as no kno
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from tokenmill.telemetry.metrics import REQUEST_LATENCY_BUCKETS_S, TPOT_BUCKETS_S, TTFT_BUCKETS_S
 
@@ -35,6 +42,7 @@ class ProxyMetrics:
         self.upstream = upstream
         self.registry = CollectorRegistry()
         r, up = self.registry, ("upstream",)
+        ProcessCollector(registry=r)  # the proxy process's process_* series
         self.requests = Counter(PREFIX + "requests", "Requests answered, by HTTP status.",
                                 (*up, "code"), registry=r)  # fmt: skip
         self.in_flight = Gauge(PREFIX + "requests_in_flight", "Requests not yet answered.", up,

@@ -36,11 +36,17 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from tokenmill.engine.messages import COMPLETED_FINISH_REASONS
+
+# no ``*_created`` series beside every counter and histogram: Prometheus' text format has no
+# use for them and they double the series a scrape stores (process-wide, for the proxy's too)
+disable_created_metrics()
 
 PREFIX = "tokenmill_"
 
@@ -105,7 +111,14 @@ SUCCESS_REASONS = COMPLETED_FINISH_REASONS
 UNKNOWN = "unknown"
 #: sample keys whose unit the exported gauge scales: NVML's percent to 0..1, the process's
 #: CPU percent (100 = one core) to cores
-_SCALE = {"dram_bw_util_pct": 0.01, "gpu_util_pct": 0.01, "cpu_pct": 0.01}
+# stored unit → exported base unit (percent → ratio, MHz → hertz)
+_SCALE = {
+    "dram_bw_util_pct": 0.01,
+    "gpu_util_pct": 0.01,
+    "cpu_pct": 0.01,
+    "sm_clock_mhz": 1e6,
+    "mem_clock_mhz": 1e6,
+}
 
 
 def _s(ms: float | None) -> float | None:
@@ -184,6 +197,7 @@ class ServingMetrics:
         self._state_step = (None, -1)  # (engine_pid, step_id): a restarted engine counts anew
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # the API process's process_* series, as every exporter's
         m = ["model_name"]
         mt = ["model_name", "tenant"]
         mg = ["model_name", "gpu"]
@@ -316,8 +330,10 @@ class ServingMetrics:
                 "GPU DRAM bandwidth utilisation, 0..1 (NVML GPM, Hopper+).",
                 mg,
             ),
-            "sm_clock_mhz": gauge("gpu_sm_clock_mhz", "GPU SM clock in MHz.", mg),
-            "mem_clock_mhz": gauge("gpu_memory_clock_mhz", "GPU memory clock in MHz.", mg),
+            "sm_clock_mhz": gauge("gpu_sm_clock_hertz", "GPU SM clock in hertz (NVML).", mg),
+            "mem_clock_mhz": gauge(
+                "gpu_memory_clock_hertz", "GPU memory clock in hertz (NVML).", mg
+            ),
             "temperature_c": gauge("gpu_temperature_celsius", "GPU temperature in celsius.", mg),
             "mem_used_bytes": gauge("gpu_memory_used_bytes", "GPU memory used in bytes.", mg),
             "gpu_util_pct": gauge(
@@ -551,7 +567,7 @@ class ServingMetrics:
 
         ``kind == 'gpu'``: the ``gpu_*`` gauges labelled ``gpu=str(device_index)`` from
         ``power_w`` (W), ``dram_bw_util_pct`` and ``gpu_util_pct`` (percent 0..100, exported
-        0..1), ``sm_clock_mhz`` / ``mem_clock_mhz`` (MHz), ``temperature_c`` (celsius),
+        0..1), ``sm_clock_mhz`` / ``mem_clock_mhz`` (MHz, exported in hertz), ``temperature_c`` (celsius),
         ``mem_used_bytes`` (bytes), and the energy counter from ``energy_j`` (J since the
         sampler started: its increments). ``kind == 'host'``: ``host_cpu_cores`` from
         ``cpu_pct`` (percent, exported /100) and ``host_rss_bytes`` from ``rss_bytes``.

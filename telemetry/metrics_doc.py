@@ -46,13 +46,16 @@ HEADER = """# Metrics
 
 What `GET /metrics` exports (Prometheus text format). Every series carries `model_name`; the
 per-tenant ones also `tenant`, the per-replica ones `replica`, the per-GPU ones `gpu`. Times are
-in seconds, sizes in bytes, `_ratio` and `_perc` are 0..1. Latency histograms count completed
+in seconds, sizes in bytes, clocks in hertz, `_ratio` and `_perc` are 0..1. Latency histograms count completed
 requests only; token counters count every request that reached the engine. On a keyed server
 a scrape needs `Authorization: Bearer <key>` with the `--metrics-key` or the admin key
 (`--open-metrics`: none).
 
 Where vLLM exports the same metric, its name is given: a vLLM dashboard reads ours after the
 rename `vllm:` → `tokenmill_`.
+
+Beside them, the API process's own `process_*` series (CPU seconds, resident memory, open
+file descriptors, start time), as every Prometheus exporter has them; no `*_created` series.
 
 This page is generated from the registry (`python -m tokenmill.telemetry.metrics_doc`).
 

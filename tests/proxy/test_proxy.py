@@ -556,6 +556,12 @@ def test_a_metrics_404_is_one_warning_and_its_rules_are_not_assessed(tmp_path):
         assert "per-step records" in report.not_assessed[rid], report.not_assessed.get(rid)
 
 
+def value_of(text: str, name: str) -> float:
+    """The value of the first sample of ``name`` in an exposition."""
+    line = next(ln for ln in text.splitlines() if ln.split("{")[0].split(" ")[0] == name)
+    return float(line.rsplit(" ", 1)[1])
+
+
 def test_the_proxys_own_metrics_count_what_its_clients_saw(rig):
     """`GET /metrics` on the proxy: requests by status, nothing left in flight, one TTFT and
     the stream's gaps observed; no tenant label; a scraper does not take it for an engine."""
@@ -582,6 +588,9 @@ def test_the_proxys_own_metrics_count_what_its_clients_saw(rig):
     assert value("tokenmill_proxy_inter_token_latency_seconds_count") == 3  # 4 events, 3 gaps
     assert value("tokenmill_proxy_generation_tokens_total") == 4
     assert "tenant" not in text
+    # the exporter conventions: the process's own series, no *_created beside the counters
+    assert value_of(text, "process_resident_memory_bytes") > 0
+    assert "_created" not in text
     assert detect_kind(samples) is None
     assert rows("SELECT count(*) FROM requests") == [(2,)]
 

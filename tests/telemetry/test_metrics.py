@@ -200,7 +200,9 @@ def test_numbers_match_rows():
     assert _get(s, "tokenmill_cached_prompt_tokens_total", tenant="beta") == 64
 
     assert _get(s, "tokenmill_gpu_power_watts", gpu="0") == 312.5
-    assert _get(s, "tokenmill_gpu_sm_clock_mhz", gpu="0") == 1980
+    # clocks in the base unit: NVML's 1980 MHz and 2619 MHz as hertz
+    assert _get(s, "tokenmill_gpu_sm_clock_hertz", gpu="0") == 1980e6
+    assert _get(s, "tokenmill_gpu_memory_clock_hertz", gpu="0") == 2619e6
     assert _get(s, "tokenmill_gpu_memory_used_bytes", gpu="0") == 40 * 2**30
     assert _absent(s, "tokenmill_gpu_dram_bandwidth_utilization_ratio")  # None: not exported
     assert math.isclose(_get(s, "tokenmill_gpu_utilization_ratio", gpu="0"), 0.87)  # NVML's 87 %
@@ -532,3 +534,15 @@ def test_the_metrics_doc_is_the_registry():
     documented = {n.removesuffix("_total") for n in defined}
     ours = {n for n in exported if n.startswith("tokenmill_") and not n.endswith("_created")}
     assert ours <= documented, ours - documented
+
+
+def test_no_created_series_and_the_process_collector():
+    """Before: a ``*_created`` series beside every counter and histogram, and no ``process_*``
+    series (the registry is our own, so prometheus-client's default collectors were not in it)."""
+    body = _fed()[0].render()[0].decode()
+    names = [line.split("{")[0].split(" ")[0] for line in body.splitlines() if line[:1] != "#"]
+    assert not [n for n in names if n.endswith("_created")], "no _created series"
+    samples = {s.name: s.value for fam in text_string_to_metric_families(body) for s in fam.samples}
+    assert samples["process_resident_memory_bytes"] > 10 * 2**20  # this Python process
+    assert samples["process_cpu_seconds_total"] > 0
+    assert samples["process_open_fds"] >= 3
