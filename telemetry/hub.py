@@ -22,7 +22,13 @@ from tokenmill.engine.messages import StepRecord, to_row
 
 from .dump import DumpError, latest_ns, write_dump
 from .metrics import ServingMetrics
-from .otlp import GenAIServerMetrics, SpanExport, export_configured, export_timeout_s
+from .otlp import (
+    GenAIServerMetrics,
+    SpanExport,
+    export_configured,
+    export_sampler,
+    export_timeout_s,
+)
 from .sampler import DeviceSampler
 from .spans import (
     SampledExport,
@@ -198,9 +204,10 @@ class Telemetry:
         if not export_configured(endpoint, "traces"):
             return
         # bounded in memory and time, what it could not deliver counted (otlp.SpanExport);
-        # unsampled callers' requests stay in our store only (spans.SampledExport)
+        # the traces OTEL_TRACES_SAMPLER leaves out (an unsampled caller's, by default) stay in
+        # our store only (spans.SampledExport)
         self.otlp_export = SpanExport(endpoint)
-        self._otlp = SampledExport(self.otlp_export)
+        self._otlp = SampledExport(self.otlp_export, export_sampler())
         self.provider.add_span_processor(self._otlp)
 
     # ----- lifecycle -----

@@ -163,13 +163,87 @@ def in_background(fn: Callable[[], object], name: str) -> threading.Thread:
     return thread
 
 
+#: the exporters ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` may name here
+EXPORTER_NAMES = ("otlp", "none")
+#: ``OTEL_TRACES_SAMPLER``'s values we read (the SDK's built-in samplers)
+SAMPLER_NAMES = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
+
+
+def sdk_disabled() -> bool:
+    """``OTEL_SDK_DISABLED=true``: nothing leaves the process (our store keeps everything)."""
+    return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+
+
+def exporter_on(signal: str) -> bool:
+    """Whether ``OTEL_{SIGNAL}_EXPORTER`` lets ``signal`` out: ``otlp`` (the default) or ``none``.
+
+    Raises:
+        OTLPConfigError: an exporter tokenmill does not have (one line).
+    """
+    var = f"OTEL_{signal.upper()}_EXPORTER"
+    raw = os.environ.get(var, "")
+    names = {n.strip().lower() for n in raw.split(",") if n.strip()} or {"otlp"}
+    if not names <= set(EXPORTER_NAMES):
+        raise OTLPConfigError(
+            f"{var}={raw!r}: tokenmill exports over OTLP ('otlp') or not at all ('none')"
+        )
+    return "otlp" in names
+
+
 def export_configured(endpoint: str | None, signal: str) -> bool:
-    """Whether anything says where to send ``signal``: ``--otlp-endpoint`` or the variables."""
+    """Whether ``signal`` (``traces`` | ``metrics``) is exported: something says where to
+    (``--otlp-endpoint`` or the endpoint variables), and neither ``OTEL_SDK_DISABLED=true`` nor
+    ``OTEL_{SIGNAL}_EXPORTER=none`` turns it off. Each signal is switched on its own.
+
+    Raises:
+        OTLPConfigError: a bad ``OTEL_{SIGNAL}_EXPORTER`` (one line).
+    """
+    if sdk_disabled() or not exporter_on(signal):
+        return False
     return bool(
         endpoint
         or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
         or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     )
+
+
+def export_sampler():
+    """The sampler that decides which traces are exported, from ``OTEL_TRACES_SAMPLER`` and
+    ``OTEL_TRACES_SAMPLER_ARG`` as the SDK reads them (default ``parentbased_always_on``: a
+    caller's sampled flag decides its request, every other request is exported). Our store keeps
+    every trace whatever it decides.
+
+    Raises:
+        OTLPConfigError: a sampler we do not have, or a ratio outside 0..1 (one line).
+    """
+    from opentelemetry.sdk.trace import sampling
+
+    raw = os.environ.get("OTEL_TRACES_SAMPLER", "")
+    name = raw.strip().lower() or "parentbased_always_on"
+    if name not in SAMPLER_NAMES:
+        raise OTLPConfigError(f"OTEL_TRACES_SAMPLER={raw!r}: one of {', '.join(SAMPLER_NAMES)}")
+    root_name = name.removeprefix("parentbased_")
+    if root_name == "traceidratio":
+        arg = os.environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+        try:
+            ratio = float(arg) if arg else 1.0
+        except ValueError:
+            ratio = math.nan
+        if not 0.0 <= ratio <= 1.0:
+            raise OTLPConfigError(
+                f"OTEL_TRACES_SAMPLER_ARG={arg!r}: the share of traces to export, 0..1"
+            )
+        root = sampling.TraceIdRatioBased(ratio)
+    else:
+        root = sampling.ALWAYS_ON if root_name == "always_on" else sampling.ALWAYS_OFF
+    return sampling.ParentBased(root) if name.startswith("parentbased_") else root
 
 
 #: signal → (the exporter module's name in either protocol package, its class, the HTTP path)
@@ -489,6 +563,7 @@ __all__ = [
     "OTLPConfigError",
     "SpanExport",
     "export_configured",
+    "export_sampler",
     "export_timeout_s",
     "in_background",
     "max_queue_size",

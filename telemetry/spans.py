@@ -30,6 +30,7 @@ import math
 
 import msgspec
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.propagate import extract
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -205,14 +206,11 @@ def emit_trace(tracer: trace.Tracer, tl: RequestTimeline) -> tuple[str, dict, li
     stations = station_intervals(tl)
     end_ns = request_end_ns(tl, stations)
     parent_ctx = extract({"traceparent": tl.traceparent}) if tl.traceparent else None
-    caller = trace.get_current_span(parent_ctx).get_span_context() if parent_ctx else None
-    token = UNSAMPLED_CALLER.set(
-        bool(caller and caller.is_valid and not caller.trace_flags.sampled)
-    )
+    token = CALLER_CONTEXT.set(parent_ctx)
     try:
         return _emit(tracer, tl, stations, end_ns, parent_ctx)
     finally:
-        UNSAMPLED_CALLER.reset(token)
+        CALLER_CONTEXT.reset(token)
 
 
 def _emit(tracer, tl: RequestTimeline, stations, end_ns: int, parent_ctx):
@@ -464,9 +462,9 @@ def make_tracer_provider(resource_attrs: dict) -> TracerProvider:
     ``resource_attrs``: ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` (the SDK merges
     them in; a ``service.name`` given here only fills in when neither names one).
 
-    Every request's spans are recorded (``ALWAYS_ON``), whatever the caller's sampled flag:
-    our own store keeps them all, and :class:`SampledExport` keeps an unsampled caller's out of
-    the export."""
+    Every request's spans are recorded (``ALWAYS_ON``), whatever the caller's sampled flag or
+    ``OTEL_TRACES_SAMPLER``: our own store keeps them all, and :class:`SampledExport` applies
+    the sampling to the export alone."""
     from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
     return TracerProvider(resource=make_resource(resource_attrs), sampler=ALWAYS_ON)
@@ -486,26 +484,31 @@ def make_resource(resource_attrs: dict):
     return Resource.create(attrs)
 
 
-#: True while :func:`emit_trace` ends the spans of a request whose caller sent a traceparent
-#: with the sampled flag off: they go to our store, not to the exporters
-UNSAMPLED_CALLER: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "tokenmill_unsampled_caller", default=False
+#: The caller's context (its ``traceparent``) while :func:`emit_trace` ends a request's spans,
+#: None when it sent none: the export's sampler decides the whole trace on it
+CALLER_CONTEXT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
+    "tokenmill_caller_context", default=None
 )
 
 
 class SampledExport(SpanProcessor):
-    """Wraps an exporting processor: passes on every span but those of a request whose caller
-    did not sample it (:data:`UNSAMPLED_CALLER`): sampling governs what leaves the server,
-    never what our store keeps."""
+    """Wraps an exporting processor: passes on the spans of the traces ``sampler`` exports
+    (``otlp.export_sampler``: ``OTEL_TRACES_SAMPLER``/``_ARG``, parent-based by default, so a
+    caller that did not sample its request keeps it out of the export). Each span of a request is
+    judged on the request's trace id and its caller's context, never its own parent, so a trace
+    leaves whole or not at all; sampling governs what leaves the server, never what our store
+    keeps."""
 
-    def __init__(self, inner: SpanProcessor):
+    def __init__(self, inner: SpanProcessor, sampler):
         self.inner = inner
+        self.sampler = sampler
 
     def on_start(self, span, parent_context=None) -> None:
         self.inner.on_start(span, parent_context=parent_context)
 
     def on_end(self, span: ReadableSpan) -> None:
-        if not UNSAMPLED_CALLER.get():
+        verdict = self.sampler.should_sample(CALLER_CONTEXT.get(), span.context.trace_id, span.name)
+        if verdict.decision.is_sampled():
             self.inner.on_end(span)
 
     def shutdown(self) -> None:

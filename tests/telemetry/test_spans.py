@@ -3,8 +3,10 @@ OTLP export received by a real HTTP endpoint on 127.0.0.1."""
 
 from __future__ import annotations
 
+import collections
 import http.server
 import json
+import random
 import threading
 
 import duckdb
@@ -437,3 +439,91 @@ def test_an_unsampled_caller_keeps_its_waterfall_in_our_store_but_is_not_exporte
         by_trace.setdefault(row["trace_id"], []).append(row["name"])
     assert sorted(by_trace["a" * 32]) == sorted(["request", *STATIONS])
     assert sorted(by_trace["c" * 32]) == sorted(["request", *STATIONS])
+
+
+def _with_caller(trace_id: str, sampled: bool) -> RequestTimeline:
+    tl = _completed()
+    tl.traceparent = f"00-{trace_id}-{'b' * 16}-{'01' if sampled else '00'}"
+    return tl
+
+
+def test_the_export_follows_otel_traces_sampler_and_the_store_keeps_every_trace(monkeypatch):
+    """OTEL_TRACES_SAMPLER=traceidratio with _ARG=0.1: of 400 requests (trace ids drawn from a
+    fixed seed, callers' flags ignored as the ratio sampler does) about a tenth leave, each trace
+    whole (its root and eight stations), and the store keeps all 400. Before: the variables
+    were overridden and every trace was exported."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.1")
+    rng = random.Random(7)
+    ids = [f"{rng.getrandbits(128):032x}" for _ in range(400)]
+    exported, stored = _collect([_with_caller(t, sampled=True) for t in ids])
+    spans_by_trace = collections.Counter(
+        s.trace_id.hex() for rs in exported for ss in rs.scope_spans for s in ss.spans
+    )
+    assert 25 <= len(spans_by_trace) <= 55, len(spans_by_trace)
+    assert set(spans_by_trace.values()) == {1 + len(STATIONS)}
+    assert set(spans_by_trace) < set(ids)
+    assert {row["trace_id"] for row in stored} == set(ids)
+    assert len(stored) == 400 * (1 + len(STATIONS))
+
+
+def test_parent_based_sampling_follows_the_caller_and_the_ratio_decides_the_rest(monkeypatch):
+    """parentbased_traceidratio with a ratio of 0: a caller that sampled its request gets it
+    exported, one that did not does not, and a request with no caller is left to the ratio."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    on, off = _with_caller("c" * 32, sampled=True), _with_caller("a" * 32, sampled=False)
+    exported, stored = _collect([on, off, _completed()])
+    assert {s.trace_id.hex() for rs in exported for ss in rs.scope_spans for s in ss.spans} == {
+        "c" * 32
+    }
+    assert len({row["trace_id"] for row in stored}) == 3
+
+
+def test_the_standard_variables_switch_each_export_off(monkeypatch):
+    """OTEL_SDK_DISABLED=true: nothing exported; OTEL_TRACES_EXPORTER=none: no spans but the
+    metrics; OTEL_METRICS_EXPORTER=none: spans but no metrics (before: --otlp-endpoint turned on
+    both, and these variables were not read). The store keeps every span in each case."""
+
+    def parts():
+        tel = Telemetry(
+            "m", trace_db=None, otlp_endpoint="http://127.0.0.1:9", device_sample_interval_s=0
+        )
+        try:
+            return tel.otlp_export is not None, tel.genai_metrics is not None
+        finally:
+            tel.close(0)
+
+    assert parts() == (True, True)
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert parts() == (False, False)
+    monkeypatch.delenv("OTEL_SDK_DISABLED")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert parts() == (False, True)
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    assert parts() == (True, False)
+    exported, stored = _collect([_completed()])
+    assert sorted(_names(exported)) == sorted(["request", *STATIONS])
+    assert len(stored) == 1 + len(STATIONS)
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "says"),
+    [
+        ("OTEL_TRACES_SAMPLER", "jaeger_remote", "parentbased_traceidratio"),
+        ("OTEL_TRACES_SAMPLER_ARG", "2", "0..1"),
+        ("OTEL_TRACES_SAMPLER_ARG", "a tenth", "0..1"),
+        ("OTEL_TRACES_EXPORTER", "zipkin", "'none'"),
+        ("OTEL_METRICS_EXPORTER", "prometheus", "'none'"),
+    ],
+)
+def test_a_sampler_or_exporter_we_do_not_have_is_one_line(monkeypatch, var, value, says):
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(OTLPConfigError) as err:
+        Telemetry(
+            "m", trace_db=None, otlp_endpoint="http://127.0.0.1:9", device_sample_interval_s=0
+        )
+    msg = str(err.value)
+    assert f"{var}={value!r}" in msg and says in msg and "\n" not in msg
