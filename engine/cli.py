@@ -50,7 +50,8 @@ COMMANDS = {
 
 # help placeholders read from an option's help text (the unit it is given in)
 _UNIT_METAVARS = (
-    (re.compile(r"\bseconds?\b|\bin s\b|\(s[;)]", re.I), "SECONDS"),
+    # (not "re-read every second": a count can be refreshed each second)
+    (re.compile(r"(?<!every )\bseconds?\b|\bin s\b|\(s[;)]", re.I), "SECONDS"),
     (re.compile(r"\bin ms\b|\(ms\)"), "MS"),
     (re.compile(r"\bbytes\b", re.I), "BYTES"),
     (re.compile(r"\b\d+s[,/] ?\d+m\b"), "DURATION"),

@@ -128,6 +128,16 @@ def test_engine_flags_come_from_the_config_fields(command):
         assert params["block_size"].max == 1024 and params["kv_watermark"].max == 0.99
 
 
+def test_help_placeholders_name_what_the_value_is():
+    """Before: ``--cpu-threads SECONDS`` (its help says the count is re-read every second)."""
+    params = _params("serve")
+    shown = {name: cli.help_metavar(params[name]) for name in params}
+    assert shown["cpu_threads"] == "N"
+    assert shown["max_num_seqs"] == "N"
+    assert shown["tensor_parallel_join_timeout"] == "SECONDS"
+    assert shown["kv_cache_memory"] == "BYTES"
+
+
 def test_every_config_field_is_documented():
     for cls in (EngineConfig, ServeConfig):
         for f in dataclasses.fields(cls):
