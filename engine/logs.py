@@ -1,4 +1,5 @@
-"""Server logs: one handler on stderr for every ``tokenmill.*`` logger, as text or JSON lines.
+"""Server logs: one handler on stderr for every ``tokenmill.*`` logger and uvicorn's, as text or
+JSON lines.
 
 ``tokenmill serve --log-level info|debug|warning|error --log-format text|json`` sets them in
 the API process and, through :data:`LEVEL_ENV` / :data:`FORMAT_ENV`, in the engine core
@@ -74,15 +75,18 @@ def configure(level: str = "info", fmt: str = "text", *, export: bool = True) ->
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}, not {level!r}")
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    logger = logging.getLogger("tokenmill")
-    for h in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
-        logger.removeHandler(h)
     handler = logging.StreamHandler(sys.stderr)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT))
-    logger.addHandler(handler)
-    logger.setLevel(level.upper())
-    logger.propagate = False
+    # uvicorn's own lines (an invalid HTTP request, a lifespan error) in the same format: the
+    # server starts uvicorn without a logging config of its own (``log_config=None``)
+    for name in ("tokenmill", "uvicorn"):
+        logger = logging.getLogger(name)
+        for h in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
+            logger.removeHandler(h)
+        logger.addHandler(handler)
+        logger.propagate = False
+    logging.getLogger("tokenmill").setLevel(level.upper())
     if export:
         os.environ[LEVEL_ENV], os.environ[FORMAT_ENV] = level, fmt
 

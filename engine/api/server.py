@@ -418,7 +418,12 @@ def make_server(
         # the server writes its own request rows; a received engine span adds none
         add_receiver(app, telemetry.store, request_rows=False, authenticate=admin_only)
     uv_config = uvicorn.Config(
-        app, host=opts.host, port=opts.port, log_level="warning", timeout_graceful_shutdown=5
+        app,
+        host=opts.host,
+        port=opts.port,
+        log_level="warning",
+        log_config=None,  # its lines go through the server's handler (engine/logs.py)
+        timeout_graceful_shutdown=5,
     )
     server = DrainingServer(
         uv_config,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -113,6 +114,11 @@ def test_json_logs_carry_request_and_trace_ids(keyed):
     r = _post(keyed, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}, KEY)
     assert r.status_code == 200
     rid = r.json()["id"]
+    # uvicorn's own warning for bytes that are not HTTP (before: its own text format)
+    host, port = keyed.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        sock.recv(1024)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # the access line follows the response's recording
         text = Path(keyed.log.name).read_text()
@@ -121,7 +127,12 @@ def test_json_logs_carry_request_and_trace_ids(keyed):
         time.sleep(0.2)
     lines = [line for line in text.splitlines() if line.startswith("{")]
     records = [json.loads(line) for line in lines]  # every one parses
-    assert {r["logger"].split(".")[0] for r in records} == {"tokenmill"}
+    assert {r["logger"].split(".")[0] for r in records} == {"tokenmill", "uvicorn"}
+    (bad,) = [r for r in records if r["logger"] == "uvicorn.error"]
+    assert bad["level"] == "warning" and "Invalid HTTP request" in bad["message"], bad
+    assert "Invalid HTTP request" not in "".join(
+        line for line in text.splitlines() if not line.startswith("{")
+    )
     assert len({r["pid"] for r in records}) >= 2  # the API process and its engine core
     (mine,) = [r for r in records if r.get("request_id") == rid]
     assert mine["logger"] == "tokenmill.access" and mine["level"] == "info"
