@@ -121,6 +121,19 @@ def _uniform(lo: int, hi: int) -> str:
     return f"uniform:{lo}:{hi}"
 
 
+def _steady(load: dict, span_s, prompt, output, seed: int, start_s: float = 0.0) -> dict:
+    """One load-generator step: ``load`` (``concurrency`` or ``request_rate``) held for
+    ``span_s`` from ``start_s``, prompt and answer lengths uniform over their ranges."""
+    args = _bench(
+        **load,
+        phases=f"steady:{span_s}s",
+        prompt_tokens=_uniform(*prompt),
+        output_tokens=_uniform(*output),
+        seed=seed,
+    )
+    return {"start_s": start_s, "args": args}
+
+
 @dataclass
 class Base:
     """One shape's traffic: concurrent bench steps (``{"start_s", "args"}``), server flags, the
@@ -184,18 +197,7 @@ def _blocks(prompt: int, output: int) -> int:
 def _closed_loop(rng, clients, prompt, output, server=(), steady=(42, 46)) -> Base:
     t = rng.randint(*steady)
     seed = rng.randint(1, 999)
-    steps = [
-        {
-            "start_s": 0.0,
-            "args": _bench(
-                concurrency=clients,
-                phases=f"steady:{t}s",
-                prompt_tokens=_uniform(*prompt),
-                output_tokens=_uniform(*output),
-                seed=seed,
-            ),
-        }
-    ]
+    steps = [_steady({"concurrency": clients}, t, prompt, output, seed)]
     return Base(
         steps,
         list(server),
@@ -238,18 +240,7 @@ def _open(rng):
     t = rng.randint(42, 46)
     seed = rng.randint(1, 999)
     prompt, output = (32, 128), (16, 48)
-    steps = [
-        {
-            "start_s": 0.0,
-            "args": _bench(
-                request_rate=rate,
-                phases=f"steady:{t}s",
-                prompt_tokens=_uniform(*prompt),
-                output_tokens=_uniform(*output),
-                seed=seed,
-            ),
-        }
-    ]
+    steps = [_steady({"request_rate": rate}, t, prompt, output, seed)]
     # Poisson arrivals: a few at once now and then
     return Base(steps, [], prompt, output, t, rate, 5, {"rate": rate, "steady_s": t, "seed": seed})
 
@@ -295,16 +286,7 @@ def _procs(rng):
     prompt, output = (32, 96), (24, 48)
     seed = rng.randint(1, 999)
     steps = [
-        {
-            "start_s": float(s),
-            "args": _bench(
-                concurrency=1,
-                phases=f"steady:{end - s}s",
-                prompt_tokens=_uniform(*prompt),
-                output_tokens=_uniform(*output),
-                seed=seed + k,
-            ),
-        }
+        _steady({"concurrency": 1}, end - s, prompt, output, seed + k, start_s=float(s))
         for k, s in enumerate(starts)
     ]
     return Base(
@@ -407,19 +389,7 @@ def _mixed(rng):
     seed = rng.randint(1, 999)
     short, long_ = ((32, 96), (16, 48)), ((300, 600), (16, 48))
     classes = ((short_rate, *short), (long_rate, *long_))
-    steps = [
-        {
-            "start_s": 0.0,
-            "args": _bench(
-                request_rate=r,
-                phases=f"steady:{t}s",
-                prompt_tokens=_uniform(*p),
-                output_tokens=_uniform(*o),
-                seed=seed + k,
-            ),
-        }
-        for k, (r, p, o) in enumerate(classes)
-    ]
+    steps = [_steady({"request_rate": r}, t, p, o, seed + k) for k, (r, p, o) in enumerate(classes)]
     # Poisson arrivals: up to five running at once now and then; the KV they hold is mostly
     # the long prompts', usually one at a time: the pool kv_pressure leaves the shape is one
     # long and three short requests' with the 25 % margin (f-mixed-healthy at 0.7 req/s: 68
@@ -458,19 +428,8 @@ def _sysprompt(rng):
     seed = rng.randint(1, 999)
     prompt, output = (16, 64), (16, 48)
     shared = ["--shared-prefix", f"{system}:1000"]  # one group: a run sends < 1000 requests
-    steps = [
-        {
-            "start_s": 0.0,
-            "args": _bench(
-                request_rate=rate,
-                phases=f"steady:{t}s",
-                prompt_tokens=_uniform(*prompt),
-                output_tokens=_uniform(*output),
-                seed=seed,
-            )
-            + shared,
-        }
-    ]
+    step = _steady({"request_rate": rate}, t, prompt, output, seed)
+    steps = [{**step, "args": step["args"] + shared}]
     # Poisson arrivals: up to six running now and then; they share the system prompt's blocks
     # (held once) and each holds its question's and answer's, and the block where the system
     # prompt ends
