@@ -121,7 +121,7 @@ def waterfall(detail: dict, explanation: dict | None = None) -> go.Figure:
     moved = detail.get("kv_transfer")
     spans = spans[spans["name"] != "kv_transfer"]
     fig = go.Figure()
-    colors = ["#7f7f7f" if n == "request" else "#4c78a8" for n in spans["name"]]
+    colors = ["#7f7f7f" if k == "SERVER" else "#4c78a8" for k in spans["kind"]]  # the root
     colors = [
         "#e45756" if s == "ERROR" else c for c, s in zip(colors, spans["status_code"], strict=True)
     ]

@@ -332,14 +332,14 @@ def request_detail(con, trace_id: str) -> dict | None:
     request = dict(zip(cols, row, strict=True)) if row else None
     spans = _df(
         con,
-        "SELECT name, span_id, parent_span_id, start_ns, end_ns, duration_ns, status_code, "
+        "SELECT name, kind, span_id, parent_span_id, start_ns, end_ns, duration_ns, status_code, "
         "status_message, error_type, attributes, events FROM spans WHERE trace_id = $t "
         "ORDER BY start_ns",
         t=trace_id,
     )
     if request is None and spans.empty:
         return None
-    roots = spans[spans["name"] == "request"]
+    roots = spans[spans["kind"] == "SERVER"]  # named `chat {model}` (`request` in older stores)
     if request is not None:
         t0 = int(request["arrival_ns"])
     elif not roots.empty:
@@ -371,10 +371,13 @@ def request_detail(con, trace_id: str) -> dict | None:
                 tokens_ms.append(t)
     if not tokens_ms and request and request.get("first_token_ns"):
         tokens_ms = [(int(request["first_token_ns"]) - t0) / 1e6]
-    rows = ("request", *STATIONS[: STATIONS.index("prefill") + 1], "kv_transfer")
+    rows = (*STATIONS[: STATIONS.index("prefill") + 1], "kv_transfer")
     rows += STATIONS[STATIONS.index("prefill") + 1 :]
     order = {n: i for i, n in enumerate(rows)}
-    spans["order"] = spans["name"].map(lambda n: order.get(n, len(order)))
+    spans["order"] = [
+        -1 if kind == "SERVER" else order.get(n, len(order))
+        for n, kind in zip(spans["name"], spans["kind"], strict=True)
+    ]
     spans = spans.sort_values(["order", "start_ns"]).drop(columns=["order"])
     return {
         "trace_id": trace_id,

@@ -323,6 +323,16 @@ def engine_options(*names: str):
     return config_options(EngineConfig, *names)
 
 
+def require_engine() -> None:
+    """Raises ``ModuleNotFoundError`` for the first module of the ``engine`` extra this install
+    lacks; :func:`main` turns it into the one line that names the extra."""
+    import importlib.util
+
+    for name in ("torch", "transformers", "safetensors"):
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
 def prompt_params(n: int, *, seed: int | None, **params: Any) -> list:
     """One ``SamplingParams`` per prompt; with a seed, prompt ``i`` draws from ``seed + i``
     (so that equal prompts do not get equal samples, and every run gets the same ones)."""
@@ -367,6 +377,7 @@ def generate(
     """Generate text for one or more prompts and report TTFT and tokens/s."""
     if not prompt and not chat:
         fail("give at least one --prompt or --chat")
+    require_engine()
     from .llm import LLM
     from .model_fetch import default_model_dir, fetch_default_model
     from .tokenizer import encode_chat
@@ -429,6 +440,7 @@ def serve(
     **options: Any,
 ) -> None:
     """Serve the OpenAI-compatible API (chat and completions, streaming) from the engine."""
+    require_engine()
     from .api.server import Unauthenticated, make_server
     from .logs import FORMATS, LEVELS
     from .logs import configure as configure_logs
@@ -487,6 +499,7 @@ def tp_worker(
     ``RANK``: 1..WORLD_SIZE-1), as ``torchrun`` sets it. Rank 0 is ``tokenmill serve`` with the
     same variables and ``RANK=0``; it sends the model settings when the group forms.
     """
+    require_engine()
     from .parallel.workers import run_host_worker
 
     try:
@@ -518,6 +531,7 @@ def pd_worker(
     The API sends the engine settings and the core's place in the KV link each time it starts
     the core; the KV crosses on torch.distributed with its rendezvous on the API's host.
     """
+    require_engine()
     from .parallel.pd_remote import run_pd_worker
 
     try:
@@ -526,6 +540,25 @@ def pd_worker(
         fail(str(exc).splitlines()[0])
     except KeyboardInterrupt:
         pass
+
+
+#: the modules only an extra brings (pyproject.toml), and that extra: `pip install tokenmill`
+#: alone is the observer
+EXTRA_OF_MODULE = {
+    "torch": "[engine]",
+    "transformers": "[engine]",
+    "safetensors": "[engine]",
+    "triton": "[cuda]",
+    "gguf": "[convert]",
+    "accelerate": "[convert]",
+}
+
+
+def _missing_extra(exc: BaseException) -> str | None:
+    """``"[engine]"`` when ``exc`` is the import of a module only that extra installs."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return None
+    return EXTRA_OF_MODULE.get(exc.name.split(".")[0])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -550,6 +583,18 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(exc.exit_code)
         if os.environ.get("TOKENMILL_DEBUG"):
             raise
+        extra = _missing_extra(exc)
+        if extra:
+            err.print(
+                "[bold red]error:[/] "
+                + escape(
+                    f"this needs {exc.name}, which comes with the {extra[1:-1]} extra: "
+                    f"pip install 'tokenmill{extra}'"
+                ),
+                highlight=False,
+                soft_wrap=True,
+            )
+            sys.exit(1)
         first = (str(exc).strip().splitlines() or [""])[0]
         err.print(
             f"[bold red]error:[/] unexpected {type(exc).__name__}: {escape(first)}",

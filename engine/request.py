@@ -10,12 +10,15 @@ from them.
 from __future__ import annotations
 
 import enum
+import functools
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from .messages import CacheMiss, RequestEvent, RequestStats
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FINISH_REASONS", "Request", "RequestEvent", "RequestStatus"]
 
@@ -83,9 +86,6 @@ class Request:
         self.content_hashes: list[bytes] = []  # salt-free (BlockManager.explain_misses)
         # why its prompt blocks missed the prefix cache at first admission; sent once
         self.cache_misses: list[CacheMiss] | None = None
-        self.generator = (
-            torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        )
 
         self.arrival_ns = arrival_ns if arrival_ns is not None else time.time_ns()
         self.token_ns: list[int] = []
@@ -102,6 +102,16 @@ class Request:
         self.error_message: str | None = None
         # disaggregation: end on this core after the first token, KV held for take_handoff
         self.hand_off = False
+
+    @functools.cached_property
+    def generator(self) -> torch.Generator | None:
+        """Its own CPU random generator when it has a seed, made on first use: only the engine
+        core samples, so the scheduler and the planner never import torch."""
+        if self.params.seed is None:
+            return None
+        import torch
+
+        return torch.Generator().manual_seed(self.params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

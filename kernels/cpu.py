@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from . import reference
+from .cutover import FASTER_ROWS
 
 __all__ = [
     "FASTER_ROWS",
@@ -80,12 +81,6 @@ MAX_ROWS = 64
 INT4_GROUP = 32
 INT8_GROUP = 32
 INT4_ROWS = 16
-# rows up to which gemv/gemv_int8 beat torch's product on the project's 2-core AVX2 VM, the
-# callers' cut-over. benchmarks/step_overhead.py's GEMV pass (every weight of SmolLM2-135M once,
-# streamed from memory, 2026-12-01): the kernel 47.1 ms at 8 rows and 85.9 at 16 against
-# models/linear.py's W @ xᵀ at 74.4 and 76.6. Past ~12 rows the kernel is bound by its FMAs
-# (one x load each), and torch's blocked GEMM does better.
-FASTER_ROWS = 12
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None

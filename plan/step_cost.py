@@ -422,7 +422,7 @@ def fit_step_cost(
         model.thread_factors[int(t)] = {"factor": float(np.median(ratio)), "steps": int(on.sum())}
     if model.native_rows and str(cfg.get("engine_device") or "cpu") == "cpu":
         # the engine's own cut-over, which a quiet recording may not have reached
-        from tokenmill.engine.models.native_step import MAX_NATIVE_ROWS
+        from tokenmill.kernels.cutover import FASTER_ROWS as MAX_NATIVE_ROWS
 
         model.native_rows = max(model.native_rows, MAX_NATIVE_ROWS)
     decode_only = a[:, 4] == 0

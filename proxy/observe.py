@@ -31,7 +31,7 @@ import msgspec
 
 from tokenmill.engine.sampling_params import MAX_TOKEN_INT
 from tokenmill.telemetry.rows import RequestRow
-from tokenmill.telemetry.spans import percentile
+from tokenmill.telemetry.spans import operation_name, percentile, root_span_name
 
 _MS = 1e-6
 #: the most of an event stream's unfinished line, or of a decoded body, kept for reading: past
@@ -316,6 +316,9 @@ class Exchange:
     def span_rows(self) -> list[dict]:
         end = self.end_ns or time.time_ns()
         attrs = {
+            "gen_ai.operation.name": operation_name(self.endpoint),
+            "gen_ai.request.model": self.model,
+            "gen_ai.request.stream": self.stream,
             "tokenmill.upstream": self.upstream,
             "tokenmill.request_id": self.response_id,
             "http.response.status_code": self.http_status,
@@ -337,7 +340,7 @@ class Exchange:
                 **base,
                 "span_id": self.span_id,
                 "parent_span_id": None,
-                "name": "request",
+                "name": root_span_name(self.endpoint, self.model),
                 "kind": "SERVER",
                 "start_ns": self.arrival_ns,
                 "end_ns": end,

@@ -43,7 +43,7 @@ TABLES = (
 #: as empty (apply_schema creates them, expose_missing_columns gives a read-only file an empty
 #: one, a Parquet dump may lack their file)
 ADDED_TABLES = ("engine_samples", "waiting_samples")
-# the child spans of every `request` span, in the order a request passes them (DESIGN.md §2)
+# the child spans of every root span (`chat {model}`), in the order a request passes them (DESIGN.md §2)
 STATIONS = (
     "gateway",
     "tokenize",

@@ -11,8 +11,8 @@ CREATE TABLE IF NOT EXISTS meta (
 CREATE TABLE IF NOT EXISTS spans (
     trace_id        VARCHAR NOT NULL,   -- 32 hex digits
     span_id         VARCHAR NOT NULL,   -- 16 hex digits
-    parent_span_id  VARCHAR,            -- NULL for the root `request` span
-    name            VARCHAR NOT NULL,   -- request | gateway | tokenize | admission | schedule | prefill | decode | stream | metering
+    parent_span_id  VARCHAR,            -- NULL for the root span (kind SERVER)
+    name            VARCHAR NOT NULL,   -- chat {model} | text_completion {model} (the root; `request` before) | gateway | tokenize | admission | schedule | prefill | decode | stream | metering
     kind            VARCHAR NOT NULL,   -- SERVER | INTERNAL
     start_ns        BIGINT  NOT NULL,
     end_ns          BIGINT  NOT NULL,

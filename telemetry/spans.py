@@ -213,23 +213,64 @@ def emit_trace(tracer: trace.Tracer, tl: RequestTimeline) -> tuple[str, dict, li
         CALLER_CONTEXT.reset(token)
 
 
+def operation_name(endpoint: str | None) -> str:
+    """The GenAI conventions' ``gen_ai.operation.name`` of an endpoint (chat | completions)."""
+    return "chat" if endpoint == "chat" else "text_completion"
+
+
+def root_span_name(endpoint: str | None, model: str | None) -> str:
+    """The request's root span, as the GenAI conventions name it: ``chat {model}`` or
+    ``text_completion {model}``. Readers find the root by its kind (``SERVER``), never by name:
+    stores written before this naming call it ``request``."""
+    op = operation_name(endpoint)
+    return f"{op} {model}" if model else op
+
+
+def genai_messages(tl: RequestTimeline) -> tuple[str | None, str | None]:
+    """``(gen_ai.input.messages, gen_ai.output.messages)`` as the GenAI conventions write them
+    (JSON lists of ``{"role", "parts": [{"type": "text", "content"}]}``), or ``(None, None)``
+    without ``--trace-content``."""
+    if not tl.record_content:
+        return None, None
+    if tl.input_messages is not None:
+        sent = [(m["role"], m["content"]) for m in tl.input_messages]
+    else:
+        sent = [("user", tl.prompt_text or "")]
+    inputs = [{"role": r, "parts": [{"type": "text", "content": c}]} for r, c in sent]
+    output = {
+        "role": "assistant",
+        "parts": [{"type": "text", "content": "".join(tl.output_text)}],
+        "finish_reason": tl.finish_reason or "error",
+    }
+    return json.dumps(inputs, ensure_ascii=False), json.dumps([output], ensure_ascii=False)
+
+
 def _emit(tracer, tl: RequestTimeline, stations, end_ns: int, parent_ctx):
     finish_reasons = [tl.finish_reason] if tl.finish_reason else None
+    started = tl.stats.queued_ns is not None
+    input_messages, output_messages = genai_messages(tl)
     root_attrs = _attrs(
         {
-            "gen_ai.operation.name": "chat" if tl.endpoint == "chat" else "text_completion",
+            "gen_ai.operation.name": operation_name(tl.endpoint),
             # the current GenAI conventions name the provider; gen_ai.system is their older name
             "gen_ai.provider.name": "tokenmill",
             "gen_ai.system": "tokenmill",
             "gen_ai.request.model": tl.model,
             "gen_ai.request.max_tokens": tl.max_tokens,
             "gen_ai.request.temperature": tl.temperature,
+            "gen_ai.request.top_p": tl.top_p,
+            "gen_ai.request.seed": tl.seed,
+            "gen_ai.request.stream": tl.stream,
             "gen_ai.response.id": tl.request_id,
+            "gen_ai.response.model": tl.model if tl.finish_reason else None,
             "gen_ai.response.finish_reasons": finish_reasons,
             "gen_ai.usage.input_tokens": tl.stats.input_tokens,
             "gen_ai.usage.output_tokens": tl.stats.output_tokens
             if tl.stats.first_token_ns
             else None,
+            "gen_ai.usage.cache_read.input_tokens": tl.stats.cached_tokens if started else None,
+            "gen_ai.input.messages": input_messages,
+            "gen_ai.output.messages": output_messages,
             "http.request.method": tl.method,
             "url.path": tl.path,
             "http.response.status_code": tl.http_status,
@@ -239,14 +280,12 @@ def _emit(tracer, tl: RequestTimeline, stations, end_ns: int, parent_ctx):
             "tokenmill.tenant": tl.tenant,
             "tokenmill.replica": tl.replica,
             "tokenmill.stream": tl.stream,
-            "tokenmill.usage.cached_tokens": tl.stats.cached_tokens if tl.stats.queued_ns else None,
-            "tokenmill.preemptions": tl.stats.preemptions if tl.stats.queued_ns else None,
-            "tokenmill.prompt": tl.prompt_text if tl.record_content else None,
-            "tokenmill.completion": "".join(tl.output_text) if tl.record_content else None,
+            "tokenmill.usage.cached_tokens": tl.stats.cached_tokens if started else None,
+            "tokenmill.preemptions": tl.stats.preemptions if started else None,
         }
     )
     root = tracer.start_span(
-        "request",
+        root_span_name(tl.endpoint, tl.model),
         context=parent_ctx,
         kind=SpanKind.SERVER,
         start_time=tl.arrival_ns,

@@ -41,7 +41,7 @@ def _upstreams(sig: Signals, w: Window) -> list[str]:
     the window, most failures first."""
     rows = sig.con.execute(
         "SELECT s.attributes->>'tokenmill.upstream' AS up, count(*) FROM requests r "
-        "JOIN spans s ON s.trace_id = r.trace_id AND s.name = 'request' "
+        "JOIN spans s ON s.trace_id = r.trace_id AND s.kind = 'SERVER' "
         "WHERE r.end_ns >= ? AND r.end_ns < ? AND r.error_type IN ? AND up IS NOT NULL "
         "GROUP BY up ORDER BY 2 DESC, 1",
         [w.start_ns, w.end_ns, list(UPSTREAM)],

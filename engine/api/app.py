@@ -709,6 +709,8 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
     tl = _timeline(request)
     tl.stream = bool(body.stream)
     tl.temperature = body.temperature
+    tl.top_p = body.top_p
+    tl.seed = body.seed
     if state.draining or state.shutting_down:
         tl.fail("server_shutdown", DRAINING_MESSAGE)
         raise APIError(503, DRAINING_MESSAGE, code="server_shutdown", retry_after=DRAIN_RETRY_S)
@@ -757,6 +759,8 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
         tl.max_tokens = tok.max_tokens
         if tl.record_content:
             tl.prompt_text = state.tokenize.tokenizer.decode(tok.prompt_token_ids)
+            if chat:
+                tl.input_messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         tl.queue_depth_seen = state.admission.queue_depth
         tl.in_flight_seen = state.admission.in_flight
         tl.pool = state.worker.name  # the replica's own name once the router picked it

@@ -38,7 +38,11 @@ class RequestTimeline:
     stream: bool | None = None
     max_tokens: int | None = None
     temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
     prompt_text: str | None = None  # only with --trace-content
+    # a chat's messages as sent, [{"role", "content"}] (only with --trace-content)
+    input_messages: list[dict] | None = None
     output_text: list[str] = field(default_factory=list)  # only with --trace-content
     # API stations
     gateway_end_ns: int | None = None

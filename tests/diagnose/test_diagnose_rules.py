@@ -199,7 +199,7 @@ def test_rule_fires_on_its_symptom(stores, rule_id):
     if rule_id not in ("kv_block_leak", "oom_low_average_memory", "periodic_itl_spikes"):
         assert 1 <= len(f.example_trace_ids) <= 5
         (n,) = con.execute(
-            "SELECT count(*) FROM spans WHERE name = 'request' AND trace_id IN "
+            "SELECT count(*) FROM spans WHERE kind = 'SERVER' AND trace_id IN "
             f"({','.join(repr(t) for t in f.example_trace_ids)})"
         ).fetchone()
         assert n == len(f.example_trace_ids)  # real traces of the store

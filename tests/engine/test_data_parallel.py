@@ -127,7 +127,7 @@ def test_two_replicas_serve_one_engines_greedy_outputs_and_label_everything(
     assert steps == {0: 1, 1: 1}
     spans = con.execute(
         "SELECT count(*), count(DISTINCT attributes->>'$.\"tokenmill.replica\"') FROM spans "
-        "WHERE name = 'request'"
+        "WHERE kind = 'SERVER'"
     ).fetchone()
     assert spans == (32, 2)
 

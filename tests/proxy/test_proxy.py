@@ -175,9 +175,9 @@ def test_a_stream_passes_through_unchanged_and_is_recorded(rig):
     assert row[3] == pytest.approx(GAP_S * 1e3, rel=0.6)  # the upstream's gap between events
     assert row[4:] == (6, 7, "length", 200, None, "chat", True)
     spans = dict(rows("SELECT name, parent_span_id FROM spans"))
-    root = rows("SELECT span_id FROM spans WHERE name = 'request'")[0][0]
+    root = rows("SELECT span_id FROM spans WHERE kind = 'SERVER'")[0][0]
     assert root == tp[2]  # the upstream's parent is the proxy's request span
-    assert spans == {"request": None, "gateway": root, "stream": root}
+    assert spans == {"chat stream-ok": None, "gateway": root, "stream": root}
 
 
 def test_the_model_list_passes_through(rig):
@@ -322,10 +322,10 @@ def test_with_the_receiver_the_upstreams_spans_join_the_proxys_trace(tmp_path):
         )
         assert sorted(names, key=str) == sorted(
             [
-                ("request", None),
-                ("gateway", "request"),
-                ("stream", "request"),
-                ("llm_request", "request"),
+                ("chat json-ok", None),
+                ("gateway", "chat json-ok"),
+                ("stream", "chat json-ok"),
+                ("llm_request", "chat json-ok"),
                 ("schedule", "llm_request"),
                 ("prefill", "llm_request"),
                 ("decode", "llm_request"),

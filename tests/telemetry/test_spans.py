@@ -64,7 +64,7 @@ def _spans(tl: RequestTimeline):
 
 def test_completed_timeline_gives_root_and_eight_stations_with_engine_times():
     trace_id, req, itl, spans = _spans(_completed())
-    assert set(spans) == {"request", *STATIONS}
+    assert set(spans) == {"chat m", *STATIONS}
     assert spans["schedule"]["start_ns"] == T0 + 400
     assert spans["prefill"]["end_ns"] == T0 + 5_000_000
     assert spans["decode"]["end_ns"] == T0 + 12_000_000
@@ -72,7 +72,52 @@ def test_completed_timeline_gives_root_and_eight_stations_with_engine_times():
     assert abs(req["e2e_ms"] - 12.21) < 1e-9 and abs(req["queue_ms"] - 1.9996) < 1e-9
     assert '"name": "chunk"' in spans["prefill"]["events"]
     assert '"tokenmill.step_id": 7' in spans["decode"]["events"]  # preempted mid-decode
-    assert spans["request"]["trace_id"] == trace_id and spans["request"]["kind"] == "SERVER"
+    assert spans["chat m"]["trace_id"] == trace_id and spans["chat m"]["kind"] == "SERVER"
+    attrs = json.loads(spans["chat m"]["attributes"])
+    assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.request.model"] == "m"
+    assert attrs["gen_ai.usage.input_tokens"] == 20 and attrs["gen_ai.usage.output_tokens"] == 3
+    # no content without --trace-content
+    assert "gen_ai.input.messages" not in attrs and "gen_ai.output.messages" not in attrs
+
+
+def test_root_span_follows_the_genai_conventions_with_content():
+    """Root `chat {model}` / `text_completion {model}`, the request's sampling settings, the
+    cached prompt tokens as cache reads, and under --trace-content the messages as sent and the
+    answer, in the conventions' parts layout (what Phoenix and Langfuse read)."""
+    tl = _completed()
+    tl.record_content, tl.top_p, tl.seed, tl.stream = True, 0.9, 7, True
+    tl.temperature, tl.max_tokens, tl.stats.cached_tokens = 0.5, 32, 16
+    tl.input_messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Capital of France?"},
+    ]
+    tl.output_text = ["Par", "is."]
+    _, _, _, spans = _spans(tl)
+    a = json.loads(spans["chat m"]["attributes"])
+    assert (a["gen_ai.request.top_p"], a["gen_ai.request.seed"]) == (0.9, 7)
+    assert (a["gen_ai.request.temperature"], a["gen_ai.request.max_tokens"]) == (0.5, 32)
+    assert a["gen_ai.request.stream"] is True
+    assert a["gen_ai.usage.cache_read.input_tokens"] == 16
+    assert a["gen_ai.response.finish_reasons"] == ["stop"] and a["gen_ai.response.id"] == "cmpl-1"
+    assert json.loads(a["gen_ai.input.messages"]) == [
+        {"role": "system", "parts": [{"type": "text", "content": "Be brief."}]},
+        {"role": "user", "parts": [{"type": "text", "content": "Capital of France?"}]},
+    ]
+    assert json.loads(a["gen_ai.output.messages"]) == [
+        {
+            "role": "assistant",
+            "parts": [{"type": "text", "content": "Paris."}],
+            "finish_reason": "stop",
+        }
+    ]
+
+    plain = _completed()
+    plain.endpoint, plain.path, plain.record_content = "completions", "/v1/completions", True
+    plain.prompt_text, plain.output_text = "Once upon", [" a time"]
+    _, _, _, spans = _spans(plain)
+    a = json.loads(spans["text_completion m"]["attributes"])
+    assert a["gen_ai.operation.name"] == "text_completion"
+    assert json.loads(a["gen_ai.input.messages"])[0]["parts"][0]["content"] == "Once upon"
 
 
 def test_tokens_of_one_step_are_one_arrival_for_itl():
@@ -112,7 +157,7 @@ def test_kv_transfer_is_a_child_span_of_prefill(tmp_path):
     its start, carries the event's attributes, and reaches the store's ``spans`` table; the
     eight stations stay as they were."""
     _, req, _, spans = _spans(_disaggregated())
-    assert set(spans) == {"request", *STATIONS, "kv_transfer"}
+    assert set(spans) == {"chat m", *STATIONS, "kv_transfer"}
     moved = spans["kv_transfer"]
     assert moved["parent_span_id"] == spans["prefill"]["span_id"]
     assert moved["trace_id"] == spans["prefill"]["trace_id"]
@@ -230,7 +275,7 @@ def test_refused_request_fails_at_the_gateway():
     tl.first_byte_ns = tl.last_byte_ns = tl.gateway_end_ns + 10
     tl.http_status = 429
     _, req, _, spans = _spans(tl)
-    assert set(spans) == {"request", "gateway", "stream"}
+    assert set(spans) == {"text_completion", "gateway", "stream"}
     assert spans["gateway"]["error_type"] == "rate_limit_exceeded"
     assert spans["gateway"]["status_code"] == "ERROR" and spans["stream"]["status_code"] == "UNSET"
     assert req["http_status"] == 429 and req["output_tokens"] == 0 and req["ttft_ms"] is None
@@ -393,7 +438,7 @@ def test_grpc_export_reaches_a_grpc_collector(monkeypatch):
         tel.close()
     finally:
         server.stop(0)
-    assert sorted(_names(spans)) == sorted(["request", *STATIONS])
+    assert sorted(_names(spans)) == sorted(["chat m", *STATIONS])
     attrs = {a.key: a.value.string_value for a in spans[0].resource.attributes}
     assert attrs["service.name"] == "grpc-svc"
     assert _histograms(metrics)["gen_ai.server.time_to_first_token"][0].count == 1
@@ -405,7 +450,7 @@ def _names(resource_spans) -> list[str]:
 
 def test_otlp_export_reaches_a_collector():
     exported, _ = _collect([_completed()])
-    assert sorted(_names(exported)) == sorted(["request", *STATIONS])
+    assert sorted(_names(exported)) == sorted(["chat m", *STATIONS])
 
 
 def test_the_standard_otel_variables_name_the_service(monkeypatch):
@@ -437,8 +482,8 @@ def test_an_unsampled_caller_keeps_its_waterfall_in_our_store_but_is_not_exporte
     by_trace = {}
     for row in stored:
         by_trace.setdefault(row["trace_id"], []).append(row["name"])
-    assert sorted(by_trace["a" * 32]) == sorted(["request", *STATIONS])
-    assert sorted(by_trace["c" * 32]) == sorted(["request", *STATIONS])
+    assert sorted(by_trace["a" * 32]) == sorted(["chat m", *STATIONS])
+    assert sorted(by_trace["c" * 32]) == sorted(["chat m", *STATIONS])
 
 
 def _with_caller(trace_id: str, sampled: bool) -> RequestTimeline:
@@ -504,7 +549,7 @@ def test_the_standard_variables_switch_each_export_off(monkeypatch):
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
     assert parts() == (True, False)
     exported, stored = _collect([_completed()])
-    assert sorted(_names(exported)) == sorted(["request", *STATIONS])
+    assert sorted(_names(exported)) == sorted(["chat m", *STATIONS])
     assert len(stored) == 1 + len(STATIONS)
 
 

@@ -151,12 +151,17 @@ def test_every_completed_request_has_one_root_and_eight_ordered_stations(traced)
     assert len(completed) == 5  # 3 streamed + 2 plain
     for req in completed:
         spans = _rows(con, "SELECT * FROM spans WHERE trace_id = ?", [req["trace_id"]])
-        roots = [s for s in spans if s["name"] == "request"]
+        roots = [s for s in spans if s["kind"] == "SERVER"]
         assert len(roots) == 1
         root = roots[0]
+        op = "chat" if req["endpoint"] == "chat" else "text_completion"
+        assert root["name"] == f"{op} {MODEL}"  # the GenAI conventions' root span name
+        attrs = json.loads(root["attributes"])
+        assert attrs["gen_ai.operation.name"] == op and attrs["gen_ai.request.model"] == MODEL
+        assert attrs["gen_ai.usage.output_tokens"] == req["output_tokens"]
         assert root["parent_span_id"] is None or req["client_request_id"] == "stream-0"
         assert root["kind"] == "SERVER" and root["request_id"] == req["request_id"]
-        children = {s["name"]: s for s in spans if s["name"] != "request"}
+        children = {s["name"]: s for s in spans if s["kind"] != "SERVER"}
         assert sorted(children) == sorted(STATIONS) and len(spans) == 9
         for s in children.values():
             assert s["parent_span_id"] == root["span_id"]
@@ -187,7 +192,7 @@ def test_incoming_traceparent_is_honoured(traced):
     (req,) = _rows(con, "SELECT * FROM requests WHERE client_request_id = 'stream-0'")
     trace_id, parent = TRACEPARENT.split("-")[1:3]
     assert req["trace_id"] == trace_id
-    (root,) = _rows(con, "SELECT * FROM spans WHERE trace_id = ? AND name = 'request'", [trace_id])
+    (root,) = _rows(con, "SELECT * FROM spans WHERE trace_id = ? AND kind = 'SERVER'", [trace_id])
     assert root["parent_span_id"] == parent
 
 
@@ -238,10 +243,10 @@ def test_rejected_request_has_gateway_span_with_error_type(traced):
         s["name"]: s
         for s in _rows(con, "SELECT * FROM spans WHERE trace_id = ?", [req["trace_id"]])
     }
-    assert {"request", "gateway"} <= set(spans) and "tokenize" not in spans
+    assert {f"chat {MODEL}", "gateway"} <= set(spans) and "tokenize" not in spans
     assert spans["gateway"]["error_type"] == "invalid_api_key"
     assert spans["gateway"]["status_code"] == "ERROR"
-    assert spans["request"]["status_code"] == "ERROR"
+    assert spans[f"chat {MODEL}"]["status_code"] == "ERROR"
 
 
 def test_aborted_request_is_traced_and_its_engine_record_kept(traced):
