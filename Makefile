@@ -7,15 +7,15 @@ STAMP  := $(VENV)/.installed
 # first and it is kept.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup model demo test test-e2e lint format clean promtool chromium scenarios scenario-dumps corpus accuracy factorial blind-set generalization plan-validation plan-scale
+.PHONY: setup model demo test test-e2e lint format clean promtool chromium phoenix scenarios scenario-dumps corpus accuracy factorial blind-set generalization plan-validation plan-scale
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
 model: $(STAMP)
@@ -53,9 +53,16 @@ chromium:
 test: model lint promtool chromium
 	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -m "not e2e"
 
-# the tours and drills alone (the demo, six-run comparisons, killed replicas, the wheel); their
-# last run is in benchmarks/RESULTS.md
-test-e2e: model promtool chromium
+# Arize Phoenix (a local trace UI on the GenAI conventions) in a venv of its own, for
+# tests/telemetry/test_phoenix.py (about 860 MB: it never enters the project's venv)
+PHOENIX_VENV ?= $(HOME)/.cache/tokenmill/phoenix-venv
+phoenix:
+	@test -x $(PHOENIX_VENV)/bin/phoenix || { $(PYTHON) -m venv $(PHOENIX_VENV) \
+		&& $(PHOENIX_VENV)/bin/python -m pip install --quiet arize-phoenix; }
+
+# the tours and drills alone (the demo, six-run comparisons, killed replicas, the wheels, a
+# trace UI); their last run is in benchmarks/RESULTS.md
+test-e2e: model promtool chromium phoenix
 	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -m e2e
 
 clean:

@@ -36,7 +36,11 @@ def dashboard(
     ] = 10.0,
     api_key: Annotated[
         str | None,
-        typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (URL sources)."),
+        typer.Option(
+            "--admin-key",
+            envvar="TOKENMILL_ADMIN_KEY",
+            help="The server's admin key (URL sources).",
+        ),
     ] = None,
     baseline: Annotated[
         str | None,

@@ -26,6 +26,7 @@ from tokenmill.telemetry.schema import (
     COMPLETED_SQL,
     DECODE_ONLY_STEP_SQL,
     DEVICE_PEAKS_SQL,
+    GOOD_REQUEST_SQL,
     ROOFLINE_STEP_SQL,
     ROW_TYPES,
     SPEC_STEP_SQL,
@@ -161,8 +162,7 @@ SELECT count(*) AS requests,
     quantile_cont(tpot_ms, 0.5) FILTER (WHERE ok) AS tpot_p50_ms,
     quantile_cont(e2e_ms, 0.5) FILTER (WHERE ok) AS e2e_p50_ms,
     quantile_cont(e2e_ms, 0.99) FILTER (WHERE ok) AS e2e_p99_ms,
-    count(*) FILTER (WHERE ok AND ttft_ms <= $ttft AND coalesce(itl_p99_ms, 0) <= $itl
-                     AND e2e_ms <= $e2e) AS good,
+    count(*) FILTER (WHERE {GOOD_REQUEST_SQL}) AS good,
     sum(output_tokens) FILTER (WHERE ok) AS completed_output_tokens,
     sum(cached_tokens)::DOUBLE / nullif(sum(input_tokens), 0) AS prefix_hit_rate
 FROM (SELECT *, {OK_SQL} AS ok FROM requests WHERE arrival_ns >= $since AND arrival_ns < $until)

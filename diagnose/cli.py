@@ -172,7 +172,9 @@ def diagnose(
     ] = None,
     api_key: Annotated[
         str | None,
-        typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (with --url)."),
+        typer.Option(
+            "--admin-key", envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (with --url)."
+        ),
     ] = None,
     since: Annotated[
         str | None,

@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 
 import duckdb
 
-from tokenmill.telemetry.schema import COMPLETED_SQL, STATIONS
+from tokenmill.telemetry.schema import COMPLETED_SQL, GOOD_REQUEST_SQL, STATIONS
 
 from .findings import diagnose
 from .rules import RULES
@@ -386,8 +386,7 @@ SELECT count(*) AS requests,
     quantile_cont(e2e_ms, 0.5) FILTER (WHERE ok) AS e2e_p50_ms,
     quantile_cont(e2e_ms, 0.99) FILTER (WHERE ok) AS e2e_p99_ms,
     coalesce(sum(output_tokens) FILTER (WHERE ok), 0) AS output_tokens,
-    count(*) FILTER (WHERE ok AND ttft_ms <= $ttft AND coalesce(itl_p99_ms, 0) <= $itl
-                     AND e2e_ms <= $e2e) AS good
+    count(*) FILTER (WHERE {GOOD_REQUEST_SQL}) AS good
 FROM (SELECT *, {COMPLETED_SQL} AS ok FROM requests
       WHERE arrival_ns >= $since AND arrival_ns < $until)
 """

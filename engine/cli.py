@@ -104,6 +104,16 @@ def _tidy(param) -> None:
         label = "PATH" if param.type_descriptor.is_path else ""
         param.display_type_rich = lambda ctx=None, label=label: label
 
+        # typer 0.29 writes a required argument as {NAME} in the usage line; click's and
+        # every man page's convention is NAME (and [NAME] when optional)
+        def usage(p=param) -> str:
+            name = p.display_name_raw
+            if p.nargs != 1 and not name.endswith("..."):
+                name += "..."
+            return name if p.required else f"[{name}]"
+
+        param._usage_display_name = usage
+
 
 def tidy_help(command, ctx=None) -> None:
     """Give every option of ``command`` (and of its subcommands, and their ``--help`` when

@@ -75,7 +75,9 @@ def dump(
     ] = None,
     api_key: Annotated[
         str | None,
-        typer.Option(envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (with --url)."),
+        typer.Option(
+            "--admin-key", envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (with --url)."
+        ),
     ] = None,
     force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
     timeout: Annotated[

@@ -60,6 +60,12 @@ COMPLETED_SQL = (
     "AND error_type IS NULL)"
 )
 
+#: goodput's test of one request (docs/terms.md), over a ``requests`` row with ``ok`` (it
+#: completed: :data:`COMPLETED_SQL`) and the SLO bounds bound as ``$ttft``, ``$itl`` and ``$e2e``
+#: (ms): its TTFT, its own ITL p99 and its E2E within them. ``tokenmill bench`` applies the same
+#: test client-side (``tokenmill.bench.report.meets_slos``).
+GOOD_REQUEST_SQL = "ok AND ttft_ms <= $ttft AND coalesce(itl_p99_ms, 0) <= $itl AND e2e_ms <= $e2e"
+
 # ---- the roofline of engine steps: the one place its derived values are defined ----
 # The engine counts each step's bytes and FLOPs (engine/roofline.py: weight_bytes,
 # kv_read_bytes, kv_write_bytes, flops); forward_ms is the forward's wall time. The console's

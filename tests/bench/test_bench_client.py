@@ -460,6 +460,10 @@ def test_group_metrics_and_goodput():
     # request 0 has a 30 ms gap (> 25), request 1 a 300 ms TTFT (> 200): none is good
     assert m["good_requests"] == 0 and m["request_goodput"] == 0.0
     assert meets_slos(rs[0], {"ttft": 200, "itl": 30}) and not meets_slos(rs[2], {"ttft": 1e9})
+    # ITL is judged on the request's own p99, as the store's goodput: one 100 ms hiccup in 200
+    # gaps of 10 ms passes a 50 ms SLO (its largest gap would not)
+    hiccup = _result(3, 100.0, [10.0] * 199 + [100.0], 2200.0, 201)
+    assert meets_slos(hiccup, {"itl": 50}) and not meets_slos(hiccup, {"itl": 9})
     assert m["client_lag_ms"]["max"] == pytest.approx(3.0)
     assert m["errors"] == {"boom": 1}
     assert group_metrics([], 1.0, None)["mean_ttft_ms"] is None

@@ -88,6 +88,10 @@ def test_registry_names_real_commands():
         assert not any("--install-completion" in p.opts for p in command.params), name
         r = runner.invoke(cli.app, [name, "--help"])
         assert r.exit_code == 0 and "Usage:" in r.output, (name, r.output)
+        # no markup leaks: typer's {ARG} usage mark, reST's ``literal`` and roles
+        usage = next(line for line in r.output.splitlines() if "Usage:" in line)
+        assert "{" not in usage and "}" not in usage, (name, usage)
+        assert "``" not in r.output and ":func:" not in r.output, (name, r.output)
 
 
 def test_a_typo_suggests_a_lazy_command():

@@ -706,7 +706,7 @@ def test_cli_url(server, live, tmp_path):
     d = open_dump(out)
     d.close()
     _assert_cli_error(
-        _cli("--url", server, "--api-key", TENANT_KEY, "-o", tmp_path / "t.duckdb"),
+        _cli("--url", server, "--admin-key", TENANT_KEY, "-o", tmp_path / "t.duckdb"),
         "403",
         "admin only",
     )
@@ -715,7 +715,7 @@ def test_cli_url(server, live, tmp_path):
     )
     live.holder["store"] = None
     _assert_cli_error(
-        _cli("--url", server, "--api-key", ADMIN_KEY, "-o", tmp_path / "t.duckdb"),
+        _cli("--url", server, "--admin-key", ADMIN_KEY, "-o", tmp_path / "t.duckdb"),
         "503",
         "trace store disabled",
     )
@@ -729,7 +729,7 @@ def test_cli_url_connection_refused(tmp_path):
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there now
     _assert_cli_error(
-        _cli("--url", f"http://127.0.0.1:{port}", "--api-key", "k", "-o", tmp_path / "x.duckdb"),
+        _cli("--url", f"http://127.0.0.1:{port}", "--admin-key", "k", "-o", tmp_path / "x.duckdb"),
         "cannot connect",
         "refused",
     )

@@ -131,7 +131,7 @@ def _attr(span: dict, key: str):
     return node
 
 
-def test_each_trace_shows_model_input_output_and_token_counts(exported):
+def test_each_trace_shows_model_input_output_and_token_counts(exported, tmp_path):
     spans, model = exported["spans"], exported["model"]
     roots = [s for s in spans if s.get("parent_id") is None]
     assert sorted(r["name"] for r in roots) == sorted(
@@ -139,10 +139,10 @@ def test_each_trace_shows_model_input_output_and_token_counts(exported):
     )
     for root in roots:
         assert _attr(root, "llm.model_name") == model  # what Phoenix shows as the model
-        assert _attr(root, "openinference.span.kind") == "LLM"
+        assert root["span_kind"] == "LLM"
         prompt = _attr(root, "llm.token_count.prompt")
         completion = _attr(root, "llm.token_count.completion")
-        assert prompt > 5 and 1 <= completion <= 6
+        assert prompt >= 5 and 1 <= completion <= 6
         assert _attr(root, "llm.token_count.total") == prompt + completion
         inputs = json.loads(_attr(root, "gen_ai.input.messages"))
         outputs = json.loads(_attr(root, "gen_ai.output.messages"))
@@ -151,14 +151,16 @@ def test_each_trace_shows_model_input_output_and_token_counts(exported):
             assert [m["role"] for m in inputs] == ["system", "user"]
             assert inputs[1]["parts"][0]["content"].startswith("Is the sky ")
             # Phoenix's own message view, derived from the GenAI attributes
-            assert _attr(root, "llm.input_messages.1.message.role") == "user" or any(
-                "Is the sky" in json.dumps(v) for k, v in root["attributes"].items()
-                if k.startswith("llm.input_messages")
-            )
+            assert _attr(root, "llm.input_messages.1.message.role") == "user"
+            assert _attr(root, "llm.input_messages.1.message.content").startswith("Is the sky ")
             params = json.loads(_attr(root, "llm.invocation_parameters"))
             assert params.get("top_p") == 0.9 and params.get("seed") == 11
         else:
             assert inputs[0]["parts"][0]["content"].endswith("The capital of France is")
+        assert (
+            _attr(root, "llm.output_messages.0.message.content")
+            == (outputs[0]["parts"][0]["content"])
+        )
 
 
 def test_the_eight_stations_are_children_of_the_root(exported):
@@ -169,5 +171,38 @@ def test_the_eight_stations_are_children_of_the_root(exported):
     assert len(by_trace) == 4
     for members in by_trace.values():
         (root,) = [s for s in members if s.get("parent_id") is None]
-        children = sorted(s["name"] for s in members if s.get("parent_id") == root["context"]["span_id"])
+        children = sorted(
+            s["name"] for s in members if s.get("parent_id") == root["context"]["span_id"]
+        )
         assert children == sorted(STATIONS)
+
+
+def test_phoenix_ui_shows_the_trace_in_headless_chromium(exported, phoenix, tmp_path):
+    """Phoenix's own trace page (headless Chromium): the root `chat {model}` with its eight
+    stations in the tree, and the messages as sent and answered. TOKENMILL_PHOENIX_SHOT=PATH
+    keeps the screenshot."""
+    assert Path(CHROMIUM).exists(), "Debian's chromium is missing: run `make chromium`"
+    from playwright.sync_api import sync_playwright
+
+    project = httpx.get(phoenix + "/v1/projects", timeout=10).json()["data"][0]["id"]
+    root = next(
+        s for s in exported["spans"] if s.get("parent_id") is None and s["name"].startswith("chat")
+    )
+    shot = Path(os.environ.get("TOKENMILL_PHOENIX_SHOT") or tmp_path / "phoenix-trace.png")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            page.goto(f"{phoenix}/projects/{project}/traces/{root['context']['trace_id']}")
+            page.get_by_text("Is the sky").first.wait_for(timeout=60_000)
+            text = page.inner_text("body")
+            page.screenshot(path=str(shot))
+        finally:
+            browser.close()
+    assert root["name"] in text
+    for station in STATIONS:
+        assert station in text, station
+    answer = json.loads(root["attributes"]["gen_ai.output.messages"])[0]["parts"][0]["content"]
+    assert answer.strip()[:20] in text
