@@ -592,6 +592,11 @@ def test_the_proxys_own_metrics_count_what_its_clients_saw(rig):
     assert value_of(text, "process_resident_memory_bytes") > 0
     assert "_created" not in text
     assert detect_kind(samples) is None
+    # Prometheus' naming conventions, as its own linter reads them
+    lint = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert lint.returncode == 0 and not (lint.stdout + lint.stderr).strip(), lint.stdout
     assert rows("SELECT count(*) FROM requests") == [(2,)]
 
 
