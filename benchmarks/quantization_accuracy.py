@@ -19,7 +19,10 @@ Two measures, each through our own engine model (``load_model``, the paged KV ca
   int8 agree with float32 on the first 16 tokens for at least 4 of the 5 prompts.
 
 Configs: float32 and bfloat16 without quantization; int8 and int4 with float32 activations
-(the targets) and with bfloat16 activations (reported, held to the same targets).
+(the targets) and with bfloat16 activations (reported, held to the same targets), all computing
+their large steps in float (``--int8-compute off``); and ``int8+i8c``/``int4+i8c``, the same
+weights with int8 compute (activations rounded to int8 per token on the 512-row prefill path,
+``engine/int8_compute.py``), each held to its weight-only twin's perplexity +2 points.
 
 Results go to ``benchmarks/results/quantization_accuracy.json``; the process exits 1 when a
 target fails.
@@ -40,10 +43,15 @@ import torch
 
 from tokenmill.engine.attention import SeqChunk, build_step_inputs
 from tokenmill.engine.core import resolve_model_dir
+from tokenmill.engine.int8_compute import int8_isa
 from tokenmill.engine.kv_cache import allocate_kv_caches
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.models.loader import load_model
-from tokenmill.engine.quantization import PACKED_MAX_ROWS, weight_bytes_by_dtype
+from tokenmill.engine.quantization import (
+    PACKED_MAX_ROWS,
+    int8_compute_path,
+    weight_bytes_by_dtype,
+)
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.tokenizer import load_tokenizer
 
@@ -54,14 +62,22 @@ CHUNK = min(PACKED_MAX_ROWS.values())  # the largest step a CPU quantized layer 
 MAX_TOKENS, AGREE_TOKENS, AGREE_PROMPTS = 24, 16, 4
 
 # (name, activation dtype, quantization)
+# (name, activation dtype, weights, --int8-compute): the weight-only configurations compute
+# their large steps in float (off); the +i8c ones as int8 GEMMs (engine/int8_compute.py)
 CONFIGS = [
-    ("float32", "float32", "none"),
-    ("bfloat16", "bfloat16", "none"),
-    ("int8", "float32", "int8"),
-    ("int4", "float32", "int4"),
-    ("int8+bf16", "bfloat16", "int8"),
-    ("int4+bf16", "bfloat16", "int4"),
+    ("float32", "float32", "none", "off"),
+    ("bfloat16", "bfloat16", "none", "off"),
+    ("int8", "float32", "int8", "off"),
+    ("int4", "float32", "int4", "off"),
+    ("int8+bf16", "bfloat16", "int8", "off"),
+    ("int4+bf16", "bfloat16", "int4", "off"),
+    ("int8+i8c", "float32", "int8", "on"),
+    ("int4+i8c", "float32", "int4", "on"),
 ]
+#: an int8-compute configuration's perplexity may exceed its weight-only twin's by at most
+#: this many points of float32's (issue gate: +2 points)
+TWIN = {"int8+i8c": "int8", "int4+i8c": "int4"}
+TWIN_POINTS = 0.02
 # perplexity at most this much above float32's (relative); the greedy check's configs
 PPL_TARGETS = {
     "bfloat16": 0.01,
@@ -69,6 +85,8 @@ PPL_TARGETS = {
     "int4": 0.12,
     "int8+bf16": 0.03,
     "int4+bf16": 0.12,
+    "int8+i8c": 0.05,
+    "int4+i8c": 0.14,
 }
 GREEDY_CHECKED = ("bfloat16", "int8")
 
@@ -124,11 +142,12 @@ def perplexity(model, ids: list[int], chunk: int) -> dict:
     return {"ppl": math.exp(nll / count), "nll": nll / count, "tokens_scored": count}
 
 
-def greedy(model_dir: Path, dtype: str, quantization: str) -> list[list[int]]:
+def greedy(model_dir: Path, dtype: str, quantization: str, i8c: str) -> list[list[int]]:
     llm = LLM(
         str(model_dir),
         dtype=dtype,
         quantization=quantization,
+        int8_compute=i8c,
         device="cpu",
         kv_cache_memory=64 * 2**20,
     )
@@ -166,18 +185,25 @@ def main() -> int:
     ids = tokenizer.encode(TEXT.read_text())
     print(f"text: {len(ids)} tokens, {len(windows(len(ids)))} windows of {WINDOW}")
     results: dict[str, dict] = {}
-    for name, dtype, quant in CONFIGS:
-        if name != "float32" and name not in only:
+    for name, dtype, quant, i8c in CONFIGS:
+        if name != "float32" and name not in only and name not in {TWIN.get(o) for o in only}:
             continue
         t0 = time.perf_counter()
-        model = load_model(model_dir, device="cpu", dtype=dtype, quantization=quant)
-        r = {"dtype": dtype, "quantization": quant, "weight_bytes": weight_bytes_by_dtype(model)}
+        model = load_model(
+            model_dir, device="cpu", dtype=dtype, quantization=quant, int8_compute=i8c
+        )
+        r = {
+            "dtype": dtype,
+            "quantization": quant,
+            "int8_compute": int8_compute_path(model),
+            "weight_bytes": weight_bytes_by_dtype(model),
+        }
         r["prefill"] = perplexity(model, ids, WINDOW)
         if quant != "none":  # unquantized, the chunked run is the same math (float32: 1e-7)
             r["chunked"] = perplexity(model, ids, CHUNK)
         del model
         gc.collect()
-        r["greedy_tokens"] = greedy(model_dir, dtype, quant)
+        r["greedy_tokens"] = greedy(model_dir, dtype, quant, i8c)
         r["seconds"] = round(time.perf_counter() - t0, 1)
         results[name] = r
         print(
@@ -219,6 +245,18 @@ def main() -> int:
                     "pass": passed,
                 }
             )
+        twin = results.get(TWIN.get(name, ""))
+        if twin is not None:
+            for path in [p for p in paths if p in twin]:
+                gap = r[path]["vs_float32"] - twin[path]["vs_float32"]
+                checks.append(
+                    {
+                        "target": f"{name} {path} perplexity <= its weight-only twin "
+                        f"({TWIN[name]}) +{TWIN_POINTS:.0%} points",
+                        "value": f"{gap * 100:+.2f} points",
+                        "pass": gap <= TWIN_POINTS,
+                    }
+                )
     ok = all(c["pass"] for c in checks)
 
     result = {
@@ -238,6 +276,7 @@ def main() -> int:
             "block_size": BLOCK,
             "prompts": PROMPTS,
             "greedy_max_tokens": MAX_TOKENS,
+            "int8_isa": int8_isa(),
         },
         "configs": results,
         "checks": checks,

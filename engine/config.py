@@ -64,6 +64,13 @@ class EngineConfig:
         "rounded to int8 per 32, exact integer dot products, about a fifth faster a step but "
         "+1.9 points of perplexity on SmolLM2-135M; float32: the activations as they are.",
     )
+    int8_compute: str = knob(
+        "auto",
+        "auto | on | off: with --quantization on a CPU, run prefill chunks and decode batches "
+        "above the GEMV cut-over as int8 GEMMs (activations rounded to int8 per token, int32 "
+        "sums; oneDNN's AMX, AVX-512 VNNI or AVX2 kernel, whichever the CPU has). auto: on "
+        "where the CPU has one of them; off: the weights dequantized into a float32 GEMM.",
+    )
     enforce_eager: bool = knob(
         False,
         "Run every step through the eager module forward: no compiled decode step "
@@ -284,6 +291,13 @@ class EngineConfig:
         from .spec_config import parse_speculative_config
 
         parse_speculative_config(self.speculative_config)  # ValueError naming the field
+        from .int8_compute import INT8_COMPUTE_MODES
+
+        if self.int8_compute not in INT8_COMPUTE_MODES:
+            raise ValueError(
+                f"int8_compute must be one of {', '.join(INT8_COMPUTE_MODES)}, got "
+                f"{self.int8_compute!r}"
+            )
         if self.int4_activations not in INT4_ACTIVATIONS:
             raise ValueError(
                 f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}, got "

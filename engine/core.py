@@ -598,7 +598,9 @@ def model_info(runner) -> dict:
     ``kv_cache_bytes`` (the pool), ``kv_bytes_per_token`` (K and V over all layers),
     ``model_dtype``, ``engine_device``, ``compiled_decode`` (``"on"``, or why the compiled
     decode step is off: ``--enforce-eager``, an int4 layer, …) and ``int4_activations_used`` (what
-    the CPU int4 GEMV multiplies by: ``int8``/``float32``; None without one) and
+    the CPU int4 GEMV multiplies by: ``int8``/``float32``; None without one), ``int8_compute_path``
+    (the int8 GEMM path of the quantized layers' large steps, :mod:`.int8_compute`; None when
+    off) with ``int8_compute_bytes`` (its weight copies, outside ``weight_bytes_total``) and
     ``cpu_kernels`` (on a CPU: ``"on"``, or why the C kernels are off; None elsewhere). Empty
     for a runner without a model.
 
@@ -609,7 +611,7 @@ def model_info(runner) -> dict:
     model = getattr(runner, "model", None)
     if model is None or not hasattr(runner, "bytes_per_block"):
         return {}
-    from .quantization import weight_bytes_by_dtype
+    from .quantization import int8_compute_bytes, weight_bytes_by_dtype
 
     by_dtype = weight_bytes_by_dtype(model)
     return {
@@ -621,6 +623,8 @@ def model_info(runner) -> dict:
         "engine_device": str(runner.device),
         "compiled_decode": getattr(runner, "native_off_reason", None) or "on",
         "int4_activations_used": getattr(runner, "int4_activations", None),
+        "int8_compute_path": getattr(runner, "int8_compute", None),
+        "int8_compute_bytes": int8_compute_bytes(model),
         "cpu_kernels": _cpu_kernels_state() if str(runner.device) == "cpu" else None,
     }
 

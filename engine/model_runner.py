@@ -21,6 +21,7 @@ from .models.loader import load_model
 from .models.native_step import NativeDecode, native_decode_for
 from .parallel.tensor_parallel import check_tensor_parallel, take_comm
 from .parallel.workers import TensorParallelGroup
+from .quantization import int8_compute_path
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class ModelRunner:
             dtype=config.dtype,
             load_format=config.load_format,
             quantization=config.quantization,
+            int8_compute=config.int8_compute,
             attention_backend=config.attention_backend,
         )
         tp = config.tensor_parallel_size
@@ -88,6 +90,8 @@ class ModelRunner:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.int4_activations = set_int4_activations(config, self.device)
+        # the int8 GEMM path of the quantized layers' large steps (engine/int8_compute.py)
+        self.int8_compute = int8_compute_path(self.model)
         self.model_config = self.model.config
         self.block_size = config.block_size
         self.bytes_per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)

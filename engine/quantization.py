@@ -36,6 +36,7 @@ from torch import nn
 
 from tokenmill.kernels import cpu as cpu_gemv
 
+from . import int8_compute as int8_compute_mod
 from .config import QUANTIZATIONS
 from .errors import ModelLoadError
 
@@ -43,6 +44,7 @@ __all__ = [
     "QUANTIZATIONS",
     "QuantizedLinear",
     "int4_cpu_gemv",
+    "int8_compute_bytes",
     "int8_cpu_gemv",
     "quantize_model",
     "weight_bytes_by_dtype",
@@ -210,7 +212,13 @@ class QuantizedLinear(nn.Module):
         bias: ``[N]`` or None, kept in its dtype.
     """
 
-    def __init__(self, method: str, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(
+        self,
+        method: str,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        int8_compute: bool = False,
+    ):
         super().__init__()
         self.method = method
         self.out_features, self.in_features = weight.shape
@@ -279,6 +287,16 @@ class QuantizedLinear(nn.Module):
         else:
             raise ModelLoadError(f"unknown quantization {method!r}")
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+        # int8 compute (engine/int8_compute.py) above the small-row paths: a second copy of the
+        # weight, int8 with one scale per output channel, [K, N] as the GEMM reads it; from the
+        # float weight (int8), or from the int4 weight this layer computes with elsewhere
+        self.register_buffer("int8_weight", None)
+        self.register_buffer("int8_scales", None)
+        if int8_compute and self.device.type == "cpu":
+            source = weight if method == "int8" else self.dequantize(torch.float32)
+            q8, s8 = int8_compute_mod.quantize_weight(source)
+            self.register_buffer("int8_weight", q8)
+            self.register_buffer("int8_scales", s8)
 
     def _torch_int4(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         """int4 in torch's packed layouts: CPU without the C kernels, and CUDA (tinygemm)."""
@@ -305,9 +323,11 @@ class QuantizedLinear(nn.Module):
             self.path = "packed"
 
     @classmethod
-    def from_linear(cls, method: str, linear: nn.Linear) -> QuantizedLinear:
+    def from_linear(
+        cls, method: str, linear: nn.Linear, int8_compute: bool = False
+    ) -> QuantizedLinear:
         """Quantize a loaded ``nn.Linear`` (its float weight is not kept)."""
-        module = cls(method, linear.weight.detach(), linear.bias)
+        module = cls(method, linear.weight.detach(), linear.bias, int8_compute)
         if hasattr(linear, "shards"):
             module.shards = linear.shards
         return module
@@ -373,12 +393,16 @@ class QuantizedLinear(nn.Module):
             out = self._packed(x2d).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias
+        elif self.int8_weight is not None:
+            out = int8_compute_mod.int8_linear(x2d, self.int8_weight, self.int8_scales, self.bias)
+            out = out.to(x.dtype)
         else:
             out = dense_linear(x2d, self.dequantize(_gemm_dtype(x)), self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, {self.method}, path={self.path}"
+        int8 = ", int8_compute" if self.int8_weight is not None else ""
+        return f"{self.in_features}, {self.out_features}, {self.method}, path={self.path}{int8}"
 
 
 def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
@@ -447,11 +471,41 @@ def _cuda_int8_packed_ok(device: torch.device) -> bool:
         return False
 
 
-def quantize_model(model: nn.Module, method: str) -> int:
+def resolve_int8_compute(mode: str, device: torch.device) -> bool:
+    """``--int8-compute`` on this device: ``auto`` is on for a CPU with an int8 path
+    (:func:`tokenmill.engine.int8_compute.int8_isa`).
+
+    Raises:
+        ModelLoadError: ``on`` where there is no int8 path (not a CPU, or no AVX2).
+    """
+    if mode == "off":
+        return False
+    have = device.type == "cpu" and int8_compute_mod.int8_isa() is not None
+    if mode == "on" and not have:
+        raise ModelLoadError(
+            "--int8-compute on needs a CPU with AVX2, AVX-512 VNNI or AMX (oneDNN's int8 GEMM); "
+            "use auto or off"
+        )
+    return have
+
+
+def int8_compute_path(model: nn.Module) -> str | None:
+    """The int8 path the model's quantized layers run their large steps on (``amx``,
+    ``avx512_vnni``, ``avx2_vnni``, ``avx2``), or None when they do not."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.int8_weight is not None:
+            return int8_compute_mod.int8_isa()
+    return None
+
+
+def quantize_model(model: nn.Module, method: str, int8_compute: bool = False) -> int:
     """Replace every ``nn.Linear`` under ``model`` (decoder blocks and LM head) with a
     :class:`QuantizedLinear` in place; a tied LM head gets its own quantized copy. With
     ``none``, a half-precision model on a CPU without native bf16 GEMM gets
     :class:`HalfPrecisionLinear` layers instead.
+
+    Args:
+        int8_compute: also give each layer its int8 GEMM path (:class:`QuantizedLinear`).
 
     Returns:
         The number of layers replaced.
@@ -468,7 +522,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         with torch.no_grad():
-            setattr(parent, attr, QuantizedLinear.from_linear(method, module))
+            setattr(parent, attr, QuantizedLinear.from_linear(method, module, int8_compute))
     return len(targets)
 
 
@@ -486,15 +540,26 @@ def _wrap_half_precision(model: nn.Module) -> int:
     return len(targets)
 
 
+def int8_compute_bytes(model: nn.Module) -> int:
+    """Bytes of the quantized layers' int8 compute copies (weights and scales), 0 without."""
+    return sum(
+        t.numel() * t.element_size()
+        for n, t in model.named_buffers()
+        if n.endswith(("int8_weight", "int8_scales"))
+    )
+
+
 def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
     """Bytes of the model's weights (parameters and weight buffers, each tensor counted once)
     by storage dtype, e.g. ``{"int8": 103_000_000, "float32": 28_400_000}``; int4 weights are
     stored two per byte in ``uint8`` and reported as ``int4``, their (scale, zero) words as
-    ``bfloat16``."""
+    ``bfloat16``. The int8 compute copies (what a decode step never reads) are left out:
+    :func:`int8_compute_bytes`."""
     seen: set[int] = set()
     totals: dict[str, int] = {}
+    skip = ("inv_freq", "cos_sin_cache", "int8_weight", "int8_scales")
     tensors = [(n, t) for n, t in model.named_parameters()] + [
-        (n, t) for n, t in model.named_buffers() if not n.endswith(("inv_freq", "cos_sin_cache"))
+        (n, t) for n, t in model.named_buffers() if not n.endswith(skip)
     ]
     for name, t in tensors:
         if t.data_ptr() in seen:

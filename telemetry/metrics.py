@@ -307,8 +307,9 @@ class ServingMetrics:
         self._restarts_seen = 0
         self.g_build = gauge(
             "build_info",
-            "1, labelled with the versions this server runs.",
-            ["model_name", "version", "python", "torch"],
+            "1, labelled with the versions this server runs and the int8 GEMM path its "
+            "quantized layers' large steps take (amx, avx512_vnni, avx2_vnni, avx2; off).",
+            ["model_name", "version", "python", "torch", "int8_compute"],
         )
         self.g_heartbeat_age = gauge(
             "engine_heartbeat_age_seconds",
@@ -628,9 +629,18 @@ class ServingMetrics:
             self.c_restarts.labels(model).inc(max(0, restarts - self._restarts_seen))
             self._restarts_seen = max(self._restarts_seen, restarts)
 
-    def set_build_info(self, version: str | None, python: str | None, torch: str | None) -> None:
-        """``tokenmill_build_info`` = 1 with these versions (``server.runtime_versions``)."""
-        self.g_build.labels(self.model_name, version or "", python or "", torch or "").set(1)
+    def set_build_info(
+        self,
+        version: str | None,
+        python: str | None,
+        torch: str | None,
+        int8_compute: str | None = None,
+    ) -> None:
+        """``tokenmill_build_info`` = 1 with these versions (``server.runtime_versions``) and
+        the int8 compute path (``off`` without one)."""
+        self.g_build.labels(
+            self.model_name, version or "", python or "", torch or "", int8_compute or "off"
+        ).set(1)
 
     def set_replica_state(self, replica: int, **values: float | None) -> None:
         """Sets one replica's ``tokenmill_replica_*`` gauges (keys ``running``, ``waiting``,

@@ -8,6 +8,10 @@ byte): decodes at a small batch. A step above it (a prefill chunk; decode at a l
 is compute-bound, and there quantization saves nothing. When most of the forward time goes to
 such steps, a quantized model serves about as fast as the float one.
 
+With int8 compute on (``--int8-compute``: the config event's ``int8_compute_path`` names one),
+the quantized layers' large steps run as int8 GEMMs, at the int8 rate rather than the float
+one: the premise above does not hold and the rule stays quiet.
+
 The companion hint reads the same numbers the other way: a float model whose decode steps read
 mostly weights at close to the device's bandwidth ceiling, below the ridge, is exactly where
 weight quantization pays. It is a note in the report (not a finding: nothing is wrong).
@@ -45,7 +49,7 @@ def _gb(n) -> str:
 def detect(sig: Signals, p: dict) -> Evidence | None:
     quant = sig.config.get("quantization")
     peaks = roofline_peaks(sig.config)
-    if quant in _FLOAT or peaks is None:
+    if quant in _FLOAT or peaks is None or sig.config.get("int8_compute_path") not in _FLOAT:
         return None
     gbps, gflops, ridge = peaks
     o = sig.overall

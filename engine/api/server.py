@@ -123,6 +123,8 @@ def memory_line(model_info: dict) -> str:
         line += f"; compiled decode step {compiled if compiled == 'on' else f'off ({compiled})'}"
     if model_info.get("int4_activations_used"):
         line += f"; int4 on {model_info['int4_activations_used']} activations"
+    if model_info.get("int8_compute_path"):
+        line += f"; int8 compute on {model_info['int8_compute_path']}"
     kernels = model_info.get("cpu_kernels")
     if kernels:
         line += f"; C kernels {kernels if kernels == 'on' else f'off ({kernels})'}"
@@ -309,7 +311,10 @@ def make_server(
         telemetry.metrics.set_weight_bytes(model_info.get("weight_bytes_by_dtype") or {})
         versions = runtime_versions()
         telemetry.metrics.set_build_info(
-            versions.get("tokenmill"), versions.get("python"), versions.get("torch")
+            versions.get("tokenmill"),
+            versions.get("python"),
+            versions.get("torch"),
+            model_info.get("int8_compute_path"),
         )
         if telemetry.store_error:
             announce(

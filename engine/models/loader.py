@@ -13,7 +13,7 @@ from ..attention import get_attention_backend
 from ..errors import ModelLoadError
 from ..model_config import ModelConfig, load_model_config
 from ..parallel.tensor_parallel import plan_shard, shard_model
-from ..quantization import check_quantization, quantize_model
+from ..quantization import check_quantization, quantize_model, resolve_int8_compute
 from . import get_model_class
 from .decoder import DecoderForCausalLM
 from .ops import get_ops
@@ -190,6 +190,7 @@ def load_model(
     load_format: str = "auto",
     attention_backend: str = "auto",
     quantization: str = "none",
+    int8_compute: str = "off",
     tensor_parallel: tuple[int, int] | None = None,
 ) -> DecoderForCausalLM:
     """Load a Llama-family model from a Hugging Face folder.
@@ -202,6 +203,9 @@ def load_model(
         attention_backend: ``auto`` | ``torch`` (more with the kernels package).
         quantization: ``none`` | ``int8`` | ``int4``: weight-only quantization of every linear
             layer after loading (:mod:`tokenmill.engine.quantization`).
+        int8_compute: ``auto`` | ``on`` | ``off``: the quantized layers' large steps as int8
+            GEMMs (:mod:`tokenmill.engine.int8_compute`); ``on`` without an int8 path here
+            is a :class:`ModelLoadError`.
         tensor_parallel: ``(rank, world)``: keep only this rank's shard
             (:mod:`tokenmill.engine.parallel.tensor_parallel`), cut after loading and before
             quantization; the row-parallel layers all-reduce over torch.distributed's default
@@ -230,5 +234,5 @@ def load_model(
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
         shard_model(model, shard)
-    quantize_model(model, quantization)
+    quantize_model(model, quantization, int8_compute=resolve_int8_compute(int8_compute, dev))
     return model

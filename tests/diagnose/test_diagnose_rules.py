@@ -506,6 +506,17 @@ def test_quantization_no_gain_quiet_on_float_weights_and_without_peaks(tmp_path)
         assert "quantization_no_gain" not in {f.rule_id for f in report.findings}
 
 
+def test_quantization_no_gain_quiet_when_the_large_steps_compute_in_int8(tmp_path):
+    """The same int4 long-prompt traffic from a server whose quantized layers run their large
+    steps as int8 GEMMs (the config event's int8_compute path): the rule's premise, FLOPs at
+    the float rate, does not hold, so it says nothing."""
+    long = dict(prompt_tokens=(1000, 2000), prefill_tok_per_s=500)
+    report = _report(tmp_path, "i8c", [INT4.but(int8_compute="avx512_vnni", **long)])
+    assert "quantization_no_gain" not in {f.rule_id for f in report.findings}
+    report = _report(tmp_path, "i8c-off", [INT4.but(**long)])
+    assert "quantization_no_gain" in {f.rule_id for f in report.findings}
+
+
 def test_quantization_no_gain_on_a_batch_that_makes_decode_compute_bound(tmp_path):
     """Cause 2: int4 decodes at a batch of 32 read 100 MB of weights (and ~220 MB of KV) for 32
     tokens, ~28 FLOP a byte, past twice the ridge; the finding leads with the batch. At a batch

@@ -93,6 +93,7 @@ class Phase:
     # roofline (engine_steps.weight_bytes/kv_*_bytes/flops, the config event's peaks): the
     # default model's shapes; the run's quantization and peaks come from its first phase
     quantization: str = "none"
+    int8_compute: str | None = None  # the int8 GEMM path of the quantized layers (None: off)
     weight_bytes: int = 538_000_000  # weights read per step (float32 SmolLM2-135M)
     peak_gbps: float = 40.0
     peak_gflops: float = 400.0  # ridge 10 FLOP/byte
@@ -152,6 +153,7 @@ class SyntheticRun:
             "enable_prefix_caching": True,
             "dtype": "auto",
             "quantization": first.quantization,
+            "int8_compute_path": first.int8_compute,
             "model_dtype": "float32",
             "weight_bytes_total": first.weight_bytes,
             "weight_bytes_by_dtype": {

@@ -280,12 +280,12 @@ def test_monotonic_values_are_counters_fed_their_increments():
     m.set_engine_state(restarts=1)
     m.set_engine_state(restarts=3)
     m.set_engine_state(restarts=3)
-    m.set_build_info("0.1.0", "3.11.7", "2.13.0")
+    m.set_build_info("0.1.0", "3.11.7", "2.13.0", "avx512_vnni")
     s = _samples(m.render()[0])
     assert _get(s, "tokenmill_gpu_energy_joules_total", gpu="0") == 250.0
     assert _get(s, "tokenmill_engine_restarts_total") == 3
     build = {"version": "0.1.0", "python": "3.11.7", "torch": "2.13.0"}
-    assert _get(s, "tokenmill_build_info", **build) == 1
+    assert _get(s, "tokenmill_build_info", **build, int8_compute="avx512_vnni") == 1
 
 
 def test_unknown_device_value_removes_stale_series():

@@ -1,0 +1,125 @@
+"""int8 compute for the quantized layers' large steps (prefill chunks, decode batches above the
+GEMV cut-over): each activation row rounded to int8 with its own scale (dynamic, per token),
+times an int8 weight with one scale per output channel, summed exactly in int32.
+
+The product is ``torch._int_mm``, which on a CPU runs oneDNN's int8 GEMM: oneDNN picks its
+kernel from the CPU at start (AMX tiles, AVX-512 VNNI ``vpdpbusd``, AVX2 ``vpmaddubsw``), and
+``ONEDNN_MAX_CPU_ISA`` caps it (``AVX2``, ``AVX512_CORE_VNNI``, ``AVX512_CORE_AMX``), which is
+how a host runs its slower paths for comparison. :func:`int8_isa` names the path that runs.
+
+One GEMM of a prefill chunk on SmolLM2-135M's MLP shape (512 × 576 × 1536, AMD EPYC with
+AVX-512 VNNI, 2 threads, medians of 30): oneDNN's int8 took 0.11-0.13 of float32's time on the
+VNNI path and 0.48 with ``ONEDNN_MAX_CPU_ISA=AVX2``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+#: --int8-compute: auto (on where the CPU has an int8 path), on, off
+INT8_COMPUTE_MODES = ("auto", "on", "off")
+
+# oneDNN's ISA caps, lowest first, and the path each allows at most
+_CAPS = {
+    "SSE41": None,
+    "AVX": None,
+    "AVX2": "avx2",
+    "AVX2_VNNI": "avx2_vnni",
+    "AVX2_VNNI_2": "avx2_vnni",
+    "AVX512_CORE": "avx2",  # AVX-512 without VNNI: oneDNN's int8 runs its AVX2-class kernel
+    "AVX512_CORE_VNNI": "avx512_vnni",
+    "AVX512_CORE_BF16": "avx512_vnni",
+    "AVX512_CORE_FP16": "avx512_vnni",
+    "AVX10_1_512": "avx512_vnni",
+    "AVX512_CORE_AMX": "amx",
+    "AVX512_CORE_AMX_FP16": "amx",
+    "AVX10_1_512_AMX": "amx",
+    "AVX10_1_512_AMX_FP16": "amx",
+    "DEFAULT": "amx",
+    "ALL": "amx",
+}
+_ORDER = (None, "avx2", "avx2_vnni", "avx512_vnni", "amx")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def isa_of_flags(flags: set[str], cap: str | None = None) -> str | None:
+    """The int8 path a CPU with these ``/proc/cpuinfo`` flags runs, under oneDNN's ISA cap
+    (``ONEDNN_MAX_CPU_ISA``): ``amx``, ``avx512_vnni``, ``avx2_vnni``, ``avx2`` or None."""
+    if "amx_int8" in flags and "amx_tile" in flags:
+        have = "amx"
+    elif "avx512_vnni" in flags:
+        have = "avx512_vnni"
+    elif "avx_vnni" in flags:
+        have = "avx2_vnni"
+    elif "avx2" in flags:
+        have = "avx2"
+    else:
+        have = None
+    if cap:
+        allowed = _CAPS.get(cap.strip().upper(), "amx")
+        if _ORDER.index(allowed) < _ORDER.index(have):
+            return allowed
+    return have
+
+
+@functools.cache
+def int8_isa() -> str | None:
+    """This process's int8 path on the CPU (see :func:`isa_of_flags`); None on a CPU without
+    one, or off x86."""
+    return isa_of_flags(_cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` float weight → ``([K, N]`` int8, row-major as the GEMM reads it; ``[N]``
+    float32 scales``)``: symmetric, one scale per output channel."""
+    w = weight.detach().to(torch.float32)
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.t().contiguous(), scales
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[M, K]`` activations → ``([M, K]`` int8, ``[M, 1]`` float32 scales``)``: each row
+    rounded with its own symmetric scale (its largest magnitude maps to 127)."""
+    x = x.to(torch.float32)
+    scales = (x.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
+    return torch.round(x / scales).to(torch.int8), scales
+
+
+def int8_linear(
+    x: torch.Tensor, qweight_kn: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x [M, K] @ W^T (+ bias)`` in int8 with int32 sums, returned in float32: ``x`` rounded
+    per row (:func:`quantize_rows`), ``W`` as :func:`quantize_weight` left it."""
+    q, row_scales = quantize_rows(x)
+    acc = torch._int_mm(q, qweight_kn)
+    out = acc.to(torch.float32).mul_(row_scales).mul_(scales)
+    if bias is not None:
+        out = out.add_(bias.to(torch.float32))
+    return out
+
+
+def reference_int8_linear(
+    x: torch.Tensor, qweight_kn: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`int8_linear` in plain float64 arithmetic on the same rounded values (the tests'
+    reference: the int32 sums are exact, so the two agree to float32 rounding)."""
+    q, row_scales = quantize_rows(x)
+    acc = q.to(torch.float64) @ qweight_kn.to(torch.float64)
+    out = acc * row_scales.to(torch.float64) * scales.to(torch.float64)
+    if bias is not None:
+        out = out + bias.to(torch.float64)
+    return out.to(torch.float32)

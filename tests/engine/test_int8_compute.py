@@ -1,0 +1,95 @@
+"""int8 compute (engine/int8_compute.py): the GEMM against float64 arithmetic on the same rounded
+values and against the float layer it stands for, the path named from the CPU's flags and
+oneDNN's cap, and the quantized layers taking it above their small-row paths only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.engine import int8_compute as ic
+from tokenmill.engine.errors import ModelLoadError
+from tokenmill.engine.quantization import (
+    INT8_GEMV_MAX_ROWS,
+    QuantizedLinear,
+    int8_compute_path,
+    quantize_model,
+    resolve_int8_compute,
+)
+
+pytestmark = pytest.mark.skipif(ic.int8_isa() is None, reason="no int8 path on this CPU")
+
+
+@pytest.mark.parametrize("m", [1, 17, 130])
+def test_int8_linear_is_exact_integer_arithmetic(m):
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 96, generator=g)
+    w = torch.randn(40, 96, generator=g) * 0.1
+    bias = torch.randn(40, generator=g)
+    q, scales = ic.quantize_weight(w)
+    assert q.shape == (96, 40) and q.dtype == torch.int8 and q.is_contiguous()
+    got = ic.int8_linear(x, q, scales, bias)
+    ref = ic.reference_int8_linear(x, q, scales, bias)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-5)
+
+
+def test_int8_linear_stays_close_to_the_float_layer():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 576, generator=g)
+    w = torch.randn(1536, 576, generator=g) * 0.05
+    exact = torch.nn.functional.linear(x, w)
+    q, scales = ic.quantize_weight(w)
+    got = ic.int8_linear(x, q, scales, None)
+    rel = ((got - exact).norm() / exact.norm()).item()
+    assert 1e-4 < rel < 0.02, rel  # rounded (not float32 itself), within 2 %
+
+
+@pytest.mark.parametrize(
+    ("flags", "cap", "path"),
+    [
+        ({"avx2"}, None, "avx2"),
+        ({"avx2", "avx_vnni"}, None, "avx2_vnni"),
+        ({"avx2", "avx512f", "avx512_vnni"}, None, "avx512_vnni"),
+        ({"avx2", "avx512_vnni", "amx_tile", "amx_int8"}, None, "amx"),
+        ({"avx2", "avx512_vnni", "amx_tile", "amx_int8"}, "AVX512_CORE_VNNI", "avx512_vnni"),
+        ({"avx2", "avx512_vnni", "amx_tile", "amx_int8"}, "avx2", "avx2"),
+        ({"avx2", "avx512_vnni"}, "AVX512_CORE_AMX", "avx512_vnni"),  # a cap never adds
+        ({"avx2", "avx512_vnni"}, "AVX", None),
+        ({"sse4_2"}, None, None),
+    ],
+)
+def test_the_path_follows_the_flags_and_onednns_cap(flags, cap, path):
+    assert ic.isa_of_flags(flags, cap) == path
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_layer_takes_int8_compute_above_its_small_row_paths(method):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 128, generator=g) * 0.05
+    bias = torch.randn(64, generator=g)
+    on = QuantizedLinear(method, w, bias, int8_compute=True)
+    off = QuantizedLinear(method, w, bias)
+    assert on.int8_weight is not None and off.int8_weight is None
+    big = torch.randn(INT8_GEMV_MAX_ROWS + 36, 128, generator=g)
+    # above the GEMV rows: the int8 GEMM on the layer's own int8 copy
+    torch.testing.assert_close(
+        on(big), ic.int8_linear(big, on.int8_weight, on.int8_scales, on.bias), rtol=0, atol=0
+    )
+    assert not torch.equal(on(big), off(big))
+    rel = ((on(big) - off(big)).norm() / off(big).norm()).item()
+    assert rel < 0.02, rel  # the int8 copy stands for the weight the layer computes with
+    small = big[:4]
+    torch.testing.assert_close(on(small), off(small), rtol=0, atol=0)  # GEMV rows unchanged
+
+
+def test_the_model_names_its_path_and_on_without_one_is_one_line():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
+    quantize_model(model, "int8", int8_compute=True)
+    assert int8_compute_path(model) == ic.int8_isa()
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    quantize_model(plain, "int8")
+    assert int8_compute_path(plain) is None
+    assert resolve_int8_compute("auto", torch.device("cpu")) is True
+    assert resolve_int8_compute("off", torch.device("cpu")) is False
+    with pytest.raises(ModelLoadError, match="--int8-compute on needs a CPU"):
+        resolve_int8_compute("on", torch.device("meta"))
