@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import cpu as cpu_gemv
+from tokenmill.kernels.cutover import FASTER_ROWS
 
 from . import int8_compute as int8_compute_mod
 from .config import QUANTIZATIONS
@@ -75,6 +76,12 @@ INT8_GEMV_MAX_ROWS = cpu_gemv.MAX_ROWS
 # 2 threads, best of 6 (2026-12-02, Xeon AVX-512): 1 row 6.4 ms, 8 rows 15.1, 32 rows 62.0, 64
 # rows 121 (int8's 134 MB in the same session: 9.6, 20.1, 95.1, and 64 rows ~200).
 INT4_GEMV_MAX_ROWS = cpu_gemv.MAX_ROWS
+# with int8 compute on, the rows up to which each method keeps its GEMV; above, the int8 GEMM.
+# SmolLM2-135M's MLP (1536x576, 576x1536) and LM head (49152x576) shapes, AMD EPYC with
+# AVX-512 VNNI, 2 threads, medians of 40 (2026-12-06, a test run beside it), GEMV time over the
+# int8 GEMM's: int8 weights 1.1-1.3 at 8 rows, 1.6-2.1 at 12, 2.3-2.9 at 32, 3.0-3.6 at 64;
+# int4 weights (half the bytes to stream) 0.3-0.65 at 8 rows, 0.7-1.07 at 32, 0.9-1.3 at 64
+INT8_COMPUTE_GEMV_ROWS = {"int8": FASTER_ROWS, "int4": 32}
 # Rows up to which a bf16 layer on a CPU without bf16 GEMM multiplies in bf16; above it the
 # emulated bf16 GEMM loses to upcasting the weight and running float32 (one 576x3072 layer on
 # the 2-core AVX2 machine: 0.22 vs 0.36 ms at 1 row, 0.94 vs 0.75 at 4, 5.9 vs 1.4 at 32).
@@ -379,6 +386,9 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
         rows = x2d.shape[0]
+        if self.int8_weight is not None and rows > INT8_COMPUTE_GEMV_ROWS[self.method]:
+            out = int8_compute_mod.int8_linear(x2d, self.int8_weight, self.int8_scales, self.bias)
+            return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if self.gemv_scales is not None and rows <= INT8_GEMV_MAX_ROWS:
             out = cpu_gemv.gemv_int8(x2d.float(), self.qweight, self.gemv_scales).to(x.dtype)
             if self.bias is not None:
@@ -393,9 +403,6 @@ class QuantizedLinear(nn.Module):
             out = self._packed(x2d).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias
-        elif self.int8_weight is not None:
-            out = int8_compute_mod.int8_linear(x2d, self.int8_weight, self.int8_scales, self.bias)
-            out = out.to(x.dtype)
         else:
             out = dense_linear(x2d, self.dequantize(_gemm_dtype(x)), self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)

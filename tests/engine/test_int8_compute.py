@@ -10,6 +10,7 @@ import torch
 from tokenmill.engine import int8_compute as ic
 from tokenmill.engine.errors import ModelLoadError
 from tokenmill.engine.quantization import (
+    INT8_COMPUTE_GEMV_ROWS,
     INT8_GEMV_MAX_ROWS,
     QuantizedLinear,
     int8_compute_path,
@@ -78,8 +79,13 @@ def test_a_quantized_layer_takes_int8_compute_above_its_small_row_paths(method):
     assert not torch.equal(on(big), off(big))
     rel = ((on(big) - off(big)).norm() / off(big).norm()).item()
     assert rel < 0.02, rel  # the int8 copy stands for the weight the layer computes with
-    small = big[:4]
+    cut = INT8_COMPUTE_GEMV_ROWS[method]
+    small = big[:cut]
     torch.testing.assert_close(on(small), off(small), rtol=0, atol=0)  # GEMV rows unchanged
+    above = big[: cut + 1]
+    torch.testing.assert_close(
+        on(above), ic.int8_linear(above, on.int8_weight, on.int8_scales, on.bias), rtol=0, atol=0
+    )
 
 
 def test_the_model_names_its_path_and_on_without_one_is_one_line():
