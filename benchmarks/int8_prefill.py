@@ -107,14 +107,12 @@ def _child(cfg: dict, args) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
     if cfg["cap"]:
         env["ONEDNN_MAX_CPU_ISA"] = cfg["cap"]
-    here, a = str(Path(__file__).parent), args
-    code = (
-        f"import json, sys; sys.path.insert(0, {here!r}); import int8_prefill as b; "
-        "print('RESULT ' + json.dumps(b.one_config(json.loads(sys.argv[1]), "
-        f"{a.prompt_tokens}, {a.prompts}, {a.seed})))"
-    )
     out = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(cfg)],
+        # -P: the benchmarks folder stays off sys.path (its kernels.py would shadow a package
+        # transformers looks for)
+        [sys.executable, "-P", __file__, "--child", json.dumps(cfg),
+         "--prompt-tokens", str(args.prompt_tokens), "--prompts", str(args.prompts),
+         "--seed", str(args.seed)],
         capture_output=True, text=True, env=env, timeout=1800,
     )  # fmt: skip
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -148,8 +146,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(OUT / "int8_prefill.json"))
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if args.child:  # one configuration, in this process
+        res = one_config(json.loads(args.child), args.prompt_tokens, args.prompts, args.seed)
+        print("RESULT " + json.dumps(res))
+        return 0
     from tokenmill.engine.int8_compute import int8_isa
 
     native = int8_isa()

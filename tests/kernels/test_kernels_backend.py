@@ -88,7 +88,7 @@ def test_torch_path_imports_no_triton():
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == (
         "['tokenmill.kernels', 'tokenmill.kernels.cpu', 'tokenmill.kernels.cpu_step', "
-        "'tokenmill.kernels.reference']"
+        "'tokenmill.kernels.cutover', 'tokenmill.kernels.reference']"
     )
 
 
