@@ -65,3 +65,43 @@ void tokenmill_silu_and_mul(const float *x, float *out, int64_t t, int64_t n) {
         for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
 }
+
+/* int8 compute's two element-wise passes (engine/int8_compute.py), over many rows (a prefill
+ * chunk), so split across nthreads OpenMP threads by row. The same float32 operations in the
+ * same order as the torch expressions they replace, so the results are bit-identical.
+ *
+ * Per-row symmetric int8: s[r] = max(max|x[r]| / 127, 1e-12), q[r] = round-half-even(x[r] / s[r])
+ * (|x / s| <= 127 by construction). x: [m, k] with row stride x_stride floats; q: [m, k]. */
+void tokenmill_quantize_rows_i8(const float *x, int64_t x_stride, int8_t *q, float *s, int64_t m,
+                                int64_t k, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * x_stride;
+        float amax = 0.f;
+        for (int64_t i = 0; i < k; i++) amax = fmaxf(amax, fabsf(xr[i]));
+        float sr = amax / 127.f;
+        if (!(sr >= 1e-12f)) sr = 1e-12f;
+        s[r] = sr;
+        int8_t *qr = q + r * k;
+        for (int64_t i = 0; i < k; i++) qr[i] = (int8_t)nearbyintf(xr[i] / sr);
+    }
+}
+
+/* out[r, j] = (float)acc[r, j] * rs[r] * cs[j] (+ bias[j]): the int32 sums of a GEMM on
+ * per-row-scaled activations and per-column-scaled weights back to float32. [m, n] contiguous;
+ * bias may be NULL. No fused multiply-add (-mfma would contract the bias add into one): torch
+ * rounds the product before adding. */
+__attribute__((optimize("fp-contract=off"))) void tokenmill_dequant_rows_i32(const int32_t *acc, const float *rs, const float *cs,
+                                const float *bias, float *out, int64_t m, int64_t n,
+                                int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        const int32_t *ar = acc + r * n;
+        float *o = out + r * n;
+        const float sr = rs[r];
+        if (bias)
+            for (int64_t j = 0; j < n; j++) o[j] = (float)ar[j] * sr * cs[j] + bias[j];
+        else
+            for (int64_t j = 0; j < n; j++) o[j] = (float)ar[j] * sr * cs[j];
+    }
+}
