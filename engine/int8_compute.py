@@ -19,8 +19,6 @@ import os
 
 import torch
 
-from tokenmill.kernels import cpu as cpu_kernels
-
 #: --int8-compute: auto (on where the CPU has an int8 path), on, off
 INT8_COMPUTE_MODES = ("auto", "on", "off")
 
@@ -105,19 +103,12 @@ def int8_linear(
     x: torch.Tensor, qweight_kn: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias)`` in int8 with int32 sums, returned in float32: ``x`` rounded
-    per row (:func:`quantize_rows`), ``W`` as :func:`quantize_weight` left it. Where the C
-    kernels build, the rounding and the scaling back are one pass each
-    (``kernels/cpu_ops.c``; bit-identical to the torch expressions)."""
-    fast = cpu_kernels.quantize_rows_int8(x) if x.dtype == torch.float32 else None
-    q, row_scales = fast if fast is not None else quantize_rows(x)
+    per row (:func:`quantize_rows`), ``W`` as :func:`quantize_weight` left it."""
+    q, row_scales = quantize_rows(x)
     acc = torch._int_mm(q, qweight_kn)
-    b = None if bias is None else bias.to(torch.float32)
-    out = cpu_kernels.dequant_rows_int32(acc, row_scales, scales, b)
-    if out is not None:
-        return out
     out = acc.to(torch.float32).mul_(row_scales).mul_(scales)
-    if b is not None:
-        out = out.add_(b)
+    if bias is not None:
+        out = out.add_(bias.to(torch.float32))
     return out
 
 

@@ -50,7 +50,6 @@ __all__ = [
     "CpuOps",
     "available",
     "decode_attention",
-    "dequant_rows_int32",
     "dequantize_int4",
     "gemv",
     "gemv_int4",
@@ -60,7 +59,6 @@ __all__ = [
     "pack_int4",
     "prefetch_ahead",
     "quantize_act_int8",
-    "quantize_rows_int8",
     "reference_gemv",
     "reference_gemv_int4",
     "reference_gemv_int8",
@@ -145,8 +143,6 @@ def _build() -> ctypes.CDLL:
     lib.tokenmill_fused_add_rms_norm.argtypes = [ptr] * 5 + [i64, i64, f32]
     lib.tokenmill_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
     lib.tokenmill_silu_and_mul.argtypes = [ptr, ptr, i64, i64]
-    lib.tokenmill_quantize_rows_i8.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_int]
-    lib.tokenmill_dequant_rows_i32.argtypes = [ptr] * 5 + [i64, i64, ctypes.c_int]
     for fn in (lib.tokenmill_decode_attention, lib.tokenmill_decode_attention_bf16):
         fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
         fn.argtypes += [ptr, i64, i64, i64, i64, i64, f32, i64, ptr, ctypes.c_int]
@@ -164,14 +160,7 @@ def _build() -> ctypes.CDLL:
     lib.tokenmill_gemv_i8_isa.restype = ctypes.c_int
     lib.tokenmill_gemv_i4_act.argtypes = [ctypes.c_int]
     lib.tokenmill_gemv_i4_act.restype = ctypes.c_int
-    for name in (
-        "rms_norm",
-        "fused_add_rms_norm",
-        "rotary",
-        "silu_and_mul",
-        "quantize_rows_i8",
-        "dequant_rows_i32",
-    ):
+    for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
         getattr(lib, f"tokenmill_{name}").restype = None
     if lib.tokenmill_gemv_max_rows() != MAX_ROWS:
         raise OSError("cpu_gemv.c and cpu.py disagree on the row limit")
@@ -280,45 +269,6 @@ def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xg * inv[..., None]).to(torch.int8).reshape(m, k)
     return xq, amax / torch.tensor(127.0)
-
-
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``x [M, K]`` float32 (rows may be strided) → ``(q [M, K] int8, s [M, 1] float32)``,
-    each row rounded with its own symmetric scale ``max(max|x| / 127, 1e-12)`` (round half to
-    even), in one pass a row on ``torch.get_num_threads()`` threads; bit-identical to
-    :func:`tokenmill.engine.int8_compute.quantize_rows`' torch expression. None where the
-    kernels are unavailable or ``x`` is not a float32 CPU matrix with unit column stride."""
-    if not available() or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
-        return None
-    if x.stride(1) != 1:
-        return None
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.int8)
-    s = torch.empty((m, 1), dtype=torch.float32)
-    _lib.tokenmill_quantize_rows_i8(
-        x.data_ptr(), x.stride(0), q.data_ptr(), s.data_ptr(), m, k, torch.get_num_threads()
-    )
-    return q, s
-
-
-def dequant_rows_int32(
-    acc: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor | None:
-    """``acc [M, N]`` int32 → ``acc * row_scales [M, 1] * col_scales [N] (+ bias [N])`` float32
-    in one pass (the same operations in the same order as the torch expression, so
-    bit-identical); None where the kernels are unavailable or a tensor is not as stated."""
-    if not available() or acc.dtype != torch.int32 or not acc.is_contiguous():
-        return None
-    tensors = [row_scales, col_scales] + ([bias] if bias is not None else [])
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-        return None
-    m, n = acc.shape
-    out = torch.empty((m, n), dtype=torch.float32)
-    _lib.tokenmill_dequant_rows_i32(
-        acc.data_ptr(), row_scales.data_ptr(), col_scales.data_ptr(), _ptr(bias),
-        out.data_ptr(), m, n, torch.get_num_threads(),
-    )  # fmt: skip
-    return out
 
 
 def prefetch_ahead(nbytes: int | None = None) -> int:

@@ -17,7 +17,6 @@ from tokenmill.engine.quantization import (
     quantize_model,
     resolve_int8_compute,
 )
-from tokenmill.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(ic.int8_isa() is None, reason="no int8 path on this CPU")
 
@@ -100,25 +99,3 @@ def test_the_model_names_its_path_and_on_without_one_is_one_line():
     assert resolve_int8_compute("off", torch.device("cpu")) is False
     with pytest.raises(ModelLoadError, match="--int8-compute on needs a CPU"):
         resolve_int8_compute("on", torch.device("meta"))
-
-
-@pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels do not build here")
-def test_the_c_passes_are_bit_identical_to_the_torch_expressions():
-    """kernels/cpu_ops.c's row rounding and scaling back give the very bits of the torch
-    expressions they stand in for: rows with ties at .5, an all-zero row, a strided view."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(37, 300, generator=g) * 3
-    x[5] = 0.0
-    x[6, :4] = torch.tensor([127.0, 63.5, -0.5, 1.5])  # s = 1: exact halves to round
-    x[6, 4:] = 0.0
-    for view in (x, torch.randn(37, 320, generator=g)[:, 10:310]):
-        q, s = cpu_kernels.quantize_rows_int8(view)
-        q_ref, s_ref = ic.quantize_rows(view)
-        assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
-    assert q_ref.dtype == torch.int8 and s_ref.shape == (37, 1)
-    acc = torch.randint(-(2**20), 2**20, (37, 50), generator=g, dtype=torch.int32)
-    rs, cs = torch.rand(37, 1, generator=g), torch.rand(50, generator=g)
-    bias = torch.randn(50, generator=g)
-    want = acc.to(torch.float32).mul_(rs).mul_(cs)
-    assert torch.equal(cpu_kernels.dequant_rows_int32(acc, rs, cs, None), want)
-    assert torch.equal(cpu_kernels.dequant_rows_int32(acc, rs, cs, bias), want.add(bias))
