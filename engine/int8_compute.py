@@ -7,6 +7,15 @@ kernel from the CPU at start (AMX tiles, AVX-512 VNNI ``vpdpbusd``, AVX2 ``vpmad
 ``ONEDNN_MAX_CPU_ISA`` caps it (``AVX2``, ``AVX512_CORE_VNNI``, ``AVX512_CORE_AMX``), which is
 how a host runs its slower paths for comparison. :func:`int8_isa` names the path that runs.
 
+Activations go in as two int8 terms by default (``--int8-compute on``): the row rounded to
+int8, then what that rounding left rounded again, two GEMMs summed. One term
+(``--int8-compute fast``) halves the GEMMs, but on SmolLM2-135M its perplexity rose 3.97
+points of float32's above the int8 weight-only model's (``benchmarks/quantization_accuracy.py``,
+2026-12-06): a row's largest activations set its scale and the rest lose their low bits. Two
+terms gave 23.92 against the weight-only 23.97 (float32 23.83); splitting the row into 2 or 4
+groups along K with a scale each gave 24.45 and 24.22, and cost more than the second term
+(a float pass over the output per group).
+
 One GEMM of a prefill chunk on SmolLM2-135M's MLP shape (512 × 576 × 1536, AMD EPYC with
 AVX-512 VNNI, 2 threads, medians of 30): oneDNN's int8 took 0.11-0.13 of float32's time on the
 VNNI path and 0.48 with ``ONEDNN_MAX_CPU_ISA=AVX2``.
@@ -19,8 +28,11 @@ import os
 
 import torch
 
-#: --int8-compute: auto (on where the CPU has an int8 path), on, off
-INT8_COMPUTE_MODES = ("auto", "on", "off")
+#: --int8-compute: auto (on where the CPU has an int8 path), on (activations as two int8
+#: terms), fast (one), off
+INT8_COMPUTE_MODES = ("auto", "on", "fast", "off")
+#: int8 terms an activation row is written as, per mode
+TERMS = {"on": 2, "fast": 1, "off": 0}
 
 # oneDNN's ISA caps, lowest first, and the path each allows at most
 _CAPS = {
@@ -100,26 +112,47 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_linear(
-    x: torch.Tensor, qweight_kn: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    qweight_kn: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    terms: int = 2,
 ) -> torch.Tensor:
-    """``x [M, K] @ W^T (+ bias)`` in int8 with int32 sums, returned in float32: ``x`` rounded
-    per row (:func:`quantize_rows`), ``W`` as :func:`quantize_weight` left it."""
+    """``x [M, K] @ W^T (+ bias)`` in int8 with int32 sums, returned in float32, ``W`` as
+    :func:`quantize_weight` left it. With ``terms=1`` each row of ``x`` is rounded to int8 once
+    (:func:`quantize_rows`); with 2 (the default) what that rounding left is rounded again and
+    multiplied too (``x ≈ s1·q1 + s2·q2``: two GEMMs, activations good to about 1 part in
+    30,000 of their row's largest, so the weight's rounding is what is left)."""
+    x = x.to(torch.float32)
     q, row_scales = quantize_rows(x)
-    acc = torch._int_mm(q, qweight_kn)
-    out = acc.to(torch.float32).mul_(row_scales).mul_(scales)
+    out = torch._int_mm(q, qweight_kn).to(torch.float32).mul_(row_scales)
+    if terms > 1:
+        rest = x - q.to(torch.float32) * row_scales
+        q2, row_scales2 = quantize_rows(rest)
+        out.add_(torch._int_mm(q2, qweight_kn).to(torch.float32).mul_(row_scales2))
+    out.mul_(scales)
     if bias is not None:
         out = out.add_(bias.to(torch.float32))
     return out
 
 
 def reference_int8_linear(
-    x: torch.Tensor, qweight_kn: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    qweight_kn: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    terms: int = 2,
 ) -> torch.Tensor:
     """:func:`int8_linear` in plain float64 arithmetic on the same rounded values (the tests'
     reference: the int32 sums are exact, so the two agree to float32 rounding)."""
+    x = x.to(torch.float32)
     q, row_scales = quantize_rows(x)
-    acc = q.to(torch.float64) @ qweight_kn.to(torch.float64)
-    out = acc * row_scales.to(torch.float64) * scales.to(torch.float64)
+    w = qweight_kn.to(torch.float64)
+    out = (q.to(torch.float64) @ w) * row_scales.to(torch.float64)
+    if terms > 1:
+        q2, row_scales2 = quantize_rows(x - q.to(torch.float32) * row_scales)
+        out = out + (q2.to(torch.float64) @ w) * row_scales2.to(torch.float64)
+    out = out * scales.to(torch.float64)
     if bias is not None:
         out = out + bias.to(torch.float64)
     return out.to(torch.float32)

@@ -224,7 +224,7 @@ class QuantizedLinear(nn.Module):
         method: str,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        int8_compute: bool = False,
+        int8_compute: int = 0,
     ):
         super().__init__()
         self.method = method
@@ -299,6 +299,7 @@ class QuantizedLinear(nn.Module):
         # float weight (int8), or from the int4 weight this layer computes with elsewhere
         self.register_buffer("int8_weight", None)
         self.register_buffer("int8_scales", None)
+        self.int8_terms = int(int8_compute)
         if int8_compute and self.device.type == "cpu":
             source = weight if method == "int8" else self.dequantize(torch.float32)
             q8, s8 = int8_compute_mod.quantize_weight(source)
@@ -330,9 +331,7 @@ class QuantizedLinear(nn.Module):
             self.path = "packed"
 
     @classmethod
-    def from_linear(
-        cls, method: str, linear: nn.Linear, int8_compute: bool = False
-    ) -> QuantizedLinear:
+    def from_linear(cls, method: str, linear: nn.Linear, int8_compute: int = 0) -> QuantizedLinear:
         """Quantize a loaded ``nn.Linear`` (its float weight is not kept)."""
         module = cls(method, linear.weight.detach(), linear.bias, int8_compute)
         if hasattr(linear, "shards"):
@@ -387,7 +386,9 @@ class QuantizedLinear(nn.Module):
         x2d = x.reshape(-1, self.in_features)
         rows = x2d.shape[0]
         if self.int8_weight is not None and rows > INT8_COMPUTE_GEMV_ROWS[self.method]:
-            out = int8_compute_mod.int8_linear(x2d, self.int8_weight, self.int8_scales, self.bias)
+            out = int8_compute_mod.int8_linear(
+                x2d, self.int8_weight, self.int8_scales, self.bias, self.int8_terms
+            )
             return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if self.gemv_scales is not None and rows <= INT8_GEMV_MAX_ROWS:
             out = cpu_gemv.gemv_int8(x2d.float(), self.qweight, self.gemv_scales).to(x.dtype)
@@ -408,7 +409,7 @@ class QuantizedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        int8 = ", int8_compute" if self.int8_weight is not None else ""
+        int8 = f", int8_compute x{self.int8_terms}" if self.int8_weight is not None else ""
         return f"{self.in_features}, {self.out_features}, {self.method}, path={self.path}{int8}"
 
 
@@ -478,22 +479,23 @@ def _cuda_int8_packed_ok(device: torch.device) -> bool:
         return False
 
 
-def resolve_int8_compute(mode: str, device: torch.device) -> bool:
-    """``--int8-compute`` on this device: ``auto`` is on for a CPU with an int8 path
-    (:func:`tokenmill.engine.int8_compute.int8_isa`).
+def resolve_int8_compute(mode: str, device: torch.device) -> int:
+    """``--int8-compute`` on this device as the int8 terms an activation row is written in
+    (:data:`tokenmill.engine.int8_compute.TERMS`; 0: off): ``auto`` is ``on`` for a CPU with an
+    int8 path (:func:`tokenmill.engine.int8_compute.int8_isa`), else off.
 
     Raises:
-        ModelLoadError: ``on`` where there is no int8 path (not a CPU, or no AVX2).
+        ModelLoadError: ``on`` or ``fast`` where there is no int8 path (not a CPU, or no AVX2).
     """
     if mode == "off":
-        return False
+        return 0
     have = device.type == "cpu" and int8_compute_mod.int8_isa() is not None
-    if mode == "on" and not have:
+    if mode != "auto" and not have:
         raise ModelLoadError(
-            "--int8-compute on needs a CPU with AVX2, AVX-512 VNNI or AMX (oneDNN's int8 GEMM); "
-            "use auto or off"
+            f"--int8-compute {mode} needs a CPU with AVX2, AVX-512 VNNI or AMX (oneDNN's int8 "
+            "GEMM); use auto or off"
         )
-    return have
+    return int8_compute_mod.TERMS["on" if mode == "auto" else mode] if have else 0
 
 
 def int8_compute_path(model: nn.Module) -> str | None:
@@ -505,14 +507,15 @@ def int8_compute_path(model: nn.Module) -> str | None:
     return None
 
 
-def quantize_model(model: nn.Module, method: str, int8_compute: bool = False) -> int:
+def quantize_model(model: nn.Module, method: str, int8_compute: int = 0) -> int:
     """Replace every ``nn.Linear`` under ``model`` (decoder blocks and LM head) with a
     :class:`QuantizedLinear` in place; a tied LM head gets its own quantized copy. With
     ``none``, a half-precision model on a CPU without native bf16 GEMM gets
     :class:`HalfPrecisionLinear` layers instead.
 
     Args:
-        int8_compute: also give each layer its int8 GEMM path (:class:`QuantizedLinear`).
+        int8_compute: also give each layer its int8 GEMM path, with activations in this many
+            int8 terms (:class:`QuantizedLinear`; 0: none).
 
     Returns:
         The number of layers replaced.

@@ -21,28 +21,32 @@ from tokenmill.engine.quantization import (
 pytestmark = pytest.mark.skipif(ic.int8_isa() is None, reason="no int8 path on this CPU")
 
 
+@pytest.mark.parametrize("terms", [1, 2])
 @pytest.mark.parametrize("m", [1, 17, 130])
-def test_int8_linear_is_exact_integer_arithmetic(m):
+def test_int8_linear_is_exact_integer_arithmetic(m, terms):
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 96, generator=g)
     w = torch.randn(40, 96, generator=g) * 0.1
     bias = torch.randn(40, generator=g)
     q, scales = ic.quantize_weight(w)
     assert q.shape == (96, 40) and q.dtype == torch.int8 and q.is_contiguous()
-    got = ic.int8_linear(x, q, scales, bias)
-    ref = ic.reference_int8_linear(x, q, scales, bias)
+    got = ic.int8_linear(x, q, scales, bias, terms)
+    ref = ic.reference_int8_linear(x, q, scales, bias, terms)
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-5)
 
 
-def test_int8_linear_stays_close_to_the_float_layer():
+def test_int8_linear_stays_close_to_the_float_layer_and_two_terms_closer():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 576, generator=g)
     w = torch.randn(1536, 576, generator=g) * 0.05
     exact = torch.nn.functional.linear(x, w)
     q, scales = ic.quantize_weight(w)
-    got = ic.int8_linear(x, q, scales, None)
-    rel = ((got - exact).norm() / exact.norm()).item()
-    assert 1e-4 < rel < 0.02, rel  # rounded (not float32 itself), within 2 %
+    one = ((ic.int8_linear(x, q, scales, None, 1) - exact).norm() / exact.norm()).item()
+    two = ((ic.int8_linear(x, q, scales, None, 2) - exact).norm() / exact.norm()).item()
+    weight_only = ((x @ (q.float() * scales) - exact).norm() / exact.norm()).item()
+    assert 1e-4 < two < one < 0.02, (one, two)  # rounded (not float32 itself), within 2 %
+    # two terms leave the weight's rounding alone: within 1 % of the weight-only error
+    assert abs(two - weight_only) < 0.01 * weight_only, (two, weight_only)
 
 
 @pytest.mark.parametrize(
@@ -68,13 +72,13 @@ def test_a_quantized_layer_takes_int8_compute_above_its_small_row_paths(method):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 128, generator=g) * 0.05
     bias = torch.randn(64, generator=g)
-    on = QuantizedLinear(method, w, bias, int8_compute=True)
+    on = QuantizedLinear(method, w, bias, int8_compute=2)
     off = QuantizedLinear(method, w, bias)
     assert on.int8_weight is not None and off.int8_weight is None
     big = torch.randn(INT8_GEMV_MAX_ROWS + 36, 128, generator=g)
     # above the GEMV rows: the int8 GEMM on the layer's own int8 copy
     torch.testing.assert_close(
-        on(big), ic.int8_linear(big, on.int8_weight, on.int8_scales, on.bias), rtol=0, atol=0
+        on(big), ic.int8_linear(big, on.int8_weight, on.int8_scales, on.bias, 2), rtol=0, atol=0
     )
     assert not torch.equal(on(big), off(big))
     rel = ((on(big) - off(big)).norm() / off(big).norm()).item()
@@ -84,18 +88,23 @@ def test_a_quantized_layer_takes_int8_compute_above_its_small_row_paths(method):
     torch.testing.assert_close(on(small), off(small), rtol=0, atol=0)  # GEMV rows unchanged
     above = big[: cut + 1]
     torch.testing.assert_close(
-        on(above), ic.int8_linear(above, on.int8_weight, on.int8_scales, on.bias), rtol=0, atol=0
+        on(above),
+        ic.int8_linear(above, on.int8_weight, on.int8_scales, on.bias, 2),
+        rtol=0,
+        atol=0,
     )
 
 
 def test_the_model_names_its_path_and_on_without_one_is_one_line():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
-    quantize_model(model, "int8", int8_compute=True)
+    quantize_model(model, "int8", int8_compute=1)
     assert int8_compute_path(model) == ic.int8_isa()
     plain = torch.nn.Sequential(torch.nn.Linear(64, 32))
     quantize_model(plain, "int8")
     assert int8_compute_path(plain) is None
-    assert resolve_int8_compute("auto", torch.device("cpu")) is True
-    assert resolve_int8_compute("off", torch.device("cpu")) is False
+    assert resolve_int8_compute("auto", torch.device("cpu")) == 2
+    assert resolve_int8_compute("fast", torch.device("cpu")) == 1
+    assert resolve_int8_compute("off", torch.device("cpu")) == 0
+    assert resolve_int8_compute("auto", torch.device("meta")) == 0
     with pytest.raises(ModelLoadError, match="--int8-compute on needs a CPU"):
         resolve_int8_compute("on", torch.device("meta"))
