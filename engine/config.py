@@ -70,7 +70,7 @@ class EngineConfig:
         "batches above the GEMV cut-over as int8 GEMMs (int32 sums; oneDNN's AMX, AVX-512 VNNI "
         "or AVX2 kernel, whichever the CPU has). on: activations as two int8 terms, the "
         "weight-only model's accuracy; fast: one term, half the GEMMs, about +4 points of "
-        "perplexity; auto: on where the CPU has an int8 path; off: the weights dequantized "
+        "perplexity; auto: on where the CPU has AVX-512 VNNI or AMX; off: the weights dequantized "
         "into a float32 GEMM.",
     )
     enforce_eager: bool = knob(

@@ -33,6 +33,10 @@ import torch
 INT8_COMPUTE_MODES = ("auto", "on", "fast", "off")
 #: int8 terms an activation row is written as, per mode
 TERMS = {"on": 2, "fast": 1, "off": 0}
+#: the paths ``auto`` turns int8 compute on for: with AVX2's kernel, two terms ran a 500-token
+#: prefill no faster than float32 (0.98x, benchmarks/int8_prefill.py, 2026-12-06), with
+#: AVX-512 VNNI in 0.69x of its time
+AUTO_PATHS = ("avx512_vnni", "amx")
 
 # oneDNN's ISA caps, lowest first, and the path each allows at most
 _CAPS = {

@@ -481,21 +481,25 @@ def _cuda_int8_packed_ok(device: torch.device) -> bool:
 
 def resolve_int8_compute(mode: str, device: torch.device) -> int:
     """``--int8-compute`` on this device as the int8 terms an activation row is written in
-    (:data:`tokenmill.engine.int8_compute.TERMS`; 0: off): ``auto`` is ``on`` for a CPU with an
-    int8 path (:func:`tokenmill.engine.int8_compute.int8_isa`), else off.
+    (:data:`tokenmill.engine.int8_compute.TERMS`; 0: off): ``auto`` is ``on`` where the CPU's
+    int8 path (:func:`tokenmill.engine.int8_compute.int8_isa`) is one of
+    :data:`~tokenmill.engine.int8_compute.AUTO_PATHS` (AVX-512 VNNI, AMX), else off.
 
     Raises:
         ModelLoadError: ``on`` or ``fast`` where there is no int8 path (not a CPU, or no AVX2).
     """
     if mode == "off":
         return 0
-    have = device.type == "cpu" and int8_compute_mod.int8_isa() is not None
-    if mode != "auto" and not have:
+    path = int8_compute_mod.int8_isa() if device.type == "cpu" else None
+    if mode == "auto":
+        return int8_compute_mod.TERMS["on"] if path in int8_compute_mod.AUTO_PATHS else 0
+    have = path is not None
+    if not have:
         raise ModelLoadError(
             f"--int8-compute {mode} needs a CPU with AVX2, AVX-512 VNNI or AMX (oneDNN's int8 "
             "GEMM); use auto or off"
         )
-    return int8_compute_mod.TERMS["on" if mode == "auto" else mode] if have else 0
+    return int8_compute_mod.TERMS[mode]
 
 
 def int8_compute_path(model: nn.Module) -> str | None:
