@@ -28,7 +28,7 @@ import os
 
 import torch
 
-#: --int8-compute: auto (on where the CPU has an int8 path), on (activations as two int8
+#: --int8-compute: auto (on where the CPU has AVX-512 VNNI or AMX), on (activations as two int8
 #: terms), fast (one), off
 INT8_COMPUTE_MODES = ("auto", "on", "fast", "off")
 #: int8 terms an activation row is written as, per mode
