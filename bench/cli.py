@@ -464,6 +464,9 @@ def demo(
     ] = False,
 ) -> None:
     """Server + console + a short tour (healthy, then overload) + its diagnosis; Ctrl-C stops."""
+    from tokenmill.engine.cli import require_engine
+
+    require_engine()  # it starts our server: without the engine extra, one line says so
     from .demo import DemoError, run
 
     try:

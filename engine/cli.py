@@ -535,8 +535,8 @@ def pd_worker(
         bool, typer.Option(help="Exit after one engine core instead of waiting for the next.")
     ] = False,
 ) -> None:
-    """Run one decode engine core of a disaggregated server on this host, for an API on
-    another (``tokenmill serve --disaggregation ... --remote-decode-listen HOST:PORT``).
+    """Run one decode engine core of a disaggregated server on this host, for an API started
+    on another with tokenmill serve --disaggregation ... --remote-decode-listen HOST:PORT.
 
     The API sends the engine settings and the core's place in the KV link each time it starts
     the core; the KV crosses on torch.distributed with its rendezvous on the API's host.

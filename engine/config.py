@@ -300,6 +300,11 @@ class EngineConfig:
                 f"int8_compute must be one of {', '.join(INT8_COMPUTE_MODES)}, got "
                 f"{self.int8_compute!r}"
             )
+        if self.int8_compute in ("on", "fast") and self.quantization == "none":
+            raise ValueError(
+                f"--int8-compute {self.int8_compute} computes quantized layers in int8: it needs "
+                "--quantization int8 or int4"
+            )
         if self.int4_activations not in INT4_ACTIVATIONS:
             raise ValueError(
                 f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}, got "

@@ -110,3 +110,14 @@ def test_the_model_names_its_path_and_on_without_one_is_one_line():
     assert resolve_int8_compute("auto", torch.device("meta")) == 0
     with pytest.raises(ModelLoadError, match="--int8-compute on needs a CPU"):
         resolve_int8_compute("on", torch.device("meta"))
+
+
+def test_int8_compute_asked_for_without_quantization_is_one_line():
+    from tokenmill.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="needs --quantization int8 or int4"):
+        EngineConfig(int8_compute="on").validate()
+    with pytest.raises(ValueError, match="int8_compute must be one of auto, on, fast, off"):
+        EngineConfig(quantization="int8", int8_compute="bogus").validate()
+    EngineConfig(quantization="int8", int8_compute="fast").validate()
+    EngineConfig(int8_compute="auto").validate()  # the default: off without quantization

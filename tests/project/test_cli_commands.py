@@ -92,6 +92,8 @@ def test_registry_names_real_commands():
         usage = next(line for line in r.output.splitlines() if "Usage:" in line)
         assert "{" not in usage and "}" not in usage, (name, usage)
         assert "``" not in r.output and ":func:" not in r.output, (name, r.output)
+    root = runner.invoke(cli.app, ["--help"])
+    assert root.exit_code == 0 and "``" not in root.output, root.output
 
 
 def test_a_typo_suggests_a_lazy_command():
