@@ -124,22 +124,12 @@ def _child(cfg: dict, args) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def _cpuinfo(key: str) -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith(key)), "")
-
-
 def _flags() -> list[str]:
+    from tokenmill.kernels.cpu import cpu_flags
+
     want = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8")
-    have = set(_cpuinfo("flags").split())
+    have = cpu_flags() or set()
     return [f for f in want if f in have]
-
-
-def _model_name() -> str:
-    return _cpuinfo("model name") or platform.processor()
 
 
 def main() -> int:
@@ -158,7 +148,9 @@ def main() -> int:
     from tokenmill.engine.int8_compute import int8_isa
 
     native = int8_isa()
-    host = {"cpu": _model_name(), "flags": _flags(), "int8_path": native}
+    from tokenmill.engine.device_peaks import cpu_name
+
+    host = {"cpu": cpu_name(), "flags": _flags(), "int8_path": native}
     print(f"host: {host['cpu']}; flags {' '.join(host['flags'])}; int8 path {native}", flush=True)
     cfgs = configs(native)
     runs: dict[str, list[dict]] = {c["name"]: [] for c in cfgs}

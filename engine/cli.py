@@ -338,7 +338,7 @@ def require_engine() -> None:
     lacks; :func:`main` turns it into the one line that names the extra."""
     import importlib.util
 
-    for name in ("torch", "transformers", "safetensors"):
+    for name in (m for m, extra in EXTRA_OF_MODULE.items() if extra == "[engine]"):
         if importlib.util.find_spec(name) is None:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 

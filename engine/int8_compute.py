@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from tokenmill.kernels import cpu as cpu_kernels
+
 #: --int8-compute: auto (on where the CPU has AVX-512 VNNI or AMX), on (activations as two int8
 #: terms), fast (one), off
 INT8_COMPUTE_MODES = ("auto", "on", "fast", "off")
@@ -60,17 +62,6 @@ _CAPS = {
 _ORDER = (None, "avx2", "avx2_vnni", "avx512_vnni", "amx")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def isa_of_flags(flags: set[str], cap: str | None = None) -> str | None:
     """The int8 path a CPU with these ``/proc/cpuinfo`` flags runs, under oneDNN's ISA cap
     (``ONEDNN_MAX_CPU_ISA``): ``amx``, ``avx512_vnni``, ``avx2_vnni``, ``avx2`` or None."""
@@ -95,16 +86,7 @@ def isa_of_flags(flags: set[str], cap: str | None = None) -> str | None:
 def int8_isa() -> str | None:
     """This process's int8 path on the CPU (see :func:`isa_of_flags`); None on a CPU without
     one, or off x86."""
-    return isa_of_flags(_cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
-
-
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, K]`` float weight → ``([K, N]`` int8, row-major as the GEMM reads it; ``[N]``
-    float32 scales``)``: symmetric, one scale per output channel."""
-    w = weight.detach().to(torch.float32)
-    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.t().contiguous(), scales
+    return isa_of_flags(cpu_kernels.cpu_flags() or set(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +105,8 @@ def int8_linear(
     terms: int = 2,
 ) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias)`` in int8 with int32 sums, returned in float32, ``W`` as
-    :func:`quantize_weight` left it. With ``terms=1`` each row of ``x`` is rounded to int8 once
+    ``quantize_int8`` (:mod:`tokenmill.engine.quantization`) left it, per
+    output channel, transposed to ``[K, N]``. With ``terms=1`` each row of ``x`` is rounded to int8 once
     (:func:`quantize_rows`); with 2 (the default) what that rounding left is rounded again and
     multiplied too (``x ≈ s1·q1 + s2·q2``: two GEMMs, activations good to about 1 part in
     30,000 of their row's largest, so the weight's rounding is what is left)."""

@@ -302,8 +302,8 @@ class QuantizedLinear(nn.Module):
         self.int8_terms = int(int8_compute)
         if int8_compute and self.device.type == "cpu":
             source = weight if method == "int8" else self.dequantize(torch.float32)
-            q8, s8 = int8_compute_mod.quantize_weight(source)
-            self.register_buffer("int8_weight", q8)
+            q8, s8 = quantize_int8(source)  # one scale per output channel
+            self.register_buffer("int8_weight", q8.t().contiguous())  # [K, N], as _int_mm reads
             self.register_buffer("int8_scales", s8)
 
     def _torch_int4(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "MAX_ROWS",
     "CpuOps",
     "available",
+    "cpu_flags",
     "decode_attention",
     "dequantize_int4",
     "gemv",
@@ -92,17 +93,23 @@ def _cache_dir() -> Path:
     return Path(base) / "tokenmill" / "kernels"
 
 
-def _cpu_ok() -> str | None:
-    flags = ""
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty off x86 Linux's format), None when
+    the file cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = line
-                    break
+                    return set(line.split(":", 1)[1].split())
     except OSError:
+        return None
+    return set()
+
+
+def _cpu_ok() -> str | None:
+    words = cpu_flags()
+    if words is None:
         return "cannot read /proc/cpuinfo"
-    words = set(flags.split())
     missing = [f for f in ("avx2", "fma") if f not in words]
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 

@@ -14,11 +14,18 @@ from tokenmill.engine.quantization import (
     INT8_GEMV_MAX_ROWS,
     QuantizedLinear,
     int8_compute_path,
+    quantize_int8,
     quantize_model,
     resolve_int8_compute,
 )
 
 pytestmark = pytest.mark.skipif(ic.int8_isa() is None, reason="no int8 path on this CPU")
+
+
+def _gemm_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's int8 copy: int8 per output channel, ``[K, N]`` as the GEMM reads it."""
+    q, scales = quantize_int8(w)
+    return q.t().contiguous(), scales
 
 
 @pytest.mark.parametrize("terms", [1, 2])
@@ -28,7 +35,7 @@ def test_int8_linear_is_exact_integer_arithmetic(m, terms):
     x = torch.randn(m, 96, generator=g)
     w = torch.randn(40, 96, generator=g) * 0.1
     bias = torch.randn(40, generator=g)
-    q, scales = ic.quantize_weight(w)
+    q, scales = _gemm_weight(w)
     assert q.shape == (96, 40) and q.dtype == torch.int8 and q.is_contiguous()
     got = ic.int8_linear(x, q, scales, bias, terms)
     ref = ic.reference_int8_linear(x, q, scales, bias, terms)
@@ -40,7 +47,7 @@ def test_int8_linear_stays_close_to_the_float_layer_and_two_terms_closer():
     x = torch.randn(256, 576, generator=g)
     w = torch.randn(1536, 576, generator=g) * 0.05
     exact = torch.nn.functional.linear(x, w)
-    q, scales = ic.quantize_weight(w)
+    q, scales = _gemm_weight(w)
     one = ((ic.int8_linear(x, q, scales, None, 1) - exact).norm() / exact.norm()).item()
     two = ((ic.int8_linear(x, q, scales, None, 2) - exact).norm() / exact.norm()).item()
     weight_only = ((x @ (q.float() * scales) - exact).norm() / exact.norm()).item()
