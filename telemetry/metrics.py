@@ -178,6 +178,31 @@ class _DropsCollector:
         return [fam]
 
 
+class _MetricFactory:
+    """Defines metrics in one registry, each labelled ``model_name`` first, and lists each one
+    (exported name, type, labels, help) in ``defined`` for ``docs/metrics.md``."""
+
+    def __init__(self, registry: CollectorRegistry, defined: list):
+        self.registry = registry
+        self.defined = defined
+
+    def histogram(self, name: str, doc: str, buckets) -> Histogram:
+        labels = ["model_name"]
+        self.defined.append((PREFIX + name, "histogram", tuple(labels), doc))
+        return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def gauge(self, name: str, doc: str, labels=("model_name",)) -> Gauge:
+        labels = list(labels)
+        self.defined.append((PREFIX + name, "gauge", tuple(labels), doc))
+        return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+    def counter(self, name: str, doc: str, labels=("model_name",)) -> Counter:
+        labels = list(labels)
+        # prometheus_client appends _total to the exported name.
+        self.defined.append((PREFIX + name + "_total", "counter", tuple(labels), doc))
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+
 class ServingMetrics:
     """The server's Prometheus metrics, in their own :class:`CollectorRegistry`.
 
@@ -196,222 +221,19 @@ class ServingMetrics:
         # can deliver it after a newer step's or an idle heartbeat's
         self._state_step = (None, -1)  # (engine_pid, step_id): a restarted engine counts anew
         self.registry = CollectorRegistry()
-        r = self.registry
-        ProcessCollector(registry=r)  # the API process's process_* series, as every exporter's
-        m = ["model_name"]
-        mt = ["model_name", "tenant"]
-        mg = ["model_name", "gpu"]
-
+        ProcessCollector(registry=self.registry)  # the API process's process_* series
         # every metric as defined: (exported name, type, labels, help), for docs/metrics.md
         self.defined: list[tuple[str, str, tuple[str, ...], str]] = []
-
-        def hist(name, doc, buckets):
-            self.defined.append((PREFIX + name, "histogram", tuple(m), doc))
-            return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r)
-
-        def gauge(name, doc, labels=m):
-            self.defined.append((PREFIX + name, "gauge", tuple(labels), doc))
-            return Gauge(PREFIX + name, doc, labels, registry=r)
-
-        def counter(name, doc, labels=m):
-            # prometheus_client appends _total to the exported name.
-            self.defined.append((PREFIX + name + "_total", "counter", tuple(labels), doc))
-            return Counter(PREFIX + name, doc, labels, registry=r)
-
-        # -- histograms (seconds unless stated) -------------------------------------------------
-        self.h_ttft = hist(
-            "time_to_first_token_seconds",
-            "Time to first token in seconds (gateway arrival to first token).",
-            TTFT_BUCKETS_S,
-        )
-        self.h_itl = hist(
-            "inter_token_latency_seconds",
-            "Inter-token latency in seconds, one observation per token interval.",
-            TPOT_BUCKETS_S,
-        )
-        self.h_tpot = hist(
-            "request_time_per_output_token_seconds",
-            "Mean time per output token after the first, per request, in seconds.",
-            TPOT_BUCKETS_S,
-        )
-        self.h_e2e = hist(
-            "e2e_request_latency_seconds",
-            "End-to-end request latency in seconds, for requests that reached the engine.",
-            REQUEST_LATENCY_BUCKETS_S,
-        )
-        self.h_queue = hist(
-            "request_queue_time_seconds",
-            "Time a request waited in the engine queue (WAITING) in seconds.",
-            REQUEST_STAGE_BUCKETS_S,
-        )
-        self.h_prefill = hist(
-            "request_prefill_time_seconds",
-            "Time from first scheduled to first token (PREFILL) in seconds.",
-            REQUEST_STAGE_BUCKETS_S,
-        )
-        self.h_decode = hist(
-            "request_decode_time_seconds",
-            "Time from first to last token (DECODE) in seconds.",
-            REQUEST_LATENCY_BUCKETS_S,
-        )
-        self.h_kv_transfer = hist(
-            "kv_transfer_seconds",
-            "Prefill/decode disaggregation: time one request's KV took from the prefill core "
-            "to the decode core, in seconds.",
-            REQUEST_STAGE_BUCKETS_S,
-        )
-        self.h_prompt_len = hist(
-            "request_prompt_tokens",
-            "Prompt tokens per request that reached the engine.",
-            REQUEST_TOKEN_BUCKETS,
-        )
-        self.h_gen_len = hist(
-            "request_generation_tokens",
-            "Output tokens per request that reached the engine.",
-            REQUEST_TOKEN_BUCKETS,
-        )
-        self.h_iter_tokens = hist(
-            "iteration_tokens",
-            "Tokens (prefill + decode) per engine step; steps with no tokens are not counted.",
-            ITERATION_TOKEN_BUCKETS,
-        )
-
-        # -- engine / API gauges ----------------------------------------------------------------
-        self.g_running = gauge("num_requests_running", "Requests running in the engine.")
-        # data parallelism (engine/api/replicas.py): one series per replica, bounded by
-        # --data-parallel-size (<= 64); the unlabelled gauges above are the sums
-        mr = ["model_name", "replica"]
-        self.g_replica = {
-            "running": gauge(
-                "replica_num_requests_running", "Requests running in one replica.", mr
-            ),
-            "waiting": gauge(
-                "replica_num_requests_waiting", "Requests waiting in one replica's queue.", mr
-            ),
-            "kv_usage": gauge(
-                "replica_kv_cache_usage_perc", "One replica's KV-cache usage, 0..1.", mr
-            ),
-            "outstanding_tokens": gauge(
-                "replica_outstanding_tokens",
-                "Tokens routed to one replica and not yet done: prompts not yet prefilled "
-                "plus outputs still to come (the router's load).",
-                mr,
-            ),
-        }
-        self.data_parallel_size = 1  # above 1, step records set the replica gauges only
-        self._replica_step: dict[int, tuple] = {}
-        self.g_waiting = gauge("num_requests_waiting", "Requests waiting in the engine queue.")
-        self.g_kv = gauge("kv_cache_usage_perc", "KV-cache usage, 0..1 (1 means 100 percent).")
-        self.g_in_flight = gauge("requests_in_flight", "Requests admitted by the API, not done.")
-        self.c_restarts = counter("engine_restarts", "Engine core restarts since server start.")
-        self._restarts_seen = 0
-        self.g_build = gauge(
-            "build_info",
-            "1, labelled with the versions this server runs and the int8 GEMM path its "
-            "quantized layers' large steps take (amx, avx512_vnni, avx2_vnni, avx2; off).",
-            ["model_name", "version", "python", "torch", "int8_compute"],
-        )
-        self.g_heartbeat_age = gauge(
-            "engine_heartbeat_age_seconds",
-            "Seconds since the engine core's last message (one per step, a heartbeat every "
-            "0.5 s when idle); absent while no engine is up.",
-        )
-
-        self.g_weight_bytes = gauge(
-            "model_weight_bytes",
-            "Bytes of the model's weights by storage dtype (int4 packs two weights per byte).",
-            ["model_name", "dtype"],
-        )
-
-        # -- per-GPU gauges (label gpu = device index) ------------------------------------------
-        self.g_gpu = {
-            "power_w": gauge("gpu_power_watts", "GPU power draw in watts (NVML).", mg),
-            "dram_bw_util_pct": gauge(
-                "gpu_dram_bandwidth_utilization_ratio",
-                "GPU DRAM bandwidth utilisation, 0..1 (NVML GPM, Hopper+).",
-                mg,
-            ),
-            "sm_clock_mhz": gauge("gpu_sm_clock_hertz", "GPU SM clock in hertz (NVML).", mg),
-            "mem_clock_mhz": gauge(
-                "gpu_memory_clock_hertz", "GPU memory clock in hertz (NVML).", mg
-            ),
-            "temperature_c": gauge("gpu_temperature_celsius", "GPU temperature in celsius.", mg),
-            "mem_used_bytes": gauge("gpu_memory_used_bytes", "GPU memory used in bytes.", mg),
-            "gpu_util_pct": gauge(
-                "gpu_utilization_ratio", "GPU (SM) utilisation, 0..1 (NVML).", mg
-            ),
-        }
-        # energy only grows: a counter, fed the sampler's increments
-        self.c_energy = counter("gpu_energy_joules", "GPU energy in joules (NVML).", mg)
-        self._energy_seen: dict[str, float] = {}
-        # -- host gauges ------------------------------------------------------------------------
-        self.g_host = {
-            "cpu_pct": gauge(
-                "host_cpu_cores", "Server process CPU in cores (1.0 = one busy core)."
-            ),
-            "rss_bytes": gauge("host_rss_bytes", "Server (+ engine) resident memory in bytes."),
-        }
-
-        # -- counters ---------------------------------------------------------------------------
-        self.c_prompt = counter(
-            "prompt_tokens", "Prompt tokens of requests that reached the engine.", mt
-        )
-        self.c_gen = counter("generation_tokens", "Output tokens generated.", mt)
-        self.c_cached = counter(
-            "cached_prompt_tokens", "Prompt tokens served from the prefix cache.", mt
-        )
-        self.c_prefix_queries = counter(
-            "prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up."
-        )
-        self.c_prefix_hits = counter(
-            "prefix_cache_hits", "Prefix cache hits, in prompt tokens served from the cache."
-        )
-        self.c_kv_transfer_bytes = counter(
-            "kv_transfer_bytes",
-            "Prefill/decode disaggregation: KV bytes sent from the prefill to the decode core.",
-        )
-        self.c_preemptions = counter("num_preemptions", "Requests preempted by the engine.")
-        self.c_success = counter(
-            "request_success",
-            "Requests finished without error (finished_reason stop or length).",
-            ["model_name", "finished_reason"],
-        )
-        self.c_errors = counter(
-            "request_errors",
-            "Requests that ended with an error, by error type.",
-            [*m, "error_type"],
-        )
-        self.c_requests = counter(
-            "requests", "Finished HTTP requests by tenant and HTTP status code.", [*mt, "status"]
-        )
-        # speculative decoding, vLLM's spec_decode_* counters fed from the step records
-        self.c_spec_drafts = counter(
-            "spec_decode_num_drafts",
-            "Speculative decoding: drafts verified (one per request per step that verified "
-            "draft tokens).",
-        )
-        self.c_spec_draft_tokens = counter(
-            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."
-        )
-        self.c_spec_accepted = counter(
-            "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."
-        )
-        self.c_spec_accepted_pos = counter(
-            "spec_decode_num_accepted_tokens_per_pos",
-            "Speculative decoding: draft tokens accepted, by draft position (0 = the first "
-            "draft token).",
-            [*m, "position"],
-        )
-        self._drops = _DropsCollector(model_name)
-        r.register(self._drops)
-        self.defined.append(
-            (
-                _DropsCollector.NAME + "_total",
-                "counter",
-                ("model_name", "table", "reason"),
-                _DropsCollector.HELP,
-            )
-        )
+        new = _MetricFactory(self.registry, self.defined)
+        # the groups in this order: docs/metrics.md lists the metrics as they are defined
+        self._define_request_latencies(new)
+        self._define_engine_state(new)
+        self._define_server_info(new)
+        self._define_devices(new)
+        self._define_token_counters(new)
+        self._define_request_outcomes(new)
+        self._define_spec_decode(new)
+        self._define_telemetry_store()
 
         # Series without extra labels exist from the start (zero counts are true, not unknown).
         for metric in (
@@ -431,6 +253,230 @@ class ServingMetrics:
             self.c_spec_accepted,
         ):
             metric.labels(model_name)
+
+    def _define_request_latencies(self, new: _MetricFactory) -> None:
+        """Per-request histograms: latencies by stage (seconds), the KV hand-off's time and the
+        prompt and output lengths (tokens)."""
+        self.h_ttft = new.histogram(
+            "time_to_first_token_seconds",
+            "Time to first token in seconds (gateway arrival to first token).",
+            TTFT_BUCKETS_S,
+        )
+        self.h_itl = new.histogram(
+            "inter_token_latency_seconds",
+            "Inter-token latency in seconds, one observation per token interval.",
+            TPOT_BUCKETS_S,
+        )
+        self.h_tpot = new.histogram(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request, in seconds.",
+            TPOT_BUCKETS_S,
+        )
+        self.h_e2e = new.histogram(
+            "e2e_request_latency_seconds",
+            "End-to-end request latency in seconds, for requests that reached the engine.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.h_queue = new.histogram(
+            "request_queue_time_seconds",
+            "Time a request waited in the engine queue (WAITING) in seconds.",
+            REQUEST_STAGE_BUCKETS_S,
+        )
+        self.h_prefill = new.histogram(
+            "request_prefill_time_seconds",
+            "Time from first scheduled to first token (PREFILL) in seconds.",
+            REQUEST_STAGE_BUCKETS_S,
+        )
+        self.h_decode = new.histogram(
+            "request_decode_time_seconds",
+            "Time from first to last token (DECODE) in seconds.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.h_kv_transfer = new.histogram(
+            "kv_transfer_seconds",
+            "Prefill/decode disaggregation: time one request's KV took from the prefill core "
+            "to the decode core, in seconds.",
+            REQUEST_STAGE_BUCKETS_S,
+        )
+        self.h_prompt_len = new.histogram(
+            "request_prompt_tokens",
+            "Prompt tokens per request that reached the engine.",
+            REQUEST_TOKEN_BUCKETS,
+        )
+        self.h_gen_len = new.histogram(
+            "request_generation_tokens",
+            "Output tokens per request that reached the engine.",
+            REQUEST_TOKEN_BUCKETS,
+        )
+
+    def _define_engine_state(self, new: _MetricFactory) -> None:
+        """The engine's steps and state: tokens per step, requests running and waiting, KV-cache
+        usage (summed, and per replica under data parallelism), the API's in-flight requests
+        and the engine's restarts."""
+        self.h_iter_tokens = new.histogram(
+            "iteration_tokens",
+            "Tokens (prefill + decode) per engine step; steps with no tokens are not counted.",
+            ITERATION_TOKEN_BUCKETS,
+        )
+        self.g_running = new.gauge("num_requests_running", "Requests running in the engine.")
+        # data parallelism (engine/api/replicas.py): one series per replica, bounded by
+        # --data-parallel-size (<= 64); the unlabelled gauges above are the sums
+        mr = ["model_name", "replica"]
+        self.g_replica = {
+            "running": new.gauge(
+                "replica_num_requests_running", "Requests running in one replica.", mr
+            ),
+            "waiting": new.gauge(
+                "replica_num_requests_waiting", "Requests waiting in one replica's queue.", mr
+            ),
+            "kv_usage": new.gauge(
+                "replica_kv_cache_usage_perc", "One replica's KV-cache usage, 0..1.", mr
+            ),
+            "outstanding_tokens": new.gauge(
+                "replica_outstanding_tokens",
+                "Tokens routed to one replica and not yet done: prompts not yet prefilled "
+                "plus outputs still to come (the router's load).",
+                mr,
+            ),
+        }
+        self.data_parallel_size = 1  # above 1, step records set the replica gauges only
+        self._replica_step: dict[int, tuple] = {}
+        self.g_waiting = new.gauge("num_requests_waiting", "Requests waiting in the engine queue.")
+        self.g_kv = new.gauge("kv_cache_usage_perc", "KV-cache usage, 0..1 (1 means 100 percent).")
+        self.g_in_flight = new.gauge(
+            "requests_in_flight", "Requests admitted by the API, not done."
+        )
+        self.c_restarts = new.counter("engine_restarts", "Engine core restarts since server start.")
+        self._restarts_seen = 0
+
+    def _define_server_info(self, new: _MetricFactory) -> None:
+        """What this server runs and whether its engine answers: the build info, the engine's
+        heartbeat age and the model's weight bytes."""
+        self.g_build = new.gauge(
+            "build_info",
+            "1, labelled with the versions this server runs and the int8 GEMM path its "
+            "quantized layers' large steps take (amx, avx512_vnni, avx2_vnni, avx2; off).",
+            ["model_name", "version", "python", "torch", "int8_compute"],
+        )
+        self.g_heartbeat_age = new.gauge(
+            "engine_heartbeat_age_seconds",
+            "Seconds since the engine core's last message (one per step, a heartbeat every "
+            "0.5 s when idle); absent while no engine is up.",
+        )
+        self.g_weight_bytes = new.gauge(
+            "model_weight_bytes",
+            "Bytes of the model's weights by storage dtype (int4 packs two weights per byte).",
+            ["model_name", "dtype"],
+        )
+
+    def _define_devices(self, new: _MetricFactory) -> None:
+        """The device samples: per-GPU gauges (label ``gpu`` = device index) and energy, the
+        server process's CPU and memory."""
+        mg = ["model_name", "gpu"]
+        self.g_gpu = {
+            "power_w": new.gauge("gpu_power_watts", "GPU power draw in watts (NVML).", mg),
+            "dram_bw_util_pct": new.gauge(
+                "gpu_dram_bandwidth_utilization_ratio",
+                "GPU DRAM bandwidth utilisation, 0..1 (NVML GPM, Hopper+).",
+                mg,
+            ),
+            "sm_clock_mhz": new.gauge("gpu_sm_clock_hertz", "GPU SM clock in hertz (NVML).", mg),
+            "mem_clock_mhz": new.gauge(
+                "gpu_memory_clock_hertz", "GPU memory clock in hertz (NVML).", mg
+            ),
+            "temperature_c": new.gauge(
+                "gpu_temperature_celsius", "GPU temperature in celsius.", mg
+            ),
+            "mem_used_bytes": new.gauge("gpu_memory_used_bytes", "GPU memory used in bytes.", mg),
+            "gpu_util_pct": new.gauge(
+                "gpu_utilization_ratio", "GPU (SM) utilisation, 0..1 (NVML).", mg
+            ),
+        }
+        # energy only grows: a counter, fed the sampler's increments
+        self.c_energy = new.counter("gpu_energy_joules", "GPU energy in joules (NVML).", mg)
+        self._energy_seen: dict[str, float] = {}
+        self.g_host = {
+            "cpu_pct": new.gauge(
+                "host_cpu_cores", "Server process CPU in cores (1.0 = one busy core)."
+            ),
+            "rss_bytes": new.gauge("host_rss_bytes", "Server (+ engine) resident memory in bytes."),
+        }
+
+    def _define_token_counters(self, new: _MetricFactory) -> None:
+        """Tokens of requests that reached the engine (per tenant), the prefix cache's queries
+        and hits, KV bytes moved between disaggregated cores, preemptions."""
+        mt = ["model_name", "tenant"]
+        self.c_prompt = new.counter(
+            "prompt_tokens", "Prompt tokens of requests that reached the engine.", mt
+        )
+        self.c_gen = new.counter("generation_tokens", "Output tokens generated.", mt)
+        self.c_cached = new.counter(
+            "cached_prompt_tokens", "Prompt tokens served from the prefix cache.", mt
+        )
+        self.c_prefix_queries = new.counter(
+            "prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up."
+        )
+        self.c_prefix_hits = new.counter(
+            "prefix_cache_hits", "Prefix cache hits, in prompt tokens served from the cache."
+        )
+        self.c_kv_transfer_bytes = new.counter(
+            "kv_transfer_bytes",
+            "Prefill/decode disaggregation: KV bytes sent from the prefill to the decode core.",
+        )
+        self.c_preemptions = new.counter("num_preemptions", "Requests preempted by the engine.")
+
+    def _define_request_outcomes(self, new: _MetricFactory) -> None:
+        """How requests ended: successes by finish reason, errors by type, HTTP requests by
+        tenant and status."""
+        self.c_success = new.counter(
+            "request_success",
+            "Requests finished without error (finished_reason stop or length).",
+            ["model_name", "finished_reason"],
+        )
+        self.c_errors = new.counter(
+            "request_errors",
+            "Requests that ended with an error, by error type.",
+            ["model_name", "error_type"],
+        )
+        self.c_requests = new.counter(
+            "requests",
+            "Finished HTTP requests by tenant and HTTP status code.",
+            ["model_name", "tenant", "status"],
+        )
+
+    def _define_spec_decode(self, new: _MetricFactory) -> None:
+        """Speculative decoding: vLLM's ``spec_decode_*`` counters, fed from the step records."""
+        self.c_spec_drafts = new.counter(
+            "spec_decode_num_drafts",
+            "Speculative decoding: drafts verified (one per request per step that verified "
+            "draft tokens).",
+        )
+        self.c_spec_draft_tokens = new.counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."
+        )
+        self.c_spec_accepted = new.counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."
+        )
+        self.c_spec_accepted_pos = new.counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by draft position (0 = the first "
+            "draft token).",
+            ["model_name", "position"],
+        )
+
+    def _define_telemetry_store(self) -> None:
+        """``telemetry_dropped_total``: rows the trace store did not take, read at each scrape
+        (:class:`_DropsCollector`)."""
+        self._drops = _DropsCollector(self.model_name)
+        self.registry.register(self._drops)
+        self.defined.append(
+            (
+                _DropsCollector.NAME + "_total",
+                "counter",
+                ("model_name", "table", "reason"),
+                _DropsCollector.HELP,
+            )
+        )
 
     # ------------------------------------------------------------------------------------------
     def set_drops_source(self, fn: Callable[[], dict[tuple[str, str], int]] | None) -> None:
