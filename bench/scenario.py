@@ -5,7 +5,7 @@ is the top finding (``healthy``: no finding at all; a scenario with ``absent``: 
 Scenarios are data: one YAML file per scenario in ``bench/scenarios/``::
 
     name: ttft_queueing
-    case: C-overload                 # the symptom case it reproduces (shared/cases/symptoms.md)
+    case: C-overload                 # the symptom case it reproduces (C01-C08: docs/diagnosis.md)
     expect: [ttft_queueing, overload]   # top finding must be one of these; [] = healthy
     absent: [quantization_no_gain]   # with expect []: only these rules must stay silent
     server: ["--max-num-seqs", "4"]     # extra `tokenmill serve` flags
