@@ -12,13 +12,9 @@ string: a module is imported only when its command runs, or when ``tokenmill --h
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import importlib
-import inspect
 import re
 import sys
-import typing
 from difflib import get_close_matches
 from pathlib import Path
 from typing import Annotated, Any
@@ -28,6 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
+from . import settings
 from .config import EngineConfig
 from .errors import TokenmillError
 from .serve_config import FAULT_PANEL, ServeConfig
@@ -273,7 +270,8 @@ def load_config_file(ctx: typer.Context, param: typer.CallbackParam, value: str 
 
 def config_options(cls: type, *names: str):
     """Give a command the fields ``names`` of the config dataclass ``cls`` (:class:`EngineConfig`
-    or :class:`~.serve_config.ServeConfig`) as options.
+    or :class:`~.serve_config.ServeConfig`) as options: ``settings.config_options``, with the
+    engine's fields in the engine's panel (``fault_*`` ones in the fault drills').
 
     Each option's default, help and bounds come from the field's metadata (``config.knob``,
     ``serve_config.setting``); its flag is ``--field-name``, and a boolean field that defaults
@@ -282,50 +280,9 @@ def config_options(cls: type, *names: str):
     with its own ``envvar`` reads it too. The command takes them as keyword arguments under
     their field names (``**kwargs``).
     """
-    from .durations import duration_option
-
-    hints = typing.get_type_hints(cls)
-    by_name = {f.name: f for f in dataclasses.fields(cls)}
-
-    def option(name: str) -> inspect.Parameter:
-        f = by_name[name]
-        meta = f.metadata
-        flag = "--" + name.replace("_", "-")
-        decls = []
-        if hints[name] is bool:
-            decls = [f"{flag}/--no-{flag[2:]}" if f.default else flag]
-        extra: dict = {}
-        if meta.get("duration"):
-            extra["parser"] = duration_option(meta.get("min") or 0.0)
-            extra["metavar"] = "DURATION"
-        else:
-            extra.update({k: meta[k] for k in ("min", "max") if meta.get(k) is not None})
-        if meta.get("envvar"):
-            extra.update(envvar=meta["envvar"], show_envvar=True)
-        panel = meta.get("panel") or (FAULT_PANEL if name.startswith("fault_") else ENGINE_PANEL)
-        info = typer.Option(*decls, help=meta["help"], rich_help_panel=panel, **extra)
-        return inspect.Parameter(
-            name,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=f.default,
-            annotation=Annotated[hints[name], info],
-        )
-
-    def decorate(fn):
-        sig = inspect.signature(fn, eval_str=True)
-        own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-        params = own + [option(n) for n in names]
-
-        @functools.wraps(fn)
-        def command(**kwargs):
-            return fn(**kwargs)
-
-        command.__signature__ = sig.replace(parameters=params)
-        command.__annotations__ = {p.name: p.annotation for p in params}
-        command.__annotations__["return"] = sig.return_annotation
-        return command
-
-    return decorate
+    return settings.config_options(
+        cls, *names, panel=lambda name: FAULT_PANEL if name.startswith("fault_") else ENGINE_PANEL
+    )
 
 
 def engine_options(*names: str):

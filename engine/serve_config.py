@@ -1,6 +1,6 @@
 """The server's own settings (address, keys, limits, trace store, logs, lifecycle): one field
 each, from which ``tokenmill serve``'s options, their ``--config`` keys and ``TOKENMILL_*``
-variables are generated (``engine/cli.py``: ``config_options``), as :class:`EngineConfig`'s
+variables are generated (``engine/settings.py``: ``config_options``), as :class:`EngineConfig`'s
 fields give the engine's. ``make_server`` (``engine/api/server.py``) takes the instance.
 
 Durations take the one grammar of ``engine/durations.py`` (``30s``, ``10m``, ``2h``; a bare
@@ -9,8 +9,11 @@ number is seconds) and are held in seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
+
+from . import settings
+from .settings import DEFAULT_TRACE_DB
 
 #: --help panels
 SERVER_PANEL = "Server options (ServeConfig)"
@@ -27,19 +30,11 @@ def setting(
     envvar: str | None = None,
     panel: str = SERVER_PANEL,
 ) -> Any:
-    """A server field with its documentation and its option's shape: ``duration`` takes the
-    duration grammar (``min`` then in seconds); ``envvar`` a variable of its own beside the
-    generated ``TOKENMILL_<FIELD>``."""
-    return field(
-        default=default,
-        metadata={
-            "help": help,
-            "min": min,
-            "max": max,
-            "duration": duration,
-            "envvar": envvar,
-            "panel": panel,
-        },
+    """A server field with its documentation and its option's shape (``settings.setting``, in
+    the server's panel): ``duration`` takes the duration grammar (``min`` then in seconds);
+    ``envvar`` a variable of its own beside the generated ``TOKENMILL_<FIELD>``."""
+    return settings.setting(
+        default, help, min=min, max=max, duration=duration, envvar=envvar, panel=panel
     )
 
 
@@ -84,7 +79,7 @@ class ServeConfig:
     trace_db: str | None = setting(
         None,
         "DuckDB trace store (spans, requests, steps, device samples); default "
-        "./tokenmill-data/traces.duckdb, printed absolute at start.",
+        f"{DEFAULT_TRACE_DB}, printed absolute at start.",
     )
     trace_retention: float | None = setting(
         None,
