@@ -451,29 +451,51 @@ def _refuse(ex: Exchange, exc: APIError, error_type: str) -> Response:
     return exc.response()
 
 
-def build_proxy_app(state: ProxyState) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        yield
-        await state.close()
+def _upstream_auth(state: ProxyState, request: Request, headers: dict) -> dict:
+    """``headers`` with the key sent upstream: ``--upstream-api-key``, else the client's own."""
+    if state.upstream_api_key:
+        headers["authorization"] = f"Bearer {state.upstream_api_key}"
+    elif request.headers.get("authorization"):
+        headers["authorization"] = request.headers["authorization"]
+    return headers
 
-    app = FastAPI(title="tokenmill proxy", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.add_middleware(_Recorder, state=state)
 
-    @app.get("/health")
-    async def health():
-        body = {
-            "status": "draining" if state.draining else "ok",
-            "upstream": state.upstream,
-            "requests": state.requests,
-            "open_requests": state.open_requests,
-            "telemetry_dropped": dict(state.dropped),
-        }
-        return JSONResponse(body, status_code=503 if state.draining else 200)
+class _Completions:
+    """The completion routes (:data:`ROUTES`): the checks a request passes (:meth:`forward`),
+    then its one forward upstream and the answer relayed back (:meth:`send_upstream`)."""
 
-    async def forward(request: Request) -> Response:
+    def __init__(self, state: ProxyState):
+        self.state = state
+
+    async def forward(self, request: Request) -> Response:
         flight: _Flight = request.scope[_FLIGHT]
         ex = flight.ex
+        refused = self._admit(request, flight)
+        if refused is not None:
+            return refused
+        try:
+            body = await request.body()  # within max_body_bytes (the body limit)
+        except ClientDisconnect:  # or past it: then the limit answers 413
+            ex.fail("client_disconnected", "the client left before its body was read")
+            return Response(status_code=499)
+        doc = _json_object(ex, body)
+        if isinstance(doc, Response):
+            return doc
+        refused = await self._check_prompt(ex, doc)
+        if refused is not None:
+            return refused
+        _note_request(ex, doc)
+        return await _unless_client_leaves(
+            request,
+            ex,
+            self.send_upstream(request, ex, body, flight.traceparent),
+            self.state.stopping,
+        )
+
+    def _admit(self, request: Request, flight: _Flight) -> Response | None:
+        """The refusal of a request the proxy does not take (draining, its key, no free
+        ``--max-in-flight`` slot), or None with its tenant noted and its slot taken."""
+        state, ex = self.state, flight.ex
         if state.draining:
             err = APIError(503, "the proxy is shutting down; retry", code="server_shutdown",
                            retry_after=5)  # fmt: skip
@@ -490,41 +512,28 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
             except APIError as exc:
                 return _refuse(ex, exc, "queue_full")
             flight.slot = state.admission
-        try:
-            body = await request.body()  # within max_body_bytes (the body limit)
-        except ClientDisconnect:  # or past it: then the limit answers 413
-            ex.fail("client_disconnected", "the client left before its body was read")
-            return Response(status_code=499)
-        try:
-            doc = json.loads(body)
-        except RecursionError:
-            err = _error(400, "the body is JSON nested too deeply to read", param="body")
-            return _refuse(ex, err, "invalid_request")
-        except ValueError:
-            doc = None
-        if not isinstance(doc, dict):
-            err = _error(400, "the body must be a JSON object", param="body")
-            return _refuse(ex, err, "invalid_request")
-        if state.tokenizer is not None:
-            t0 = time.time_ns()
-            counted = await asyncio.to_thread(count_prompt, state.tokenizer, doc, ex.endpoint)
-            ex.tokenized_ns = (t0, time.time_ns())
-            if counted is not None:
-                ex.counted_prompt_tokens, param = counted
-                limit = ex.tenant_limit
-                if limit and counted[0] > limit:
-                    exc = _error(400, f"{param} is {counted[0]} tokens; tenant {ex.tenant!r} "
-                                 f"allows {limit}", param=param, code="prompt_too_long")  # fmt: skip
-                    return _refuse(ex, exc, "invalid_request")
-        ex.stream = doc.get("stream") is True
-        ex.model = doc.get("model") if isinstance(doc.get("model"), str) else None
-        mt = doc.get("max_completion_tokens", doc.get("max_tokens"))
-        ex.max_tokens = mt if isinstance(mt, int) and not isinstance(mt, bool) else None
-        return await _unless_client_leaves(
-            request, ex, _forward(request, ex, body, flight.traceparent), state.stopping
-        )
+        return None
 
-    async def _forward(request: Request, ex: Exchange, body: bytes, traceparent: str):
+    async def _check_prompt(self, ex: Exchange, doc: dict) -> Response | None:
+        """With ``--tokenizer``: the prompt counted (off the event loop) and held to the
+        tenant's limit; the refusal, or None."""
+        state = self.state
+        if state.tokenizer is None:
+            return None
+        t0 = time.time_ns()
+        counted = await asyncio.to_thread(count_prompt, state.tokenizer, doc, ex.endpoint)
+        ex.tokenized_ns = (t0, time.time_ns())
+        if counted is not None:
+            ex.counted_prompt_tokens, param = counted
+            limit = ex.tenant_limit
+            if limit and counted[0] > limit:
+                exc = _error(400, f"{param} is {counted[0]} tokens; tenant {ex.tenant!r} "
+                             f"allows {limit}", param=param, code="prompt_too_long")  # fmt: skip
+                return _refuse(ex, exc, "invalid_request")
+        return None
+
+    async def send_upstream(self, request: Request, ex: Exchange, body: bytes, traceparent: str):
+        state = self.state
         # identity: the body goes back byte for byte, so the upstream should not compress it
         # for a client that did not ask (one that does anyway is relayed with its encoding)
         headers = {
@@ -532,10 +541,7 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
             "traceparent": traceparent,
             "accept-encoding": "identity",
         }
-        if state.upstream_api_key:
-            headers["authorization"] = f"Bearer {state.upstream_api_key}"
-        elif request.headers.get("authorization"):
-            headers["authorization"] = request.headers["authorization"]
+        _upstream_auth(state, request, headers)
         if ex.client_request_id:
             headers["x-request-id"] = ex.client_request_id
         url = state.upstream + request.url.path
@@ -559,26 +565,69 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
             message = f"upstream {up} answered an invalid HTTP status {resp.status}"
             return _failed(ex, 502, message, "upstream_broken")
         try:
-            ex.http_status = resp.status
-            ex.set_encoding(resp.headers.get("content-encoding"))
-            if resp.status >= 400:
-                ex.fail("upstream_error", f"upstream answered HTTP {resp.status}")
-            if resp.headers.get("content-type", "").startswith("text/event-stream"):
-                return _Relay(resp, ex, state)
-            try:
-                data = await resp.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                resp.close()
-                message = f"upstream {up} broke off its answer: {type(exc).__name__}"
-                return _failed(ex, 502, message, "upstream_broken")
-            resp.release()
-            ex.on_body(data)
-            out = Response(data, status_code=resp.status)
-            _relay_headers(out, resp)
-            return out
+            return await self._relay(resp, ex)
         except BaseException:  # cancelled (the client left): close the upstream request
             resp.close()
             raise
+
+    async def _relay(self, resp: aiohttp.ClientResponse, ex: Exchange) -> Response:
+        """The upstream's answer going back: a stream as a :class:`_Relay`, else its body
+        read whole."""
+        ex.http_status = resp.status
+        ex.set_encoding(resp.headers.get("content-encoding"))
+        if resp.status >= 400:
+            ex.fail("upstream_error", f"upstream answered HTTP {resp.status}")
+        if resp.headers.get("content-type", "").startswith("text/event-stream"):
+            return _Relay(resp, ex, self.state)
+        try:
+            data = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            resp.close()
+            message = f"upstream {self.state.upstream} broke off its answer: {type(exc).__name__}"
+            return _failed(ex, 502, message, "upstream_broken")
+        resp.release()
+        ex.on_body(data)
+        out = Response(data, status_code=resp.status)
+        _relay_headers(out, resp)
+        return out
+
+
+def _json_object(ex: Exchange, body: bytes) -> dict | Response:
+    """The body read as a JSON object, or the 400 naming ``body``."""
+    try:
+        doc = json.loads(body)
+    except RecursionError:
+        err = _error(400, "the body is JSON nested too deeply to read", param="body")
+        return _refuse(ex, err, "invalid_request")
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        err = _error(400, "the body must be a JSON object", param="body")
+        return _refuse(ex, err, "invalid_request")
+    return doc
+
+
+def _note_request(ex: Exchange, doc: dict) -> None:
+    """What the row says of the request's body: streamed, model, token cap."""
+    ex.stream = doc.get("stream") is True
+    ex.model = doc.get("model") if isinstance(doc.get("model"), str) else None
+    mt = doc.get("max_completion_tokens", doc.get("max_tokens"))
+    ex.max_tokens = mt if isinstance(mt, int) and not isinstance(mt, bool) else None
+
+
+def _add_service_routes(app: FastAPI, state: ProxyState) -> None:
+    """The proxy's own routes: ``/health`` and ``/metrics``."""
+
+    @app.get("/health")
+    async def health():
+        body = {
+            "status": "draining" if state.draining else "ok",
+            "upstream": state.upstream,
+            "requests": state.requests,
+            "open_requests": state.open_requests,
+            "telemetry_dropped": dict(state.dropped),
+        }
+        return JSONResponse(body, status_code=503 if state.draining else 200)
 
     @app.get("/metrics")
     async def metrics():
@@ -587,6 +636,10 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
 
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_models_route(app: FastAPI, state: ProxyState) -> None:
+    """``/v1/models``, passed through from the upstream."""
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         """The upstream's model list, passed through (clients ask it before anything else)."""
@@ -594,11 +647,7 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
             state.gateway.authenticate(request.headers.get("authorization"))
         except APIError as exc:
             return exc.response()
-        headers = {"accept-encoding": "identity"}
-        if state.upstream_api_key:
-            headers["authorization"] = f"Bearer {state.upstream_api_key}"
-        elif request.headers.get("authorization"):
-            headers["authorization"] = request.headers["authorization"]
+        headers = _upstream_auth(state, request, {"accept-encoding": "identity"})
         try:
             async with state.session.get(state.upstream + "/v1/models", headers=headers) as r:
                 out = Response(await r.read(), status_code=r.status)
@@ -618,8 +667,20 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
             )
         return out
 
+
+def build_proxy_app(state: ProxyState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await state.close()
+
+    app = FastAPI(title="tokenmill proxy", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(_Recorder, state=state)
+    _add_service_routes(app, state)
+    _add_models_route(app, state)
+    completions = _Completions(state)
     for path in ROUTES:
-        app.add_api_route(path, forward, methods=["POST"])
+        app.add_api_route(path, completions.forward, methods=["POST"])
     return app
 
 
