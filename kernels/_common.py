@@ -88,3 +88,97 @@ def cast(x, dtype: tl.constexpr, RTNE: tl.constexpr):
     else:
         y = x.to(dtype)
     return y
+
+
+def check_attention_inputs(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[torch.Tensor, int, int]:
+    """The attention kernels' shared checks of ``query [tokens, heads, dim]`` against the caches
+    ``[blocks, block_size, kv_heads, dim]``: shapes, GQA grouping, dtype, contiguous head dim.
+    Returns ``(query, kv_block_size, num_kv_heads)``, query made contiguous along its last dim.
+
+    Raises:
+        ValueError: a shape, head count or dtype that does not fit, or a cache whose head dim
+            is not contiguous.
+    """
+    if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "query must be [tokens, heads, dim] and the caches [blocks, bs, kv_heads, dim]"
+        )
+    _, num_heads, head_dim = query.shape
+    _, kv_block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query heads/dim ({num_heads}, {head_dim}) do not fit the cache's "
+            f"({num_kv_heads}, {cache_dim}): heads must be a multiple of kv heads"
+        )
+    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+        raise ValueError(f"cache dtype {k_cache.dtype} differs from query dtype {query.dtype}")
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the KV cache's head_dim must be contiguous")
+    return query, kv_block_size, num_kv_heads
+
+
+def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    """The block, slot and head strides of the K then the V cache, as the kernels take them
+    (``stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh``)."""
+    return (*k_cache.stride()[:3], *v_cache.stride()[:3])
+
+
+@triton.jit
+def load_kv_tile(
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    table_ptr,  # [max_blocks] int32, this sequence's block table row
+    offs_n,  # [BLOCK_N] key positions
+    table_ok,  # [BLOCK_N] positions whose block-table entry may be read
+    n_ok,  # [BLOCK_N] positions whose keys and values are loaded (others read as 0)
+    offs_d,  # [BLOCK_D]
+    d_ok,
+    kv_head,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    KV_BLOCK_SIZE: tl.constexpr,
+):
+    """One ``[BLOCK_N, BLOCK_D]`` tile of keys and one of values of ``kv_head``, gathered
+    through the block table."""
+    block = tl.load(table_ptr + offs_n // KV_BLOCK_SIZE, mask=table_ok, other=0).to(tl.int64)
+    in_block = offs_n % KV_BLOCK_SIZE
+    k_offs = block * stride_kb + in_block * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
+    v_offs = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def scores(q, k, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """``q @ kᵀ`` in float32 (on float32 copies with ``DOT_F32``: see :func:`upcast_dot`)."""
+    if DOT_F32:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PREC)
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    return qk
+
+
+@triton.jit
+def online_softmax_step(acc, l_i, m_i, qk, v, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """Fold one tile of base-2 logits ``qk [rows, BLOCK_N]`` and its values into the running
+    numerator ``acc``, denominator ``l_i`` and max ``m_i`` (float32); returns all three."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if DOT_F32:
+        acc += tl.dot(p, v.to(tl.float32), input_precision=PREC)
+    else:
+        acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return acc, l_i, m_new

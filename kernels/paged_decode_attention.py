@@ -27,7 +27,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, check_device, dot_precision, next_pow2, round_bf16_by_hand, upcast_dot
+from ._common import (
+    cache_strides,
+    cast,
+    check_attention_inputs,
+    check_device,
+    dot_precision,
+    load_kv_tile,
+    next_pow2,
+    online_softmax_step,
+    round_bf16_by_hand,
+    scores,
+    upcast_dot,
+)
 from .reference import paged_attention as reference_paged_attention
 
 __all__ = ["default_partition_size", "paged_decode_attention", "reference_paged_attention"]
@@ -106,29 +118,13 @@ def _decode_split_kernel(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < hi) & (offs_n >= first_key)
-        block = tl.load(table_ptr + offs_n // KV_BLOCK_SIZE, mask=offs_n < hi, other=0)
-        block = block.to(tl.int64)
-        in_block = offs_n % KV_BLOCK_SIZE
-        k_offs = block * stride_kb + in_block * stride_ks + kv_head * stride_kh
-        v_offs = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PREC)
-        else:
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table_ptr, offs_n, offs_n < hi, n_ok, offs_d, d_ok, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, KV_BLOCK_SIZE,
+        )  # fmt: skip
+        qk = scores(q, k, PREC, DOT_F32)
         qk = tl.where(n_ok[None, :], qk * scale_log2, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if DOT_F32:
-            acc += tl.dot(p, v.to(tl.float32), input_precision=PREC)
-        else:
-            acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, qk, v, PREC, DOT_F32)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -253,25 +249,10 @@ def paged_decode_attention(
         raise ValueError(
             f"paged_decode_attention takes one token per sequence (max_query_len {max_query_len})"
         )
-    if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "query must be [tokens, heads, dim] and the caches [blocks, bs, kv_heads, dim]"
-        )
+    query, kv_block_size, num_kv_heads = check_attention_inputs(query, k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
-    _, kv_block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(
-            f"query heads/dim ({num_heads}, {head_dim}) do not fit the cache's "
-            f"({num_kv_heads}, {cache_dim}): heads must be a multiple of kv heads"
-        )
     if num_tokens != num_seqs:
         raise ValueError(f"{num_tokens} query rows for {num_seqs} one-token sequences")
-    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
-        raise ValueError(f"cache dtype {k_cache.dtype} differs from query dtype {query.dtype}")
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the KV cache's head_dim must be contiguous")
     check_device(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0:
@@ -319,12 +300,7 @@ def paged_decode_attention(
         query.stride(1),
         out.stride(0),
         out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *cache_strides(k_cache, v_cache),
         block_tables.stride(0),
         NUM_HEADS=num_heads,
         GROUP=group,

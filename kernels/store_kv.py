@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, check_device, next_pow2, round_bf16_by_hand
+from ._common import cache_strides, cast, check_device, next_pow2, round_bf16_by_hand
 from .reference import store_kv as reference_store_kv
 
 __all__ = ["reference_store_kv", "store_kv"]
@@ -115,12 +115,7 @@ def store_kv(
         key.stride(1),
         value.stride(0),
         value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *cache_strides(k_cache, v_cache),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         KV_BLOCK_SIZE=k_cache.shape[1],
