@@ -306,6 +306,27 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
+def _run_gemv(kernel, x: torch.Tensor, bias: torch.Tensor | None, n: int, *weight: torch.Tensor):
+    """Run one of the C GEMVs, ``kernel(weight..., x, bias, y, N, K, M, threads)``, on
+    contiguous copies of its inputs where they are not; returns ``y [M, N]`` float32."""
+    m, k = x.shape
+    weight = tuple(w.contiguous() for w in weight)
+    x = x.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty((m, n), dtype=torch.float32)
+    kernel(
+        *(w.data_ptr() for w in weight),
+        x.data_ptr(),
+        _ptr(bias),
+        y.data_ptr(),
+        n,
+        k,
+        m,
+        torch.get_num_threads(),
+    )
+    return y
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` float32 (``1 <= M <= MAX_ROWS``), ``weight [N, K]`` float32, ``bias [N]``
     → ``x @ weight.T + bias`` ``[M, N]`` float32, all on the CPU, on ``torch.get_num_threads()``
@@ -323,20 +344,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} do not match")
     _require_f32(x=x, weight=weight, bias=bias)
-    x, weight = x.contiguous(), weight.contiguous()
-    bias = bias.contiguous() if bias is not None else None
-    y = torch.empty((m, n), dtype=torch.float32)
-    lib.tokenmill_gemv_f32(
-        weight.data_ptr(),
-        x.data_ptr(),
-        _ptr(bias),
-        y.data_ptr(),
-        n,
-        k,
-        m,
-        torch.get_num_threads(),
-    )
-    return y
+    return _run_gemv(lib.tokenmill_gemv_f32, x, bias, n, weight)
 
 
 def gemv_int8(
@@ -375,21 +383,7 @@ def gemv_int8(
             f"qweight must be int8 on the CPU, got {qweight.dtype} on {qweight.device}"
         )
     _require_f32(x=x, scales=scales, bias=bias)
-    x, qweight, scales = x.contiguous(), qweight.contiguous(), scales.contiguous()
-    bias = bias.contiguous() if bias is not None else None
-    y = torch.empty((m, n), dtype=torch.float32)
-    lib.tokenmill_gemv_i8(
-        qweight.data_ptr(),
-        scales.data_ptr(),
-        x.data_ptr(),
-        _ptr(bias),
-        y.data_ptr(),
-        n,
-        k,
-        m,
-        torch.get_num_threads(),
-    )
-    return y
+    return _run_gemv(lib.tokenmill_gemv_i8, x, bias, n, qweight, scales)
 
 
 def pack_int4(
@@ -493,21 +487,7 @@ def gemv_int4(
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias {tuple(bias.shape)}, expected {(n,)}")
     _require_f32(x=x, bias=bias)
-    x, qweight, group_scales = x.contiguous(), qweight.contiguous(), group_scales.contiguous()
-    bias = bias.contiguous() if bias is not None else None
-    y = torch.empty((m, n), dtype=torch.float32)
-    lib.tokenmill_gemv_i4(
-        qweight.data_ptr(),
-        group_scales.data_ptr(),
-        x.data_ptr(),
-        _ptr(bias),
-        y.data_ptr(),
-        n,
-        k,
-        m,
-        torch.get_num_threads(),
-    )
-    return y
+    return _run_gemv(lib.tokenmill_gemv_i4, x, bias, n, qweight, group_scales)
 
 
 def dequantize_int4(qweight: torch.Tensor, group_scales: torch.Tensor) -> torch.Tensor:
