@@ -15,61 +15,22 @@ MODEL = "smollm2-135m"
 
 COMPLETED = [
     # (requests row, itl_ms)
-    (
-        dict(
-            tenant="acme",
-            http_status=200,
-            finish_reason="stop",
-            error_type=None,
-            ttft_ms=120.0,
-            queue_ms=5.0,
-            prefill_ms=100.0,
-            decode_ms=80.0,
-            tpot_ms=20.0,
-            e2e_ms=210.0,
-            input_tokens=40,
-            output_tokens=5,
-            cached_tokens=16,
-        ),
-        [18.0, 22.0, 20.0, 20.0],
-    ),
-    (
-        dict(
-            tenant="acme",
-            http_status=200,
-            finish_reason="length",
-            error_type=None,
-            ttft_ms=45.5,
-            queue_ms=1.0,
-            prefill_ms=40.0,
-            decode_ms=None,
-            tpot_ms=None,
-            e2e_ms=50.0,
-            input_tokens=12,
-            output_tokens=1,
-            cached_tokens=0,
-        ),
-        [],
-    ),
-    (
-        dict(
-            tenant="beta",
-            http_status=200,
-            finish_reason="stop",
-            error_type=None,
-            ttft_ms=300.25,
-            queue_ms=150.0,
-            prefill_ms=140.0,
-            decode_ms=60.0,
-            tpot_ms=30.0,
-            e2e_ms=370.0,
-            input_tokens=100,
-            output_tokens=3,
-            cached_tokens=64,
-        ),
-        [25.0, 35.0],
-    ),
-]
+    (dict(
+        tenant="acme", http_status=200, finish_reason="stop", error_type=None,
+        ttft_ms=120.0, queue_ms=5.0, prefill_ms=100.0, decode_ms=80.0, tpot_ms=20.0, e2e_ms=210.0,
+        input_tokens=40, output_tokens=5, cached_tokens=16,
+    ), [18.0, 22.0, 20.0, 20.0]),
+    (dict(
+        tenant="acme", http_status=200, finish_reason="length", error_type=None,
+        ttft_ms=45.5, queue_ms=1.0, prefill_ms=40.0, decode_ms=None, tpot_ms=None, e2e_ms=50.0,
+        input_tokens=12, output_tokens=1, cached_tokens=0,
+    ), []),
+    (dict(
+        tenant="beta", http_status=200, finish_reason="stop", error_type=None,
+        ttft_ms=300.25, queue_ms=150.0, prefill_ms=140.0, decode_ms=60.0, tpot_ms=30.0,
+        e2e_ms=370.0, input_tokens=100, output_tokens=3, cached_tokens=64,
+    ), [25.0, 35.0]),
+]  # fmt: skip
 REJECTED = dict(
     tenant="beta", http_status=429, finish_reason=None, error_type="rate_limit_exceeded",
     ttft_ms=None, queue_ms=None, prefill_ms=None, decode_ms=None, tpot_ms=None, e2e_ms=2.0,
