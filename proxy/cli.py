@@ -5,174 +5,127 @@ Light top-level imports only (``tokenmill --help`` lists this command without lo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Any
 
 import typer
 
 from tokenmill.engine.serve_config import ServeConfig
+from tokenmill.engine.settings import (
+    DATA_DIR,
+    config_options,
+    duration_seconds,
+    field_names,
+    from_options,
+    setting,
+)
 from tokenmill.telemetry.cli import err, fail, open_store
 
 app = typer.Typer(add_completion=False)
 
 
+@dataclass
+class ProxyConfig:
+    """Settings of ``tokenmill proxy``: one field each, from which its options are generated
+    (``engine/settings.py``). Durations are held as typed (``60s``); :meth:`seconds` reads them."""
+
+    upstream: str = setting(
+        help="The upstream server's URL, e.g. http://127.0.0.1:8000 or its OpenAI base URL "
+        "http://127.0.0.1:8000/v1 (vLLM, SGLang, llama.cpp's llama-server, TGI, tokenmill).",
+        metavar="URL",
+    )
+    host: str = setting("127.0.0.1", "Address to listen on.")
+    port: int = setting(8080, "Port to listen on.", min=1, max=65535)
+    trace_db: Path = setting(  # noqa: RUF009 - a field, not a shared default
+        Path(DATA_DIR) / "proxy.duckdb",
+        "The trace-store file the proxy writes (created if missing).",
+    )
+    first_byte_timeout: str = setting(
+        "60s",
+        "Longest wait for the upstream's first byte before a 504: 30s, 2m.",
+        duration=True,
+        allow_zero=False,
+    )
+    shutdown_timeout: str = setting(
+        "30s",
+        "A first SIGTERM or SIGINT (to the proxy or its process group): new requests get 503 "
+        "and those in flight get this long to finish; a second signal stops at once.",
+        duration=True,
+    )
+    api_key: str | None = setting(
+        None,
+        "The one key clients must send (Authorization: Bearer KEY); default: none.",
+        envvar="TOKENMILL_API_KEY",
+    )
+    tenants: Path | None = setting(  # noqa: RUF009
+        None, "A tenants file (keys, quotas), as `tokenmill serve --tenants`."
+    )
+    tokenizer: Path | None = setting(  # noqa: RUF009
+        None,
+        "The upstream model's tokenizer folder (tokenizer.json, tokenizer_config.json): prompts "
+        "counted at the proxy, tenants' prompt limits held (default: sizes from the upstream's "
+        "usage).",
+        metavar="DIR",
+    )
+    max_in_flight: int = setting(
+        0, "Requests forwarded at once; past it a 429 with Retry-After (0: no limit).", min=0
+    )
+    otlp_receiver: bool = setting(
+        False,
+        "Also take OTLP/HTTP traces on /v1/traces into TRACE_DB: point the upstream's exporter "
+        "here and its request spans join the proxy's trace in one store.",
+        flags=("--otlp-receiver/--no-otlp-receiver",),
+    )
+    scrape_interval: str = setting(
+        "5s",
+        "Scrape the upstream's /metrics this often into TRACE_DB (engine_samples: its queue, KV "
+        "use, preemptions, for the diagnosis); 0: never.",
+        duration=True,
+    )
+    max_body_bytes: int = setting(
+        ServeConfig.max_body_bytes,
+        "Largest request body forwarded; past it a 413 while reading (the server's own default).",
+        min=1024,
+        metavar="BYTES",
+    )
+    metrics_url: str | None = setting(
+        None, "The upstream's metrics URL (default: UPSTREAM/metrics).", metavar="URL"
+    )
+    scrape_key: str | None = setting(
+        None,
+        "The bearer key the upstream's /metrics wants (a keyed tokenmill server's --metrics-key "
+        "or admin key).",
+        envvar="TOKENMILL_SCRAPE_KEY",
+    )
+    upstream_api_key: str | None = setting(
+        None,
+        "The key the upstream wants (default: the client's own Authorization).",
+        envvar="TOKENMILL_UPSTREAM_API_KEY",
+    )
+
+    def seconds(self, name: str) -> float:
+        """The duration field ``name`` in seconds (ValueError: ``--name: bad duration ...``)."""
+        return duration_seconds(self, name)
+
+
 @app.command()
-def proxy(
-    upstream: Annotated[
-        str,
-        typer.Option(
-            metavar="URL",
-            help="The upstream server's URL, e.g. http://127.0.0.1:8000 or its OpenAI base URL "
-            "http://127.0.0.1:8000/v1 (vLLM, SGLang, "
-            "llama.cpp's llama-server, TGI, tokenmill).",
-        ),
-    ],
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8080,
-    trace_db: Annotated[
-        Path, typer.Option(help="The trace-store file the proxy writes (created if missing).")
-    ] = Path("tokenmill-data/proxy.duckdb"),
-    first_byte_timeout: Annotated[
-        str,
-        typer.Option(
-            metavar="DURATION",
-            help="Longest wait for the upstream's first byte before a 504: 30s, 2m.",
-        ),
-    ] = "60s",
-    shutdown_timeout: Annotated[
-        str,
-        typer.Option(
-            metavar="DURATION",
-            help="A first SIGTERM or SIGINT (to the proxy or its process group): new requests "
-            "get 503 and those in flight get this long to finish; a second signal stops at once.",
-        ),
-    ] = "30s",
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="TOKENMILL_API_KEY",
-            help="The one key clients must send (Authorization: Bearer KEY); default: none.",
-        ),
-    ] = None,
-    tenants: Annotated[
-        Path | None,
-        typer.Option(help="A tenants file (keys, quotas), as `tokenmill serve --tenants`."),
-    ] = None,
-    tokenizer: Annotated[
-        Path | None,
-        typer.Option(
-            metavar="DIR",
-            help="The upstream model's tokenizer folder (tokenizer.json, tokenizer_config.json): "
-            "prompts counted at the proxy, tenants' prompt limits held (default: sizes from "
-            "the upstream's usage).",
-        ),
-    ] = None,
-    max_in_flight: Annotated[
-        int,
-        typer.Option(
-            min=0,
-            help="Requests forwarded at once; past it a 429 with Retry-After (0: no limit).",
-        ),
-    ] = 0,
-    otlp_receiver: Annotated[
-        bool,
-        typer.Option(
-            help="Also take OTLP/HTTP traces on /v1/traces into TRACE_DB: point the upstream's "
-            "exporter here and its request spans join the proxy's trace in one store.",
-        ),
-    ] = False,
-    scrape_interval: Annotated[
-        str,
-        typer.Option(
-            metavar="DURATION",
-            help="Scrape the upstream's /metrics this often into TRACE_DB (engine_samples: "
-            "its queue, KV use, preemptions, for the diagnosis); 0: never.",
-        ),
-    ] = "5s",
-    max_body_bytes: Annotated[
-        int,
-        typer.Option(
-            metavar="BYTES",
-            min=1024,
-            help="Largest request body forwarded; past it a 413 while reading (the server's "
-            "own default).",
-        ),
-    ] = ServeConfig().max_body_bytes,
-    metrics_url: Annotated[
-        str | None,
-        typer.Option(metavar="URL", help="The upstream's metrics URL (default: UPSTREAM/metrics)."),
-    ] = None,
-    scrape_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="TOKENMILL_SCRAPE_KEY",
-            help="The bearer key the upstream's /metrics wants (a keyed tokenmill server's "
-            "--metrics-key or admin key).",
-        ),
-    ] = None,
-    upstream_api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="TOKENMILL_UPSTREAM_API_KEY",
-            help="The key the upstream wants (default: the client's own Authorization).",
-        ),
-    ] = None,
-) -> None:
+@config_options(ProxyConfig, *field_names(ProxyConfig))
+def proxy(**options: Any) -> None:
     """Forward /v1/chat/completions and /v1/completions to UPSTREAM unchanged, and record a
     request row and a trace per request (client-side TTFT, ITL, errors) in TRACE_DB, until
     Ctrl-C. Then `tokenmill diagnose --db TRACE_DB` reads it."""
-    from tokenmill.engine.api.gateway import (
-        Gateway,
-        TenantsFileError,
-        load_tenants,
-        single_key_tenants,
-    )
-    from tokenmill.engine.durations import parse_duration
-
-    if not upstream.startswith(("http://", "https://")):
-        fail(f"--upstream {upstream}: give an http(s) URL, e.g. http://127.0.0.1:8000")
-    # the OpenAI base URL, as every client writes it (…/v1), names the same server
-    from tokenmill.telemetry.remote import normalize_url
-
-    upstream = normalize_url(upstream)
+    cfg: ProxyConfig = from_options(ProxyConfig, options)
+    upstream, metrics_url = _check_urls(cfg)
     try:
-        timeout_s = parse_duration(first_byte_timeout)
+        timeout_s = cfg.seconds("first_byte_timeout")
+        scrape_s = cfg.seconds("scrape_interval")  # 0: never
+        shutdown_s = cfg.seconds("shutdown_timeout")
     except ValueError as exc:
-        fail(f"--first-byte-timeout: {exc}")
-    try:
-        scrape_s = parse_duration(scrape_interval, allow_zero=True)  # 0: never
-    except ValueError as exc:
-        fail(f"--scrape-interval: {exc}")
-    try:
-        shutdown_s = parse_duration(shutdown_timeout, allow_zero=True)
-    except ValueError as exc:
-        fail(f"--shutdown-timeout: {exc}")
-    metrics_url = metrics_url or upstream.rstrip("/") + "/metrics"
-    if not metrics_url.startswith(("http://", "https://")):
-        fail(f"--metrics-url {metrics_url}: give an http(s) URL")
-    if api_key is not None and tenants is not None:
-        fail("give --api-key or --tenants, not both")
-    try:
-        if tenants is not None:
-            gateway = Gateway(load_tenants(tenants))
-        elif api_key:
-            gateway = Gateway(single_key_tenants(api_key))
-        else:
-            gateway = Gateway()
-    except TenantsFileError as exc:
         fail(str(exc))
-    tok = None
-    if tokenizer is not None:
-        from tokenmill.engine.errors import ModelLoadError
-        from tokenmill.engine.tokenizer import load_tokenizer
-
-        if not tokenizer.exists():
-            fail(f"--tokenizer {tokenizer}: no such folder")
-        try:
-            tok = load_tokenizer(tokenizer)
-        except ModelLoadError as exc:
-            fail(f"--tokenizer: {exc}")
-    store = open_store(trace_db)
+    gateway = _gateway(cfg)
+    tok = _tokenizer(cfg.tokenizer)
+    store = open_store(cfg.trace_db)
     from tokenmill.engine.api.shutdown import serve_app
 
     from .app import ProxyState, build_proxy_app
@@ -182,10 +135,10 @@ def proxy(
         store.submit,
         gateway=gateway,
         first_byte_timeout_s=timeout_s,
-        upstream_api_key=upstream_api_key,
-        max_in_flight=max_in_flight,
+        upstream_api_key=cfg.upstream_api_key,
+        max_in_flight=cfg.max_in_flight,
         tokenizer=tok,
-        max_body_bytes=max_body_bytes,
+        max_body_bytes=cfg.max_body_bytes,
     )
     app = build_proxy_app(state)
     scraper = None
@@ -193,16 +146,17 @@ def proxy(
         from tokenmill.telemetry.scrape import MetricsScraper
 
         scraper = MetricsScraper(
-            metrics_url, store.submit, interval_s=scrape_s, key=scrape_key
+            metrics_url, store.submit, interval_s=scrape_s, key=cfg.scrape_key
         ).start()
-    if otlp_receiver:
+    if cfg.otlp_receiver:
         from tokenmill.telemetry.collect import add_receiver
 
         add_receiver(app, store, request_rows=False)
+    where = f"http://{cfg.host}:{cfg.port}"
     err.print(
-        f"proxying http://{host}:{port} → {upstream}; recording into {trace_db}"
-        + (f"; OTLP/HTTP traces on http://{host}:{port}/v1/traces" if otlp_receiver else "")
-        + (f"; scraping {metrics_url} every {scrape_interval}" if scraper else ""),
+        f"proxying {where} → {upstream}; recording into {cfg.trace_db}"
+        + (f"; OTLP/HTTP traces on {where}/v1/traces" if cfg.otlp_receiver else "")
+        + (f"; scraping {metrics_url} every {cfg.scrape_interval}" if scraper else ""),
         highlight=False,
     )
 
@@ -217,8 +171,8 @@ def proxy(
     try:
         serve_app(
             app,
-            host,
-            port,
+            cfg.host,
+            cfg.port,
             busy=lambda: state.open_requests,
             on_drain=drain,
             on_stop=state.stop,
@@ -228,3 +182,53 @@ def proxy(
         if scraper is not None:
             scraper.stop()
         store.close()
+
+
+def _check_urls(cfg: ProxyConfig) -> tuple[str, str]:
+    """The upstream's base URL and its metrics URL, or one ``error:`` line."""
+    if not cfg.upstream.startswith(("http://", "https://")):
+        fail(f"--upstream {cfg.upstream}: give an http(s) URL, e.g. http://127.0.0.1:8000")
+    # the OpenAI base URL, as every client writes it (…/v1), names the same server
+    from tokenmill.telemetry.remote import normalize_url
+
+    upstream = normalize_url(cfg.upstream)
+    metrics_url = cfg.metrics_url or upstream.rstrip("/") + "/metrics"
+    if not metrics_url.startswith(("http://", "https://")):
+        fail(f"--metrics-url {metrics_url}: give an http(s) URL")
+    return upstream, metrics_url
+
+
+def _gateway(cfg: ProxyConfig):
+    """The clients' keys: ``--tenants``, ``--api-key`` or none; or one ``error:`` line."""
+    from tokenmill.engine.api.gateway import (
+        Gateway,
+        TenantsFileError,
+        load_tenants,
+        single_key_tenants,
+    )
+
+    if cfg.api_key is not None and cfg.tenants is not None:
+        fail("give --api-key or --tenants, not both")
+    try:
+        if cfg.tenants is not None:
+            return Gateway(load_tenants(cfg.tenants))
+        if cfg.api_key:
+            return Gateway(single_key_tenants(cfg.api_key))
+        return Gateway()
+    except TenantsFileError as exc:
+        fail(str(exc))
+
+
+def _tokenizer(folder: Path | None):
+    """``--tokenizer``'s tokenizer (None without one), or one ``error:`` line."""
+    if folder is None:
+        return None
+    from tokenmill.engine.errors import ModelLoadError
+    from tokenmill.engine.tokenizer import load_tokenizer
+
+    if not folder.exists():
+        fail(f"--tokenizer {folder}: no such folder")
+    try:
+        return load_tokenizer(folder)
+    except ModelLoadError as exc:
+        fail(f"--tokenizer: {exc}")
