@@ -42,71 +42,103 @@ def open_store(trace_db: Path):
 
 app = typer.Typer(add_completion=False)
 
+# the options of ``tokenmill dump``
+_Output = Annotated[
+    Path,
+    typer.Option("--output", "-o", help="The dump file to write (a folder with --format parquet)."),
+]
+_Db = Annotated[
+    Path | None,
+    typer.Option(help="A trace-store file no server holds open (for a live one, use --url)."),
+]
+_Url = Annotated[str | None, typer.Option(help="A running server, e.g. http://127.0.0.1:8000.")]
+_Since = Annotated[
+    str | None,
+    typer.Option(
+        metavar="DURATION",
+        help="Start of the window, counted back from the store's latest row: 30s, 10m, 2h, "
+        "1d (default: all).",
+    ),
+]
+_Until = Annotated[
+    str | None,
+    typer.Option(
+        metavar="DURATION",
+        help="End of the window, counted back from the latest row (default: the latest).",
+    ),
+]
+_AdminKey = Annotated[
+    str | None,
+    typer.Option(
+        "--admin-key", envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (with --url)."
+    ),
+]
+_Force = Annotated[bool, typer.Option(help="Overwrite an existing output file.")]
+_Timeout = Annotated[
+    float, typer.Option(min=1.0, help="Seconds to wait for the server (with --url).")
+]
+_Format = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        metavar="FORMAT",
+        help="duckdb (one file) | parquet (a folder: one Parquet file per table, for "
+        "DuckDB, Spark or Trino).",
+    ),
+]
+
 
 @app.command()
 def dump(
-    output: Annotated[
-        Path,
-        typer.Option(
-            "--output", "-o", help="The dump file to write (a folder with --format parquet)."
-        ),
-    ],
-    db: Annotated[
-        Path | None,
-        typer.Option(help="A trace-store file no server holds open (for a live one, use --url)."),
-    ] = None,
-    url: Annotated[
-        str | None, typer.Option(help="A running server, e.g. http://127.0.0.1:8000.")
-    ] = None,
-    since: Annotated[
-        str | None,
-        typer.Option(
-            metavar="DURATION",
-            help="Start of the window, counted back from the store's latest row: 30s, 10m, 2h, "
-            "1d (default: all).",
-        ),
-    ] = None,
-    until: Annotated[
-        str | None,
-        typer.Option(
-            metavar="DURATION",
-            help="End of the window, counted back from the latest row (default: the latest).",
-        ),
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            "--admin-key", envvar="TOKENMILL_ADMIN_KEY", help="The server's admin key (with --url)."
-        ),
-    ] = None,
-    force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
-    timeout: Annotated[
-        float, typer.Option(min=1.0, help="Seconds to wait for the server (with --url).")
-    ] = 300.0,
-    format: Annotated[
-        str,
-        typer.Option(
-            "--format",
-            metavar="FORMAT",
-            help="duckdb (one file) | parquet (a folder: one Parquet file per table, for "
-            "DuckDB, Spark or Trino).",
-        ),
-    ] = "duckdb",
+    output: _Output,
+    db: _Db = None,
+    url: _Url = None,
+    since: _Since = None,
+    until: _Until = None,
+    api_key: _AdminKey = None,
+    force: _Force = False,
+    timeout: _Timeout = 300.0,
+    format: _Format = "duckdb",
 ) -> None:
     """Write a trace dump (a self-contained DuckDB file of a time window, or a folder of
     Parquet files) from a closed store file (--db) or a running server (--url, admin key)."""
     import shutil
     import tempfile
 
-    from .dump import (
-        DumpError,
-        describe_dump,
-        duration_ns,
-        format_summary,
-        latest_ns,
-        open_dump,
-    )
-    from .remote import FetchError, fetch_dump
+    from .dump import DumpError, format_summary
+
+    since_d, until_d = _check_dump_options(output, db, url, since, until, force, format)
+    parquet = format == "parquet"
+    final, tmp_dir = output, None
+    if parquet:  # the DuckDB dump first, in a private folder beside the output, then exported
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+        output = tmp_dir / "dump.duckdb"
+    try:
+        if db is not None:
+            _dump_from_file(db, output, since_d, until_d, force)
+        else:
+            _dump_from_server(url, output, since, until, api_key, timeout, force)
+        info = _finish_dump(output, final if parquet else None, force)
+    except DumpError as exc:
+        fail(str(exc))
+    finally:
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    out.print(format_summary(final, info), highlight=False, markup=False, soft_wrap=True)
+
+
+def _check_dump_options(
+    output: Path,
+    db: Path | None,
+    url: str | None,
+    since: str | None,
+    until: str | None,
+    force: bool,
+    format: str,
+) -> tuple[int | None, int | None]:
+    """``dump``'s options checked before anything is read or written (one ``error:`` line
+    each): the ``--since`` and ``--until`` durations in ns."""
+    from .dump import duration_ns
 
     if (db is None) == (url is None):
         fail("give exactly one of --db (a store file) or --url (a running server)")
@@ -131,59 +163,73 @@ def dump(
         fail(f"{output} already exists (choose another name, or --force)")
     if not output.parent.is_dir():
         fail(f"folder {output.parent} does not exist")
+    return since_d, until_d
 
-    final, tmp_dir = output, None
-    if parquet:  # the DuckDB dump first, in a private folder beside the output, then exported
-        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-        output = tmp_dir / "dump.duckdb"
+
+def _dump_from_file(
+    db: Path, output: Path, since_d: int | None, until_d: int | None, force: bool
+) -> None:
+    """The window of the store file ``db`` into ``output``."""
+    from .dump import latest_ns, open_dump, write_dump
+
+    con = open_dump(db, verify=False)
     try:
-        if db is not None:
-            from .dump import write_dump
-
-            con = open_dump(db, verify=False)
-            try:
-                latest = latest_ns(con)  # --since/--until count back from the latest row
-                write_dump(
-                    con,
-                    output,
-                    since_ns=None if since_d is None else latest - since_d,
-                    until_ns=None if until_d is None else latest - until_d,
-                    source=f"file {db.resolve()}",
-                    overwrite=force,
-                )
-            finally:
-                con.close()
-        else:
-            try:
-                fetch_dump(
-                    url,
-                    output,
-                    since=since,
-                    until=until,
-                    api_key=api_key,
-                    timeout_s=timeout,
-                    overwrite=force,
-                )
-            except FetchError as exc:
-                fail(fetch_message(exc, url, timeout_option=True))
-        con = open_dump(output)
-        try:
-            if parquet:
-                from .parquet_dump import ParquetDumpError, export_parquet
-
-                try:
-                    export_parquet(con, final, overwrite=force)
-                except ParquetDumpError as exc:
-                    fail(str(exc))
-            info = describe_dump(con)
-        finally:
-            con.close()
-    except DumpError as exc:
-        fail(str(exc))
+        latest = latest_ns(con)  # --since/--until count back from the latest row
+        write_dump(
+            con,
+            output,
+            since_ns=None if since_d is None else latest - since_d,
+            until_ns=None if until_d is None else latest - until_d,
+            source=f"file {db.resolve()}",
+            overwrite=force,
+        )
     finally:
-        if tmp_dir is not None:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-    out.print(format_summary(final, info), highlight=False, markup=False, soft_wrap=True)
+        con.close()
+
+
+def _dump_from_server(
+    url: str,
+    output: Path,
+    since: str | None,
+    until: str | None,
+    api_key: str | None,
+    timeout: float,
+    force: bool,
+) -> None:
+    """The window of the running server at ``url`` into ``output`` (its ``/admin/dump``)."""
+    from .remote import FetchError, fetch_dump
+
+    try:
+        fetch_dump(
+            url,
+            output,
+            since=since,
+            until=until,
+            api_key=api_key,
+            timeout_s=timeout,
+            overwrite=force,
+        )
+    except FetchError as exc:
+        fail(fetch_message(exc, url, timeout_option=True))
+
+
+def _finish_dump(output: Path, parquet_to: Path | None, force: bool) -> dict:
+    """The written dump opened (checked), exported to the folder ``parquet_to`` if given, and
+    described for the summary line."""
+    from .dump import describe_dump, open_dump
+
+    con = open_dump(output)
+    try:
+        if parquet_to is not None:
+            from .parquet_dump import ParquetDumpError, export_parquet
+
+            try:
+                export_parquet(con, parquet_to, overwrite=force)
+            except ParquetDumpError as exc:
+                fail(str(exc))
+        return describe_dump(con)
+    finally:
+        con.close()
 
 
 def fetch_message(exc, url: str, *, timeout_option: bool = False) -> str:
