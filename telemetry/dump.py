@@ -145,26 +145,11 @@ def write_dump(
             a store of this schema version, or DuckDB/the file system failed (one line).
     """
     out = Path(out_path)
-    if ended_since_ns is not None and (since_ns is not None or until_ns is not None):
-        raise DumpError("an incremental dump (ended since) takes no since/until window")
-    if since_ns is not None and until_ns is not None and until_ns <= since_ns:
-        raise DumpError("the window ends before it starts (until must be after since)")
-    if out.is_dir():
-        raise DumpError(f"{out} is a folder")
-    if out.exists() and not overwrite:
-        raise DumpError(f"{out} already exists (choose another name or allow overwriting)")
-    if not out.parent.is_dir():
-        raise DumpError(f"folder {out.parent} does not exist")
-    try:
-        check_schema(con)
-    except SchemaError as exc:
-        raise DumpError(f"source: {exc}") from None
-
+    _check_dump_target(con, out, since_ns, until_ns, overwrite, ended_since_ns)
     dumped_at_ns = time.time_ns()
     tmp = out.parent / f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
     alias = f"tokenmill_dump_{secrets.token_hex(4)}"
     src = con.execute("SELECT current_database()").fetchone()[0]
-    s = f'"{src}"'
     attached = False
     try:
         # create the file and its tables through a connection of its own (apply_schema's own
@@ -173,43 +158,12 @@ def write_dump(
             apply_schema(new)
         con.execute(f"ATTACH {_sql_string(str(tmp))} AS {alias} (READ_WRITE)")
         attached = True
-        traces = (
-            trace_ids_sql(since_ns, until_ns, src)
-            if ended_since_ns is None
-            else ended_trace_ids_sql(ended_since_ns, src)
-        )
         con.execute("BEGIN TRANSACTION")
-        con.execute(
-            f"INSERT INTO {alias}.main.spans BY NAME SELECT * FROM {s}.main.spans "
-            f"WHERE trace_id IN ({traces})"
-        )
-        con.execute(
-            f"INSERT INTO {alias}.main.requests BY NAME SELECT * FROM {s}.main.requests "
-            f"WHERE trace_id IN ({traces})"
-        )
-        for table, column in TIME_COLUMN.items():
-            where = (
-                _window(column, since_ns, until_ns)
-                if ended_since_ns is None
-                else f"{ENDED_COLUMN[table]} >= {int(ended_since_ns)}"
-            )
-            con.execute(
-                f"INSERT INTO {alias}.main.{table} BY NAME SELECT * FROM {s}.main.{table} "
-                f"WHERE {where}"
-            )
+        _copy_rows(con, src, alias, since_ns, until_ns, ended_since_ns)
         counts = {
             t: con.execute(f"SELECT count(*) FROM {alias}.main.{t}").fetchone()[0] for t in TABLES
         }
-        if since_ns is not None or ended_since_ns is not None:
-            start = since_ns if since_ns is not None else ended_since_ns
-        else:  # the earliest time copied, or the dump time for an empty dump
-            parts = " UNION ALL ".join(
-                [f"SELECT min(start_ns) FROM {alias}.main.spans"]
-                + [f"SELECT min(arrival_ns) FROM {alias}.main.requests"]
-                + [f"SELECT min({c}) FROM {alias}.main.{t}" for t, c in TIME_COLUMN.items()]
-            )
-            start = con.execute(f"SELECT min(m) FROM ({parts}) AS x(m)").fetchone()[0]
-            start = dumped_at_ns if start is None else start
+        start = _window_start(con, alias, dumped_at_ns, since_ns, ended_since_ns)
         meta = {
             "dumped_at_ns": dumped_at_ns,
             "window_start_ns": start,
@@ -227,18 +181,106 @@ def write_dump(
         attached = False
         _publish(tmp, out, overwrite)
     except BaseException as exc:
-        if attached:
-            for stmt in ("ROLLBACK", f"DETACH {alias}"):
-                with contextlib.suppress(duckdb.Error):
-                    con.execute(stmt)
-        for p in (tmp, tmp.with_name(tmp.name + ".wal")):
-            p.unlink(missing_ok=True)
+        _discard(con, alias if attached else None, tmp)
         if isinstance(exc, DumpError):
             raise
         if isinstance(exc, duckdb.Error | OSError | SchemaError):
             raise DumpError(f"writing {out} failed: {_one_line(exc)}") from None
         raise
     return counts
+
+
+def _check_dump_target(
+    con: duckdb.DuckDBPyConnection,
+    out: Path,
+    since_ns: int | None,
+    until_ns: int | None,
+    overwrite: bool,
+    ended_since_ns: int | None,
+) -> None:
+    """:func:`write_dump`'s arguments checked before anything is written: the window, the
+    output path, and the source's schema (a :class:`DumpError` each)."""
+    if ended_since_ns is not None and (since_ns is not None or until_ns is not None):
+        raise DumpError("an incremental dump (ended since) takes no since/until window")
+    if since_ns is not None and until_ns is not None and until_ns <= since_ns:
+        raise DumpError("the window ends before it starts (until must be after since)")
+    if out.is_dir():
+        raise DumpError(f"{out} is a folder")
+    if out.exists() and not overwrite:
+        raise DumpError(f"{out} already exists (choose another name or allow overwriting)")
+    if not out.parent.is_dir():
+        raise DumpError(f"folder {out.parent} does not exist")
+    try:
+        check_schema(con)
+    except SchemaError as exc:
+        raise DumpError(f"source: {exc}") from None
+
+
+def _copy_rows(
+    con: duckdb.DuckDBPyConnection,
+    src: str,
+    alias: str,
+    since_ns: int | None,
+    until_ns: int | None,
+    ended_since_ns: int | None,
+) -> None:
+    """Every table's rows of the window (or, incremental, those that ended since
+    ``ended_since_ns``) from the database ``src`` into the attached dump ``alias``: whole
+    traces for spans and requests, each row's own time for the other tables."""
+    s = f'"{src}"'
+    traces = (
+        trace_ids_sql(since_ns, until_ns, src)
+        if ended_since_ns is None
+        else ended_trace_ids_sql(ended_since_ns, src)
+    )
+    con.execute(
+        f"INSERT INTO {alias}.main.spans BY NAME SELECT * FROM {s}.main.spans "
+        f"WHERE trace_id IN ({traces})"
+    )
+    con.execute(
+        f"INSERT INTO {alias}.main.requests BY NAME SELECT * FROM {s}.main.requests "
+        f"WHERE trace_id IN ({traces})"
+    )
+    for table, column in TIME_COLUMN.items():
+        where = (
+            _window(column, since_ns, until_ns)
+            if ended_since_ns is None
+            else f"{ENDED_COLUMN[table]} >= {int(ended_since_ns)}"
+        )
+        con.execute(
+            f"INSERT INTO {alias}.main.{table} BY NAME SELECT * FROM {s}.main.{table} WHERE {where}"
+        )
+
+
+def _window_start(
+    con: duckdb.DuckDBPyConnection,
+    alias: str,
+    dumped_at_ns: int,
+    since_ns: int | None,
+    ended_since_ns: int | None,
+) -> int:
+    """The dump's ``window_start_ns``: the window's start where one was asked, else the
+    earliest time copied, or the dump time for an empty dump."""
+    if since_ns is not None or ended_since_ns is not None:
+        return since_ns if since_ns is not None else ended_since_ns
+    parts = " UNION ALL ".join(
+        [f"SELECT min(start_ns) FROM {alias}.main.spans"]
+        + [f"SELECT min(arrival_ns) FROM {alias}.main.requests"]
+        + [f"SELECT min({c}) FROM {alias}.main.{t}" for t, c in TIME_COLUMN.items()]
+    )
+    start = con.execute(f"SELECT min(m) FROM ({parts}) AS x(m)").fetchone()[0]
+    return dumped_at_ns if start is None else start
+
+
+def _discard(con: duckdb.DuckDBPyConnection, alias: str | None, tmp: Path) -> None:
+    """A failed dump undone: its transaction rolled back and the dump detached (``alias``,
+    where still attached), its temporary file and WAL removed."""
+    if alias is not None:
+        for stmt in ("ROLLBACK", f"DETACH {alias}"):
+            with contextlib.suppress(duckdb.Error):
+                con.execute(stmt)
+    for p in (tmp, tmp.with_name(tmp.name + ".wal")):
+        p.unlink(missing_ok=True)
 
 
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
