@@ -80,10 +80,6 @@ def fetch_dump(
     Raises:
         FetchError: one line naming the server or the file; see its ``kind``.
     """
-    import httpx
-
-    from .dump import DumpError, open_dump
-
     out = Path(out)
     base = normalize_url(url)
     params = {
@@ -94,48 +90,65 @@ def fetch_dump(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     tmp = out.parent / f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.part"
     try:
-        try:
-            with httpx.stream(
-                "GET",
-                f"{base}/admin/dump",
-                params=params,
-                headers=headers,
-                timeout=httpx.Timeout(timeout_s, connect=10.0),
-            ) as resp:
-                if resp.status_code != 200:
-                    resp.read()
-                    raise FetchError(
-                        f"{base} answered {resp.status_code}: {server_message(resp)}", "status"
-                    )
-                with open(tmp, "wb") as f:
-                    for chunk in resp.iter_bytes():
-                        f.write(chunk)
-        except httpx.ConnectError as exc:
-            reason = str(exc).strip() or "connection failed"
-            if "refused" in reason.lower():
-                reason = "connection refused (is the server running?)"
-            raise FetchError(f"cannot connect to {base}: {reason}", "connect") from None
-        except httpx.TimeoutException:
-            raise FetchError(f"{base} did not answer within {timeout_s:g} s", "timeout") from None
-        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
-            raise FetchError(f"bad URL {url!r}: {exc}", "url", str(exc)) from None
-        except httpx.HTTPError as exc:
-            raise FetchError(
-                f"fetching the dump from {base} failed: {type(exc).__name__}: {exc}", "http"
-            ) from None
-        except OSError as exc:
-            raise FetchError(f"cannot write {out}: {exc.strerror or exc}", "write") from None
-        try:
-            open_dump(tmp, verify=verify).close()
-        except DumpError as exc:
-            detail = str(exc).removeprefix(str(tmp) + ": ")
-            raise FetchError(f"the server sent a bad dump: {detail}", "bad_dump") from None
-        if not overwrite and out.exists():
-            raise FetchError(f"{out} already exists", "exists")
-        try:
-            os.replace(tmp, out)
-        except OSError as exc:
-            raise FetchError(f"cannot write {out}: {exc.strerror or exc}", "write") from None
+        _download(url, base, params, headers, timeout_s, tmp, out)
+        _check_and_place(tmp, out, overwrite=overwrite, verify=verify)
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+def _download(
+    url: str, base: str, params: dict, headers: dict, timeout_s: float, tmp: Path, out: Path
+) -> None:
+    """The body of ``{base}/admin/dump`` into ``tmp``; every failure a :class:`FetchError`
+    naming the server (``url`` as given, for a malformed one) or ``out``."""
+    import httpx
+
+    try:
+        with httpx.stream(
+            "GET",
+            f"{base}/admin/dump",
+            params=params,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+        ) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise FetchError(
+                    f"{base} answered {resp.status_code}: {server_message(resp)}", "status"
+                )
+            with open(tmp, "wb") as f:
+                for chunk in resp.iter_bytes():
+                    f.write(chunk)
+    except httpx.ConnectError as exc:
+        reason = str(exc).strip() or "connection failed"
+        if "refused" in reason.lower():
+            reason = "connection refused (is the server running?)"
+        raise FetchError(f"cannot connect to {base}: {reason}", "connect") from None
+    except httpx.TimeoutException:
+        raise FetchError(f"{base} did not answer within {timeout_s:g} s", "timeout") from None
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+        raise FetchError(f"bad URL {url!r}: {exc}", "url", str(exc)) from None
+    except httpx.HTTPError as exc:
+        raise FetchError(
+            f"fetching the dump from {base} failed: {type(exc).__name__}: {exc}", "http"
+        ) from None
+    except OSError as exc:
+        raise FetchError(f"cannot write {out}: {exc.strerror or exc}", "write") from None
+
+
+def _check_and_place(tmp: Path, out: Path, *, overwrite: bool, verify: bool) -> None:
+    """The fetched ``tmp`` checked as a dump, then moved to ``out``."""
+    from .dump import DumpError, open_dump
+
+    try:
+        open_dump(tmp, verify=verify).close()
+    except DumpError as exc:
+        detail = str(exc).removeprefix(str(tmp) + ": ")
+        raise FetchError(f"the server sent a bad dump: {detail}", "bad_dump") from None
+    if not overwrite and out.exists():
+        raise FetchError(f"{out} already exists", "exists")
+    try:
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise FetchError(f"cannot write {out}: {exc.strerror or exc}", "write") from None
