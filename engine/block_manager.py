@@ -9,6 +9,10 @@ hashes mean equal prefixes; a hit is also verified against the block's stored to
 It also says why a prompt block missed (:meth:`BlockManager.explain_misses`, at a request's
 first admission): it remembers, in bounded maps, which hashes were evicted (when, and by whose
 allocation) and, under ``tenant`` scope, which tenant computed each salt-free prefix.
+
+The planner (``plan.simulate``) replays recorded traffic through this same pool, over two
+declared seams of the constructor: its own block hasher (``hasher``: Python's hash instead of
+SHA-256, for millions of blocks) and no miss reasons (``keep_miss_reasons=False``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import hashlib
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 from .messages import CacheMiss
 from .request import Request
@@ -71,9 +77,21 @@ class FreeBlockQueue:
         return list(self._queue)
 
 
-def hash_block(parent: bytes, token_ids: list[int], salt: str) -> bytes:
-    """sha256 over (parent hash, the block's token ids, salt): equal hashes = equal prefixes."""
-    h = hashlib.sha256(parent)
+class BlockHasher(Protocol):
+    """Hashes one full block of a request: ``hasher(parent, token_ids, salt)``, ``parent``
+    the hash of the block before it (None for the request's first block), ``salt`` the
+    tenant under ``tenant`` scope (else ""). Equal arguments must give equal hashes, so equal
+    hashes mark equal prefixes (a hit is still verified against the block's token ids)."""
+
+    def __call__(
+        self, parent: Hashable | None, token_ids: Sequence[int], salt: str
+    ) -> Hashable: ...
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str) -> bytes:
+    """sha256 over (parent hash, the block's token ids, salt): equal hashes = equal prefixes.
+    The engine's :class:`BlockHasher`."""
+    h = hashlib.sha256(parent or b"")
     h.update(array("q", token_ids).tobytes())
     h.update(salt.encode())
     return h.digest()
@@ -87,6 +105,17 @@ class BlockManager:
         block_size: tokens per block.
         enable_prefix_caching: register full blocks and reuse them across requests.
         prefix_cache_scope: ``tenant`` salts hashes with the tenant; ``global`` shares across tenants.
+        hasher: hashes a full block for the prefix cache (:class:`BlockHasher`); the engine's is
+            :func:`hash_block` (SHA-256 over the token ids). The planner's replay
+            (``plan.simulate``) passes a cheaper one.
+        keep_miss_reasons: remember evicted hashes and the tenant of each prefix, so that
+            :meth:`explain_misses` can say why a block missed. False (the planner's replay,
+            which reports no misses) keeps neither, and :meth:`explain_misses` returns [].
+
+    The planner replays recorded traffic through this class, its own pool subclassing it:
+    :meth:`extend_hashes`, :meth:`find_cached_prefix`, :meth:`cache_full_blocks` and
+    :meth:`free` are the public methods it builds on or overrides; the ``_`` methods are not
+    part of that seam.
     """
 
     def __init__(
@@ -95,11 +124,16 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         prefix_cache_scope: str = "tenant",
+        *,
+        hasher: BlockHasher = hash_block,
+        keep_miss_reasons: bool = True,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_scope = prefix_cache_scope
+        self.hasher = hasher
+        self.keep_miss_reasons = keep_miss_reasons
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
@@ -135,39 +169,41 @@ class BlockManager:
     def _salt(self, request: Request) -> str:
         return request.tenant if self.prefix_cache_scope == "tenant" else ""
 
-    def _extend_hashes(self, request: Request, num_full_blocks: int) -> None:
-        bs, salt = self.block_size, self._salt(request)
-        tokens = request.all_token_ids
-        while len(request.block_hashes) < num_full_blocks:
-            i = len(request.block_hashes)
-            parent = request.block_hashes[-1] if i else b""
-            request.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], salt))
+    def extend_hashes(self, request: Request, num_full_blocks: int) -> list[Hashable]:
+        """The chained hashes of the request's first ``num_full_blocks`` blocks (at least):
+        ``request.block_hashes``, extended with :attr:`hasher` as far as needed."""
+        bs, salt, hasher = self.block_size, self._salt(request), self.hasher
+        tokens, hashes = request.all_token_ids, request.block_hashes
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(hasher(hashes[-1] if i else None, tokens[i * bs : (i + 1) * bs], salt))
+        return hashes
 
-    def _content_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+    def _content_hashes(self, request: Request, num_full_blocks: int) -> list[Hashable]:
         """The salt-free chained hashes of the request's first blocks (tenant scope only:
         under ``global`` they equal ``block_hashes``), extended as needed."""
         bs, tokens, out = self.block_size, request.all_token_ids, request.content_hashes
         while len(out) < num_full_blocks:
             i = len(out)
-            out.append(hash_block(out[-1] if i else b"", tokens[i * bs : (i + 1) * bs], ""))
+            out.append(self.hasher(out[-1] if i else None, tokens[i * bs : (i + 1) * bs], ""))
         return out
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
-        """Cached blocks holding the longest prefix of the request's tokens.
+        """Cached blocks holding the longest prefix of the request's tokens (hashed and
+        verified hits up to the first miss; each block hashed only when the lookup gets to it).
 
         Never covers the last token: its logits are needed, so at least one token is computed.
         """
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        self._extend_hashes(request, max_blocks)
+        bs, cached = self.block_size, self.cached
+        tokens, hashes = request.all_token_ids, request.block_hashes
         hits: list[KVBlock] = []
-        bs = self.block_size
-        for i in range(max_blocks):
-            block = self.cached.get(request.block_hashes[i])
-            if block is None or block.token_ids != tuple(
-                request.all_token_ids[i * bs : (i + 1) * bs]
-            ):
+        for i in range((request.num_tokens - 1) // bs):
+            if i == len(hashes):
+                self.extend_hashes(request, i + 1)
+            block = cached.get(hashes[i])
+            if block is None or block.token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
                 break
             hits.append(block)
         return hits
@@ -177,9 +213,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        self._extend_hashes(request, num_full)
+        self.extend_hashes(request, num_full)
         bs = self.block_size
-        salted = self.prefix_cache_scope == "tenant"
+        salted = self.prefix_cache_scope == "tenant" and self.keep_miss_reasons
         for i in range(num_full):
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is not None:
@@ -202,9 +238,10 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-                self.evicted[block.block_hash] = (time.time_ns(), by)
-                if len(self.evicted) > MISS_MEMORY:
-                    self.evicted.popitem(last=False)
+                if self.keep_miss_reasons:
+                    self.evicted[block.block_hash] = (time.time_ns(), by)
+                    if len(self.evicted) > MISS_MEMORY:
+                        self.evicted.popitem(last=False)
             block.block_hash = None
             block.token_ids = None
 
@@ -221,14 +258,16 @@ class BlockManager:
         ``other_tenant`` (the same tokens registered under another tenant's salt) or
         ``never_seen``; then the block holding the last token: ``partial_block`` (shorter than
         one block) or ``last_token`` (a full block, never looked up). Call it before the
-        request's own allocation, which may evict."""
+        request's own allocation, which may evict. [] without ``keep_miss_reasons``."""
+        if not self.keep_miss_reasons:
+            return []
         bs = self.block_size
         n = request.num_prompt_tokens
         num_blocks = self.blocks_needed(n)
         if not self.enable_prefix_caching:
             return [CacheMiss(reason="caching_off", first_block=0, num_blocks=num_blocks)]
         looked_up = (n - 1) // bs  # full blocks find_cached_prefix may serve
-        self._extend_hashes(request, looked_up)
+        self.extend_hashes(request, looked_up)
         salted = self.prefix_cache_scope == "tenant"
         content = self._content_hashes(request, looked_up) if salted else []
         misses: list[CacheMiss] = []

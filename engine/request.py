@@ -5,6 +5,11 @@ and ``num_computed_tokens`` (those whose K/V are in the cache), and each step co
 the difference. A step that brings ``num_computed_tokens`` up to ``num_tokens`` samples the next
 token. Times are wall-clock nanoseconds (``time.time_ns()``) so the API process can build spans
 from them.
+
+The planner (``plan.simulate``) replays recorded traffic through the engine's scheduler with
+these same requests, over a declared seam: tokens are appended only through
+:meth:`Request.append_token`, and whatever the replay keeps per request sits in
+:attr:`Request.driver_state`; it sets no other attribute of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from __future__ import annotations
 import enum
 import functools
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
 
 from .messages import CacheMiss, RequestEvent, RequestStats
 from .sampling_params import SamplingParams
@@ -59,6 +65,11 @@ class Request:
         priority: lower is served first under the ``priority`` policy.
         tenant: owner; salts prefix-cache hashes under ``prefix_cache_scope=tenant``.
         arrival_ns: when the request arrived (default: now).
+
+    Attributes:
+        driver_state: whatever the code that drives the scheduler keeps per request; the
+            engine never reads or sets it. The planner's replay (``plan.simulate``) keeps
+            its workload row and prefix-cache bookkeeping there.
     """
 
     def __init__(
@@ -82,8 +93,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
-        self.block_hashes: list[bytes] = []
-        self.content_hashes: list[bytes] = []  # salt-free (BlockManager.explain_misses)
+        # chained prefix-cache hashes of its full blocks (BlockManager.extend_hashes)
+        self.block_hashes: list[Hashable] = []
+        self.content_hashes: list[Hashable] = []  # salt-free (BlockManager.explain_misses)
         # why its prompt blocks missed the prefix cache at first admission; sent once
         self.cache_misses: list[CacheMiss] | None = None
 
@@ -102,6 +114,7 @@ class Request:
         self.error_message: str | None = None
         # disaggregation: end on this core after the first token, KV held for take_handoff
         self.hand_off = False
+        self.driver_state: Any = None
 
     @functools.cached_property
     def generator(self) -> torch.Generator | None:
@@ -134,13 +147,26 @@ class Request:
         """Rank under the ``priority`` policy: lower priority value, then earlier arrival."""
         return (self.priority, self.arrival_ns)
 
-    def append_token(self, token_id: int, now_ns: int) -> None:
-        self.all_token_ids.append(token_id)
-        self.output_token_ids.append(token_id)
-        self.token_ns.append(now_ns)
+    def append_token(self, token_id: int, now_ns: int | None, count: int = 1) -> None:
+        """Append a sampled token to its tokens and its output, ``count`` times: the one way a
+        token is added (the engine core after each step, a token at a time; the planner's
+        replay, a run of ``count`` decode steps' stand-in token at once).
+
+        ``now_ns``: when it was sampled, kept per token (``token_ns``) and as the first
+        token's time; None keeps no times (the replay books its own).
+        """
+        if count == 1:
+            self.all_token_ids.append(token_id)
+            self.output_token_ids.append(token_id)
+        else:
+            run = [token_id] * count
+            self.all_token_ids.extend(run)
+            self.output_token_ids.extend(run)
         self.stats.output_tokens = len(self.output_token_ids)
-        if self.stats.first_token_ns is None:
-            self.stats.first_token_ns = now_ns
+        if now_ns is not None:
+            self.token_ns.extend([now_ns] * count)
+            if self.stats.first_token_ns is None:
+                self.stats.first_token_ns = now_ns
 
     def __repr__(self) -> str:
         return (

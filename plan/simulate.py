@@ -23,6 +23,12 @@ the scheduler, which the tests hold the fast path to.
 The router's outstanding-token counts are booked when a replica's step (or run of steps) ends;
 an arrival routed while runs are in flight has each run's ended steps counted off first, so
 the router decides as it would have step by step.
+
+The replay goes through the engine's declared seams only: the block pool's constructor takes
+the replay's block hasher and turns the miss reasons off, the replay's pool overrides public
+methods of :class:`BlockManager` only, tokens are appended with
+:meth:`Request.append_token`, and a request's replay bookkeeping (:class:`_ReplayState`) sits
+in :attr:`Request.driver_state`.
 """
 
 from __future__ import annotations
@@ -125,53 +131,55 @@ def _quantile(segs: list[tuple[float, int]], q: float) -> float:
     return a if frac == 0 else a + (at(lo + 1) - a) * frac
 
 
+@dataclass(slots=True)
+class _ReplayState:
+    """What the replay keeps per request (in :attr:`Request.driver_state`)."""
+
+    index: int
+    """its row in the workload"""
+    shared: int
+    """its first prompt blocks another prompt may hold too (:meth:`Workload.shared_blocks`)"""
+    registered: int = 0
+    """its first blocks :meth:`_ReplayBlockManager.cache_full_blocks` is done with"""
+    finished: bool = False
+    """it reached its recorded output length (freed finished, not preempted)"""
+
+
+def replay_block_hash(parent: int | None, token_ids: list[int], salt: str) -> int:
+    """The replay's :class:`~tokenmill.engine.block_manager.BlockHasher`: Python's tuple hash
+    over (parent hash, token ids, salt) instead of SHA-256 (equal prefixes still hash equal; a
+    hit is still verified against the block's token ids; a replay hashes millions of blocks)."""
+    return hash((0 if parent is None else parent, *token_ids, salt))
+
+
 class _ReplayBlockManager(BlockManager):
-    """The engine's KV block pool with changes a replay needs and nothing it measures observes:
-    a block's chained hash is Python's tuple hash instead of SHA-256 (equal prefixes still hash
-    equal; a replay hashes millions of blocks); cache-miss reasons and the memory of evicted
-    hashes behind them (reporting only) are left out; a lookup hashes a prompt's blocks only as
-    far as it hits, not all of them first; and a request's full blocks are registered from the
-    first one not yet looked at, not from its first block each time.
+    """The engine's KV block pool with changes a replay needs and nothing it measures observes,
+    over the pool's declared seams: its block hasher is :func:`replay_block_hash`; cache-miss
+    reasons and the memory of evicted hashes behind them (reporting only) are off
+    (``keep_miss_reasons=False``); and a request's full blocks are registered from the first
+    one not yet looked at, not from its first block each time (:meth:`cache_full_blocks`).
 
     A running request's prompt blocks from its first block of its own on
-    (``request.replay_shared`` blocks come before it, :meth:`Workload.shared_blocks`) are not
+    (``_ReplayState.shared`` blocks come before it, :meth:`Workload.shared_blocks`) are not
     registered: no other prompt holds their tokens, so only the request itself could hit them,
     after a preemption, and it registers them when it is preempted (:meth:`free`). A finished
     request's blocks are never looked up again."""
 
-    def _extend_hashes(self, request: Request, num_full_blocks: int) -> None:
-        bs, salt = self.block_size, self._salt(request)
-        tokens, hashes = request.all_token_ids, request.block_hashes
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            hashes.append(hash((hashes[-1] if i else 0, *tokens[i * bs : (i + 1) * bs], salt)))
-
-    def _content_hashes(self, request: Request, num_full_blocks: int) -> list:
-        bs, tokens, out = self.block_size, request.all_token_ids, request.content_hashes
-        while len(out) < num_full_blocks:
-            i = len(out)
-            out.append(hash((out[-1] if i else 0, *tokens[i * bs : (i + 1) * bs])))
-        return out
-
-    def explain_misses(self, request: Request, num_hits: int) -> list:
-        return []
-
-    def find_cached_prefix(self, request: Request) -> list:
-        # the engine's lookup (hashed and verified hits up to the first miss), hashing each
-        # block only when the lookup gets to it
-        if not self.enable_prefix_caching:
-            return []
-        bs, cached = self.block_size, self.cached
-        tokens, hashes = request.all_token_ids, request.block_hashes
-        hits: list = []
-        for i in range((request.num_tokens - 1) // bs):
-            if i == len(hashes):
-                self._extend_hashes(request, i + 1)
-            block = cached.get(hashes[i])
-            if block is None or block.token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
-                break
-            hits.append(block)
-        return hits
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        prefix_cache_scope: str = "tenant",
+    ):
+        super().__init__(
+            num_blocks,
+            block_size,
+            enable_prefix_caching,
+            prefix_cache_scope,
+            hasher=replay_block_hash,
+            keep_miss_reasons=False,
+        )
 
     def cache_full_blocks(self, request: Request, with_outputs: bool = False) -> None:
         # the engine's own registration, from the first block not yet registered (it walks
@@ -183,14 +191,14 @@ class _ReplayBlockManager(BlockManager):
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
+        state: _ReplayState = request.driver_state
         num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
         if not with_outputs:
-            shared = getattr(request, "replay_shared", len(request.prompt_token_ids) // bs)
-            num_full = min(num_full, shared)
-        done = getattr(request, "replay_registered", 0)
+            num_full = min(num_full, state.shared)
+        done = state.registered
         if num_full <= done:
             return
-        self._extend_hashes(request, num_full)
+        self.extend_hashes(request, num_full)
         blocks, cached = self.blocks, self.cached
         behind = None  # the first block left unregistered behind another holding its prefix
         for i in range(done, num_full):
@@ -205,22 +213,15 @@ class _ReplayBlockManager(BlockManager):
             block.block_hash = h
             block.token_ids = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
             cached[h] = block
-        request.replay_registered = num_full if behind is None else behind
+        state.registered = num_full if behind is None else behind
 
     def free(self, request: Request) -> None:
-        if not getattr(request, "replay_finished", False):
+        state: _ReplayState = request.driver_state
+        if not state.finished:
             # preempted: all its full blocks, as run
             self.cache_full_blocks(request, with_outputs=True)
         super().free(request)
-        request.replay_registered = 0  # a preempted request registers its blocks anew
-
-    def _evict(self, block, by: str | None = None) -> None:
-        # without the evicted-hash memory, which only explains misses
-        if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash = None
-            block.token_ids = None
+        state.registered = 0  # a preempted request registers its blocks anew
 
 
 class _Replica:
@@ -402,7 +403,7 @@ class Simulation:
             rep.out = None
             return
         for victim in out.preempted:
-            self.preempt[victim.replay_index] += 1
+            self.preempt[victim.driver_state.index] += 1
         x = self._row(out)
         path = self._path(out)
         k = 1
@@ -437,7 +438,7 @@ class Simulation:
             return 1
         reqs = [c.request for c in out.chunks]
         outputs = self._outputs
-        k = min(outputs[r.replay_index] - len(r.output_token_ids) for r in reqs)
+        k = min(outputs[r.driver_state.index] - len(r.output_token_ids) for r in reqs)
         if k <= 1:
             return 1
         bm = rep.bm
@@ -488,10 +489,9 @@ class Simulation:
         first, last, produced, segs = self.first, self.last, self.produced, self.segs
         for chunk in sampling:
             req = chunk.request
-            i = req.replay_index
+            i = req.driver_state.index
             tok = self.w.output_token(i)
-            req.all_token_ids.append(tok)
-            req.output_token_ids.append(tok)
+            req.append_token(tok, None)  # the replay books its own times
             n = 1
             if first[i] != first[i]:  # NaN: its first token
                 first[i] = first_end
@@ -501,12 +501,10 @@ class Simulation:
             if k > 1:
                 more = k - 1
                 bm.allocate_slots(req, more)
-                req.all_token_ids.extend([tok] * more)
-                req.output_token_ids.extend([tok] * more)
+                req.append_token(tok, None, more)
                 req.num_computed_tokens += more
                 segs[i].append(((end - first_end) / more, more))
                 n += more
-            req.stats.output_tokens = len(req.output_token_ids)
             last[i] = end
             produced[i] += n
             taken[i] = taken.get(i, 0) + n
@@ -520,9 +518,10 @@ class Simulation:
         outputs = self._outputs
         for chunk in sampling:
             req = chunk.request
-            i = req.replay_index
+            state = req.driver_state
+            i = state.index
             if len(req.output_token_ids) >= outputs[i] and not req.status.finished:
-                req.replay_finished = True
+                state.finished = True
                 sched.finish(req, RequestStatus.FINISHED_LENGTH)
                 self.finish[i] = end
                 self._count(rep, i, -self.left.get(i, 0))
@@ -572,8 +571,7 @@ class Simulation:
             tenant=w.tenants[i],
             arrival_ns=int(t * 1e9),
         )
-        req.replay_index = i
-        req.replay_shared = shared
+        req.driver_state = _ReplayState(i, shared)
         try:
             rep.sched.add_request(req)
         except RequestRejected:

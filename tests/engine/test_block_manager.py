@@ -181,3 +181,47 @@ def test_another_tenants_prefix_and_a_miss_behind_an_earlier_one():
 def test_caching_off_explains_every_block():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     assert _misses(bm, req("a", list(range(10)))) == [("caching_off", 0, 3, None, None)]
+
+
+def _replay(bm: BlockManager) -> list[tuple]:
+    """Admissions, frees and evictions of shared heads (tenant scope): hits and block tables."""
+    seen = []
+    live = []
+    for k in range(12):
+        head = list(range(100, 100 + 4 * (1 + k % 3)))
+        r = req(str(k), [*head, *range(1000 * k, 1000 * k + 5)], tenant="ab"[k % 2])
+        seen.append((admit(bm, r), list(r.block_ids)))
+        live.append(r)
+        if len(live) > 1:
+            bm.free(live.pop(0))
+    return seen
+
+
+def test_an_injected_hasher_decides_as_the_engines_own():
+    """The planner's seam: a pool hashing its blocks with another hasher (and keeping no miss
+    reasons) hits, evicts and places blocks exactly as the engine's SHA-256 pool."""
+    calls = []
+
+    def hasher(parent, token_ids, salt):
+        calls.append(parent)
+        return hash((0 if parent is None else parent, *token_ids, salt))
+
+    engine = BlockManager(num_blocks=11, block_size=4)
+    other = BlockManager(num_blocks=11, block_size=4, hasher=hasher, keep_miss_reasons=False)
+    assert _replay(engine) == _replay(other)
+    assert calls and calls.count(None) > 0  # a request's first block: no parent
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in engine.cached)
+    assert all(isinstance(h, int) for h in other.cached)
+    # without miss reasons: no memory of evictions or of prefix tenants, no explanations
+    assert engine.evicted and engine.prefix_tenants
+    assert not other.evicted and not other.prefix_tenants
+    assert other.explain_misses(req("z", list(range(100, 113))), 0) == []
+
+
+def test_a_lookup_hashes_only_as_far_as_it_hits():
+    bm = BlockManager(num_blocks=20, block_size=4)
+    admit(bm, req("a", list(range(9))))  # blocks 0-1 cached
+    b = req("b", [*range(8), *range(50, 70)])
+    assert len(bm.find_cached_prefix(b)) == 2
+    assert len(b.block_hashes) == 3  # the two hits and the first miss, not all 6 full blocks
+    assert bm.extend_hashes(b, 6) is b.block_hashes and len(b.block_hashes) == 6
