@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from tokenmill.engine.api import traceparent
 from tokenmill.telemetry.remote import normalize_url
 
 from .phases import Phase, arrival_times, phase_bounds
@@ -168,8 +169,8 @@ class BenchRun:
 
 def new_traceparent() -> tuple[str, str]:
     """A fresh W3C ``traceparent`` (sampled) and its trace id."""
-    trace_id = secrets.token_hex(16)
-    return f"00-{trace_id}-{secrets.token_hex(8)}-01", trace_id
+    tp = traceparent.new_traceparent()
+    return tp.header(), tp.trace_id
 
 
 def _headers(api_key: str | None, request_id: str, traceparent: str) -> dict:

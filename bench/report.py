@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tokenmill.telemetry.spans import percentile
+from tokenmill.telemetry.latency import percentile
 
 from .client import BenchRun, RequestResult
 

@@ -51,6 +51,7 @@ from tokenmill.engine.errors import RequestRejected
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+from tokenmill.telemetry import latency
 
 from .split import MAX_REPLICAS, Part, Seat, can_split, run_split, usable_cores
 from .step_cost import StepCostModel
@@ -81,11 +82,8 @@ class SimResult:
     Times in seconds from the workload's first arrival; latencies in ms, as the store keeps
     them, with the recording's API time around the engine added (TTFT: before; E2E: both)."""
 
-    ttft_ms: np.ndarray
-    itl_p50_ms: np.ndarray
-    itl_p99_ms: np.ndarray
-    tpot_ms: np.ndarray
-    e2e_ms: np.ndarray
+    latencies: dict[str, np.ndarray]
+    """the ``requests`` latency columns a replay knows, by name (``telemetry/latency.py``)"""
     output_tokens: np.ndarray
     preemptions: np.ndarray
     rejected: np.ndarray
@@ -110,6 +108,26 @@ class SimResult:
     routed: list[int] = field(default_factory=list)
     processes: int = 1
     """the processes the replay ran in (:mod:`.split`)"""
+
+    @property
+    def ttft_ms(self) -> np.ndarray:
+        return self.latencies["ttft_ms"]
+
+    @property
+    def itl_p50_ms(self) -> np.ndarray:
+        return self.latencies["itl_p50_ms"]
+
+    @property
+    def itl_p99_ms(self) -> np.ndarray:
+        return self.latencies["itl_p99_ms"]
+
+    @property
+    def tpot_ms(self) -> np.ndarray:
+        return self.latencies["tpot_ms"]
+
+    @property
+    def e2e_ms(self) -> np.ndarray:
+        return self.latencies["e2e_ms"]
 
 
 def _quantile(segs: list[tuple[float, int]], q: float) -> float:
@@ -722,16 +740,23 @@ def _result(w: Workload, parts: list[Part], route: np.ndarray | None, wall_s: fl
     first, last, finish = arrays["first"], arrays["last"], arrays["finish"]
     done = ~np.isnan(finish)
     n_out = arrays["produced"]
-    tpot = np.where(done & (n_out > 1), (last - first) / np.maximum(n_out - 1, 1) * 1e3, np.nan)
+    times = latency.request_latencies(
+        arrival=arrival,
+        end=finish,
+        output_tokens=np.where(done, n_out, 0),
+        first_token=first,
+        last_token=last,
+        scale=latency.S,
+        before=pre,
+        after=post,
+    )
+    # the replay's ITL: quantiles of each request's steps (no per-token times kept)
+    times.update(itl_p50_ms=arrays["itl50"], itl_p99_ms=arrays["itl99"])
     makespan = most("t")
     span = makespan or 1e-9
     replicas = sum(len(p.replicas) for p in parts)
     return SimResult(
-        ttft_ms=(first - arrival + pre) * 1e3,
-        itl_p50_ms=arrays["itl50"],
-        itl_p99_ms=arrays["itl99"],
-        tpot_ms=tpot,
-        e2e_ms=np.where(done, (finish - arrival + pre + post) * 1e3, np.nan),
+        latencies={k: v for k, v in times.items() if v is not None},
         output_tokens=n_out,
         preemptions=arrays["preempt"],
         rejected=arrays["rejected"],

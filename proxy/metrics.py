@@ -80,7 +80,7 @@ class ProxyMetrics:
         self.requests.labels(up, str(ex.http_status) if ex.http_status else "error").inc()
         if row.get("ttft_ms") is not None:
             self.ttft.labels(up).observe(row["ttft_ms"] / 1e3)
-        for gap in ex.gaps_ms():
+        for gap in ex.itl_ms():
             self.itl.labels(up).observe(gap / 1e3)
         self.e2e.labels(up).observe(row["e2e_ms"] / 1e3)
         self.prompt.labels(up).inc(row.get("input_tokens") or 0)

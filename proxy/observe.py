@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from tokenmill.engine.api.traceparent import new_traceparent, parse_traceparent
 from tokenmill.engine.sampling_params import MAX_TOKEN_INT
-from tokenmill.telemetry.rows import RequestRow
-from tokenmill.telemetry.spans import operation_name, percentile, root_span_name
+from tokenmill.telemetry.latency import itl_ms, request_latencies
+from tokenmill.telemetry.rows import RequestRow, span_row
+from tokenmill.telemetry.spans import operation_name, root_span_name
 
-_MS = 1e-6
 #: the most of an event stream's unfinished line, or of a decoded body, kept for reading: past
 #: it the rest is relayed unread (an upstream's one endless line must not grow the proxy)
 MAX_READ_BYTES = 4 << 20
@@ -57,18 +58,9 @@ def _text(value, limit: int = 200) -> str | None:
 def new_trace(traceparent: str | None) -> tuple[str, str, str]:
     """``(trace id, this request's span id, the traceparent to send upstream)``: the caller's
     trace when its ``traceparent`` is valid, else a new one; always sampled upstream."""
-    trace_id = None
-    if traceparent:
-        parts = traceparent.strip().split("-")
-        if len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
-            try:
-                int(parts[1], 16)
-                trace_id = parts[1].lower()
-            except ValueError:
-                trace_id = None
-    trace_id = trace_id or secrets.token_hex(16)
-    span_id = secrets.token_hex(8)
-    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
+    caller = parse_traceparent(traceparent)
+    ours = new_traceparent(caller.trace_id if caller else None)
+    return ours.trace_id, ours.span_id, ours.header()
 
 
 @dataclass
@@ -268,24 +260,25 @@ class Exchange:
 
     # ---- rows -------------------------------------------------------------------------------
 
-    def gaps_ms(self) -> list[float]:
-        """The gaps between consecutive output events (the request's ITL samples), ms."""
-        return [(b - a) * _MS for a, b in zip(self.token_ns, self.token_ns[1:], strict=False)]
+    def itl_ms(self) -> list[float]:
+        """The request's ITL samples (ms): the gaps between the events that carried output."""
+        return itl_ms(self.token_ns)
 
     def request_row(self) -> dict:
         end = self.end_ns or time.time_ns()
-        first = self.token_ns[0] if self.token_ns else None
-        gaps = self.gaps_ms()
         out_tokens = self.completion_tokens
         if out_tokens is None:
             out_tokens = len(self.token_ns)  # one event, one token, when usage is absent
-        decode = (self.token_ns[-1] - first) * _MS if first is not None else None
         finish = self.finish_reason
         if self.error_type == "client_disconnected":
             finish = "abort"
         elif self.error_type is not None:
             finish = "error"
+        times = request_latencies(
+            arrival=self.arrival_ns, end=end, output_tokens=out_tokens, token_times=self.token_ns
+        )
         row = RequestRow(
+            **times,
             request_id=self.response_id or f"proxy-{self.span_id}",
             client_request_id=self.client_request_id,
             trace_id=self.trace_id,
@@ -299,14 +292,7 @@ class Exchange:
             end_ns=end,
             input_tokens=self.prompt_tokens or self.counted_prompt_tokens or 0,
             output_tokens=out_tokens or 0,
-            first_token_ns=first,
-            ttft_ms=(first - self.arrival_ns) * _MS if first is not None else None,
-            decode_ms=decode,
-            tpot_ms=decode / (out_tokens - 1) if decode is not None and out_tokens > 1 else None,
-            itl_p50_ms=percentile(gaps, 50),
-            itl_p99_ms=percentile(gaps, 99),
-            itl_max_ms=max(gaps) if gaps else None,
-            e2e_ms=(end - self.arrival_ns) * _MS,
+            first_token_ns=self.token_ns[0] if self.token_ns else None,
             max_tokens=self.max_tokens,
             finish_reason=finish,
             error_type=self.error_type,
@@ -327,32 +313,29 @@ class Exchange:
         }
         if self.error_message:
             attrs["tokenmill.error_message"] = self.error_message
+        # the proxy's own values, where its attributes do not carry them
         base = {
             "trace_id": self.trace_id,
             "service_name": "tokenmill-proxy",
             "request_id": self.response_id,
             "tenant": self.tenant,
             "model": self.model,
-            "events": "[]",
         }
         spans = [
-            {
+            span_row(
                 **base,
-                "span_id": self.span_id,
-                "parent_span_id": None,
-                "name": root_span_name(self.endpoint, self.model),
-                "kind": "SERVER",
-                "start_ns": self.arrival_ns,
-                "end_ns": end,
-                "duration_ns": end - self.arrival_ns,
-                "status_code": "ERROR" if self.error_type else "OK",
-                "status_message": self.error_message,
-                "attributes": json.dumps({k: v for k, v in attrs.items() if v is not None}),
-                "input_tokens": self.prompt_tokens,
-                "output_tokens": self.completion_tokens,
-                "finish_reason": self.finish_reason,
-                "error_type": self.error_type,
-            }
+                span_id=self.span_id,
+                parent_span_id=None,
+                name=root_span_name(self.endpoint, self.model),
+                kind="SERVER",
+                start_ns=self.arrival_ns,
+                end_ns=end,
+                status_code="ERROR" if self.error_type else "OK",
+                status_message=self.error_message,
+                attributes={k: v for k, v in attrs.items() if v is not None},
+                finish_reason=self.finish_reason,
+                error_type=self.error_type,
+            )
         ]
         stations = [("gateway", self.arrival_ns, self.forwarded_ns)]
         if self.tokenized_ns is not None:
@@ -362,18 +345,15 @@ class Exchange:
             if start is None or stop is None:
                 continue
             spans.append(
-                {
+                span_row(
                     **base,
-                    "span_id": secrets.token_hex(8),
-                    "parent_span_id": self.span_id,
-                    "name": name,
-                    "kind": "INTERNAL",
-                    "start_ns": start,
-                    "end_ns": stop,
-                    "duration_ns": stop - start,
-                    "status_code": "UNSET",
-                    "status_message": None,
-                    "attributes": "{}",
-                }
+                    span_id=secrets.token_hex(8),
+                    parent_span_id=self.span_id,
+                    name=name,
+                    kind="INTERNAL",
+                    start_ns=start,
+                    end_ns=stop,
+                    status_code="UNSET",
+                )
             )
         return spans

@@ -30,9 +30,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from .rows import RequestRow
+from .latency import request_latencies
+from .rows import RequestRow, span_row
 
-_MS = 1e-6
 # OTLP span kinds and status codes as the store names them (schema.sql)
 _KIND = {v: k.removeprefix("SPAN_KIND_") for k, v in Span.SpanKind.items()}
 _STATUS = {v: k.removeprefix("STATUS_CODE_") for k, v in Status.StatusCode.items()}
@@ -169,12 +169,6 @@ def _attrs(kvs) -> dict:
     return {kv.key: _value(kv.value) for kv in kvs}
 
 
-def _json(node) -> str:
-    """Strict JSON for the store's JSON columns: a NaN or ±Inf (a double attribute may hold
-    one) is written as null, never as the invalid token ``NaN``."""
-    return msgspec.json.encode(node).decode()
-
-
 def span_rows(req: ExportTraceServiceRequest) -> list[dict]:
     """``spans`` rows, one per received span, as received (attributes and events as JSON);
     a span that cannot be one is left out (:func:`received_rows` says why)."""
@@ -202,70 +196,41 @@ def _spans(req: ExportTraceServiceRequest):
 
 def _span_row(sp: Span, service) -> dict:
     """One span as its ``spans`` row."""
-    attrs = _attrs(sp.attributes)
-    reasons = attrs.get("gen_ai.response.finish_reasons")
-    if isinstance(reasons, str):  # vLLM writes the list as a JSON string
-        try:
-            reasons = json.loads(reasons)
-        except ValueError:
-            reasons = [reasons]
-    return {
-        "trace_id": sp.trace_id.hex(),
-        "span_id": sp.span_id.hex(),
-        "parent_span_id": sp.parent_span_id.hex() or None,
-        "name": sp.name,
-        "kind": _KIND.get(sp.kind, "UNSPECIFIED"),
-        "start_ns": sp.start_time_unix_nano,
-        "end_ns": sp.end_time_unix_nano,
-        "duration_ns": sp.end_time_unix_nano - sp.start_time_unix_nano,
-        "status_code": _STATUS.get(sp.status.code, "UNSET"),
-        "status_message": sp.status.message or None,
-        "service_name": service,
-        "attributes": _json(attrs),
-        "events": _json(
-            [
-                {
-                    "name": e.name,
-                    "time_ns": e.time_unix_nano,
-                    "attributes": _attrs(e.attributes),
-                }
-                for e in sp.events
-            ]
-        ),
-        "request_id": attrs.get("tokenmill.request_id") or attrs.get(VLLM["request_id"]),
-        "tenant": attrs.get("tokenmill.tenant"),
-        "model": attrs.get("gen_ai.request.model") or attrs.get(VLLM["model"]),
-        "input_tokens": attrs.get("gen_ai.usage.input_tokens") or attrs.get(VLLM["input_tokens"]),
-        "output_tokens": attrs.get("gen_ai.usage.output_tokens")
-        or attrs.get(VLLM["output_tokens"]),
-        "cached_tokens": attrs.get("tokenmill.usage.cached_tokens"),
-        "finish_reason": reasons[0] if reasons else None,
-        "error_type": attrs.get("error.type"),
-    }
+    return span_row(
+        trace_id=sp.trace_id.hex(),
+        span_id=sp.span_id.hex(),
+        parent_span_id=sp.parent_span_id.hex() or None,
+        name=sp.name,
+        kind=_KIND.get(sp.kind, "UNSPECIFIED"),
+        start_ns=sp.start_time_unix_nano,
+        end_ns=sp.end_time_unix_nano,
+        status_code=_STATUS.get(sp.status.code, "UNSET"),
+        status_message=sp.status.message or None,
+        service_name=service,
+        attributes=_attrs(sp.attributes),
+        events=[
+            {"name": e.name, "time_ns": e.time_unix_nano, "attributes": _attrs(e.attributes)}
+            for e in sp.events
+        ],
+    )
 
 
 def _child(parent: dict, name: str, start_ns: int, end_ns: int, attrs: dict) -> dict:
     # a station span id derived from its parent's, so a re-sent export maps to the same ids
     sid = format((int(parent["span_id"], 16) ^ zlib.crc32(name.encode())) or 1, "016x")
-    return {
+    return span_row(
         **{k: parent[k] for k in ("trace_id", "service_name", "request_id", "model")},
-        "span_id": sid,
-        "parent_span_id": parent["span_id"],
-        "name": name,
-        "kind": "INTERNAL",
-        "start_ns": start_ns,
-        "end_ns": end_ns,
-        "duration_ns": end_ns - start_ns,
-        "status_code": "UNSET",
-        "status_message": None,
-        "attributes": json.dumps({"tokenmill.mapped_from": parent["name"], **attrs}),
-        "events": "[]",
-        "input_tokens": None,
-        "output_tokens": None,
-        "cached_tokens": None,
-        "finish_reason": None,
-        "error_type": None,
-    }
+        span_id=sid,
+        parent_span_id=parent["span_id"],
+        name=name,
+        kind="INTERNAL",
+        start_ns=start_ns,
+        end_ns=end_ns,
+        status_code="UNSET",
+        attributes={"tokenmill.mapped_from": parent["name"], **attrs},
+        input_tokens=None,
+        output_tokens=None,
+    )
 
 
 def station_rows(span: dict) -> tuple[list[dict], dict | None]:
@@ -305,6 +270,8 @@ def station_rows(span: dict) -> tuple[list[dict], dict | None]:
         children.append(_child(span, name, t, end, {k: v for k, v in attrs.items() if v}))
         t = end
     out_tokens = span["output_tokens"]
+    stamps = vllm_stamps(start, queue, prefill, ttft, decode)
+    e2e_end = start + round(e2e * 1e9) if e2e is not None else span["end_ns"]
     row = {
         "request_id": span["request_id"] or span["span_id"],
         "trace_id": span["trace_id"],
@@ -313,25 +280,47 @@ def station_rows(span: dict) -> tuple[list[dict], dict | None]:
         "end_ns": span["end_ns"],
         "input_tokens": span["input_tokens"],
         "output_tokens": out_tokens,
-        "ttft_ms": ttft * 1e3 if ttft is not None else None,
-        "queue_ms": queue * 1e3 if queue is not None else None,
-        "prefill_ms": prefill * 1e3 if prefill is not None else None,
-        "decode_ms": decode * 1e3 if decode is not None else None,
-        "tpot_ms": decode * 1e3 / (out_tokens - 1)
-        if decode is not None and out_tokens and out_tokens > 1
-        else None,
-        "e2e_ms": e2e * 1e3 if e2e is not None else (span["end_ns"] - start) * _MS,
         "finish_reason": span["finish_reason"],
         "error_type": span["error_type"],
-        "first_token_ns": start + int(ttft * 1e9) if ttft is not None else None,
-        "queued_ns": start if queue is not None else None,
-        "scheduled_ns": start + int(queue * 1e9) if queue is not None else None,
+        "first_token_ns": stamps["first_token"],
+        "queued_ns": stamps["queued"],
+        "scheduled_ns": stamps["scheduled"],
+        **request_latencies(arrival=start, end=e2e_end, output_tokens=out_tokens or 0, **stamps),
     }
+    if stamps["first_token"] is None and decode is not None:
+        # a decode time with no usable TTFT to place it after: its window laid from arrival
+        alone = request_latencies(
+            arrival=start,
+            end=e2e_end,
+            output_tokens=out_tokens or 0,
+            first_token=start,
+            last_token=start + round(decode * 1e9),
+        )
+        row.update(decode_ms=alone["decode_ms"], tpot_ms=alone["tpot_ms"])
     try:
         request = RequestRow(**{k: v for k, v in row.items() if v is not None})
     except (TypeError, msgspec.ValidationError) as exc:
         raise OTLPDecodeError(f"span {span['name']!r}: {exc}") from None
     return children, msgspec.structs.asdict(request)
+
+
+def vllm_stamps(start: int, queue, prefill, ttft, decode) -> dict:
+    """The stamps (ns) behind vLLM's request latencies (seconds, None where absent), so that
+    ``latency.request_latencies`` gives them back: the first token ``ttft`` after arrival,
+    scheduled ``prefill`` before it (or ``queue`` after arrival when vLLM gave no prefill
+    time), queued ``queue`` before that, the last token ``decode`` after the first."""
+
+    def ns(seconds) -> int:
+        return round(seconds * 1e9)
+
+    first = start + ns(ttft) if ttft is not None else None
+    if first is not None and prefill is not None:
+        scheduled = first - ns(prefill)
+    else:
+        scheduled = start + ns(queue) if queue is not None else None
+    queued = scheduled - ns(queue) if scheduled is not None and queue is not None else None
+    last = first + ns(decode) if first is not None and decode is not None else None
+    return {"first_token": first, "last_token": last, "queued": queued, "scheduled": scheduled}
 
 
 @dataclass

@@ -1,15 +1,18 @@
-"""The request-outcome type: one ``requests`` row, derived from a request's trace.
+"""The store's row types written by every producer: :class:`RequestRow` (one ``requests``
+row, derived from a request's trace) and :class:`SpanRow` (one ``spans`` row); the
+``requests`` and ``spans`` tables are generated from them (``schema.py``).
 
-The ``requests`` table is generated from :class:`RequestRow` (``schema.py``). Its engine
+The server, the proxy, the OTLP receiver and the planner each fill a ``RequestRow``. Its engine
 counters come from :class:`~tokenmill.engine.messages.RequestStats`, which it inherits: a new
-engine column is a field there and the engine line that sets it; a column derived at the API
-(times, stations) is a field here plus the line in ``spans.request_row`` that fills it.
-Required fields are ``NOT NULL`` columns; fields with a default are nullable. Terms (TTFT, ITL,
-TPOT, E2E) are defined once in ``spans.py`` and README's Terms.
+engine column is a field there and the engine line that sets it. Its latencies come from
+``latency.request_latencies``, the one derivation all four producers call: a new latency
+column is a field here and its formula there (docs/how-to-add.md). Required fields are
+``NOT NULL`` columns; fields with a default are nullable.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import msgspec
@@ -89,6 +92,117 @@ class RequestRow(RequestStats, kw_only=True):
     runs ``[{"reason", "first_block", "num_blocks", "time_ns"?, "by"?, "tenant"?}]``
     (``engine/messages.py``: ``CacheMiss``, ``CACHE_MISS_REASONS``); NULL when the engine never
     admitted the request"""
+
+
+Json = Annotated[str | None, msgspec.Meta(extra={"sql": "JSON"})]
+
+
+class SpanRow(msgspec.Struct, kw_only=True):
+    """One span, field for field the ``spans`` table (the OTLP span model; every attribute kept
+    as JSON, the hot ones copied into typed columns). Every producer builds it with
+    :func:`span_row`: the server's own spans, the proxy's, and spans another engine exported to
+    the OTLP receiver."""
+
+    trace_id: str
+    """32 hex digits"""
+    span_id: str
+    """16 hex digits"""
+    parent_span_id: str | None = None
+    """NULL for the root span (kind SERVER)"""
+    name: str
+    """the root: ``chat {model}`` | ``text_completion {model}`` (``request`` in older stores);
+    the stations: gateway | tokenize | admission | schedule | prefill | decode | stream |
+    metering"""
+    kind: str
+    """SERVER | INTERNAL | CLIENT | ..."""
+    start_ns: Ns
+    end_ns: Ns
+    duration_ns: Ns
+    status_code: str
+    """UNSET | OK | ERROR"""
+    status_message: str | None = None
+    service_name: str | None = None
+    attributes: Json = None
+    """every attribute, by its OTel name"""
+    events: Json = None
+    """``[{"name", "time_ns", "attributes"}]``"""
+    request_id: str | None = None
+    tenant: str | None = None
+    model: str | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    error_type: str | None = None
+
+
+#: the hot columns of a span, each from the first of its attributes present: ours (the GenAI
+#: conventions' and ``tokenmill.*``), then the names vLLM's request span uses
+HOT_ATTRIBUTES = {
+    "request_id": ("tokenmill.request_id", "gen_ai.request.id"),
+    "tenant": ("tokenmill.tenant",),
+    "model": ("gen_ai.request.model", "gen_ai.response.model"),
+    "input_tokens": ("gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens"),
+    "output_tokens": ("gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"),
+    "cached_tokens": ("tokenmill.usage.cached_tokens",),
+    "error_type": ("error.type",),
+}
+
+
+def strict_json(node) -> str:
+    """Strict JSON for the store's JSON columns: a NaN or ±Inf (a double attribute may hold
+    one) is written as null, never as the invalid token ``NaN``."""
+    return msgspec.json.encode(node).decode()
+
+
+def span_row(
+    *,
+    trace_id: str,
+    span_id: str,
+    parent_span_id: str | None,
+    name: str,
+    kind: str,
+    start_ns: int,
+    end_ns: int,
+    status_code: str,
+    status_message: str | None = None,
+    service_name: str | None = None,
+    attributes: dict | None = None,
+    events: list | None = None,
+    **columns,
+) -> dict:
+    """The ``spans`` row (:class:`SpanRow` as a dict) of one span: its attributes and events as
+    JSON, its duration, and the hot columns from :data:`HOT_ATTRIBUTES` and the first of
+    ``gen_ai.response.finish_reasons`` (a list, or vLLM's JSON string of one), unless given in
+    ``columns``."""
+    attrs = attributes or {}
+    hot = {}
+    for col, keys in HOT_ATTRIBUTES.items():
+        hot[col] = next((attrs[k] for k in keys if attrs.get(k) is not None), None)
+    reasons = attrs.get("gen_ai.response.finish_reasons")
+    if isinstance(reasons, str):  # vLLM writes the list as a JSON string
+        try:
+            reasons = json.loads(reasons)
+        except ValueError:
+            reasons = [reasons]
+    hot["finish_reason"] = reasons[0] if reasons else None
+    row = SpanRow(
+        trace_id=trace_id,
+        span_id=span_id,
+        parent_span_id=parent_span_id,
+        name=name,
+        kind=kind,
+        start_ns=start_ns,
+        end_ns=end_ns,
+        duration_ns=end_ns - start_ns,
+        status_code=status_code,
+        status_message=status_message,
+        service_name=service_name,
+        attributes=strict_json(attrs),
+        events=strict_json(events or []),
+        **{**hot, **columns},
+    )
+    return msgspec.structs.asdict(row)
 
 
 class WaitingSampleRow(msgspec.Struct, kw_only=True):

@@ -1,9 +1,10 @@
 """The trace store's schema: the DDL, its version, the shared SQL predicates, and the check that
 a DuckDB file (a live store or a dump) was written by this version.
 
-``spans``, ``device_samples``, ``events`` and ``meta`` are written out in ``schema.sql``;
+``device_samples``, ``events`` and ``meta`` are written out in ``schema.sql``; ``spans``,
 ``requests``, ``engine_steps``, ``engine_samples`` and ``waiting_samples`` are generated from
-their row types (:class:`~tokenmill.telemetry.rows.RequestRow`,
+their row types (:class:`~tokenmill.telemetry.rows.SpanRow`,
+:class:`~tokenmill.telemetry.rows.RequestRow`,
 :class:`~tokenmill.engine.messages.StepRecord`,
 :class:`~tokenmill.telemetry.engine_metrics.EngineSampleRow`,
 :class:`~tokenmill.telemetry.rows.WaitingSampleRow`), so the engine's step record and
@@ -27,7 +28,7 @@ from tokenmill.engine.messages import (
 )
 
 from .engine_metrics import EngineSampleRow
-from .rows import RequestRow, WaitingSampleRow
+from .rows import RequestRow, SpanRow, WaitingSampleRow
 
 SCHEMA_VERSION = 4
 TABLES = (
@@ -133,20 +134,9 @@ def spec_agg_sql(where: str = "TRUE") -> str:
     )
 
 
-#: The device's roofline ceilings recorded at server start (the latest ``config`` event):
-#: ``peak_gbps`` (GB/s), ``peak_gflops`` (GFLOP/s), their sources (``flag``, ``table:<GPU>``,
-#: ``probe``) and ``device_name``; no row for a store without a config event.
-DEVICE_PEAKS_SQL = """
-SELECT TRY_CAST(attributes->>'device_peak_gbps' AS DOUBLE) AS peak_gbps,
-       TRY_CAST(attributes->>'device_peak_gflops' AS DOUBLE) AS peak_gflops,
-       attributes->>'device_peak_gbps_source' AS peak_gbps_source,
-       attributes->>'device_peak_gflops_source' AS peak_gflops_source,
-       attributes->>'device_name' AS device_name
-FROM events WHERE kind = 'config' ORDER BY time_ns DESC LIMIT 1
-"""
-
 #: The tables generated from a row type, in the order they are created.
 ROW_TYPES: dict[str, type[msgspec.Struct]] = {
+    "spans": SpanRow,
     "requests": RequestRow,
     "engine_steps": StepRecord,
     "engine_samples": EngineSampleRow,
@@ -159,7 +149,6 @@ __all__ = [
     "COMPLETED_SQL",
     "DECODE_ONLY_STEP_SQL",
     "DEFAULT_BLOCK_SIZE",
-    "DEVICE_PEAKS_SQL",
     "IDLE_KV_LEAK_SHARE",
     "ROOFLINE_STEP_SQL",
     "ROW_TYPES",

@@ -1,4 +1,4 @@
--- tokenmill trace store. Version 3 (telemetry/schema.py: SCHEMA_VERSION).
+-- tokenmill trace store, of the version telemetry/schema.py stamps (SCHEMA_VERSION).
 -- Times are wall-clock Unix nanoseconds (BIGINT) unless a column says ms/s.
 -- Changing a table means a new version: dumps from another version are refused.
 
@@ -7,34 +7,9 @@ CREATE TABLE IF NOT EXISTS meta (
     value VARCHAR NOT NULL
 );
 
--- OTLP span model, one row per span. Hot attributes are copied into typed columns.
-CREATE TABLE IF NOT EXISTS spans (
-    trace_id        VARCHAR NOT NULL,   -- 32 hex digits
-    span_id         VARCHAR NOT NULL,   -- 16 hex digits
-    parent_span_id  VARCHAR,            -- NULL for the root span (kind SERVER)
-    name            VARCHAR NOT NULL,   -- chat {model} | text_completion {model} (the root; `request` before) | gateway | tokenize | admission | schedule | prefill | decode | stream | metering
-    kind            VARCHAR NOT NULL,   -- SERVER | INTERNAL
-    start_ns        BIGINT  NOT NULL,
-    end_ns          BIGINT  NOT NULL,
-    duration_ns     BIGINT  NOT NULL,
-    status_code     VARCHAR NOT NULL,   -- UNSET | OK | ERROR
-    status_message  VARCHAR,
-    service_name    VARCHAR,
-    attributes      JSON,               -- every attribute, OTel names
-    events          JSON,               -- [{"name", "time_ns", "attributes"}]
-    request_id      VARCHAR,
-    tenant          VARCHAR,
-    model           VARCHAR,
-    input_tokens    INTEGER,
-    output_tokens   INTEGER,
-    cached_tokens   INTEGER,
-    finish_reason   VARCHAR,
-    error_type      VARCHAR
-);
-
--- `requests` (one row per request, from telemetry/rows.py: RequestRow) and `engine_steps` (one row
--- per scheduler iteration, from engine/messages.py: StepRecord) are generated from their row types
--- by telemetry/schema.py: ddl().
+-- `spans` (one row per span, from telemetry/rows.py: SpanRow), `requests` (one row per request,
+-- RequestRow) and `engine_steps` (one row per scheduler iteration, from engine/messages.py:
+-- StepRecord) are generated from their row types by telemetry/schema.py: ddl().
 
 -- Per device per tick: NVML (kind='gpu') or the host (kind='host').
 CREATE TABLE IF NOT EXISTS device_samples (

@@ -8,71 +8,39 @@ become span events with their step id on the station whose interval holds them. 
 prefilled on one engine core and decoded on another (prefill/decode disaggregation) also gets a
 ``kv_transfer`` span, a child of ``prefill`` (not a station): its KV's trip between the cores.
 
-Definitions used everywhere (the seed articles' and vLLM's):
-- TTFT: arrival at the gateway → the first output token sampled (ms).
-- ITL: the gap between consecutive token arrivals (ms), as vLLM's benchmark counts it: tokens
-  the engine produced in one step (speculative decoding accepts several at once; they share one
-  timestamp) are one arrival, so they add no zero gaps. ``output_tokens − 1`` gaps without
-  speculation, fewer with it.
-- TPOT: decode time / (output_tokens − 1) (ms): the mean time per output token after the first,
-  which with multi-token steps is below the mean ITL.
-- E2E latency: arrival → the request span's end (after the last byte and metering) (ms).
-- queue time: engine queued → first scheduled; prefill time: first scheduled → first token;
-  decode time: first token → last token.
-"""
+The request's latencies (TTFT, queue, prefill, decode, TPOT, ITL, E2E) are defined once, in
+``latency.py``; this module hands it the timeline's stamps."""
 
 from __future__ import annotations
 
 import contextvars
-import itertools
 import json
-import math
 
 import msgspec
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.propagate import extract
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+)
 
 from tokenmill.engine.api.timeline import RequestTimeline
+from tokenmill.engine.api.traceparent import TraceParent
 from tokenmill.engine.messages import to_row
 
+from . import latency, rows
 from .rows import RequestRow
 from .schema import STATIONS
 
-_MS = 1e-6
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) by linear interpolation (numpy's default); None if empty."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
 
 def itl_ms(tl: RequestTimeline) -> list[float]:
-    """Inter-token latencies (ms) from the engine's per-token times: the gaps between
-    consecutive distinct times. Tokens of one engine step (speculative decoding: the sampled
-    token and the accepted draft tokens) carry the same time and count as one arrival, so a
-    request gets one gap per step that gave it tokens, never a zero gap."""
-    arrivals = [t for i, t in enumerate(tl.token_ns) if i == 0 or t != tl.token_ns[i - 1]]
-    return [(b - a) * _MS for a, b in itertools.pairwise(arrivals)]
-
-
-def decode_ms(tl: RequestTimeline) -> float | None:
-    """First token → last token (ms); None before the first token."""
-    last = tl.token_ns[-1] if tl.token_ns else None
-    return (last - tl.stats.first_token_ns) * _MS if tl.stats.first_token_ns and last else None
-
-
-def tpot_ms(tl: RequestTimeline) -> float | None:
-    """Decode time / (output_tokens − 1) (ms); None under two output tokens."""
-    d, n = decode_ms(tl), tl.stats.output_tokens
-    return d / (n - 1) if d is not None and n >= 2 else None
+    """The request's ITL samples (ms) from the engine's per-token times (``latency.itl_ms``)."""
+    return latency.itl_ms(tl.token_ns)
 
 
 def station_intervals(tl: RequestTimeline) -> dict[str, tuple[int, int]]:
@@ -122,12 +90,20 @@ def request_row(
 ) -> dict:
     """The ``requests`` row (:class:`~.rows.RequestRow` as a dict, column → value) derived from
     the same numbers as the spans."""
-    itl = itl_ms(tl)
     s = tl.stats
-    last_token = tl.token_ns[-1] if tl.token_ns else None
     moved = next((e.attrs for e in tl.events if e.name == "kv_transfer"), {})
+    times = latency.request_latencies(
+        arrival=tl.arrival_ns,
+        end=end_ns,
+        output_tokens=s.output_tokens,
+        token_times=tl.token_ns,
+        first_token=s.first_token_ns,
+        queued=s.queued_ns,
+        scheduled=s.scheduled_ns,
+    )
     row = RequestRow(
         **msgspec.structs.asdict(s),  # the engine's counters, a column each
+        **times,
         request_id=tl.request_id or tl.client_request_id or trace_id,
         client_request_id=tl.client_request_id,
         trace_id=trace_id,
@@ -138,23 +114,10 @@ def request_row(
         stream=tl.stream,
         http_status=tl.http_status,
         arrival_ns=tl.arrival_ns,
-        last_token_ns=last_token,
+        last_token_ns=tl.token_ns[-1] if tl.token_ns else None,
         end_ns=end_ns,
-        ttft_ms=(s.first_token_ns - tl.arrival_ns) * _MS if s.first_token_ns else None,
-        queue_ms=(s.scheduled_ns - s.queued_ns) * _MS if s.scheduled_ns and s.queued_ns else None,
-        prefill_ms=(s.first_token_ns - s.scheduled_ns) * _MS
-        if s.first_token_ns and s.scheduled_ns
-        else None,
-        decode_ms=decode_ms(tl),
-        tpot_ms=tpot_ms(tl),
-        itl_p50_ms=percentile(itl, 50),
-        itl_p99_ms=percentile(itl, 99),
-        itl_max_ms=max(itl) if itl else None,
-        e2e_ms=(end_ns - tl.arrival_ns) * _MS,
         first_text_ns=tl.first_text_ns,
-        text_holdback_ms=(tl.first_text_ns - s.first_token_ns) * _MS
-        if tl.first_text_ns and s.first_token_ns
-        else None,
+        text_holdback_ms=latency.elapsed_ms(s.first_token_ns, tl.first_text_ns),
         max_tokens=tl.max_tokens,
         prefill_chunks=sum(1 for e in tl.events if e.name == "chunk"),
         kv_transfer_ms=moved.get("ms"),
@@ -205,12 +168,26 @@ def emit_trace(tracer: trace.Tracer, tl: RequestTimeline) -> tuple[str, dict, li
     """
     stations = station_intervals(tl)
     end_ns = request_end_ns(tl, stations)
-    parent_ctx = extract({"traceparent": tl.traceparent}) if tl.traceparent else None
+    parent_ctx = caller_context(tl.traceparent)
     token = CALLER_CONTEXT.set(parent_ctx)
     try:
         return _emit(tracer, tl, stations, end_ns, parent_ctx)
     finally:
         CALLER_CONTEXT.reset(token)
+
+
+def caller_context(tp: TraceParent | None) -> Context | None:
+    """The OTel context of the caller's span (its ``traceparent``), the parent of our root;
+    None when it sent none."""
+    if tp is None:
+        return None
+    ctx = SpanContext(
+        trace_id=int(tp.trace_id, 16),
+        span_id=int(tp.span_id, 16),
+        is_remote=True,
+        trace_flags=TraceFlags(tp.flags),
+    )
+    return trace.set_span_in_context(NonRecordingSpan(ctx))
 
 
 def operation_name(endpoint: str | None) -> str:
@@ -397,9 +374,11 @@ def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict
             {
                 "gen_ai.usage.output_tokens": n,
                 "tokenmill.decode.itl_ms": itl,
-                "tokenmill.decode.itl_p50_ms": percentile(itl, 50),
-                "tokenmill.decode.itl_p99_ms": percentile(itl, 99),
-                "tokenmill.decode.tpot_ms": tpot_ms(tl),
+                "tokenmill.decode.itl_p50_ms": latency.percentile(itl, 50),
+                "tokenmill.decode.itl_p99_ms": latency.percentile(itl, 99),
+                "tokenmill.decode.tpot_ms": latency.tpot_ms(
+                    tl.stats.first_token_ns, tl.token_ns[-1] if tl.token_ns else None, n
+                ),
                 "tokenmill.decode.spec_drafts": tl.stats.spec_drafts,
                 "tokenmill.decode.spec_draft_tokens": tl.stats.spec_draft_tokens,
                 "tokenmill.decode.spec_accepted_tokens": tl.stats.spec_accepted_tokens,
@@ -433,17 +412,6 @@ def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict
     }
 
 
-_HOT = {
-    "request_id": "tokenmill.request_id",
-    "tenant": "tokenmill.tenant",
-    "model": "gen_ai.request.model",
-    "input_tokens": "gen_ai.usage.input_tokens",
-    "output_tokens": "gen_ai.usage.output_tokens",
-    "cached_tokens": "tokenmill.usage.cached_tokens",
-    "error_type": "error.type",
-}
-
-
 class StoreSpanProcessor(SpanProcessor):
     """Turns each ended span into a ``spans`` row for the trace store (schema.sql).
 
@@ -467,33 +435,23 @@ class StoreSpanProcessor(SpanProcessor):
 def span_row(span: ReadableSpan) -> dict:
     """A ``spans`` row from an ended SDK span."""
     ctx = span.get_span_context()
-    attrs = dict(span.attributes or {})
-    row = {
-        "trace_id": format(ctx.trace_id, "032x"),
-        "span_id": format(ctx.span_id, "016x"),
-        "parent_span_id": format(span.parent.span_id, "016x") if span.parent else None,
-        "name": span.name,
-        "kind": span.kind.name,
-        "start_ns": span.start_time,
-        "end_ns": span.end_time,
-        "duration_ns": span.end_time - span.start_time,
-        "status_code": span.status.status_code.name,
-        "status_message": span.status.description,
-        "service_name": span.resource.attributes.get("service.name"),
-        "attributes": json.dumps(attrs, default=list),
-        "events": json.dumps(
-            [
-                {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
-                for e in span.events
-            ],
-            default=list,
-        ),
-    }
-    for col, key in _HOT.items():
-        row[col] = attrs.get(key)
-    reasons = attrs.get("gen_ai.response.finish_reasons")
-    row["finish_reason"] = reasons[0] if reasons else None
-    return row
+    return rows.span_row(
+        trace_id=format(ctx.trace_id, "032x"),
+        span_id=format(ctx.span_id, "016x"),
+        parent_span_id=format(span.parent.span_id, "016x") if span.parent else None,
+        name=span.name,
+        kind=span.kind.name,
+        start_ns=span.start_time,
+        end_ns=span.end_time,
+        status_code=span.status.status_code.name,
+        status_message=span.status.description,
+        service_name=span.resource.attributes.get("service.name"),
+        attributes=dict(span.attributes or {}),
+        events=[
+            {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
+            for e in span.events
+        ],
+    )
 
 
 def make_tracer_provider(resource_attrs: dict) -> TracerProvider:

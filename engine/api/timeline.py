@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..messages import CacheMiss, RequestEvent, RequestOutput, RequestStats, is_completed
+from .traceparent import TraceParent
 
 
 @dataclass(slots=True)
@@ -30,7 +31,7 @@ class RequestTimeline:
     method: str
     path: str
     client_request_id: str | None = None
-    traceparent: str | None = None
+    traceparent: TraceParent | None = None  # the caller's, when it sent a valid one
     endpoint: str | None = None  # chat | completions
     request_id: str | None = None  # the engine id (cmpl-...)
     tenant: str | None = None

@@ -329,10 +329,10 @@ def test_histogram_quantile_is_prometheus():
 @pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_histogram_quantiles_match_the_store_within_2x(profile):
     """p50 and p90 from the exported buckets (PromQL's histogram_quantile) are within 2x of the
-    store's quantiles (``quantile_cont``, which :func:`spans.percentile` equals) on the same
+    store's quantiles (``quantile_cont``, which :func:`latency.percentile` equals) on the same
     requests, for every latency histogram."""
     from tokenmill.telemetry.metrics import histogram_quantile
-    from tokenmill.telemetry.spans import percentile
+    from tokenmill.telemetry.latency import percentile
 
     m = ServingMetrics(MODEL)
     rows = _profile_rows(profile)

@@ -18,7 +18,8 @@ from server_proc import Server
 
 from tokenmill.engine.api.gateway import hash_key
 from tokenmill.kernels import cpu as cpu_kernels
-from tokenmill.telemetry.spans import STATIONS, percentile
+from tokenmill.telemetry.latency import percentile
+from tokenmill.telemetry.spans import STATIONS
 
 pytestmark = pytest.mark.slow
 
