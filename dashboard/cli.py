@@ -18,55 +18,96 @@ from tokenmill.telemetry.cli import fail, out
 app = typer.Typer(add_completion=False)
 
 
+# the options of ``tokenmill dashboard``
+_Source = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="PATH|URL",
+        help="A trace dump or closed store file, or a running server's URL (then a fresh "
+        "dump is fetched every --refresh s with the admin key). Repeat it, or give a "
+        "folder of dumps, for a fleet (one dump per replica; the sidebar picks one or all).",
+    ),
+]
+_Host = Annotated[str, typer.Option(help="Address the console listens on.")]
+_Port = Annotated[int, typer.Option(min=1, max=65535)]
+_Refresh = Annotated[float, typer.Option(min=1.0, help="Seconds between dumps of a live server.")]
+_AdminKey = Annotated[
+    str | None,
+    typer.Option(
+        "--admin-key",
+        envvar="TOKENMILL_ADMIN_KEY",
+        help="The server's admin key (URL sources).",
+    ),
+]
+_Baseline = Annotated[
+    str | None,
+    typer.Option(
+        metavar="PATH",
+        help="An earlier dump to set beside the source on the Compare page (BEFORE).",
+    ),
+]
+
+
 @app.command()
 def dashboard(
-    source: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="PATH|URL",
-            help="A trace dump or closed store file, or a running server's URL (then a fresh "
-            "dump is fetched every --refresh s with the admin key). Repeat it, or give a "
-            "folder of dumps, for a fleet (one dump per replica; the sidebar picks one or all).",
-        ),
-    ] = None,
-    host: Annotated[str, typer.Option(help="Address the console listens on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535)] = 8501,
-    refresh: Annotated[
-        float, typer.Option(min=1.0, help="Seconds between dumps of a live server.")
-    ] = 10.0,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            "--admin-key",
-            envvar="TOKENMILL_ADMIN_KEY",
-            help="The server's admin key (URL sources).",
-        ),
-    ] = None,
-    baseline: Annotated[
-        str | None,
-        typer.Option(
-            metavar="PATH",
-            help="An earlier dump to set beside the source on the Compare page (BEFORE).",
-        ),
-    ] = None,
+    source: _Source = None,
+    host: _Host = "127.0.0.1",
+    port: _Port = 8501,
+    refresh: _Refresh = 10.0,
+    api_key: _AdminKey = None,
+    baseline: _Baseline = None,
 ) -> None:
     """Open the operations console (Streamlit) over a dump, a closed store or a live server."""
-    import os
-    import signal
+    spec, baseline = _checked_sources(source or ["./tokenmill-data/traces.duckdb"], baseline)
+    _check_can_run(host, port)
+    env = _console_env(spec, refresh, api_key, baseline)
+    script = Path(__file__).resolve().parent / "app.py"
+    cmd = [sys.executable, "-m", "streamlit", "run", str(script),
+           "--server.address", host, "--server.port", str(port), "--server.headless", "true",
+           "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+           "--client.toolbarMode", "minimal"]  # fmt: skip
+    _announce(host, port, spec)
+    raise typer.Exit(_run(cmd, env))
+
+
+def _check_can_run(host: str, port: int) -> None:
+    """Streamlit installed and ``host:port`` free to listen on, or one ``error:`` line."""
     import socket
-    import subprocess
 
+    try:
+        import streamlit  # noqa: F401
+    except ImportError:
+        fail("streamlit is not installed (pip install streamlit plotly)")
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+
+
+def _console_env(
+    spec: str, refresh: float, api_key: str | None, baseline: str | None
+) -> dict[str, str]:
+    """The Streamlit process's environment: this one's, plus what ``app.py`` reads of the
+    command's options (``source.py``'s ``ENV_*``)."""
+    import os
+
+    from .source import ENV_API_KEY, ENV_BASELINE, ENV_REFRESH, ENV_SOURCE
+
+    env = {**os.environ, ENV_SOURCE: spec, ENV_REFRESH: f"{refresh:g}"}
+    if api_key:
+        env[ENV_API_KEY] = api_key
+    if baseline is not None:
+        env[ENV_BASELINE] = baseline
+    return env
+
+
+def _checked_sources(sources: list[str], baseline: str | None) -> tuple[str, str | None]:
+    """The console's source spec (one source, or a fleet's) and its ``--baseline``, checked:
+    one ``error:`` line and exit 2 for one it cannot open."""
     from .fleet_source import check_fleet
-    from .source import (
-        ENV_API_KEY,
-        ENV_BASELINE,
-        ENV_REFRESH,
-        ENV_SOURCE,
-        SourceError,
-        check_source,
-    )
+    from .source import SourceError, check_source
 
-    sources = source or ["./tokenmill-data/traces.duckdb"]
     try:
         if len(sources) > 1 or Path(sources[0]).is_dir():  # a fleet (or a Parquet dump)
             spec = check_fleet(sources)
@@ -79,25 +120,11 @@ def dashboard(
             baseline = check_source(baseline)
         except SourceError as exc:
             fail(f"--baseline: {exc}")
-    try:
-        import streamlit  # noqa: F401
-    except ImportError:
-        fail("streamlit is not installed (pip install streamlit plotly)")
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
-    script = Path(__file__).resolve().parent / "app.py"
-    env = {**os.environ, ENV_SOURCE: spec, ENV_REFRESH: f"{refresh:g}"}
-    if api_key:
-        env[ENV_API_KEY] = api_key
-    if baseline is not None:
-        env[ENV_BASELINE] = baseline
-    cmd = [sys.executable, "-m", "streamlit", "run", str(script),
-           "--server.address", host, "--server.port", str(port), "--server.headless", "true",
-           "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-           "--client.toolbarMode", "minimal"]  # fmt: skip
+    return spec, baseline
+
+
+def _announce(host: str, port: int, spec: str) -> None:
+    """The console's address and source, and a note when it listens beyond loopback."""
     shown = f"[{host}]" if ":" in host else host
     out.print(
         f"tokenmill console: http://{shown}:{port}  (source: {spec.replace(chr(10), ', ')})",
@@ -114,6 +141,13 @@ def dashboard(
             markup=False,
             soft_wrap=True,
         )
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the Streamlit process to its end: its exit code, or 130 after Ctrl-C or SIGTERM."""
+    import signal
+    import subprocess
+
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
     # a SIGTERM (systemd, a supervisor, a process-group kill) stops the console as Ctrl-C does:
     # the Streamlit process is stopped too, killed if it has not gone in 10 s, never orphaned
@@ -127,7 +161,7 @@ def dashboard(
         except subprocess.TimeoutExpired:
             proc.kill()
         code = 130
-    raise typer.Exit(code)
+    return code
 
 
 def _raise_interrupt(*_) -> None:
