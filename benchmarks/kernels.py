@@ -166,6 +166,24 @@ def fill(r: Result, peaks, torch_ms=None, sdpa_ms=None) -> Result:
     return r
 
 
+def sweep_tiles(label, knobs, configs, attend, time_ms, result):
+    """Time ``attend(**cfg)`` at each tile config (``knobs`` name the values of each tuple of
+    ``configs``), skipping those that do not fit; each timing becomes ``result(ms, cfg)``.
+    Returns the rows and the fastest of them (None when none ran)."""
+    rows, best = [], None
+    for values in configs:
+        cfg = dict(zip(knobs, values, strict=True))
+        try:
+            ms = time_ms(lambda cfg=cfg: attend(**cfg))
+        except Exception as exc:  # a config that does not fit (shared memory, registers)
+            print(f"  sweep {label} {cfg}: {type(exc).__name__}", file=sys.stderr)
+            continue
+        rows.append(result(ms, cfg))
+        if best is None or ms < best.triton_ms:
+            best = rows[-1]
+    return rows, best
+
+
 def bench_decode(args, device, dtype, time_ms, peaks, sweep):
     from tokenmill.kernels.paged_attention import paged_attention
     from tokenmill.kernels.paged_decode_attention import paged_decode_attention
@@ -207,28 +225,24 @@ def bench_decode(args, device, dtype, time_ms, peaks, sweep):
     results[0].meets_target = (results[0].frac_peak_bw or 0) >= 0.70
     best = None
     if sweep:
-        for part, bn, warps, stages in [
-            (512, 64, 4, 3),
-            (256, 64, 4, 3),
-            (1024, 64, 4, 3),
-            (512, 128, 4, 3),
-            (512, 32, 4, 4),
-            (512, 64, 8, 3),
-        ]:
-            cfg = dict(partition_size=part, block_n=bn, num_warps=warps, num_stages=stages)
-            try:
-                ms = time_ms(
-                    lambda cfg=cfg: paged_decode_attention(
-                        q, kc, vc, *step_args(meta), scale, **cfg
-                    )
-                )
-            except Exception as exc:  # a config that does not fit (shared memory, registers)
-                print(f"  sweep decode {cfg}: {type(exc).__name__}", file=sys.stderr)
-                continue
-            r = fill(Result("decode_attention sweep", shape, ms, bytes=io_bytes, config=cfg), peaks)
-            results.append(r)
-            if best is None or ms < best.triton_ms:
-                best = r
+        rows, best = sweep_tiles(
+            "decode",
+            ("partition_size", "block_n", "num_warps", "num_stages"),
+            [
+                (512, 64, 4, 3),
+                (256, 64, 4, 3),
+                (1024, 64, 4, 3),
+                (512, 128, 4, 3),
+                (512, 32, 4, 4),
+                (512, 64, 8, 3),
+            ],
+            lambda **cfg: paged_decode_attention(q, kc, vc, *step_args(meta), scale, **cfg),
+            time_ms,
+            lambda ms, cfg: fill(
+                Result("decode_attention sweep", shape, ms, bytes=io_bytes, config=cfg), peaks
+            ),
+        )
+        results += rows
     return results, best
 
 
@@ -258,30 +272,26 @@ def bench_prefill(args, device, dtype, time_ms, peaks, sweep):
             r.meets_target = (r.frac_peak_flops or 0) >= 0.40
         results.append(r)
         if sweep and batch == 1:
-            for bm, bn, warps, stages in [
-                (128, 64, 8, 3),
-                (128, 128, 8, 3),
-                (128, 64, 4, 3),
-                (64, 64, 4, 3),
-                (128, 32, 4, 4),
-                (128, 64, 8, 4),
-            ]:
-                cfg = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
-                try:
-                    ms = time_ms(
-                        lambda cfg=cfg, q=q, kc=kc, vc=vc, meta=meta: paged_attention(
-                            q, kc, vc, *step_args(meta), scale, **cfg
-                        )
-                    )
-                except Exception as exc:
-                    print(f"  sweep prefill {cfg}: {type(exc).__name__}", file=sys.stderr)
-                    continue
-                s = fill(
+            rows, best = sweep_tiles(
+                "prefill",
+                ("block_m", "block_n", "num_warps", "num_stages"),
+                [
+                    (128, 64, 8, 3),
+                    (128, 128, 8, 3),
+                    (128, 64, 4, 3),
+                    (64, 64, 4, 3),
+                    (128, 32, 4, 4),
+                    (128, 64, 8, 4),
+                ],
+                lambda q=q, kc=kc, vc=vc, meta=meta, **cfg: paged_attention(
+                    q, kc, vc, *step_args(meta), scale, **cfg
+                ),
+                time_ms,
+                lambda ms, cfg, shape=shape, flops=flops: fill(
                     Result("prefill_attention sweep", shape, ms, flops=flops, config=cfg), peaks
-                )
-                results.append(s)
-                if best is None or ms < best.triton_ms:
-                    best = s
+                ),
+            )
+            results += rows
     return results, best
 
 
