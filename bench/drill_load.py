@@ -1,13 +1,17 @@
 """What the failure drills' benchmarks share (``benchmarks/otlp_blackhole.py``,
 ``benchmarks/store_full_drill.py``): a closed-loop round of load, a server's own counters read
-from its ``/metrics``, and a SIGTERM timed to the process's exit."""
+from its ``/metrics``, a SIGTERM timed to the process's exit, the per-round throughput ratios of
+the drilled server to the plain one, and the result file with its summary."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import statistics
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -78,3 +82,23 @@ def sigterm_and_wait(proc: subprocess.Popen, timeout_s: float) -> tuple[int | No
         proc.wait()
         return None, None
     return code, round(time.monotonic() - t, 2)
+
+
+def throughput_ratios(base_rounds: list[dict], drilled_rounds: list[dict]) -> dict:
+    """Each round's output tokens/s of the drilled server over the base server's (the rounds
+    ran side by side): ``ratio_output_tok_s_median`` and the ``ratios``, to 4 places."""
+    ratios = [
+        d["output_tok_s"] / b["output_tok_s"]
+        for b, d in zip(base_rounds, drilled_rounds, strict=True)
+    ]
+    return {
+        "ratio_output_tok_s_median": round(statistics.median(ratios), 4),
+        "ratios": [round(x, 4) for x in ratios],
+    }
+
+
+def write_result(out: dict, folder: Path, name: str) -> None:
+    """``out`` as ``folder/<name>.json``; prints its median ratio and its targets."""
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k: out[k] for k in ("ratio_output_tok_s_median", "targets")}, indent=2))

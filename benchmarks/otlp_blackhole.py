@@ -26,7 +26,6 @@ Run it alone on the machine (others' engines change the ratio):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -38,7 +37,13 @@ from pathlib import Path
 import httpx
 
 from tokenmill.bench.blackhole import BlackHole
-from tokenmill.bench.drill_load import closed_loop_round, counter_by, sigterm_and_wait
+from tokenmill.bench.drill_load import (
+    closed_loop_round,
+    counter_by,
+    sigterm_and_wait,
+    throughput_ratios,
+    write_result,
+)
 from tokenmill.bench.scenario import _free_port, start_server
 
 OUT = Path(__file__).parent / "results"
@@ -149,10 +154,6 @@ def main() -> int:
             if s["proc"].poll() is None:
                 s["proc"].kill()
         hole.close()
-    ratios = [
-        b["output_tok_s"] / p["output_tok_s"]
-        for p, b in zip(servers["plain"]["rounds"], servers["blackhole"]["rounds"], strict=True)
-    ]
     for name, s in servers.items():
         log = (s["folder"] / f"{name}.log").read_text()
         out[name] = {
@@ -172,8 +173,7 @@ def main() -> int:
             "log_tail": [ln for ln in log.splitlines() if "OTLP export" in ln][-3:],
         }
     rss = out["blackhole"]["rss_mib"]
-    out["ratio_output_tok_s_median"] = round(statistics.median(ratios), 4)
-    out["ratios"] = [round(x, 4) for x in ratios]
+    out.update(throughput_ratios(servers["plain"]["rounds"], servers["blackhole"]["rounds"]))
     out["blackhole"]["rss_growth_pct"] = round(100 * (rss["last"] - rss["first"]) / rss["first"], 2)
     out["blackhole"]["spans_dropped"] = drops
     out["blackhole"]["health_otlp"] = otlp_health
@@ -187,9 +187,7 @@ def main() -> int:
         ),
         "no_failed_requests": out["blackhole"]["failed"] == 0 and out["plain"]["failed"] == 0,
     }
-    OUT.mkdir(exist_ok=True)
-    (OUT / "otlp_blackhole.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({k: out[k] for k in ("ratio_output_tok_s_median", "targets")}, indent=2))
+    write_result(out, OUT, "otlp_blackhole")
     print(
         f"blackhole: rss {rss['first']} → {rss['last']} MiB (max {rss['max']}), "
         f"SIGTERM → exit {out['blackhole']['sigterm_to_exit_s']} s "

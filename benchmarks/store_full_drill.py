@@ -29,7 +29,6 @@ Needs root (``mount -t tmpfs``). Run it alone on the machine (others' engines ch
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -43,7 +42,13 @@ from pathlib import Path
 import duckdb
 import httpx
 
-from tokenmill.bench.drill_load import closed_loop_round, counter_by, sigterm_and_wait
+from tokenmill.bench.drill_load import (
+    closed_loop_round,
+    counter_by,
+    sigterm_and_wait,
+    throughput_ratios,
+    write_result,
+)
 from tokenmill.bench.scenario import _free_port, start_server
 
 OUT = Path(__file__).parent / "results"
@@ -176,10 +181,6 @@ def main() -> int:
                 s["proc"].kill()
                 s["proc"].wait()
         subprocess.run(["umount", "-l", str(tiny)], check=False)
-    ratios = [
-        f["output_tok_s"] / a["output_tok_s"]
-        for a, f in zip(servers["ample"]["rounds"], servers["full"]["rounds"], strict=True)
-    ]
     for name, s in servers.items():
         out[name] = {
             "rounds": s["rounds"],
@@ -189,8 +190,7 @@ def main() -> int:
             "exit_code": s["exit_code"],
         }
     missing = recorded - stored
-    out["ratio_output_tok_s_median"] = round(statistics.median(ratios), 4)
-    out["ratios"] = [round(x, 4) for x in ratios]
+    out.update(throughput_ratios(servers["ample"]["rounds"], servers["full"]["rounds"]))
     out["full"].update(
         {
             "failed": out["full"]["failed"] + rec["failed"],
@@ -226,9 +226,7 @@ def main() -> int:
         "dropped_equals_missing": sum(drops.values()) == missing,
         "recovered_after_space_freed": recovered,
     }
-    OUT.mkdir(exist_ok=True)
-    (OUT / "store_full_drill.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({k: out[k] for k in ("ratio_output_tok_s_median", "targets")}, indent=2))
+    write_result(out, OUT, "store_full_drill")
     print(
         f"full: sent {servers['full']['sent']}, recorded {recorded}, stored {stored}, missing "
         f"{missing}, dropped "
