@@ -62,7 +62,10 @@ from dataclasses import asdict, dataclass, field
 
 import duckdb
 
-from tokenmill.telemetry.schema import COMPLETED_SQL, GOOD_REQUEST_SQL, STATIONS
+# the request summary is the store's (plan replays run it too)
+from tokenmill.telemetry.readers import LATENCY_KEYS, REQUEST_SUMMARY_SQL
+from tokenmill.telemetry.recorded_config import read_recorded_config
+from tokenmill.telemetry.schema import COMPLETED_SQL, STATIONS
 
 from .findings import diagnose
 from .rules import RULES
@@ -116,16 +119,6 @@ MEDIAN_OF = {"ttft_p99_ms": "ttft_p50_ms", "itl_p99_ms": "itl_p50_ms", "e2e_p99_
 #: the medians of the latencies the goodput SLOs read (:class:`GoodputSlo`): a goodput drop
 #: regresses only when one of them moved beyond the threshold too (:func:`compare`)
 SLO_MEDIANS = ("ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms")
-LATENCY_KEYS = (
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "tpot_p50_ms",
-    "tpot_p99_ms",
-    "e2e_p50_ms",
-    "e2e_p99_ms",
-)
 THROUGHPUT_KEYS = (
     "throughput_tok_s",
     "request_rate_per_s",
@@ -217,7 +210,7 @@ class Run:
     throughput: dict
     stations: dict
     host: dict
-    config: dict
+    config: dict  # the config event as recorded (RecordedConfig.attributes): the config diff
     findings: dict
     signals: dict
     slowest: list[str]
@@ -364,33 +357,6 @@ COMPARISON_SCHEMA_VERSION = 1
 
 # ----- one run -----
 
-#: one run's request numbers (TTFT, ITL, TPOT, E2E percentiles, goodput's count) over the
-#: ``requests`` rows that arrived in ``[$since, $until)``; ``tokenmill plan`` runs it over its
-#: replayed requests too, so a prediction and a measurement use the same definitions
-REQUEST_SUMMARY_SQL = f"""
-SELECT count(*) AS requests,
-    count(*) FILTER (WHERE ok) AS completed,
-    count(*) FILTER (WHERE error_type IS NOT NULL) AS errors,
-    min(arrival_ns) AS first_arrival_ns, max(arrival_ns) AS last_arrival_ns,
-    max(end_ns) AS last_end_ns,
-    quantile_cont(input_tokens, 0.5) AS prompt_tokens_p50,
-    quantile_cont(input_tokens, 0.99) AS prompt_tokens_p99,
-    quantile_cont(output_tokens, 0.5) FILTER (WHERE ok) AS output_tokens_p50,
-    quantile_cont(output_tokens, 0.99) FILTER (WHERE ok) AS output_tokens_p99,
-    quantile_cont(ttft_ms, 0.5) FILTER (WHERE ok) AS ttft_p50_ms,
-    quantile_cont(ttft_ms, 0.99) FILTER (WHERE ok) AS ttft_p99_ms,
-    quantile_cont(itl_p50_ms, 0.5) FILTER (WHERE ok) AS itl_p50_ms,
-    quantile_cont(itl_p99_ms, 0.99) FILTER (WHERE ok) AS itl_p99_ms,
-    quantile_cont(tpot_ms, 0.5) FILTER (WHERE ok) AS tpot_p50_ms,
-    quantile_cont(tpot_ms, 0.99) FILTER (WHERE ok) AS tpot_p99_ms,
-    quantile_cont(e2e_ms, 0.5) FILTER (WHERE ok) AS e2e_p50_ms,
-    quantile_cont(e2e_ms, 0.99) FILTER (WHERE ok) AS e2e_p99_ms,
-    coalesce(sum(output_tokens) FILTER (WHERE ok), 0) AS output_tokens,
-    count(*) FILTER (WHERE {GOOD_REQUEST_SQL}) AS good
-FROM (SELECT *, {COMPLETED_SQL} AS ok FROM requests
-      WHERE arrival_ns >= $since AND arrival_ns < $until)
-"""
-
 # ends before arrivals at the same instant: a request that ends as another arrives overlaps none
 _PEAK_IN_FLIGHT_SQL = """
 WITH r AS (SELECT arrival_ns, end_ns FROM requests WHERE arrival_ns >= $since AND arrival_ns < $until),
@@ -437,12 +403,6 @@ def _float(v):
         return None
     v = float(v)
     return None if math.isnan(v) else v
-
-
-def _config(con) -> dict:
-    from .signals import _engine_config
-
-    return _engine_config(con)
 
 
 def measure(
@@ -545,7 +505,7 @@ def measure(
         throughput=throughput,
         stations=stations,
         host=host,
-        config=_config(con),
+        config=read_recorded_config(con).attributes,
         findings=findings,
         signals={k: v for k, v in signals.items() if isinstance(v, (int, float))},
         slowest=slowest,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import duckdb
 
+from tokenmill.telemetry.readers import store_engine
+
 from .signals import FAMILIES_BY_NAME, Signals
 
 #: what each table holds, in the words of the report
@@ -35,19 +37,6 @@ def _empty_tables(con: duckdb.DuckDBPyConnection, tables: set[str]) -> set[str]:
         if not has_rows:
             out.add(t)
     return out
-
-
-def store_engine(con: duckdb.DuckDBPyConnection) -> str | None:
-    """The engine another engine's store was collected from (the kind its metric samples
-    name most often), or None for tokenmill's own store."""
-    try:
-        row = con.execute(
-            "SELECT engine_kind FROM engine_samples WHERE engine_kind <> 'tokenmill' "
-            "GROUP BY engine_kind ORDER BY count(*) DESC LIMIT 1"
-        ).fetchone()
-    except duckdb.Error:
-        return None
-    return row[0] if row else None
 
 
 def not_assessed(con: duckdb.DuckDBPyConnection, sig: Signals, rules) -> dict[str, str]:

@@ -65,7 +65,7 @@ def run(
     cost_models = {}
     for path in cost_from:
         other = open_recording(path)
-        cost_models[str(other.cfg.get("quantization") or "none")] = other.model
+        cost_models[other.recorded.quantization or "none"] = other.model
         other.con.close()
     rec = open_recording(store)
     run_con = None

@@ -1,5 +1,5 @@
 """Predictions: a recording opened once, each what-if replayed and summed up with the same SQL
-that measures a real run (``tokenmill.diagnose.compare.REQUEST_SUMMARY_SQL`` over a
+that measures a real run (``tokenmill.telemetry.readers.REQUEST_SUMMARY_SQL`` over a
 ``requests`` table of the replayed requests), and the error estimate printed with every
 prediction.
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import duckdb
 import numpy as np
 
-from tokenmill.diagnose.compare import LATENCY_KEYS, REQUEST_SUMMARY_SQL
-from tokenmill.diagnose.signals.scope import engine_config
 from tokenmill.engine.config import EngineConfig
+from tokenmill.telemetry.readers import LATENCY_KEYS, REQUEST_SUMMARY_SQL
+from tokenmill.telemetry.recorded_config import RecordedConfig, read_recorded_config
 
 from .simulate import Setup, SimResult, simulate
 from .step_cost import StepCostError, StepCostModel, fit_step_cost
@@ -49,7 +49,7 @@ class Recording:
 
     path: str
     con: duckdb.DuckDBPyConnection
-    cfg: dict
+    recorded: RecordedConfig
     config: EngineConfig
     workload: Workload
     model: StepCostModel
@@ -57,13 +57,13 @@ class Recording:
 
     @property
     def device(self) -> str:
-        return str(self.cfg.get("engine_device") or "cpu")
+        return self.recorded.engine_device
 
 
-def _engine_config(cfg: dict) -> EngineConfig:
+def _engine_config(recorded: RecordedConfig) -> EngineConfig:
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     try:
-        return EngineConfig(**{k: v for k, v in cfg.items() if k in known})
+        return EngineConfig(**{k: v for k, v in recorded.attributes.items() if k in known})
     except (TypeError, ValueError) as exc:
         raise PlanError(f"the recorded engine config does not load here ({exc})") from None
 
@@ -94,8 +94,8 @@ def recording_from(con: duckdb.DuckDBPyConnection, label: str) -> Recording:
         PlanError: no requests, no engine steps, too few steps (one line naming ``label``).
     """
     try:
-        cfg = engine_config(con)
-        model = fit_step_cost(con, cfg)
+        recorded = read_recorded_config(con)
+        model = fit_step_cost(con, recorded)
         workload = read_workload(con)
         (blocks,) = con.execute(
             "SELECT max(kv_blocks_total) FROM engine_steps WHERE kv_blocks_total > 0"
@@ -107,7 +107,7 @@ def recording_from(con: duckdb.DuckDBPyConnection, label: str) -> Recording:
         raise PlanError(f"{label}: cannot read the store ({first})") from None
     if not blocks:
         raise PlanError(f"{label}: the engine steps do not say the KV pool's size")
-    return Recording(label, con, cfg, _engine_config(cfg), workload, model, int(blocks))
+    return Recording(label, con, recorded, _engine_config(recorded), workload, model, int(blocks))
 
 
 def summarize_rows(con: duckdb.DuckDBPyConnection, slo: Slo, since_ns=None, until_ns=None) -> dict:
@@ -145,11 +145,7 @@ def result_rows(workload: Workload, result: SimResult) -> duckdb.DuckDBPyConnect
             "end_ns": arrival + np.round(e2e * 1e6).astype(np.int64),
             "input_tokens": workload.input_tokens,
             "output_tokens": result.output_tokens,
-            "ttft_ms": pa.array(result.ttft_ms, from_pandas=True),
-            "itl_p50_ms": pa.array(result.itl_p50_ms, from_pandas=True),
-            "itl_p99_ms": pa.array(result.itl_p99_ms, from_pandas=True),
-            "tpot_ms": pa.array(result.tpot_ms, from_pandas=True),
-            "e2e_ms": pa.array(np.where(done, result.e2e_ms, np.nan), from_pandas=True),
+            **{k: pa.array(v, from_pandas=True) for k, v in result.latencies.items()},
             "finish_reason": pa.array(np.where(done, "length", None).tolist(), pa.string()),
             "error_type": pa.nulls(len(arrival), pa.string()),
         }
@@ -229,7 +225,7 @@ def setup_for(
     )
     model = rec.model
     want = ch.get("quantization")
-    have = str(rec.cfg.get("quantization") or "none")
+    have = rec.recorded.quantization or "none"
     if want is not None and want != have:
         other = (cost_models or {}).get(want)
         if other is None:
@@ -265,7 +261,7 @@ def setup_for(
         num_blocks=num_blocks,
         replicas=replicas * hosts,
         threads=threads,
-        max_model_len=int(rec.cfg.get("max_model_len") or 1 << 20),
+        max_model_len=rec.recorded.max_model_len or 1 << 20,
     )
     return setup, workload, model, notes
 
@@ -380,12 +376,10 @@ def error_estimate(rec: Recording, slo: Slo) -> dict:
     cut = w.start_ns + int(rel_cut_s * 1e9)
     tail = int((w.arrival_s >= rel_cut_s).sum())  # requests that arrived together stay together
     try:
-        model = fit_step_cost(rec.con, rec.cfg, shape=rec.model.shape, until_ns=cut)
+        model = fit_step_cost(rec.con, rec.recorded, shape=rec.model.shape, until_ns=cut)
     except StepCostError as exc:
         return {"note": f"no error estimate: {exc}"}
-    setup = Setup(
-        rec.config, rec.num_blocks, max_model_len=int(rec.cfg.get("max_model_len") or 1 << 20)
-    )
+    setup = Setup(rec.config, rec.num_blocks, max_model_len=rec.recorded.max_model_len or 1 << 20)
     result = simulate(w, setup, model)
     con = result_rows(w, result)
     pred = summarize_rows(con, slo, since_ns=cut - w.start_ns)

@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
+from tokenmill.telemetry.recorded_config import RecordedConfig
+
 #: the model's terms, in the order of a feature row
 TERMS = (
     "step",
@@ -108,7 +110,7 @@ class Shape:
     kv_bytes_per_token: int
 
 
-def model_shape(cfg: dict) -> Shape:
+def model_shape(cfg: RecordedConfig) -> Shape:
     """The shape of the recorded engine's model (its ``config`` event names the folder; the
     default model where it names none).
 
@@ -118,7 +120,7 @@ def model_shape(cfg: dict) -> Shape:
     from tokenmill.engine.model_config import load_model_config
     from tokenmill.engine.roofline import ModelCost
 
-    folder = cfg.get("model")
+    folder = cfg.model
     if not folder:
         from tokenmill.engine.model_fetch import default_model_dir
 
@@ -132,7 +134,7 @@ def model_shape(cfg: dict) -> Shape:
             "needs its config.json"
         ) from None
     cost = ModelCost.from_config(mc)
-    kv_token = int(cfg.get("kv_bytes_per_token") or cost.kv_bytes_per_token)
+    kv_token = int(cfg.kv_bytes_per_token or cost.kv_bytes_per_token)
     return Shape(
         linear_params=cost.linear_params,
         lm_head_params=cost.lm_head_params,
@@ -349,7 +351,12 @@ def _inliers(x: np.ndarray, y: np.ndarray, use: np.ndarray) -> np.ndarray:
 
 
 def fit_step_cost(
-    con, cfg: dict, *, seed: int = 0, shape: Shape | None = None, until_ns: int | None = None
+    con,
+    cfg: RecordedConfig,
+    *,
+    seed: int = 0,
+    shape: Shape | None = None,
+    until_ns: int | None = None,
 ) -> StepCostModel:
     """Fit the model on a store's working steps (those started before ``until_ns``).
 
@@ -420,7 +427,7 @@ def fit_step_cost(
         )
         ratio = fwd[on] / np.maximum(pred_fwd, 1e-6)
         model.thread_factors[int(t)] = {"factor": float(np.median(ratio)), "steps": int(on.sum())}
-    if model.native_rows and str(cfg.get("engine_device") or "cpu") == "cpu":
+    if model.native_rows and cfg.engine_device == "cpu":
         # the engine's own cut-over, which a quiet recording may not have reached
         from tokenmill.kernels.cutover import FASTER_ROWS as MAX_NATIVE_ROWS
 

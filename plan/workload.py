@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from tokenmill.diagnose.signals.scope import engine_config
+from tokenmill.telemetry.recorded_config import read_recorded_config
 
 #: the made-up token ids: blocks from a content hash lie below this, a request's own tokens above
 _OWN_BASE = 1 << 40
@@ -218,7 +218,6 @@ def read_workload(con, *, since_ns: int | None = None, until_ns: int | None = No
     outputs = np.array([r[3] for r in rows], dtype=np.int64)
     pre = _api_time_before_engine(con)
     post = [(r[8] - r[7]) / 1e9 for r in rows if r[7] is not None]
-    cfg = engine_config(con)
     return Workload(
         arrival_s=(arrival - arrival[0]) / 1e9,
         input_tokens=np.array([r[2] for r in rows], dtype=np.int64),
@@ -228,6 +227,6 @@ def read_workload(con, *, since_ns: int | None = None, until_ns: int | None = No
         block_hashes=[list(r[6] or []) for r in rows],
         pre_engine_s=float(max(pre, 0.0)),
         post_engine_s=float(max(np.median(post), 0.0)) if post else 0.0,
-        block_size=int(cfg.get("block_size") or 16),
+        block_size=read_recorded_config(con).block_size,
         start_ns=int(arrival[0]),
     )

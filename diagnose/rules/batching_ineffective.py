@@ -7,14 +7,14 @@ from ._common import Evidence, Param, Rule, _confidence, _in_window, _when, _wor
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
-    cap = sig.config.get("max_num_seqs")
+    cap = sig.config.max_num_seqs
     known = bool(cap)
     if not known:
         # another engine's store has no config event: the most requests it ever ran at once
         # (its running gauge) stands for the cap; a batch flat at that while requests wait and
         # KV is mostly free is capped by something other than memory all the same
         cap = sig.overall.get("running_max")
-        if not cap or sig.config:
+        if not cap or sig.config.recorded:
             return None
 
     def hit(w: Window) -> bool:

@@ -173,8 +173,8 @@ def _stalled_now(sig: Signals, p: dict) -> Evidence | None:
         f"{_ms(base)}), begun while request {big.request_id} ({big.prompt_tokens} prompt "
         f"tokens) waited for its first token: at least {decoding} running request(s) have had "
         f"no token since; the step has not ended yet (chunked prefill "
-        f"{'on' if cfg.get('enable_chunked_prefill', True) else 'off'}, step budget "
-        f"{cfg.get('max_num_batched_tokens', '?')} tokens)",
+        f"{'off' if cfg.enable_chunked_prefill is False else 'on'}, step budget "
+        f"{'?' if cfg.max_num_batched_tokens is None else cfg.max_num_batched_tokens} tokens)",
         {
             "open_step_ms": step.lasted_ms,
             "decode_step_ms_p50": base,
@@ -182,8 +182,8 @@ def _stalled_now(sig: Signals, p: dict) -> Evidence | None:
             "prefill_prompt_tokens": big.prompt_tokens,
             "decoding_requests": decoding,
             "host_others_cpu_pct": others,
-            "max_num_batched_tokens": cfg.get("max_num_batched_tokens"),
-            "enable_chunked_prefill": cfg.get("enable_chunked_prefill"),
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "enable_chunked_prefill": cfg.enable_chunked_prefill,
         },
         (step.start_ns, step.now_ns),
         None,
@@ -284,8 +284,8 @@ def _stalled_steps(sig: Signals, p: dict) -> Evidence | None:
         f"steps carrying prefill took up to {_ms(step_max(w))} against {_ms(near)} for the "
         f"decode-only steps around them ({_ms(base_step)} baseline; largest prefill in a step: "
         f"{w.get('prefill_tokens_max') or 0:.0f} tokens; chunked prefill "
-        f"{'on' if cfg.get('enable_chunked_prefill', True) else 'off'}, step budget "
-        f"{cfg.get('max_num_batched_tokens', '?')} tokens)",
+        f"{'off' if cfg.enable_chunked_prefill is False else 'on'}, step budget "
+        f"{'?' if cfg.max_num_batched_tokens is None else cfg.max_num_batched_tokens} tokens)",
         {
             "itl_max_ms": itl_max(w),
             "baseline_itl_p50_ms": base_itl,
@@ -294,8 +294,8 @@ def _stalled_steps(sig: Signals, p: dict) -> Evidence | None:
             "decode_step_ms_p50": base_step,
             "prefill_tokens_max_per_step": w.get("prefill_tokens_max"),
             "decode_time_lost_to_prefill_share": share,
-            "max_num_batched_tokens": cfg.get("max_num_batched_tokens"),
-            "enable_chunked_prefill": cfg.get("enable_chunked_prefill"),
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "enable_chunked_prefill": cfg.enable_chunked_prefill,
         },
         (w.start_ns, w.end_ns),
         where,

@@ -67,7 +67,7 @@ def _stalls_were_preemptions(evidence: dict) -> bool:
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
-    max_seqs = sig.config.get("max_num_seqs")
+    max_seqs = sig.config.max_num_seqs
     found: list[tuple[float, str, Window]] = []
     for w in sig.busy():
         if (w.get("completed_arrivals") or 0) < p["min_requests"]:

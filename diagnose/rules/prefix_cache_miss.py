@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from tokenmill.telemetry.schema import DEFAULT_BLOCK_SIZE
-
 from ..signals import Signals, prefix_block_stats, prefix_head_stats
 from ..stats import Support, judge
 from ._common import Evidence, Param, Rule, _confidence
@@ -30,7 +28,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     ):
         return _recomputed_repeats(sig, p, hit_rate) or _shorter_than_a_block(sig, p, hit_rate)
     # prompt hashes are per engine block (the config event has its size)
-    bs = int(sig.config.get("block_size") or DEFAULT_BLOCK_SIZE)
+    bs = sig.config.block_size
     return Evidence(
         f"{stats['shared_tail_differs_first']} of {stats['prompts']} prompts share the "
         f"{int(p['shared_blocks'])} blocks after block {stats['block']} with another prompt but "
@@ -82,7 +80,7 @@ def _recomputed_repeats(sig: Signals, p: dict, hit_rate: float) -> Evidence | No
     """Prompts that repeat an earlier prompt's leading blocks (a chat's history, a shared
     document) and were computed again: with the prefix cache off, or its blocks evicted before
     the repeat arrived. Request by request, so it holds for one slow chat as for many."""
-    bs = int(sig.config.get("block_size") or DEFAULT_BLOCK_SIZE)
+    bs = sig.config.block_size
     k = int(p["shared_blocks"])
     rows = sig.con.execute(
         _REPEATS_SQL, {"since": sig.since_ns, "until": sig.until_ns, "k": k}
@@ -98,7 +96,7 @@ def _recomputed_repeats(sig: Signals, p: dict, hit_rate: float) -> Evidence | No
     share = recomputed / total if total else 0.0
     if share < p["recomputed_share"]:
         return None
-    caching = sig.config.get("enable_prefix_caching")
+    caching = sig.config.enable_prefix_caching
     off = caching is False
     prefill_share = sum(r[5] or 0 for r in missed) / max(1e-9, sum(r[4] or 0 for r in missed))
     support = Support(

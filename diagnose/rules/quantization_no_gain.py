@@ -28,13 +28,13 @@ _FLOAT = ("none", "", None)
 
 
 def _source(sig: Signals) -> str:
-    a = sig.config.get("device_peak_gbps_source")
-    b = sig.config.get("device_peak_gflops_source")
+    a = sig.config.device_peak_gbps_source
+    b = sig.config.device_peak_gflops_source
     return str(a) if a == b else f"{a} / {b}"
 
 
 def _dtype(sig: Signals) -> str:
-    return str(sig.config.get("model_dtype") or sig.config.get("dtype") or "?")
+    return str(sig.config.model_dtype or sig.config.dtype or "?")
 
 
 def _busy_span(sig: Signals) -> tuple[int, int]:
@@ -47,9 +47,9 @@ def _gb(n) -> str:
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
-    quant = sig.config.get("quantization")
+    quant = sig.config.quantization
     peaks = roofline_peaks(sig.config)
-    if quant in _FLOAT or peaks is None or sig.config.get("int8_compute_path") not in _FLOAT:
+    if quant in _FLOAT or peaks is None or sig.config.int8_compute_path not in _FLOAT:
         return None
     gbps, gflops, ridge = peaks
     o = sig.overall
@@ -112,8 +112,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         {
             "quantization": quant,
             "dtype": _dtype(sig),
-            "weight_bytes_total": sig.config.get("weight_bytes_total"),
-            "weight_bytes_by_dtype": sig.config.get("weight_bytes_by_dtype"),
+            "weight_bytes_total": sig.config.weight_bytes_total,
+            "weight_bytes_by_dtype": sig.config.weight_bytes_by_dtype,
             "compute_bound_share": share,
             "compute_bound_prefill_share": prefill,
             "compute_bound_decode_share": decode,
@@ -141,7 +141,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
 
 def hint(sig: Signals, p: dict) -> Hint | None:
     peaks = roofline_peaks(sig.config)
-    if sig.config.get("quantization") != "none" or peaks is None:
+    if sig.config.quantization != "none" or peaks is None:
         return None
     gbps, _, ridge = peaks
     o = sig.overall
@@ -161,14 +161,14 @@ def hint(sig: Signals, p: dict) -> Hint | None:
         return None
     return Hint(
         f"weights dominate decode: decode-only steps took {decode:.0%} of the forward time, "
-        f"read {weights:.0%} weights ({_gb(sig.config.get('weight_bytes_total'))} in "
+        f"read {weights:.0%} weights ({_gb(sig.config.weight_bytes_total)} in "
         f"{_dtype(sig)}) at {achieved:,.1f} GB/s, {util:.0%} of the {gbps:,.1f} GB/s peak, with "
         f"{intensity:,.1f} FLOP/byte, below the ridge at {ridge:,.1f}: weight quantization "
         f"(--quantization int8/int4) would cut those bytes and shorten each decode step",
         {
             "quantization": "none",
             "dtype": _dtype(sig),
-            "weight_bytes_total": sig.config.get("weight_bytes_total"),
+            "weight_bytes_total": sig.config.weight_bytes_total,
             "decode_forward_share": decode,
             "decode_weight_byte_share": weights,
             "decode_gbps_p50": achieved,

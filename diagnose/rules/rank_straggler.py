@@ -21,7 +21,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     spread, rank = w.get("rank_spread_p50"), w.get("slowest_rank")
     where, params = _in_window(w)
     return Evidence(
-        f"rank {rank} was the slowest of {sig.config.get('tensor_parallel_size')} ranks in "
+        f"rank {rank} was the slowest of {sig.config.tensor_parallel_size} ranks in "
         f"{w.get('slowest_rank_share'):.0%} of the {w.get('rank_samples')} samples in "
         f"{_when(w)}: its forward outside collectives took {_ms(w.get('slowest_rank_ms'))} "
         f"against {_ms(w.get('fastest_rank_ms'))} for the fastest ({spread:.1f}x), and the "
@@ -34,7 +34,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "fastest_rank_ms": w.get("fastest_rank_ms"),
             "rank_samples": w.get("rank_samples"),
             "decode_collective_share": w.get("decode_collective_share"),
-            "tensor_parallel_size": sig.config.get("tensor_parallel_size"),
+            "tensor_parallel_size": sig.config.tensor_parallel_size,
         },
         (w.start_ns, w.end_ns),
         where,

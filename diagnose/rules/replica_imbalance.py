@@ -50,7 +50,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         else f"its TTFT p50 {_ms(w.get('replica_ttft_p50_hot'))} (queue p50 "
         f"{_ms(w.get('replica_queue_p50_hot'))}), replica {cool} serving nothing"
     )
-    affinity = bool(sig.config.get("router_prefix_affinity"))
+    affinity = sig.config.router_prefix_affinity
     causes = RULE.causes if affinity else (RULE.causes[1], RULE.causes[0], *RULE.causes[2:])
     where, params = _in_window(w)
     return Evidence(

@@ -132,7 +132,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "spec_forward_share": w.get("spec_forward_share"),
             "windows_not_paying": len(slow),
             "windows_compute_bound": len(bound),
-            "speculative_config": sig.config.get("speculative_config"),
+            "speculative_config": sig.config.speculative_config,
         },
         (w.start_ns, w.end_ns),
         f"{where} AND spec_draft_tokens > 0",

@@ -18,8 +18,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     w = max(hits, key=lambda w: w.get("decode_collective_share"))
     share = w.get("decode_collective_share")
     prefill = w.get("prefill_collective_share")
-    tp = sig.config.get("tensor_parallel_size")
-    dp = sig.config.get("data_parallel_size") or 1
+    tp = sig.config.tensor_parallel_size
+    dp = sig.config.data_parallel_size
     kb = (w.get("decode_collective_bytes_mean") or 0) / 1024
     where, params = _in_window(w)
     prefill_part = ""

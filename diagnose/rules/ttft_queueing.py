@@ -34,7 +34,7 @@ def _causes(sig: Signals, w: Window, p: dict) -> tuple[tuple[str, ...], dict]:
     ).fetchall()
     total = sum(n for _, n in tenants)
     top_tenant, top_n = tenants[0] if tenants else (None, 0)
-    cap = sig.config.get("max_num_seqs")
+    cap = sig.config.max_num_seqs
     numbers = {
         "arrivals": w.get("arrivals") or 0,
         "completions": w.get("completions") or 0,

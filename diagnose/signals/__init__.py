@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import duckdb
 
+from tokenmill.telemetry.recorded_config import RecordedConfig, read_recorded_config
 from tokenmill.telemetry.schema import COMPLETED_SQL
 
 from . import (
@@ -58,7 +59,7 @@ from .queue_now import OpenStep, Waiting, open_step, waiting_now
 from .recompute import RecomputeStep, recompute_steps
 from .roofline import roofline_peaks
 from .same_work import step_ratios_sql
-from .scope import NS, Scope, engine_config, quantile, span, store_columns
+from .scope import NS, Scope, quantile, span, store_columns
 from .upstream import fill_from_upstream_spans
 from .warmup import (
     WARMUP_COMPLETIONS,
@@ -93,7 +94,6 @@ FAMILIES: tuple[Family, ...] = (
 FAMILIES_BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
 
 # the names importers used when this was one module
-_engine_config = engine_config
 _quantile = quantile
 
 
@@ -245,7 +245,11 @@ def make_scope(
         window_s=window_s,
         columns=cols,
         warmup=tuple(warm),
-        config=engine_config(con) if {"kind", "time_ns", "attributes"} <= cols["events"] else {},
+        config=(
+            read_recorded_config(con)
+            if {"kind", "time_ns", "attributes"} <= cols["events"]
+            else RecordedConfig()
+        ),
         not_warm_req=outside("arrival_ns", warm),
         not_warm_step=outside("start_ns", warm),
         short_prompt_tokens=short_prompt_tokens,

@@ -140,7 +140,7 @@ def compute_replicas(scope: Scope) -> Yield:
     got none) with ``replica_arrivals_min`` and ``replica_ttft_p50_cool``;
     ``replica_running_mean_min`` / ``_max`` (mean running requests over each replica's step
     records; a replica with no record in the window counts 0). Nothing below two replicas."""
-    size = int(scope.config.get("data_parallel_size") or 1)
+    size = scope.config.data_parallel_size
     if size < 2:
         return Yield()
     by_win: dict[int, dict[int, dict]] = {}

@@ -4,7 +4,7 @@ over prompt tokens); and the prompt-hash statistics ``prefix_cache_miss`` runs i
 
 from __future__ import annotations
 
-from tokenmill.telemetry.schema import DEFAULT_BLOCK_SIZE
+from tokenmill.telemetry.recorded_config import read_recorded_config
 
 from .family import Family, Yield
 from .requests import by_arrival
@@ -134,9 +134,5 @@ def prefix_head_stats(
 
 def engine_block_size(con) -> int:
     """Tokens per KV block (and per prompt hash block) from the latest ``config`` event;
-    :data:`DEFAULT_BLOCK_SIZE` for a store without one."""
-    row = con.execute(
-        "SELECT TRY_CAST(attributes->>'block_size' AS INTEGER) FROM events "
-        "WHERE kind = 'config' ORDER BY time_ns DESC LIMIT 1"
-    ).fetchall()
-    return int(row[0][0]) if row and row[0][0] else DEFAULT_BLOCK_SIZE
+    the engine's default (16) for a store without one."""
+    return read_recorded_config(con).block_size

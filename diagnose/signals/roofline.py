@@ -10,6 +10,7 @@ counts (``ROOFLINE_STEP_SQL``). The compute-bound prefill keys are NULL without 
 
 from __future__ import annotations
 
+from tokenmill.telemetry.recorded_config import RecordedConfig
 from tokenmill.telemetry.schema import (
     ROOFLINE_STEP_SQL,
     STEP_BYTES_SQL,
@@ -60,18 +61,11 @@ _KEYS = (
 )
 
 
-def roofline_peaks(config: dict) -> tuple[float, float, float] | None:
-    """``(peak GB/s, peak GFLOP/s, ridge FLOP/byte)`` from the ``config`` event's
-    ``device_peak_gbps``/``device_peak_gflops`` (the ridge: GFLOP/s ÷ GB/s); None when either
-    is missing or not positive (a store from before the roofline, a failed probe)."""
-    try:
-        gbps = float(config.get("device_peak_gbps"))
-        gflops = float(config.get("device_peak_gflops"))
-    except (TypeError, ValueError):
-        return None
-    if not (gbps > 0 and gflops > 0):
-        return None
-    return gbps, gflops, gflops / gbps
+def roofline_peaks(config: RecordedConfig) -> tuple[float, float, float] | None:
+    """``(peak GB/s, peak GFLOP/s, ridge FLOP/byte)`` from the ``config`` event's device peaks
+    (:meth:`RecordedConfig.roofline_peaks`); None when either is missing or not positive (a
+    store from before the roofline, a failed probe)."""
+    return config.roofline_peaks()
 
 
 def compute(scope: Scope) -> Yield:

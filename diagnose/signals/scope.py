@@ -4,13 +4,13 @@ the SQL helpers the families share."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import duckdb
 
+from tokenmill.telemetry.recorded_config import RecordedConfig
 from tokenmill.telemetry.schema import TABLES as STORE_TABLES
 from tokenmill.telemetry.schema import columns
 
@@ -33,7 +33,7 @@ class Scope:
     window_s: float
     # lower-case column names of each table the store has (an absent table: empty)
     columns: Mapping[str, frozenset[str]]
-    config: dict = field(default_factory=dict)
+    config: RecordedConfig = field(default_factory=RecordedConfig)
     # the warm-up intervals [start_ns, end_ns) set apart from the per-window signals, and SQL
     # conditions: a request's arrival / a step's start outside them
     warmup: tuple[tuple[int, int], ...] = ()
@@ -117,19 +117,6 @@ def span(con, cols: Mapping[str, frozenset[str]], since_ns, until_ns) -> tuple[i
     return (since_ns if since_ns is not None else lo), (
         until_ns if until_ns is not None else hi + 1
     )
-
-
-def engine_config(con) -> dict:
-    """The engine flags recorded at server start (the last ``config`` event)."""
-    row = con.execute(
-        "SELECT attributes FROM events WHERE kind = 'config' ORDER BY time_ns DESC LIMIT 1"
-    ).fetchone()
-    if not row or not row[0]:
-        return {}
-    try:
-        return json.loads(row[0])
-    except ValueError:
-        return {}
 
 
 def rows(con, sql: str, params: dict) -> dict[int, dict]:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import duckdb
 
+from tokenmill.telemetry.recorded_config import RecordedConfig
+
 
 class NoTraffic(Exception):
     """The store (or the chosen window) holds no requests."""
@@ -37,7 +39,7 @@ class Signals:
     windows: list[Window]
     overall: dict[str, float | None]
     baseline: dict[str, float | None]
-    config: dict
+    config: RecordedConfig
     errors_by_type: dict[str, int]
     errors_by_window: dict[int, dict[str, int]]
     device_kind: str | None  # 'gpu', 'host' or None

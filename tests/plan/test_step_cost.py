@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tokenmill.plan.step_cost import MIN_STEPS, Shape, StepCostError, fit_step_cost
+from tokenmill.telemetry.recorded_config import RecordedConfig
 
 SHAPE = Shape(
     linear_params=1000, lm_head_params=100, attn_flop_per_pair=4, layers=1, kv_bytes_per_token=1
@@ -71,7 +72,7 @@ def steps_store(
 
 
 def test_the_fit_recovers_each_paths_coefficients_and_the_gap():
-    m = fit_step_cost(steps_store(900), {}, shape=SHAPE)
+    m = fit_step_cost(steps_store(900), RecordedConfig(), shape=SHAPE)
     eager, compiled = m.paths["eager"], m.paths["compiled"]
     f = eager.forward.coef  # step, decode, prefill, chunks, attention, KV
     assert f[0] == pytest.approx(12, rel=0.1)
@@ -99,16 +100,16 @@ def test_the_fit_recovers_each_paths_coefficients_and_the_gap():
 
 
 def test_a_recording_without_prefill_steps_says_so():
-    m = fit_step_cost(steps_store(300, prefill_share=0.0), {}, shape=SHAPE)
+    m = fit_step_cost(steps_store(300, prefill_share=0.0), RecordedConfig(), shape=SHAPE)
     assert m.steps["with_prefill"] == 0
     assert m.unsupported() == [f"with prefill steps (0 recorded, {MIN_STEPS} needed)"]
 
 
 def test_no_steps_or_too_few_is_one_line():
     with pytest.raises(StepCostError, match="holds no engine steps"):
-        fit_step_cost(steps_store(0), {}, shape=SHAPE)
+        fit_step_cost(steps_store(0), RecordedConfig(), shape=SHAPE)
     with pytest.raises(StepCostError, match="holds 10 engine steps; fitting needs 40"):
-        fit_step_cost(steps_store(10), {}, shape=SHAPE)
+        fit_step_cost(steps_store(10), RecordedConfig(), shape=SHAPE)
 
 
 def test_fitting_stops_at_until_ns():
@@ -117,12 +118,12 @@ def test_fitting_stops_at_until_ns():
     (before,) = con.execute(
         "SELECT count(*) FROM engine_steps WHERE start_ns < ?", [mid]
     ).fetchone()
-    m = fit_step_cost(con, {}, shape=SHAPE, until_ns=mid)
+    m = fit_step_cost(con, RecordedConfig(), shape=SHAPE, until_ns=mid)
     assert m.steps["all"] + m.dropped == before == 149
 
 
 def test_steps_on_fewer_threads_price_a_replica_given_fewer():
-    m = fit_step_cost(steps_store(900, one_thread=6), {}, shape=SHAPE)
+    m = fit_step_cost(steps_store(900, one_thread=6), RecordedConfig(), shape=SHAPE)
     assert m.threads == 2
     assert m.thread_factors[1]["factor"] == pytest.approx(1.6, rel=0.05)
     assert m.thread_scale(1) == (
@@ -131,12 +132,12 @@ def test_steps_on_fewer_threads_price_a_replica_given_fewer():
     )
     # the fit itself stands on the two-thread steps only
     assert m.paths["eager"].forward.coef[1] == pytest.approx(0.9, rel=0.05)
-    plain = fit_step_cost(steps_store(300), {}, shape=SHAPE)
+    plain = fit_step_cost(steps_store(300), RecordedConfig(), shape=SHAPE)
     assert plain.thread_scale(1) == (2.0, "assumed from the thread counts")
 
 
 def test_pace_is_a_stores_step_time_over_the_models():
-    m = fit_step_cost(steps_store(900, one_thread=6), {}, shape=SHAPE)
+    m = fit_step_cost(steps_store(900, one_thread=6), RecordedConfig(), shape=SHAPE)
     own = m.pace(steps_store(300, seed=1, one_thread=6))
     assert own["factor"] == pytest.approx(1.0, abs=0.02)
     # every step (each on its path, its thread count) 25% longer; the 10x hiccups left out
@@ -150,7 +151,7 @@ def test_pace_is_a_stores_step_time_over_the_models():
 
 
 def test_a_scaled_model_prices_every_step_and_gap_times_the_factor():
-    m = fit_step_cost(steps_store(900, one_thread=6), {}, shape=SHAPE)
+    m = fit_step_cost(steps_store(900, one_thread=6), RecordedConfig(), shape=SHAPE)
     x = np.array([[1.0, 20, 300, 2, 0.5, 0.01], [1.0, 8, 0, 0, 0.1, 0.002]])
     s = m.scaled(1.5)
     for path in ("eager", "compiled"):
