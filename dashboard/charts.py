@@ -142,27 +142,48 @@ def waterfall(detail: dict, explanation: dict | None = None) -> go.Figure:
         _kv_transfer_bars(fig, moved)
     if explanation is not None:
         _critical_path_bars(fig, explanation)
-    tokens = detail["token_times_ms"]
-    if tokens:
-        fig.add_trace(
-            go.Scatter(
-                x=tokens,
-                y=["decode"] * len(tokens),
-                mode="markers",
-                name=f"tokens ({len(tokens)})",
-                marker={"symbol": "line-ns-open", "size": 14, "color": "#222"},
-                hovertemplate="token at %{x:,.1f} ms<extra></extra>",
-            )
+    _token_ticks(fig, detail["token_times_ms"])
+    _event_marks(fig, detail["events"])
+    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(rows)))
+    fig.update_xaxes(title_text="ms since arrival")
+    fig = _layout(fig, 480 if PATH_ROW in rows else 440)
+    # below the x-axis title, which the shared layout does not have
+    fig.update_layout(
+        hovermode="closest", bargap=0.35, barmode="overlay", legend_y=-0.2, margin_b=90
+    )
+    return fig
+
+
+#: the waterfall's span events: marker symbol, colour and legend label
+_EVENT_MARKS = {
+    "chunk": ("diamond", "#ff7f0e", "prefill chunk"),
+    "preempted": ("x", "#d62728", "preempted"),
+    "resumed": ("triangle-right", "#2ca02c", "resumed"),
+    "client_disconnect": ("star", "#9467bd", "client disconnect"),
+    "abort": ("x-open", "#d62728", "abort"),
+}
+
+
+def _token_ticks(fig: go.Figure, tokens: list[float]) -> None:
+    """The waterfall's token times (ms since arrival) as ticks on the decode row."""
+    if not tokens:
+        return
+    fig.add_trace(
+        go.Scatter(
+            x=tokens,
+            y=["decode"] * len(tokens),
+            mode="markers",
+            name=f"tokens ({len(tokens)})",
+            marker={"symbol": "line-ns-open", "size": 14, "color": "#222"},
+            hovertemplate="token at %{x:,.1f} ms<extra></extra>",
         )
-    marks = {
-        "chunk": ("diamond", "#ff7f0e", "prefill chunk"),
-        "preempted": ("x", "#d62728", "preempted"),
-        "resumed": ("triangle-right", "#2ca02c", "resumed"),
-        "client_disconnect": ("star", "#9467bd", "client disconnect"),
-        "abort": ("x-open", "#d62728", "abort"),
-    }
-    events = detail["events"]
-    for name, (symbol, color, label) in marks.items():
+    )
+
+
+def _event_marks(fig: go.Figure, events: list[dict]) -> None:
+    """The waterfall's span events as markers on their span's row (:data:`_EVENT_MARKS`), and
+    each preempted stretch (to its resume, if any) shaded."""
+    for name, (symbol, color, label) in _EVENT_MARKS.items():
         evs = [e for e in events if e["name"] == name]
         if not evs:
             continue
@@ -183,14 +204,6 @@ def waterfall(detail: dict, explanation: dict | None = None) -> go.Figure:
         resumed = next((r for r in events[i + 1 :] if r["name"] == "resumed"), None)
         end = resumed["time_ms"] if resumed else e["time_ms"]
         fig.add_vrect(x0=e["time_ms"], x1=end, fillcolor=_THROTTLE, line_width=0, layer="below")
-    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(rows)))
-    fig.update_xaxes(title_text="ms since arrival")
-    fig = _layout(fig, 480 if PATH_ROW in rows else 440)
-    # below the x-axis title, which the shared layout does not have
-    fig.update_layout(
-        hovermode="closest", bargap=0.35, barmode="overlay", legend_y=-0.2, margin_b=90
-    )
-    return fig
 
 
 def _critical_path_bars(fig: go.Figure, ex: dict) -> None:
@@ -265,6 +278,25 @@ def engine(steps: pd.DataFrame, hits: pd.DataFrame, per_step: bool) -> go.Figure
             "Preemptions and prefix-cache hit rate",
         ),
     )
+    _batch_and_split(fig, steps)
+    _queue_and_kv(fig, steps)
+    _preemptions_and_hits(fig, steps, hits)
+    fig.update_layout(barmode="stack")
+    unit = "per step" if per_step else "mean per step"
+    fig.update_yaxes(title_text=f"tokens ({unit})", row=1, col=1)
+    fig.update_yaxes(title_text="ms", row=2, col=1)
+    fig.update_yaxes(title_text="requests", row=3, col=1)
+    fig.update_yaxes(title_text="blocks", row=4, col=1)
+    fig.update_yaxes(title_text="preemptions", row=5, col=1)
+    fig.update_yaxes(
+        title_text="hit rate", row=5, col=1, secondary_y=True, range=[0, 1], tickformat=".0%"
+    )
+    return _layout(fig, 1150)
+
+
+def _batch_and_split(fig: go.Figure, steps: pd.DataFrame) -> None:
+    """The engine chart's rows 1 and 2: prefill vs decode tokens per step, and the step time
+    split (the parts the store has)."""
     x = steps["time"]
     for col in ("prefill", "decode"):
         fig.add_trace(
@@ -287,6 +319,12 @@ def engine(steps: pd.DataFrame, hits: pd.DataFrame, per_step: bool) -> go.Figure
             row=2,
             col=1,
         )
+
+
+def _queue_and_kv(fig: go.Figure, steps: pd.DataFrame) -> None:
+    """The engine chart's rows 3 and 4: requests running vs waiting, and the KV blocks (used,
+    cached, free) stacked."""
+    x = steps["time"]
     for col, color in (("running", "#1f77b4"), ("waiting", "#d62728")):
         fig.add_trace(
             go.Scatter(x=x, y=steps[col], name=col, mode="lines", line={"color": color}),
@@ -306,6 +344,11 @@ def engine(steps: pd.DataFrame, hits: pd.DataFrame, per_step: bool) -> go.Figure
             row=4,
             col=1,
         )
+
+
+def _preemptions_and_hits(fig: go.Figure, steps: pd.DataFrame, hits: pd.DataFrame) -> None:
+    """The engine chart's row 5: preemptions, with the prefix-cache hit rate on its right axis."""
+    x = steps["time"]
     fig.add_trace(
         go.Bar(x=x, y=steps["preempted"], name="preemptions", marker_color="#d62728"),
         row=5,
@@ -324,17 +367,6 @@ def engine(steps: pd.DataFrame, hits: pd.DataFrame, per_step: bool) -> go.Figure
         col=1,
         secondary_y=True,
     )
-    fig.update_layout(barmode="stack")
-    unit = "per step" if per_step else "mean per step"
-    fig.update_yaxes(title_text=f"tokens ({unit})", row=1, col=1)
-    fig.update_yaxes(title_text="ms", row=2, col=1)
-    fig.update_yaxes(title_text="requests", row=3, col=1)
-    fig.update_yaxes(title_text="blocks", row=4, col=1)
-    fig.update_yaxes(title_text="preemptions", row=5, col=1)
-    fig.update_yaxes(
-        title_text="hit rate", row=5, col=1, secondary_y=True, range=[0, 1], tickformat=".0%"
-    )
-    return _layout(fig, 1150)
 
 
 def fmt_peak(x: float) -> str:
