@@ -17,12 +17,20 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
+from tokenmill.engine.settings import (
+    DATA_DIR,
+    config_options,
+    field_names,
+    from_options,
+    setting,
+)
 from tokenmill.telemetry.cli import err, fail, out
 
 
@@ -36,60 +44,90 @@ MAX_WORKERS = 10_000  # closed-loop clients at the largest phase multiplier
 _SLO_ARG_RE = re.compile(r"^(ttft|itl|tpot|e2e|e2el):", re.I)
 
 
+@dataclass
+class BenchOptions:
+    """Settings of ``tokenmill bench``: one field each, from which its options are generated
+    (``engine/settings.py``); :func:`run_bench` takes the instance."""
+
+    url: str | None = setting(None, "The server, e.g. http://127.0.0.1:8000.")
+    model: str | None = setting(None, "Model name to send (default: the server's first).")
+    api_key: str | None = setting(None, "Bearer key for the server.", envvar="TOKENMILL_API_KEY")
+    endpoint: str = setting("chat", "chat | completions")
+    request_rate: float | None = setting(
+        None, "Open loop: requests/s (× each phase's multiplier; inf = all at once)."
+    )
+    burstiness: float = setting(1.0, "Gamma shape of the inter-arrival gaps (1 = Poisson).")
+    concurrency: int | None = setting(
+        None, "Closed loop: requests in flight (the default, with 1)."
+    )
+    num_requests: int | None = setting(
+        None, "Requests to send (default 100; with --phases: no limit)."
+    )
+    phases: str | None = setting(
+        None,
+        "e.g. warmup:20s,steady:60s,overload:30s@3x,recovery:40s, or a YAML file.",
+        metavar="SPEC|PATH",
+    )
+    prompt_tokens: str = setting("256", "Tokens: 256, uniform:64:512 or lognormal:256:0.5.")
+    output_tokens: str = setting(
+        "128", "Tokens: 128, uniform:16:256 or lognormal:128:0.5 (ignore_eos)."
+    )
+    shared_prefix: str | None = setting(
+        None,
+        "A system prompt of L tokens shared by G requests (volatile: a timestamp first).",
+        metavar="L:G[:volatile]",
+    )
+    multi_turn: str | None = setting(
+        None, "Chats growing over T turns, C at a time.", metavar="T[:C]"
+    )
+    dataset: Path | None = setting(  # noqa: RUF009 - a field, not a shared default
+        None, 'JSONL of {"prompt": ...} or ShareGPT {"conversations": [...]}.'
+    )
+    tokenizer: str | None = setting(
+        None, "Tokenizer folder or tokenizer.json for exact prompt lengths."
+    )
+    goodput: list[str] | None = setting(  # noqa: RUF009
+        None, "SLOs in ms for goodput: --goodput ttft:500 itl:100 e2e:5000.", metavar="METRIC:MS"
+    )
+    seed: int = setting(0, "Seeds arrivals and prompts.")
+    out: Path | None = setting(None, "Write the JSON here.", flags=("--out", "-o"))  # noqa: RUF009
+    record_to: Path | None = setting(  # noqa: RUF009
+        None, "A closed trace store or dump: write each request's client TTFT."
+    )
+    from_results: Path | None = setting(  # noqa: RUF009
+        None, "Record a saved --out file (with --record-to), no run."
+    )
+    timeout: float = setting(600.0, "Seconds one request may take.")
+    drain_timeout: float = setting(300.0, "Seconds in-flight requests get after the last phase.")
+    ignore_eos: bool = setting(True)
+    temperature: float = setting(0.0)
+    top_p: float = setting(1.0, "Nucleus sampling share sent with each request (0..1].")
+    abort_fraction: float = setting(
+        0.0, "Share of requests the client aborts mid-stream (0..1; drills)."
+    )
+    progress: bool = setting(True)
+
+
 def run_bench(
+    opts: BenchOptions,
     *,
-    url: str | None,
-    model: str | None = None,
-    api_key: str | None = None,
-    endpoint: str = "chat",
-    request_rate: float | None = None,
-    burstiness: float = 1.0,
-    concurrency: int | None = None,
-    num_requests: int | None = None,
-    phases: str | None = None,
-    prompt_tokens: str = "256",
-    output_tokens: str = "128",
-    shared_prefix: str | None = None,
-    multi_turn: str | None = None,
-    dataset: Path | None = None,
-    tokenizer: str | None = None,
-    goodput: list[str] | None = None,
     extra: list[str] | None = None,
-    seed: int = 0,
-    out: Path | None = None,
-    record_to: Path | None = None,
-    from_results: Path | None = None,
-    timeout: float = 600.0,
-    drain_timeout: float = 300.0,
-    ignore_eos: bool = True,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    abort_fraction: float = 0.0,
-    progress: bool = True,
     console: Console | None = None,
     err_console: Console | None = None,
 ) -> int:
-    """Run ``tokenmill bench``; returns the exit status. Raises BenchInputError (exit 2)."""
+    """Run ``tokenmill bench`` as ``opts`` say (``extra``: the SLOs after ``--goodput``'s first,
+    vLLM-style); returns the exit status. Raises BenchInputError (exit 2)."""
     import asyncio
 
     from .client import BenchConfig, BenchError, run
-    from .phases import Phase, parse_phases
     from .record import RecordError, record_client_timings
     from .report import BenchProgress, parse_goodput, render_table, summarize
-    from .workload import (
-        Workload,
-        WorkloadError,
-        load_dataset,
-        load_tokenizer,
-        parse_length,
-        parse_multi_turn,
-        parse_shared_prefix,
-    )
 
     console = console or Console(emoji=False)
     err_console = err_console or Console(stderr=True, emoji=False)
 
     # vLLM-style "--goodput ttft:500 itl:50": the SLOs after the first arrive as arguments
+    goodput = opts.goodput
     extra = list(extra or [])
     if extra:
         bad = [a for a in extra if not _SLO_ARG_RE.match(a)]
@@ -97,119 +135,50 @@ def run_bench(
             raise BenchInputError(f"unexpected argument {(bad or extra)[0]!r}")
         goodput = [*goodput, *extra]
 
-    if from_results is not None:
-        return _record_saved(from_results, record_to, url, console)
+    if opts.from_results is not None:
+        return _record_saved(opts.from_results, opts.record_to, opts.url, console)
 
-    if not url:
-        raise BenchInputError("give --url (the server), or --from-results with --record-to")
-    if endpoint not in ("chat", "completions"):
-        raise BenchInputError(f"bad --endpoint {endpoint!r}: chat or completions")
-    if request_rate is not None and concurrency is not None:
-        raise BenchInputError(
-            "give --request-rate (open loop) or --concurrency (closed loop), not both"
-        )
-    if request_rate is None and concurrency is None:
-        concurrency = 1
-    if request_rate is not None and (math.isnan(request_rate) or request_rate <= 0):
-        raise BenchInputError("--request-rate must be more than 0 (inf: all at once)")
-    if not (burstiness > 0 and math.isfinite(burstiness)):
-        raise BenchInputError("--burstiness must be more than 0 (1 = Poisson)")
-    if concurrency is not None and concurrency < 1:
-        raise BenchInputError("--concurrency must be at least 1")
-    if num_requests is not None and num_requests < 1:
-        raise BenchInputError("--num-requests must be at least 1")
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise BenchInputError(
-            f"--timeout must be a finite number of seconds more than 0, got {timeout:g}"
-        )
-    if not (math.isfinite(drain_timeout) and drain_timeout >= 0):
-        raise BenchInputError(
-            f"--drain-timeout must be a finite number of seconds, at least 0, got {drain_timeout:g}"
-        )
-    if not 0.0 <= temperature <= 2.0:
-        raise BenchInputError("--temperature must be in [0, 2]")
-    if not 0.0 < top_p <= 1.0:
-        raise BenchInputError("--top-p must be in (0, 1]")
-
-    if phases is not None:
-        try:
-            phase_list = parse_phases(phases)
-        except ValueError as exc:
-            raise BenchInputError(f"--phases: {exc}") from None
-        if request_rate is not None and math.isinf(request_rate):
-            raise BenchInputError("--phases needs a finite --request-rate (or --concurrency)")
-        planned = (
-            sum(request_rate * p.multiplier * p.duration_s for p in phase_list)
-            if request_rate is not None
-            else 0.0
-        )
-        if planned > MAX_PLANNED_REQUESTS and num_requests is None:
-            raise BenchInputError(
-                f"--phases at --request-rate {request_rate:g} plans about {planned:.3g} requests; "
-                f"at most {MAX_PLANNED_REQUESTS:,} per run (lower the rate, the multipliers or "
-                "the durations, or give --num-requests)"
-            )
-        workers = (concurrency or 0) * max(p.multiplier for p in phase_list)
-        if workers > MAX_WORKERS:
-            raise BenchInputError(
-                f"--concurrency {concurrency} × phase multiplier {workers / concurrency:g} asks "
-                f"for {workers:.3g} clients; at most {MAX_WORKERS:,}"
-            )
-    else:
-        if num_requests is None:
-            num_requests = 100
-        phase_list = [Phase("main", math.inf, 1.0)]
-
+    concurrency, num_requests, phase_list = _check_load(opts)
     try:
         slos = parse_goodput(goodput)
     except ValueError as exc:
         raise BenchInputError(str(exc)) from None
-    try:
-        tok = load_tokenizer(tokenizer) if tokenizer else None
-        workload = Workload(
-            prompt_tokens=parse_length(prompt_tokens, "--prompt-tokens"),
-            output_tokens=parse_length(output_tokens, "--output-tokens"),
-            shared_prefix=parse_shared_prefix(shared_prefix) if shared_prefix else None,
-            multi_turn=parse_multi_turn(multi_turn) if multi_turn else None,
-            dataset=load_dataset(dataset) if dataset is not None else None,
-            seed=seed,
-            tokenizer=tok,
-            tokenizer_id=tokenizer,
-            dataset_path=str(dataset) if dataset is not None else None,
-        )
-    except WorkloadError as exc:
-        raise BenchInputError(str(exc)) from None
+    workload = _workload(opts)
+    out = opts.out
     if out is not None:
         if out.is_dir():
             raise BenchInputError(f"--out {out} is a folder; give a file name")
         if not out.parent.is_dir():
             raise BenchInputError(f"--out: folder {out.parent} does not exist")
-    if not 0.0 <= abort_fraction <= 1.0:
-        raise BenchInputError(f"--abort-fraction must be between 0 and 1, got {abort_fraction:g}")
+    if not 0.0 <= opts.abort_fraction <= 1.0:
+        raise BenchInputError(
+            f"--abort-fraction must be between 0 and 1, got {opts.abort_fraction:g}"
+        )
+    record_to = opts.record_to
     if record_to is not None and not record_to.is_file():
         raise BenchInputError(f"--record-to {record_to}: no such file")
 
     cfg = BenchConfig(
-        url=url,
+        url=opts.url,
         workload=workload,
         phases=phase_list,
-        model=model,
-        api_key=api_key,
-        endpoint=endpoint,
-        request_rate=request_rate,
-        burstiness=burstiness,
+        model=opts.model,
+        api_key=opts.api_key,
+        endpoint=opts.endpoint,
+        request_rate=opts.request_rate,
+        burstiness=opts.burstiness,
         concurrency=concurrency,
         num_requests=num_requests,
-        seed=seed,
-        timeout=timeout,
-        drain_timeout=drain_timeout,
-        ignore_eos=ignore_eos,
-        temperature=temperature,
-        top_p=top_p,
-        abort_fraction=abort_fraction,
+        seed=opts.seed,
+        timeout=opts.timeout,
+        drain_timeout=opts.drain_timeout,
+        ignore_eos=opts.ignore_eos,
+        temperature=opts.temperature,
+        top_p=opts.top_p,
+        abort_fraction=opts.abort_fraction,
     )
     try:
-        if progress:
+        if opts.progress:
             with BenchProgress(err_console, phase_list, num_requests) as bar:
                 result = asyncio.run(run(cfg, progress=bar))
         else:
@@ -234,6 +203,107 @@ def run_bench(
             raise BenchInputError(f"--record-to: {msg}") from None
         _print_recorded(console, record_to, s)
     return 0
+
+
+def _check_load(opts: BenchOptions) -> tuple[int | None, int | None, list]:
+    """The run's concurrency, request count and phases, each as ``opts`` give it or its default;
+    BenchInputError for a bad value or a load too large to plan."""
+    from .phases import Phase, parse_phases
+
+    request_rate, concurrency, num_requests = opts.request_rate, opts.concurrency, opts.num_requests
+    timeout, drain_timeout = opts.timeout, opts.drain_timeout
+    if not opts.url:
+        raise BenchInputError("give --url (the server), or --from-results with --record-to")
+    if opts.endpoint not in ("chat", "completions"):
+        raise BenchInputError(f"bad --endpoint {opts.endpoint!r}: chat or completions")
+    if request_rate is not None and concurrency is not None:
+        raise BenchInputError(
+            "give --request-rate (open loop) or --concurrency (closed loop), not both"
+        )
+    if request_rate is None and concurrency is None:
+        concurrency = 1
+    if request_rate is not None and (math.isnan(request_rate) or request_rate <= 0):
+        raise BenchInputError("--request-rate must be more than 0 (inf: all at once)")
+    if not (opts.burstiness > 0 and math.isfinite(opts.burstiness)):
+        raise BenchInputError("--burstiness must be more than 0 (1 = Poisson)")
+    if concurrency is not None and concurrency < 1:
+        raise BenchInputError("--concurrency must be at least 1")
+    if num_requests is not None and num_requests < 1:
+        raise BenchInputError("--num-requests must be at least 1")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise BenchInputError(
+            f"--timeout must be a finite number of seconds more than 0, got {timeout:g}"
+        )
+    if not (math.isfinite(drain_timeout) and drain_timeout >= 0):
+        raise BenchInputError(
+            f"--drain-timeout must be a finite number of seconds, at least 0, got {drain_timeout:g}"
+        )
+    if not 0.0 <= opts.temperature <= 2.0:
+        raise BenchInputError("--temperature must be in [0, 2]")
+    if not 0.0 < opts.top_p <= 1.0:
+        raise BenchInputError("--top-p must be in (0, 1]")
+
+    if opts.phases is None:
+        return (
+            concurrency,
+            100 if num_requests is None else num_requests,
+            [Phase("main", math.inf, 1.0)],
+        )
+    try:
+        phase_list = parse_phases(opts.phases)
+    except ValueError as exc:
+        raise BenchInputError(f"--phases: {exc}") from None
+    if request_rate is not None and math.isinf(request_rate):
+        raise BenchInputError("--phases needs a finite --request-rate (or --concurrency)")
+    planned = (
+        sum(request_rate * p.multiplier * p.duration_s for p in phase_list)
+        if request_rate is not None
+        else 0.0
+    )
+    if planned > MAX_PLANNED_REQUESTS and num_requests is None:
+        raise BenchInputError(
+            f"--phases at --request-rate {request_rate:g} plans about {planned:.3g} requests; "
+            f"at most {MAX_PLANNED_REQUESTS:,} per run (lower the rate, the multipliers or "
+            "the durations, or give --num-requests)"
+        )
+    workers = (concurrency or 0) * max(p.multiplier for p in phase_list)
+    if workers > MAX_WORKERS:
+        raise BenchInputError(
+            f"--concurrency {concurrency} × phase multiplier {workers / concurrency:g} asks "
+            f"for {workers:.3g} clients; at most {MAX_WORKERS:,}"
+        )
+    return concurrency, num_requests, phase_list
+
+
+def _workload(opts: BenchOptions):
+    """The requests' shape (``bench/workload.py``: ``Workload``) from ``opts``; BenchInputError
+    naming the option or file that does not parse."""
+    from .workload import (
+        Workload,
+        WorkloadError,
+        load_dataset,
+        load_tokenizer,
+        parse_length,
+        parse_multi_turn,
+        parse_shared_prefix,
+    )
+
+    dataset, tokenizer = opts.dataset, opts.tokenizer
+    try:
+        tok = load_tokenizer(tokenizer) if tokenizer else None
+        return Workload(
+            prompt_tokens=parse_length(opts.prompt_tokens, "--prompt-tokens"),
+            output_tokens=parse_length(opts.output_tokens, "--output-tokens"),
+            shared_prefix=parse_shared_prefix(opts.shared_prefix) if opts.shared_prefix else None,
+            multi_turn=parse_multi_turn(opts.multi_turn) if opts.multi_turn else None,
+            dataset=load_dataset(dataset) if dataset is not None else None,
+            seed=opts.seed,
+            tokenizer=tok,
+            tokenizer_id=tokenizer,
+            dataset_path=str(dataset) if dataset is not None else None,
+        )
+    except WorkloadError as exc:
+        raise BenchInputError(str(exc)) from None
 
 
 def _print_recorded(console: Console, path: Path, s) -> None:
@@ -277,107 +347,16 @@ bench_app = typer.Typer(add_completion=False)
 
 
 @bench_app.command(context_settings={"allow_interspersed_args": True})
+@config_options(BenchOptions, *field_names(BenchOptions))
 def bench(
-    url: Annotated[str | None, typer.Option(help="The server, e.g. http://127.0.0.1:8000.")] = None,
-    model: Annotated[
-        str | None, typer.Option(help="Model name to send (default: the server's first).")
-    ] = None,
-    api_key: Annotated[
-        str | None, typer.Option(envvar="TOKENMILL_API_KEY", help="Bearer key for the server.")
-    ] = None,
-    endpoint: Annotated[str, typer.Option(help="chat | completions")] = "chat",
-    request_rate: Annotated[
-        float | None,
-        typer.Option(help="Open loop: requests/s (× each phase's multiplier; inf = all at once)."),
-    ] = None,
-    burstiness: Annotated[
-        float, typer.Option(help="Gamma shape of the inter-arrival gaps (1 = Poisson).")
-    ] = 1.0,
-    concurrency: Annotated[
-        int | None,
-        typer.Option(help="Closed loop: requests in flight (the default, with 1)."),
-    ] = None,
-    num_requests: Annotated[
-        int | None,
-        typer.Option(help="Requests to send (default 100; with --phases: no limit)."),
-    ] = None,
-    phases: Annotated[
-        str | None,
-        typer.Option(
-            metavar="SPEC|PATH",
-            help="e.g. warmup:20s,steady:60s,overload:30s@3x,recovery:40s, or a YAML file.",
-        ),
-    ] = None,
-    prompt_tokens: Annotated[
-        str, typer.Option(help="Tokens: 256, uniform:64:512 or lognormal:256:0.5.")
-    ] = "256",
-    output_tokens: Annotated[
-        str, typer.Option(help="Tokens: 128, uniform:16:256 or lognormal:128:0.5 (ignore_eos).")
-    ] = "128",
-    shared_prefix: Annotated[
-        str | None,
-        typer.Option(
-            metavar="L:G[:volatile]",
-            help="A system prompt of L tokens shared by G requests (volatile: a timestamp first).",
-        ),
-    ] = None,
-    multi_turn: Annotated[
-        str | None,
-        typer.Option(metavar="T[:C]", help="Chats growing over T turns, C at a time."),
-    ] = None,
-    dataset: Annotated[
-        Path | None,
-        typer.Option(help='JSONL of {"prompt": ...} or ShareGPT {"conversations": [...]}.'),
-    ] = None,
-    tokenizer: Annotated[
-        str | None,
-        typer.Option(help="Tokenizer folder or tokenizer.json for exact prompt lengths."),
-    ] = None,
-    goodput: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="METRIC:MS",
-            help="SLOs in ms for goodput: --goodput ttft:500 itl:100 e2e:5000.",
-        ),
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seeds arrivals and prompts.")] = 0,
-    output: Annotated[Path | None, typer.Option("--out", "-o", help="Write the JSON here.")] = None,
-    record_to: Annotated[
-        Path | None,
-        typer.Option(help="A closed trace store or dump: write each request's client TTFT."),
-    ] = None,
-    from_results: Annotated[
-        Path | None, typer.Option(help="Record a saved --out file (with --record-to), no run.")
-    ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds one request may take.")] = 600.0,
-    drain_timeout: Annotated[
-        float, typer.Option(help="Seconds in-flight requests get after the last phase.")
-    ] = 300.0,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos/--no-ignore-eos")] = True,
-    temperature: Annotated[float, typer.Option()] = 0.0,
-    top_p: Annotated[
-        float, typer.Option(help="Nucleus sampling share sent with each request (0..1].")
-    ] = 1.0,
-    abort_fraction: Annotated[
-        float,
-        typer.Option(help="Share of requests the client aborts mid-stream (0..1; drills)."),
-    ] = 0.0,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
     slos: Annotated[list[str] | None, typer.Argument(hidden=True, metavar="SLO")] = None,
+    **options: Any,
 ) -> None:
     """Load-test a server (open or closed loop, in phases) and report TTFT, ITL, TPOT, E2E,
     throughput and goodput per phase."""
+    opts = from_options(BenchOptions, options)
     try:
-        code = run_bench(
-            url=url, model=model, api_key=api_key, endpoint=endpoint,
-            request_rate=request_rate, burstiness=burstiness, concurrency=concurrency,
-            num_requests=num_requests, phases=phases, prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens, shared_prefix=shared_prefix, multi_turn=multi_turn,
-            dataset=dataset, tokenizer=tokenizer, goodput=goodput, extra=slos, seed=seed,
-            out=output, record_to=record_to, from_results=from_results, timeout=timeout,
-            drain_timeout=drain_timeout, ignore_eos=ignore_eos, temperature=temperature,
-            top_p=top_p, abort_fraction=abort_fraction, progress=progress, console=out, err_console=err,
-        )  # fmt: skip
+        code = run_bench(opts, extra=slos, console=out, err_console=err)
     except BenchInputError as exc:
         fail(str(exc))
     raise typer.Exit(code)
@@ -421,7 +400,7 @@ def scenario_run(
 
     try:
         load(name)
-        folder = out_dir or Path("tokenmill-data") / "scenarios" / name
+        folder = out_dir or Path(DATA_DIR) / "scenarios" / name
         result = run(name, folder, model=model, log=lambda m: err.print(m, highlight=False))
     except ScenarioError as exc:
         fail(str(exc))

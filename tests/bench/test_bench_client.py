@@ -21,7 +21,7 @@ import pytest
 from bench_stub import StubServer
 from rich.console import Console
 
-from tokenmill.bench.cli import BenchInputError, run_bench
+from tokenmill.bench.cli import BenchInputError, BenchOptions, run_bench
 from tokenmill.bench.client import BenchConfig, BenchError, RequestResult, abort_plan, run
 from tokenmill.bench.phases import Phase, arrival_times, gamma_gaps, parse_phases
 from tokenmill.bench.record import RecordError, record_client_timings
@@ -526,23 +526,24 @@ def test_bench_out_then_record_from_results(fresh, tmp_path):
     fresh.delay_s = fresh.gap_s = 0.0
     out = tmp_path / "r.json"
     console = Console(file=open(os.devnull, "w"), width=200)  # noqa: SIM115
-    rc = run_bench(
+    opts = BenchOptions(
         url=fresh.url, concurrency=2, num_requests=4, prompt_tokens="8", output_tokens="3",
-        out=out, progress=False, console=console, goodput=["ttft:1000"], extra=["e2e:5000"],
+        out=out, progress=False, goodput=["ttft:1000"],
     )  # fmt: skip
+    rc = run_bench(opts, extra=["e2e:5000"], console=console)
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["completed"] == 4 and doc["goodput_slos_ms"] == {"ttft": 1000.0, "e2e": 5000.0}
     assert len(doc["phases"]) == 1 and len(doc["requests"]) == 4
     db = tmp_path / "store.duckdb"
     _store(db, [r["request_id"] for r in doc["requests"]])
-    assert run_bench(url=None, from_results=out, record_to=db, console=console) == 0
+    assert run_bench(BenchOptions(from_results=out, record_to=db), console=console) == 0
     con = duckdb.connect(str(db), read_only=True)
     got = dict(con.execute("SELECT client_request_id, client_ttft_ms FROM requests").fetchall())
     con.close()
     assert got == {r["request_id"]: r["ttft_ms"] for r in doc["requests"]}
     with pytest.raises(BenchInputError, match="needs --record-to"):
-        run_bench(url=None, from_results=out)
+        run_bench(BenchOptions(from_results=out))
 
 
 # ----- the command line -----
@@ -616,7 +617,7 @@ def test_cli_bad_input_is_one_line(tmp_path):
 )
 def test_bad_numbers_are_refused_before_anything_is_sent(kwargs, message):
     with pytest.raises(BenchInputError, match=re.escape(message)):
-        run_bench(url="http://127.0.0.1:1", progress=False, **kwargs)
+        run_bench(BenchOptions(url="http://127.0.0.1:1", progress=False, **kwargs))
 
 
 def test_bad_phase_and_dataset_files_name_the_file(tmp_path):
@@ -632,18 +633,22 @@ def test_bad_phase_and_dataset_files_name_the_file(tmp_path):
         (nan, "must be a finite number more than 0"),
     ):
         with pytest.raises(BenchInputError, match=f"phases file {re.escape(str(f))}.*{reason}"):
-            run_bench(url="http://127.0.0.1:1", progress=False, request_rate=1.0, phases=str(f))
+            run_bench(
+                BenchOptions(
+                    url="http://127.0.0.1:1", progress=False, request_rate=1.0, phases=str(f)
+                )
+            )
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "a"}\n' + "[" * 200_000 + "]" * 200_000 + "\n")
     with pytest.raises(BenchInputError, match=f"{re.escape(str(data))}:2: JSON nested too deeply"):
-        run_bench(url="http://127.0.0.1:1", progress=False, dataset=data)
+        run_bench(BenchOptions(url="http://127.0.0.1:1", progress=False, dataset=data))
     data.write_text('{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}\n")
     with pytest.raises(BenchInputError, match=f"{re.escape(str(data))}:1: unreadable JSON value"):
-        run_bench(url="http://127.0.0.1:1", progress=False, dataset=data)
+        run_bench(BenchOptions(url="http://127.0.0.1:1", progress=False, dataset=data))
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     with pytest.raises(BenchInputError, match="not a regular file"):
-        run_bench(url="http://127.0.0.1:1", progress=False, dataset=fifo)
+        run_bench(BenchOptions(url="http://127.0.0.1:1", progress=False, dataset=fifo))
 
 
 def test_error_lines_print_the_input_as_typed():
