@@ -4,12 +4,12 @@ preparation and detokenization apart from the forward and sampling (``StepRecord
 
 from __future__ import annotations
 
-import json
 import time
 
 import duckdb
 import torch
 from synth_store import Phase, write_store
+from tiny_model import write_tiny_llama
 
 from tokenmill.diagnose.findings import diagnose
 from tokenmill.engine import core as core_mod
@@ -27,17 +27,7 @@ PREPARE_S, DETOKENIZE_S = 2**-6, 2**-8
 
 def _tiny_core(tmp_path, smollm2_dir) -> EngineCore:
     """A 1-layer dummy Llama (SmolLM2's tokenizer for text)."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 64,
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 64,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_tiny_llama(tmp_path, vocab_size=64)
     torch.manual_seed(0)
     cfg = EngineConfig(
         model=str(tmp_path), load_format="dummy", block_size=4, num_gpu_blocks_override=64

@@ -6,19 +6,11 @@ import pytest
 import torch
 import transformers
 from paged_driver import run_paged
+from tiny_model import TINY_DECODER, perturbed_model
 
 from tokenmill.engine.models.loader import load_model
 
-TINY = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-5,
-)
+TINY = dict(TINY_DECODER, vocab_size=97)
 
 CASES = {
     "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=True)),
@@ -52,12 +44,7 @@ DECODE_STEPS = 8
 @pytest.fixture(scope="module", params=sorted(CASES))
 def tiny_checkpoint(request, tmp_path_factory):
     cls, extra = CASES[request.param]
-    config = cls(**TINY, **extra)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # perturb everything, biases and norms included, so each must load
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    hf = perturbed_model(cls(**TINY, **extra))
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     hf.eval()

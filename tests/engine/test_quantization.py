@@ -19,7 +19,6 @@ catch a scheme that quietly did nothing (the float32 model again gives 0).
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -29,6 +28,7 @@ import pytest
 import torch
 import transformers
 from paged_driver import run_paged
+from tiny_model import TINY_DECODER, perturbed_model, write_tiny_llama
 from torch import nn
 
 from tokenmill.engine import quantization
@@ -49,16 +49,7 @@ from tokenmill.kernels import cpu as cpu_gemv
 
 # every in_features (hidden 64, intermediate 96, heads x head_dim 64 or 128) divides by the int4
 # group of 32; every out_features (vocab 128, qkv 128 or 256, gate_up 192) by CPU's row tile 16
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-5,
-)
+TINY = dict(TINY_DECODER, vocab_size=128)
 ARCHS = {
     "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=True)),
     "mistral": (transformers.MistralConfig, dict(sliding_window=6, head_dim=16)),
@@ -79,14 +70,7 @@ PROMPT_LEN, DECODES = 40, 4  # a 40-row prefill (dequantize path), then 4 one-ro
 
 def make_checkpoint(arch: str, path, **overrides) -> None:
     cls, extra = ARCHS[arch]
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(
-        cls(**{**TINY, **overrides}, **extra), dtype=torch.float32
-    )
-    with torch.no_grad():  # perturb everything so biases and norms matter
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    hf.save_pretrained(path)
+    perturbed_model(cls(**{**TINY, **overrides}, **extra)).save_pretrained(path)
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
@@ -372,17 +356,7 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 @pytest.fixture
 def tiny_cli_model(tmp_path, smollm2_dir):
     """A dummy-weight Llama folder with SmolLM2's tokenizer, for the CLI."""
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 49152,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 64,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    write_tiny_llama(tmp_path, vocab_size=49152, hidden_size=32, intermediate_size=64)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((smollm2_dir / name).read_bytes())
     return tmp_path

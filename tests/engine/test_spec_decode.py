@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
+from tiny_model import write_tiny_llama
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core import EngineCore
@@ -125,17 +126,7 @@ def test_verify_greedy_keeps_the_matching_prefix_and_adds_the_targets_token():
 
 def _tiny_core(tmp_path, smollm2_dir, spec: dict) -> EngineCore:
     """A 1-layer dummy Llama with an 8-token vocabulary (SmolLM2's tokenizer for text)."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 8,
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 64,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_tiny_llama(tmp_path, vocab_size=8)
     torch.manual_seed(0)
     cfg = EngineConfig(
         model=str(tmp_path),
