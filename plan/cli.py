@@ -19,6 +19,8 @@ import typer
 
 from tokenmill.telemetry.cli import fail
 
+from .whatif import whatif_help
+
 app = typer.Typer(add_completion=False)
 
 
@@ -123,9 +125,7 @@ def plan(
         list[str],
         typer.Option(
             "--what-if",
-            help="knob=value[,knob=value...], repeatable: rate (x), requests, replicas, "
-            "max_num_seqs, max_num_batched_tokens, kv_blocks, chunked_prefill, prefix_caching, "
-            "long_prefill_token_threshold, admission_policy, quantization, step_time (x).",
+            help=whatif_help(),
         ),
     ] = [],  # noqa: B006 - typer reads the default
     slo: Annotated[

@@ -1,7 +1,9 @@
 """What-ifs and SLOs as ``tokenmill plan`` takes them, parsed into values a replay uses.
 
-A what-if is ``knob=value`` pairs joined by commas (``rate=2,max_num_seqs=4``); :data:`KNOBS`
-names each knob, what it changes and its value's grammar. An SLO is ``metric<bound`` pairs
+A what-if is ``knob=value`` pairs joined by commas (``rate=2,max_num_seqs=4``); :class:`Knobs`
+declares each knob once, as a field: what it changes, its value's grammar, bounds and unit, the
+engine config field it sets (:data:`KNOBS` and :data:`CONFIG_FIELDS` are read from it, and so are
+``--what-if``'s help and the console's What if page). An SLO is ``metric<bound`` pairs
 joined by commas (``ttft_p99<2s,itl_p99<200ms``), over the metrics :data:`SLO_METRICS` names;
 its TTFT, ITL and E2E bounds are also what makes a request good for goodput (the p99 or p50
 bound of each, per request), the console's defaults where it names none. Anything else is a
@@ -11,49 +13,148 @@ bound of each, per request), the console's defaults where it names none. Anythin
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
 
 from tokenmill.engine.durations import parse_duration
+from tokenmill.engine.settings import setting
 
 #: the step-time factors a replay takes: a host 100x slower or faster is another machine, and
 #: far past that the replay's clock overflows
 STEP_TIME_RANGE = (0.01, 100.0)
-#: knob → (what it changes, the value's grammar)
-KNOBS: dict[str, tuple[str, str]] = {
-    "rate": ("the recorded arrivals' rate, times this factor", "a factor > 0, e.g. 2, 2x or 1.5"),
-    "requests": ("the recording tiled back to back to this many requests", "an integer >= 1"),
-    "replicas": (
+
+
+def knob(help: str, grammar: str, **meta) -> typing.Any:
+    """A what-if knob (a :class:`Knobs` field, None: as recorded): what it changes (``help``),
+    its value's grammar as error messages name it, and its shape in ``meta``: ``min``/``max``
+    (inclusive; a factor's ``min`` of 0 is exclusive), ``unit`` (``x``: a factor, written
+    ``2``, ``2x`` or ``1.5×``), ``choices``, ``config_field`` (the engine config field it
+    sets), ``recorded`` (its value as recorded, where no config field holds it), ``refused``
+    (why a replay cannot model it), ``console`` (the What if page's widget: label, bounds)."""
+    return setting(None, help, grammar=grammar, **meta)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The what-if knobs, one field each: :func:`parse_whatif` parses ``knob=value`` by the
+    field's type (a float is a factor, an int a count, a bool on/off, a str one of its
+    ``choices``) and metadata; ``tokenmill plan --what-if``'s help and the console's What if
+    page read them too."""
+
+    rate: float | None = knob(
+        "the recorded arrivals' rate, times this factor",
+        "a factor > 0, e.g. 2, 2x or 1.5",
+        unit="x",
+        recorded=1.0,
+    )
+    requests: int | None = knob(
+        "the recording tiled back to back to this many requests", "an integer >= 1", min=1
+    )
+    replicas: int | None = knob(
         "data-parallel replicas on the recorded host (they share its cores)",
         "an integer >= 1",
-    ),
-    "hosts": (
+        min=1,
+    )
+    hosts: int | None = knob(
         "hosts like the recorded one, each with its replicas, behind one router",
         "an integer >= 1",
-    ),
-    "max_num_seqs": ("requests running at once", "an integer >= 1"),
-    "max_num_batched_tokens": ("one step's token budget", "an integer >= 1"),
-    "kv_blocks": ("KV blocks in each replica's pool", "an integer >= 1"),
-    "chunked_prefill": ("chunked prefill", "on | off"),
-    "prefix_caching": ("the prefix cache", "on | off"),
-    "long_prefill_token_threshold": ("one request's prefill chunk cap (0: none)", "integer >= 0"),
-    "admission_policy": ("admission past a request that does not fit", "strict | skip_ahead"),
-    "quantization": ("weight precision", "none | int8 | int4 (needs --cost-from)"),
-    "step_time": (
+        min=1,
+        recorded=1,
+        console={"label": "hosts like this one", "min": 1, "max": 64},
+    )
+    max_num_seqs: int | None = knob(
+        "requests running at once",
+        "an integer >= 1",
+        min=1,
+        config_field="max_num_seqs",
+        console={"label": "max_num_seqs", "min": 1, "max": 4096},
+    )
+    max_num_batched_tokens: int | None = knob(
+        "one step's token budget",
+        "an integer >= 1",
+        min=1,
+        config_field="max_num_batched_tokens",
+        console={"label": "max_num_batched_tokens", "min": 16, "max": 1 << 20},
+    )
+    kv_blocks: int | None = knob("KV blocks in each replica's pool", "an integer >= 1", min=1)
+    chunked_prefill: bool | None = knob(
+        "chunked prefill",
+        "on | off",
+        config_field="enable_chunked_prefill",
+        console={"label": "chunked prefill"},
+    )
+    prefix_caching: bool | None = knob(
+        "the prefix cache", "on | off", config_field="enable_prefix_caching"
+    )
+    long_prefill_token_threshold: int | None = knob(
+        "one request's prefill chunk cap (0: none)",
+        "integer >= 0",
+        min=0,
+        config_field="long_prefill_token_threshold",
+    )
+    admission_policy: str | None = knob(
+        "admission past a request that does not fit",
+        "strict | skip_ahead",
+        choices=("strict", "skip_ahead"),
+        config_field="admission_policy",
+    )
+    quantization: str | None = knob(
+        "weight precision",
+        "none | int8 | int4 (needs --cost-from)",
+        choices=("none", "int8", "int4"),
+    )
+    step_time: float | None = knob(
         "every engine step's time, times this factor (a host whose steps run slower or faster "
         "than the recorded one's)",
         f"a factor from {STEP_TIME_RANGE[0]:g} to {STEP_TIME_RANGE[1]:g}, e.g. 1.2",
-    ),
-    "disaggregation": ("prefill/decode split", "not replayed"),
+        unit="x",
+        min=STEP_TIME_RANGE[0],
+        max=STEP_TIME_RANGE[1],
+        recorded=1.0,
+        console={"label": "step time ×", "min": 0.1, "max": 10.0, "step": 0.05},
+    )
+    disaggregation: str | None = knob(
+        "prefill/decode split",
+        "not replayed",
+        refused="prefill/decode disaggregation is not replayed (its KV hand-off and two pools "
+        "are not modelled); plan replicas instead",
+    )
+
+
+def knob_fields() -> dict:
+    """``{knob: dataclasses.Field}`` of :class:`Knobs`, in declaration order."""
+    return {f.name: f for f in fields(Knobs)}
+
+
+def knob_type(name: str) -> type:
+    """The value type of knob ``name`` (``float``, ``int``, ``bool`` or ``str``)."""
+    hint = _HINTS[name]
+    return next(t for t in typing.get_args(hint) if t is not type(None))
+
+
+_HINTS = typing.get_type_hints(Knobs)
+#: knob → (what it changes, the value's grammar)
+KNOBS: dict[str, tuple[str, str]] = {
+    n: (f.metadata["help"], f.metadata["grammar"]) for n, f in knob_fields().items()
 }
 #: what-if knob → the engine config field it sets
 CONFIG_FIELDS = {
-    "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "chunked_prefill": "enable_chunked_prefill",
-    "prefix_caching": "enable_prefix_caching",
-    "long_prefill_token_threshold": "long_prefill_token_threshold",
-    "admission_policy": "admission_policy",
+    n: f.metadata["config_field"]
+    for n, f in knob_fields().items()
+    if f.metadata.get("config_field")
 }
+
+
+def whatif_help() -> str:
+    """``--what-if``'s help: the knobs a replay takes, factors marked ``(x)``."""
+    names = [
+        n + (" (x)" if f.metadata.get("unit") == "x" else "")
+        for n, f in knob_fields().items()
+        if not f.metadata.get("refused")
+    ]
+    return f"knob=value[,knob=value...], repeatable: {', '.join(names)}."
+
+
 #: SLO metric → the summary key it bounds
 SLO_METRICS = {
     f"{m}_{q}": f"{m}_{q}_ms" for m in ("ttft", "itl", "tpot", "e2e") for q in ("p50", "p99")
@@ -72,14 +173,28 @@ class WhatIf:
         return self.text or "as recorded"
 
 
+def _bad(knob: str, value: str) -> ValueError:
+    return ValueError(f"what-if {knob}={value}: {KNOBS[knob][1]}")
+
+
 def _int(knob: str, value: str, minimum: int) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise ValueError(f"what-if {knob}={value}: {KNOBS[knob][1]}") from None
+        raise _bad(knob, value) from None
     if n < minimum:
-        raise ValueError(f"what-if {knob}={value}: {KNOBS[knob][1]}")
+        raise _bad(knob, value)
     return n
+
+
+def _factor(knob: str, value: str, lo: float, hi: float) -> float:
+    try:  # a factor, written as operators write it too: 2, 2x, 1.5×
+        v = float(value.removesuffix("x").removesuffix("X").removesuffix("×"))
+    except ValueError:
+        v = float("nan")
+    if not (v > 0 and v != float("inf") and lo <= v <= hi):
+        raise _bad(knob, value)
+    return v
 
 
 def _switch(knob: str, value: str) -> bool:
@@ -88,7 +203,30 @@ def _switch(knob: str, value: str) -> bool:
         return True
     if v in ("off", "false", "0", "no"):
         return False
-    raise ValueError(f"what-if {knob}={value}: {KNOBS[knob][1]}")
+    raise _bad(knob, value)
+
+
+def parse_knob(knob: str, value: str, part: str | None = None):
+    """One knob's value as its :class:`Knobs` field declares it (``part``: the ``knob=value``
+    as typed, for a choice's error).
+
+    Raises:
+        ValueError: a value out of the knob's grammar, or a knob a replay cannot model.
+    """
+    meta = knob_fields()[knob].metadata
+    if meta.get("refused"):
+        raise ValueError(f"what-if {knob}: {meta['refused']}")
+    kind = knob_type(knob)
+    if kind is float:
+        lo, hi = meta.get("min") or 0.0, meta.get("max") or float("inf")
+        return _factor(knob, value, lo, hi)
+    if kind is bool:
+        return _switch(knob, value)
+    if kind is str:
+        if value not in meta["choices"]:
+            raise ValueError(f"what-if {part or f'{knob}={value}'}: {KNOBS[knob][1]}")
+        return value
+    return _int(knob, value, meta["min"])
 
 
 def parse_whatif(text: str) -> WhatIf:
@@ -110,33 +248,7 @@ def parse_whatif(text: str) -> WhatIf:
             raise ValueError(f"what-if {part!r}: unknown knob {knob!r} (known: {', '.join(KNOBS)})")
         if knob in changes:
             raise ValueError(f"what-if {knob} is given twice")
-        if knob in ("rate", "step_time"):
-            try:  # a factor, written as operators write it too: 2, 2x, 1.5×
-                v = float(value.removesuffix("x").removesuffix("X").removesuffix("×"))
-            except ValueError:
-                v = float("nan")
-            lo, hi = STEP_TIME_RANGE if knob == "step_time" else (0.0, float("inf"))
-            if not (v > 0 and v != float("inf") and lo <= v <= hi):
-                raise ValueError(f"what-if {knob}={value}: {KNOBS[knob][1]}")
-            changes[knob] = v
-        elif knob in ("chunked_prefill", "prefix_caching"):
-            changes[knob] = _switch(knob, value)
-        elif knob == "admission_policy":
-            if value not in ("strict", "skip_ahead"):
-                raise ValueError(f"what-if {part}: {KNOBS[knob][1]}")
-            changes[knob] = value
-        elif knob == "quantization":
-            if value not in ("none", "int8", "int4"):
-                raise ValueError(f"what-if {part}: {KNOBS[knob][1]}")
-            changes[knob] = value
-        elif knob == "disaggregation":
-            raise ValueError(
-                "what-if disaggregation: prefill/decode disaggregation is not replayed (its KV "
-                "hand-off and two pools are not modelled); plan replicas instead"
-            )
-        else:
-            minimum = 0 if knob == "long_prefill_token_threshold" else 1
-            changes[knob] = _int(knob, value, minimum)
+        changes[knob] = parse_knob(knob, value, part)
     return WhatIf(text.strip(), changes)
 
 

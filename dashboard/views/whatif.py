@@ -11,9 +11,12 @@ import streamlit as st
 from tokenmill.dashboard import charts, ui
 from tokenmill.plan.predict import PlanError, predict, recording_from
 from tokenmill.plan.recommend import knee
-from tokenmill.plan.whatif import Slo, parse_whatif
+from tokenmill.plan.whatif import Slo, knob_fields, knob_type, parse_whatif
 
 FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+#: the knobs the page offers, in its order; each one's widget (label, bounds), tooltip and
+#: value as recorded come from its field in plan/whatif.py (``Knobs``)
+PAGE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "hosts", "step_time")
 
 
 @st.cache_resource(max_entries=4, show_spinner="Fitting step costs on the recorded steps…")
@@ -43,6 +46,34 @@ def _curve(_rec, key, knobs: str, factors: tuple, slo: tuple) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _knob_widgets(cfg) -> list[str]:
+    """One widget per :data:`PAGE_KNOBS` knob, set to the recording's value; the
+    ``knob=value`` of each one moved off it."""
+    meta = knob_fields()
+    changed = []
+    for column, name in zip(st.columns(len(PAGE_KNOBS)), PAGE_KNOBS, strict=True):
+        m = meta[name].metadata
+        kind, widget = knob_type(name), m["console"]
+        field = m.get("config_field")
+        recorded = kind(getattr(cfg, field)) if field else m["recorded"]
+        if kind is bool:
+            value = column.toggle(widget["label"], recorded, help=m["help"])
+            shown = "on" if value else "off"
+        else:
+            value = column.number_input(
+                widget["label"],
+                min_value=kind(widget["min"]),
+                max_value=kind(widget["max"]),
+                value=recorded,
+                step=kind(widget.get("step", 1)),
+                help=m["help"],
+            )
+            shown = f"{value:g}" if kind is float else str(value)
+        if value != recorded:
+            changed.append(f"{name}={shown}")
+    return changed
+
+
 ctx = ui.begin("What if")
 if ctx is not None:
     try:
@@ -51,34 +82,7 @@ if ctx is not None:
         st.info(f"No replay: {exc}")
         rec = None
     if rec is not None:
-        cfg = rec.config
-        c = st.columns(5)
-        seqs = c[0].number_input("max_num_seqs", 1, 4096, int(cfg.max_num_seqs))
-        budget = c[1].number_input(
-            "max_num_batched_tokens", 16, 1 << 20, int(cfg.max_num_batched_tokens)
-        )
-        chunked = c[2].toggle("chunked prefill", bool(cfg.enable_chunked_prefill))
-        hosts = c[3].number_input("hosts like this one", 1, 64, 1)
-        pace = c[4].number_input(
-            "step time ×",
-            0.1,
-            10.0,
-            1.0,
-            0.05,
-            help="every step's time times this: a host slower (above 1) or faster than the "
-            "recorded one. A shared host drifts by tens of percent.",
-        )
-        knobs = []
-        if seqs != cfg.max_num_seqs:
-            knobs.append(f"max_num_seqs={seqs}")
-        if budget != cfg.max_num_batched_tokens:
-            knobs.append(f"max_num_batched_tokens={budget}")
-        if chunked != cfg.enable_chunked_prefill:
-            knobs.append(f"chunked_prefill={'on' if chunked else 'off'}")
-        if hosts > 1:
-            knobs.append(f"hosts={hosts}")
-        if pace != 1.0:
-            knobs.append(f"step_time={pace:g}")
+        knobs = _knob_widgets(rec.config)
         slo = (ctx.slo.ttft_ms, ctx.slo.itl_ms, ctx.slo.e2e_ms)
         df = _curve(rec, ctx.key, ",".join(knobs), FACTORS, slo)
         k = knee(list(df["rate_per_s"]), list(df["goodput_share"]))
