@@ -58,7 +58,9 @@ def dashboard(
     baseline: _Baseline = None,
 ) -> None:
     """Open the operations console (Streamlit) over a dump, a closed store or a live server."""
-    spec, baseline = _checked_sources(source or ["./tokenmill-data/traces.duckdb"], baseline)
+    from tokenmill.telemetry.store import DEFAULT_TRACE_DB
+
+    spec, baseline = _checked_sources(source or [DEFAULT_TRACE_DB], baseline)
     _check_can_run(host, port)
     env = _console_env(spec, refresh, api_key, baseline)
     script = Path(__file__).resolve().parent / "app.py"

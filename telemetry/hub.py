@@ -37,7 +37,7 @@ from .spans import (
     make_resource,
     make_tracer_provider,
 )
-from .store import TraceStore, TraceStoreInUse, by_reason
+from .store import DEFAULT_TRACE_DB, TraceStore, TraceStoreInUse, by_reason
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class Telemetry:
         self,
         model_name: str,
         *,
-        trace_db: str | None = "./tokenmill-data/traces.duckdb",
+        trace_db: str | None = DEFAULT_TRACE_DB,
         tracing: bool = True,
         otlp_endpoint: str | None = None,
         device_sample_interval_s: float = 0.1,

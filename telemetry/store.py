@@ -35,6 +35,7 @@ import duckdb
 import pyarrow as pa
 
 from tokenmill.engine.errors import TokenmillError
+from tokenmill.engine.settings import DEFAULT_TRACE_DB
 
 from .schema import TABLES, apply_schema
 
@@ -112,9 +113,9 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
 
 
 def default_trace_db(path: str | None = None) -> str:
-    """The store's absolute path: ``path``, or ``./tokenmill-data/traces.duckdb`` resolved where
+    """The store's absolute path: ``path``, or :data:`DEFAULT_TRACE_DB` resolved where
     the server starts (``--trace-db`` or ``TOKENMILL_TRACE_DB`` put it elsewhere)."""
-    return str(Path(path or "tokenmill-data/traces.duckdb").expanduser().resolve())
+    return str(Path(path or DEFAULT_TRACE_DB).expanduser().resolve())
 
 
 class TraceStoreInUse(TokenmillError):
