@@ -21,7 +21,7 @@ from typing import Annotated, Any
 
 #: the folder the commands write into by default, relative to where they start
 DATA_DIR = "tokenmill-data"
-#: ``tokenmill serve``'s trace store (and the console's and ``explain``'s default source)
+#: ``tokenmill serve``'s trace store, and the console's default source
 DEFAULT_TRACE_DB = f"./{DATA_DIR}/traces.duckdb"
 
 
