@@ -43,7 +43,7 @@ import duckdb
 import httpx
 import yaml
 
-from .proxy import BufferingProxy
+from .buffering_proxy import BufferingProxy
 
 
 class ScenarioError(Exception):
