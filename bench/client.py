@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from tokenmill.engine.api import traceparent
+from tokenmill.engine.api.traceparent import new_traceparent
 from tokenmill.telemetry.remote import normalize_url
 
 from .phases import Phase, arrival_times, phase_bounds
@@ -167,12 +167,6 @@ class BenchRun:
     send_end_s: float  # when sending stopped
 
 
-def new_traceparent() -> tuple[str, str]:
-    """A fresh W3C ``traceparent`` (sampled) and its trace id."""
-    tp = traceparent.new_traceparent()
-    return tp.header(), tp.trace_id
-
-
 def _headers(api_key: str | None, request_id: str, traceparent: str) -> dict:
     h = {"x-request-id": request_id, "traceparent": traceparent, "accept": "text/event-stream"}
     if api_key:
@@ -220,7 +214,8 @@ async def send_one(
     t0: float,
 ) -> RequestResult:
     """Send ``req``, stream the answer and fill ``res`` (never raises but CancelledError)."""
-    traceparent, res.trace_id = new_traceparent()
+    caller = new_traceparent()  # a fresh trace, sampled, for the server to join
+    traceparent, res.trace_id = caller.header(), caller.trace_id
     body = req.body(
         cfg.endpoint,
         model,

@@ -258,11 +258,12 @@ class Telemetry:
             tl.trace_id, row, itl = emit_trace(self.tracer, tl)
             self._submit("requests", row)
         else:
-            from .spans import itl_ms, request_end_ns, request_row, station_intervals
+            from .latency import itl_ms
+            from .spans import request_end_ns, request_row, station_intervals
 
             stations = station_intervals(tl)
             row = request_row(tl, "", stations, request_end_ns(tl, stations))
-            itl = itl_ms(tl)
+            itl = itl_ms(tl.token_ns)
         self.metrics.observe_request(billed_row(row, tl.usage), itl)
         if self.genai_metrics is not None:
             self.genai_metrics.observe(row, self.model_name)

@@ -38,11 +38,6 @@ from .rows import RequestRow
 from .schema import STATIONS
 
 
-def itl_ms(tl: RequestTimeline) -> list[float]:
-    """The request's ITL samples (ms) from the engine's per-token times (``latency.itl_ms``)."""
-    return latency.itl_ms(tl.token_ns)
-
-
 def station_intervals(tl: RequestTimeline) -> dict[str, tuple[int, int]]:
     """``{station: (start_ns, end_ns)}`` for every station the request reached.
 
@@ -271,7 +266,7 @@ def _emit(tracer, tl: RequestTimeline, stations, end_ns: int, parent_ctx):
     if tl.error_type:
         root.set_status(Status(StatusCode.ERROR, tl.error_message or tl.error_type))
     ctx = trace.set_span_in_context(root)
-    itl = itl_ms(tl)
+    itl = latency.itl_ms(tl.token_ns)
     station_attrs = _station_attributes(tl, itl)
     error_station = _error_station(tl, stations)
     for name in STATIONS:
@@ -423,7 +418,7 @@ class StoreSpanProcessor(SpanProcessor):
         self._submit = submit
 
     def on_end(self, span: ReadableSpan) -> None:
-        self._submit("spans", span_row(span))
+        self._submit("spans", sdk_span_row(span))
 
     def shutdown(self) -> None:
         pass
@@ -432,7 +427,7 @@ class StoreSpanProcessor(SpanProcessor):
         return True
 
 
-def span_row(span: ReadableSpan) -> dict:
+def sdk_span_row(span: ReadableSpan) -> dict:
     """A ``spans`` row from an ended SDK span."""
     ctx = span.get_span_context()
     return rows.span_row(
