@@ -182,6 +182,34 @@ def _in_window(w: Window) -> tuple[str, list]:
     return "arrival_ns >= ? AND arrival_ns < ?", [w.start_ns, w.end_ns]
 
 
+def _window_evidence(
+    summary: str,
+    numbers: dict,
+    w: Window,
+    and_where: str,
+    ratio: float,
+    threshold: float,
+    *margins: float | None,
+    example_params: tuple = (),
+    **more,
+) -> Evidence:
+    """Evidence of ``ratio`` past its ``threshold`` in window ``w``: the window's requests (by
+    arrival) that also match ``and_where`` as the examples (``example_params`` fill its ``?``),
+    critical from twice the threshold, as confident as ``ratio / threshold`` and the other
+    ``margins`` allow; ``more``: Evidence's other fields (``support``, ``causes``, ``knob``)."""
+    where, params = _in_window(w)
+    return Evidence(
+        summary,
+        numbers,
+        (w.start_ns, w.end_ns),
+        where + and_where,
+        [*params, *example_params],
+        _severity(ratio, threshold),
+        _confidence(ratio / threshold, *margins),
+        **more,
+    )
+
+
 # the source most thresholds name: a ratio to the dump's healthy windows
 _BASE = "ratio to the dump's healthiest windows (its 25th-percentile window)"
 

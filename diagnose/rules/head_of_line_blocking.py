@@ -12,11 +12,11 @@ from ._common import (
     Param,
     Rule,
     _confidence,
-    _in_window,
     _ms,
     _ratio,
     _severity,
     _when,
+    _window_evidence,
     _worst,
 )
 
@@ -226,8 +226,7 @@ def _per_window(sig: Signals, p: dict) -> Evidence | None:
     if w is None:
         return None
     r = _ratio(w.get("short_ttft_p99"), base)
-    where, params = _in_window(w)
-    return Evidence(
+    return _window_evidence(
         f"short prompts (≤ {short} tokens) waited: their TTFT p99 rose from {_ms(base)} to "
         f"{_ms(w.get('short_ttft_p99'))} in {_when(w)} behind {w.get('long_n')} long prompt(s) "
         f"(up to {w.get('input_max') or 0:.0f} tokens) while KV use peaked at "
@@ -243,11 +242,10 @@ def _per_window(sig: Signals, p: dict) -> Evidence | None:
             "short_queue_share_of_ttft": w.get("short_queue_share"),
             "waiting_max": w.get("waiting_max"),
         },
-        (w.start_ns, w.end_ns),
-        where + f" AND input_tokens <= {int(short)} AND queue_ms > 0.5 * ttft_ms",
-        params,
-        _severity(r, p["short_ttft_rise"]),
-        _confidence(r / p["short_ttft_rise"]),
+        w,
+        f" AND input_tokens <= {int(short)} AND queue_ms > 0.5 * ttft_ms",
+        r,
+        p["short_ttft_rise"],
     )
 
 

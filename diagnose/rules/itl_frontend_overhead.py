@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..signals import Signals
-from ._common import Evidence, Param, Rule, _confidence, _in_window, _ms, _severity, _when, _worst
+from ._common import Evidence, Param, Rule, _ms, _when, _window_evidence, _worst
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -12,8 +12,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         return None
     r = w.get("stream_vs_engine_tpot")
     write = w.get("stream_write_ms_mean")
-    where, params = _in_window(w)
-    return Evidence(
+    return _window_evidence(
         f"the stream delivered tokens {r:.1f}x slower than the engine produced them in {_when(w)} "
         f"(engine TPOT p50 {_ms(w.get('tpot_p50'))}"
         + (f"; the API took {_ms(write)} a step to write the outputs" if write is not None else "")
@@ -24,11 +23,10 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "step_ms_p50": w.get("step_ms_p50"),
             "stream_write_ms_mean": write,
         },
-        (w.start_ns, w.end_ns),
-        where + " AND output_tokens >= 8",
-        params,
-        _severity(r, p["ratio"]),
-        _confidence(r / p["ratio"]),
+        w,
+        " AND output_tokens >= 8",
+        r,
+        p["ratio"],
     )
 
 

@@ -13,8 +13,8 @@ from ._common import (
     _in_window,
     _ms,
     _ratio,
-    _severity,
     _when,
+    _window_evidence,
     _worst,
 )
 
@@ -162,9 +162,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     if w is None:
         return None
     r = min(_ratio(w.get("ttft_p99"), base_ttft), _ratio(w.get("tpot_p99"), base_tpot))
-    where, params = _in_window(w)
     chain, chain_numbers = recompute_chain(sig)
-    return Evidence(
+    return _window_evidence(
         f"KV cache at {(w.get('kv_usage_max') or 0):.0%} with {w.get('preemptions'):.0f} preemptions "
         f"({w.get('recomputed_tokens') or 0:.0f} tokens recomputed) in {_when(w)}; TTFT p99 "
         f"{_ms(base_ttft)} → {_ms(w.get('ttft_p99'))}, TPOT p99 {_ms(base_tpot)} → "
@@ -180,11 +179,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "baseline_tpot_p99_ms": base_tpot,
             "allocation_failures": w.get("allocation_failures"),
         },
-        (w.start_ns, w.end_ns),
-        where + " AND preemptions > 0",
-        params,
-        _severity(r, p["degrade"]),
-        _confidence(r / p["degrade"], (w.get("kv_usage_max") or 0) / p["kv_full"]),
+        w,
+        " AND preemptions > 0",
+        r,
+        p["degrade"],
+        (w.get("kv_usage_max") or 0) / p["kv_full"],
     )
 
 

@@ -4,7 +4,7 @@ moving its KV from the prefill core to the decode core."""
 from __future__ import annotations
 
 from ..signals import Signals, Window
-from ._common import Evidence, Param, Rule, _confidence, _in_window, _ms, _severity, _when
+from ._common import Evidence, Param, Rule, _ms, _when, _window_evidence
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -23,9 +23,8 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     steps = moved / itl if moved is not None and itl else None
     mb = (w.get("kv_transfer_bytes_p50") or 0) / 1e6
     gbps = mb / 1e3 / (moved / 1e3) if moved else None
-    where, params = _in_window(w)
     size = f"{share:.1f}x its TTFT" if share >= 1 else f"{share:.0%} of its TTFT"
-    return Evidence(
+    return _window_evidence(
         f"in {_when(w)} each request's KV took {_ms(moved)} (p50, {mb:.1f} MB) to move from "
         f"the prefill core to the decode core, {size} of {_ms(w.get('ttft_p50'))}: its second "
         f"token came that much after its first"
@@ -41,11 +40,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "transfer_in_decode_steps": steps,
             "kv_wait_p50_ms": w.get("kv_wait_p50"),
         },
-        (w.start_ns, w.end_ns),
-        where + " AND kv_transfer_ms >= ? * ttft_ms",
-        [*params, p["share_of_ttft"]],
-        _severity(share, p["share_of_ttft"]),
-        _confidence(share / p["share_of_ttft"]),
+        w,
+        " AND kv_transfer_ms >= ? * ttft_ms",
+        share,
+        p["share_of_ttft"],
+        example_params=(p["share_of_ttft"],),
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..signals import Signals, Window
-from ._common import Evidence, Param, Rule, _confidence, _in_window, _ms, _severity, _when
+from ._common import Evidence, Param, Rule, _ms, _when, _window_evidence
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -19,8 +19,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         return None
     w = max(hits, key=lambda w: w.get("rank_spread_p50"))
     spread, rank = w.get("rank_spread_p50"), w.get("slowest_rank")
-    where, params = _in_window(w)
-    return Evidence(
+    return _window_evidence(
         f"rank {rank} was the slowest of {sig.config.tensor_parallel_size} ranks in "
         f"{w.get('slowest_rank_share'):.0%} of the {w.get('rank_samples')} samples in "
         f"{_when(w)}: its forward outside collectives took {_ms(w.get('slowest_rank_ms'))} "
@@ -36,11 +35,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "decode_collective_share": w.get("decode_collective_share"),
             "tensor_parallel_size": sig.config.tensor_parallel_size,
         },
-        (w.start_ns, w.end_ns),
-        where,
-        params,
-        _severity(spread, p["spread"]),
-        _confidence(spread / p["spread"], w.get("slowest_rank_share") / p["consistency"]),
+        w,
+        "",
+        spread,
+        p["spread"],
+        w.get("slowest_rank_share") / p["consistency"],
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..signals import Signals, Window
-from ._common import Evidence, Param, Rule, _confidence, _in_window, _ms, _severity, _when
+from ._common import Evidence, Param, Rule, _ms, _when, _window_evidence
 
 
 def _skew(w: Window) -> float:
@@ -52,8 +52,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     )
     affinity = sig.config.router_prefix_affinity
     causes = RULE.causes if affinity else (RULE.causes[1], RULE.causes[0], *RULE.causes[2:])
-    where, params = _in_window(w)
-    return Evidence(
+    return _window_evidence(
         f"replica {hot} took {w.get('replica_arrivals_max')} of the {total} requests that "
         f"arrived in {_when(w)} (replica {cool}: {w.get('replica_arrivals_min')}), {ttft_part}, "
         f"while the least busy replica ran {w.get('replica_running_mean_min'):.1f} requests on "
@@ -72,11 +71,12 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "most_running_mean": w.get("replica_running_mean_max"),
             "router_prefix_affinity": affinity,
         },
-        (w.start_ns, w.end_ns),
-        where + " AND replica = ?",
-        [*params, hot],
-        _severity(skew, p["arrival_skew"]),
-        _confidence(skew / p["arrival_skew"], None if ttft is None else ttft / p["ttft_ratio"]),
+        w,
+        " AND replica = ?",
+        skew,
+        p["arrival_skew"],
+        None if ttft is None else ttft / p["ttft_ratio"],
+        example_params=(hot,),
         causes=causes,
     )
 

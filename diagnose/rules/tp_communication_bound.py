@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..signals import Signals, Window
-from ._common import Evidence, Param, Rule, _confidence, _in_window, _ms, _severity, _when
+from ._common import Evidence, Param, Rule, _ms, _when, _window_evidence
 
 
 def detect(sig: Signals, p: dict) -> Evidence | None:
@@ -21,7 +21,6 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
     tp = sig.config.tensor_parallel_size
     dp = sig.config.data_parallel_size
     kb = (w.get("decode_collective_bytes_mean") or 0) / 1024
-    where, params = _in_window(w)
     prefill_part = ""
     if prefill is not None:
         # prefill's many tokens hide the same all-reduces (the seed's point) unless the ranks
@@ -30,7 +29,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         prefill_part = f"; in prefill steps {prefill:.0%}" + (
             ", hidden behind their compute" if hidden else ", so the ranks wait on each other"
         )
-    return Evidence(
+    return _window_evidence(
         f"decode steps in {_when(w)} spent {share:.0%} of their forward in collectives "
         f"({_ms(w.get('decode_collective_ms_mean'))} of {_ms(w.get('decode_forward_ms_mean'))} "
         f"a step, {kb:.0f} KB moved) with --tensor-parallel-size {tp}{prefill_part}",
@@ -44,11 +43,10 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             "tensor_parallel_size": tp,
             "data_parallel_size": dp,
         },
-        (w.start_ns, w.end_ns),
-        where,
-        params,
-        _severity(share, p["share"]),
-        _confidence(share / p["share"]),
+        w,
+        "",
+        share,
+        p["share"],
     )
 
 

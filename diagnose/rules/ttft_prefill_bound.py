@@ -13,12 +13,10 @@ from ._common import (
     Evidence,
     Param,
     Rule,
-    _confidence,
-    _in_window,
     _ms,
     _ratio,
-    _severity,
     _when,
+    _window_evidence,
     _worst,
 )
 
@@ -122,7 +120,6 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         persistence=f"{held} of {sig.busy_windows or len(sig.windows)} busy windows",
     )
     r = _ratio(w.get("ttft_p99"), base)
-    where, params = _in_window(w)
     # the window's slow requests, for the chain: prefills that waited on recompute work
     in_window_slow = sig.con.execute(
         f"SELECT request_id FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
@@ -130,7 +127,7 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         [w.start_ns, w.end_ns, p["ttft_rise"] * base],
     ).fetchall()
     hit_rate = w.get("prefix_hit_rate")
-    return Evidence(
+    return _window_evidence(
         f"TTFT p99 rose from {_ms(base)} to {_ms(w.get('ttft_p99'))} in {_when(w)}; "
         f"{w.get('prefill_share_of_ttft'):.0%} of it was prefill (prompt p50 "
         f"{w.get('input_p50') or 0:.0f}, p99 {w.get('input_p99') or 0:.0f} tokens; prefix-cache hit "
@@ -150,11 +147,11 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
                 sig, [rid for (rid,) in in_window_slow]
             ),
         },
-        (w.start_ns, w.end_ns),
-        where + " AND prefill_ms > 0.5 * ttft_ms",
-        params,
-        _severity(r, p["ttft_rise"]),
-        _confidence(r / p["ttft_rise"], (w.get("prefill_share_of_ttft") or 0) / p["prefill_share"]),
+        w,
+        " AND prefill_ms > 0.5 * ttft_ms",
+        r,
+        p["ttft_rise"],
+        (w.get("prefill_share_of_ttft") or 0) / p["prefill_share"],
         support=support,
     )
 

@@ -16,6 +16,7 @@ from ._common import (
     _ratio,
     _severity,
     _when,
+    _window_evidence,
     _worst,
 )
 from .head_of_line_blocking import RULE as HOL
@@ -178,9 +179,8 @@ def _risen(sig: Signals, p: dict) -> Evidence | None:
         return None
     support = _support(sig, [x for x in sig.busy() if hit(x)], p)
     r = _ratio(w.get("ttft_p99"), base)
-    where, params = _in_window(w)
     causes, shown = _causes(sig, w, p)
-    return Evidence(
+    return _window_evidence(
         f"TTFT p99 rose from {_ms(base)} to {_ms(w.get('ttft_p99'))} in {_when(w)} while ITL p99 "
         f"stayed at {_ms(w.get('itl_p99'))} (baseline {_ms(base_itl)}); "
         f"{w.get('queue_share_of_ttft'):.0%} of TTFT was queue time",
@@ -195,11 +195,11 @@ def _risen(sig: Signals, p: dict) -> Evidence | None:
             "running_max": w.get("running_max"),
             **shown,
         },
-        (w.start_ns, w.end_ns),
-        where + " AND queue_ms > 0.5 * ttft_ms",
-        params,
-        _severity(r, p["ttft_rise"]),
-        _confidence(r / p["ttft_rise"], (w.get("queue_share_of_ttft") or 0) / p["queue_share"]),
+        w,
+        " AND queue_ms > 0.5 * ttft_ms",
+        r,
+        p["ttft_rise"],
+        (w.get("queue_share_of_ttft") or 0) / p["queue_share"],
         causes=causes,
         support=support,
     )
