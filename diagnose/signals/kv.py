@@ -16,7 +16,7 @@ from .family import Family, Yield
 from .requests import COMPLETED_COLUMNS, by_arrival
 from .samples import KV_FROM_SAMPLES
 from .scope import Scope
-from .steps import WORKING_COLUMNS
+from .steps import WORKING_COLUMNS, by_start
 
 _KV_WINDOW_SQL = f"""
 SELECT (start_ns - $t0) // $w AS win,
@@ -49,10 +49,7 @@ _KV_KEYS = (
 
 
 def compute_kv(scope: Scope) -> Yield:
-    return Yield(
-        scope.by_window(_KV_WINDOW_SQL, "start_ns", scope.not_warm_step),
-        scope.over_range(_KV_WINDOW_SQL, "start_ns"),
-    )
+    return by_start(scope, _KV_WINDOW_SQL)
 
 
 KV = Family(

@@ -25,7 +25,7 @@ from tokenmill.telemetry.schema import (
 from .family import Family, Yield
 from .roofline import ROOFLINE_COLUMNS
 from .scope import Scope
-from .steps import WORKING_COLUMNS
+from .steps import WORKING_COLUMNS, by_start
 
 _SPEC_WINDOW_SQL = f"""
 WITH s AS (
@@ -86,10 +86,7 @@ def compute(scope: Scope) -> Yield:
     # the draft steps' intensity only with the roofline columns
     roofline = scope.has("engine_steps", *ROOFLINE_COLUMNS)
     sql = _SPEC_WINDOW_SQL.replace("$intensity", _SPEC_INTENSITY if roofline else "NULL")
-    return Yield(
-        scope.by_window(sql, "start_ns", scope.not_warm_step),
-        scope.over_range(sql, "start_ns"),
-    )
+    return by_start(scope, sql)
 
 
 FAMILY = Family(

@@ -12,7 +12,7 @@ from tokenmill.telemetry.schema import WORKING_STEP_SQL
 
 from .family import Family, Yield
 from .scope import Scope
-from .steps import WORKING_COLUMNS
+from .steps import WORKING_COLUMNS, by_start
 
 _SPLIT_WINDOW_SQL = f"""
 SELECT (start_ns - $t0) // $w AS win,
@@ -41,10 +41,7 @@ _KEYS = (
 
 
 def compute(scope: Scope) -> Yield:
-    return Yield(
-        scope.by_window(_SPLIT_WINDOW_SQL, "start_ns", scope.not_warm_step),
-        scope.over_range(_SPLIT_WINDOW_SQL, "start_ns"),
-    )
+    return by_start(scope, _SPLIT_WINDOW_SQL)
 
 
 FAMILY = Family(

@@ -74,14 +74,22 @@ _KEYS = (
 )
 
 
+def by_start(scope: Scope, sql: str, **params) -> Yield:
+    """``sql`` per window (warm-up set apart) and over the whole range (warm-up kept), over the
+    engine steps by start (the step families' ``$t0``/``$w``/``$since``/``$until`` SQL)."""
+    return Yield(
+        scope.by_window(sql, "start_ns", scope.not_warm_step, **params),
+        scope.over_range(sql, "start_ns", **params),
+    )
+
+
 def compute(scope: Scope) -> Yield:
-    sql = _STEP_WINDOW_SQL.replace("__DECODE_SEQS__", scope.decode_seqs_sql)
-    windows = scope.by_window(sql, "start_ns", scope.not_warm_step)
+    out = by_start(scope, _STEP_WINDOW_SQL.replace("__DECODE_SEQS__", scope.decode_seqs_sql))
     for i in range(scope.n_windows):
-        v = windows.setdefault(i, {})
+        v = out.windows.setdefault(i, {})
         sampled = v.get("sampled_tokens")
         v["throughput_tok_s"] = (sampled / scope.window_s) if sampled else None
-    return Yield(windows, scope.over_range(sql, "start_ns"))
+    return out
 
 
 FAMILY = Family(
