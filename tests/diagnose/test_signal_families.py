@@ -269,18 +269,24 @@ STORES: dict[str, list[Phase]] = {
 STORE_OF = {"replicas": "dp", "ranks": "tp", "collectives": "tp", "pd": "pd", "kv_transfer": "pd"}
 
 
-@pytest.fixture(scope="module")
-def store_path(tmp_path_factory):
+def _stores(tmp_path_factory, folder: str, phases: dict[str, list[Phase]]):
+    """``get(name)``: the path of a store of ``phases[name]``, written on first use (seeded by
+    the name) in a fresh ``folder``."""
     paths: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in paths:
-            path = tmp_path_factory.mktemp("families") / f"{name}.duckdb"
-            write_store(path, STORES[name], seed=zlib.crc32(name.encode()) % 1000)
+            path = tmp_path_factory.mktemp(folder) / f"{name}.duckdb"
+            write_store(path, phases[name], seed=zlib.crc32(name.encode()) % 1000)
             paths[name] = path
         return paths[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    return _stores(tmp_path_factory, "families", STORES)
 
 
 class Recorder:
@@ -415,16 +421,7 @@ def test_a_full_store_leaves_no_family_out(store_path):
 def symptom_store(tmp_path_factory):
     from test_diagnose_rules import SCENARIOS
 
-    paths: dict[str, Path] = {}
-
-    def get(rule_id: str) -> Path:
-        if rule_id not in paths:
-            path = tmp_path_factory.mktemp("symptoms") / f"{rule_id}.duckdb"
-            write_store(path, SCENARIOS[rule_id], seed=zlib.crc32(rule_id.encode()) % 1000)
-            paths[rule_id] = path
-        return paths[rule_id]
-
-    return get
+    return _stores(tmp_path_factory, "symptoms", SCENARIOS)
 
 
 @pytest.mark.parametrize("rule_id", [r.id for r in RULES])
