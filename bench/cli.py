@@ -120,7 +120,6 @@ def run_bench(
     import asyncio
 
     from .client import BenchConfig, BenchError, run
-    from .record import RecordError, record_client_timings
     from .report import BenchProgress, parse_goodput, render_table, summarize
 
     console = console or Console(emoji=False)
@@ -144,7 +143,7 @@ def run_bench(
     except ValueError as exc:
         raise BenchInputError(str(exc)) from None
     workload = _workload(opts)
-    out = opts.out
+    out, record_to = opts.out, opts.record_to
     if out is not None:
         if out.is_dir():
             raise BenchInputError(f"--out {out} is a folder; give a file name")
@@ -154,7 +153,6 @@ def run_bench(
         raise BenchInputError(
             f"--abort-fraction must be between 0 and 1, got {opts.abort_fraction:g}"
         )
-    record_to = opts.record_to
     if record_to is not None and not record_to.is_file():
         raise BenchInputError(f"--record-to {record_to}: no such file")
 
@@ -191,18 +189,26 @@ def run_bench(
         out.write_text(json.dumps(doc, indent=1) + "\n")
         console.print(f"wrote {out}", highlight=False, markup=False)
     if record_to is not None:
-        try:
-            s = record_client_timings(record_to, result.results)
-        except RecordError as exc:
-            msg = str(exc)
-            if "locked" in msg and out is not None:
-                msg = (
-                    f"{record_to}: locked by a running server; once it has stopped, run "
-                    f"tokenmill bench --from-results {out} --record-to {record_to}"
-                )
-            raise BenchInputError(f"--record-to: {msg}") from None
-        _print_recorded(console, record_to, s)
+        _record_run(console, record_to, out, result.results)
     return 0
+
+
+def _record_run(console: Console, record_to: Path, out: Path | None, results: list) -> None:
+    """The run's client TTFTs into ``--record-to``; BenchInputError when it cannot be written
+    (a store a server holds: how to record the saved ``--out`` once it stops)."""
+    from .record import RecordError, record_client_timings
+
+    try:
+        s = record_client_timings(record_to, results)
+    except RecordError as exc:
+        msg = str(exc)
+        if "locked" in msg and out is not None:
+            msg = (
+                f"{record_to}: locked by a running server; once it has stopped, run "
+                f"tokenmill bench --from-results {out} --record-to {record_to}"
+            )
+        raise BenchInputError(f"--record-to: {msg}") from None
+    _print_recorded(console, record_to, s)
 
 
 def _check_load(opts: BenchOptions) -> tuple[int | None, int | None, list]:
