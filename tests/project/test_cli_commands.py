@@ -168,6 +168,35 @@ def test_server_flags_come_from_serve_config_fields():
 
 
 @pytest.mark.parametrize(
+    ("command", "settings"),
+    [
+        ("proxy", "tokenmill.proxy.cli:ProxyConfig"),
+        ("collect", "tokenmill.telemetry.collect_cli:CollectConfig"),
+        ("bench", "tokenmill.bench.cli:BenchOptions"),
+    ],
+)
+def test_observer_flags_come_from_their_settings_fields(command, settings):
+    """proxy, collect and bench, as serve: one option per field of their settings class, with
+    the field's flag, default, help and variable (and no option that is not a field)."""
+    import importlib
+
+    module, name = settings.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    params = {n: p for n, p in _params(command).items() if p.param_type_name == "option"}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    assert set(params) == set(fields), set(params) ^ set(fields)
+    for name, f in fields.items():
+        p, meta = params[name], f.metadata
+        flag = meta["flags"][0].split("/")[0] if meta["flags"] else "--" + name.replace("_", "-")
+        assert p.opts[0] == flag, name
+        assert p.help == meta["help"] and p.envvar == meta["envvar"], name
+        if f.default is dataclasses.MISSING:
+            assert p.required, name
+        else:
+            assert p.default == f.default, name
+
+
+@pytest.mark.parametrize(
     ("flag", "value", "needle"),
     [
         ("--shutdown-timeout", "ten", "bad duration 'ten'"),
