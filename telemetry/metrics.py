@@ -682,8 +682,8 @@ class ServingMetrics:
         torch: str | None,
         int8_compute: str | None = None,
     ) -> None:
-        """``tokenmill_build_info`` = 1 with these versions (``server.runtime_versions``) and
-        the int8 compute path (``off`` without one)."""
+        """``tokenmill_build_info`` = 1 with these versions (``runtime_versions`` in
+        ``engine/api/lifecycle.py``) and the int8 compute path (``off`` without one)."""
         self.g_build.labels(
             self.model_name, version or "", python or "", torch or "", int8_compute or "off"
         ).set(1)
