@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.plan.whatif import parse_slo, parse_whatif
+from tokenmill.engine.config import EngineConfig
+from tokenmill.plan.whatif import (
+    CONFIG_FIELDS,
+    KNOBS,
+    knob_fields,
+    knob_type,
+    parse_slo,
+    parse_whatif,
+    whatif_help,
+)
 
 
 def test_whatif_parses_each_kind_of_value():
@@ -75,3 +84,22 @@ def test_slo_refusals_name_the_part(text, says):
     with pytest.raises(ValueError) as exc:
         parse_slo(text)
     assert says in str(exc.value)
+
+
+def test_each_knob_is_one_field_that_help_parsing_and_the_console_read():
+    """A knob is a ``Knobs`` field: --what-if's help names every one a replay takes, each has a
+    grammar its refusals quote, a config field that exists, and a console widget in bounds."""
+    fields = knob_fields()
+    assert list(KNOBS) == list(fields)
+    shown = whatif_help().split(": ", 1)[1].rstrip(".").split(", ")
+    assert [n.removesuffix(" (x)") for n in shown] == [
+        n for n, f in fields.items() if not f.metadata.get("refused")
+    ]
+    assert "rate (x)" in shown and "step_time (x)" in shown
+    assert set(CONFIG_FIELDS.values()) <= set(EngineConfig.field_names())
+    for name, f in fields.items():
+        assert f.metadata["help"] and f.metadata["grammar"], name
+        assert knob_type(name) in (float, int, bool, str), name
+        widget = f.metadata.get("console")
+        if widget and knob_type(name) is not bool:
+            assert widget["min"] <= (f.metadata.get("recorded") or widget["min"]) <= widget["max"]
