@@ -191,7 +191,7 @@ def page_queries(con, page: str) -> None:
     since, until = data.time_range(con)
     b = data.pick_bucket_s(since, until)
     if page == "overview":
-        data.overview(con, since, until, data.Slo())
+        data.overview(con, since, until, data.GoodputSlo())
         data.diagnosis(con, since, until, 10.0)
         data.latency_series(con, since, until, b)
     elif page == "requests":

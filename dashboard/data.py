@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from tokenmill.telemetry.schema import STATIONS
+from tokenmill.telemetry.schema import STATIONS, GoodputSlo
 
 from .data_devices import (
     THROTTLE_REASONS,
@@ -60,7 +60,6 @@ from .data_store import (
     GIB,
     NS,
     OK_SQL,
-    Slo,
     engine_seen,
     pick_bucket_s,
     store_info,
@@ -77,7 +76,7 @@ __all__ = [
     "STATUS_SQL",
     "STEP_FIELDS",
     "THROTTLE_REASONS",
-    "Slo",
+    "GoodputSlo",
     "collective_series",
     "comparison",
     "device_kind",

@@ -11,11 +11,11 @@ import pandas as pd
 
 from tokenmill.telemetry.schema import (
     STATIONS,
+    GoodputSlo,
 )
 
 from .data_store import (
     OK_SQL,
-    Slo,
     _df,
     _time,
 )
@@ -83,25 +83,24 @@ def comparison(
     after_label: str,
     since_ns: int | None,
     until_ns: int | None,
-    slo: Slo,
+    slo: GoodputSlo,
     threshold_pct: float,
     window_s: float = 10.0,
 ):
     """The baseline (BEFORE, all of it) against the source (AFTER, its requests arrived in
     ``[since_ns, until_ns)``) as a :class:`tokenmill.diagnose.compare.Comparison`, goodput
     against ``slo``; None when either holds no request there."""
-    from tokenmill.diagnose.compare import CompareError, GoodputSlo, compare, measure
+    from tokenmill.diagnose.compare import CompareError, compare, measure
     from tokenmill.diagnose.signals import NoTraffic
 
-    goodput = GoodputSlo(float(slo.ttft_ms), float(slo.itl_ms), float(slo.e2e_ms))
     try:
-        before = measure(before_con, label=before_label, slo=goodput, window_s=window_s)
+        before = measure(before_con, label=before_label, slo=slo, window_s=window_s)
         after = measure(
             after_con,
             label=after_label,
             since_ns=since_ns,
             until_ns=until_ns,
-            slo=goodput,
+            slo=slo,
             window_s=window_s,
         )
     except (CompareError, NoTraffic):

@@ -13,13 +13,13 @@ from tokenmill.telemetry.schema import (
     COMPLETED_SQL,
     GOOD_REQUEST_SQL,
     STATIONS,
+    GoodputSlo,
 )
 
 from .data_store import (
     DEFAULT_SLO,
     NS,
     OK_SQL,
-    Slo,
     _df,
     _div,
     _one,
@@ -73,7 +73,7 @@ FROM engine_steps WHERE start_ns >= $since AND start_ns < $until
 """
 
 
-def overview(con, since_ns: int, until_ns: int, slo: Slo = DEFAULT_SLO) -> dict:
+def overview(con, since_ns: int, until_ns: int, slo: GoodputSlo = DEFAULT_SLO) -> dict:
     """The tiles: latency percentiles (ms), throughput (output tokens/s from engine steps),
     goodput (share of requests meeting ``slo`` and good requests/s), error rate, KV usage."""
     r = _one(
@@ -81,9 +81,7 @@ def overview(con, since_ns: int, until_ns: int, slo: Slo = DEFAULT_SLO) -> dict:
         _OVERVIEW_REQ_SQL,
         since=since_ns,
         until=until_ns,
-        ttft=float(slo.ttft_ms),
-        itl=float(slo.itl_ms),
-        e2e=float(slo.e2e_ms),
+        **slo.sql_params(),
     )
     s = _one(con, _OVERVIEW_STEP_SQL, since=since_ns, until=until_ns)
     duration_s = (until_ns - since_ns) / NS

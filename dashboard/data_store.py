@@ -13,19 +13,17 @@ power in W, energy in J, memory in GiB, rates per s, shares 0..1. Percentiles fo
 ITL p50, ITL p99 the 99th percentile of their own ITL p99.
 
 Here: the helpers (:func:`_bucketed`: a query grouped into time buckets), the user's
-:class:`Slo`, :func:`pick_bucket_s`, and the store's own facts (:func:`time_range`,
+the default goodput bounds (:data:`DEFAULT_SLO`), :func:`pick_bucket_s`, and the store's own facts (:func:`time_range`,
 :func:`store_info`, :func:`engine_seen`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import duckdb
 import pandas as pd
 
 from tokenmill.telemetry.readers import store_engine
-from tokenmill.telemetry.schema import COMPLETED_SQL
+from tokenmill.telemetry.schema import COMPLETED_SQL, DEFAULT_GOODPUT
 
 NS = 1_000_000_000
 GIB = float(1 << 30)
@@ -33,18 +31,8 @@ OK_SQL = COMPLETED_SQL
 _NICE_BUCKETS_S = (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
 
 
-@dataclass(frozen=True)
-class Slo:
-    """The user's service-level objectives (ms). A request is good when it completed and its
-    TTFT, its own ITL p99 and its E2E latency are all within them."""
-
-    ttft_ms: float = 2000.0
-    itl_ms: float = 200.0
-    e2e_ms: float = 60000.0
-
-
 #: the SLOs a query takes when none is given
-DEFAULT_SLO = Slo()
+DEFAULT_SLO = DEFAULT_GOODPUT
 
 
 def _q(con, sql: str, **params) -> duckdb.DuckDBPyConnection:

@@ -44,7 +44,7 @@ class Ctx:
     until_ns: int
     store_range: tuple[int, int] | None
     bucket_s: float
-    slo: data.Slo
+    slo: data.GoodputSlo
     live: bool = False
     # a fleet with "all" picked: (name, dump path, connection, snapshot key) per source
     sources: list[tuple[str, str, object, str]] = field(default_factory=list)
@@ -229,7 +229,7 @@ def _window(con, snap: Snapshot) -> Ctx:
     rng = _cached(con, snap.key, "time_range", (), ())
     choice = st.selectbox("Time window", list(PRESETS), key="tm_window")
     with st.expander("SLOs (goodput)", expanded=False):
-        slo = data.Slo(
+        slo = data.GoodputSlo(
             ttft_ms=st.number_input("TTFT ≤ ms", 1.0, value=2000.0, step=100.0, key="tm_slo_ttft"),
             itl_ms=st.number_input("ITL p99 ≤ ms", 1.0, value=200.0, step=10.0, key="tm_slo_itl"),
             e2e_ms=st.number_input("E2E ≤ ms", 1.0, value=60000.0, step=1000.0, key="tm_slo_e2e"),

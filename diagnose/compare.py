@@ -65,7 +65,7 @@ import duckdb
 # the request summary is the store's (plan replays run it too)
 from tokenmill.telemetry.readers import LATENCY_KEYS, REQUEST_SUMMARY_SQL
 from tokenmill.telemetry.recorded_config import read_recorded_config
-from tokenmill.telemetry.schema import COMPLETED_SQL, STATIONS
+from tokenmill.telemetry.schema import COMPLETED_SQL, DEFAULT_GOODPUT, STATIONS, GoodputSlo
 
 from .findings import diagnose
 from .rules import RULES
@@ -171,16 +171,6 @@ _DEVICE_KEYS = {
 
 class CompareError(Exception):
     """A dump cannot be compared (one-line reason): no requests in it."""
-
-
-@dataclass(frozen=True)
-class GoodputSlo:
-    """What counts as a good request for goodput (ms): completed, TTFT, its own ITL p99 and its
-    E2E within these. The defaults are the console's (``dashboard/data.py``: ``Slo``)."""
-
-    ttft_ms: float = 2000.0
-    itl_ms: float = 200.0
-    e2e_ms: float = 60000.0
 
 
 @dataclass
@@ -411,7 +401,7 @@ def measure(
     label: str = "",
     since_ns: int | None = None,
     until_ns: int | None = None,
-    slo: GoodputSlo = GoodputSlo(),
+    slo: GoodputSlo = DEFAULT_GOODPUT,
     window_s: float = 10.0,
 ) -> Run:
     """Read one run from an open store or dump (the caller checked its schema).
@@ -435,9 +425,7 @@ def measure(
         REQUEST_SUMMARY_SQL,
         since=since,
         until=until,
-        ttft=float(slo.ttft_ms),
-        itl=float(slo.itl_ms),
-        e2e=float(slo.e2e_ms),
+        **slo.sql_params(),
     )
     n = int(r["requests"] or 0)
     if n == 0:

@@ -24,7 +24,7 @@ from .predict import (
     setup_for,
     summarize_rows,
 )
-from .whatif import STEP_TIME_RANGE, Slo, WhatIf, parse_whatif
+from .whatif import STEP_TIME_RANGE, SloBounds, WhatIf, parse_whatif
 
 
 def at_pace(whatif: WhatIf, pace: float) -> WhatIf:
@@ -54,7 +54,7 @@ def open_run(path: Path) -> duckdb.DuckDBPyConnection:
 def check(
     rec: Recording,
     planned: Prediction,
-    slo: Slo,
+    slo: SloBounds,
     con: duckdb.DuckDBPyConnection,
     run: str,
     *,

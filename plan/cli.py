@@ -96,7 +96,11 @@ def run(
             "measured": measured(rec, slo),
             "slo": slo.text or None,
             # what a request must meet to count in goodput (the SLO's, else the defaults)
-            "goodput_bounds_ms": {"ttft": slo.ttft_ms, "itl_p99": slo.itl_ms, "e2e": slo.e2e_ms},
+            "goodput_bounds_ms": {
+                "ttft": slo.goodput.ttft_ms,
+                "itl_p99": slo.goodput.itl_ms,
+                "e2e": slo.goodput.e2e_ms,
+            },
             "predictions": [p.to_dict() for p in preds],
         }
         if recommend_it:

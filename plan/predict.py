@@ -28,7 +28,7 @@ from tokenmill.telemetry.recorded_config import RecordedConfig, read_recorded_co
 
 from .simulate import Setup, SimResult, simulate
 from .step_cost import StepCostError, StepCostModel, fit_step_cost
-from .whatif import CONFIG_FIELDS, Slo, WhatIf
+from .whatif import CONFIG_FIELDS, SloBounds, WhatIf
 from .workload import Workload, WorkloadError, read_workload
 
 #: the summary metrics a prediction reports, in order (ms, then shares)
@@ -110,7 +110,9 @@ def recording_from(con: duckdb.DuckDBPyConnection, label: str) -> Recording:
     return Recording(label, con, recorded, _engine_config(recorded), workload, model, int(blocks))
 
 
-def summarize_rows(con: duckdb.DuckDBPyConnection, slo: Slo, since_ns=None, until_ns=None) -> dict:
+def summarize_rows(
+    con: duckdb.DuckDBPyConnection, slo: SloBounds, since_ns=None, until_ns=None
+) -> dict:
     """The summary metrics of a ``requests`` table (a store's, or a replay's)."""
     lo, hi = con.execute("SELECT min(arrival_ns), max(arrival_ns) FROM requests").fetchone()
     cur = con.execute(
@@ -118,9 +120,7 @@ def summarize_rows(con: duckdb.DuckDBPyConnection, slo: Slo, since_ns=None, unti
         {
             "since": since_ns if since_ns is not None else lo,
             "until": until_ns if until_ns is not None else hi + 1,
-            "ttft": float(slo.ttft_ms),
-            "itl": float(slo.itl_ms),
-            "e2e": float(slo.e2e_ms),
+            **slo.goodput.sql_params(),
         },
     )
     row = dict(zip([d[0] for d in cur.description], cur.fetchone(), strict=True))
@@ -269,7 +269,7 @@ def setup_for(
 def predict(
     rec: Recording,
     whatif: WhatIf,
-    slo: Slo,
+    slo: SloBounds,
     *,
     cost_models: dict[str, StepCostModel] | None = None,
     fast_forward: bool = True,
@@ -345,7 +345,7 @@ def predict(
     )
 
 
-def measured(rec: Recording, slo: Slo) -> dict:
+def measured(rec: Recording, slo: SloBounds) -> dict:
     """The recording's own summary (the same definitions)."""
     return summarize_rows(rec.con, slo)
 
@@ -362,7 +362,7 @@ def errors_pct(pred: dict, real: dict) -> dict:
     return errors
 
 
-def error_estimate(rec: Recording, slo: Slo) -> dict:
+def error_estimate(rec: Recording, slo: SloBounds) -> dict:
     """Each metric's error (%; goodput in points) over the last :data:`HOLDOUT_SHARE` of the
     recorded requests (in arrival order), predicted with a model fitted on the steps before
     the first of them arrived (see the module docstring); a note instead when fewer than

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .predict import Prediction, Recording, predict
 from .step_cost import StepCostModel
-from .whatif import Slo, WhatIf
+from .whatif import SloBounds, WhatIf
 
 #: the knob grid searched at the recorded replica count
 GRID = {
@@ -44,7 +44,7 @@ def _whatif(rate: float, **changes) -> WhatIf:
 
 def recommend(
     rec: Recording,
-    slo: Slo,
+    slo: SloBounds,
     *,
     rate: float = 1.0,
     cost_models: dict[str, StepCostModel] | None = None,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 
 from tokenmill.engine.durations import parse_duration
 from tokenmill.engine.settings import setting
+from tokenmill.telemetry.schema import DEFAULT_GOODPUT, GoodputSlo
 
 #: the step-time factors a replay takes: a host 100x slower or faster is another machine, and
 #: far past that the replay's clock overflows
@@ -253,14 +254,13 @@ def parse_whatif(text: str) -> WhatIf:
 
 
 @dataclass(frozen=True)
-class Slo:
-    """Upper bounds (ms) on summary metrics, and the per-request bounds goodput counts with."""
+class SloBounds:
+    """Upper bounds (ms) on summary metrics, and the per-request bounds goodput counts with
+    (the p99, else the p50, bound of each latency the text names; the console's otherwise)."""
 
     text: str
     bounds: dict  # summary key → ms
-    ttft_ms: float = 2000.0
-    itl_ms: float = 200.0
-    e2e_ms: float = 60000.0
+    goodput: GoodputSlo = DEFAULT_GOODPUT
 
     def misses(self, summary: dict) -> dict:
         """``{metric: (value, bound)}`` for each bound the summary does not meet."""
@@ -281,8 +281,8 @@ class Slo:
 _SLO_RE = re.compile(r"^\s*([a-z0-9_]+)\s*(<=|<)\s*(\S+)\s*$")
 
 
-def parse_slo(text: str | None) -> Slo:
-    """``metric<bound[,metric<bound...]`` → :class:`Slo` (None or ``""``: no bounds, the
+def parse_slo(text: str | None) -> SloBounds:
+    """``metric<bound[,metric<bound...]`` → :class:`SloBounds` (None or ``""``: no bounds, the
     console's goodput defaults).
 
     Raises:
@@ -310,4 +310,4 @@ def parse_slo(text: str | None) -> Slo:
         own = [b for b in own if b is not None]
         if own:
             per_request[f"{m}_ms"] = own[0]
-    return Slo((text or "").strip(), bounds, **per_request)
+    return SloBounds((text or "").strip(), bounds, GoodputSlo(**per_request))

@@ -36,7 +36,7 @@ def _comparison(_before, before_key, _after, after_key, before_label, after_labe
         after_label=after_label,
         since_ns=since,
         until_ns=until,
-        slo=data.Slo(*slo),
+        slo=data.GoodputSlo(*slo),
         threshold_pct=threshold,
     )
 

@@ -11,7 +11,8 @@ import streamlit as st
 from tokenmill.dashboard import charts, ui
 from tokenmill.plan.predict import PlanError, predict, recording_from
 from tokenmill.plan.recommend import knee
-from tokenmill.plan.whatif import Slo, knob_fields, knob_type, parse_whatif
+from tokenmill.plan.whatif import SloBounds, knob_fields, knob_type, parse_whatif
+from tokenmill.telemetry.schema import GoodputSlo
 
 FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 #: the knobs the page offers, in its order; each one's widget (label, bounds), tooltip and
@@ -27,7 +28,7 @@ def _recording(_con, key):
 @st.cache_data(max_entries=16, show_spinner="Replaying the recorded traffic…")
 def _curve(_rec, key, knobs: str, factors: tuple, slo: tuple) -> pd.DataFrame:
     rows = []
-    target = Slo("", {}, *slo)
+    target = SloBounds("", {}, GoodputSlo(*slo))
     for f in factors:
         text = ",".join(p for p in (f"rate={f:g}" if f != 1.0 else "", knobs) if p)
         p = predict(_rec, parse_whatif(text), target)

@@ -13,7 +13,7 @@ from streamlit.testing.v1 import AppTest
 from tokenmill.dashboard import data
 from tokenmill.plan.predict import open_recording, predict
 from tokenmill.plan.recommend import knee
-from tokenmill.plan.whatif import Slo, parse_whatif
+from tokenmill.plan.whatif import SloBounds, parse_whatif
 
 APP = Path(data.__file__).parent / "app.py"
 RECORDING = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "plan_recording"
@@ -38,7 +38,7 @@ def test_the_page_shows_the_plans_numbers(monkeypatch):
     df = _table(at)
     assert len(df) == 6
     rec = open_recording(RECORDING)
-    slo = Slo("", {}, *(data.Slo().ttft_ms, data.Slo().itl_ms, data.Slo().e2e_ms))
+    slo = SloBounds("", {}, data.GoodputSlo())
     for factor, row in zip((0.5, 1.0, 2.0), (0, 1, 3), strict=True):
         p = predict(rec, parse_whatif(f"rate={factor:g}" if factor != 1 else ""), slo)
         assert df["goodput_share"].iloc[row] == pytest.approx(p.summary["goodput_share"])

@@ -64,7 +64,7 @@ def test_whatif_refusals_name_the_part(text, says):
 def test_slo_bounds_and_the_per_request_goodput_bounds():
     slo = parse_slo("ttft_p99<2s, itl_p50<=150ms,e2e_p99<1m")
     assert slo.bounds == {"ttft_p99_ms": 2000.0, "itl_p50_ms": 150.0, "e2e_p99_ms": 60000.0}
-    assert (slo.ttft_ms, slo.itl_ms, slo.e2e_ms) == (2000.0, 150.0, 60000.0)
+    assert (slo.goodput.ttft_ms, slo.goodput.itl_ms, slo.goodput.e2e_ms) == (2000.0, 150.0, 60000.0)
     summary = {"ttft_p99_ms": 1500.0, "itl_p50_ms": 160.0, "e2e_p99_ms": 30000.0}
     assert slo.misses(summary) == {"itl_p50_ms": (160.0, 150.0)}
     assert slo.margin(summary) == pytest.approx(1 - 160 / 150)
