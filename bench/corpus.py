@@ -43,7 +43,7 @@ SPLITS = ("tune", "eval")
 
 
 @dataclass
-class Run:
+class CorpusRun:
     """One sampled run: its id, family, split, scenario and labels."""
 
     id: str
@@ -58,7 +58,7 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Family:
+class CorpusFamily:
     name: str
     expect: tuple[str, ...]
     # rng -> (scenario fields, sampled params, fault start s)
@@ -414,39 +414,39 @@ def _volatile_prefix(rng: random.Random):
     return {"steps": steps}, p, 0.0
 
 
-FAMILIES: dict[str, Family] = {
+FAMILIES: dict[str, CorpusFamily] = {
     f.name: f
     for f in (
-        Family("healthy", (), _healthy, "closed loop, 1-3 clients, short chats"),
-        Family("healthy_open", (), _healthy_open, "open loop at 0.2-0.8 req/s"),
-        Family("healthy_loaded", (), _healthy_loaded, "6-10 streams from one client process"),
-        Family(
+        CorpusFamily("healthy", (), _healthy, "closed loop, 1-3 clients, short chats"),
+        CorpusFamily("healthy_open", (), _healthy_open, "open loop at 0.2-0.8 req/s"),
+        CorpusFamily("healthy_loaded", (), _healthy_loaded, "6-10 streams from one client process"),
+        CorpusFamily(
             "hol_low_rate",
             ("head_of_line_blocking",),
             _hol_low_rate,
             "short prompts at 0.4-1 req/s; a long prompt's chunks take the step budget",
         ),
-        Family(
+        CorpusFamily(
             "hol_strict",
             ("head_of_line_blocking",),
             _hol_strict,
             "strict admission stops at a long prompt that does not fit",
         ),
-        Family(
+        CorpusFamily(
             "multi_turn_uncached",
             # the cause first: the history computed again; TTFT prefill-bound is its symptom
             ("prefix_cache_miss", "ttft_prefill_bound"),
             _multi_turn_uncached,
             "growing chats with the prefix cache off",
         ),
-        Family(
+        CorpusFamily(
             "ttft_queueing",
             ("ttft_queueing", "overload"),
             _queueing,
             "clients step up until requests queue for a small KV pool",
             label_check=queueing_label_check,
         ),
-        Family(
+        CorpusFamily(
             "kv_pressure_preemption",
             # a pool too small shows as preemption when running requests outgrow it, or as a
             # queue when admission stops first: ttft_queueing with the KV pool as its first
@@ -457,26 +457,26 @@ FAMILIES: dict[str, Family] = {
             _kv_pressure,
             "more running requests than the KV pool holds",
         ),
-        Family(
+        CorpusFamily(
             "prefix_cache_miss",
             ("prefix_cache_miss",),
             _volatile_prefix,
             "a shared system prompt whose first line changes every request",
         ),
-        Family(
+        CorpusFamily(
             "host_contention",
             ("host_contention",),
             _host_contention,
             "CPU hogs outside the server mid-run",
         ),
-        Family(
+        CorpusFamily(
             "periodic_itl_spikes",
             ("periodic_itl_spikes",),
             _periodic,
             "a job taking the cores about 1 s in every 4-6",
             ("15s", "20s"),
         ),
-        Family(
+        CorpusFamily(
             "itl_prefill_interference",
             ("itl_prefill_interference",),
             _prefill_interference,
@@ -487,7 +487,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def sample(per_family: int, families: list[str] | None = None) -> list[Run]:
+def sample(per_family: int, families: list[str] | None = None) -> list[CorpusRun]:
     """``per_family`` runs of each family (all by default), deterministic per (family, index)."""
     names = families or list(FAMILIES)
     runs = []
@@ -514,7 +514,7 @@ def sample(per_family: int, families: list[str] | None = None) -> list[Run]:
                 description=fam.description,
             )
             runs.append(
-                Run(f"{name}-{i}", name, SPLITS[i % 2], list(fam.expect), sc, params, fault)
+                CorpusRun(f"{name}-{i}", name, SPLITS[i % 2], list(fam.expect), sc, params, fault)
             )
     return runs
 
@@ -554,7 +554,9 @@ def foreign_load(store: Path) -> list[str]:
     return out
 
 
-def generate(out: Path, runs: list[Run], *, model: str | None = None, log=print) -> list[Path]:
+def generate(
+    out: Path, runs: list[CorpusRun], *, model: str | None = None, log=print
+) -> list[Path]:
     """Run each of ``runs`` on the real engine into ``out/<id>/`` (Parquet dump + label.json);
     runs whose label exists are skipped. Returns the run folders."""
     from tokenmill.telemetry.parquet_dump import export_parquet
@@ -727,13 +729,13 @@ def backfill_waiting(dump: Path) -> bool:
     return True
 
 
-def scenario_runs(names: list[str]) -> list[Run]:
+def scenario_runs(names: list[str]) -> list[CorpusRun]:
     """Named scenarios (``scenarios/*.toml``) as runs to record: each a run of its own family,
     split ``scenario``, so the diagnoser can be checked on its real-engine dump in seconds
     (``make scenario-dumps``; ``tests/bench/test_scenarios.py``)."""
     from .scenario import load
 
-    return [Run(n, n, "scenario", list(load(n).expect), load(n), {}, None) for n in names]
+    return [CorpusRun(n, n, "scenario", list(load(n).expect), load(n), {}, None) for n in names]
 
 
 def main(argv: list[str] | None = None) -> int:

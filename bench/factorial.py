@@ -31,7 +31,7 @@ tokens there, the question's. On ``budget`` ``prefill_interference``'s
 ``--no-enable-chunked-prefill`` also prefills the shape's own prompts whole (no longer split at
 256 tokens), as that flag does every shape's prompts.
 
-Runs are ``bench/corpus.py``'s :class:`~tokenmill.bench.corpus.Run`, recorded by its
+Runs are ``bench/corpus.py``'s :class:`~tokenmill.bench.corpus.CorpusRun`, recorded by its
 :func:`~tokenmill.bench.corpus.generate`; their ``label.json`` has the corpus's keys plus
 ``shape``, ``fault`` (None for twins), ``magnitude`` (``mild``/``moderate``/``severe``, None
 for twins) and ``fault_window_s`` (the fault's [start, end] in seconds after the first bench
@@ -60,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .corpus import Run, generate
+from .corpus import CorpusRun, generate
 from .scenario import Scenario
 from .scenario import _args as scenario_args
 
@@ -758,7 +758,7 @@ def run_id(shape: str, fault: str | None = None, magnitude: str | None = None) -
     return f"f-{shape}-healthy" if fault is None else f"f-{shape}-{fault}-{magnitude}"
 
 
-def make_run(shape: str, fault: str | None = None, magnitude: str | None = None) -> Run:
+def make_run(shape: str, fault: str | None = None, magnitude: str | None = None) -> CorpusRun:
     """One run: the shape's traffic, and the fault at that magnitude laid on it (None: the
     shape's healthy twin)."""
     rid = run_id(shape, fault, magnitude)
@@ -797,7 +797,7 @@ def make_run(shape: str, fault: str | None = None, magnitude: str | None = None)
         "fault_window_s": [f.start_s, f.end_s] if f else None,
     }
     family = fault or "healthy"
-    return Run(rid, family, sh.split, expect, sc, params, f.start_s if f else None, labels)
+    return CorpusRun(rid, family, sh.split, expect, sc, params, f.start_s if f else None, labels)
 
 
 def plan(
@@ -806,7 +806,7 @@ def plan(
     faults: list[str] | None = None,
     magnitudes: list[str] | None = None,
     split: str | None = None,
-) -> list[Run]:
+) -> list[CorpusRun]:
     """The runs of a plan, tune shapes first. ``full``: every shape's twin and every fault at
     every magnitude. ``small``: every shape's twin and each fault at one magnitude, rotating
     through mild/moderate/severe across shapes and faults (shape ``i``, fault ``j``:
@@ -926,12 +926,12 @@ def _spec_max(spec) -> float:
     return {"fixed": spec.a, "uniform": spec.b}.get(spec.kind, 3 * spec.a)
 
 
-def traffic_s(run: Run) -> float:
+def traffic_s(run: CorpusRun) -> float:
     """When the run's traffic ends, in seconds after its first step starts (cost model)."""
     return max(st["start_s"] + step_s(st["args"]) for st in run.scenario.steps)
 
 
-def check_run(run: Run) -> list[str]:
+def check_run(run: CorpusRun) -> list[str]:
     """What is wrong with a planned run: bench steps or server flags the commands would refuse,
     traffic outside :data:`TRAFFIC_S`, a fault shorter than :data:`MIN_FAULT_S` or outside it."""
     bad = []

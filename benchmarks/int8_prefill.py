@@ -16,7 +16,7 @@ the server's scheduler, cache and model without HTTP), on the same prompts:
 
 Configurations run round-robin ``--rounds`` times (default 2); a figure is the median over
 every round's requests, and each ratio is to float32 in the same run. The host's int8 path
-(``engine/int8_compute.py``: ``int8_isa``) and its CPU flags are printed with every figure.
+(``engine/int8_compute.py``: ``gemm_isa``) and its CPU flags are printed with every figure.
 
 Targets (TTFT, int8 compute / float32): ≤ 0.55 on AVX2, ≤ 0.40 on AVX-512 VNNI, ≤ 0.25 with
 AMX; int4 with int8 compute never slower than float32. Results:
@@ -70,7 +70,7 @@ def one_config(cfg: dict, prompt_tokens: int, prompts: int, seed: int) -> dict:
     """Measure one configuration in this process (a child: its ONEDNN_MAX_CPU_ISA is set)."""
     import torch
 
-    from tokenmill.engine.int8_compute import int8_isa
+    from tokenmill.engine.int8_compute import gemm_isa
     from tokenmill.engine.llm import LLM
     from tokenmill.engine.sampling_params import SamplingParams
 
@@ -99,7 +99,7 @@ def one_config(cfg: dict, prompt_tokens: int, prompts: int, seed: int) -> dict:
     return {
         **cfg,
         "int8_path_taken": llm.core.runner.int8_compute,
-        "int8_isa": int8_isa(),
+        "int8_isa": gemm_isa(),
         "ttft_ms": [round(x, 2) for x in ttft],
         "itl_ms_p50": round(statistics.median(itl), 3),
         "torch_threads": torch.get_num_threads(),
@@ -145,9 +145,9 @@ def main() -> int:
         res = one_config(json.loads(args.child), args.prompt_tokens, args.prompts, args.seed)
         print("RESULT " + json.dumps(res))
         return 0
-    from tokenmill.engine.int8_compute import int8_isa
+    from tokenmill.engine.int8_compute import gemm_isa
 
-    native = int8_isa()
+    native = gemm_isa()
     from tokenmill.engine.device_peaks import cpu_name
 
     host = {"cpu": cpu_name(), "flags": _flags(), "int8_path": native}

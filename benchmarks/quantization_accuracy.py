@@ -44,7 +44,7 @@ import torch
 
 from tokenmill.engine.attention import SeqChunk, build_step_inputs
 from tokenmill.engine.core import resolve_model_dir
-from tokenmill.engine.int8_compute import int8_isa
+from tokenmill.engine.int8_compute import gemm_isa
 from tokenmill.engine.kv_cache import allocate_kv_caches
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.models.loader import load_model
@@ -278,7 +278,7 @@ def main() -> int:
             "block_size": BLOCK,
             "prompts": PROMPTS,
             "greedy_max_tokens": MAX_TOKENS,
-            "int8_isa": int8_isa(),
+            "int8_isa": gemm_isa(),
         },
         "configs": results,
         "checks": checks,

@@ -5,7 +5,7 @@ times an int8 weight with one scale per output channel, summed exactly in int32.
 The product is ``torch._int_mm``, which on a CPU runs oneDNN's int8 GEMM: oneDNN picks its
 kernel from the CPU at start (AMX tiles, AVX-512 VNNI ``vpdpbusd``, AVX2 ``vpmaddubsw``), and
 ``ONEDNN_MAX_CPU_ISA`` caps it (``AVX2``, ``AVX512_CORE_VNNI``, ``AVX512_CORE_AMX``), which is
-how a host runs its slower paths for comparison. :func:`int8_isa` names the path that runs.
+how a host runs its slower paths for comparison. :func:`gemm_isa` names the path that runs.
 
 Activations go in as two int8 terms by default (``--int8-compute on``): the row rounded to
 int8, then what that rounding left rounded again, two GEMMs summed. One term
@@ -83,7 +83,7 @@ def isa_of_flags(flags: set[str], cap: str | None = None) -> str | None:
 
 
 @functools.cache
-def int8_isa() -> str | None:
+def gemm_isa() -> str | None:
     """This process's int8 path on the CPU (see :func:`isa_of_flags`); None on a CPU without
     one, or off x86."""
     return isa_of_flags(cpu_kernels.cpu_flags() or set(), os.environ.get("ONEDNN_MAX_CPU_ISA"))

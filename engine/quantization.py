@@ -482,7 +482,7 @@ def _cuda_int8_packed_ok(device: torch.device) -> bool:
 def resolve_int8_compute(mode: str, device: torch.device) -> int:
     """``--int8-compute`` on this device as the int8 terms an activation row is written in
     (:data:`tokenmill.engine.int8_compute.TERMS`; 0: off): ``auto`` is ``on`` where the CPU's
-    int8 path (:func:`tokenmill.engine.int8_compute.int8_isa`) is one of
+    int8 path (:func:`tokenmill.engine.int8_compute.gemm_isa`) is one of
     :data:`~tokenmill.engine.int8_compute.AUTO_PATHS` (AVX-512 VNNI, AMX), else off.
 
     Raises:
@@ -490,7 +490,7 @@ def resolve_int8_compute(mode: str, device: torch.device) -> int:
     """
     if mode == "off":
         return 0
-    path = int8_compute_mod.int8_isa() if device.type == "cpu" else None
+    path = int8_compute_mod.gemm_isa() if device.type == "cpu" else None
     if mode == "auto":
         return int8_compute_mod.TERMS["on"] if path in int8_compute_mod.AUTO_PATHS else 0
     have = path is not None
@@ -507,7 +507,7 @@ def int8_compute_path(model: nn.Module) -> str | None:
     ``avx512_vnni``, ``avx2_vnni``, ``avx2``), or None when they do not."""
     for module in model.modules():
         if isinstance(module, QuantizedLinear) and module.int8_weight is not None:
-            return int8_compute_mod.int8_isa()
+            return int8_compute_mod.gemm_isa()
     return None
 
 

@@ -29,7 +29,7 @@ from tokenmill.telemetry.recorded_config import RecordedConfig, read_recorded_co
 from .simulate import Setup, SimResult, simulate
 from .step_cost import StepCostError, StepCostModel, fit_step_cost
 from .whatif import CONFIG_FIELDS, SloBounds, WhatIf
-from .workload import Workload, WorkloadError, read_workload
+from .workload import RecordingError, ReplayWorkload, read_workload
 
 #: the summary metrics a prediction reports, in order (ms, then shares)
 METRICS = (*LATENCY_KEYS, "goodput_share")
@@ -51,7 +51,7 @@ class Recording:
     con: duckdb.DuckDBPyConnection
     recorded: RecordedConfig
     config: EngineConfig
-    workload: Workload
+    workload: ReplayWorkload
     model: StepCostModel
     num_blocks: int
 
@@ -100,7 +100,7 @@ def recording_from(con: duckdb.DuckDBPyConnection, label: str) -> Recording:
         (blocks,) = con.execute(
             "SELECT max(kv_blocks_total) FROM engine_steps WHERE kv_blocks_total > 0"
         ).fetchone()
-    except (StepCostError, WorkloadError) as exc:
+    except (StepCostError, RecordingError) as exc:
         raise PlanError(f"{label}: {exc}") from None
     except duckdb.Error as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -132,7 +132,7 @@ def summarize_rows(
     return out
 
 
-def result_rows(workload: Workload, result: SimResult) -> duckdb.DuckDBPyConnection:
+def result_rows(workload: ReplayWorkload, result: SimResult) -> duckdb.DuckDBPyConnection:
     """A replay's requests as an in-memory ``requests`` table (the columns the summary reads)."""
     import pyarrow as pa
 
@@ -211,7 +211,7 @@ def _check_memory(replicas: int, num_blocks: int, requests: int) -> None:
 
 def setup_for(
     rec: Recording, whatif: WhatIf, cost_models: dict[str, StepCostModel] | None = None
-) -> tuple[Setup, Workload, StepCostModel, list[str]]:
+) -> tuple[Setup, ReplayWorkload, StepCostModel, list[str]]:
     """The replay a what-if asks for: setup, workload, step-cost model and the notes it needs.
 
     Raises:

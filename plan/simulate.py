@@ -55,7 +55,7 @@ from tokenmill.telemetry import latency
 
 from .split import MAX_REPLICAS, Part, Seat, can_split, run_split, usable_cores
 from .step_cost import StepCostModel
-from .workload import Workload
+from .workload import ReplayWorkload
 
 #: a replay splits its replicas over processes (one per usable core, at most) from this many
 #: replicas and requests: below them, starting processes costs more than it saves
@@ -156,7 +156,7 @@ class _ReplayState:
     index: int
     """its row in the workload"""
     shared: int
-    """its first prompt blocks another prompt may hold too (:meth:`Workload.shared_blocks`)"""
+    """its first prompt blocks another prompt may hold too (:meth:`ReplayWorkload.shared_blocks`)"""
     registered: int = 0
     """its first blocks :meth:`_ReplayBlockManager.cache_full_blocks` is done with"""
     finished: bool = False
@@ -178,7 +178,7 @@ class _ReplayBlockManager(BlockManager):
     one not yet looked at, not from its first block each time (:meth:`cache_full_blocks`).
 
     A running request's prompt blocks from its first block of its own on
-    (``_ReplayState.shared`` blocks come before it, :meth:`Workload.shared_blocks`) are not
+    (``_ReplayState.shared`` blocks come before it, :meth:`ReplayWorkload.shared_blocks`) are not
     registered: no other prompt holds their tokens, so only the request itself could hit them,
     after a preemption, and it registers them when it is preempted (:meth:`free`). A finished
     request's blocks are never looked up again."""
@@ -312,7 +312,7 @@ class Simulation:
 
     def __init__(
         self,
-        workload: Workload,
+        workload: ReplayWorkload,
         setup: Setup,
         model: StepCostModel,
         *,
@@ -715,7 +715,9 @@ class Simulation:
         )
 
 
-def _result(w: Workload, parts: list[Part], route: np.ndarray | None, wall_s: float) -> SimResult:
+def _result(
+    w: ReplayWorkload, parts: list[Part], route: np.ndarray | None, wall_s: float
+) -> SimResult:
     """The replay's :class:`SimResult` from its processes' parts (each request's numbers from
     the process its replica was in; ``route``: the replica each arrival went to)."""
     arrays = dict(parts[0].arrays)
@@ -779,7 +781,7 @@ def _result(w: Workload, parts: list[Part], route: np.ndarray | None, wall_s: fl
 
 
 def simulate(
-    workload: Workload,
+    workload: ReplayWorkload,
     setup: Setup,
     model: StepCostModel,
     *,

@@ -99,7 +99,7 @@ class StepCostError(ValueError):
 
 
 @dataclass(frozen=True)
-class Shape:
+class ModelShape:
     """What turns a step's chunks into the model's terms: the model's parameter counts (for
     the attention FLOPs) and the KV bytes of one token (for the KV read)."""
 
@@ -110,7 +110,7 @@ class Shape:
     kv_bytes_per_token: int
 
 
-def model_shape(cfg: RecordedConfig) -> Shape:
+def model_shape(cfg: RecordedConfig) -> ModelShape:
     """The shape of the recorded engine's model (its ``config`` event names the folder; the
     default model where it names none).
 
@@ -135,7 +135,7 @@ def model_shape(cfg: RecordedConfig) -> Shape:
         ) from None
     cost = ModelCost.from_config(mc)
     kv_token = int(cfg.kv_bytes_per_token or cost.kv_bytes_per_token)
-    return Shape(
+    return ModelShape(
         linear_params=cost.linear_params,
         lm_head_params=cost.lm_head_params,
         attn_flop_per_pair=4 * cost.num_heads * cost.head_dim,
@@ -144,7 +144,9 @@ def model_shape(cfg: RecordedConfig) -> Shape:
     )
 
 
-def features(shape: Shape, decode, prefill, sampled, kv_read_bytes, flops, chunks) -> np.ndarray:
+def features(
+    shape: ModelShape, decode, prefill, sampled, kv_read_bytes, flops, chunks
+) -> np.ndarray:
     """Feature rows ``[n, len(TERMS)]`` from per-step counts (arrays or scalars)."""
     decode = np.asarray(decode, dtype=float)
     prefill = np.asarray(prefill, dtype=float)
@@ -195,7 +197,7 @@ class StepCostModel:
         ranges: the largest decode batch and prefill tokens a recorded step had.
     """
 
-    shape: Shape
+    shape: ModelShape
     paths: dict[str, PathFit]
     native_rows: int | None
     gap_ms: float
@@ -355,7 +357,7 @@ def fit_step_cost(
     cfg: RecordedConfig,
     *,
     seed: int = 0,
-    shape: Shape | None = None,
+    shape: ModelShape | None = None,
     until_ns: int | None = None,
 ) -> StepCostModel:
     """Fit the model on a store's working steps (those started before ``until_ns``).
@@ -464,8 +466,8 @@ __all__ = [
     "PATHS",
     "TERMS",
     "Fit",
+    "ModelShape",
     "PathFit",
-    "Shape",
     "StepCostError",
     "StepCostModel",
     "features",

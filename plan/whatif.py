@@ -25,7 +25,7 @@ from tokenmill.telemetry.schema import DEFAULT_GOODPUT, GoodputSlo
 STEP_TIME_RANGE = (0.01, 100.0)
 
 
-def knob(help: str, grammar: str, **meta) -> typing.Any:
+def whatif_knob(help: str, grammar: str, **meta) -> typing.Any:
     """A what-if knob (a :class:`Knobs` field, None: as recorded): what it changes (``help``),
     its value's grammar as error messages name it, and its shape in ``meta``: ``min``/``max``
     (inclusive; a factor's ``min`` of 0 is exclusive), ``unit`` (``x``: a factor, written
@@ -42,69 +42,71 @@ class Knobs:
     ``choices``) and metadata; ``tokenmill plan --what-if``'s help and the console's What if
     page read them too."""
 
-    rate: float | None = knob(
+    rate: float | None = whatif_knob(
         "the recorded arrivals' rate, times this factor",
         "a factor > 0, e.g. 2, 2x or 1.5",
         unit="x",
         recorded=1.0,
     )
-    requests: int | None = knob(
+    requests: int | None = whatif_knob(
         "the recording tiled back to back to this many requests", "an integer >= 1", min=1
     )
-    replicas: int | None = knob(
+    replicas: int | None = whatif_knob(
         "data-parallel replicas on the recorded host (they share its cores)",
         "an integer >= 1",
         min=1,
     )
-    hosts: int | None = knob(
+    hosts: int | None = whatif_knob(
         "hosts like the recorded one, each with its replicas, behind one router",
         "an integer >= 1",
         min=1,
         recorded=1,
         console={"label": "hosts like this one", "min": 1, "max": 64},
     )
-    max_num_seqs: int | None = knob(
+    max_num_seqs: int | None = whatif_knob(
         "requests running at once",
         "an integer >= 1",
         min=1,
         config_field="max_num_seqs",
         console={"label": "max_num_seqs", "min": 1, "max": 4096},
     )
-    max_num_batched_tokens: int | None = knob(
+    max_num_batched_tokens: int | None = whatif_knob(
         "one step's token budget",
         "an integer >= 1",
         min=1,
         config_field="max_num_batched_tokens",
         console={"label": "max_num_batched_tokens", "min": 16, "max": 1 << 20},
     )
-    kv_blocks: int | None = knob("KV blocks in each replica's pool", "an integer >= 1", min=1)
-    chunked_prefill: bool | None = knob(
+    kv_blocks: int | None = whatif_knob(
+        "KV blocks in each replica's pool", "an integer >= 1", min=1
+    )
+    chunked_prefill: bool | None = whatif_knob(
         "chunked prefill",
         "on | off",
         config_field="enable_chunked_prefill",
         console={"label": "chunked prefill"},
     )
-    prefix_caching: bool | None = knob(
+    prefix_caching: bool | None = whatif_knob(
         "the prefix cache", "on | off", config_field="enable_prefix_caching"
     )
-    long_prefill_token_threshold: int | None = knob(
+    long_prefill_token_threshold: int | None = whatif_knob(
         "one request's prefill chunk cap (0: none)",
         "integer >= 0",
         min=0,
         config_field="long_prefill_token_threshold",
     )
-    admission_policy: str | None = knob(
+    admission_policy: str | None = whatif_knob(
         "admission past a request that does not fit",
         "strict | skip_ahead",
         choices=("strict", "skip_ahead"),
         config_field="admission_policy",
     )
-    quantization: str | None = knob(
+    quantization: str | None = whatif_knob(
         "weight precision",
         "none | int8 | int4 (needs --cost-from)",
         choices=("none", "int8", "int4"),
     )
-    step_time: float | None = knob(
+    step_time: float | None = whatif_knob(
         "every engine step's time, times this factor (a host whose steps run slower or faster "
         "than the recorded one's)",
         f"a factor from {STEP_TIME_RANGE[0]:g} to {STEP_TIME_RANGE[1]:g}, e.g. 1.2",
@@ -114,7 +116,7 @@ class Knobs:
         recorded=1.0,
         console={"label": "step time ×", "min": 0.1, "max": 10.0, "step": 0.05},
     )
-    disaggregation: str | None = knob(
+    disaggregation: str | None = whatif_knob(
         "prefill/decode split",
         "not replayed",
         refused="prefill/decode disaggregation is not replayed (its KV hand-off and two pools "

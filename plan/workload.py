@@ -3,7 +3,7 @@
 :func:`read_workload` takes the requests the engine took (``queued_ns`` set) from a store or
 dump: arrival offsets, prompt and output lengths, ``max_tokens``, tenant and the prompt's
 per-block content hashes (``prompt_block_hashes``, the first 32 blocks). A replay needs prompt
-token ids only for the prefix cache, so :meth:`Workload.prompt` makes them up from those
+token ids only for the prefix cache, so :meth:`ReplayWorkload.prompt` makes them up from those
 hashes: a block whose hash more than one recorded prompt holds gets the same made-up tokens in
 each (the cache hits they had are possible again). A prompt's first block that no other holds
 gets tokens of the request's own, and the tokens after it are filler, the same in every
@@ -13,7 +13,7 @@ time around the engine (gateway to the engine's queue, less the wait for the ste
 which the replay makes itself; last token to the response's end) is carried over as the
 recording's medians.
 
-:meth:`Workload.scaled` and :meth:`Workload.repeated` make the "same traffic" what-ifs: arrivals
+:meth:`ReplayWorkload.scaled` and :meth:`ReplayWorkload.repeated` make the "same traffic" what-ifs: arrivals
 at ``k`` times the rate, and a recording tiled back to back to any number of requests (each
 request's own block is its own in every tile, so a tile does not hit the cache on its
 predecessor's private blocks).
@@ -52,12 +52,12 @@ def _filler(n: int) -> list[int]:
 MAX_SPAN_S = 2**62 / 1e9
 
 
-class WorkloadError(ValueError):
+class RecordingError(ValueError):
     """The store cannot be replayed (one line: what is missing)."""
 
 
 @dataclass
-class Workload:
+class ReplayWorkload:
     """Requests in arrival order (arrays of equal length) and the recording's API overheads.
 
     Attributes:
@@ -136,26 +136,26 @@ class Workload:
         """A made-up output token id of request ``i`` (its own, after its prompt's)."""
         return _OWN_BASE + i * _OWN_SPAN + _OWN_SPAN // 2
 
-    def scaled(self, rate_factor: float) -> Workload:
+    def scaled(self, rate_factor: float) -> ReplayWorkload:
         """The same requests arriving ``rate_factor`` times as fast (gaps divided by it)."""
         if not rate_factor > 0:
-            raise WorkloadError(f"a rate factor must be > 0, not {rate_factor}")
+            raise RecordingError(f"a rate factor must be > 0, not {rate_factor}")
         with np.errstate(over="ignore"):  # a tiny factor: refused below, not warned about
             arrival_s = self.arrival_s / rate_factor
         if len(arrival_s) and not float(arrival_s.max()) < MAX_SPAN_S:
-            raise WorkloadError(
+            raise RecordingError(
                 f"rate={rate_factor:g} stretches the recording's arrivals to "
                 f"{float(arrival_s.max()):.3g} s, past the {MAX_SPAN_S:.3g} s a nanosecond "
                 "clock holds: choose a larger rate"
             )
         return replace(self, arrival_s=arrival_s)
 
-    def repeated(self, num_requests: int) -> Workload:
+    def repeated(self, num_requests: int) -> ReplayWorkload:
         """The recording tiled back to back (each tile one mean gap after the last) until
         ``num_requests`` requests."""
         n = len(self)
         if num_requests < 1:
-            raise WorkloadError(f"a replay needs at least 1 request, not {num_requests}")
+            raise RecordingError(f"a replay needs at least 1 request, not {num_requests}")
         tiles = -(-num_requests // n)
         gap = self.duration_s / (n - 1) if n > 1 else 1.0
         period = self.duration_s + gap
@@ -201,11 +201,13 @@ def _api_time_before_engine(con) -> float:
     return float(pre or 0.0)
 
 
-def read_workload(con, *, since_ns: int | None = None, until_ns: int | None = None) -> Workload:
+def read_workload(
+    con, *, since_ns: int | None = None, until_ns: int | None = None
+) -> ReplayWorkload:
     """The requests of a store or dump (by arrival, ``[since_ns, until_ns)``) as a workload.
 
     Raises:
-        WorkloadError: no request the engine took and that produced a token.
+        RecordingError: no request the engine took and that produced a token.
     """
     rows = [
         r
@@ -213,12 +215,12 @@ def read_workload(con, *, since_ns: int | None = None, until_ns: int | None = No
         if (since_ns is None or r[0] >= since_ns) and (until_ns is None or r[0] < until_ns)
     ]
     if not rows:
-        raise WorkloadError("the store holds no request the engine took and answered")
+        raise RecordingError("the store holds no request the engine took and answered")
     arrival = np.array([r[0] for r in rows], dtype=np.int64)
     outputs = np.array([r[3] for r in rows], dtype=np.int64)
     pre = _api_time_before_engine(con)
     post = [(r[8] - r[7]) / 1e9 for r in rows if r[7] is not None]
-    return Workload(
+    return ReplayWorkload(
         arrival_s=(arrival - arrival[0]) / 1e9,
         input_tokens=np.array([r[2] for r in rows], dtype=np.int64),
         output_tokens=outputs,

@@ -48,9 +48,9 @@ def record(out: Path, scenarios: list[_sc.Scenario], model: str | None) -> int:
     """Each scenario's run on the real engine as a corpus run of split ``blind`` (the corpus's
     recorder: a run disturbed by another process is run again), its diagnosis left unread: the
     recorder's own diagnosis is dropped from the label and its log."""
-    from tokenmill.bench.corpus import Run, generate
+    from tokenmill.bench.corpus import CorpusRun, generate
 
-    runs = [Run(sc.name, sc.name, "blind", list(sc.expect), sc, {}, None) for sc in scenarios]
+    runs = [CorpusRun(sc.name, sc.name, "blind", list(sc.expect), sc, {}, None) for sc in scenarios]
     generate(out, runs, model=model, log=lambda m: None if "top:" in m else print(m))
     for sc in scenarios:
         label = out / sc.name / "label.json"

@@ -19,7 +19,7 @@ from tokenmill.engine.quantization import (
     resolve_int8_compute,
 )
 
-pytestmark = pytest.mark.skipif(ic.int8_isa() is None, reason="no int8 path on this CPU")
+pytestmark = pytest.mark.skipif(ic.gemm_isa() is None, reason="no int8 path on this CPU")
 
 
 def _gemm_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,11 +105,11 @@ def test_a_quantized_layer_takes_int8_compute_above_its_small_row_paths(method):
 def test_the_model_names_its_path_and_on_without_one_is_one_line():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
     quantize_model(model, "int8", int8_compute=1)
-    assert int8_compute_path(model) == ic.int8_isa()
+    assert int8_compute_path(model) == ic.gemm_isa()
     plain = torch.nn.Sequential(torch.nn.Linear(64, 32))
     quantize_model(plain, "int8")
     assert int8_compute_path(plain) is None
-    auto = 2 if ic.int8_isa() in ic.AUTO_PATHS else 0  # no gain with AVX2's kernel
+    auto = 2 if ic.gemm_isa() in ic.AUTO_PATHS else 0  # no gain with AVX2's kernel
     assert resolve_int8_compute("auto", torch.device("cpu")) == auto
     assert resolve_int8_compute("on", torch.device("cpu")) == 2
     assert resolve_int8_compute("fast", torch.device("cpu")) == 1

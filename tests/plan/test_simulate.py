@@ -13,10 +13,10 @@ import pytest
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.config import EngineConfig
 from tokenmill.plan.simulate import Setup, _ReplayBlockManager, simulate
-from tokenmill.plan.step_cost import TERMS, Fit, PathFit, Shape, StepCostModel
-from tokenmill.plan.workload import Workload
+from tokenmill.plan.step_cost import TERMS, Fit, ModelShape, PathFit, StepCostModel
+from tokenmill.plan.workload import ReplayWorkload
 
-SHAPE = Shape(
+SHAPE = ModelShape(
     linear_params=1000, lm_head_params=100, attn_flop_per_pair=4, layers=1, kv_bytes_per_token=1
 )
 
@@ -36,9 +36,9 @@ def model(step=10.0, decode=1.0, prefill=0.1, attn=0.0, kv=0.0, gap=0.0) -> Step
     )
 
 
-def workload(arrivals, prompts, outputs, hashes=None, pre=0.005, post=0.002) -> Workload:
+def workload(arrivals, prompts, outputs, hashes=None, pre=0.005, post=0.002) -> ReplayWorkload:
     n = len(arrivals)
-    return Workload(
+    return ReplayWorkload(
         arrival_s=np.asarray(arrivals, dtype=float),
         input_tokens=np.asarray(prompts),
         output_tokens=np.asarray(outputs),

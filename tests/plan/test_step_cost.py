@@ -7,10 +7,10 @@ import duckdb
 import numpy as np
 import pytest
 
-from tokenmill.plan.step_cost import MIN_STEPS, Shape, StepCostError, fit_step_cost
+from tokenmill.plan.step_cost import MIN_STEPS, ModelShape, StepCostError, fit_step_cost
 from tokenmill.telemetry.recorded_config import RecordedConfig
 
-SHAPE = Shape(
+SHAPE = ModelShape(
     linear_params=1000, lm_head_params=100, attn_flop_per_pair=4, layers=1, kv_bytes_per_token=1
 )
 
