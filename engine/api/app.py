@@ -92,6 +92,35 @@ class TimelineMiddleware:
             self.state.finish(tl)
 
 
+class _CountedBody:
+    """One request's ASGI channels under :class:`BodyLimitMiddleware`: the body bytes seen; past
+    the limit the app is told the client left (``over``: the 413 is the middleware's) and its
+    answer is dropped unless it had ``started``."""
+
+    def __init__(self, receive, send, limit: int):
+        self._receive = receive
+        self._send = send
+        self.limit = limit
+        self.seen = 0
+        self.over = False
+        self.started = False
+
+    async def receive(self):
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.seen += len(message.get("body", b""))
+            if self.seen > self.limit:
+                self.over = True  # tell the app the client left; we answer 413 ourselves
+                return {"type": "http.disconnect"}
+        return message
+
+    async def send(self, message):
+        if self.over:
+            return  # the app's answer to a truncated body is dropped
+        self.started = True
+        await self._send(message)
+
+
 class BodyLimitMiddleware:
     """Refuses request bodies over ``limit`` bytes with 413 (declared or streamed)."""
 
@@ -108,33 +137,13 @@ class BodyLimitMiddleware:
         )
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await too_big.response()(scope, receive, send)
-        seen = 0
-        over = False
-        started = False
-
-        async def limited_receive():
-            nonlocal seen, over
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    over = True  # tell the app the client left; we answer 413 ourselves
-                    return {"type": "http.disconnect"}
-            return message
-
-        async def guarded_send(message):
-            nonlocal started
-            if over:
-                return  # the app's answer to a truncated body is dropped
-            started = True
-            await send(message)
-
+        body = _CountedBody(receive, send, self.limit)
         try:
-            await self.app(scope, limited_receive, guarded_send)
+            await self.app(scope, body.receive, body.send)
         except Exception:
-            if not over:
+            if not body.over:
                 raise
-        if over and not started:
+        if body.over and not body.started:
             await too_big.response()(scope, receive, send)
 
 
