@@ -196,11 +196,8 @@ class EngineCore:
             output_token_ids=list(request.output_token_ids),
             params=request.params,
             kv=kv,
-            num_cached_tokens=request.stats.cached_tokens,
+            stats=msgspec.structs.replace(request.stats),  # whole: its counters continue there
             arrival_ns=request.arrival_ns,
-            queued_ns=request.stats.queued_ns,
-            scheduled_ns=request.stats.scheduled_ns,
-            first_token_ns=request.stats.first_token_ns,
             priority=request.priority,
             tenant=request.tenant,
         )
@@ -234,6 +231,14 @@ class EngineCore:
             tenant=handoff.tenant,
             arrival_ns=handoff.arrival_ns,
         )
+        # the prefill side's counters and milestones, whole: this core adds its own to them
+        # (preemptions, recomputed tokens, speculation, its peak of KV blocks), and its queue
+        # and prefill times stay the prefill side's, not the adoption's
+        request.stats = msgspec.structs.replace(
+            handoff.stats,
+            input_tokens=request.num_prompt_tokens,
+            queued_ns=handoff.stats.queued_ns or request.stats.queued_ns,
+        )
         self.scheduler.check_fits(request)
         if len(self.scheduler.running) >= self.config.max_num_seqs:
             return None
@@ -258,13 +263,9 @@ class EngineCore:
         )  # fmt: skip
         for token in handoff.output_token_ids:  # already streamed by the prefill side
             detok.add(token)
-            request.append_token(token, handoff.first_token_ns or time.time_ns())
+            request.append_token(token, handoff.stats.first_token_ns or time.time_ns())
         detok.take_delta(False)
         request.num_computed_tokens = n
-        request.stats.cached_tokens = handoff.num_cached_tokens
-        request.stats.scheduled_ns = handoff.scheduled_ns
-        # not the adoption's time
-        request.stats.queued_ns = handoff.queued_ns or request.stats.queued_ns
         now = time.time_ns()
         attrs = {
             "bytes": handoff.transfer_bytes,

@@ -12,13 +12,17 @@ no copy engine to overlap with, so one message is the cheaper shape here).
 
 from __future__ import annotations
 
-import pickle
+import dataclasses
+import functools
 import time
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import torch.distributed as dist
 
+from ..messages import RequestStats
 from ..sampling_params import SamplingParams
 
 # dtype codes of the header (a tensor's dtype has to cross as an integer)
@@ -37,10 +41,11 @@ class KVHandoff:
         params: the request's sampling parameters (``max_tokens`` counts the first token).
         kv: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in the cache's
             dtype: the prompt's K and V; its last block may be partly filled.
-        num_cached_tokens: prompt tokens the prefill side found in its prefix cache.
-        arrival_ns, queued_ns, scheduled_ns, first_token_ns: wall-clock ns on the prefill side
-            (the decode side keeps them, so the request's queue and prefill times stay its own).
-        priority, tenant: as the request was added.
+        stats: the request's :class:`~tokenmill.engine.messages.RequestStats` as the prefill
+            side left it, whole (cached tokens, preemptions, recomputed tokens, KV blocks, its
+            queued/scheduled/first-token times): the decode side's request starts from it, so
+            its counters continue and its queue and prefill times stay its own.
+        arrival_ns: wall-clock ns the request arrived; priority, tenant: as it was added.
         source: the name of the prefill core that sent it (``prefill-0`` ...).
         source_rank: its rank in the KV link's group (set by :func:`recv_handoff`).
         dest: the name of the decode core that took it (set by the receiving link).
@@ -54,11 +59,8 @@ class KVHandoff:
     output_token_ids: list[int]
     params: SamplingParams
     kv: torch.Tensor
-    num_cached_tokens: int = 0
+    stats: RequestStats = field(default_factory=RequestStats)
     arrival_ns: int = 0
-    queued_ns: int | None = None
-    scheduled_ns: int | None = None
-    first_token_ns: int | None = None
     priority: int = 0
     tenant: str = ""
     source: str = "prefill"
@@ -143,20 +145,47 @@ def recv_kv(src: int, group=None, device: str | torch.device = "cpu", control=No
     return kv
 
 
-# a hand-off's first message: [kind, length of its pickled fields]; kind 0 ends the sender
+# a hand-off's first message: [kind, length of its encoded fields]; kind 0 ends the sender
 _HANDOFF, _END = 1, 0
+# a hand-off's fields that do not cross: its KV (sent after them) and what the receiver sets
+_LOCAL_FIELDS = ("kv", "source_rank", "transfer_ms", "received_ns")
+
+
+@functools.cache
+def _fields_decoder() -> msgspec.msgpack.Decoder:
+    """The decoder of a hand-off's fields: a Struct of :class:`KVHandoff`'s fields that cross,
+    with their types (``params`` a SamplingParams, ``stats`` a RequestStats), all required."""
+    hints = typing.get_type_hints(KVHandoff)
+    fields = [
+        (f.name, hints[f.name])
+        for f in dataclasses.fields(KVHandoff)
+        if f.name not in _LOCAL_FIELDS
+    ]
+    return msgspec.msgpack.Decoder(msgspec.defstruct("KVHandoffFields", fields, kw_only=True))
+
+
+def encode_fields(handoff: KVHandoff) -> bytes:
+    """A hand-off's fields but its KV, as msgpack (as every engine message crosses, never as a
+    pickle): ``stats`` crosses as one :class:`~tokenmill.engine.messages.RequestStats`."""
+    fields = {k: v for k, v in vars(handoff).items() if k not in _LOCAL_FIELDS}
+    return msgspec.msgpack.encode(fields)
+
+
+def decode_fields(blob: bytes) -> dict[str, typing.Any]:
+    """:func:`encode_fields`'s bytes back as ``{field: value}`` (KVHandoff's keyword arguments
+    but its KV and what the receiver sets)."""
+    return msgspec.structs.asdict(_fields_decoder().decode(blob))
 
 
 def send_handoff(
     handoff: KVHandoff, dst: int, group=None, delay_s: float = 0.0, control=None
 ) -> tuple[int, float]:
-    """Send a whole hand-off to rank ``dst``: a two-number header, its fields (pickled, as
-    bytes), then its KV (:func:`send_kv`). Blocking. Returns the KV's ``(bytes, ms)``.
+    """Send a whole hand-off to rank ``dst``: a two-number header, its fields (msgpack,
+    :func:`encode_fields`), then its KV (:func:`send_kv`). Blocking. Returns the KV's ``(bytes, ms)``.
     ``delay_s``: the fault drill's wait between the fields and the KV (the receiver times it
     as part of the transfer). ``control``: as in :func:`send_kv`; the header and the fields
     always cross on it (CPU tensors), only the KV on ``group``."""
-    meta = {k: v for k, v in vars(handoff).items() if k not in ("kv", "transfer_ms", "received_ns")}
-    blob = pickle.dumps(meta)
+    blob = encode_fields(handoff)
     ctl = control if control is not None else group
     t0 = time.perf_counter()
     dist.send(torch.tensor([_HANDOFF, len(blob)], dtype=torch.int64), dst, group=ctl)
@@ -189,7 +218,7 @@ def recv_handoff(
         return None
     blob = torch.empty(int(head[1]), dtype=torch.uint8)
     dist.recv(blob, sender, group=ctl)
-    meta = pickle.loads(blob.numpy().tobytes())
+    meta = decode_fields(blob.numpy().tobytes())
     t0 = time.perf_counter()
     kv = recv_kv(sender, group, device, control=ctl)
     ms = (time.perf_counter() - t0) * 1e3

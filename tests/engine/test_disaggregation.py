@@ -21,6 +21,7 @@ from paged_driver import mixed_greedy_requests
 from server_proc import free_port
 
 from tokenmill.engine.llm import LLM
+from tokenmill.engine.messages import RequestStats
 from tokenmill.engine.parallel.kv_transfer import (
     KVHandoff,
     gather_kv,
@@ -131,6 +132,7 @@ def _receiver(port: int, queue) -> None:
                 h.request_id,
                 h.output_token_ids,
                 h.params,
+                h.stats,
                 float(h.kv.sum()),
                 h.transfer_ms is not None,
             )
@@ -143,7 +145,7 @@ def _receiver(port: int, queue) -> None:
 def test_a_hand_off_crosses_processes_over_gloo():
     """The bytes a prefill core sends (header, then the tensor) arrive whole in another process:
     dtype, shape and content (a bf16 cache, so the header's dtype code is exercised); then a
-    whole hand-off (its fields and its KV) and the end marker."""
+    whole hand-off (its fields, its RequestStats whole, and its KV) and the end marker."""
     import torch.distributed as dist
 
     port = free_port()
@@ -157,8 +159,13 @@ def test_a_hand_off_crosses_processes_over_gloo():
         sent, ms = send_kv(kv, 1)
         dtype, shape, total = queue.get(timeout=120)
         params = SamplingParams(temperature=0.5, max_tokens=7, seed=3, stop=("x",))
-        h = KVHandoff("r1", [5, 6, 7], [9], params, torch.ones(2, 2, 1, 4, 1, 8), first_token_ns=1)
-        send_handoff(h, 1)
+        stats = RequestStats(  # every counter nonzero: it crosses whole
+            input_tokens=3, output_tokens=1, cached_tokens=2, preemptions=2,
+            recomputed_tokens=19, spec_drafts=1, spec_draft_tokens=4, spec_accepted_tokens=3,
+            queued_ns=10, scheduled_ns=20, first_token_ns=30, kv_blocks=5,
+        )  # fmt: skip
+        ones = torch.ones(2, 2, 1, 4, 1, 8)
+        send_handoff(KVHandoff("r1", [5, 6, 7], [9], params, ones, stats=stats), 1)
         handed = queue.get(timeout=120)
         send_end(1)
         end = queue.get(timeout=120)
@@ -169,7 +176,7 @@ def test_a_hand_off_crosses_processes_over_gloo():
     assert sent == kv.numel() * 2 and ms >= 0
     assert (dtype, shape) == (torch.bfloat16, tuple(kv.shape))
     assert total == pytest.approx(float(kv.double().sum()))
-    assert handed == ("r1", [9], params, 128.0, True) and end is None
+    assert handed == ("r1", [9], params, stats, 128.0, True) and end is None
     assert proc.exitcode == 0
 
 
@@ -521,7 +528,7 @@ def test_a_decode_side_down_at_the_hand_off_ends_the_stream_as_engine_died():
     from tokenmill.engine.api.disaggregated import PDPool, PDRouter
     from tokenmill.engine.api.worker import EngineUnavailable
     from tokenmill.engine.async_engine import EngineDeadError
-    from tokenmill.engine.messages import RequestOutput, RequestStats
+    from tokenmill.engine.messages import RequestOutput
 
     def out(reason):
         return RequestOutput(
