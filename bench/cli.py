@@ -27,7 +27,6 @@ from rich.console import Console
 from tokenmill.engine.settings import (
     DATA_DIR,
     config_options,
-    field_names,
     from_options,
     setting,
 )
@@ -353,7 +352,7 @@ bench_app = typer.Typer(add_completion=False)
 
 
 @bench_app.command(context_settings={"allow_interspersed_args": True})
-@config_options(BenchOptions, *field_names(BenchOptions))
+@config_options(BenchOptions)
 def bench(
     slos: Annotated[list[str] | None, typer.Argument(hidden=True, metavar="SLO")] = None,
     **options: Any,

@@ -692,7 +692,7 @@ def backfill_queue_age(dump: Path) -> bool:
     return True
 
 
-# the API's waiting samples (engine/api/app.py: ServerState.waiting_rows) as the API would
+# the API's waiting samples (engine/api/server_state.py: ServerState.waiting_rows) as the API would
 # have taken them, one every WAITING_SAMPLE_S from the first arrival: each request past tokenize
 # that had arrived and had no first token yet (nor had ended)
 _WAITING_SQL = """

@@ -42,7 +42,7 @@ ENV_BASELINE = "TOKENMILL_DASHBOARD_BASELINE"
 #: an incremental fetch starts this long before the mirror's newest row, so a row the server
 #: wrote after the last fetch with an earlier time is fetched too: the store's writer batches
 #: for 1 s (the route flushes it first), and a request whose stream was cut is written up to
-#: 5 s after it ended (``engine/api/app.py``: ``ENGINE_FINAL_WAIT_S``). Rows fetched again
+#: 5 s after it ended (``engine/api/server_state.py``: ``ENGINE_FINAL_WAIT_S``). Rows fetched again
 #: replace themselves (by trace and by time), so the overlap costs bytes, never duplicates.
 OVERLAP_S = 10.0
 

@@ -107,7 +107,8 @@ def duration_seconds(cfg: Any, name: str) -> float:
 
 
 def config_options(cls: type, *names: str, panel: Callable[[str], str | None] | str | None = None):
-    """Give a command the fields ``names`` of the settings dataclass ``cls`` as options.
+    """Give a command the fields ``names`` (all of them when none are named) of the settings
+    dataclass ``cls`` as options.
 
     Each option's default, help, bounds, placeholder, variable and panel come from the field's
     metadata (:func:`setting`, ``config.knob``); its flag is ``--field-name`` unless the field
@@ -122,6 +123,7 @@ def config_options(cls: type, *names: str, panel: Callable[[str], str | None] | 
 
     hints = typing.get_type_hints(cls)
     by_name = {f.name: f for f in dataclasses.fields(cls)}
+    names = names or tuple(by_name)
 
     def option(name: str) -> inspect.Parameter:
         f = by_name[name]

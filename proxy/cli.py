@@ -16,7 +16,6 @@ from tokenmill.engine.settings import (
     DATA_DIR,
     config_options,
     duration_seconds,
-    field_names,
     from_options,
     setting,
 )
@@ -110,7 +109,7 @@ class ProxyConfig:
 
 
 @app.command()
-@config_options(ProxyConfig, *field_names(ProxyConfig))
+@config_options(ProxyConfig)
 def proxy(**options: Any) -> None:
     """Forward /v1/chat/completions and /v1/completions to UPSTREAM unchanged, and record a
     request row and a trace per request (client-side TTFT, ITL, errors) in TRACE_DB, until

@@ -15,7 +15,6 @@ from tokenmill.engine.settings import (
     DATA_DIR,
     config_options,
     duration_seconds,
-    field_names,
     from_options,
     setting,
 )
@@ -58,7 +57,7 @@ class CollectConfig:
 
 
 @app.command()
-@config_options(CollectConfig, *field_names(CollectConfig))
+@config_options(CollectConfig)
 def collect(**options: Any) -> None:
     """Receive OTLP/HTTP traces on HOST:PORT/v1/traces and scrape engines' /metrics into a
     trace store, until Ctrl-C. Then `tokenmill diagnose --db TRACE_DB` reads it."""

@@ -209,7 +209,7 @@ class WaitingSampleRow(msgspec.Struct, kw_only=True):
     """One request in flight whose first token had not reached the API (so not the client
     either) at one sample: field
     for field the ``waiting_samples`` table. The API takes a sample of every such request each
-    ``WAITING_SAMPLE_S`` (``engine/api/app.py``), so a queue shows in the store while it stands,
+    ``WAITING_SAMPLE_S`` (``engine/api/server_state.py``), so a queue shows in the store while it stands,
     not only once its requests end (a ``requests`` row is written when the request ends, a step
     row when its step ends: a short request stuck behind a 10 s prefill is in neither)."""
 

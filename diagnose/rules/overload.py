@@ -10,7 +10,7 @@ from ..stats import Support
 from ._common import Alert, Evidence, Param, Rule, _clock, _confidence, _ms, _severity
 
 # error types an overload causes itself: the admission queue's refusals and clients that gave
-# up waiting (engine/api/stations.py, engine/api/app.py), the proxy among them: an upstream that
+# up waiting (engine/api/stations.py, engine/api/openai_routes.py), the proxy among them: an upstream that
 # sent no first byte within the proxy's timeout (proxy/app.py). A hung upstream completes
 # nothing, so overload (which needs TTFT rising over completed requests) does not fire beside it
 OVERLOAD_ERRORS = ("queue_full", "client_disconnected", "upstream_timeout")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tokenmill.telemetry.schema import WORKING_STEP_SQL
 
 from .family import Family, Yield
-from .requests import COMPLETED_COLUMNS, by_arrival
+from .requests import arrival_family
 from .scope import Scope, set_apart
 
 _TRANSFER_SELECT = """
@@ -26,27 +26,16 @@ _TRANSFER_KEYS = (
 )
 
 
-def compute_transfer(scope: Scope) -> Yield:
-    """Per window of arrival: the requests whose KV moved from a prefill to a decode core, the
-    median transfer (ms, and its share of TTFT), bytes and wait at the decode side for room."""
-    return by_arrival(scope, _TRANSFER_SELECT)
-
-
-KV_TRANSFER = Family(
-    name="kv_transfer",
-    needs={
-        "requests": (
-            "arrival_ns",
-            *COMPLETED_COLUMNS,
-            "ttft_ms",
-            "kv_transfer_ms",
-            "kv_transfer_bytes",
-            "kv_wait_ms",
-        )
-    },
-    window_keys=_TRANSFER_KEYS,
-    overall_keys=_TRANSFER_KEYS,
-    compute=compute_transfer,
+# per window of arrival: the requests whose KV moved from a prefill to a decode core, the
+# median transfer (ms, and its share of TTFT), bytes and wait at the decode side for room
+KV_TRANSFER = arrival_family(
+    "kv_transfer",
+    _TRANSFER_SELECT,
+    _TRANSFER_KEYS,
+    "ttft_ms",
+    "kv_transfer_ms",
+    "kv_transfer_bytes",
+    "kv_wait_ms",
 )
 
 # per window and side, the time its engine cores spent in working steps, its queue, and the

@@ -4,9 +4,7 @@ against the server's, where the load generator recorded it: ``requests.client_tt
 
 from __future__ import annotations
 
-from .family import Family, Yield
-from .requests import COMPLETED_COLUMNS, by_arrival
-from .scope import Scope
+from .requests import arrival_family
 
 _CLIENT_SELECT = """
     quantile_cont(client_ttft_ms, 0.5) FILTER (WHERE ok AND client_ttft_ms IS NOT NULL) AS client_ttft_p50,
@@ -22,28 +20,12 @@ _CLIENT_KEYS = (
 )
 
 
-def compute_client(scope: Scope) -> Yield:
-    """Per window: the client's TTFT p50, the server's TTFT p50 of the same requests, when
-    the server released their first text (TTFT + ``text_holdback_ms``), and the median over
-    those requests of each one's client TTFT / server TTFT (the pair read request by request:
-    the two medians can come from different requests)."""
-    return by_arrival(scope, _CLIENT_SELECT)
-
-
-CLIENT = Family(
-    name="client",
-    needs={
-        "requests": (
-            "arrival_ns",
-            *COMPLETED_COLUMNS,
-            "ttft_ms",
-            "client_ttft_ms",
-            "text_holdback_ms",
-        )
-    },
-    window_keys=_CLIENT_KEYS,
-    overall_keys=_CLIENT_KEYS,
-    compute=compute_client,
+# per window: the client's TTFT p50, the server's TTFT p50 of the same requests, when the
+# server released their first text (TTFT + text_holdback_ms), and the median over those requests
+# of each one's client TTFT / server TTFT (the pair read request by request: the two medians can
+# come from different requests)
+CLIENT = arrival_family(
+    "client", _CLIENT_SELECT, _CLIENT_KEYS, "ttft_ms", "client_ttft_ms", "text_holdback_ms"
 )
 
 _STREAM_SELECT = """
@@ -51,25 +33,14 @@ _STREAM_SELECT = """
         FILTER (WHERE ok AND output_tokens >= 8) AS stream_vs_engine_tpot"""
 
 
-def compute_stream(scope: Scope) -> Yield:
-    """Per window: the median over requests (8+ output tokens) of the stream's time per token
-    after the first over the engine's TPOT (1.0 when the output path keeps up)."""
-    return by_arrival(scope, _STREAM_SELECT)
-
-
-STREAM = Family(
-    name="stream",
-    needs={
-        "requests": (
-            "arrival_ns",
-            *COMPLETED_COLUMNS,
-            "end_ns",
-            "first_token_ns",
-            "output_tokens",
-            "tpot_ms",
-        )
-    },
-    window_keys=("stream_vs_engine_tpot",),
-    overall_keys=("stream_vs_engine_tpot",),
-    compute=compute_stream,
+# per window: the median over requests (8+ output tokens) of the stream's time per token after
+# the first over the engine's TPOT (1.0 when the output path keeps up)
+STREAM = arrival_family(
+    "stream",
+    _STREAM_SELECT,
+    ("stream_vs_engine_tpot",),
+    "end_ns",
+    "first_token_ns",
+    "output_tokens",
+    "tpot_ms",
 )

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 from tokenmill.telemetry.schema import WORKING_STEP_SQL
 
-from .family import Family, Yield
-from .requests import COMPLETED_COLUMNS, by_arrival
+from .requests import arrival_family
 from .samples import KV_FROM_SAMPLES
-from .scope import Scope
-from .steps import WORKING_COLUMNS, by_start
+from .steps import start_family
 
 _KV_WINDOW_SQL = f"""
 SELECT (start_ns - $t0) // $w AS win,
@@ -48,28 +46,17 @@ _KV_KEYS = (
 )
 
 
-def compute_kv(scope: Scope) -> Yield:
-    return by_start(scope, _KV_WINDOW_SQL)
-
-
-KV = Family(
-    name="kv",
-    needs={
-        "engine_steps": (
-            "start_ns",
-            *WORKING_COLUMNS,
-            "kv_blocks_used",
-            "kv_blocks_total",
-            "kv_blocks_free",
-            "allocation_failures",
-            "num_preempted",
-            "num_running",
-            "num_waiting",
-        )
-    },
-    window_keys=_KV_KEYS,
-    overall_keys=_KV_KEYS,
-    compute=compute_kv,
+KV = start_family(
+    "kv",
+    _KV_WINDOW_SQL,
+    _KV_KEYS,
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "kv_blocks_free",
+    "allocation_failures",
+    "num_preempted",
+    "num_running",
+    "num_waiting",
     fallback=KV_FROM_SAMPLES,
 )
 
@@ -81,24 +68,13 @@ _REQUESTS_SELECT = """
 _REQUESTS_KEYS = ("preempted_requests_n", "recomputed_tokens", "stalled_preempted_n")
 
 
-def compute_requests(scope: Scope) -> Yield:
-    return by_arrival(scope, _REQUESTS_SELECT)
-
-
-KV_REQUESTS = Family(
-    name="kv_requests",
-    needs={
-        "requests": (
-            "arrival_ns",
-            *COMPLETED_COLUMNS,
-            "preemptions",
-            "recomputed_tokens",
-            "itl_max_ms",
-            "itl_p50_ms",
-            "ttft_ms",
-        )
-    },
-    window_keys=_REQUESTS_KEYS,
-    overall_keys=_REQUESTS_KEYS,
-    compute=compute_requests,
+KV_REQUESTS = arrival_family(
+    "kv_requests",
+    _REQUESTS_SELECT,
+    _REQUESTS_KEYS,
+    "preemptions",
+    "recomputed_tokens",
+    "itl_max_ms",
+    "itl_p50_ms",
+    "ttft_ms",
 )

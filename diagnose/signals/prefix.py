@@ -6,25 +6,13 @@ from __future__ import annotations
 
 from tokenmill.telemetry.recorded_config import read_recorded_config
 
-from .family import Family, Yield
-from .requests import by_arrival
-from .scope import Scope
+from .requests import arrival_family
 
 _SELECT = """
     sum(cached_tokens)::DOUBLE / nullif(sum(input_tokens), 0) AS prefix_hit_rate"""
 
 
-def compute(scope: Scope) -> Yield:
-    return by_arrival(scope, _SELECT)
-
-
-FAMILY = Family(
-    name="prefix",
-    needs={"requests": ("arrival_ns", "cached_tokens", "input_tokens")},
-    window_keys=("prefix_hit_rate",),
-    overall_keys=("prefix_hit_rate",),
-    compute=compute,
-)
+FAMILY = arrival_family("prefix", _SELECT, ("prefix_hit_rate",), "cached_tokens", "input_tokens")
 
 
 def prefix_block_stats(

@@ -9,6 +9,7 @@ request families share (:func:`by_arrival`).
 
 from __future__ import annotations
 
+import functools
 import re
 
 from tokenmill.telemetry.schema import COMPLETED_SQL
@@ -18,6 +19,20 @@ from .scope import Scope
 
 # the columns of COMPLETED_SQL (a request completed: finished by stop/length, no error)
 COMPLETED_COLUMNS = ("finish_reason", "error_type")
+
+
+def arrival_family(name: str, select: str, keys: tuple[str, ...], *columns: str) -> Family:
+    """A family of ``select``'s ``keys`` per window and over the range, over the requests by
+    arrival (:func:`by_arrival`), reading ``arrival_ns``, ``columns`` and, when ``select`` asks
+    whether a request completed (``ok``), the columns that tell."""
+    completed = COMPLETED_COLUMNS if re.search(r"\bok\b", select) else ()
+    return Family(
+        name=name,
+        needs={"requests": ("arrival_ns", *completed, *columns)},
+        window_keys=keys,
+        overall_keys=keys,
+        compute=functools.partial(by_arrival, select=select),
+    )
 
 
 def arrival_sql(select: str) -> str:

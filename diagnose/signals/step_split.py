@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from tokenmill.telemetry.schema import WORKING_STEP_SQL
 
-from .family import Family, Yield
-from .scope import Scope
-from .steps import WORKING_COLUMNS, by_start
+from .steps import start_family
 
 _SPLIT_WINDOW_SQL = f"""
 SELECT (start_ns - $t0) // $w AS win,
@@ -40,27 +38,16 @@ _KEYS = (
 )
 
 
-def compute(scope: Scope) -> Yield:
-    return by_start(scope, _SPLIT_WINDOW_SQL)
-
-
-FAMILY = Family(
-    name="step_split",
-    needs={
-        "engine_steps": (
-            "start_ns",
-            "end_ns",
-            *WORKING_COLUMNS,
-            "schedule_ms",
-            "prepare_ms",
-            "forward_ms",
-            "sample_ms",
-            "detokenize_ms",
-            "output_send_ms",
-            "stream_write_ms",
-        )
-    },
-    window_keys=_KEYS,
-    overall_keys=_KEYS,
-    compute=compute,
+FAMILY = start_family(
+    "step_split",
+    _SPLIT_WINDOW_SQL,
+    _KEYS,
+    "end_ns",
+    "schedule_ms",
+    "prepare_ms",
+    "forward_ms",
+    "sample_ms",
+    "detokenize_ms",
+    "output_send_ms",
+    "stream_write_ms",
 )

@@ -11,6 +11,8 @@ so requests that finish in it are gone (one-token requests read 0 there). Idle h
 
 from __future__ import annotations
 
+import functools
+
 from tokenmill.telemetry.schema import STEP_DECODE_SEQS_SQL, WORKING_STEP_SQL
 
 from .family import Family, Yield
@@ -80,6 +82,20 @@ def by_start(scope: Scope, sql: str, **params) -> Yield:
     return Yield(
         scope.by_window(sql, "start_ns", scope.not_warm_step, **params),
         scope.over_range(sql, "start_ns", **params),
+    )
+
+
+def start_family(name: str, sql: str, keys: tuple[str, ...], *columns: str, **more) -> Family:
+    """A family of ``sql``'s ``keys`` per window and over the range, over the engine steps by
+    start (:func:`by_start`), reading ``start_ns``, the working-step columns and ``columns``;
+    ``more``: the family's other fields (``fallback``, ``optional``)."""
+    return Family(
+        name=name,
+        needs={"engine_steps": ("start_ns", *WORKING_COLUMNS, *columns)},
+        window_keys=keys,
+        overall_keys=keys,
+        compute=functools.partial(by_start, sql=sql),
+        **more,
     )
 
 
