@@ -331,8 +331,8 @@ def test_histogram_quantiles_match_the_store_within_2x(profile):
     """p50 and p90 from the exported buckets (PromQL's histogram_quantile) are within 2x of the
     store's quantiles (``quantile_cont``, which :func:`latency.percentile` equals) on the same
     requests, for every latency histogram."""
-    from tokenmill.telemetry.metrics import histogram_quantile
     from tokenmill.telemetry.latency import percentile
+    from tokenmill.telemetry.metrics import histogram_quantile
 
     m = ServingMetrics(MODEL)
     rows = _profile_rows(profile)
