@@ -78,7 +78,7 @@ def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
 
 def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
     """A completed request within every SLO (ms): the store's goodput test
-    (``tokenmill.telemetry.schema.GOOD_REQUEST_SQL``: TTFT, the request's own ITL p99, E2E),
+    (``tokenmill.telemetry.goodput.GOOD_REQUEST_SQL``: TTFT, the request's own ITL p99, E2E),
     plus TPOT when ``--goodput`` names it."""
     if not r.ok:
         return False

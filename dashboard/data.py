@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from tokenmill.telemetry.schema import STATIONS, GoodputSlo
+from tokenmill.telemetry.goodput import GoodputSlo
+from tokenmill.telemetry.schema import STATIONS
 
 from .data_devices import (
     THROTTLE_REASONS,

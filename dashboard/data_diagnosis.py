@@ -9,10 +9,8 @@ from importlib import resources
 
 import pandas as pd
 
-from tokenmill.telemetry.schema import (
-    STATIONS,
-    GoodputSlo,
-)
+from tokenmill.telemetry.goodput import GoodputSlo
+from tokenmill.telemetry.schema import STATIONS
 
 from .data_store import (
     OK_SQL,

@@ -9,12 +9,8 @@ import json
 import duckdb
 import pandas as pd
 
-from tokenmill.telemetry.schema import (
-    COMPLETED_SQL,
-    GOOD_REQUEST_SQL,
-    STATIONS,
-    GoodputSlo,
-)
+from tokenmill.telemetry.goodput import GOOD_REQUEST_SQL, GoodputSlo
+from tokenmill.telemetry.schema import COMPLETED_SQL, STATIONS
 
 from .data_store import (
     DEFAULT_SLO,

@@ -22,8 +22,9 @@ from __future__ import annotations
 import duckdb
 import pandas as pd
 
+from tokenmill.telemetry.goodput import DEFAULT_GOODPUT
 from tokenmill.telemetry.readers import store_engine
-from tokenmill.telemetry.schema import COMPLETED_SQL, DEFAULT_GOODPUT
+from tokenmill.telemetry.schema import COMPLETED_SQL
 
 NS = 1_000_000_000
 GIB = float(1 << 30)

@@ -62,10 +62,12 @@ from dataclasses import asdict, dataclass, field
 
 import duckdb
 
+from tokenmill.telemetry.goodput import DEFAULT_GOODPUT, GoodputSlo
+
 # the request summary is the store's (plan replays run it too)
 from tokenmill.telemetry.readers import LATENCY_KEYS, REQUEST_SUMMARY_SQL
 from tokenmill.telemetry.recorded_config import read_recorded_config
-from tokenmill.telemetry.schema import COMPLETED_SQL, DEFAULT_GOODPUT, STATIONS, GoodputSlo
+from tokenmill.telemetry.schema import COMPLETED_SQL, STATIONS
 
 from .findings import diagnose
 from .rules import RULES

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 
 from tokenmill.engine.durations import parse_duration
 from tokenmill.engine.settings import setting
-from tokenmill.telemetry.schema import DEFAULT_GOODPUT, GoodputSlo
+from tokenmill.telemetry.goodput import DEFAULT_GOODPUT, GoodputSlo
 
 #: the step-time factors a replay takes: a host 100x slower or faster is another machine, and
 #: far past that the replay's clock overflows

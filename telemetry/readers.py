@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import duckdb
 
-from .schema import COMPLETED_SQL, GOOD_REQUEST_SQL
+from .goodput import GOOD_REQUEST_SQL
+from .schema import COMPLETED_SQL
 
 #: the request latencies :data:`REQUEST_SUMMARY_SQL` yields (ms)
 LATENCY_KEYS = (

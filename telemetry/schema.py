@@ -13,7 +13,6 @@ its stored row cannot disagree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from importlib import resources
 
 import duckdb
@@ -62,30 +61,6 @@ COMPLETED_SQL = (
     "AND error_type IS NULL)"
 )
 
-#: goodput's test of one request (docs/terms.md), over a ``requests`` row with ``ok`` (it
-#: completed: :data:`COMPLETED_SQL`) and the SLO bounds bound as ``$ttft``, ``$itl`` and ``$e2e``
-#: (ms): its TTFT, its own ITL p99 and its E2E within them. ``tokenmill bench`` applies the same
-#: test client-side (``tokenmill.bench.report.meets_slos``).
-GOOD_REQUEST_SQL = "ok AND ttft_ms <= $ttft AND coalesce(itl_p99_ms, 0) <= $itl AND e2e_ms <= $e2e"
-
-
-@dataclass(frozen=True)
-class GoodputSlo:
-    """Goodput's per-request bounds (ms): a request is good when it completed and its TTFT, its
-    own ITL p99 and its E2E are within them (:data:`GOOD_REQUEST_SQL`). The console, ``diagnose
-    compare`` and ``tokenmill plan`` share these defaults."""
-
-    ttft_ms: float = 2000.0
-    itl_ms: float = 200.0
-    e2e_ms: float = 60000.0
-
-    def sql_params(self) -> dict[str, float]:
-        """The bounds as :data:`GOOD_REQUEST_SQL` binds them (``$ttft``, ``$itl``, ``$e2e``)."""
-        return {"ttft": float(self.ttft_ms), "itl": float(self.itl_ms), "e2e": float(self.e2e_ms)}
-
-
-#: the bounds a reader takes when none are given
-DEFAULT_GOODPUT = GoodputSlo()
 
 # ---- the roofline of engine steps: the one place its derived values are defined ----
 # The engine counts each step's bytes and FLOPs (engine/roofline.py: weight_bytes,
@@ -169,7 +144,6 @@ __all__ = [
     "COMPLETED_SQL",
     "DECODE_ONLY_STEP_SQL",
     "DEFAULT_BLOCK_SIZE",
-    "DEFAULT_GOODPUT",
     "IDLE_KV_LEAK_SHARE",
     "ROOFLINE_STEP_SQL",
     "ROW_TYPES",
@@ -184,7 +158,6 @@ __all__ = [
     "STEP_TOKENS_PER_SEQ_SQL",
     "TABLES",
     "WORKING_STEP_SQL",
-    "GoodputSlo",
     "SchemaError",
     "apply_schema",
     "check_schema",

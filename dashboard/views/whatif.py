@@ -12,7 +12,7 @@ from tokenmill.dashboard import charts, ui
 from tokenmill.plan.predict import PlanError, predict, recording_from
 from tokenmill.plan.recommend import knee
 from tokenmill.plan.whatif import SloBounds, knob_fields, knob_type, parse_whatif
-from tokenmill.telemetry.schema import GoodputSlo
+from tokenmill.telemetry.goodput import GoodputSlo
 
 FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 #: the knobs the page offers, in its order; each one's widget (label, bounds), tooltip and
