@@ -14,6 +14,7 @@ module for help too: the load generator's own modules are imported when a comman
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -155,24 +156,16 @@ def run_bench(
     if record_to is not None and not record_to.is_file():
         raise BenchInputError(f"--record-to {record_to}: no such file")
 
+    # the run: the options it shares with BenchConfig as given, the load and workload as
+    # checked and built above
+    built = ("workload", "phases", "concurrency", "num_requests")
+    given = [f.name for f in dataclasses.fields(BenchConfig) if f.name not in built]
     cfg = BenchConfig(
-        url=opts.url,
+        **{name: getattr(opts, name) for name in given},
         workload=workload,
         phases=phase_list,
-        model=opts.model,
-        api_key=opts.api_key,
-        endpoint=opts.endpoint,
-        request_rate=opts.request_rate,
-        burstiness=opts.burstiness,
         concurrency=concurrency,
         num_requests=num_requests,
-        seed=opts.seed,
-        timeout=opts.timeout,
-        drain_timeout=opts.drain_timeout,
-        ignore_eos=opts.ignore_eos,
-        temperature=opts.temperature,
-        top_p=opts.top_p,
-        abort_fraction=opts.abort_fraction,
     )
     try:
         if opts.progress:
