@@ -39,17 +39,14 @@ _STATUS = {v: k.removeprefix("STATUS_CODE_") for k, v in Status.StatusCode.items
 
 #: vLLM's request span (``vllm/tracing``: SpanAttributes; names in docs/engine_metrics.md)
 VLLM_REQUEST_SPAN = "llm_request"
-VLLM = {
-    "request_id": "gen_ai.request.id",
+#: its latencies (seconds); its id, model and token counts reach the span's own columns through
+#: ``rows.HOT_ATTRIBUTES``, where vLLM's names follow ours
+VLLM_LATENCY = {
     "queue_s": "gen_ai.latency.time_in_queue",
     "ttft_s": "gen_ai.latency.time_to_first_token",
     "prefill_s": "gen_ai.latency.time_in_model_prefill",
     "decode_s": "gen_ai.latency.time_in_model_decode",
     "e2e_s": "gen_ai.latency.e2e",
-    "input_tokens": "gen_ai.usage.prompt_tokens",
-    "output_tokens": "gen_ai.usage.completion_tokens",
-    "finish_reasons": "gen_ai.response.finish_reasons",
-    "model": "gen_ai.response.model",
 }
 
 
@@ -250,7 +247,7 @@ def station_rows(span: dict) -> tuple[list[dict], dict | None]:
     a = json.loads(span["attributes"])
 
     def sec(key):
-        v = a.get(VLLM[key])
+        v = a.get(VLLM_LATENCY[key])
         ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
         return float(v) if ok and v >= 0 else None  # NaN, ±Inf and a negative are no time
 

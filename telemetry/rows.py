@@ -137,7 +137,8 @@ class SpanRow(msgspec.Struct, kw_only=True):
 
 
 #: the hot columns of a span, each from the first of its attributes present: ours (the GenAI
-#: conventions' and ``tokenmill.*``), then the names vLLM's request span uses
+#: conventions' and ``tokenmill.*``), then the names vLLM's request span uses (``llm_request``,
+#: read by ``otlp_receiver.py``)
 HOT_ATTRIBUTES = {
     "request_id": ("tokenmill.request_id", "gen_ai.request.id"),
     "tenant": ("tokenmill.tenant",),
