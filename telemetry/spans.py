@@ -266,8 +266,10 @@ def _emit(tracer, tl: RequestTimeline, stations, end_ns: int, parent_ctx):
     if tl.error_type:
         root.set_status(Status(StatusCode.ERROR, tl.error_message or tl.error_type))
     ctx = trace.set_span_in_context(root)
+    trace_id = format(root.get_span_context().trace_id, "032x")
+    row = request_row(tl, trace_id, stations, end_ns)
     itl = latency.itl_ms(tl.token_ns)
-    station_attrs = _station_attributes(tl, itl)
+    station_attrs = _station_attributes(tl, itl, row)
     error_station = _error_station(tl, stations)
     for name in STATIONS:
         if name not in stations:
@@ -295,8 +297,7 @@ def _emit(tracer, tl: RequestTimeline, stations, end_ns: int, parent_ctx):
         if name == "prefill":
             _emit_kv_transfer(tracer, tl, trace.set_span_in_context(span))
     root.end(end_time=end_ns)
-    trace_id = format(root.get_span_context().trace_id, "032x")
-    return trace_id, request_row(tl, trace_id, stations, end_ns), itl
+    return trace_id, row, itl
 
 
 def _emit_kv_transfer(tracer: trace.Tracer, tl: RequestTimeline, ctx) -> None:
@@ -343,7 +344,8 @@ def _error_station(tl: RequestTimeline, stations: dict) -> str | None:
     return reached[-1] if reached else None
 
 
-def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict]:
+def _station_attributes(tl: RequestTimeline, itl: list[float], row: dict) -> dict[str, dict]:
+    """Each station's attributes; the decode span's latencies are the ``requests`` row's."""
     n = tl.stats.output_tokens
     usage = tl.usage
     return {
@@ -369,11 +371,9 @@ def _station_attributes(tl: RequestTimeline, itl: list[float]) -> dict[str, dict
             {
                 "gen_ai.usage.output_tokens": n,
                 "tokenmill.decode.itl_ms": itl,
-                "tokenmill.decode.itl_p50_ms": latency.percentile(itl, 50),
-                "tokenmill.decode.itl_p99_ms": latency.percentile(itl, 99),
-                "tokenmill.decode.tpot_ms": latency.tpot_ms(
-                    tl.stats.first_token_ns, tl.token_ns[-1] if tl.token_ns else None, n
-                ),
+                "tokenmill.decode.itl_p50_ms": row["itl_p50_ms"],
+                "tokenmill.decode.itl_p99_ms": row["itl_p99_ms"],
+                "tokenmill.decode.tpot_ms": row["tpot_ms"],
                 "tokenmill.decode.spec_drafts": tl.stats.spec_drafts,
                 "tokenmill.decode.spec_draft_tokens": tl.stats.spec_draft_tokens,
                 "tokenmill.decode.spec_accepted_tokens": tl.stats.spec_accepted_tokens,
