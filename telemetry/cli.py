@@ -5,13 +5,17 @@ module only when the command runs or help is shown: keep its top-level imports l
 and rich; DuckDB and httpx inside the command).
 
 Every failure of the observers' commands (``dump``, ``diagnose``, ``dashboard``, ``bench``,
-``scenario``, ``demo``) is one ``error:`` line and exit status 2: :func:`fail`.
+``scenario``, ``demo``) is one ``error:`` line and exit status 2: :func:`fail`. The live
+sources beside ``serve`` (``proxy``, ``collect``) share their store's settings, their bind
+check and their logs with it: :func:`serve_setting`, :func:`open_store`, :func:`refuse_open_bind`,
+:func:`start_logs`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -27,17 +31,105 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
-def open_store(trace_db: Path):
-    """A ``TraceStore`` on ``trace_db`` for a writing command (``collect``, ``proxy``), or one
-    ``error:`` line: the file in use, not a store, or an unwritable folder."""
+#: the trace store's settings a writing command shares with ``serve`` (``ServeConfig``'s
+#: fields of those names), and the ``TraceStore`` keyword each one sets
+STORE_SETTINGS = {
+    "trace_retention": "retention_s",
+    "trace_max_bytes": "max_bytes",
+    "trace_archive": "archive",
+    "trace_archive_max_age": "archive_max_age_s",
+    "trace_archive_max_bytes": "archive_max_bytes",
+}
+
+
+#: the shape of a store setting ``ServeConfig`` does not declare yet (``serve_setting``)
+SERVE_FALLBACKS: dict[str, dict] = {
+    "trace_archive_max_age": {
+        "default": None,
+        "help": "Delete roll-outs in --trace-archive older than this (7d, 30d; default: keep "
+        "them).",
+        "duration": True,
+        "min": 1.0,
+    },
+    "trace_archive_max_bytes": {
+        "default": None,
+        "help": "Past this size (bytes) of --trace-archive its oldest roll-outs are deleted.",
+        "min": 1 << 20,
+    },
+}
+
+
+def serve_setting(name: str, help: str | None = None) -> Any:
+    """A settings field shaped as ``ServeConfig``'s field ``name`` (its default, help, bounds
+    and duration grammar, in the command's own ``--help`` panel), so that ``proxy`` and
+    ``collect`` name and describe it as ``serve`` does; ``help`` replaces its help. A name
+    ``ServeConfig`` lacks takes its shape from :data:`SERVE_FALLBACKS`."""
+    from tokenmill.engine.serve_config import ServeConfig
+    from tokenmill.engine.settings import setting
+
+    f = next((f for f in dataclasses.fields(ServeConfig) if f.name == name), None)
+    if f is None:
+        return setting(**{**SERVE_FALLBACKS[name], **({"help": help} if help else {})})
+    meta = {**f.metadata, "panel": None, **({"help": help} if help else {})}
+    return dataclasses.field(default=f.default, metadata=meta)
+
+
+def store_kwargs(cfg: Any) -> dict:
+    """``TraceStore``'s retention keywords from a command's :data:`STORE_SETTINGS` fields, the
+    ones set (a field left unset is not passed)."""
+    return {
+        kw: getattr(cfg, name)
+        for name, kw in STORE_SETTINGS.items()
+        if getattr(cfg, name, None) is not None
+    }
+
+
+def open_store(trace_db: Path, **store_kwargs: Any):
+    """A ``TraceStore`` on ``trace_db`` for a writing command (``collect``, ``proxy``), with
+    its retention (:func:`store_kwargs`), or one ``error:`` line: the file in use, not a store,
+    or an unwritable folder."""
     from .store import TraceStore, TraceStoreInUse
 
     try:
-        return TraceStore(trace_db)
+        return TraceStore(trace_db, **store_kwargs)
     except TraceStoreInUse as exc:
         fail(str(exc))
+    except TypeError as exc:  # a retention setting this store does not take yet
+        fail(f"the trace store does not take this setting: {exc}")
     except Exception as exc:
         fail(f"--trace-db {trace_db}: {str(exc).splitlines()[0]}")
+
+
+def refuse_open_bind(host: str, keyed: bool, allow_unauthenticated: bool, keys: str) -> None:
+    """One ``error:`` line for a command about to answer anyone on a non-loopback ``host``
+    with no key (``keys``: the flags that give one), as ``tokenmill serve`` refuses it."""
+    from tokenmill.engine.api.gateway import is_loopback
+
+    if not keyed and not is_loopback(host) and not allow_unauthenticated:
+        fail(
+            f"refusing to serve {host} without a key: give {keys}, or --allow-unauthenticated "
+            "to serve it open"
+        )
+
+
+def check_logs(level: str, fmt: str) -> None:
+    """``--log-level`` and ``--log-format`` checked as ``serve`` checks them (one line)."""
+    from tokenmill.engine.logs import FORMATS, LEVELS
+
+    if level not in LEVELS or fmt not in FORMATS:
+        fail(
+            f"--log-level is one of {', '.join(LEVELS)}; --log-format one of "
+            f"{', '.join(FORMATS)} (got {level!r}, {fmt!r})"
+        )
+
+
+def start_logs(level: str, fmt: str) -> None:
+    """The command's logs (``tokenmill.*`` and uvicorn's) on stderr at ``level``, as text or
+    JSON lines: ``serve``'s handler (``engine/logs.py``)."""
+    from tokenmill.engine.logs import configure
+
+    check_logs(level, fmt)
+    configure(level, fmt, export=False)
 
 
 app = typer.Typer(add_completion=False)

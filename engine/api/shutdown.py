@@ -139,9 +139,15 @@ def serve_app(
     or SIGINT calls ``on_drain(signal_name)`` and waits up to ``drain_s`` for ``busy()`` to
     reach 0, a second stops at once (``on_stop(signal_name)``: end what is still open); the
     signal is never raised again afterwards, so the caller's cleanup (a store's last rows)
-    always runs. Returns the server (``stop_signals``)."""
+    always runs. uvicorn's lines go through the caller's log handler (``engine/logs.py``:
+    ``--log-level``, ``--log-format``). Returns the server (``stop_signals``)."""
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        log_config=None,
+        timeout_graceful_shutdown=5,
     )
     server = DrainingServer(config, on_stop=on_stop, on_drain=on_drain, busy=busy, drain_s=drain_s)
     server.run()
