@@ -1,22 +1,29 @@
 """The collector: another engine's traces and metrics into a tokenmill trace store.
 
 An HTTP app with OTLP/HTTP's trace route (``POST /v1/traces``, protobuf or JSON: point the
-engine's ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` at it) and ``GET /health``, plus one
-:class:`~.scrape.MetricsScraper` per ``/metrics`` URL. ``tokenmill collect`` runs it; the store
-it fills is read by ``diagnose``, ``explain`` and the console like any other.
+engine's ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` at it), ``GET /admin/dump`` (the server's own
+route, ``engine/api/admin.py``: ``diagnose --url`` and ``dashboard --url`` attach to a collector
+as to a server), ``GET /health`` and ``/health/ready``, plus one :class:`~.scrape.MetricsScraper`
+per ``/metrics`` URL. ``tokenmill collect`` runs it; the store it fills is read by ``diagnose``,
+``explain`` and the console like any other.
 
-A body that does not decode is a 400 naming the reason and stores nothing; a body larger than
-:data:`MAX_BODY_BYTES`, on the wire or once inflated, is a 413, refused while it is read or
-inflated (a chunked body or a gzip bomb is never held whole). A span that cannot be stored (ids
-of the wrong length, a string token count, a time past 2^63) is left out and the rest of its
-export stored; OTLP's ``partial_success`` says how many were rejected and why (an export whose
-every span is rejected is a 400), as it does for rows the store could not queue: never silently
-lost.
+Keys (:class:`CollectorState`'s gateway, :func:`key_check`): with an API or admin key, an
+export needs one of them and a dump the admin key. A body that does not decode is a 400 naming
+the reason and stores nothing; a content type or encoding it does not read is a 415; a body
+larger than ``max_body_bytes`` (default :data:`MAX_BODY_BYTES`), on the wire or once inflated,
+is a 413, refused while it is read or inflated (a chunked body or a gzip bomb is never held
+whole). A span that cannot be stored (ids of the wrong length, a string token count, a time
+past 2^63) is left out whole, with the station spans and the request row it maps to, and the
+rest of its export stored; OTLP's ``partial_success`` says how many were rejected and why (an
+export whose every span is rejected is a 400), as it does for rows the store could not queue:
+never silently lost. While the collector drains (a stop signal), an export gets 503 with
+``Retry-After`` (the exporter sends it again) and those in hand finish.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -25,18 +32,67 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from starlette.concurrency import run_in_threadpool
 
-from .otlp_receiver import OTLPDecodeError, decode_export, received_rows
+from tokenmill.engine.api.errors import APIError
+from tokenmill.engine.api.gateway import Gateway
+
+from .otlp_receiver import OTLPDecodeError, OTLPUnsupportedMedia, decode_export, received_rows
 from .scrape import MetricsScraper
 from .store import TraceStore
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+#: what a refused export waits before it is sent again (a drain)
+DRAIN_RETRY_S = 5
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(
         {"error": {"message": message, "type": "invalid_request_error", "param": "body"}},
         status_code=status,
+        headers=headers,
     )
+
+
+class CollectorState:
+    """What the collector's routes share: its keys (``gateway``: an open one without keys),
+    the exports in hand (``open_exports``: what a drain waits for) and the drain."""
+
+    def __init__(self, gateway: Gateway | None = None):
+        self.gateway = gateway or Gateway()
+        self.open_exports = 0
+        self.draining = False
+
+
+def key_check(gateway: Gateway) -> Callable:
+    """``add_receiver``'s ``authenticate`` over ``gateway``: the admin key or a client's API
+    key; a gateway without keys (open mode: a loopback bind, or ``--allow-unauthenticated``)
+    lets everyone in. Returns the refusal (401/403 in OpenAI's shape) or None."""
+
+    def check(request: Request) -> Response | None:
+        if gateway.open_mode:
+            return None
+        auth = request.headers.get("authorization")
+        try:
+            gateway.authenticate_admin(auth)
+            return None
+        except APIError:
+            pass
+        try:
+            gateway.authenticate(auth)
+            return None
+        except APIError as exc:
+            return exc.response(getattr(request.state, "request_id", None))
+
+    return check
+
+
+def store_telemetry(store: TraceStore) -> dict:
+    """The ``telemetry`` block of a live source's ``/health`` (as the server's: the console's
+    live view warns from its store ``problem`` and ``dropped_by_reason``)."""
+    return {
+        "store": store.health(),
+        "dropped_total": store.dropped_total,
+        "dropped_by_reason": store.dropped_by_reason(),
+    }
 
 
 class BodyTooLarge(ValueError):
@@ -72,7 +128,7 @@ def inflate(body: bytes, encoding: str | None, limit: int = MAX_BODY_BYTES) -> b
             return _inflate(body, zlib.MAX_WBITS, limit, enc)
         except OTLPDecodeError:
             return _inflate(body, -zlib.MAX_WBITS, limit, enc)
-    raise OTLPDecodeError(f"content-encoding {encoding!r}: send gzip, deflate or none")
+    raise OTLPUnsupportedMedia(f"content-encoding {encoding!r}: send gzip, deflate or none")
 
 
 def _inflate(body: bytes, wbits: int, limit: int, enc: str) -> bytes:
@@ -101,79 +157,140 @@ def _receive(body: bytes, content_type: str, store: TraceStore):
     return received_rows(decode_export(body, content_type), store.check_rows)
 
 
-def make_app(store: TraceStore, scrapers: list[MetricsScraper] | None = None) -> FastAPI:
-    """The collector's HTTP app over ``store`` (the scrapers only show in ``/health``)."""
+def make_app(
+    store: TraceStore,
+    scrapers: list[MetricsScraper] | None = None,
+    state: CollectorState | None = None,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """The collector's HTTP app over ``store``: the receiver, ``/admin/dump`` and health, with
+    ``state``'s keys and drain (the scrapers only show in ``/health``)."""
+    from tokenmill.engine.api.admin import register_admin_routes
+
+    from .hub import LiveDumps
+
     app = FastAPI(title="tokenmill collector", docs_url=None, redoc_url=None)
-    scrapers = scrapers or []
-    add_receiver(app, store)
+    state = state or CollectorState()
+    check = key_check(state.gateway)
+    add_receiver(app, store, authenticate=check, max_body_bytes=max_body_bytes, state=state)
+    register_admin_routes(app, state, LiveDumps(lambda: store))
+    _add_health_routes(app, store, scrapers or [], state)
+    return app
+
+
+def _add_health_routes(
+    app: FastAPI, store: TraceStore, scrapers: list[MetricsScraper], state: CollectorState
+) -> None:
+    """``/health`` (the store, the scrapers, the telemetry block) and ``/health/ready``: 503
+    while draining, or once the store's writer is gone."""
 
     @app.get("/health")
     async def health():
         problems = [s.status for s in scrapers if s.status["problem"]]
-        return {
-            "status": "ok" if store.writer_alive and not problems else "degraded",
+        ok = store.writer_alive and not problems
+        body = {
+            "status": "draining" if state.draining else "ok" if ok else "degraded",
             "store": store.health(),
             "scrapers": [s.status for s in scrapers],
+            "open_exports": state.open_exports,
+            "telemetry": store_telemetry(store),
         }
+        return JSONResponse(body, status_code=503 if state.draining else 200)
 
-    return app
+    @app.get("/health/ready")
+    async def ready():
+        status = "draining" if state.draining else "ready" if store.writer_alive else "down"
+        headers = {"Retry-After": str(DRAIN_RETRY_S)} if status != "ready" else None
+        return JSONResponse(
+            {"status": status}, status_code=200 if status == "ready" else 503, headers=headers
+        )
 
 
 def add_receiver(
-    app: FastAPI, store: TraceStore, *, request_rows: bool = True, authenticate=None
+    app: FastAPI,
+    store: TraceStore,
+    *,
+    request_rows: bool = True,
+    authenticate=None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    state: CollectorState | None = None,
 ) -> None:
     """Add OTLP/HTTP's ``POST /v1/traces`` into ``store`` to ``app`` (the collector's; the
     proxy's or the server's with ``--otlp-receiver``: spans of other services in their own
     store). ``request_rows=False``: keep the spans only (the proxy and the server write each
     request's row themselves, so an engine's request span must not add a second one).
-    ``authenticate(request)`` answers a caller it refuses (401/403), None for one it lets in."""
+    ``authenticate(request)`` answers a caller it refuses (401/403), None for one it lets in.
+    ``max_body_bytes``: the largest body, on the wire or inflated (413 past it). ``state``
+    (the collector's): exports in hand counted, and refused with 503 while it drains."""
 
     @app.post("/v1/traces")
     async def traces(request: Request):
         refusal = authenticate(request) if authenticate is not None else None
         if refusal is not None:
             return refusal
+        if state is None:
+            return await _export(request, store, request_rows, max_body_bytes)
+        if state.draining:
+            message = "the collector is shutting down; send the export again"
+            return _error(503, message, {"Retry-After": str(DRAIN_RETRY_S)})
+        state.open_exports += 1
         try:
-            body = await read_capped(request)
-            body = await run_in_threadpool(inflate, body, request.headers.get("content-encoding"))
-        except BodyTooLarge as exc:
-            return _error(413, str(exc))
-        except OTLPDecodeError as exc:
-            return _error(400, str(exc))
+            return await _export(request, store, request_rows, max_body_bytes)
+        finally:
+            state.open_exports -= 1
+
+
+async def _export(request: Request, store: TraceStore, request_rows: bool, limit: int):
+    """One export: read (capped), inflated (capped), decoded, stored; OTLP's answer."""
+    try:
+        body = await read_capped(request, limit)
+        encoding = request.headers.get("content-encoding")
+        body = await run_in_threadpool(inflate, body, encoding, limit)
         content_type = request.headers.get("content-type", "")
-        try:  # off the event loop: the server's and the proxy's loop also serve requests
-            received = await run_in_threadpool(_receive, body, content_type, store)
-        except OTLPDecodeError as exc:
-            return _error(400, str(exc))
-        del body
-        if received.spans and len(received.rejected) == received.spans:
-            store.drop("spans", "bad_value", received.spans)
-            return _error(400, f"no span could be stored: {received.rejected[0]}")
-        rows = received.rows
-        if not request_rows:
-            rows.pop("requests", None)
-        rejected = len(received.rejected)
-        store.drop("spans", "bad_value", rejected)
-        reasons = [f"{rejected} span(s) rejected: {received.rejected[0]}"] if rejected else []
-        unqueued = 0
-        for table, table_rows in rows.items():
-            for row in table_rows:
-                if not store.submit(table, row) and table == "spans":
-                    unqueued += 1
-        if unqueued:
-            reasons.append(f"{unqueued} span(s) not queued: the trace store's queue is full")
-        reply = ExportTraceServiceResponse()
-        if rejected + unqueued:
-            reply.partial_success.rejected_spans = rejected + unqueued
-            reply.partial_success.error_message = "; ".join(reasons)
-        if content_type.split(";")[0].strip().lower() == "application/json":
-            doc = {}
-            if rejected + unqueued:
-                doc = {
-                    "partialSuccess": {
-                        "rejectedSpans": str(rejected + unqueued),
-                        "errorMessage": reply.partial_success.error_message,
-                    }
-                }
-            return JSONResponse(doc)
-        return Response(reply.SerializeToString(), media_type="application/x-protobuf")
+        # off the event loop: the server's and the proxy's loop also serve requests
+        received = await run_in_threadpool(_receive, body, content_type, store)
+    except BodyTooLarge as exc:
+        return _error(413, str(exc))
+    except OTLPUnsupportedMedia as exc:
+        return _error(415, str(exc))
+    except OTLPDecodeError as exc:
+        return _error(400, str(exc))
+    del body
+    if received.spans and len(received.rejected) == received.spans:
+        store.drop("spans", "bad_value", received.spans)
+        return _error(400, f"no span could be stored: {received.rejected[0]}")
+    rows = received.rows
+    if not request_rows:
+        rows.pop("requests", None)
+    rejected = len(received.rejected)
+    store.drop("spans", "bad_value", rejected)
+    reasons = [f"{rejected} span(s) rejected: {received.rejected[0]}"] if rejected else []
+    unqueued = _submit(store, rows)
+    if unqueued:
+        reasons.append(f"{unqueued} span(s) not queued: the trace store's queue is full")
+    return _reply(content_type, rejected + unqueued, "; ".join(reasons))
+
+
+def _submit(store: TraceStore, rows: dict[str, list[dict]]) -> int:
+    """Queue ``rows``; the spans the store's full queue refused."""
+    unqueued = 0
+    for table, table_rows in rows.items():
+        for row in table_rows:
+            if not store.submit(table, row) and table == "spans":
+                unqueued += 1
+    return unqueued
+
+
+def _reply(content_type: str, rejected: int, message: str) -> Response:
+    """OTLP's success answer, in the export's encoding, with its ``partial_success``."""
+    if content_type.split(";")[0].strip().lower() == "application/json":
+        doc = {}
+        if rejected:
+            doc = {"partialSuccess": {"rejectedSpans": str(rejected), "errorMessage": message}}
+        return JSONResponse(doc)
+    reply = ExportTraceServiceResponse()
+    if rejected:
+        reply.partial_success.rejected_spans = rejected
+        reply.partial_success.error_message = message
+    return Response(reply.SerializeToString(), media_type="application/x-protobuf")

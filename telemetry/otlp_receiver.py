@@ -17,6 +17,7 @@ import base64
 import binascii
 import json
 import math
+import re
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,7 +60,12 @@ SGLANG_STATIONS = {
 
 
 class OTLPDecodeError(ValueError):
-    """A body that is not an OTLP trace export (one-line reason)."""
+    """A body that is not an OTLP trace export (one-line reason): the receiver's 400."""
+
+
+class OTLPUnsupportedMedia(OTLPDecodeError):
+    """A content type or encoding the receiver does not read (one-line reason): its 415, as
+    OTLP/HTTP asks for an unsupported content type."""
 
 
 def _hex_ids_to_base64(node):
@@ -104,17 +110,60 @@ def decode_export(body: bytes, content_type: str) -> ExportTraceServiceRequest:
             raise OTLPDecodeError("not an OTLP trace export (the JSON is not an object)")
         if _depth_over(doc, MAX_JSON_DEPTH):
             raise OTLPDecodeError(_TOO_DEEP)
-        try:
-            json_format.ParseDict(_hex_ids_to_base64(doc), req)
+        problem = shape_problem(doc, req.DESCRIPTOR)
+        if problem is not None:
+            raise OTLPDecodeError(f"not an OTLP trace export ({problem})")
+        try:  # OTLP/JSON receivers ignore fields of unknown names (the spec's MUST)
+            json_format.ParseDict(_hex_ids_to_base64(doc), req, ignore_unknown_fields=True)
         except RecursionError:
             raise OTLPDecodeError(_TOO_DEEP) from None
         except (json_format.ParseError, binascii.Error) as exc:
-            raise OTLPDecodeError(f"not an OTLP trace export ({str(exc)[:160]})") from None
+            raise OTLPDecodeError(f"not an OTLP trace export ({parse_reason(exc)})") from None
     else:
-        raise OTLPDecodeError(
+        raise OTLPUnsupportedMedia(
             f"content type {content_type!r}: send application/x-protobuf or application/json"
         )
     return req
+
+
+def shape_problem(node: dict, desc, where: str = "") -> str | None:
+    """Where the JSON has something else than an object for a message field (one line), or
+    None. protobuf's parser would read a string there as the field names of its characters,
+    which, unknown names being ignored, keeps an empty message: a value silently lost."""
+    names = {f.json_name: f for f in desc.fields} | {f.name: f for f in desc.fields}
+    for key, value in node.items():
+        f = names.get(key)
+        if f is None or f.message_type is None or value is None:
+            continue
+        repeated = f.is_repeated and isinstance(value, list)
+        for i, item in enumerate(value if repeated else [value]):
+            at = f"{where}.{key}" + (f"[{i}]" if repeated else "")
+            if not isinstance(item, dict):
+                return f"{at.lstrip('.')}: expected an object, got {type(item).__name__}"
+            problem = shape_problem(item, f.message_type, at)
+            if problem is not None:
+                return problem
+    return None
+
+
+_FIELD = re.compile(r"Failed to parse (\w+) field: ")
+_WHERE = re.compile(r' at "?ExportTraceServiceRequest\.?([^"\s]*)"?')
+
+
+def parse_reason(exc: Exception, limit: int = 240) -> str:
+    """protobuf's JSON parse error as one line: the field where it failed (with its indices
+    when protobuf gives them, ``resourceSpans[0].scopeSpans[0].spans[0].kind``) and why."""
+    text = str(exc)
+    path = []
+    while m := _FIELD.match(text):
+        path.append(m.group(1))
+        text = text[m.end() :]
+    detail = (text.strip().splitlines() or [""])[0].rstrip(". ")
+    where = ".".join(path)
+    if m := _WHERE.search(detail):
+        where, detail = m.group(1) or where, detail[: m.start()]
+    line = f"{where}: {detail}" if where else detail
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 #: nesting an OTLP/JSON export may have (an attribute's kvlist/array values nest; protobuf's
