@@ -66,6 +66,8 @@ DEFAULT_MAX_BODY_BYTES = ServeConfig().max_body_bytes
 #: idle upstream connections are let go sooner than common servers close them (uvicorn's 5 s),
 #: so a request rarely meets a connection the upstream is closing (it is not sent again)
 KEEPALIVE_S = 4.0
+#: what a 503 from ``/health/ready`` asks a balancer to wait
+READY_RETRY_S = 5
 #: bytes a header value may not hold (uvicorn refuses to send them, which drops the connection
 #: with no answer at all): an upstream header holding one is not relayed
 _UNSENDABLE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
@@ -451,11 +453,12 @@ def _refuse(ex: Exchange, exc: APIError, error_type: str) -> Response:
     return exc.response()
 
 
-def _upstream_auth(state: ProxyState, request: Request, headers: dict) -> dict:
-    """``headers`` with the key sent upstream: ``--upstream-api-key``, else the client's own."""
+def _upstream_auth(state: ProxyState, request: Request | None, headers: dict) -> dict:
+    """``headers`` with the key sent upstream: ``--upstream-api-key``, else the client's own
+    (the proxy's own request, ``request`` None: only the first)."""
     if state.upstream_api_key:
         headers["authorization"] = f"Bearer {state.upstream_api_key}"
-    elif request.headers.get("authorization"):
+    elif request is not None and request.headers.get("authorization"):
         headers["authorization"] = request.headers["authorization"]
     return headers
 
@@ -615,8 +618,56 @@ def _note_request(ex: Exchange, doc: dict) -> None:
     ex.max_tokens = mt if isinstance(mt, int) and not isinstance(mt, bool) else None
 
 
-def _add_service_routes(app: FastAPI, state: ProxyState) -> None:
-    """The proxy's own routes: ``/health`` and ``/metrics``."""
+#: how long ``/health/ready`` keeps the upstream's last answer, and waits for a new one
+READY_CACHE_S = 2.0
+READY_TIMEOUT_S = 2.0
+
+
+class UpstreamProbe:
+    """Whether the upstream answers, for ``/health/ready``: its ``GET /health`` asked at most
+    once per :data:`READY_CACHE_S` (readiness checks from many balancers share one probe).
+    Any HTTP answer under 500 is an upstream that answers (an engine without ``/health`` says
+    404); a 5xx (an engine still loading), no connection or no answer in
+    :data:`READY_TIMEOUT_S` is not."""
+
+    def __init__(self, state: ProxyState):
+        self.state = state
+        self.checked = -READY_CACHE_S  # monotonic time of the last answer
+        self.problem: str | None = None
+        self._probe: asyncio.Future | None = None
+
+    async def check(self) -> str | None:
+        """Why the upstream is not ready (one line), or None."""
+        if time.monotonic() - self.checked < READY_CACHE_S:
+            return self.problem
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._ask())
+        self.problem = await asyncio.shield(self._probe)
+        self.checked = time.monotonic()
+        return self.problem
+
+    async def _ask(self) -> str | None:
+        state = self.state
+        headers = _upstream_auth(state, None, {"accept-encoding": "identity"})
+        timeout = aiohttp.ClientTimeout(total=READY_TIMEOUT_S)
+        try:
+            async with state.session.get(
+                state.upstream + "/health", headers=headers, timeout=timeout
+            ) as r:
+                status = r.status
+        except TimeoutError:
+            return f"upstream {state.upstream} did not answer in {READY_TIMEOUT_S:g} s"
+        except aiohttp.ClientError as exc:
+            return f"upstream {state.upstream} could not be reached: {type(exc).__name__}"
+        if status >= 500:
+            return f"upstream {state.upstream} answered /health with HTTP {status}"
+        return None
+
+
+def _add_service_routes(app: FastAPI, state: ProxyState, store=None) -> None:
+    """The proxy's own routes: ``/health``, ``/health/live``, ``/health/ready`` and
+    ``/metrics``; with ``store``, ``/health`` carries its ``telemetry`` block."""
+    probe = UpstreamProbe(state)
 
     @app.get("/health")
     async def health():
@@ -627,7 +678,30 @@ def _add_service_routes(app: FastAPI, state: ProxyState) -> None:
             "open_requests": state.open_requests,
             "telemetry_dropped": dict(state.dropped),
         }
+        if store is not None:
+            from tokenmill.telemetry.collect import store_telemetry
+
+            body["telemetry"] = store_telemetry(store)
         return JSONResponse(body, status_code=503 if state.draining else 200)
+
+    @app.get("/health/live")
+    async def live():
+        """The proxy answers (its event loop runs), whatever the upstream does."""
+        return {"status": "alive"}
+
+    @app.get("/health/ready")
+    async def ready():
+        """For a load balancer: 200 while the upstream answers; 503 with the reason (and
+        Retry-After) while draining or while the upstream does not answer."""
+        problem = "draining" if state.draining else await probe.check()
+        if problem is None:
+            return JSONResponse({"status": "ready", "upstream": state.upstream})
+        status = "draining" if state.draining else "upstream_unavailable"
+        return JSONResponse(
+            {"status": status, "reason": problem, "upstream": state.upstream},
+            status_code=503,
+            headers={"Retry-After": str(READY_RETRY_S)},
+        )
 
     @app.get("/metrics")
     async def metrics():
@@ -668,7 +742,12 @@ def _add_models_route(app: FastAPI, state: ProxyState) -> None:
         return out
 
 
-def build_proxy_app(state: ProxyState) -> FastAPI:
+def build_proxy_app(state: ProxyState, store=None) -> FastAPI:
+    """The proxy's app over ``state``; with the ``TraceStore`` it records into (``store``),
+    also ``GET /admin/dump`` (the server's own route, behind the admin key: ``diagnose --url``
+    and ``dashboard --url`` attach to the proxy as to a server) and ``/health``'s telemetry
+    block."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
@@ -676,8 +755,13 @@ def build_proxy_app(state: ProxyState) -> FastAPI:
 
     app = FastAPI(title="tokenmill proxy", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(_Recorder, state=state)
-    _add_service_routes(app, state)
+    _add_service_routes(app, state, store)
     _add_models_route(app, state)
+    if store is not None:
+        from tokenmill.engine.api.admin import register_admin_routes
+        from tokenmill.telemetry.hub import LiveDumps
+
+        register_admin_routes(app, state, LiveDumps(lambda: store))
     completions = _Completions(state)
     for path in ROUTES:
         app.add_api_route(path, completions.forward, methods=["POST"])

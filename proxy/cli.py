@@ -19,9 +19,21 @@ from tokenmill.engine.settings import (
     from_options,
     setting,
 )
-from tokenmill.telemetry.cli import err, fail, open_store
+from tokenmill.telemetry.cli import (
+    check_logs,
+    err,
+    fail,
+    open_store,
+    refuse_open_bind,
+    serve_setting,
+    start_logs,
+    store_kwargs,
+)
 
 app = typer.Typer(add_completion=False)
+
+#: the largest OTLP export body (the receiver's own default, ``collect.MAX_BODY_BYTES``)
+OTLP_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 @dataclass
@@ -34,7 +46,11 @@ class ProxyConfig:
         "http://127.0.0.1:8000/v1 (vLLM, SGLang, llama.cpp's llama-server, TGI, tokenmill).",
         metavar="URL",
     )
-    host: str = setting("127.0.0.1", "Address to listen on.")
+    host: str = setting(
+        "127.0.0.1",
+        "Address to listen on. Anything but loopback needs --api-key or --tenants (or "
+        "--allow-unauthenticated).",
+    )
     port: int = setting(8080, "Port to listen on.", min=1, max=65535)
     trace_db: Path = setting(  # noqa: RUF009 - a field, not a shared default
         Path(DATA_DIR) / "proxy.duckdb",
@@ -59,6 +75,17 @@ class ProxyConfig:
     )
     tenants: Path | None = setting(  # noqa: RUF009
         None, "A tenants file (keys, quotas), as `tokenmill serve --tenants`."
+    )
+    admin_key: str | None = setting(
+        None,
+        "The key of GET /admin/dump (`diagnose --url`, `dashboard --url`) and, with "
+        "--otlp-receiver, POST /v1/traces; with --api-key (a tenants file has its own [admin] "
+        "key).",
+        envvar="TOKENMILL_ADMIN_KEY",
+    )
+    allow_unauthenticated: bool = serve_setting(
+        "allow_unauthenticated",
+        "Serve a non-loopback --host with no key (anyone who reaches it, through to the upstream).",
     )
     tokenizer: Path | None = setting(  # noqa: RUF009
         None,
@@ -102,6 +129,22 @@ class ProxyConfig:
         "The key the upstream wants (default: the client's own Authorization).",
         envvar="TOKENMILL_UPSTREAM_API_KEY",
     )
+    otlp_max_body_bytes: int = setting(
+        OTLP_MAX_BODY_BYTES,
+        "Largest OTLP export body on /v1/traces (--otlp-receiver), as sent or once inflated; "
+        "past it a 413 while reading.",
+        min=1024,
+        metavar="BYTES",
+    )
+    log_level: str = serve_setting(
+        "log_level", "Logs on stderr from this level: debug, info, warning, error."
+    )
+    log_format: str = serve_setting("log_format")
+    trace_retention: float | None = serve_setting("trace_retention")
+    trace_max_bytes: int | None = serve_setting("trace_max_bytes")
+    trace_archive: str | None = serve_setting("trace_archive")
+    trace_archive_max_age: float | None = serve_setting("trace_archive_max_age")
+    trace_archive_max_bytes: int | None = serve_setting("trace_archive_max_bytes")
 
     def seconds(self, name: str) -> float:
         """The duration field ``name`` in seconds (ValueError: ``--name: bad duration ...``)."""
@@ -113,7 +156,8 @@ class ProxyConfig:
 def proxy(**options: Any) -> None:
     """Forward /v1/chat/completions and /v1/completions to UPSTREAM unchanged, and record a
     request row and a trace per request (client-side TTFT, ITL, errors) in TRACE_DB, until
-    Ctrl-C. Then `tokenmill diagnose --db TRACE_DB` reads it."""
+    Ctrl-C; a running proxy hands out dumps on /admin/dump. Then `tokenmill diagnose --db
+    TRACE_DB` (or `--url http://HOST:PORT`) reads it."""
     cfg: ProxyConfig = from_options(ProxyConfig, options)
     upstream, metrics_url = _check_urls(cfg)
     try:
@@ -122,11 +166,12 @@ def proxy(**options: Any) -> None:
         shutdown_s = cfg.seconds("shutdown_timeout")
     except ValueError as exc:
         fail(str(exc))
+    check_logs(cfg.log_level, cfg.log_format)
     gateway = _gateway(cfg)
+    keys = "--api-key (or TOKENMILL_API_KEY) or --tenants"
+    refuse_open_bind(cfg.host, not gateway.open_mode, cfg.allow_unauthenticated, keys)
     tok = _tokenizer(cfg.tokenizer)
-    store = open_store(cfg.trace_db)
-    from tokenmill.engine.api.shutdown import serve_app
-
+    store = open_store(cfg.trace_db, **store_kwargs(cfg))
     from .app import ProxyState, build_proxy_app
 
     state = ProxyState(
@@ -139,7 +184,7 @@ def proxy(**options: Any) -> None:
         tokenizer=tok,
         max_body_bytes=cfg.max_body_bytes,
     )
-    app = build_proxy_app(state)
+    app = build_proxy_app(state, store)
     scraper = None
     if scrape_s > 0:
         from tokenmill.telemetry.scrape import MetricsScraper
@@ -148,9 +193,11 @@ def proxy(**options: Any) -> None:
             metrics_url, store.submit, interval_s=scrape_s, key=cfg.scrape_key
         ).start()
     if cfg.otlp_receiver:
-        from tokenmill.telemetry.collect import add_receiver
+        from tokenmill.telemetry.collect import add_receiver, key_check
 
-        add_receiver(app, store, request_rows=False)
+        check = key_check(gateway)
+        add_receiver(app, store, request_rows=False, authenticate=check,
+                     max_body_bytes=cfg.otlp_max_body_bytes)  # fmt: skip
     where = f"http://{cfg.host}:{cfg.port}"
     err.print(
         f"proxying {where} → {upstream}; recording into {cfg.trace_db}"
@@ -158,6 +205,18 @@ def proxy(**options: Any) -> None:
         + (f"; scraping {metrics_url} every {cfg.scrape_interval}" if scraper else ""),
         highlight=False,
     )
+    try:
+        _serve(cfg, app, state, shutdown_s)
+    finally:
+        if scraper is not None:
+            scraper.stop()
+        store.close()
+
+
+def _serve(cfg: ProxyConfig, app, state, shutdown_s: float) -> None:
+    """Serve until a stop signal, logging as ``--log-level``/``--log-format`` say: the first
+    signal drains (new requests 503, those in flight get ``--shutdown-timeout``)."""
+    from tokenmill.engine.api.shutdown import serve_app
 
     def drain(cause: str) -> None:
         state.draining = True
@@ -167,20 +226,16 @@ def proxy(**options: Any) -> None:
             highlight=False,
         )
 
-    try:
-        serve_app(
-            app,
-            cfg.host,
-            cfg.port,
-            busy=lambda: state.open_requests,
-            on_drain=drain,
-            on_stop=state.stop,
-            drain_s=shutdown_s,
-        )
-    finally:
-        if scraper is not None:
-            scraper.stop()
-        store.close()
+    start_logs(cfg.log_level, cfg.log_format)
+    serve_app(
+        app,
+        cfg.host,
+        cfg.port,
+        busy=lambda: state.open_requests,
+        on_drain=drain,
+        on_stop=state.stop,
+        drain_s=shutdown_s,
+    )
 
 
 def _check_urls(cfg: ProxyConfig) -> tuple[str, str]:
@@ -198,7 +253,9 @@ def _check_urls(cfg: ProxyConfig) -> tuple[str, str]:
 
 
 def _gateway(cfg: ProxyConfig):
-    """The clients' keys: ``--tenants``, ``--api-key`` or none; or one ``error:`` line."""
+    """The clients' keys (``--tenants``, ``--api-key`` or none) and the admin key (a tenants
+    file's ``[admin]``, or ``--admin-key`` with ``--api-key``), as ``serve`` takes them; or one
+    ``error:`` line."""
     from tokenmill.engine.api.gateway import (
         Gateway,
         TenantsFileError,
@@ -208,11 +265,16 @@ def _gateway(cfg: ProxyConfig):
 
     if cfg.api_key is not None and cfg.tenants is not None:
         fail("give --api-key or --tenants, not both")
+    if cfg.admin_key and not cfg.api_key:
+        fail("--admin-key goes with --api-key (a tenants file has its own [admin] key)")
     try:
         if cfg.tenants is not None:
             return Gateway(load_tenants(cfg.tenants))
-        if cfg.api_key:
-            return Gateway(single_key_tenants(cfg.api_key))
+        if cfg.api_key is not None:
+            if not cfg.api_key.strip():
+                fail("--api-key (TOKENMILL_API_KEY) is empty")
+            admin = cfg.admin_key.strip() if cfg.admin_key else None
+            return Gateway(single_key_tenants(cfg.api_key.strip(), admin))
         return Gateway()
     except TenantsFileError as exc:
         fail(str(exc))

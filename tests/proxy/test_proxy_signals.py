@@ -78,12 +78,13 @@ def test_a_stop_signal_drains_the_proxys_streams_and_keeps_every_row(tmp_path, s
     assert rows == (STREAMS, 1)  # the streams, and the request refused while draining
 
 
-def test_the_openai_base_url_is_taken_as_the_upstream(tmp_path):
-    """`--upstream http://host:port/v1`, as every OpenAI client writes it: requests go to the
-    upstream's /v1/chat/completions (not /v1/v1/...), and its metrics are scraped from
-    /metrics (not /v1/metrics)."""
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
+def test_the_openai_base_url_is_taken_as_the_upstream(tmp_path, suffix):
+    """`--upstream http://host:port/v1` (or `/v1/`), as every OpenAI client writes it:
+    requests go to the upstream's /v1/chat/completions (not /v1/v1/...), and its metrics are
+    scraped from /metrics (not /v1/metrics)."""
     up = RawUpstream()
-    proc, url = start_proxy(up.url + "/v1/", tmp_path / "p.duckdb")
+    proc, url = start_proxy(up.url + suffix, tmp_path / "p.duckdb")
     try:
         r = httpx.post(url + "/v1/chat/completions", json={"model": "ok", "messages": []})
     finally:
