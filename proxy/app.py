@@ -17,6 +17,11 @@ it cannot be reached or closes without an answer, 504 when its first byte takes 
 ``first_byte_timeout_s``; every request, failed or not, leaves its row and trace
 (:class:`_Recorder`, outermost, whatever ended it).
 
+Its own routes: ``/health``, ``/health/live``, ``/health/ready`` (whether the upstream answers:
+:class:`UpstreamProbe`), ``/metrics``, ``/v1/models`` passed through and, over the store it
+records into, the server's ``GET /admin/dump`` (``engine/api/admin.py``), so that ``diagnose
+--url`` and the console attach to a proxy as to a server.
+
 The upstream is asked through aiohttp's client (its HTTP parser is compiled): a request through
 httpx's pure-Python stack cost about 1.5 ms more per request here, most of the proxy's share of
 TTFT, while an upstream such as llama.cpp's server closes every streamed connection, so each
