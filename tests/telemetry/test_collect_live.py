@@ -225,3 +225,41 @@ def test_a_rejected_span_leaves_none_of_its_rows_and_the_rest_is_stored_whole(co
     rows = store.query("SELECT trace_id, name FROM spans ORDER BY name")
     assert rows == [(good_trace, n) for n in ("decode", "llm_request", "prefill", "schedule")]
     assert store.query("SELECT request_id FROM requests") == [(REQ_ID,)]
+
+
+@pytest.mark.parametrize(
+    ("keys", "dump_takes", "dump_refuses"),
+    [
+        ({"api_key": API}, API, "other"),
+        ({"admin_key": ADMIN}, ADMIN, API),
+        ({"api_key": API, "admin_key": ADMIN}, ADMIN, API),
+    ],
+)
+def test_with_one_key_that_key_opens_the_dump_too(keys, dump_takes, dump_refuses):
+    """The collector's keys as `_gateway` builds them: with `--api-key` alone (or
+    `--admin-key` alone) that one key opens both routes; with both, the dump takes only the
+    admin key and an export either."""
+    from tokenmill.engine.api.errors import APIError
+    from tokenmill.telemetry.collect import key_check
+    from tokenmill.telemetry.collect_cli import CollectConfig, _gateway
+
+    gateway = _gateway(CollectConfig(**keys))
+    gateway.authenticate_admin(f"Bearer {dump_takes}", "127.0.0.1")
+    with pytest.raises(APIError) as refused:
+        gateway.authenticate_admin(f"Bearer {dump_refuses}", "127.0.0.1")
+    assert refused.value.status in (401, 403)
+    check = key_check(gateway)  # the receiver's: every configured key, nothing else
+    for key in keys.values():
+        assert check(_request(key)) is None
+    assert check(_request("other")).status_code == 401
+    assert check(_request(None)).status_code == 401
+
+
+def _request(key: str | None):
+    """A POST /v1/traces as the receiver's check sees it."""
+    from starlette.requests import Request
+
+    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+    scope = {"type": "http", "method": "POST", "path": "/v1/traces", "headers": headers,
+             "client": ("127.0.0.1", 5000)}  # fmt: skip
+    return Request(scope)
