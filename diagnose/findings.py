@@ -10,6 +10,7 @@ data says would help; not a problem, never counted by ``--fail-on`` or the statu
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import duckdb
@@ -17,7 +18,7 @@ import duckdb
 from .coverage import not_assessed
 from .rules import RULES, Rule
 from .rules._common import NEEDS_BASELINE, baseline_need
-from .signals import COMPLETED_SQL, Signals, load
+from .signals import COMPLETED_SQL, Signals, Window, load
 from .stats import Support, calibrated, compare, judge
 
 log = logging.getLogger(__name__)
@@ -313,13 +314,24 @@ def diagnose(
     until_ns: int | None = None,
     window_s: float = 10.0,
     rules: tuple[Rule, ...] = RULES,
+    reference: Sequence[Window] = (),
 ) -> Report:
-    """Compute the signals and run every rule.
+    """Compute the signals and run every rule (``reference``: healthy windows from before the
+    range that join its baseline, see :func:`~.signals.load`).
 
     Raises:
         NoTraffic: no requests in the range.
     """
-    sig = load(con, since_ns=since_ns, until_ns=until_ns, window_s=window_s)
+    sig = load(con, since_ns=since_ns, until_ns=until_ns, window_s=window_s, reference=reference)
+    return run_rules(con, sig, rules)
+
+
+def run_rules(
+    con: duckdb.DuckDBPyConnection, sig: Signals, rules: tuple[Rule, ...] = RULES
+) -> Report:
+    """Run every rule on computed signals and rank what fired (:func:`diagnose` without the
+    loading; the live loop keeps the signals to learn its reference from)."""
+    window_s = sig.window_s
     findings, errors = [], {}
     # without healthy windows, rules whose thresholds are ratios to them are not judged
     not_judged = (

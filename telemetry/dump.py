@@ -38,6 +38,7 @@ TIME_COLUMN = {
     "events": "time_ns",
     "engine_samples": "time_ns",
     "waiting_samples": "time_ns",
+    "findings": "time_ns",
 }
 
 
@@ -93,6 +94,7 @@ ENDED_COLUMN = {
     "events": "time_ns",
     "engine_samples": "time_ns",
     "waiting_samples": "time_ns",
+    "findings": "time_ns",
 }
 
 

@@ -227,3 +227,41 @@ class WaitingSampleRow(msgspec.Struct, kw_only=True):
     """the engine had started its prefill (False: still queued)"""
     tenant: str | None = None
     replica: int | None = None
+
+
+class FindingRow(msgspec.Struct, kw_only=True):
+    """One state of a live finding (``diagnose/live.py``): field for field the ``findings``
+    table. A finding writes a row when it opens, at each period it still holds, and when it
+    resolves; its current state is its latest row (``arg_max(..., time_ns)`` by
+    ``finding_id``)."""
+
+    time_ns: Ns
+    """when this state was written"""
+    finding_id: str
+    rule: str
+    """the rule's id (``diagnose/rules/``)"""
+    status: str
+    """open | resolved"""
+    severity: str
+    """warning | critical"""
+    confidence: float
+    title: str
+    summary: str
+    first_seen_ns: Ns
+    """the first period the rule held in (before the finding opened)"""
+    opened_ns: NsOrNull = None
+    last_seen_ns: Ns
+    """the latest period the rule held in"""
+    resolved_ns: NsOrNull = None
+    evidence: str = "{}"
+    """JSON: the rule's numbers at the latest period it held"""
+    example_trace_ids: list[str] = msgspec.field(default_factory=list)
+    explained_by: list[str] = msgspec.field(default_factory=list)
+    """rules of other open findings that explain this one"""
+    runbook: str = ""
+    knob: str = ""
+
+
+def finding_row(*, evidence: dict, **fields) -> dict:
+    """A ``findings`` row as the store takes it (evidence as strict JSON)."""
+    return msgspec.structs.asdict(FindingRow(evidence=strict_json(evidence), **fields))

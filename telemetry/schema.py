@@ -28,7 +28,7 @@ from tokenmill.engine.messages import (
 )
 
 from .engine_metrics import EngineSampleRow
-from .rows import RequestRow, SpanRow, WaitingSampleRow
+from .rows import FindingRow, RequestRow, SpanRow, WaitingSampleRow
 
 SCHEMA_VERSION = 4
 TABLES = (
@@ -39,11 +39,12 @@ TABLES = (
     "events",
     "engine_samples",
     "waiting_samples",
+    "findings",
 )
 #: tables added after this version was stamped: a store or dump written before them reads them
 #: as empty (apply_schema creates them, expose_missing_columns gives a read-only file an empty
 #: one, a Parquet dump may lack their file)
-ADDED_TABLES = ("engine_samples", "waiting_samples")
+ADDED_TABLES = ("engine_samples", "waiting_samples", "findings")
 # the child spans of every root span (`chat {model}`), in the order a request passes them (DESIGN.md §2)
 STATIONS = (
     "gateway",
@@ -136,6 +137,7 @@ ROW_TYPES: dict[str, type[msgspec.Struct]] = {
     "engine_steps": StepRecord,
     "engine_samples": EngineSampleRow,
     "waiting_samples": WaitingSampleRow,
+    "findings": FindingRow,
 }
 
 __all__ = [

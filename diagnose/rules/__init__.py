@@ -22,6 +22,7 @@ from . import (
     batching_ineffective,
     client_server_ttft_gap,
     engine_crash,
+    engine_stalled,
     error_spike,
     gpu_throttling,
     head_of_line_blocking,
@@ -76,6 +77,7 @@ RULES: tuple[Rule, ...] = (
     kv_transfer_bound.RULE,
     pd_ratio_imbalance.RULE,
     engine_crash.RULE,
+    engine_stalled.RULE,
 )
 
 RULES_BY_ID: dict[str, Rule] = {r.id: r for r in RULES}

@@ -21,6 +21,8 @@ apart from the per-window signals (``warmup.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import duckdb
 
 from tokenmill.telemetry.recorded_config import RecordedConfig, read_recorded_config
@@ -104,6 +106,7 @@ def load(
     until_ns: int | None = None,
     window_s: float = 10.0,
     short_prompt_tokens: int | None = None,
+    reference: Sequence[Window] = (),
 ) -> Signals:
     """Compute every signal of the store behind ``con``.
 
@@ -113,6 +116,9 @@ def load(
         window_s: window length (s).
         short_prompt_tokens: prompts up to this many tokens count as "short" (default: the
             dump's median prompt length).
+        reference: healthy windows from before the range (the live loop's history,
+            ``diagnose/live.py``): they join the range's own healthy windows in the baseline, so
+            a short range inside an incident is still compared with health.
 
     Raises:
         NoTraffic: no requests in the range.
@@ -155,6 +161,9 @@ def load(
     ]
     busy = [w for w in windows if (w.get("completed_arrivals") or 0) > 0]
     usable, healthy, why_not = judge_baseline(busy, windows)
+    if reference:
+        busy, healthy = busy + list(reference), healthy + list(reference)
+        usable, why_not = len(healthy) >= MIN_HEALTHY_WINDOWS, "" if healthy else why_not
     (n_warm,) = con.execute(
         f"SELECT count(*) FROM requests WHERE arrival_ns >= ? AND arrival_ns < ? "
         f"AND NOT ({scope.not_warm_req})",

@@ -258,6 +258,7 @@ def test_bad_parquet_dumps_are_one_line(small, tmp_path):
             "events",
             "engine_samples",
             "waiting_samples",
+            "findings",
         )
     )
     # the folder is refused as an output unless --force; a file is never a Parquet output

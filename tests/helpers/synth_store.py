@@ -67,6 +67,9 @@ class Phase:
     # sends it): requests in flight then end with engine_died, an engine_crash event lists
     # them and an engine_restart follows 1.5 s later (None: no crash)
     crash_at_s: float | None = None
+    # the engine stopped (SIGSTOP): no step ends and no request ends for the whole phase; its
+    # arrivals wait, seen by the API's waiting samples each second, and host samples go on
+    frozen: bool = False
     client_ttft_factor: float | None = None  # client TTFT / server TTFT (None: not recorded)
     text_holdback_ms: float = 0.0  # the server withholds the first text this long (stop strings)
     # prefill/decode disaggregation: each request's KV takes this long from the prefill to the
@@ -197,9 +200,13 @@ class SyntheticRun:
         step_id = 0
         for ph in phases:
             end = t + int(ph.duration_s * S)
-            step_id = self._steps(tel, rng, ph, t, end, step_id)
             self._device(tel, ph, t, end)
             self._phase_start = t
+            if ph.frozen:
+                n_req = self._frozen(tel, rng, ph, t, end, n_req)
+                t = end
+                continue
+            step_id = self._steps(tel, rng, ph, t, end, step_id)
             if ph.rate_per_s > 0:
                 gap = S / ph.rate_per_s
                 at = t + rng.random() * gap
@@ -216,6 +223,25 @@ class SyntheticRun:
         return counts
 
     # ----- rows -----
+    @staticmethod
+    def _frozen(tel, rng, ph: Phase, start: int, end: int, n_req: int) -> int:
+        """A stopped engine: arrivals that never start, sampled waiting each second."""
+        arrivals = []
+        at = start + rng.random() * S / max(ph.rate_per_s, 1e-9)
+        while ph.rate_per_s > 0 and at < end:
+            n_req += 1
+            arrivals.append((f"req-{n_req}", int(at), rng.randint(*ph.prompt_tokens)))
+            at += rng.expovariate(1.0) * S / ph.rate_per_s
+        t = start + S
+        while t < end:
+            for rid, arrived, prompt in arrivals:
+                if arrived < t:
+                    row = {"time_ns": t, "request_id": rid, "arrival_ns": arrived}
+                    row.update(wait_ms=(t - arrived) / MS, prompt_tokens=prompt, scheduled=False)
+                    tel.store.submit("waiting_samples", row)
+            t += S
+        return n_req
+
     @staticmethod
     def _burst(ph: Phase, since_phase_start_ns: int) -> float:
         """The slowdown of work that starts this far into the phase (1.0 outside a burst)."""

@@ -32,6 +32,10 @@ FORBIDDEN = {
 ALLOWED = {
     # the composition root: the API server builds the Telemetry it reports to
     ("engine/api/server.py", "telemetry"),
+    # the composition roots start the live diagnosis over the store they write
+    ("engine/api/server.py", "diagnose"),
+    ("proxy/cli.py", "diagnose"),
+    ("telemetry/collect_cli.py", "diagnose"),
     # the planner prices decode steps by the CPU kernels' row cut-over (a bare constant)
     ("plan/step_cost.py", "kernels"),
 }

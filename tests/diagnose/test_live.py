@@ -1,0 +1,115 @@
+"""The live diagnosis loop (``diagnose/live.py``, ``diagnose/live_service.py``): findings open
+once and resolve once across an incident, nothing opens on health, the rows, the series and the
+snapshot say the same; replayed over stores written through the real store writer."""
+
+from __future__ import annotations
+
+import json
+
+import duckdb
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from synth_store import T0, Phase, S, write_store
+
+from tokenmill.diagnose.live import LiveDiagnosis, LiveSettings
+from tokenmill.diagnose.live_replay import replay
+from tokenmill.diagnose.live_service import LiveMetrics, LiveService
+from tokenmill.telemetry.store import TraceStore
+
+HEALTHY = Phase(duration_s=90)
+# 40 s in which every request waits 2 s in the queue (TTFT up, ITL flat), then health again
+INCIDENT = [HEALTHY, HEALTHY.but(duration_s=40, queue_ms=2000), HEALTHY.but(duration_s=60)]
+FAULT_START, FAULT_END = T0 + 90 * S, T0 + 130 * S
+
+
+@pytest.fixture(scope="module")
+def incident(tmp_path_factory):
+    path = tmp_path_factory.mktemp("live") / "incident.duckdb"
+    write_store(path, INCIDENT, seed=11)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ticks(incident):
+    con = duckdb.connect(str(incident), read_only=True)
+    out = [(r, loop) for loop, r in replay(con, LiveSettings())]
+    con.close()
+    return out
+
+
+def test_one_incident_opens_one_finding_once_and_resolves_it_once(ticks):
+    opened = [(r.now_ns, f.rule_id) for r, _ in ticks for f in r.opened]
+    resolved = [(r.now_ns, f.rule_id) for r, _ in ticks for f in r.resolved]
+    assert [rule for _, rule in opened] == ["ttft_queueing"], opened
+    assert [rule for _, rule in resolved] == ["ttft_queueing"], resolved
+    period = LiveSettings().period_s * S
+    # open after the rule held in open_after consecutive periods of the fault
+    delay = (opened[0][0] - FAULT_START) / period
+    assert 1 <= delay <= 4, delay
+    # resolved after resolve_after clean periods once the fault's windows left the range
+    after = (resolved[0][0] - FAULT_END) / period
+    assert 0 < after <= 6, after
+
+
+def test_nothing_opens_or_even_holds_during_the_healthy_lead(ticks):
+    for r, _ in ticks:
+        if r.until_ns <= FAULT_START:
+            assert r.held == [] and not r.opened, (r.now_ns, r.held)
+
+
+def test_the_reference_learns_only_healthy_windows_before_the_fault(ticks):
+    _, loop = ticks[-1]
+    starts = [w.start_ns for w in loop.reference]
+    assert starts and all(s + 10 * S <= FAULT_START or s >= FAULT_END for s in starts), (
+        "a window of the incident joined the baseline"
+    )
+    assert starts == sorted(set(starts))  # each window once, in order
+
+
+def test_a_short_range_inside_the_incident_is_judged_against_the_health_before_it(incident):
+    """Without the reference, a range made only of the incident's windows has no healthy
+    window to compare with; with it the rule compares the queue with the health before."""
+    con = duckdb.connect(str(incident), read_only=True)
+    loop = LiveDiagnosis(LiveSettings())
+    for loop_, _ in replay(con, LiveSettings(), end_ns=FAULT_START + 30 * S):
+        loop = loop_
+    assert loop.reference, "no healthy window learnt before the fault"
+    assert "ttft_queueing" in loop.last.held
+    con.close()
+
+
+def test_the_service_writes_rows_series_and_a_snapshot_that_agree(tmp_path):
+    """The thread's body over a real TraceStore: the findings table, /metrics' series and the
+    /v1/findings snapshot name the same finding."""
+    path = tmp_path / "live.duckdb"
+    write_store(path, INCIDENT, seed=11)
+    store = TraceStore(path, flush_interval_s=0.05)  # the writer of a live server's store
+    registry = CollectorRegistry()
+    now = [FAULT_START - 50 * S]  # the health before the fault first: the reference
+    service = LiveService(
+        store, LiveSettings(), metrics=LiveMetrics(registry), clock=lambda: now[0]
+    )
+    results = []
+    for _ in range(10):
+        results.append(service.run_once())
+        now[0] += 10 * S
+    assert any(f.rule_id == "ttft_queueing" for r in results for f in r.opened)
+    assert store.flush(60)
+    (rule, status, evidence) = store.query(
+        "SELECT rule, status, evidence FROM findings ORDER BY time_ns DESC LIMIT 1"
+    )[0]
+    assert (rule, status) == ("ttft_queueing", "open")
+    assert json.loads(evidence)["queue_share_of_ttft"] > 0.5
+    text = generate_latest(registry).decode()
+    assert 'tokenmill_finding_active{rule="ttft_queueing",severity="' in text
+    # one series at 1: the open finding's current severity (a finding regraded moved series)
+    active = [x for x in text.splitlines() if x.startswith("tokenmill_finding_active{")]
+    on = [x for x in active if x.endswith(" 1.0")]
+    assert len(on) == 1 and 'rule="ttft_queueing"' in on[0], active
+    sev = on[0].split('severity="')[1].split('"')[0]
+    assert "tokenmill_diagnosis_run_seconds_count 10.0" in text
+    snap = service.snapshot()
+    assert [f["rule"] for f in snap["open"]] == ["ttft_queueing"]
+    assert snap["open"][0]["severity"] == sev
+    assert snap["open"][0]["opened_ns"] is not None and snap["runs"] == 10
+    store.close()
