@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # first and it is kept.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup model demo test test-e2e lint format clean promtool chromium phoenix scenarios scenario-dumps corpus accuracy factorial blind-set generalization plan-validation plan-scale
+.PHONY: setup model demo test test-e2e lint format clean promtool alertmanager chromium phoenix scenarios scenario-dumps corpus accuracy factorial blind-set generalization plan-validation plan-scale
 
 setup: $(STAMP)
 
@@ -41,6 +41,15 @@ promtool:
 		|| ($$SUDO apt-get update -qq \
 			&& $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus); }
 
+# tests/diagnose/test_alertmanager.py runs the exported findings alerts through a real Prometheus
+# (Debian's `prometheus`, as above) and Alertmanager (`prometheus-alertmanager`, its binary too).
+alertmanager: promtool
+	@command -v prometheus-alertmanager >/dev/null || { \
+		SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi; \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus-alertmanager \
+		|| ($$SUDO apt-get update -qq \
+			&& $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus-alertmanager); }
+
 # tests/dashboard/test_dashboard_browser.py drives headless Chromium through playwright; Debian's package.
 chromium:
 	@test -x /usr/bin/chromium || { \
@@ -50,7 +59,7 @@ chromium:
 			&& $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium); }
 
 # the suite without the whole-product tours and failure drills (marked e2e): CI's command
-test: model lint promtool chromium
+test: model lint promtool alertmanager chromium
 	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -m "not e2e"
 
 # Arize Phoenix (a local trace UI on the GenAI conventions) in a venv of its own, for

@@ -3,7 +3,7 @@
 A rule whose symptom the ``tokenmill_`` metrics of ``/metrics`` (``telemetry/metrics.py``) can
 express carries an :class:`~tokenmill.diagnose.rules._common.Alert`: its PromQL, written in the
 rule's module with the rule's own ``params`` as thresholds. This module turns those into one
-Prometheus rule file of two groups:
+Prometheus rule file of three groups:
 
 - ``tokenmill-recording``: the shared series (:data:`SERIES`), each recorded once: histogram
   quantiles over the last :data:`WINDOW`, queue and prefill shares of TTFT, the error ratio,
@@ -22,6 +22,25 @@ Prometheus rule file of two groups:
   ``runbooks/<rule_id>.md`` (prefixed with ``--runbook-base-url``). The severity is the
   ``Alert``'s: ``critical`` where requests fail, ``warning`` where they are slow (the
   diagnoser's report grades each finding's severity from its margin itself).
+- ``tokenmill-findings`` (on by default; ``--no-findings`` leaves it out): one alert per rule of
+  the registry, **every** rule, named ``TokenmillFinding`` + the rule id in CamelCase
+  (``TokenmillFindingTtftQueueing``), over the live diagnosis loop's own series
+  ``tokenmill_finding_active{rule, severity}`` (``diagnose/live_service.py``): it fires while
+  the loop holds that rule's finding open and resolves when the loop resolves it. Its
+  expression is ``tokenmill_finding_active{rule="<id>"} == 1`` with ``for: 0s``: the loop has
+  already applied its hysteresis (a finding opens only after its rule held in consecutive
+  periods, and resolves only after consecutive clean ones), so Prometheus waits no longer.
+  Nothing is aggregated and ``--group-by`` does not apply: a finding is a fact about one server
+  (each ``serve``, ``proxy`` and ``collect`` runs its own loop on its own store), its series
+  carry only ``rule`` and ``severity`` besides the target's labels (``instance``, ``job``, any
+  added at scrape time), and all of them stay on the alert, so it names the server whose
+  ``GET /v1/findings`` holds the finding's evidence and example traces (the description links
+  it through ``{{ $labels.instance }}``). The ``severity`` label is the series' own: the loop's
+  current grade of the finding (a finding regraded from warning to critical resolves the one
+  alert and fires the other). Labels ``rule_id`` and ``source: live_diagnosis``; annotations
+  ``summary`` (the rule's title), ``description`` (its symptom and knob) and ``runbook_url``.
+  Unlike the second group, it covers the rules ``/metrics`` cannot express too: the loop runs
+  them all on the store.
 
 Rules without an ``Alert`` read rows only the trace store has (prompt lengths per request,
 the make-up and host time of each step, block hashes, throttle reasons, the engine's
@@ -30,8 +49,9 @@ the make-up and host time of each step, block hashes, throttle reasons, the engi
 TTFT histogram, which a tokenmill server cannot export about its clients: it is exported only
 when ``--client-ttft-metric`` names one (carrying the same ``--group-by`` labels).
 
-Every series is aggregated ``by`` the group-by labels (default ``model_name``, the label every
-``tokenmill_`` series carries); add ``instance`` for per-replica alerts.
+Every series of the first two groups is aggregated ``by`` the group-by labels (default
+``model_name``, the label every ``tokenmill_`` series carries); add ``instance`` for per-replica
+alerts. The findings group is per instance whatever ``--group-by`` says (above).
 """
 
 from __future__ import annotations
@@ -52,6 +72,10 @@ WINDOW = "5m"
 BASELINE_RANGE = "6h"
 RECORDING_GROUP = "tokenmill-recording"
 ALERT_GROUP = "tokenmill-alerts"
+FINDINGS_GROUP = "tokenmill-findings"
+#: the live loop's series (``diagnose/live_service.py``: ``LiveMetrics.active``)
+FINDING_METRIC = "tokenmill_finding_active"
+FINDINGS_SOURCE = "live_diagnosis"
 SEVERITIES = ("warning", "critical")
 
 _LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -189,11 +213,14 @@ class Options:
         group_by: the labels every series is aggregated by.
         client_ttft_metric: a client-side TTFT histogram (seconds, with the ``group_by``
             labels), without ``_bucket``; None: the client/server gap alert is not exported.
+        findings: the ``tokenmill-findings`` group (an alert per rule on the live loop's
+            ``tokenmill_finding_active``; never aggregated, so ``group_by`` does not apply).
     """
 
     runbook_base_url: str = ""
     group_by: tuple[str, ...] = ("model_name",)
     client_ttft_metric: str | None = None
+    findings: bool = True
 
     def check(self) -> None:
         """Raises :class:`ExportError` on a label or metric name Prometheus would refuse."""
@@ -329,6 +356,32 @@ def alert_rule(rule: Rule, opts: Options) -> dict:
     }
 
 
+def finding_alert_name(rule: Rule) -> str:
+    """``TokenmillFinding`` + the rule id in CamelCase: ``TokenmillFindingTtftQueueing``."""
+    return "TokenmillFinding" + "".join(part.capitalize() for part in rule.id.split("_"))
+
+
+def finding_rule(rule: Rule, opts: Options) -> dict:
+    """The alert that fires while the live loop holds ``rule``'s finding open: its
+    ``tokenmill_finding_active`` series at 1, every label of the series kept (``rule``,
+    ``severity``, the scrape target's ``instance`` and ``job``)."""
+    return {
+        "alert": finding_alert_name(rule),
+        "expr": f'{FINDING_METRIC}{{rule="{rule.id}"}} == 1',
+        "for": "0s",
+        "labels": {"rule_id": rule.id, "source": FINDINGS_SOURCE},
+        "annotations": {
+            "summary": _cap(rule.title),
+            "description": (
+                f"Live diagnosis holds an open finding on {{{{ $labels.instance }}}}: "
+                f"{rule.symptom}. Knob: {rule.knob}. The finding's evidence and example "
+                f"traces: GET /v1/findings on {{{{ $labels.instance }}}}."
+            ),
+            "runbook_url": runbook_url(rule, opts.runbook_base_url),
+        },
+    }
+
+
 def exported(opts: Options, rules: tuple[Rule, ...] = RULES) -> list[Rule]:
     """The rules exported with ``opts``, in registry order."""
     return [r for r in rules if exportable(r, opts) is None]
@@ -340,18 +393,20 @@ def skipped(opts: Options, rules: tuple[Rule, ...] = RULES) -> dict[str, str]:
 
 
 def rule_file(opts: Options, rules: tuple[Rule, ...] = RULES) -> dict:
-    """The whole Prometheus rule file: ``{"groups": [recording, alerts]}``.
+    """The whole Prometheus rule file: ``{"groups": [recording, alerts, findings]}`` (the
+    findings group only with ``opts.findings``).
 
     Raises:
         ExportError: a bad option (:meth:`Options.check`) or a broken alert in the table.
     """
     opts.check()
-    return {
-        "groups": [
-            {"name": RECORDING_GROUP, "rules": recording_rules(opts)},
-            {"name": ALERT_GROUP, "rules": [alert_rule(r, opts) for r in exported(opts, rules)]},
-        ]
-    }
+    groups = [
+        {"name": RECORDING_GROUP, "rules": recording_rules(opts)},
+        {"name": ALERT_GROUP, "rules": [alert_rule(r, opts) for r in exported(opts, rules)]},
+    ]
+    if opts.findings:
+        groups.append({"name": FINDINGS_GROUP, "rules": [finding_rule(r, opts) for r in rules]})
+    return {"groups": groups}
 
 
 def _wrap(items: list[str], first: str) -> list[str]:
@@ -386,5 +441,11 @@ def render(opts: Options, rules: tuple[Rule, ...] = RULES) -> str:
     for reason in dict.fromkeys(why.values()):
         ids = [rid for rid, w in why.items() if w == reason]
         head += _wrap(ids, f"# Not exported: {reason}:")
+    if opts.findings:
+        head += [
+            f"# {FINDINGS_GROUP}: an alert for each of the {len(rules)} rules (those not exported above",
+            "# included), firing while the live diagnosis loop of a server holds the rule's finding",
+            f"# open ({FINDING_METRIC} == 1, per instance).",
+        ]
     body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
     return "\n".join(head) + "\n" + body

@@ -66,12 +66,23 @@ def prometheus_rules(
             "labels: exports the client/server TTFT gap alert too.",
         ),
     ] = None,
+    findings: Annotated[
+        bool,
+        typer.Option(
+            "--findings/--no-findings",
+            help="Also write the tokenmill-findings group: an alert per rule that fires while "
+            "the live diagnosis loop holds its finding open (tokenmill_finding_active == 1), "
+            "per instance.",
+        ),
+    ] = True,
 ) -> None:
     """Write Prometheus alerting rules for the rules the tokenmill_ metrics can express.
 
     Exported: TTFT up with ITL flat (queueing), TTFT up from a slow prefill, KV pressure with preemptions, overload (queue growth), KV blocks held while idle, an error spike, and the client/server TTFT gap when --client-ttft-metric names a client-side histogram. Each alert carries its rule_id and a severity, links its runbook and uses the rule table's own thresholds.
 
     Not exported: the rules that read per-request or per-step rows only the trace store holds (prompt lengths, step make-up, block hashes, throttle reasons, the engine's config); run tokenmill diagnose on a dump for those. The file's header comment lists both sets. Check it with promtool check rules.
+
+    Findings (a third group, unless --no-findings): for every rule, TokenmillFinding<Rule> (e.g. TokenmillFindingTtftQueueing) fires while the live diagnosis loop of a serve, proxy or collect holds that rule's finding open, and resolves when the loop resolves it; one alert per instance, labelled rule_id and source=live_diagnosis, with the severity the loop graded; the finding's evidence is at GET /v1/findings on that instance.
     """
 
     from .alerts import ExportError, Options, render
@@ -81,6 +92,7 @@ def prometheus_rules(
         runbook_base_url=runbook_base_url,
         group_by=labels,
         client_ttft_metric=client_ttft_metric,
+        findings=findings,
     )
     try:
         text = render(opts)

@@ -1,8 +1,11 @@
 """``tokenmill export``: the exported Prometheus rules pass ``promtool check rules``; under
 ``promtool test rules`` every alert fires on synthetic series where its rule's condition holds
 (with its labels and annotations, the value included) and stays silent where it does not; the
+findings group has an alert for every rule that fires exactly while its
+``tokenmill_finding_active`` series is 1, per instance, and ``--no-findings`` leaves it out; the
 Grafana dashboard is dashboard JSON whose queries, like the alerts', name only series a real
-``/metrics`` render has; bad input is one ``error:`` line, exit 2."""
+``/metrics`` render has; bad input is one ``error:`` line, exit 2. (The findings alerts through a
+real Prometheus and Alertmanager: ``test_alertmanager.py``.)"""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tokenmill.diagnose.alerts import ALERT_GROUP, FINDINGS_GROUP, RECORDING_GROUP
 from tokenmill.diagnose.rules import RULES
 from tokenmill.telemetry.metrics import ServingMetrics, histogram_quantile
 
@@ -52,9 +56,14 @@ def rules_file(tmp_path_factory) -> Path:
     return path
 
 
-def _alerts(path: Path) -> dict[str, dict]:
+def _alerts(path: Path, group: str = ALERT_GROUP) -> dict[str, dict]:
+    """The alerts of one group of the rule file, by name."""
     groups = yaml.safe_load(path.read_text())["groups"]
-    return {r["alert"]: r for g in groups for r in g["rules"] if "alert" in r}
+    return {r["alert"]: r for g in groups if g["name"] == group for r in g["rules"] if "alert" in r}
+
+
+def _camel(rule_id: str) -> str:
+    return "".join(part.capitalize() for part in rule_id.split("_"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,6 +92,58 @@ def test_default_export_passes_promtool_check(tmp_path):
     }
     head = out.read_text().split("groups:")[0]
     assert "--client-ttft-metric" in head
+    # the three groups, the findings one last with an alert for every rule
+    assert [g["name"] for g in doc["groups"]] == [RECORDING_GROUP, ALERT_GROUP, FINDINGS_GROUP]
+    assert {a["labels"]["rule_id"] for a in _alerts(out, FINDINGS_GROUP).values()} == {
+        r.id for r in RULES
+    }
+    assert f"{FINDINGS_GROUP}: an alert for each of the {len(RULES)} rules" in head
+
+
+def test_no_findings_leaves_the_findings_group_out(tmp_path):
+    out = tmp_path / "rules.yml"
+    r = tm("export", "prometheus-rules", "--no-findings", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = yaml.safe_load(out.read_text())
+    assert [g["name"] for g in doc["groups"]] == [RECORDING_GROUP, ALERT_GROUP]
+    assert "tokenmill_finding_active" not in out.read_text()
+    check = subprocess.run(
+        [_promtool(), "check", "rules", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    # the other two groups are the same with and without it
+    full = yaml.safe_load(tm("export", "prometheus-rules").stdout)
+    assert full["groups"][:2] == doc["groups"]
+
+
+def test_a_finding_alert_for_every_rule_on_the_live_series(rules_file, tmp_path):
+    findings = _alerts(rules_file, FINDINGS_GROUP)
+    assert len(findings) == len(RULES)
+    for rule in RULES:
+        name = f"TokenmillFinding{_camel(rule.id)}"
+        a = findings[name]
+        # every label of the series kept (no aggregation: per instance, whatever --group-by)
+        assert a["expr"] == f'tokenmill_finding_active{{rule="{rule.id}"}} == 1'
+        assert a["for"] == "0s"  # the loop's hysteresis already held it
+        # severity is the series' own label, not the rule file's
+        assert a["labels"] == {"rule_id": rule.id, "source": "live_diagnosis"}
+        ann = a["annotations"]
+        assert ann["summary"].lower() == rule.title.lower() and ann["summary"][0].isupper()
+        assert rule.symptom in ann["description"] and rule.knob in ann["description"]
+        assert "GET /v1/findings on {{ $labels.instance }}" in ann["description"]
+        assert ann["runbook_url"] == f"runbooks/{rule.id}.md"
+        assert (ROOT / ann["runbook_url"]).is_file()
+    # --group-by and the runbook prefix: the first groups aggregate by instance, the findings
+    # group is the same per-instance expression with the prefixed runbook
+    out = tmp_path / "per-instance.yml"
+    r = tm(
+        "export", "prometheus-rules", "--group-by", "model_name,instance",
+        "--runbook-base-url", "https://example.org/tm/", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for name, a in _alerts(out, FINDINGS_GROUP).items():
+        assert a["expr"] == findings[name]["expr"]
+        assert a["annotations"]["runbook_url"].startswith("https://example.org/tm/runbooks/")
 
 
 def test_every_rule_is_exported_or_named_as_not(rules_file):
@@ -382,7 +443,7 @@ def test_every_alert_fires_on_its_symptom_and_not_otherwise(rules_file, tmp_path
                 # promtool evaluates groups in map order unless told: the recording rules must
                 # come first, or an alert reading them sees the previous minute's value (the
                 # overload alert then missed its firing minute in some runs)
-                "group_eval_order": ["tokenmill-recording", "tokenmill-alerts"],
+                "group_eval_order": [RECORDING_GROUP, ALERT_GROUP, FINDINGS_GROUP],
                 "tests": tests,
             },
             sort_keys=False,
@@ -418,13 +479,77 @@ def test_a_silent_case_fails_promtool_when_told_to_fire(rules_file, tmp_path):
             {
                 "rule_files": [str(rules_file)],
                 "evaluation_interval": "1m",
-                "group_eval_order": ["tokenmill-recording", "tokenmill-alerts"],
+                "group_eval_order": [RECORDING_GROUP, ALERT_GROUP, FINDINGS_GROUP],
                 "tests": [test],
             }
         )
     )
     r = subprocess.run([_promtool(), "test", "rules", str(spec)], capture_output=True, text=True)
     assert r.returncode != 0 and NAME[rid] in r.stdout + r.stderr
+
+
+def test_finding_alerts_fire_exactly_while_the_series_is_one(rules_file, tmp_path):
+    """promtool test rules on the live loop's series of two servers: the queueing finding open
+    on one for minutes 2..4 (warning) and regraded critical at 4, nothing on the other; the
+    alert fires per instance with the series' severity, its description naming the instance,
+    and is gone once the series is 0."""
+    findings = _alerts(rules_file, FINDINGS_GROUP)
+    rid, other = "ttft_queueing", "error_spike"
+    a = findings[f"TokenmillFinding{_camel(rid)}"]
+    up, down = "10.0.0.1:8000", "10.0.0.2:8000"
+
+    def series(rule, severity, instance, values):
+        return {
+            "series": f'tokenmill_finding_active{{rule="{rule}",severity="{severity}",'
+            f'instance="{instance}",job="tokenmill"}}',
+            "values": values,
+        }
+
+    inputs = [
+        series(rid, "warning", up, "0 0 1 1 0 0 0 0"),
+        series(rid, "critical", up, "_ _ _ _ 1 0 0 0"),
+        series(rid, "warning", down, "0 0 0 0 0 0 0 0"),
+        series(other, "critical", up, "0 0 0 0 0 0 0 0"),
+    ]
+
+    def expect(severity):
+        ann = dict(a["annotations"])
+        ann["description"] = ann["description"].replace("{{ $labels.instance }}", up)
+        labels = {
+            "rule": rid, "severity": severity, "instance": up, "job": "tokenmill", **a["labels"]
+        }  # fmt: skip
+        return [{"exp_labels": labels, "exp_annotations": ann}]
+
+    name = a["alert"]
+    checks = [
+        {"eval_time": "1m", "alertname": name, "exp_alerts": []},
+        {"eval_time": "2m", "alertname": name, "exp_alerts": expect("warning")},
+        {"eval_time": "3m", "alertname": name, "exp_alerts": expect("warning")},
+        {"eval_time": "4m", "alertname": name, "exp_alerts": expect("critical")},
+        {"eval_time": "5m", "alertname": name, "exp_alerts": []},
+        *(
+            {"eval_time": f"{m}m", "alertname": findings[f"TokenmillFinding{_camel(other)}"]
+             ["alert"], "exp_alerts": []}
+            for m in range(8)
+        ),
+    ]  # fmt: skip
+    spec = tmp_path / "findings.test.yml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [str(rules_file)],
+                "evaluation_interval": "1m",
+                "group_eval_order": [RECORDING_GROUP, ALERT_GROUP, FINDINGS_GROUP],
+                "tests": [{"interval": "1m", "input_series": inputs, "alert_rule_test": checks}],
+            },
+            sort_keys=False,
+            width=10_000,
+        )
+    )
+    r = subprocess.run(
+        [_promtool(), "test", "rules", str(spec)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,7 +585,25 @@ def _metrics_names() -> set[str]:
     )  # fmt: skip
     m.set_engine_state(restarts=0, in_flight=1)
     body, _ = m.render()
-    return {s.name for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+    names = {s.name for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+    return names | _live_names()
+
+
+def _live_names() -> set[str]:
+    """Sample names of the live diagnosis loop's series (``LiveMetrics``), one finding open."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tokenmill.diagnose.live_service import LiveMetrics
+
+    registry = CollectorRegistry()
+    live = LiveMetrics(registry)
+    live.active.labels("ttft_queueing", "warning").set(1)
+    live.confidence.labels("ttft_queueing").set(0.9)
+    live.opened.labels("ttft_queueing").inc()
+    live.runs.labels("judged").inc()
+    live.run_seconds.observe(0.1)
+    text = generate_latest(registry).decode()
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def _names_in(expr: str) -> set[str]:
