@@ -96,6 +96,18 @@ class ServeConfig:
     trace_archive: str | None = setting(
         None, "Where rolled-out rows go (default: archive/ beside the store)."
     )
+    trace_archive_max_age: float | None = setting(
+        None,
+        "Delete archive folders older than this (30m, 24h, 7d) after each roll-out; the "
+        "archive's small roll-outs are merged per hour (per day for earlier days) either way.",
+        duration=True,
+        min=1.0,
+    )
+    trace_archive_max_bytes: int | None = setting(
+        None,
+        "Then delete the oldest archive folders until the archive holds at most this (bytes).",
+        min=1 << 20,
+    )
     no_trace_db: bool = setting(False, "Keep no trace store (metrics and OTLP only).")
     trace_content: bool = setting(False, "Store prompt and output text on spans.")
     otlp_receiver: bool = setting(
@@ -122,6 +134,13 @@ class ServeConfig:
         "/health answers 503 after the engine core is silent this long (a duration).",
         duration=True,
         min=0.1,
+    )
+    diagnose_every: float = setting(
+        10.0,
+        "Run the diagnosis over the live trace store this often (a duration); findings open "
+        "and resolve in its `findings` table, on /metrics and on GET /v1/findings. 0: off.",
+        duration=True,
+        min=0.0,
     )
     log_level: str = setting(
         "info", "Server and engine logs on stderr from this level: debug, info, warning, error."

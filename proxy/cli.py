@@ -145,6 +145,7 @@ class ProxyConfig:
     trace_archive: str | None = serve_setting("trace_archive")
     trace_archive_max_age: float | None = serve_setting("trace_archive_max_age")
     trace_archive_max_bytes: int | None = serve_setting("trace_archive_max_bytes")
+    diagnose_every: float = serve_setting("diagnose_every")
 
     def seconds(self, name: str) -> float:
         """The duration field ``name`` in seconds (ValueError: ``--name: bad duration ...``)."""
@@ -198,6 +199,11 @@ def proxy(**options: Any) -> None:
         check = key_check(gateway)
         add_receiver(app, store, request_rows=False, authenticate=check,
                      max_body_bytes=cfg.otlp_max_body_bytes)  # fmt: skip
+    from tokenmill.diagnose.live_service import start_live
+    from tokenmill.telemetry.collect import admin_check
+
+    _record_start(store, upstream)
+    live = start_live(app, store, cfg.diagnose_every, state.metrics.registry, admin_check(gateway))
     where = f"http://{cfg.host}:{cfg.port}"
     err.print(
         f"proxying {where} → {upstream}; recording into {cfg.trace_db}"
@@ -208,9 +214,29 @@ def proxy(**options: Any) -> None:
     try:
         _serve(cfg, app, state, shutdown_s)
     finally:
+        if live is not None:
+            live.stop()
         if scraper is not None:
             scraper.stop()
         store.close()
+
+
+def _record_start(store, upstream: str) -> None:
+    """The ``proxy_start`` event: which upstream this store's requests went to (a finding
+    about the upstream names it)."""
+    import json
+    import time
+
+    store.submit(
+        "events",
+        {
+            "time_ns": time.time_ns(),
+            "kind": "proxy_start",
+            "severity": "info",
+            "message": f"proxying to {upstream}",
+            "attributes": json.dumps({"upstream": upstream}),
+        },
+    )
 
 
 def _serve(cfg: ProxyConfig, app, state, shutdown_s: float) -> None:

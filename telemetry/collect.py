@@ -85,6 +85,22 @@ def key_check(gateway: Gateway) -> Callable:
     return check
 
 
+def admin_check(gateway: Gateway) -> Callable:
+    """An ``authenticate(request)`` for admin routes (``GET /v1/findings``) over ``gateway``:
+    the admin key only (open mode lets everyone in, as ``/admin/dump``). Returns the refusal
+    (401/403 in OpenAI's shape) or None."""
+
+    def check(request: Request) -> Response | None:
+        try:
+            client = request.client.host if request.client else None
+            gateway.authenticate_admin(request.headers.get("authorization"), client)
+            return None
+        except APIError as exc:
+            return exc.response(getattr(request.state, "request_id", None))
+
+    return check
+
+
 def store_telemetry(store: TraceStore) -> dict:
     """The ``telemetry`` block of a live source's ``/health`` (as the server's: the console's
     live view warns from its store ``problem`` and ``dropped_by_reason``)."""
@@ -163,9 +179,11 @@ def make_app(
     state: CollectorState | None = None,
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
+    registry=None,
 ) -> FastAPI:
     """The collector's HTTP app over ``store``: the receiver, ``/admin/dump`` and health, with
-    ``state``'s keys and drain (the scrapers only show in ``/health``)."""
+    ``state``'s keys and drain (the scrapers only show in ``/health``); with a Prometheus
+    ``registry`` (the live diagnosis' series), ``/metrics`` over it."""
     from tokenmill.engine.api.admin import register_admin_routes
 
     from .hub import LiveDumps
@@ -176,6 +194,13 @@ def make_app(
     add_receiver(app, store, authenticate=check, max_body_bytes=max_body_bytes, state=state)
     register_admin_routes(app, state, LiveDumps(lambda: store))
     _add_health_routes(app, store, scrapers or [], state)
+    if registry is not None:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
     return app
 
 

@@ -109,6 +109,7 @@ class CollectConfig:
     trace_archive: str | None = serve_setting("trace_archive")
     trace_archive_max_age: float | None = serve_setting("trace_archive_max_age")
     trace_archive_max_bytes: int | None = serve_setting("trace_archive_max_bytes")
+    diagnose_every: float = serve_setting("diagnose_every")
 
 
 @app.command()
@@ -192,12 +193,18 @@ def _serve(cfg: CollectConfig, store, scrapers: list, gateway) -> None:
     """The OTLP/HTTP receiver until a stop signal (drained: the exports in hand are stored),
     or (``--port 0``) the scrapers until one."""
     if cfg.port:
+        from prometheus_client import CollectorRegistry
+
+        from tokenmill.diagnose.live_service import start_live
         from tokenmill.engine.api.shutdown import serve_app
 
-        from .collect import CollectorState, make_app
+        from .collect import CollectorState, admin_check, make_app
 
         state = CollectorState(gateway)
-        app = make_app(store, scrapers, state, max_body_bytes=cfg.otlp_max_body_bytes)
+        registry = CollectorRegistry()
+        app = make_app(store, scrapers, state, max_body_bytes=cfg.otlp_max_body_bytes,
+                       registry=registry)  # fmt: skip
+        live = start_live(app, store, cfg.diagnose_every, registry, admin_check(gateway))
 
         def drain(cause: str) -> None:
             state.draining = True
@@ -207,19 +214,37 @@ def _serve(cfg: CollectConfig, store, scrapers: list, gateway) -> None:
                 highlight=False,
             )
 
-        serve_app(
-            app,
-            cfg.host,
-            cfg.port,
-            busy=lambda: state.open_exports,
-            on_drain=drain,
-            drain_s=cfg.shutdown_timeout,
-        )
+        try:
+            serve_app(
+                app,
+                cfg.host,
+                cfg.port,
+                busy=lambda: state.open_exports,
+                on_drain=drain,
+                drain_s=cfg.shutdown_timeout,
+            )
+        finally:
+            if live is not None:
+                live.stop()
     else:
         import signal
         import time
 
+        from prometheus_client import CollectorRegistry
+
+        from tokenmill.diagnose.live import LiveSettings
+        from tokenmill.diagnose.live_service import LiveMetrics, LiveService
+
+        live = None  # no HTTP: the findings go to the store and the log only
+        if cfg.diagnose_every > 0:
+            settings = LiveSettings(period_s=cfg.diagnose_every)
+            metrics = LiveMetrics(CollectorRegistry())
+            live = LiveService(store, settings, metrics=metrics).start()
         # SIGTERM (systemd, a group stop) ends the scrapers as Ctrl-C does
         signal.signal(signal.SIGTERM, signal.default_int_handler)
-        while True:
-            time.sleep(3600)
+        try:
+            while True:
+                time.sleep(3600)
+        finally:
+            if live is not None:
+                live.stop()

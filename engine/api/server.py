@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 from pathlib import Path
 
@@ -106,8 +107,37 @@ def make_server(
     app.router.lifespan_context = lifecycle.lifespan
     if opts.otlp_receiver and telemetry.store is not None:
         _add_otlp_receiver(app, state, telemetry)
+    _add_live_diagnosis(app, opts, state, telemetry, lifecycle)
     lifecycle.server = _draining_server(app, opts, lifecycle, state)
     return lifecycle.server
+
+
+def _add_live_diagnosis(app, opts: ServeConfig, state, telemetry, lifecycle) -> None:
+    """The live diagnosis over the trace store (``diagnose/live_service.py``), started and
+    stopped with the app, and ``GET /v1/findings`` behind the admin key."""
+    from tokenmill.diagnose.live import LiveSettings
+    from tokenmill.diagnose.live_service import LiveMetrics, LiveService, add_findings_route
+    from tokenmill.telemetry.collect import admin_check
+
+    service = None
+    if opts.diagnose_every > 0 and telemetry.store is not None:
+        settings = LiveSettings(period_s=opts.diagnose_every)
+        metrics = LiveMetrics(telemetry.metrics.registry)
+        service = LiveService(telemetry.store, settings, metrics=metrics)
+        serving = lifecycle.lifespan
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            async with serving(app):
+                service.start()
+                try:
+                    yield
+                finally:
+                    service.stop()
+
+        app.router.lifespan_context = lifespan
+
+    add_findings_route(app, service, admin_check(state.gateway))
 
 
 def _trace_store(opts: ServeConfig) -> tuple[str | None, dict]:
@@ -123,6 +153,8 @@ def _trace_store(opts: ServeConfig) -> tuple[str | None, dict]:
         "retention_s": opts.trace_retention,
         "max_bytes": opts.trace_max_bytes,
         "archive": opts.trace_archive,
+        "archive_max_age_s": opts.trace_archive_max_age,
+        "archive_max_bytes": opts.trace_archive_max_bytes,
     }
     if trace_db is not None:
         trace_db = default_trace_db(None if trace_db == "default" else trace_db)
