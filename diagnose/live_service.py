@@ -27,6 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from fastapi import Request
+from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .live import LiveDiagnosis, LiveSettings, TickResult
@@ -162,9 +164,6 @@ def add_findings_route(app, service: LiveService | None, authenticate: Callable)
     """``GET /v1/findings`` on ``app``: the loop's findings as JSON. ``authenticate(request)``
     answers a refused caller's response (401/403), None for one it lets in. Without a loop
     (``--diagnose-every 0`` or no store) a 503 says so."""
-    from fastapi import Request
-    from fastapi.responses import JSONResponse
-
     @app.get("/v1/findings")
     async def findings(request: Request):
         refusal = authenticate(request)

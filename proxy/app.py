@@ -55,6 +55,8 @@ from .metrics import ProxyMetrics
 from .observe import Exchange, new_trace
 
 log = logging.getLogger("tokenmill.proxy")
+#: how often the requests waiting for their first output are sampled (as the server does)
+WAITING_SAMPLE_S = 1.0
 
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 #: the upstream's response headers that are not relayed: those of one connection (RFC 9110
@@ -124,6 +126,8 @@ class ProxyState:
         self.stopping = asyncio.Event()
         self.relays: set[_Relay] = set()  # streams being relayed now
         self.metrics = ProxyMetrics(self.upstream)
+        # completion requests between arrival and their row (the waiting samples read them)
+        self.in_flight: dict[int, Exchange] = {}
         self.dropped: Counter = Counter()  # what could not be recorded, by reason
         self.tokenizer = tokenizer
         self.admission = (
@@ -166,6 +170,7 @@ class ProxyState:
         if ex.saved:
             return
         ex.saved = True
+        self.in_flight.pop(id(ex), None)
         ex.end_ns = ex.end_ns or time.time_ns()
         self.requests += 1
         self.metrics.left()
@@ -181,6 +186,33 @@ class ProxyState:
             self.count_drops(ex.dropped, f"{type(exc).__name__}: {exc}")
             return
         self.count_drops(ex.dropped)
+
+    def waiting_rows(self, now_ns: int) -> list[dict]:
+        """A ``waiting_samples`` row for each request in flight without its first output
+        (as the server samples its queue): an upstream that stops answering shows in the store
+        while it stands, not only once its requests end."""
+        return [
+            {
+                "time_ns": now_ns,
+                "request_id": f"proxy-{ex.span_id}",
+                "arrival_ns": ex.arrival_ns,
+                "wait_ms": (now_ns - ex.arrival_ns) / 1e6,
+                "prompt_tokens": ex.counted_prompt_tokens,
+                "tenant": ex.tenant,
+            }
+            for ex in list(self.in_flight.values())
+            if not ex.token_ns and ex.end_ns is None
+        ]
+
+    async def sample_waiting(self, interval_s: float = WAITING_SAMPLE_S) -> None:
+        """Record the waiting requests every ``interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                for row in self.waiting_rows(time.time_ns()):
+                    self.record("waiting_samples", row)
+            except Exception:  # the observer never fails the observed
+                log.exception("waiting sample failed")
 
     def count_drops(self, drops: Counter, detail: str | None = None) -> None:
         """Counts what a request could not record (``tokenmill_proxy_telemetry_dropped_total``,
@@ -235,6 +267,7 @@ class _Recorder:
         ex = Exchange(time.time_ns(), ROUTES[scope["path"]], trace_id, span_id, state.upstream)
         ex.client_request_id = headers.get("x-request-id")
         flight = scope[_FLIGHT] = _Flight(ex, traceparent)
+        state.in_flight[id(ex)] = ex
         state.metrics.arrived()
         sent: list[int] = []
 
@@ -755,8 +788,12 @@ def build_proxy_app(state: ProxyState, store=None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        yield
-        await state.close()
+        waiting = asyncio.create_task(state.sample_waiting())
+        try:
+            yield
+        finally:
+            waiting.cancel()
+            await state.close()
 
     app = FastAPI(title="tokenmill proxy", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(_Recorder, state=state)

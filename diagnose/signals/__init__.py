@@ -195,6 +195,17 @@ def load(
     )
 
 
+def _waited_in(con: duckdb.DuckDBPyConnection, cols, since: int, until: int) -> bool:
+    """Whether requests waited for a first token in the range (the API's samples): a live
+    store whose engine has stopped holds no ended request, only those waiting."""
+    if "time_ns" not in cols.get("waiting_samples", frozenset()):
+        return False
+    (n,) = con.execute(
+        "SELECT count(*) FROM waiting_samples WHERE time_ns >= ? AND time_ns < ?", [since, until]
+    ).fetchone()
+    return n > 0
+
+
 def _fallback(fam: Family, scope: Scope, lacks: tuple[str, ...]) -> Family | None:
     """The family to run instead of ``fam``: its fallback, where the store has no rows (or
     lacks columns) for ``fam``'s own tables and has them for the fallback's."""
@@ -226,7 +237,7 @@ def make_scope(
     (n_req,) = con.execute(
         "SELECT count(*) FROM requests WHERE arrival_ns >= ? AND arrival_ns < ?", [since, until]
     ).fetchone()
-    if n_req == 0:
+    if n_req == 0 and not _waited_in(con, cols, since, until):
         raise NoTraffic("no requests arrived in the chosen time range")
     req = cols["requests"]
     if short_prompt_tokens is None:

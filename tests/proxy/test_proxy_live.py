@@ -11,6 +11,7 @@ command line is under test, in-process over a real DuckDB store otherwise."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -346,3 +347,51 @@ def test_the_retention_flags_reach_the_store_and_roll_old_rows_out(tmp_path, com
     rolled = list(archive.glob("*/requests.parquet"))
     assert len(rolled) == 1
     assert duckdb.sql(f"SELECT request_id FROM '{rolled[0]}'").fetchall() == [("old",)]
+
+
+def test_a_stopped_upstream_opens_an_engine_stalled_finding_that_names_it(tmp_path):
+    """An upstream that takes requests and answers nothing (a stopped process keeps its
+    listening socket): the proxy's waiting samples show the requests waiting, the live loop
+    opens `engine_stalled` naming the upstream, on GET /v1/findings (admin key) and as
+    `tokenmill_finding_active` on /metrics; the requests' rows come when they end."""
+    release = threading.Event()
+
+    async def hang(request: web.Request) -> web.StreamResponse:
+        while not release.is_set():
+            await asyncio.sleep(0.1)
+        return web.json_response({"error": "released"}, status=503)
+
+    upstream = AiohttpUpstream([("POST", "/v1/chat/completions", hang)])
+    proc, url = start_proxy(upstream.url, tmp_path / "p.duckdb", "--api-key", CLIENT,
+                            "--admin-key", ADMIN, "--diagnose-every", "1s",
+                            "--first-byte-timeout", "120s")  # fmt: skip
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    pool = concurrent.futures.ThreadPoolExecutor(3)
+    try:
+        sent = [
+            pool.submit(httpx.post, url + "/v1/chat/completions", json=chat,
+                        headers={"authorization": f"Bearer {CLIENT}"}, timeout=HANG_GUARD_S)
+            for _ in range(3)
+        ]  # fmt: skip
+        refused = httpx.get(url + "/v1/findings", timeout=10)
+        deadline, found = time.monotonic() + HANG_GUARD_S, []
+        while time.monotonic() < deadline and not found:
+            time.sleep(1)
+            snap = httpx.get(url + "/v1/findings", headers=admin, timeout=10).json()
+            found = [f for f in snap["open"] if f["rule"] == "engine_stalled"]
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+    finally:
+        release.set()
+        for f in sent:
+            f.result(HANG_GUARD_S)
+        pool.shutdown()
+        stderr = _stop(proc)
+        upstream.stop()
+    assert refused.status_code == 401
+    assert found, f"no engine_stalled finding; last snapshot {snap}"
+    f = found[0]
+    assert f["evidence"]["upstream"] == upstream.url and upstream.url in f["summary"]
+    assert f["evidence"]["waiting_requests"] == 3 and f["evidence"]["silent_ms"] >= 10_000
+    assert 'tokenmill_finding_active{rule="engine_stalled",severity="critical"} 1.0' in metrics
+    assert "finding opened: engine_stalled" in stderr
