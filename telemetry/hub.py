@@ -136,7 +136,8 @@ class Telemetry:
             ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` variables.
         device_sample_interval_s: sampler period (s); 0 disables the sampler.
         trace_content: keep prompt and output text on the root span (off by default).
-        retention: :class:`TraceStore`'s ``retention_s``, ``max_bytes`` and ``archive``.
+        retention: :class:`TraceStore`'s ``retention_s``, ``max_bytes``, ``archive``,
+            ``archive_max_age_s`` and ``archive_max_bytes``.
 
     Raises:
         TraceStoreInUse: another process holds ``trace_db`` (any other store error is logged

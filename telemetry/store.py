@@ -134,6 +134,11 @@ class TraceStore:
             size, out to Parquet dumps in ``archive`` (``telemetry/retention.py``), checked
             every ``roll_interval_s`` by the writer; None: keep everything.
         archive: the archive folder (default ``<store folder>/archive``).
+        archive_max_age_s, archive_max_bytes: after each roll-out the archive is tidied in a
+            thread of its own (``telemetry/archive.py``): its folders older than this are
+            deleted, small ones merged, then the oldest deleted until it holds at most this
+            many bytes; None: no bound. Counts in ``pruned`` and ``compacted``, and in
+            :meth:`health`.
 
     Raises:
         TraceStoreInUse: another process has the file open (the server refuses to start).
@@ -152,6 +157,8 @@ class TraceStore:
         max_bytes: int | None = None,
         archive: str | Path | None = None,
         roll_interval_s: float = 30.0,
+        archive_max_age_s: float | None = None,
+        archive_max_bytes: int | None = None,
     ):
         self.path = str(path)
         self._con: duckdb.DuckDBPyConnection | None = None
@@ -163,6 +170,12 @@ class TraceStore:
         self._last_roll = time.monotonic()
         self.rolled: Counter = Counter()  # rows moved to the archive, per table
         self.roll_error: str | None = None
+        self.archive_max_age_s, self.archive_max_bytes = archive_max_age_s, archive_max_bytes
+        self.pruned = Counter(folders=0, bytes=0)  # archive folders (and bytes) deleted
+        self.compacted = Counter(merges=0, folders=0)  # merges, and the folders merged
+        self.archive_state: dict = {"folders": None, "bytes": None}  # after the last tidy
+        self.archive_error: str | None = None
+        self._tidier: threading.Thread | None = None
         self._types = {t: self._arrow_schema(t) for t in TABLES}
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue_rows)
         self.batch_rows = batch_rows
@@ -280,6 +293,12 @@ class TraceStore:
             "file_bytes": self.file_bytes(),
             "rolled_rows": dict(self.rolled),
             "roll_error": self.roll_error,
+            "archive": {
+                **self.archive_state,
+                "pruned": dict(self.pruned),
+                "compacted": dict(self.compacted),
+                "error": self.archive_error,
+            },
         }
 
     def check_rows(self, table: str, rows: list[dict]) -> list[str | None]:
@@ -369,6 +388,7 @@ class TraceStore:
                 self._queue.put(_STOP, timeout=timeout_s)
             self._wake.set()
             self._thread.join(timeout_s)
+        self.wait_tidy(min(timeout_s, 5.0))  # one cut short is finished by the next tidy
         self._end_problem("the store closed")
         with self._lock:
             if self._con is not None:
@@ -445,7 +465,68 @@ class TraceStore:
         self.rolled.update(moved)
         if out is not None:
             log.info("rolled %d rows older than %d out to %s", sum(moved.values()), cut, out)
+            self._start_tidy()
         return out
+
+    def _start_tidy(self) -> None:
+        """Tidy the archive in a thread of its own (a merge may take seconds that the writer
+        must not wait), unless one is still at it: the next roll-out starts the next."""
+        if self._tidier is not None and self._tidier.is_alive():
+            return
+        self._tidier = threading.Thread(
+            target=self._tidy_archive, args=(True,), name="tokenmill-trace-archive", daemon=True
+        )
+        self._tidier.start()
+
+    def wait_tidy(self, timeout_s: float = 60.0) -> bool:
+        """Wait for the archive's tidy in progress, if any; False if it is still running."""
+        if self._tidier is not None:
+            self._tidier.join(timeout_s)
+            return not self._tidier.is_alive()
+        return True
+
+    def _tidy_archive(self, background: bool = False) -> None:
+        """Prune and compact the archive after a roll-out (``telemetry/archive.py``); it only
+        reads and writes archive folders, never the store. A failure is logged and kept in
+        ``archive_error``."""
+        from .archive import tidy_archive
+
+        if background:
+            lower_thread_priority()
+
+        try:
+            done = tidy_archive(
+                self.archive,
+                time.time_ns(),
+                max_age_s=self.archive_max_age_s,
+                max_bytes=self.archive_max_bytes,
+            )
+        except Exception as exc:
+            self.archive_error = _one_line(exc)
+            log.error("trace archive %s: tidying failed: %s", self.archive, self.archive_error)
+            return
+        self.archive_error = done.error
+        if done.error:
+            log.error("trace archive %s: %s", self.archive, done.error)
+        self.pruned.update({"folders": done.pruned_folders, "bytes": done.pruned_bytes})
+        self.compacted.update({"merges": done.merges, "folders": done.merged_folders})
+        self.archive_state = {"folders": done.folders, "bytes": done.bytes}
+        if done.merges:
+            log.info(
+                "trace archive %s: merged %d folders into %d",
+                self.archive,
+                done.merged_folders,
+                done.merges,
+            )
+        if done.pruned_folders:
+            log.info(
+                "trace archive %s: deleted %d old folder(s), %d bytes; %d folder(s), %d bytes left",
+                self.archive,
+                done.pruned_folders,
+                done.pruned_bytes,
+                done.folders,
+                done.bytes,
+            )
 
     def file_bytes(self) -> int:
         """The store file's size with its write-ahead log (0 in memory)."""
