@@ -136,7 +136,8 @@ class TickResult:
     held: list[str]  # rules that held at this tick
     opened: list[LiveFinding] = field(default_factory=list)
     resolved: list[LiveFinding] = field(default_factory=list)
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time
+    cpu_seconds: float = 0.0  # this thread's CPU time
     error: str | None = None
     no_traffic: bool = False
 
@@ -173,7 +174,7 @@ class LiveDiagnosis:
 
     def tick(self, con: duckdb.DuckDBPyConnection, now_ns: int) -> TickResult:
         """Diagnose the recent range at ``now`` and move each finding along its lifecycle."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         since, until = self.range_at(now_ns)
         res = TickResult(now_ns, since, until, held=[])
         findings: list[Finding] = []
@@ -201,6 +202,7 @@ class LiveDiagnosis:
                 self._learn(sig.windows, since)
         self._forget(now_ns)
         res.seconds = time.perf_counter() - t0
+        res.cpu_seconds = time.thread_time() - c0
         self.runs += 1
         self.last = res
         return res
@@ -287,6 +289,7 @@ class LiveDiagnosis:
                 "range": {"start_ns": last.since_ns, "end_ns": last.until_ns},
                 "held": last.held,
                 "seconds": round(last.seconds, 4),
+                "cpu_seconds": round(last.cpu_seconds, 4),
                 "error": last.error,
             },
         }

@@ -12,7 +12,8 @@ It exports, into the host's Prometheus registry:
   resolved (the series stays, so that an alert on it resolves too);
 - ``tokenmill_finding_confidence{rule}``: the open finding's confidence (0 once resolved);
 - ``tokenmill_findings_opened_total{rule}``: findings opened;
-- ``tokenmill_diagnosis_run_seconds``: the time of each tick (the loop's own cost);
+- ``tokenmill_diagnosis_run_seconds``: the wall time of each tick, and
+  ``tokenmill_diagnosis_cpu_seconds_total`` the CPU time of all of them (the loop's own cost);
 - ``tokenmill_diagnosis_runs_total{outcome}``: ticks by outcome (``judged``, ``no_traffic``,
   ``error``).
 
@@ -63,8 +64,13 @@ class LiveMetrics:
         )
         self.run_seconds = Histogram(
             "tokenmill_diagnosis_run_seconds",
-            "Time of one live diagnosis period's run (s).",
+            "Wall time of one live diagnosis period's run (s).",
             buckets=RUN_BUCKETS_S,
+            registry=registry,
+        )
+        self.cpu_seconds = Counter(
+            "tokenmill_diagnosis_cpu_seconds",
+            "CPU time the live diagnosis' runs took (s): its cost to the host.",
             registry=registry,
         )
         self.runs = Counter(
@@ -76,6 +82,7 @@ class LiveMetrics:
 
     def update(self, loop: LiveDiagnosis, res: TickResult) -> None:
         self.run_seconds.observe(res.seconds)
+        self.cpu_seconds.inc(res.cpu_seconds)
         outcome = "error" if res.error else ("no_traffic" if res.no_traffic else "judged")
         self.runs.labels(outcome).inc()
         for f in res.opened:
@@ -153,7 +160,9 @@ class LiveService:
 
         lower_thread_priority()
         period = self.loop.settings.period_s
-        while not self._stop.wait(period):
+        started = time.monotonic()
+        while not self._stop.wait(max(0.0, started + period - time.monotonic())):
+            started = time.monotonic()  # a period from one start to the next, not after a run
             try:
                 self.run_once()
             except Exception:  # never let one tick end the loop
@@ -164,6 +173,7 @@ def add_findings_route(app, service: LiveService | None, authenticate: Callable)
     """``GET /v1/findings`` on ``app``: the loop's findings as JSON. ``authenticate(request)``
     answers a refused caller's response (401/403), None for one it lets in. Without a loop
     (``--diagnose-every 0`` or no store) a 503 says so."""
+
     @app.get("/v1/findings")
     async def findings(request: Request):
         refusal = authenticate(request)
