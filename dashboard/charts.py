@@ -841,3 +841,105 @@ def whatif_curve(df: pd.DataFrame, knee: float | None) -> go.Figure:
     fig.update_yaxes(title_text="goodput (%)", range=[0, 105], secondary_y=False)
     fig.update_yaxes(title_text="ms (p99)", type="log", secondary_y=True)
     return _layout(fig, 420)
+
+
+#: a finding's segment colour, by severity (``diagnose/findings.py``)
+SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e"}
+FINDINGS_ROW = "findings"
+
+
+def _ts(ns) -> pd.Timestamp:
+    return pd.Timestamp(int(ns), unit="ns", tz="UTC")
+
+
+def _finding_segments(fig: go.Figure, spans: pd.DataFrame, now_ns: int) -> None:
+    """One thick segment per finding on row 1, at its rule's row: opened (circle) to resolved
+    (square) or to now (an arrow: still open), coloured by severity."""
+    shown: set[str] = set()
+    for f in spans.itertuples(index=False):
+        is_open = f.status == "open"
+        sev = f.severity if f.severity in SEVERITY_COLORS else "warning"
+        hover = (
+            f"<b>{f.rule}</b> ({f.severity}, {'open' if is_open else 'resolved'})<br>{f.title}"
+            f"<br>opened {_ts(f.start_ns):%H:%M:%S}, "
+            + ("still open" if is_open else f"resolved {_ts(f.end_ns):%H:%M:%S}")
+            + f" ({f.duration_s:,.0f} s)<extra></extra>"
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[_ts(f.start_ns), _ts(min(f.end_ns, now_ns) if is_open else f.end_ns)],
+                y=[f.rule, f.rule],
+                mode="lines+markers",
+                line={"color": SEVERITY_COLORS[sev], "width": 12},
+                marker={"size": 13, "color": SEVERITY_COLORS[sev],
+                        "symbol": ["circle", "triangle-right" if is_open else "square"]},
+                name=sev,
+                legendgroup=f"sev-{sev}",
+                showlegend=sev not in shown,
+                hovertemplate=hover,
+                meta={"finding_id": f.finding_id, "status": f.status},
+            ),
+            row=1,
+            col=1,
+        )  # fmt: skip
+        shown.add(sev)
+
+
+def findings_timeline(
+    spans: pd.DataFrame, series: pd.DataFrame, since_ns: int, until_ns: int
+) -> go.Figure:
+    """The Now page's timeline over ``[since_ns, until_ns]``: the findings (``spans``:
+    ``data.findings_spans``) as one segment each on its rule's row, above TTFT p50/p99, ITL
+    p50/p99 and the queue (queue time p50/p99 in ms, the mean of waiting requests shaded on a
+    right-hand axis) from ``data.now_series``, on one shared time axis."""
+    rules = list(dict.fromkeys(spans["rule"])) if not spans.empty else []
+    top = max(0.14, min(0.4, 0.06 * (len(rules) + 1)))
+    fig = make_subplots(
+        rows=4,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.06,
+        row_heights=[top, (1 - top) / 3, (1 - top) / 3, (1 - top) / 3],
+        specs=[[{}], [{}], [{}], [{"secondary_y": True}]],
+        subplot_titles=(
+            "Findings (opened → resolved, or still open)",
+            "TTFT (by arrival)",
+            "ITL (per-request p50 / p99)",
+            "Queue",
+        ),
+    )
+    _finding_segments(fig, spans, until_ns)
+    if not rules:  # an empty row keeps its place (and says so)
+        fig.add_annotation(text="no finding in this span", showarrow=False, xref="x domain",
+                           yref="y domain", x=0.5, y=0.5, row=1, col=1)  # fmt: skip
+    for row, metric in ((2, "ttft"), (3, "itl")):
+        for q in ("p50", "p99"):
+            fig.add_trace(
+                go.Scatter(x=series["time"], y=series[f"{metric}_{q}_ms"],
+                           name=f"{metric.upper()} {q}", mode="lines+markers",
+                           marker={"size": 4}, line={"color": _COLORS[q]}),
+                row=row, col=1,
+            )  # fmt: skip
+        fig.update_yaxes(title_text=f"{metric.upper()} ms", row=row, col=1)
+    fig.add_trace(
+        go.Scatter(x=series["time"], y=series["waiting_mean"], name="waiting (mean)",
+                   fill="tozeroy", mode="none", fillcolor=_CONC, connectgaps=False),
+        row=4, col=1, secondary_y=True,
+    )  # fmt: skip
+    for q in ("p50", "p99"):
+        fig.add_trace(
+            go.Scatter(x=series["time"], y=series[f"queue_{q}_ms"], name=f"queue {q}",
+                       mode="lines+markers", marker={"size": 4},
+                       line={"color": _COLORS[q], "dash": "dot"}),
+            row=4, col=1, secondary_y=False,
+        )  # fmt: skip
+    fig.update_yaxes(title_text="queue ms", row=4, col=1, secondary_y=False)
+    fig.update_yaxes(title_text="waiting", row=4, col=1, secondary_y=True, showgrid=False,
+                     rangemode="tozero")  # fmt: skip
+    fig.update_yaxes(type="category", categoryorder="array", categoryarray=rules[::-1],
+                     row=1, col=1, showgrid=False)  # fmt: skip
+    pad = (until_ns - since_ns) // 100  # room for a still-open finding's arrow at now
+    fig.update_xaxes(range=[_ts(since_ns), _ts(until_ns + pad)])
+    fig = _layout(fig, 760 + 24 * len(rules))
+    fig.update_layout(hovermode="closest")
+    return fig

@@ -2,7 +2,8 @@
 ``ui.q(ctx, "<name>", ...)``, cached per store snapshot. The queries live by concern in
 ``data_store.py`` (the shared helpers and conventions: the window, units; the store itself),
 ``data_requests.py``, ``data_engine.py``, ``data_engine_modes.py``, ``data_devices.py``,
-``data_errors.py`` and ``data_diagnosis.py``; nothing here imports Streamlit."""
+``data_errors.py``, ``data_diagnosis.py`` and ``data_findings.py`` (the live diagnosis's
+findings); nothing here imports Streamlit."""
 
 from __future__ import annotations
 
@@ -45,6 +46,15 @@ from .data_errors import (
     error_events,
     error_examples,
     errors_series,
+)
+from .data_findings import (
+    findings_current,
+    findings_spans,
+    has_findings,
+    now_series,
+    open_findings,
+    resolved_findings,
+    store_now_ns,
 )
 from .data_requests import (
     SORTS,
@@ -93,8 +103,13 @@ __all__ = [
     "errors_series",
     "evidence_signals",
     "filter_options",
+    "findings_current",
+    "findings_spans",
+    "has_findings",
     "latency_samples",
     "latency_series",
+    "now_series",
+    "open_findings",
     "overview",
     "pd_pool_series",
     "pd_transfer_summary",
@@ -104,6 +119,7 @@ __all__ = [
     "request_detail",
     "request_explanation",
     "requests_table",
+    "resolved_findings",
     "roofline_steps",
     "runbook",
     "signal_windows",
@@ -112,5 +128,6 @@ __all__ = [
     "spec_decode_summary",
     "step_field_series",
     "store_info",
+    "store_now_ns",
     "time_range",
 ]

@@ -28,7 +28,9 @@ from tokenmill.telemetry.dump import write_dump
 from tokenmill.telemetry.schema import apply_schema
 
 APP = Path(data.__file__).parent / "app.py"
-PAGES = ("overview", "requests", "engine", "devices", "errors", "diagnosis", "compare", "whatif")
+PAGES = (
+    "overview", "requests", "engine", "devices", "errors", "diagnosis", "now", "compare", "whatif"
+)  # fmt: skip
 OK = "finish_reason IN ('stop', 'length') AND error_type IS NULL"
 HEALTHY = Phase(duration_s=40, gpu=True, error_share=0.1, preempt_share=0.2)
 
@@ -733,6 +735,8 @@ def test_console_on_a_live_server(monkeypatch, admin_server, host_store):
     monkeypatch.setenv("TOKENMILL_ADMIN_KEY", "k")
     at = open_page(monkeypatch, f"http://127.0.0.1:{admin_server.server_port}")
     assert any(c.value.startswith("Live:") for c in at.sidebar.caption)
+    assert [h.value for h in at.header] == ["Now"]  # a live source opens on its findings
+    at.switch_page("views/overview.py").run()
     (n,) = sql(host_store, "SELECT count(*) FROM requests")
     assert num(metric(at, "Requests")) == n
 

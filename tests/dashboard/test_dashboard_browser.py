@@ -3,7 +3,7 @@
 driven by playwright) opens Overview, a request's waterfall and the Engine page's roofline,
 waits for the plotly charts, finds no Streamlit exception box and saves screenshots into the
 test's tmp folder. A synthetic disaggregated store shows the prefill and decode pools and a
-request's KV transfer the same way."""
+request's KV transfer the same way, and a synthetic store with live findings the Now page."""
 
 from __future__ import annotations
 
@@ -230,6 +230,44 @@ def test_pd_pools_and_kv_transfer_in_headless_chromium(tmp_path):
         finally:
             browser.close()
     assert (shots / "engine-pd.png").stat().st_size > 10_000
+
+
+def test_now_page_in_headless_chromium(findings_store, tmp_path):
+    """The Now page on a store with one open and one resolved finding (tests/dashboard/
+    conftest.py): the open finding's rule, title and summary, the resolved one in the list with
+    how long it lasted, and the timeline drawn with a segment per finding, coloured by
+    severity, above the latencies and the queue."""
+    assert Path(CHROMIUM).exists(), "Debian's chromium is missing: run `make chromium`"
+    from playwright.sync_api import sync_playwright
+
+    fs = findings_store
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with _console(fs.path, tmp_path) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{url}/now", wait_until="domcontentloaded")
+            _settle(page, shots, "now")
+            main = page.locator('[data-testid="stMain"]')
+            assert main.get_by_text("Open findings: 1").count() == 1
+            assert main.get_by_text(f"{fs.open_rule} — TTFT is dominated by queueing").count() == 1
+            assert main.get_by_text(fs.open_summary).count() == 1
+            assert main.get_by_text("Not live:", exact=False).count() == 1
+            table = main.locator('[data-testid="stTable"]')
+            assert table.get_by_text(fs.resolved_rule).count() == 1
+            assert table.get_by_text("30 s").count() == 1
+            plot = page.locator(".js-plotly-plot", has_text="Findings (opened")
+            assert plot.count() == 1, "no findings timeline on the Now page"
+            for name in ("critical", "warning", "TTFT p99", "queue p99"):
+                assert plot.locator("g.legend text", has_text=name).count() == 1, name
+            # the findings row's two rules on its category axis, one segment each
+            for rule in (fs.open_rule, fs.resolved_rule):
+                assert plot.locator("g.ytick text", has_text=rule).count() == 1, rule
+            assert plot.locator("g.trace.scatter").count() >= 2 + 2 + 2 + 3
+        finally:
+            browser.close()
+    assert (shots / "now.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])

@@ -138,6 +138,7 @@ def test_every_allowed_exception_is_still_used():
         "tokenmill.dashboard.views.diagnosis",
         "tokenmill.dashboard.views.engine",
         "tokenmill.dashboard.views.errors",
+        "tokenmill.dashboard.views.now",
         "tokenmill.dashboard.views.overview",
         "tokenmill.dashboard.views.requests",
         "tokenmill.dashboard.views.whatif",
