@@ -54,7 +54,11 @@ a scrape needs `Authorization: Bearer <key>` with the `--metrics-key` or the adm
 Where vLLM exports the same metric, its name is given: a vLLM dashboard reads ours after the
 rename `vllm:` → `tokenmill_`.
 
-Beside them, the API process's own `process_*` series (CPU seconds, resident memory, open
+Beside them, the live diagnosis' series when it runs (`--diagnose-every`, on by default):
+`tokenmill_finding_active{rule, severity}`, `tokenmill_finding_confidence{rule}`,
+`tokenmill_findings_opened_total{rule}`, `tokenmill_diagnosis_run_seconds`,
+`tokenmill_diagnosis_cpu_seconds_total` and `tokenmill_diagnosis_runs_total{outcome}`
+([live-diagnosis.md](live-diagnosis.md)); and the API process's own `process_*` series (CPU seconds, resident memory, open
 file descriptors, start time), as every Prometheus exporter has them; no `*_created` series.
 
 This page is generated from the registry (`python -m tokenmill.telemetry.metrics_doc`).
