@@ -84,7 +84,7 @@ EXPECT = {
     "frozen": ("engine_stalled",),
 }
 #: what only our engine can be made to do (not through a proxy in front of llama-server)
-ENGINE_ONLY = ("kv_pressure", "tenant_limit", "long_prompts")
+ENGINE_ONLY = ("kv_pressure", "long_prompts")
 
 
 # ----- traffic -----
@@ -194,15 +194,7 @@ class Serve:
         self.out, self.port = out, port
         self.url = f"http://127.0.0.1:{port}"
         self.db = out / "soak.duckdb"
-        tenants = out / "tenants.toml"
-        lines = [f'[admin]\nkey_sha256 = "{_sha(ADMIN_KEY)}"\n']
-        for t in TENANTS:
-            lines.append(f'[tenants.{t}]\nkey_sha256 = "{_sha(key(t))}"\n')
-        lines.append(
-            f'[tenants.{BURST_TENANT}]\nkey_sha256 = "{_sha(key(BURST_TENANT))}"\n'
-            f"requests_per_minute = {BURST_RPM}\n"
-        )
-        tenants.write_text("\n".join(lines))
+        tenants = tenants_file(out)
         cmd = [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--port", str(port),
                "--trace-db", str(self.db), "--tenants", str(tenants), "--open-metrics",
                "--diagnose-every", f"{PERIOD_S:g}s", *SERVE_ARGS]  # fmt: skip
@@ -219,8 +211,10 @@ class Serve:
 
 
 class LlamaProxy:
-    """llama.cpp's ``llama-server`` (Q4_1 GGUF of the default model) behind ``tokenmill
-    proxy`` with the live diagnosis; a frozen episode stops ``llama-server`` itself."""
+    """llama.cpp's ``llama-server`` (Q4_1 GGUF of the default model, 4 slots) behind ``tokenmill
+    proxy`` with the live diagnosis and the same tenants (the proxy holds their limits); a
+    frozen episode stops ``llama-server`` itself. The proxy's ``/metrics`` carry the finding
+    series."""
 
     def __init__(self, out: Path, port: int):
         sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -238,7 +232,7 @@ class LlamaProxy:
         self.db = out / "soak.duckdb"
         cmd = [sys.executable, "-m", "tokenmill.engine.cli", "proxy", "--upstream",
                f"http://127.0.0.1:{up_port}/v1", "--port", str(port), "--trace-db", str(self.db),
-               "--admin-key", ADMIN_KEY, "--api-key", key("t0"),
+               "--tenants", str(tenants_file(out)),
                "--diagnose-every", f"{PERIOD_S:g}s"]  # fmt: skip
         self.proc = _start(cmd, out / "proxy.log", self.url)
 
@@ -248,6 +242,21 @@ class LlamaProxy:
     def stop(self) -> None:
         _stop(self.proc)
         _stop(self.upstream)
+
+
+def tenants_file(out: Path) -> Path:
+    """The tenants: four without limits, one held to ``BURST_RPM`` requests a minute, and the
+    admin key."""
+    tenants = out / "tenants.toml"
+    lines = [f'[admin]\nkey_sha256 = "{_sha(ADMIN_KEY)}"\n']
+    for t in TENANTS:
+        lines.append(f'[tenants.{t}]\nkey_sha256 = "{_sha(key(t))}"\n')
+    lines.append(
+        f'[tenants.{BURST_TENANT}]\nkey_sha256 = "{_sha(key(BURST_TENANT))}"\n'
+        f"requests_per_minute = {BURST_RPM}\n"
+    )
+    tenants.write_text("\n".join(lines))
+    return tenants
 
 
 def _sha(text: str) -> str:

@@ -783,7 +783,7 @@ def _add_models_route(app: FastAPI, state: ProxyState) -> None:
 def build_proxy_app(state: ProxyState, store=None) -> FastAPI:
     """The proxy's app over ``state``; with the ``TraceStore`` it records into (``store``),
     also ``GET /admin/dump`` (the server's own route, behind the admin key: ``diagnose --url``
-    and ``dashboard --url`` attach to the proxy as to a server) and ``/health``'s telemetry
+    and ``dashboard --source`` attach to the proxy as to a server) and ``/health``'s telemetry
     block."""
 
     @contextlib.asynccontextmanager

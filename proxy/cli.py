@@ -78,7 +78,7 @@ class ProxyConfig:
     )
     admin_key: str | None = setting(
         None,
-        "The key of GET /admin/dump (`diagnose --url`, `dashboard --url`) and, with "
+        "The key of GET /admin/dump (`diagnose --url`, `dashboard --source`) and, with "
         "--otlp-receiver, POST /v1/traces; with --api-key (a tenants file has its own [admin] "
         "key).",
         envvar="TOKENMILL_ADMIN_KEY",

@@ -2,7 +2,7 @@
 
 An HTTP app with OTLP/HTTP's trace route (``POST /v1/traces``, protobuf or JSON: point the
 engine's ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` at it), ``GET /admin/dump`` (the server's own
-route, ``engine/api/admin.py``: ``diagnose --url`` and ``dashboard --url`` attach to a collector
+route, ``engine/api/admin.py``: ``diagnose --url`` and ``dashboard --source`` attach to a collector
 as to a server), ``GET /health`` and ``/health/ready``, plus one :class:`~.scrape.MetricsScraper`
 per ``/metrics`` URL. ``tokenmill collect`` runs it; the store it fills is read by ``diagnose``,
 ``explain`` and the console like any other.

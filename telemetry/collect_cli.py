@@ -80,7 +80,7 @@ class CollectConfig:
     )
     admin_key: str | None = setting(
         None,
-        "The key of GET /admin/dump (`diagnose --url`, `dashboard --url`), also taken on "
+        "The key of GET /admin/dump (`diagnose --url`, `dashboard --source`), also taken on "
         "/v1/traces.",
         envvar="TOKENMILL_ADMIN_KEY",
     )

@@ -31,6 +31,7 @@ from tokenmill.telemetry.dump import (
     write_dump,
 )
 from tokenmill.telemetry.hub import LiveDumps
+from tokenmill.telemetry.rows import finding_row
 from tokenmill.telemetry.schema import SCHEMA_VERSION, TABLES
 from tokenmill.telemetry.store import TraceStore
 
@@ -130,6 +131,14 @@ def hour(tmp_path_factory):
         }
         for m in range(0, 60, 3)
     ]
+    # a live finding's states: opened at -45, then each period it held (written by time_ns)
+    findings = [
+        finding_row(time_ns=_at(now, m), finding_id="f1", rule="ttft_queueing", status="open",
+                    severity="warning", confidence=0.8, title="t", summary="s",
+                    first_seen_ns=_at(now, 45), opened_ns=_at(now, 45), last_seen_ns=_at(now, m),
+                    evidence={"queue_share_of_ttft": 0.9})
+        for m in (45, 25, 15, 5)
+    ]  # fmt: skip
     rows = {
         "spans": spans,
         "requests": requests,
@@ -138,6 +147,7 @@ def hour(tmp_path_factory):
         "events": events,
         "engine_samples": scrapes,
         "waiting_samples": waiting,
+        "findings": findings,
     }
     _fill(path, rows).close()
     return SimpleNamespace(path=path, now=now, rows=rows)
@@ -214,6 +224,7 @@ def test_window_counts_and_whole_traces(hour, tmp_path):
     expected = {"spans": 5, "requests": 1, "engine_steps": 20, "device_samples": 10, "events": 2}
     expected["engine_samples"] = 4  # scraped at -30, -25, -20, -15
     expected["waiting_samples"] = 6  # sampled at -27, -24, ..., -12 (and 30 s)
+    expected["findings"] = 2  # the finding's states at -25 and -15
     assert counts == expected
     assert sorted(os.listdir(tmp_path)) == ["w.duckdb"]  # no temp or .wal file left
     d = open_dump(out)
@@ -255,6 +266,7 @@ def test_whole_store_and_no_overwrite(hour, tmp_path):
             "events": 5,
             "engine_samples": 12,
             "waiting_samples": 20,
+            "findings": 4,
         }
         size = out.stat().st_size
         with pytest.raises(DumpError, match="already exists") as ei:
@@ -582,6 +594,7 @@ def test_http_dump_ok(live, tmp_path):
             "events": 5,
             "engine_samples": 6,
             "waiting_samples": 10,
+            "findings": 3,
         }
         assert _rows(d, "SELECT kind FROM events WHERE kind = 'fresh'") == ["fresh"]
         assert dict(d.execute("SELECT key, value FROM meta").fetchall())["source"].startswith(
