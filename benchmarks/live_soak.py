@@ -98,7 +98,9 @@ def _bench(url: str, out: Path, name: str, args: list[str], tenant: str) -> subp
 
 def shape_traffic(shape: str, url: str, out: Path, span_s: float, seed: int) -> list:
     """The shape's load generators for ``span_s`` seconds."""
-    phase = ["--phases", f"steady:{span_s:g}s", "--drain-timeout", "10", *CHAT]
+    # clients finish what they sent (a load generator cutting its requests at once would be a
+    # spike of client disconnects of its own making)
+    phase = ["--phases", f"steady:{span_s:g}s", "--drain-timeout", "60", *CHAT]
     if shape == "steady":
         return [_bench(url, out, f"{seed}-steady", ["--concurrency", "3", *phase,
                                                      "--seed", str(seed)], "t0")]  # fmt: skip
@@ -137,19 +139,19 @@ class Fault:
         self.kind, self.procs, self.server, self.stopped_pid = kind, [], server, None
         phase = ["--phases", f"steady:{span_s:g}s"]
         if kind == "overload":
-            args = ["--request-rate", "5", *phase, "--drain-timeout", "5", *CHAT]
+            args = ["--request-rate", "5", *phase, "--drain-timeout", "30", *CHAT]
             self.procs = [_bench(url, out, f"{seed}-overload", [*args, "--seed", str(seed)], "t3")]
         elif kind == "neighbour":
             cmd = [sys.executable, "-m", "tokenmill.bench.cpu_hog", "--procs", "4",
                    "--duration", f"{span_s:g}"]  # fmt: skip
             self.procs = [subprocess.Popen(cmd, start_new_session=True)]
         elif kind == "kv_pressure":
-            args = ["--concurrency", "10", *phase, "--drain-timeout", "5",
+            args = ["--concurrency", "10", *phase, "--drain-timeout", "30",
                     "--prompt-tokens", "uniform:100:200", "--output-tokens", "uniform:250:350",
                     "--ignore-eos", "--seed", str(seed)]  # fmt: skip
             self.procs = [_bench(url, out, f"{seed}-kv", args, "t2")]
         elif kind == "tenant_limit":
-            args = ["--request-rate", "1", *phase, "--drain-timeout", "5", *CHAT]
+            args = ["--request-rate", "1", *phase, "--drain-timeout", "30", *CHAT]
             self.procs = [_bench(url, out, f"{seed}-burst", [*args, "--seed", str(seed)],
                                  BURST_TENANT)]  # fmt: skip
         elif kind == "long_prompts":

@@ -58,7 +58,7 @@ class LiveSettings:
     recent_windows: int = 3
     reference_s: float = 3600.0
     open_after: int = 2
-    resolve_after: int = 1
+    resolve_after: int = 2
     #: resolved findings kept in memory for ``GET /v1/findings``
     keep_resolved_s: float = 3600.0
 

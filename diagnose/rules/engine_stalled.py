@@ -4,7 +4,8 @@ while requests wait on it, and nothing else on the host explains it.
 A live store shows it while it stands (``signals/queue_now.py``): either the engine's step in
 progress has lasted ``stall_s`` or more and ``step_rise`` x its usual step, with requests
 running or waiting, or (a proxy's store, which has no engine steps) requests have waited
-``stall_s`` or more for their first token while no request made a token since. A process that
+``stall_s`` or more for their first token while no request made a token since; in both, the
+host is not busy outside the server (a busy host is ``host_contention``). A process that
 is alive but stopped (``SIGSTOP``, a debugger, a container freeze), hung in a system call or a
 collective, or deadlocked looks like this; a dead one is ``engine_crash``, a busy host
 ``host_contention``.
@@ -75,6 +76,9 @@ def _stalled_upstream(sig: Signals, p: dict) -> Evidence | None:
     (token,) = sig.con.execute(_LAST_TOKEN_SQL, [since]).fetchone()
     if token is not None and token >= since:
         return None
+    others = others_cpu_pct(sig, since, latest)
+    if others is not None and others >= p["others_cpu_pct"]:
+        return None  # the host is busy elsewhere: host_contention's to say
     stuck = [x for x in waiting if x.at_ns == latest]
     upstream = _upstream(sig)
     who = f"the upstream {upstream}" if upstream else "the engine"
@@ -84,6 +88,7 @@ def _stalled_upstream(sig: Signals, p: dict) -> Evidence | None:
         {
             "silent_ms": longest,
             "longest_wait_ms": longest,
+            "cpu_others_pct": others,
             "waiting_requests": len(stuck),
             "upstream": upstream,
             "waiting_request_ids": [x.request_id for x in stuck[:5]],
@@ -121,7 +126,7 @@ RULE = Rule(
         "stall_s": Param(10.0, "far beyond any step of this engine: a 2k-token prefill takes ~5 s"),
         "step_rise": Param(20.0, "twenty usual steps without one ending"),
         "others_cpu_pct": Param(
-            40.0, "host_contention's bar for a busy neighbour: a busy host is its finding"
+            20.0, "host_contention's bar for a busy neighbour: a busy host is its finding"
         ),
     },
     detect=detect,

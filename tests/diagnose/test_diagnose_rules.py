@@ -860,3 +860,14 @@ def test_the_engine_s_own_failures_need_no_spike(tmp_path, error_type, fires):
     assert ("error_spike" in findings) is fires, sorted(findings)
     if fires:
         assert set(findings["error_spike"].evidence["errors_by_type"]) == {"nan_logits"}
+
+
+def test_a_stall_while_the_host_is_busy_elsewhere_is_not_engine_stalled(tmp_path):
+    """The same stopped engine with processes outside the server on the CPU meanwhile: a busy
+    host is host_contention's finding, not a stopped or hung engine."""
+    path = tmp_path / "busy.duckdb"
+    write_store(path, [HEALTHY, HEALTHY.but(duration_s=30, frozen=True, cpu_others_pct=60)], seed=3)
+    con = duckdb.connect(str(path), read_only=True)
+    fired = {f.rule_id for f in diagnose(con).findings}
+    con.close()
+    assert "engine_stalled" not in fired, sorted(fired)
