@@ -144,5 +144,6 @@ RULE = Rule(
             "oldest_wait_prompt_tokens",
         ),
         "waiting_samples": ("prompt_tokens", "request_id", "time_ns", "wait_ms"),
+        "device_samples": ("cpu_others_pct", "loadgen_cpu_pct", "steal_pct"),
     },
 )
