@@ -28,9 +28,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import duckdb
-
 from tokenmill.diagnose.findings import diagnose
+from tokenmill.diagnose.live_replay import store_as_of
 from tokenmill.diagnose.signals import NoTraffic
 from tokenmill.telemetry.dump import open_dump, parse_duration
 
@@ -61,31 +60,6 @@ class RunResult:
 
     def to_json(self) -> dict:
         return dict(self.__dict__, correct=self.correct)
-
-
-# what a live store holds at time T: rows that ended (or were sampled) by then
-_AS_OF = {
-    "requests": "end_ns",
-    "spans": "end_ns",
-    "engine_steps": "end_ns",
-    "device_samples": "time_ns",
-    "events": "time_ns",
-    "engine_samples": "time_ns",
-    "waiting_samples": "time_ns",
-}
-
-
-def store_as_of(con: duckdb.DuckDBPyConnection, t_ns: int) -> duckdb.DuckDBPyConnection:
-    """An in-memory copy of the store as a live server's would have stood at ``t_ns``: the
-    requests and steps that had ended, the samples and events taken by then (a request still
-    in flight is not in a live store's ``requests`` yet)."""
-    out = duckdb.connect()
-    for table in ("meta", *_AS_OF):
-        col = _AS_OF.get(table)
-        where = f"WHERE {col} <= {int(t_ns)}" if col else ""
-        rows = con.sql(f"SELECT * FROM {table} {where}").to_arrow_table()  # noqa: F841
-        out.execute(f"CREATE TABLE {table} AS SELECT * FROM rows")
-    return out
 
 
 def evaluate_run(label: dict, dump: Path, *, time_to_detect: bool = True) -> RunResult:

@@ -2,7 +2,7 @@
 
 At each tick only the rows that had reached the store by then are visible: a request (and its
 spans) once it ended, a step once it ended, a sample or event once taken, a finding once
-written. :func:`replay` copies those rows into a fresh in-memory store per tick and runs
+written (:func:`store_as_of`, which the corpus's time-to-detect uses too). :func:`replay` runs
 :meth:`LiveDiagnosis.tick` on it, so that the hysteresis, the window and the reference can be
 chosen on recorded runs (the live soak's tune timeline, the corpus) without running them again.
 """
@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import duckdb
-
-from tokenmill.telemetry.schema import TABLES, apply_schema
 
 from .live import NS, LiveDiagnosis, LiveSettings, TickResult
 
@@ -30,38 +28,26 @@ VISIBLE_BY = {
 }
 
 
-def _load(src: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
-    """An in-memory copy of ``src``'s tables (``rec``) beside an empty store (``main``)."""
-    con = duckdb.connect(config={"threads": 1})
-    apply_schema(con)
-    con.execute("ATTACH ':memory:' AS rec")
-    for table in ("meta", *TABLES):
+def store_as_of(con: duckdb.DuckDBPyConnection, t_ns: int) -> duckdb.DuckDBPyConnection:
+    """An in-memory copy of the store as a live server's would have stood at ``t_ns``: the
+    requests and steps that had ended, the samples, events and findings taken by then (a request
+    still in flight is not in a live store's ``requests`` yet)."""
+    out = duckdb.connect(config={"threads": 1})
+    for table in ("meta", *VISIBLE_BY):
+        col = VISIBLE_BY.get(table)
+        where = f"WHERE {col} <= {int(t_ns)}" if col else ""
         try:
-            arrow = src.cursor().sql(f"SELECT * FROM {table}").to_arrow_table()
-        except duckdb.CatalogException:  # an older store without the table
+            rows = con.sql(f"SELECT * FROM {table} {where}").to_arrow_table()  # noqa: F841
+        except duckdb.CatalogException:  # a store written before the table
             continue
-        con.from_arrow(arrow).create(f"rec.{table}")
-    return con
-
-
-def _show(con: duckdb.DuckDBPyConnection, now_ns: int) -> None:
-    """Make ``main`` hold the recorded rows visible at ``now_ns``."""
-    con.execute("DELETE FROM main.meta WHERE key <> 'schema_version'")
-    con.execute("INSERT INTO main.meta SELECT * FROM rec.meta WHERE key <> 'schema_version'")
-    have = {r[0] for r in con.execute("SHOW TABLES FROM rec").fetchall()}
-    for table in TABLES:
-        con.execute(f"DELETE FROM main.{table}")
-        if table in have:
-            col = VISIBLE_BY[table]
-            con.execute(
-                f"INSERT INTO main.{table} BY NAME SELECT * FROM rec.{table} WHERE {col} <= ?",
-                [now_ns],
-            )
+        out.execute(f"CREATE TABLE {table} AS SELECT * FROM rows")
+    return out
 
 
 def time_range(src: duckdb.DuckDBPyConnection) -> tuple[int, int]:
     """The recording's first arrival and last request end."""
-    lo, hi = src.execute("SELECT min(arrival_ns), max(end_ns) FROM requests").fetchone()
+    # fetchall: a half-read result would block the next query on ``src``
+    ((lo, hi),) = src.execute("SELECT min(arrival_ns), max(end_ns) FROM requests").fetchall()
     if lo is None:
         raise ValueError("the store holds no requests")
     return int(lo), int(hi)
@@ -81,14 +67,13 @@ def replay(
     lo, hi = time_range(src)
     start_ns = lo if start_ns is None else start_ns
     end_ns = hi if end_ns is None else end_ns
-    con = _load(src)
     loop = LiveDiagnosis(settings)
     step = int(settings.period_s * NS)
     now = start_ns + step
-    try:
-        while now <= end_ns + step:
-            _show(con, now)
+    while now <= end_ns + step:
+        con = store_as_of(src, now)
+        try:
             yield loop, loop.tick(con, now)
-            now += step
-    finally:
-        con.close()
+        finally:
+            con.close()
+        now += step
