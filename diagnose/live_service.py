@@ -195,14 +195,15 @@ def add_findings_route(app, service: LiveService | None, authenticate: Callable)
 
 
 def start_live(
-    app, store, period_s: float, registry: CollectorRegistry, authenticate: Callable
+    app, store, period_s: float, registry: CollectorRegistry, authenticate: Callable | None
 ) -> LiveService | None:
     """The live diagnosis of a writing command (``proxy``, ``collect``): ``GET /v1/findings``
-    on ``app`` and, unless ``period_s`` is 0, the loop over ``store`` started (the caller stops
-    it) with its series in ``registry``."""
+    on ``app`` (None: no HTTP, no route) and, unless ``period_s`` is 0, the loop over ``store``
+    started (the caller stops it) with its series in ``registry``."""
     service = None
     if period_s > 0 and store is not None:
         settings = LiveSettings(period_s=period_s)
         service = LiveService(store, settings, metrics=LiveMetrics(registry)).start()
-    add_findings_route(app, service, authenticate)
+    if app is not None:
+        add_findings_route(app, service, authenticate)
     return service

@@ -232,14 +232,10 @@ def _serve(cfg: CollectConfig, store, scrapers: list, gateway) -> None:
 
         from prometheus_client import CollectorRegistry
 
-        from tokenmill.diagnose.live import LiveSettings
-        from tokenmill.diagnose.live_service import LiveMetrics, LiveService
+        from tokenmill.diagnose.live_service import start_live
 
-        live = None  # no HTTP: the findings go to the store and the log only
-        if cfg.diagnose_every > 0:
-            settings = LiveSettings(period_s=cfg.diagnose_every)
-            metrics = LiveMetrics(CollectorRegistry())
-            live = LiveService(store, settings, metrics=metrics).start()
+        # no HTTP: the findings go to the store and the log only
+        live = start_live(None, store, cfg.diagnose_every, CollectorRegistry(), None)
         # SIGTERM (systemd, a group stop) ends the scrapers as Ctrl-C does
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
