@@ -89,12 +89,64 @@ def gemm_isa() -> str | None:
     return isa_of_flags(cpu_kernels.cpu_flags() or set(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
 
 
+@functools.cache
+def _prepack_op() -> bool:
+    """Whether torch has oneDNN's prepacked int8 linear (``onednn::qlinear_prepack`` and
+    ``qlinear_pointwise``, what torch's x86 int8 inductor path calls)."""
+    try:
+        return torch.backends.mkldnn.is_available() and all(
+            hasattr(torch.ops.onednn, op) for op in ("qlinear_prepack", "qlinear_pointwise")
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack_weight(qweight_kn: torch.Tensor) -> torch.Tensor:
+    """The ``[K, N]`` int8 weight as the GEMM will read it: reordered once, now, into oneDNN's
+    blocked layout where torch has its prepacked int8 linear (``_int_mm`` reorders a plain
+    weight on every call: a 500-row GEMM on SmolLM2-135M's MLP shape took 1.6x as long as the
+    prepacked one, AMX host, 2 threads), else the plain tensor. Either goes to
+    :func:`int8_linear`."""
+    if not _prepack_op():
+        return qweight_kn
+    return torch.ops.onednn.qlinear_prepack(qweight_kn.t().contiguous(), None)
+
+
+@functools.cache
+def _unit_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(n), torch.zeros(n, dtype=torch.int64)
+
+
+def int8_gemm(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``q [M, K]`` int8 times the int8 weight (:func:`pack_weight`'s, either form): the exact
+    sums, int32 (plain weight, ``torch._int_mm``) or float32 (prepacked: oneDNN writes
+    ``float(sum)``, the same value the int32 sum converts to)."""
+    if weight.is_mkldnn:
+        ones, zeros = _unit_scales(weight.shape[1])
+        return torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, 0, weight, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+    return torch._int_mm(q, weight)
+
+
+def prefill_attention_dtype(path: str | None) -> torch.dtype:
+    """The dtype a whole prompt's attention multiplies in beside int8 compute on ``path``:
+    bfloat16 with AMX (its tiles multiply bf16 too; torch's flash kernel keeps the softmax and
+    the sums in float32), float32 elsewhere. On SmolLM2-135M one layer of a 500-token prompt
+    took 1.4-1.7 ms in bf16 against 3.9-4.1 in float32 (AMX host, 2 threads, medians of 20), a
+    third of the prefill once the GEMMs ran in int8. ``TOKENMILL_PREFILL_ATTENTION=float32``
+    keeps float32 (an A/B of the two)."""
+    if path == "amx" and os.environ.get("TOKENMILL_PREFILL_ATTENTION", "") != "float32":
+        return torch.bfloat16
+    return torch.float32
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[M, K]`` activations → ``([M, K]`` int8, ``[M, 1]`` float32 scales``)``: each row
     rounded with its own symmetric scale (its largest magnitude maps to 127)."""
     x = x.to(torch.float32)
     scales = (x.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
-    return torch.round(x / scales).to(torch.int8), scales
+    return torch.round(x * scales.reciprocal()).to(torch.int8), scales
 
 
 def int8_linear(
@@ -106,17 +158,26 @@ def int8_linear(
 ) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias)`` in int8 with int32 sums, returned in float32, ``W`` as
     ``quantize_int8`` (:mod:`tokenmill.engine.quantization`) left it, per
-    output channel, transposed to ``[K, N]``. With ``terms=1`` each row of ``x`` is rounded to int8 once
+    output channel, transposed to ``[K, N]`` (plain or :func:`pack_weight`'s). With ``terms=1`` each row of ``x`` is rounded to int8 once
     (:func:`quantize_rows`); with 2 (the default) what that rounding left is rounded again and
     multiplied too (``x ≈ s1·q1 + s2·q2``: two GEMMs, activations good to about 1 part in
     30,000 of their row's largest, so the weight's rounding is what is left)."""
     x = x.to(torch.float32)
+    if cpu_kernels.available() and x.stride(-1) == 1:
+        # the C passes (kernels/cpu_int8_compute.c): both terms in one call, stacked, so one
+        # GEMM multiplies them; the same arithmetic as the torch expressions below
+        q, row_scales = cpu_kernels.int8_compute_quantize(x, terms)
+        acc = int8_gemm(q, qweight_kn)
+        b = None if bias is None else bias.to(torch.float32)
+        return cpu_kernels.int8_compute_dequant(
+            acc, row_scales, scales.to(torch.float32), b, terms, inplace=True
+        )
     q, row_scales = quantize_rows(x)
-    out = torch._int_mm(q, qweight_kn).to(torch.float32).mul_(row_scales)
+    out = int8_gemm(q, qweight_kn).to(torch.float32).mul_(row_scales)
     if terms > 1:
         rest = x - q.to(torch.float32) * row_scales
         q2, row_scales2 = quantize_rows(rest)
-        out.add_(torch._int_mm(q2, qweight_kn).to(torch.float32).mul_(row_scales2))
+        out.add_(int8_gemm(q2, qweight_kn).to(torch.float32).mul_(row_scales2))
     out.mul_(scales)
     if bias is not None:
         out = out.add_(bias.to(torch.float32))

@@ -16,6 +16,7 @@ from .attention import SeqChunk, build_step_inputs
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, capture_sizes, decode_graphs_for
 from .errors import ModelLoadError, TokenmillError
+from .int8_compute import prefill_attention_dtype
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .models.loader import load_model
 from .models.native_step import NativeDecode, native_decode_for
@@ -92,6 +93,9 @@ class ModelRunner:
         self.int4_activations = set_int4_activations(config, self.device)
         # the int8 GEMM path of the quantized layers' large steps (engine/int8_compute.py)
         self.int8_compute = int8_compute_path(self.model)
+        backend = getattr(self.model, "backend", None)
+        if self.int8_compute and hasattr(backend, "prefill_dtype"):
+            backend.prefill_dtype = prefill_attention_dtype(self.int8_compute)
         self.model_config = self.model.config
         self.block_size = config.block_size
         self.bytes_per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)

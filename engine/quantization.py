@@ -303,7 +303,8 @@ class QuantizedLinear(nn.Module):
         if int8_compute and self.device.type == "cpu":
             source = weight if method == "int8" else self.dequantize(torch.float32)
             q8, s8 = quantize_int8(source)  # one scale per output channel
-            self.register_buffer("int8_weight", q8.t().contiguous())  # [K, N], as _int_mm reads
+            # [K, N], prepacked for oneDNN's GEMM where torch can (int8_compute.pack_weight)
+            self.register_buffer("int8_weight", int8_compute_mod.pack_weight(q8.t().contiguous()))
             self.register_buffer("int8_scales", s8)
 
     def _torch_int4(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:

@@ -56,6 +56,8 @@ __all__ = [
     "gemv_int4",
     "gemv_int8",
     "int4_act",
+    "int8_compute_dequant",
+    "int8_compute_quantize",
     "int8_isa",
     "pack_int4",
     "prefetch_ahead",
@@ -71,7 +73,13 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("cpu_gemv.c", "cpu_ops.c", "cpu_attention.c", "cpu_decode_step.c")
+    for n in (
+        "cpu_gemv.c",
+        "cpu_ops.c",
+        "cpu_attention.c",
+        "cpu_decode_step.c",
+        "cpu_int8_compute.c",
+    )
 ]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 # GEMV_MAX_ROWS in cpu_gemv.c
@@ -146,10 +154,11 @@ def _build() -> ctypes.CDLL:
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         fn.restype = ctypes.c_int
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    lib.tokenmill_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32]
-    lib.tokenmill_fused_add_rms_norm.argtypes = [ptr] * 5 + [i64, i64, f32]
+    nth = ctypes.c_int
+    lib.tokenmill_rms_norm_mt.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32, nth]
+    lib.tokenmill_fused_add_rms_norm_mt.argtypes = [ptr] * 5 + [i64, i64, f32, nth]
     lib.tokenmill_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
-    lib.tokenmill_silu_and_mul.argtypes = [ptr, ptr, i64, i64]
+    lib.tokenmill_silu_and_mul_mt.argtypes = [ptr, ptr, i64, i64, nth]
     for fn in (lib.tokenmill_decode_attention, lib.tokenmill_decode_attention_bf16):
         fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
         fn.argtypes += [ptr, i64, i64, i64, i64, i64, f32, i64, ptr, ctypes.c_int]
@@ -167,7 +176,12 @@ def _build() -> ctypes.CDLL:
     lib.tokenmill_gemv_i8_isa.restype = ctypes.c_int
     lib.tokenmill_gemv_i4_act.argtypes = [ctypes.c_int]
     lib.tokenmill_gemv_i4_act.restype = ctypes.c_int
-    for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
+    lib.tokenmill_i8c_quantize.argtypes = [ptr, i64, ptr, ptr, i64, i64, nth, nth]
+    for name in ("i8c_dequant", "i8c_dequant_f32"):
+        getattr(lib, f"tokenmill_{name}").argtypes = [ptr] * 5 + [i64, i64, nth, nth]
+    for name in ("i8c_quantize", "i8c_dequant", "i8c_dequant_f32"):
+        getattr(lib, f"tokenmill_{name}").restype = None
+    for name in ("rms_norm_mt", "fused_add_rms_norm_mt", "rotary", "silu_and_mul_mt"):
         getattr(lib, f"tokenmill_{name}").restype = None
     if lib.tokenmill_gemv_max_rows() != MAX_ROWS:
         raise OSError("cpu_gemv.c and cpu.py disagree on the row limit")
@@ -276,6 +290,75 @@ def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xg * inv[..., None]).to(torch.int8).reshape(m, k)
     return xq, amax / torch.tensor(127.0)
+
+
+def int8_compute_quantize(x: torch.Tensor, terms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 compute's activations in one pass (``cpu_int8_compute.c``): ``x [M, K]`` float32
+    (rows may be strided) → ``(q [terms·M, K]`` int8, ``s [terms·M]`` float32``)``, rows
+    ``0..M-1`` each row of ``x`` rounded with its own scale, rows ``M..2M-1`` (``terms=2``)
+    what that rounding left, rounded again; bit-identical to
+    :func:`tokenmill.engine.int8_compute.quantize_rows` applied term by term.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+        ValueError: ``x`` is not a float32 CPU matrix with unit column stride, or ``terms`` is
+            not 1 or 2.
+    """
+    lib = _loaded_or_raise()
+    _require_f32(x=x)
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, K] with unit column stride, got {tuple(x.shape)}")
+    if terms not in (1, 2):
+        raise ValueError(f"terms must be 1 or 2, got {terms}")
+    m, k = x.shape
+    q = torch.empty((terms * m, k), dtype=torch.int8)
+    s = torch.empty(terms * m, dtype=torch.float32)
+    lib.tokenmill_i8c_quantize(
+        x.data_ptr(), x.stride(0), q.data_ptr(), s.data_ptr(), m, k, terms,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return q, s
+
+
+def int8_compute_dequant(
+    acc: torch.Tensor,
+    s: torch.Tensor,
+    col_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    terms: int,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """The sums of :func:`int8_compute_quantize`'s rows times an int8 weight back to float32 in
+    one pass: ``acc [terms·M, N]`` (int32, or float32 holding the same sums) →
+    ``(Σ_t acc_t · s_t) · col_scales (+ bias)`` ``[M, N]``, bit-identical to the same torch
+    expression; with ``inplace`` written over ``acc``'s first ``M`` rows (returned as a view).
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+        ValueError: shapes or dtypes that do not fit together.
+    """
+    lib = _loaded_or_raise()
+    _require_f32(s=s, col_scales=col_scales, bias=bias)
+    rows, n = acc.shape
+    kinds = {torch.int32: lib.tokenmill_i8c_dequant, torch.float32: lib.tokenmill_i8c_dequant_f32}
+    if acc.dtype not in kinds or terms not in (1, 2) or rows % terms or s.numel() != rows:
+        raise ValueError(
+            f"acc must be int32 or float32 [terms·M, N] with s [terms·M], got {acc.dtype} "
+            f"{tuple(acc.shape)}, s {tuple(s.shape)}, terms {terms}"
+        )
+    if col_scales.numel() != n or (bias is not None and bias.numel() != n):
+        raise ValueError(f"col_scales and bias must have {n} values")
+    acc, s, col_scales = acc.contiguous(), s.contiguous(), col_scales.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    m = rows // terms
+    # in place, over the first M rows of acc: element j of a row is read before it is written,
+    # and the output needs no fresh pages (an int32 acc is reinterpreted, same width)
+    out = acc.view(torch.float32)[:m] if inplace else torch.empty((m, n), dtype=torch.float32)
+    kinds[acc.dtype](
+        acc.data_ptr(), s.data_ptr(), col_scales.data_ptr(), _ptr(bias), out.data_ptr(),
+        m, n, terms, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def prefetch_ahead(nbytes: int | None = None) -> int:
@@ -653,9 +736,10 @@ class CpuOps:
             return reference.rms_norm(x, weight, eps)
         t, h = x.shape
         out = torch.empty((t, h), dtype=torch.float32)
-        _lib.tokenmill_rms_norm(
-            x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), h, t, h, eps
-        )
+        _lib.tokenmill_rms_norm_mt(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), h, t, h, eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
         return out
 
     @staticmethod
@@ -675,7 +759,7 @@ class CpuOps:
         t, h = x.shape
         out = torch.empty((t, h), dtype=torch.float32)
         new_residual = torch.empty((t, h), dtype=torch.float32)
-        _lib.tokenmill_fused_add_rms_norm(
+        _lib.tokenmill_fused_add_rms_norm_mt(
             x.data_ptr(),
             residual.data_ptr(),
             weight.data_ptr(),
@@ -684,6 +768,7 @@ class CpuOps:
             t,
             h,
             eps,
+            torch.get_num_threads(),
         )
         return out, new_residual
 
@@ -712,5 +797,5 @@ class CpuOps:
             return reference.silu_and_mul(x)
         t, n = x.shape[0], x.shape[1] // 2
         out = torch.empty((t, n), dtype=torch.float32)
-        _lib.tokenmill_silu_and_mul(x.data_ptr(), out.data_ptr(), t, n)
+        _lib.tokenmill_silu_and_mul_mt(x.data_ptr(), out.data_ptr(), t, n, torch.get_num_threads())
         return out

@@ -109,6 +109,10 @@ class TorchAttentionBackend:
     """Attention backend ``torch``: the default on CPU and the reference for ``triton``."""
 
     name = "torch"
+    #: the dtype a whole prompt's causal attention multiplies in (its softmax and sums stay
+    #: float32 inside torch's flash kernel); float32 unless the runner lowers it (bf16 beside
+    #: int8 compute on an AMX host: engine/int8_compute.py, prefill_attention_dtype)
+    prefill_dtype: torch.dtype = torch.float32
 
     def forward(
         self,
@@ -169,7 +173,9 @@ class TorchAttentionBackend:
             s, e = starts[i], starts[i + 1]
             if e - s == lens[i] and sliding_window is None:
                 # a whole prompt in one chunk: its keys and values are this step's own
-                out[s:e] = self._whole_prompt(query[s:e], key[s:e], value[s:e], scale)
+                out[s:e] = self._whole_prompt(
+                    query[s:e], key[s:e], value[s:e], scale, self.prefill_dtype
+                )
                 continue
             out[s:e] = attend_chunk(
                 query[s:e], k_cache, v_cache, m.block_tables[i], lens[i], scale, sliding_window
@@ -178,14 +184,18 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _whole_prompt(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """Causal attention of a prompt's ``q [L, Hq, D]`` over its own ``k, v [L, Hkv, D]``
-        (float32 math, as the reference); ``[L, Hq, D]``."""
+        (float32 math, as the reference, unless ``dtype`` says otherwise); ``[L, Hq, D]``."""
         out = F.scaled_dot_product_attention(
-            q.float().transpose(0, 1)[None],  # [1, Hq, L, D]
-            k.float().transpose(0, 1)[None],
-            v.float().transpose(0, 1)[None],
+            q.to(dtype).transpose(0, 1)[None],  # [1, Hq, L, D]
+            k.to(dtype).transpose(0, 1)[None],
+            v.to(dtype).transpose(0, 1)[None],
             is_causal=True,
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
