@@ -379,7 +379,8 @@ def roofline(steps: pd.DataFrame, peaks: dict, per_step: bool) -> go.Figure:
     GFLOP/s over the forward; prefill-containing and decode-only steps in their own colours.
     With the device's peaks (``data.device_peaks``): the bandwidth ceiling ``y = peak GB/s × x``
     up to the ridge point, the compute ceiling ``y = peak GFLOP/s`` from it, and the ridge
-    point (FLOP/byte) marked."""
+    point (FLOP/byte) marked; with int8 compute on, its own ceiling (the bandwidth line on to
+    the int8 ridge, then the int8 GEMM peak)."""
     fig = go.Figure()
     what = "step" if per_step else "bucket"
     for kind, label in (("prefill", "prefill-containing steps"), ("decode", "decode-only steps")):
@@ -434,6 +435,20 @@ def roofline(steps: pd.DataFrame, peaks: dict, per_step: bool) -> go.Figure:
                 textposition="bottom right",
             )
         )
+        int8, int8_ridge = peaks.get("peak_int8_gops"), peaks.get("int8_ridge")
+        if int8 and int8_ridge:
+            # int8 compute's ceiling: the same bandwidth roof, then its own compute roof
+            top = max(hi, int8_ridge * 4)
+            fig.add_trace(
+                go.Scatter(
+                    x=[ridge, int8_ridge, top],
+                    y=[gbps * ridge, int8, int8],
+                    name=f"int8 compute ceiling {fmt_peak(int8)} GOP/s "
+                    f"(ridge {fmt_peak(int8_ridge)} op/byte)",
+                    mode="lines",
+                    line={"color": "#9467bd", "width": 2, "dash": "dot"},
+                )
+            )
         title = f"Roofline ({peaks.get('device_name') or 'device'}; peaks: {src})"
     else:
         title = "Roofline (no device peaks recorded: steps only)"

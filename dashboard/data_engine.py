@@ -247,8 +247,9 @@ def roofline_steps(
 def device_peaks(con) -> dict:
     """The roofline's ceilings from the recorded config (``telemetry/recorded_config.py``):
     ``peak_gbps`` (GB/s), ``peak_gflops`` (GFLOP/s), their sources (``flag``, ``table:<GPU>``,
-    ``probe``), ``device_name`` and ``ridge`` (FLOP/byte: where the two ceilings meet); the
-    figures None when the store has none."""
+    ``probe``), ``device_name`` and ``ridge`` (FLOP/byte: where the two ceilings meet); with
+    int8 compute on, ``peak_int8_gops`` (its GEMM peak, GOP/s) and ``int8_ridge`` (where it
+    meets the bandwidth ceiling); the figures None when the store has none."""
     cfg = read_recorded_config(con)
     peaks = cfg.roofline_peaks()
     return {
@@ -258,6 +259,10 @@ def device_peaks(con) -> dict:
         "peak_gflops_source": cfg.device_peak_gflops_source,
         "device_name": cfg.device_name,
         "ridge": peaks[2] if peaks else None,
+        "peak_int8_gops": cfg.device_peak_int8_gops,
+        "int8_ridge": cfg.device_peak_int8_gops / cfg.device_peak_gbps
+        if peaks and cfg.device_peak_int8_gops
+        else None,
     }
 
 

@@ -322,6 +322,9 @@ class EngineCore:
             prepare_ms=prepare_ms,
             detokenize_ms=self._detokenize_s * 1e3,
             compiled=bool(sched.chunks and getattr(self.runner, "last_native", False)),
+            compute_precision=getattr(self.runner, "last_precision", None)
+            if sched.chunks
+            else None,
             cpu_threads=self.cpu_threads,
             collective_ms=comm[0] / 1e6 if comm else None,
             collective_bytes=comm[1] if comm else None,

@@ -71,6 +71,7 @@ def ready_model_info(core, config: EngineConfig) -> dict:
                 info["model_dtype"],
                 config.peak_bandwidth_gbps,
                 config.peak_gflops,
+                info.get("int8_compute_path"),
             )
         )
     return info

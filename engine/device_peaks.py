@@ -145,6 +145,51 @@ def probe(device: str = "cpu", dtype: str = "float32") -> tuple[float, float]:
     return 2 * PROBE_COPY_BYTES / copy_s / 1e9, 2 * n**3 / gemm_s / 1e9
 
 
+def probe_int8(n: int = PROBE_GEMM_N) -> float:
+    """The int8 GEMM peak of this process's int8 compute path (GOP/s: ``2·N³`` multiply-adds
+    counted as two operations, as FLOP are): the best of repeated ``N``³ products of int8
+    activations and a prepacked int8 weight through :func:`tokenmill.engine.int8_compute.int8_gemm`,
+    the call a prefill's layers make. About :data:`PROBE_BUDGET_S` seconds."""
+    import torch
+
+    from .int8_compute import int8_gemm, pack_weight
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (n, n), generator=g, dtype=torch.int8)
+    w = pack_weight(torch.randint(-127, 128, (n, n), generator=g, dtype=torch.int8))
+    return 2 * n**3 / _best_of(lambda: int8_gemm(a, w), PROBE_BUDGET_S) / 1e9
+
+
+def int8_peak(int8_path: str) -> tuple[float, bool]:
+    """``(GOP/s, from_cache)`` of :func:`probe_int8` on this machine and path, cached beside
+    the other probes (:func:`cache_path`, keyed by the path as well)."""
+    path = cache_path()
+    key = _probe_key(cpu_name(), f"int8 {int8_path}")
+    try:
+        cache = json.loads(path.read_text())
+        if not isinstance(cache, dict):
+            cache = {}
+    except (OSError, ValueError):
+        cache = {}
+    hit = cache.get(key)
+    if isinstance(hit, dict) and hit.get("gops", 0) > 0:
+        return float(hit["gops"]), True
+    gops = probe_int8()
+    cache[key] = {"gops": round(gops, 2), "measured_at": time.time()}
+    _write_cache(path, cache)
+    return gops, False
+
+
+def _write_cache(path: Path, cache: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("device peak cache %s not written: %s", path, exc)
+
+
 def _probe_key(device_name: str, dtype: str) -> str:
     import torch
 
@@ -172,13 +217,7 @@ def cached_probe(device: str, device_name: str, dtype: str) -> tuple[float, floa
         return float(hit["gbps"]), float(hit["gflops"]), True
     gbps, gflops = probe(device, dtype)
     cache[key] = {"gbps": round(gbps, 2), "gflops": round(gflops, 2), "measured_at": time.time()}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError as exc:
-        log.warning("device peak cache %s not written: %s", path, exc)
+    _write_cache(path, cache)
     return gbps, gflops, False
 
 
@@ -196,6 +235,7 @@ def resolve_peaks(
     dtype: str,
     bandwidth_gbps: float | None = None,
     gflops: float | None = None,
+    int8_path: str | None = None,
 ) -> dict:
     """The device's peaks and where each came from.
 
@@ -208,8 +248,13 @@ def resolve_peaks(
     Returns:
         ``device_name``, ``device_peak_gbps`` (GB/s), ``device_peak_gflops`` (GFLOP/s),
         ``device_peak_gbps_source`` and ``device_peak_gflops_source`` (``flag``,
-        ``table:<name>``, ``probe``; ``unavailable`` with a None figure when the probe failed).
+        ``table:<name>``, ``probe``; ``unavailable`` with a None figure when the probe failed);
+        with ``int8_path`` (int8 compute on: ``engine/int8_compute.py``) also
+        ``device_peak_int8_gops``, that path's int8 GEMM peak (:func:`int8_peak`), the compute
+        ceiling of the steps that ran in int8.
     """
+    if int8_path is not None:
+        return {**resolve_peaks(device, dtype, bandwidth_gbps, gflops), **_int8_peak_of(int8_path)}
     name = device_name_of(device)
     out = {
         "device_name": name,
@@ -245,3 +290,13 @@ def resolve_peaks(
     if gflops is None:
         out["device_peak_gflops"], out["device_peak_gflops_source"] = measured[1], source
     return out
+
+
+def _int8_peak_of(int8_path: str) -> dict:
+    try:
+        gops, cached = int8_peak(int8_path)
+    except Exception as exc:  # a failed probe leaves the int8 ceiling unknown, never the start
+        log.warning("int8 peak probe failed: %s", exc)
+        return {"device_peak_int8_gops": None}
+    log.info("int8 peak (%s): %.1f GOP/s (%s)", int8_path, gops, "cached" if cached else "probed")
+    return {"device_peak_int8_gops": round(gops, 2)}

@@ -7,14 +7,15 @@ kernel from the CPU at start (AMX tiles, AVX-512 VNNI ``vpdpbusd``, AVX2 ``vpmad
 ``ONEDNN_MAX_CPU_ISA`` caps it (``AVX2``, ``AVX512_CORE_VNNI``, ``AVX512_CORE_AMX``), which is
 how a host runs its slower paths for comparison. :func:`gemm_isa` names the path that runs.
 
-Activations go in as two int8 terms by default (``--int8-compute on``): the row rounded to
-int8, then what that rounding left rounded again, two GEMMs summed. One term
-(``--int8-compute fast``) halves the GEMMs, but on SmolLM2-135M its perplexity rose 3.97
-points of float32's above the int8 weight-only model's (``benchmarks/quantization_accuracy.py``,
-2026-12-06): a row's largest activations set its scale and the rest lose their low bits. Two
-terms gave 23.92 against the weight-only 23.97 (float32 23.83); splitting the row into 2 or 4
-groups along K with a scale each gave 24.45 and 24.22, and cost more than the second term
-(a float pass over the output per group).
+Where one rounding loses too much, activations go in as two int8 terms (``--int8-compute
+on``): the row rounded to int8, then what that rounding left rounded again, both multiplied in
+one GEMM and summed. One term everywhere (``--int8-compute fast``) is the fewest multiply-adds,
+but on SmolLM2-135M its perplexity rose 3.97 points of float32's above the int8 weight-only
+model's (``benchmarks/quantization_accuracy.py``, 2026-12-06): a row's largest activations set
+its scale and the rest lose their low bits. Two terms everywhere gave 23.92 against the
+weight-only 23.97 (float32 23.83); splitting the row into 2 or 4 groups along K with a scale
+each gave 24.45 and 24.22, and cost more than the second term. ``on`` writes two terms only
+where the rounding hurts (:data:`TWO_TERM_LAYERS`).
 
 One GEMM of a prefill chunk on SmolLM2-135M's MLP shape (512 × 576 × 1536, AMD EPYC with
 AVX-512 VNNI, 2 threads, medians of 30): oneDNN's int8 took 0.11-0.13 of float32's time on the
@@ -31,10 +32,28 @@ import torch
 from tokenmill.kernels import cpu as cpu_kernels
 
 #: --int8-compute: auto (on where the CPU has AVX-512 VNNI or AMX), on (activations as two int8
-#: terms), fast (one), off
+#: terms in the layers of TWO_TERM_LAYERS, one elsewhere), fast (one term everywhere), off
 INT8_COMPUTE_MODES = ("auto", "on", "fast", "off")
-#: int8 terms an activation row is written as, per mode
+#: int8 terms an activation row is written as, per mode (``on``: at most; see TWO_TERM_LAYERS)
 TERMS = {"on": 2, "fast": 1, "off": 0}
+#: with ``on``, the layers whose activations go in as two int8 terms (by name; the others take
+#: one): the attention's QKV projection, the MLP's down projection and the LM head. SmolLM2-135M
+#: perplexity by which layers got two terms (AMX host, 2026-12-06; float32 23.83, int8
+#: weight-only 23.97): all 23.92, none 24.85, down only 24.79, down and O 24.52, QKV only
+#: 24.31, QKV and down 24.13, QKV, down and LM head 24.04. The QKV and down projections are 41 %
+#: of a token's multiply-adds, so this costs 1.41 one-term GEMMs where two terms everywhere
+#: cost 2.
+TWO_TERM_LAYERS = ("qkv_proj", "down_proj", "lm_head")
+
+
+def layer_terms(name: str, terms: int) -> int:
+    """The int8 terms the layer called ``name`` (its module path) writes its activations in
+    under a mode of ``terms`` (:data:`TERMS`): 2 only for :data:`TWO_TERM_LAYERS`."""
+    if terms < 2:
+        return terms
+    return 2 if name.rpartition(".")[2] in TWO_TERM_LAYERS else 1
+
+
 #: the paths ``auto`` turns int8 compute on for: with AVX2's kernel, two terms ran a 500-token
 #: prefill no faster than float32 (0.98x, benchmarks/int8_prefill.py, 2026-12-06), with
 #: AVX-512 VNNI in 0.69x of its time
@@ -102,12 +121,14 @@ def _prepack_op() -> bool:
 
 
 def pack_weight(qweight_kn: torch.Tensor) -> torch.Tensor:
-    """The ``[K, N]`` int8 weight as the GEMM will read it: reordered once, now, into oneDNN's
-    blocked layout where torch has its prepacked int8 linear (``_int_mm`` reorders a plain
-    weight on every call: a 500-row GEMM on SmolLM2-135M's MLP shape took 1.6x as long as the
-    prepacked one, AMX host, 2 threads), else the plain tensor. Either goes to
-    :func:`int8_linear`."""
-    if not _prepack_op():
+    """The ``[K, N]`` int8 weight as the GEMM will read it: on the AMX path, reordered once,
+    now, into oneDNN's blocked layout (torch's prepacked int8 linear; ``_int_mm`` reorders a
+    plain weight on every call: a 500-row GEMM on SmolLM2-135M's MLP shape took 2.7x as long
+    as the prepacked one, 2 threads); else the plain tensor. Either goes to
+    :func:`int8_linear`. Only AMX: on the same host with oneDNN capped to AVX-512 VNNI the
+    prepacked product fell to a reference kernel (6.3 s against ``_int_mm``'s 1.5 ms), and
+    capped to AVX2 it was 14 % slower than ``_int_mm``."""
+    if gemm_isa() != "amx" or not _prepack_op():
         return qweight_kn
     return torch.ops.onednn.qlinear_prepack(qweight_kn.t().contiguous(), None)
 

@@ -287,6 +287,11 @@ class StepRecord(msgspec.Struct, kw_only=True):
     has arrived but waits for room in this core's pool or batch (back-pressure, the
     ``kv_wait`` state: ``requests.kv_wait_ms``); NULL on the prefill side, colocated and in
     dumps from before the field"""
+    compute_precision: str | None = None
+    """what the step's linear layers multiplied in: ``int8`` where int8 compute took its rows
+    (``engine/int8_compute.py``: quantized layers, rows above their GEMV cut-over), else the
+    activations' dtype (``float32``, ``bfloat16``); NULL for an idle heartbeat and in dumps
+    from before the field"""
     cpu_threads: int | None = None
     """the forward's CPU threads this step (``engine/cpu_threads.py``: the cores other
     processes leave free, or ``--cpu-threads``); NULL on CUDA and in dumps from before the

@@ -16,13 +16,12 @@ from .attention import SeqChunk, build_step_inputs
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, capture_sizes, decode_graphs_for
 from .errors import ModelLoadError, TokenmillError
-from .int8_compute import prefill_attention_dtype
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .models.loader import load_model
 from .models.native_step import NativeDecode, native_decode_for
 from .parallel.tensor_parallel import check_tensor_parallel, take_comm
 from .parallel.workers import TensorParallelGroup
-from .quantization import int8_compute_path
+from .quantization import INT8_COMPUTE_GEMV_ROWS, int8_compute_path
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -93,9 +92,6 @@ class ModelRunner:
         self.int4_activations = set_int4_activations(config, self.device)
         # the int8 GEMM path of the quantized layers' large steps (engine/int8_compute.py)
         self.int8_compute = int8_compute_path(self.model)
-        backend = getattr(self.model, "backend", None)
-        if self.int8_compute and hasattr(backend, "prefill_dtype"):
-            backend.prefill_dtype = prefill_attention_dtype(self.int8_compute)
         self.model_config = self.model.config
         self.block_size = config.block_size
         self.bytes_per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
@@ -140,6 +136,12 @@ class ModelRunner:
             log.info("compiled decode step off: %s", self.native_off_reason)
         # whether the last execute() ran the compiled decode step or a CUDA graph
         self.last_native = False
+        # what the last execute()'s linear layers multiplied in (StepRecord.compute_precision)
+        self.last_precision: str | None = None
+        self._activation_precision = str(self.dtype).removeprefix("torch.")
+        self._int8_compute_above = (
+            INT8_COMPUTE_GEMV_ROWS.get(config.quantization) if self.int8_compute else None
+        )
         # tensor parallel: (ns, bytes) the last execute() spent in collectives
         self.last_collective: tuple[int, int] | None = None
 
@@ -235,6 +237,9 @@ class ModelRunner:
         self.last_native = self.native is not None and NativeDecode.takes(
             len(tokens), step.metadata
         )
+        above = self._int8_compute_above
+        int8 = above is not None and not self.last_native and len(tokens) > above
+        self.last_precision = "int8" if int8 else self._activation_precision
         if self.tp_group is not None:
             t_send = time.perf_counter_ns()
             self.tp_group.broadcast_step(input_ids, step.positions, step.metadata)

@@ -519,8 +519,9 @@ def quantize_model(model: nn.Module, method: str, int8_compute: int = 0) -> int:
     :class:`HalfPrecisionLinear` layers instead.
 
     Args:
-        int8_compute: also give each layer its int8 GEMM path, with activations in this many
-            int8 terms (:class:`QuantizedLinear`; 0: none).
+        int8_compute: also give each layer its int8 GEMM path, with activations in up to this
+            many int8 terms (:class:`QuantizedLinear`; 0: none; 2 only in the layers of
+            :data:`tokenmill.engine.int8_compute.TWO_TERM_LAYERS`).
 
     Returns:
         The number of layers replaced.
@@ -536,8 +537,9 @@ def quantize_model(model: nn.Module, method: str, int8_compute: int = 0) -> int:
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        terms = int8_compute_mod.layer_terms(name, int8_compute)
         with torch.no_grad():
-            setattr(parent, attr, QuantizedLinear.from_linear(method, module, int8_compute))
+            setattr(parent, attr, QuantizedLinear.from_linear(method, module, terms))
     return len(targets)
 
 

@@ -47,6 +47,8 @@ class RecordedConfig(msgspec.Struct, frozen=True, kw_only=True):
     device_peak_gflops: float | None = None
     device_peak_gbps_source: str | None = None
     device_peak_gflops_source: str | None = None
+    #: int8 compute's GEMM peak (GOP/s, probed at start on its path): the int8 steps' ceiling
+    device_peak_int8_gops: float | None = None
     # the scheduler
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int | None = None

@@ -11,9 +11,15 @@ from safetensors import safe_open
 
 from ..attention import get_attention_backend
 from ..errors import ModelLoadError
+from ..int8_compute import prefill_attention_dtype
 from ..model_config import ModelConfig, load_model_config
 from ..parallel.tensor_parallel import plan_shard, shard_model
-from ..quantization import check_quantization, quantize_model, resolve_int8_compute
+from ..quantization import (
+    check_quantization,
+    int8_compute_path,
+    quantize_model,
+    resolve_int8_compute,
+)
 from . import get_model_class
 from .decoder import DecoderForCausalLM
 from .ops import get_ops
@@ -235,4 +241,8 @@ def load_model(
             raise ModelLoadError(str(exc)) from None
         shard_model(model, shard)
     quantize_model(model, quantization, int8_compute=resolve_int8_compute(int8_compute, dev))
+    path = int8_compute_path(model)
+    if path is not None and hasattr(model.backend, "prefill_dtype"):
+        # beside int8 GEMMs a prompt's attention may multiply in a lower precision too
+        model.backend.prefill_dtype = prefill_attention_dtype(path)
     return model

@@ -982,6 +982,36 @@ def test_roofline_buckets_sum_their_steps(roofline_store):
     assert {t.name for t in fig.data} >= {"decode-only steps", "ridge point 206 FLOP/byte"}
 
 
+def test_roofline_draws_int8_computes_own_ceiling(roofline_store, tmp_path):
+    """A config event with int8 compute's probed peak: the int8 ridge is that peak over the
+    bandwidth, and the chart draws the bandwidth roof on to it, then the int8 roof."""
+    import shutil
+
+    from tokenmill.dashboard import charts as dash_charts
+
+    path = tmp_path / "int8.duckdb"
+    shutil.copy(roofline_store, path)
+    peaks = {"device_name": "Intel Xeon", "device_peak_gbps": 20.0, "device_peak_gflops": 300.0,
+             "device_peak_int8_gops": 2000.0, "int8_compute_path": "amx"}  # fmt: skip
+    with duckdb.connect(str(path)) as con:
+        (t,) = con.execute("SELECT max(time_ns) + 1 FROM events").fetchone()
+        con.execute(
+            "INSERT INTO events (time_ns, kind, severity, message, attributes) "
+            "VALUES (?, 'config', 'info', 'engine flags at start', ?)",
+            [t, json.dumps(peaks)],
+        )
+        since, until = bounds(path)
+        steps, _ = data.roofline_steps(con, since, until + 1)
+        got = data.device_peaks(con)
+    assert got["ridge"] == pytest.approx(15.0) and got["int8_ridge"] == pytest.approx(100.0)
+    fig = dash_charts.roofline(steps, got, per_step=True)
+    (int8,) = [t for t in fig.data if t.name.startswith("int8 compute ceiling")]
+    assert list(int8.x[:2]) == pytest.approx([15.0, 100.0])
+    assert list(int8.y) == pytest.approx([300.0, 2000.0, 2000.0])
+    plain = dash_charts.roofline(steps, {**got, "peak_int8_gops": None}, per_step=True)
+    assert not [t for t in plain.data if t.name.startswith("int8")]
+
+
 def test_a_store_of_another_engine_names_it_and_where_its_signals_came_from(monkeypatch, tmp_path):
     """A proxy's store of a vLLM server (client-side request rows, vLLM's scraped metrics, no
     step records): the sidebar names the engine, the Diagnosis page says its queue and KV

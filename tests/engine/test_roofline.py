@@ -160,3 +160,49 @@ def test_flags_win_and_the_cpu_probe_is_cached(tmp_path, monkeypatch):
     again = device_peaks.resolve_peaks("cpu", "float32")
     assert again["device_peak_gbps"] == pytest.approx(first["device_peak_gbps"], abs=0.01)
     assert again["device_peak_gflops"] > 0 and again["device_peak_gflops_source"] == "probe"
+
+
+def test_int8_compute_probes_its_own_peak_once_per_path(tmp_path, monkeypatch):
+    from tokenmill.engine.int8_compute import gemm_isa
+
+    path = gemm_isa()
+    if path is None:
+        pytest.skip("no int8 path on this CPU")
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path))
+    plain = device_peaks.resolve_peaks("cpu", "float32", 20.0, 300.0)
+    assert "device_peak_int8_gops" not in plain  # int8 compute off: no int8 ceiling
+    calls = []
+    real = device_peaks.probe_int8
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(device_peaks, "probe_int8", counted)
+    first = device_peaks.resolve_peaks("cpu", "float32", 20.0, 300.0, int8_path=path)
+    again = device_peaks.resolve_peaks("cpu", "float32", 20.0, 300.0, int8_path=path)
+    assert len(calls) == 1  # the second start read the cache
+    assert first["device_peak_int8_gops"] == again["device_peak_int8_gops"] > 0
+    (key,) = json.loads((tmp_path / "device_peaks.json").read_text())
+    assert f"int8 {path}" in key
+
+
+def test_steps_say_what_their_linear_layers_multiplied_in(smollm2_dir):
+    """int8 compute on: the prompt's step (above the GEMV cut-over) multiplied in int8, the
+    one-row decode steps in float32; a float32 model's steps all float32."""
+    from tokenmill.engine.int8_compute import gemm_isa
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.quantization import INT8_COMPUTE_GEMV_ROWS
+    from tokenmill.engine.sampling import SamplingParams
+
+    if gemm_isa() is None:
+        pytest.skip("no int8 path on this CPU")
+    prompt = list(range(1, INT8_COMPUTE_GEMV_ROWS["int8"] + 20))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    llm = LLM(str(smollm2_dir), quantization="int8", int8_compute="on", kv_cache_memory=1 << 26)
+    llm.generate([prompt], params)
+    precisions = [r.compute_precision for r in llm.step_records]
+    assert precisions == ["int8", "float32", "float32"]
+    plain = LLM(str(smollm2_dir), kv_cache_memory=1 << 26)
+    plain.generate([prompt], params)
+    assert {r.compute_precision for r in plain.step_records} == {"float32"}
