@@ -994,13 +994,14 @@ def test_roofline_draws_int8_computes_own_ceiling(roofline_store, tmp_path):
     peaks = {"device_name": "Intel Xeon", "device_peak_gbps": 20.0, "device_peak_gflops": 300.0,
              "device_peak_int8_gops": 2000.0, "int8_compute_path": "amx"}  # fmt: skip
     with duckdb.connect(str(path)) as con:
-        (t,) = con.execute("SELECT max(time_ns) + 1 FROM events").fetchone()
+        (t,) = con.execute("SELECT max(time_ns) + 1 FROM events").fetchall()[0]
         con.execute(
             "INSERT INTO events (time_ns, kind, severity, message, attributes) "
             "VALUES (?, 'config', 'info', 'engine flags at start', ?)",
             [t, json.dumps(peaks)],
         )
-        since, until = bounds(path)
+    since, until = bounds(path)
+    with duckdb.connect(str(path), read_only=True) as con:
         steps, _ = data.roofline_steps(con, since, until + 1)
         got = data.device_peaks(con)
     assert got["ridge"] == pytest.approx(15.0) and got["int8_ridge"] == pytest.approx(100.0)
