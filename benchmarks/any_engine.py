@@ -195,11 +195,14 @@ def _mean(results: list[dict]) -> dict:
     return out
 
 
-def _llama(binary: Path, work: Path, slots: int, ctx: int, name: str, threads: int = 2):
+def _llama(
+    binary: Path, work: Path, slots: int, ctx: int, name: str, threads: int = 2,
+    extra: tuple[str, ...] = (),
+):  # fmt: skip
     port = _free_port()
     cmd = [str(binary), "-m", str(gguf_file()), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(slots), "-c", str(ctx), "-t", str(threads), "-tb", str(threads),
-           "--metrics"]  # fmt: skip
+           "--metrics", *extra]  # fmt: skip
     env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
     return start_server(cmd, work, env, f"http://127.0.0.1:{port}", f"{name}.log"), port
 
