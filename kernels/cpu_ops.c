@@ -13,17 +13,26 @@
 /* out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps); x, out: [t, h] with row strides (floats). A
  * prefill's many rows split across nthreads OpenMP threads (_mt); a decode step's few stay on
  * the calling thread. */
+static inline void rms_norm_row(const float *xr, const float *w, float *o, int64_t h, float eps) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < h; i++) ss += xr[i] * xr[i];
+    const float inv = 1.f / sqrtf(ss / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) o[i] = w[i] * (xr[i] * inv);
+}
+
+/* the row loops below: across nthreads OpenMP threads for a prefill's many rows, else on the
+ * calling thread with no OpenMP call at all (a decode step's few rows, the compiled step) */
+#define FOR_ROWS(t, nthreads, body)                                                           \
+    if ((t) >= 32 && (nthreads) > 1) {                                                        \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                    \
+        for (int64_t r = 0; r < (t); r++) body                                                \
+    } else {                                                                                  \
+        for (int64_t r = 0; r < (t); r++) body                                                \
+    }
+
 void tokenmill_rms_norm_mt(const float *x, int64_t x_stride, const float *w, float *out,
                            int64_t out_stride, int64_t t, int64_t h, float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (t >= 32 && nthreads > 1)
-    for (int64_t r = 0; r < t; r++) {
-        const float *xr = x + r * x_stride;
-        float *o = out + r * out_stride;
-        float ss = 0.f;
-        for (int64_t i = 0; i < h; i++) ss += xr[i] * xr[i];
-        const float inv = 1.f / sqrtf(ss / (float)h + eps);
-        for (int64_t i = 0; i < h; i++) o[i] = w[i] * (xr[i] * inv);
-    }
+    FOR_ROWS(t, nthreads, { rms_norm_row(x + r * x_stride, w, out + r * out_stride, h, eps); })
 }
 
 void tokenmill_rms_norm(const float *x, int64_t x_stride, const float *w, float *out,
@@ -32,22 +41,24 @@ void tokenmill_rms_norm(const float *x, int64_t x_stride, const float *w, float 
 }
 
 /* res_out[t] = x[t] + res[t]; out[t] = rms_norm(res_out[t]); all [t, h] contiguous */
+static inline void fused_add_rms_norm_row(const float *xr, const float *rr, const float *w,
+                                          float *o, float *ro, int64_t h, float eps) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < h; i++) {
+        const float v = xr[i] + rr[i];
+        ro[i] = v;
+        ss += v * v;
+    }
+    const float inv = 1.f / sqrtf(ss / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) o[i] = w[i] * (ro[i] * inv);
+}
+
 void tokenmill_fused_add_rms_norm_mt(const float *x, const float *res, const float *w,
                                      float *out, float *res_out, int64_t t, int64_t h, float eps,
                                      int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (t >= 32 && nthreads > 1)
-    for (int64_t r = 0; r < t; r++) {
-        const float *xr = x + r * h, *rr = res + r * h;
-        float *o = out + r * h, *ro = res_out + r * h;
-        float ss = 0.f;
-        for (int64_t i = 0; i < h; i++) {
-            const float v = xr[i] + rr[i];
-            ro[i] = v;
-            ss += v * v;
-        }
-        const float inv = 1.f / sqrtf(ss / (float)h + eps);
-        for (int64_t i = 0; i < h; i++) o[i] = w[i] * (ro[i] * inv);
-    }
+    FOR_ROWS(t, nthreads, {
+        fused_add_rms_norm_row(x + r * h, res + r * h, w, out + r * h, res_out + r * h, h, eps);
+    })
 }
 
 void tokenmill_fused_add_rms_norm(const float *x, const float *res, const float *w, float *out,
@@ -97,20 +108,20 @@ static inline __m256 exp8(__m256 x) {
 /* out[t, i] = silu(x[t, i]) * x[t, n + i]; x [t, 2n] contiguous, out [t, n]. Eight lanes at a
  * time with exp8 (expf itself does not vectorise: a prefill's 500 x 1536 values took 2.3 ms a
  * layer on one core); a prefill's many rows split across nthreads OpenMP threads. */
-void tokenmill_silu_and_mul_mt(const float *x, float *out, int64_t t, int64_t n, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (t >= 32 && nthreads > 1)
-    for (int64_t r = 0; r < t; r++) {
-        const float *g = x + r * 2 * n, *u = g + n;
-        float *o = out + r * n;
-        int64_t i = 0;
-        const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-        for (; i + 8 <= n; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 den = _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign)));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
-        }
-        for (; i < n; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+static inline void silu_and_mul_row(const float *g, float *o, int64_t n) {
+    const float *u = g + n;
+    int64_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 den = _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign)));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
     }
+    for (; i < n; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+void tokenmill_silu_and_mul_mt(const float *x, float *out, int64_t t, int64_t n, int nthreads) {
+    FOR_ROWS(t, nthreads, { silu_and_mul_row(x + r * 2 * n, out + r * n, n); })
 }
 
 void tokenmill_silu_and_mul(const float *x, float *out, int64_t t, int64_t n) {

@@ -12,7 +12,7 @@ import torch
 from paged_driver import mixed_greedy_requests, run_paged
 from test_quantization import ARCHS, make_checkpoint
 
-from tokenmill.engine import quantization
+from tokenmill.engine import int8_compute, quantization
 from tokenmill.engine.attention import SeqChunk, build_step_inputs
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core import model_info
@@ -141,14 +141,20 @@ def test_enforce_eager_keeps_the_module_forward(llama):
 
 
 @pytest.mark.slow
-def test_default_model_greedy_tokens_match_eager(smollm2_dir):
+@pytest.mark.parametrize(
+    "weights", [{}, {"quantization": "int8", "int8_compute": "on"}], ids=["float32", "int8+i8c"]
+)
+def test_default_model_greedy_tokens_match_eager(smollm2_dir, weights):
     """16 requests at once, prompts of 1-4 sentences and 8-40 output tokens: the batch starts
-    above the compiled step's 12 rows (eager) and shrinks through it as requests finish."""
+    above the compiled step's 12 rows (eager; with int8 compute, int8 GEMMs) and shrinks
+    through it as requests finish."""
+    if weights and int8_compute.gemm_isa() is None:
+        pytest.skip("no int8 path on this CPU")
     prompts, params = mixed_greedy_requests()
-    llm = LLM(str(smollm2_dir))
+    llm = LLM(str(smollm2_dir), **weights)
     compiled = [r.token_ids for r in llm.generate(prompts, params)]
     flags = [r.compiled for r in llm.step_records if r.num_sampled]
-    eager_llm = LLM(str(smollm2_dir), enforce_eager=True)
+    eager_llm = LLM(str(smollm2_dir), enforce_eager=True, **weights)
     eager = [r.token_ids for r in eager_llm.generate(prompts, params)]
     assert [len(t) for t in compiled] == [p.max_tokens for p in params]
     assert compiled == eager
