@@ -15,7 +15,7 @@ model's (``benchmarks/quantization_accuracy.py``, 2026-12-06): a row's largest a
 its scale and the rest lose their low bits. Two terms everywhere gave 23.92 against the
 weight-only 23.97 (float32 23.83); splitting the row into 2 or 4 groups along K with a scale
 each gave 24.45 and 24.22, and cost more than the second term. ``on`` writes two terms only
-where the rounding hurts (:data:`TWO_TERM_LAYERS`).
+in the layers where one rounding hurts most (:data:`TWO_TERM_LAYERS`).
 
 One GEMM of a prefill chunk on SmolLM2-135M's MLP shape (512 × 576 × 1536, AMD EPYC with
 AVX-512 VNNI, 2 threads, medians of 30): oneDNN's int8 took 0.11-0.13 of float32's time on the
@@ -36,14 +36,15 @@ from tokenmill.kernels import cpu as cpu_kernels
 INT8_COMPUTE_MODES = ("auto", "on", "fast", "off")
 #: int8 terms an activation row is written as, per mode (``on``: at most; see TWO_TERM_LAYERS)
 TERMS = {"on": 2, "fast": 1, "off": 0}
-#: with ``on``, the layers whose activations go in as two int8 terms (by name; the others take
-#: one): the attention's QKV projection, the MLP's down projection and the LM head. SmolLM2-135M
-#: perplexity by which layers got two terms (AMX host, 2026-12-06; float32 23.83, int8
-#: weight-only 23.97): all 23.92, none 24.85, down only 24.79, down and O 24.52, QKV only
-#: 24.31, QKV and down 24.13, QKV, down and LM head 24.04. The QKV and down projections are 41 %
-#: of a token's multiply-adds, so this costs 1.41 one-term GEMMs where two terms everywhere
-#: cost 2.
-TWO_TERM_LAYERS = ("qkv_proj", "down_proj", "lm_head")
+#: with ``on``, the layers whose activations go in as two int8 terms (by name): all but the
+#: MLP's gate/up projection, which takes one. Perplexity of SmolLM2-135M by the layers given
+#: two terms (AMX host, 2026-12-06; float32 23.83): int8 weights (weight-only 23.97): all
+#: 23.92, none 24.85, down 24.79, down and O 24.52, QKV 24.31, QKV and down 24.13, QKV, down and
+#: LM head 24.04, all but gate/up 24.15; int4 weights (weight-only 25.39): all 25.62, QKV, down
+#: and LM head 25.87 (2.01 points over its twin: the gate's 2), all but gate/up 25.71. The
+#: gate/up projection is half of a token's multiply-adds, so ``on`` costs 1.5 one-term GEMMs
+#: where two terms everywhere cost 2.
+TWO_TERM_LAYERS = ("qkv_proj", "o_proj", "down_proj", "lm_head")
 
 
 def layer_terms(name: str, terms: int) -> int:
