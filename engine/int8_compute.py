@@ -2,10 +2,13 @@
 GEMV cut-over): each activation row rounded to int8 with its own scale (dynamic, per token),
 times an int8 weight with one scale per output channel, summed exactly in int32.
 
-The product is ``torch._int_mm``, which on a CPU runs oneDNN's int8 GEMM: oneDNN picks its
-kernel from the CPU at start (AMX tiles, AVX-512 VNNI ``vpdpbusd``, AVX2 ``vpmaddubsw``), and
-``ONEDNN_MAX_CPU_ISA`` caps it (``AVX2``, ``AVX512_CORE_VNNI``, ``AVX512_CORE_AMX``), which is
-how a host runs its slower paths for comparison. :func:`gemm_isa` names the path that runs.
+The product is oneDNN's int8 GEMM inside torch (``torch._int_mm``; on the AMX path torch's
+prepacked int8 linear, :func:`pack_weight`): oneDNN picks its kernel from the CPU at start (AMX
+tiles, AVX-512 VNNI ``vpdpbusd``, AVX2 ``vpmaddubsw``), and ``ONEDNN_MAX_CPU_ISA`` caps it
+(``AVX2``, ``AVX512_CORE_VNNI``, ``AVX512_CORE_AMX``), which is how a host runs its slower
+paths for comparison. :func:`gemm_isa` names the path that runs. Rounding the activations and
+scaling the sums back are one C pass each (``kernels/cpu_int8_compute.c``) where the CPU
+kernels build; the torch expressions below are their reference and fallback.
 
 Where one rounding loses too much, activations go in as two int8 terms (``--int8-compute
 on``): the row rounded to int8, then what that rounding left rounded again, both multiplied in

@@ -68,6 +68,8 @@ def memory_line(model_info: dict) -> str:
         line += f"; int4 on {model_info['int4_activations_used']} activations"
     if model_info.get("int8_compute_path"):
         line += f"; int8 compute on {model_info['int8_compute_path']}"
+        if model_info.get("device_peak_int8_gops"):
+            line += f" (peak {model_info['device_peak_int8_gops']:,.0f} GOP/s)"
     kernels = model_info.get("cpu_kernels")
     if kernels:
         line += f"; C kernels {kernels if kernels == 'on' else f'off ({kernels})'}"

@@ -149,3 +149,14 @@ def test_on_writes_two_terms_only_where_one_rounding_loses_accuracy():
     assert terms == {"qkv_proj": 2, "o_proj": 2, "gate_up_proj": 1, "down_proj": 2, "lm_head": 2}
     assert {m.int8_terms for n, m in fast.named_modules() if n.count(".")} == {1}
     assert ic.layer_terms("model.layers.3.self_attn.qkv_proj", 0) == 0
+
+
+def test_the_start_line_names_the_int8_path_and_its_peak():
+    from tokenmill.engine.api.start_line import memory_line
+
+    info = {"weight_bytes_by_dtype": {"int8": 1 << 20}, "weight_bytes_total": 1 << 20,
+            "int8_compute_path": "amx"}  # fmt: skip
+    assert "; int8 compute on amx; " in memory_line(info)
+    line = memory_line({**info, "device_peak_int8_gops": 2143.6})
+    assert "; int8 compute on amx (peak 2,144 GOP/s); " in line
+    assert "int8 compute" not in memory_line({**info, "int8_compute_path": None})
