@@ -2,8 +2,8 @@
 
 Configurations (weights, ``--int8-compute``, oneDNN's ISA cap): float32; int8 and int4
 weight-only (their large steps dequantize into a float32 GEMM, as before int8 compute); int8
-and int4 with int8 compute on the CPU's own path (``on``: activations as two int8 terms, the
-default), int8 with ``fast`` (one term); and the same two with the path capped lower
+and int4 with int8 compute on the CPU's own path (``on``: activations as two int8 terms but
+in the MLP's gate/up projection, the default), int8 with ``fast`` (one term); and the same two with the path capped lower
 (``ONEDNN_MAX_CPU_ISA``: AVX2 everywhere, AVX-512 VNNI as well on an AMX host), so one machine
 measures more than one path. Each runs in a fresh process through the offline engine (``LLM``:
 the server's scheduler, cache and model without HTTP), on the same prompts:

@@ -22,7 +22,7 @@ Configs: float32 and bfloat16 without quantization; int8 and int4 with float32 a
 (the targets) and with bfloat16 activations (reported, held to the same targets), all computing
 their large steps in float (``--int8-compute off``); and ``int8+i8c``/``int4+i8c``, the same
 weights with int8 compute (activations rounded to int8 per token on the 512-row prefill path,
-``engine/int8_compute.py``: two int8 terms a row), each held to its weight-only twin's
+``engine/int8_compute.py``: two int8 terms a row but in the gate/up projection), each held to its weight-only twin's
 perplexity +2 points; ``int8+i8c-fast`` (one term) is reported beside them, not held.
 
 Results go to ``benchmarks/results/quantization_accuracy.json``; the process exits 1 when a
