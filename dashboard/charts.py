@@ -435,20 +435,7 @@ def roofline(steps: pd.DataFrame, peaks: dict, per_step: bool) -> go.Figure:
                 textposition="bottom right",
             )
         )
-        int8, int8_ridge = peaks.get("peak_int8_gops"), peaks.get("int8_ridge")
-        if int8 and int8_ridge:
-            # int8 compute's ceiling: the same bandwidth roof, then its own compute roof
-            top = max(hi, int8_ridge * 4)
-            fig.add_trace(
-                go.Scatter(
-                    x=[ridge, int8_ridge, top],
-                    y=[gbps * ridge, int8, int8],
-                    name=f"int8 compute ceiling {fmt_peak(int8)} GOP/s "
-                    f"(ridge {fmt_peak(int8_ridge)} op/byte)",
-                    mode="lines",
-                    line={"color": "#9467bd", "width": 2, "dash": "dot"},
-                )
-            )
+        _int8_ceiling(fig, peaks, hi)
         title = f"Roofline ({peaks.get('device_name') or 'device'}; peaks: {src})"
     else:
         title = "Roofline (no device peaks recorded: steps only)"
@@ -457,6 +444,25 @@ def roofline(steps: pd.DataFrame, peaks: dict, per_step: bool) -> go.Figure:
     fig = _layout(fig, 450, title)
     fig.update_layout(hovermode="closest")
     return fig
+
+
+def _int8_ceiling(fig: go.Figure, peaks: dict, hi: float) -> None:
+    """int8 compute's ceiling on the roofline, where the peaks have one: the bandwidth roof on
+    from the float ridge to the int8 ridge, then the int8 GEMM peak."""
+    int8, int8_ridge = peaks.get("peak_int8_gops"), peaks.get("int8_ridge")
+    if not (int8 and int8_ridge):
+        return
+    ridge, gbps = peaks["ridge"], peaks["peak_gbps"]
+    fig.add_trace(
+        go.Scatter(
+            x=[ridge, int8_ridge, max(hi, int8_ridge * 4)],
+            y=[gbps * ridge, int8, int8],
+            name=f"int8 compute ceiling {fmt_peak(int8)} GOP/s "
+            f"(ridge {fmt_peak(int8_ridge)} op/byte)",
+            mode="lines",
+            line={"color": "#9467bd", "width": 2, "dash": "dot"},
+        )
+    )
 
 
 def step_field(df: pd.DataFrame, field: str, per_step: bool) -> go.Figure:
