@@ -163,8 +163,16 @@ def probe_int8(n: int = PROBE_GEMM_N) -> float:
 def int8_peak(int8_path: str) -> tuple[float, bool]:
     """``(GOP/s, from_cache)`` of :func:`probe_int8` on this machine and path, cached beside
     the other probes (:func:`cache_path`, keyed by the path as well)."""
-    path = cache_path()
     key = _probe_key(cpu_name(), f"int8 {int8_path}")
+    (gops,), cached = _cached(key, ("gops",), lambda: (probe_int8(),))
+    return gops, cached
+
+
+def _cached(key: str, fields: tuple[str, ...], measure) -> tuple[tuple[float, ...], bool]:
+    """``(values, from_cache)``: the positive ``fields`` cached under ``key``
+    (:func:`cache_path`), or ``measure()``'s, written there (an unwritable cache only costs the
+    next start a probe)."""
+    path = cache_path()
     try:
         cache = json.loads(path.read_text())
         if not isinstance(cache, dict):
@@ -172,12 +180,12 @@ def int8_peak(int8_path: str) -> tuple[float, bool]:
     except (OSError, ValueError):
         cache = {}
     hit = cache.get(key)
-    if isinstance(hit, dict) and hit.get("gops", 0) > 0:
-        return float(hit["gops"]), True
-    gops = probe_int8()
-    cache[key] = {"gops": round(gops, 2), "measured_at": time.time()}
+    if isinstance(hit, dict) and all(hit.get(f, 0) > 0 for f in fields):
+        return tuple(float(hit[f]) for f in fields), True
+    values = measure()
+    cache[key] = {**{f: round(v, 2) for f, v in zip(fields, values)}, "measured_at": time.time()}
     _write_cache(path, cache)
-    return gops, False
+    return values, False
 
 
 def _write_cache(path: Path, cache: dict) -> None:
@@ -204,21 +212,10 @@ def cached_probe(device: str, device_name: str, dtype: str) -> tuple[float, floa
     """``(GB/s, GFLOP/s, from_cache)``: the cached probe of this machine, or a new probe
     written to the cache (:func:`cache_path`; an unwritable cache only costs the next start a
     probe)."""
-    path = cache_path()
-    key = _probe_key(device_name, dtype)
-    try:
-        cache = json.loads(path.read_text())
-        if not isinstance(cache, dict):
-            cache = {}
-    except (OSError, ValueError):
-        cache = {}
-    hit = cache.get(key)
-    if isinstance(hit, dict) and hit.get("gbps", 0) > 0 and hit.get("gflops", 0) > 0:
-        return float(hit["gbps"]), float(hit["gflops"]), True
-    gbps, gflops = probe(device, dtype)
-    cache[key] = {"gbps": round(gbps, 2), "gflops": round(gflops, 2), "measured_at": time.time()}
-    _write_cache(path, cache)
-    return gbps, gflops, False
+    (gbps, gflops), cached = _cached(
+        _probe_key(device_name, dtype), ("gbps", "gflops"), lambda: probe(device, dtype)
+    )
+    return gbps, gflops, cached
 
 
 def device_name_of(device: str) -> str:

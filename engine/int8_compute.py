@@ -183,10 +183,11 @@ def int8_linear(
 ) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias)`` in int8 with int32 sums, returned in float32, ``W`` as
     ``quantize_int8`` (:mod:`tokenmill.engine.quantization`) left it, per
-    output channel, transposed to ``[K, N]`` (plain or :func:`pack_weight`'s). With ``terms=1`` each row of ``x`` is rounded to int8 once
-    (:func:`quantize_rows`); with 2 (the default) what that rounding left is rounded again and
-    multiplied too (``x ≈ s1·q1 + s2·q2``: two GEMMs, activations good to about 1 part in
-    30,000 of their row's largest, so the weight's rounding is what is left)."""
+    output channel, transposed to ``[K, N]`` (plain or :func:`pack_weight`'s). With
+    ``terms=1`` each row of ``x`` is rounded to int8 once (:func:`quantize_rows`); with 2 (the
+    default) what that rounding left is rounded again and multiplied too (``x ≈ s1·q1 +
+    s2·q2``: twice the multiply-adds, activations good to about 1 part in 30,000 of their
+    row's largest, so the weight's rounding is what is left)."""
     x = x.to(torch.float32)
     if cpu_kernels.available() and x.stride(-1) == 1:
         # the C passes (kernels/cpu_int8_compute.c): both terms in one call, stacked, so one

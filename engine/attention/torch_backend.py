@@ -110,7 +110,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     #: the dtype a whole prompt's causal attention multiplies in (its softmax and sums stay
-    #: float32 inside torch's flash kernel); float32 unless the runner lowers it (bf16 beside
+    #: float32 inside torch's flash kernel); float32 unless the loader lowers it (bf16 beside
     #: int8 compute on an AMX host: engine/int8_compute.py, prefill_attention_dtype)
     prefill_dtype: torch.dtype = torch.float32
 
