@@ -362,15 +362,32 @@ class EpisodeScore:
 
 
 def findings_of(db: Path) -> list[dict]:
-    """Each finding's latest state: rule, opened_ns, resolved_ns."""
+    """Each finding's latest state: rule, opened_ns, resolved_ns, severity; in the order they
+    opened, those opened at one period in the loop's ranking (a finding no other explains
+    first, then severity, then confidence, as of the period it opened)."""
     con = duckdb.connect(str(db), read_only=True)
     rows = con.execute(
         "SELECT finding_id, arg_max(rule, time_ns), max(opened_ns), max(resolved_ns), "
-        "arg_max(severity, time_ns) FROM findings GROUP BY finding_id ORDER BY 2"
+        "arg_max(severity, time_ns), "
+        "arg_min(len(coalesce(explained_by, [])), time_ns) FILTER (WHERE status = 'open'), "
+        "arg_min(confidence, time_ns) FILTER (WHERE status = 'open'), "
+        "arg_min(severity, time_ns) FILTER (WHERE status = 'open') "
+        "FROM findings GROUP BY finding_id ORDER BY 2"
     ).fetchall()
     con.close()
-    out = [dict(zip(("id", "rule", "opened_ns", "resolved_ns", "severity"), r)) for r in rows]
-    return sorted((f for f in out if f["opened_ns"]), key=lambda f: f["opened_ns"])
+    keys = ("id", "rule", "opened_ns", "resolved_ns", "severity", "explained", "confidence",
+            "open_severity")  # fmt: skip
+    out = [dict(zip(keys, r)) for r in rows]
+    rank = {"critical": 0, "warning": 1}
+    return sorted(
+        (f for f in out if f["opened_ns"]),
+        key=lambda f: (
+            f["opened_ns"],
+            (f["explained"] or 0) > 0,
+            rank.get(f["open_severity"], 2),
+            -(f["confidence"] or 0),
+        ),
+    )
 
 
 def score(episodes: list[Episode], findings: list[dict], alerts: list[dict]) -> dict:

@@ -16,10 +16,11 @@ and signal families as ``tokenmill diagnose``.
   range is judged on its own windows, as a dump is.
 - **Holding.** A rule holds at a tick when it fires there and is not inconclusive. Findings
   that another finding explains are kept (their ``explained_by`` says so) and ranked after it.
-- **Hysteresis.** A finding opens once its rule held in ``open_after`` consecutive ticks and
-  resolves after ``resolve_after`` consecutive ticks without it: one incident, one finding, opened
-  once and resolved once. The defaults were chosen on the tune timeline of the live soak and
-  are documented in ``docs/live-diagnosis.md``.
+- **Hysteresis.** A finding opens once its rule held in ``open_after`` consecutive ticks (more
+  for a rule whose claim one range cannot show: its ``Rule.live_open_after``) and resolves after
+  ``resolve_after`` consecutive ticks without it: one incident, one finding, opened once and
+  resolved once. The defaults were chosen on the factorial corpus's tune split and the live
+  soak, and are documented in ``docs/live-diagnosis.md``.
 
 Each change is written to the store's ``findings`` table (``telemetry/rows.py``: ``FindingRow``,
 one row per open, refresh and resolve; readers take each finding's latest row) and reported to
@@ -40,6 +41,7 @@ import duckdb
 from tokenmill.telemetry.rows import FindingRow, finding_row
 
 from .findings import Finding, run_rules
+from .rules import RULES_BY_ID
 from .signals import NoTraffic, Window, load
 from .signals.baseline import judge_baseline
 
@@ -57,10 +59,17 @@ class LiveSettings:
     window_s: float = 10.0
     recent_windows: int = 3
     reference_s: float = 3600.0
-    open_after: int = 2
+    open_after: int = 1
     resolve_after: int = 2
     #: resolved findings kept in memory for ``GET /v1/findings``
     keep_resolved_s: float = 3600.0
+
+    def open_after_for(self, rule_id: str) -> int:
+        """The consecutive ticks ``rule_id`` must hold in before its finding opens: the loop's
+        ``open_after``, or the rule's own ``live_open_after`` where that is longer."""
+        rule = RULES_BY_ID.get(rule_id)
+        own = rule.live_open_after if rule is not None else None
+        return max(self.open_after, own or 0)
 
 
 @dataclass
@@ -217,7 +226,7 @@ class LiveDiagnosis:
                 lf = LiveFinding(rule_id, uuid.uuid4().hex[:16], now_ns, f, now_ns)
                 self.active[rule_id] = lf
             lf.latest, lf.last_seen_ns, lf.held, lf.clean = f, now_ns, lf.held + 1, 0
-            if lf.status == "pending" and lf.held >= s.open_after:
+            if lf.status == "pending" and lf.held >= s.open_after_for(rule_id):
                 lf.status, lf.opened_ns = "open", now_ns
                 res.opened.append(lf)
             if lf.status == "open":
@@ -277,6 +286,11 @@ class LiveDiagnosis:
                 "window_s": self.settings.window_s,
                 "recent_windows": self.settings.recent_windows,
                 "open_after": self.settings.open_after,
+                "open_after_by_rule": {
+                    r: n
+                    for r in RULES_BY_ID
+                    if (n := self.settings.open_after_for(r)) != self.settings.open_after
+                },
                 "resolve_after": self.settings.resolve_after,
             },
             "runs": self.runs,

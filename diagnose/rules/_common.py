@@ -124,6 +124,10 @@ class Rule:
     # the columns the rule's own queries read (table -> columns; its example filter and
     # test_metric included) beyond those of the families it reads
     needs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # the live loop's consecutive periods the rule must hold in before its finding opens, where
+    # one period cannot show its claim (a period claimed from spikes needs more than one range
+    # of them); None: the loop's own ``open_after`` (diagnose/live.py)
+    live_open_after: int | None = None
 
     @property
     def runbook(self) -> str:

@@ -20,6 +20,7 @@ from ._common import (
     _worst,
 )
 from .head_of_line_blocking import RULE as HOL
+from .overload import _errors_are_overloads
 
 
 def _causes(sig: Signals, w: Window, p: dict) -> tuple[tuple[str, ...], dict]:
@@ -409,6 +410,10 @@ RULE = Rule(
     },
     detect=detect,
     healthy_baseline="either",
+    # the full admission queue's own refusals (429 queue_full) and the waits clients gave up:
+    # the queue is their cause, ranked first (the live soak's overload on three client processes
+    # opened error_spike first)
+    explains_when={"error_spike": _errors_are_overloads},
     evidence_signals=("ttft_p99", "queue_p99", "waiting_mean"),
     alert=Alert(
         name="TokenmillTTFTQueueing",

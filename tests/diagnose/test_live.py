@@ -113,3 +113,35 @@ def test_the_service_writes_rows_series_and_a_snapshot_that_agree(tmp_path):
     assert snap["open"][0]["severity"] == sev
     assert snap["open"][0]["opened_ns"] is not None and snap["runs"] == 10
     store.close()
+
+
+def _finding(rule_id: str):
+    from tokenmill.diagnose.findings import Finding
+
+    return Finding(rule_id, rule_id, "warning", 0.8, "", {}, None, None, [], [], [], "", "")
+
+
+def test_a_rule_opens_after_one_period_unless_its_claim_needs_more():
+    """open_after 1 by default; periodic_itl_spikes (a period claimed from spikes) waits for
+    its own live_open_after of 2; both resolve after resolve_after clean periods."""
+    from tokenmill.diagnose.live import TickResult
+
+    loop = LiveDiagnosis(LiveSettings())
+    assert loop.settings.open_after_for("periodic_itl_spikes") == 2
+    assert loop.settings.open_after_for("ttft_queueing") == 1
+    held = [_finding("ttft_queueing"), _finding("periodic_itl_spikes")]
+    first = TickResult(10 * S, 0, 0, held=[])
+    loop._advance(held, 10 * S, first)
+    assert [f.rule_id for f in first.opened] == ["ttft_queueing"]
+    assert loop.active["periodic_itl_spikes"].status == "pending"
+    second = TickResult(20 * S, 0, 0, held=[])
+    loop._advance(held, 20 * S, second)
+    assert [f.rule_id for f in second.opened] == ["periodic_itl_spikes"]
+    for t in (30, 40):
+        r = TickResult(t * S, 0, 0, held=[])
+        loop._advance([], t * S, r)
+    assert loop.active == {} and {f.rule_id for f in loop.resolved} == {
+        "ttft_queueing",
+        "periodic_itl_spikes",
+    }
+    assert r.resolved and all(f.resolved_ns == 40 * S for f in r.resolved)
