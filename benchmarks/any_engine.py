@@ -195,6 +195,14 @@ def _mean(results: list[dict]) -> dict:
     return out
 
 
+def llama_host_args() -> tuple[str, ...]:
+    """The flags ``llama-server`` needs on this host. On an AMX host, ``--no-repack``: its AMX
+    matmul (on repacked weights) died on its first prompt on 2026-12-06's Xeon (SIGILL at
+    ``ldtilecfg``; SIGSEGV there once the process had asked Linux for the tile state), so it
+    runs its AVX-512 kernels on the GGUF's own layout (../shared/NOTES.md)."""
+    return ("--no-repack",) if " amx_tile" in Path("/proc/cpuinfo").read_text() else ()
+
+
 def _llama(
     binary: Path, work: Path, slots: int, ctx: int, name: str, threads: int = 2,
     extra: tuple[str, ...] = (),
@@ -202,7 +210,7 @@ def _llama(
     port = _free_port()
     cmd = [str(binary), "-m", str(gguf_file()), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(slots), "-c", str(ctx), "-t", str(threads), "-tb", str(threads),
-           "--metrics", *extra]  # fmt: skip
+           "--metrics", *llama_host_args(), *extra]  # fmt: skip
     env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
     return start_server(cmd, work, env, f"http://127.0.0.1:{port}", f"{name}.log"), port
 

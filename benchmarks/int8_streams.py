@@ -5,7 +5,7 @@ Servers, one after another, each alone on the machine: ``tokenmill serve`` in fl
 int4 weight-only (``--int8-compute off``); int8 and int4 with int8 compute on the CPU's own
 path (``--int8-compute on``); then llama.cpp's ``llama-server`` on the default model's Q4_1
 GGUF with 32 slots and 2 threads (built once from the pinned sdist, ``any_engine.py``;
-``--no-repack`` on an AMX host, see LLAMA_NO_AMX).
+``--no-repack`` on an AMX host, see any_engine.llama_host_args).
 
 The client is ``tokenmill bench`` for every server: 32 requests in flight (closed loop), 64 in
 all, chat prompts of 30-240 tokens (20-180 words of English), 64-128 output tokens with
@@ -38,10 +38,6 @@ from tokenmill.bench.scenario import start_server, stop_server
 OUT = Path(__file__).parent / "results"
 LOAD = ["--concurrency", "32", "--num-requests", "64", "--prompt-tokens", "uniform:30:240",
         "--output-tokens", "uniform:64:128", "--seed", "0"]  # fmt: skip
-#: on an AMX host: llama.cpp's AMX matmul (its repacked weights) died on its first prompt on
-#: 2026-12-06's Xeon (SIGILL at ldtilecfg; SIGSEGV there once the process had asked Linux for
-#: the tile state), so it runs its AVX-512 kernels on the GGUF's own layout
-LLAMA_NO_AMX = ("--no-repack",)
 CONFIGS = [
     ("float32", ["--quantization", "none"]),
     ("int8 weight-only", ["--quantization", "int8", "--int8-compute", "off"]),
@@ -78,10 +74,7 @@ def main() -> int:
                    for name, a in CONFIGS]  # fmt: skip
         if not args.skip_llama:
             binary = llama_server()
-            extra = LLAMA_NO_AMX if host["int8_path"] == "amx" else ()
-            servers.append(
-                ("llama.cpp Q4_1", lambda: _llama(binary, work, 32, 16384, "llama", extra=extra))
-            )
+            servers.append(("llama.cpp Q4_1", lambda: _llama(binary, work, 32, 16384, "llama")))
         for name, start in servers:
             t0 = time.perf_counter()
             server, port = start()

@@ -220,14 +220,15 @@ class LlamaProxy:
 
     def __init__(self, out: Path, port: int):
         sys.path.insert(0, str(ROOT / "benchmarks"))
-        from any_engine import llama_server
+        from any_engine import llama_host_args, llama_server
         from vs_llamacpp import gguf_file
 
         self.out, self.port = out, port
         up_port = port + 1
         binary = llama_server()
         cmd = [str(binary), "-m", str(gguf_file()), "--host", "127.0.0.1", "--port", str(up_port),
-               "-np", "4", "-c", "4096", "-t", "2", "-tb", "2", "--metrics"]  # fmt: skip
+               "-np", "4", "-c", "4096", "-t", "2", "-tb", "2", "--metrics",
+               *llama_host_args()]  # fmt: skip
         env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
         self.upstream = _start(cmd, out / "llama.log", f"http://127.0.0.1:{up_port}", env=env)
         self.url = f"http://127.0.0.1:{port}"

@@ -36,6 +36,12 @@ from .live import LiveDiagnosis, LiveSettings, TickResult
 
 log = logging.getLogger(__name__)
 
+#: the loop thread's nice: the lowest. Its time slices land between the engine's torch threads,
+#: which wait for each other at every parallel op; at nice 10 (the other telemetry threads')
+#: decode steps of the live soak ran 5x their median in the second after each of its runs,
+#: and under SCHED_IDLE a run took longer than its period (benchmarks/RESULTS.md)
+LOOP_NICE = 19
+
 #: the loop's run-time buckets (s): a tick over three 10 s windows takes a few hundred ms
 RUN_BUCKETS_S = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 
@@ -158,7 +164,7 @@ class LiveService:
     def _run(self) -> None:
         from tokenmill.telemetry.store import lower_thread_priority
 
-        lower_thread_priority()
+        lower_thread_priority(LOOP_NICE)
         period = self.loop.settings.period_s
         started = time.monotonic()
         while not self._stop.wait(max(0.0, started + period - time.monotonic())):

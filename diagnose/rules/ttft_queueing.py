@@ -218,6 +218,16 @@ WHERE input_tokens >= ? AND arrival_ns < ? AND coalesce(first_token_ns, end_ns) 
 """
 
 
+def _admission_closed(sig: Signals, w: Window, p: dict) -> bool:
+    """The window's steps began with requests waiting and prefilled nothing, ``queue_steps`` of
+    them; with no steps of the engine in the store, its waiting gauge's mean at
+    ``onset_waiting``."""
+    share = w.get("waiting_decode_only_share")
+    if share is not None or sig.overall.get("steps"):
+        return (share or 0) >= p["queue_steps"]
+    return (w.get("waiting_mean") or 0) >= p["onset_waiting"]
+
+
 def _onset(sig: Signals, p: dict) -> Evidence | None:
     """The queue as it forms, before its requests' TTFT has risen far or they have ended (a
     live store). In a window, a share ``queue_steps`` of the engine's steps began with requests
@@ -226,7 +236,9 @@ def _onset(sig: Signals, p: dict) -> Evidence | None:
     least ``wait_rise`` x the healthy TTFT p50 for admission (their queue wait if they have
     ended, their wait so far if not), no long prompt held the queue (that is head-of-line
     blocking) and ITL stayed within ``onset_itl_flat`` (the batch grows to its cap as the queue
-    forms, so its steps slow)."""
+    forms, so its steps slow). Where the store has no steps of the engine (another engine
+    behind ``tokenmill proxy``), its own waiting gauge says admission was closed: at least
+    ``onset_waiting`` requests waiting on average in the window."""
     base50, base_itl = sig.baseline.get("ttft_p50"), sig.baseline.get("itl_p99")
     if not base50:
         return None
@@ -237,9 +249,7 @@ def _onset(sig: Signals, p: dict) -> Evidence | None:
     hits = []  # (window, [(request id, wait ms)] past the bound)
     for w in sig.busy():
         itl = _ratio(w.get("itl_p99"), base_itl)
-        if (w.get("waiting_decode_only_share") or 0) < p["queue_steps"] or (
-            itl is not None and itl > p["onset_itl_flat"]
-        ):
+        if not _admission_closed(sig, w, p) or (itl is not None and itl > p["onset_itl_flat"]):
             continue
         if long and (
             sig.con.execute(_LONG_OPEN_SQL, [long, w.end_ns, w.start_ns]).fetchone()[0]
@@ -264,9 +274,14 @@ def _onset(sig: Signals, p: dict) -> Evidence | None:
     r = longest / base50
     where, params = _in_window(w)
     causes, shown = _causes(sig, w, p)
+    share = w.get("waiting_decode_only_share")
+    closed = (
+        f"{share:.0%} of its steps began with requests waiting and admitted none "
+        if share is not None
+        else "the engine's own gauge "
+    )
     return Evidence(
-        f"requests queue for admission in {_when(w)}: {w.get('waiting_decode_only_share'):.0%} "
-        f"of its steps began with requests waiting and admitted none "
+        f"requests queue for admission in {_when(w)}: {closed}"
         f"({w.get('waiting_mean'):.1f} waiting on average), {len(past)} request(s) waited {_ms(bound)} or more "
         f"(request {rid}: {_ms(longest)}), against a TTFT p50 of {_ms(base50)} in the healthy "
         f"windows; ITL p99 {_ms(w.get('itl_p99'))} (baseline {_ms(base_itl)}), no long prompt "
@@ -291,7 +306,10 @@ def _onset(sig: Signals, p: dict) -> Evidence | None:
         [*params, bound],
         _severity(r, 2 * p["wait_rise"]),
         _confidence(
-            r / p["wait_rise"], (w.get("waiting_decode_only_share") or 0) / p["queue_steps"]
+            r / p["wait_rise"],
+            share / p["queue_steps"]
+            if share is not None
+            else (w.get("waiting_mean") or 0) / p["onset_waiting"],
         ),
         causes=causes,
         support=against_bound(
@@ -371,6 +389,12 @@ RULE = Rule(
             "step 0.30-0.71, a pool that nearly holds the 2x step's clients 0.30-0.36 for three "
             "5 s windows; 0 in every window of the healthy runs, of head-of-line blocking "
             "at a low rate and of 24 prompts let in over a 256-token step budget)",
+        ),
+        "onset_waiting": Param(
+            2.0,
+            "where the store has no steps of the engine (another engine behind the proxy): "
+            "requests waiting on average in the window by its own gauge, for the queue as it "
+            "forms (a clump of arrivals at a 4-slot engine can queue one for a few seconds)",
         ),
         "wait_rise": Param(
             1.0,

@@ -68,7 +68,14 @@ def _has(sig: Signals, *names: str) -> bool:
 
 def waiting_now(sig: Signals) -> list[Waiting]:
     """The requests still in flight that waited for their first token in the range, each with
-    the longest wait a sample or a step saw, in the order they were seen at that wait."""
+    the longest wait a sample or a step saw, in the order they were seen at that wait (read
+    once per ``sig``; several rules ask)."""
+    if "waiting_now" not in sig.memo:
+        sig.memo["waiting_now"] = _waiting_now(sig)
+    return list(sig.memo["waiting_now"])
+
+
+def _waiting_now(sig: Signals) -> list[Waiting]:
     rows = []
     if "request_id" in store_columns(sig.con).get("waiting_samples", frozenset()):
         rows += sig.con.execute(_SAMPLED_SQL, [sig.since_ns, sig.until_ns]).fetchall()

@@ -64,6 +64,9 @@ class Signals:
     # families that ran from their fallback (another table saying the same thing): name -> the
     # fallback family's name (signals/samples.py)
     sources: dict[str, str] = field(default_factory=dict)
+    # what a reader derived once from this range for the several rules that ask for it (by the
+    # reader's name: ``queue_now.waiting_now``)
+    memo: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     def busy(self, min_arrivals: int = 1) -> list[Window]:
         """Windows with at least ``min_arrivals`` arrivals or completions."""

@@ -90,3 +90,25 @@ def test_an_upstream_overloaded_from_its_first_second_is_named_without_a_calm_wi
     if top.rule_id == "ttft_queueing":  # the queue read off llama.cpp's own gauges
         ev = top.evidence
         assert ev["waiting_max"] >= 10 and ev["waiting_mean"] > ev["running_mean"], ev
+
+
+def test_the_queue_as_it_forms_behind_the_proxy_is_read_off_the_engines_own_gauge():
+    """Without steps of the engine (another engine behind the proxy) admission counts as closed
+    when its waiting gauge averaged ``onset_waiting`` in the window; with steps, only the
+    steps' own share counts."""
+    from types import SimpleNamespace
+
+    from tokenmill.diagnose.rules.ttft_queueing import RULE, _admission_closed
+    from tokenmill.diagnose.signals import Window
+
+    p = {k: v.default for k, v in RULE.params.items()}
+    proxy = SimpleNamespace(overall={"steps": None})
+    ours = SimpleNamespace(overall={"steps": 120})
+    queued = Window(0, 0, 1, values={"waiting_mean": p["onset_waiting"] + 0.5})
+    calm = Window(0, 0, 1, values={"waiting_mean": p["onset_waiting"] - 1.0})
+    assert _admission_closed(proxy, queued, p)
+    assert not _admission_closed(proxy, calm, p)
+    # our engine's steps say admission stayed open: its gauge alone does not close it
+    assert not _admission_closed(ours, queued, p)
+    closed = Window(0, 0, 1, values={"waiting_decode_only_share": p["queue_steps"]})
+    assert _admission_closed(ours, closed, p)
