@@ -6,17 +6,40 @@ The server runs in its own temporary folder, so its default trace store
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now and below the kernel's ephemeral range: the server's own sockets bound
+    to port 0 while it starts (its workers' rendezvous) can never be handed the same port before
+    its HTTP listener binds it (a fresh clone's make test lost a disaggregated server's port
+    that way)."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is full: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
