@@ -36,13 +36,6 @@ from .live import LiveDiagnosis, LiveSettings, TickResult
 
 log = logging.getLogger(__name__)
 
-#: the loop thread's nice: the other telemetry threads'. Lower still costs the loop its timing
-#: when the engine is busy: at 19 the live soak's findings opened 1-2 periods later, and under
-#: a CPU hog not until the hog stopped (9 periods); SCHED_IDLE made a run longer than its
-#: period. At 10 its time slices cost the engine some decode steps of 5x their median in the
-#: second after a run, which is why a run is kept short (benchmarks/RESULTS.md)
-LOOP_NICE = 10
-
 #: the loop's run-time buckets (s): a tick over three 10 s windows takes a few hundred ms
 RUN_BUCKETS_S = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 
@@ -165,7 +158,12 @@ class LiveService:
     def _run(self) -> None:
         from tokenmill.telemetry.store import lower_thread_priority
 
-        lower_thread_priority(LOOP_NICE)
+        # the other telemetry threads' nice (10). Lower costs the loop its timing when the
+        # engine is busy: at 19 the live soak's findings opened 1-2 periods later, and under a
+        # CPU hog not until it stopped; SCHED_IDLE made a run longer than its period. At 10 its
+        # time slices stretch some decode steps in the second after a run, which is why a run
+        # is kept short (benchmarks/RESULTS.md)
+        lower_thread_priority()
         period = self.loop.settings.period_s
         started = time.monotonic()
         while not self._stop.wait(max(0.0, started + period - time.monotonic())):
