@@ -368,14 +368,18 @@ def test_a_stopped_upstream_opens_an_engine_stalled_finding_that_names_it(tmp_pa
     admin = {"authorization": f"Bearer {ADMIN}"}
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     pool = concurrent.futures.ThreadPoolExecutor(3)
+    # the finding needs stall_s (10 s) of silence and a loop period on a shared host: its
+    # guard is a hang guard, and the clients wait past it so that none gives up first
+    finding_guard_s = 6 * HANG_GUARD_S
     try:
         sent = [
             pool.submit(httpx.post, url + "/v1/chat/completions", json=chat,
-                        headers={"authorization": f"Bearer {CLIENT}"}, timeout=HANG_GUARD_S)
+                        headers={"authorization": f"Bearer {CLIENT}"},
+                        timeout=finding_guard_s + HANG_GUARD_S)
             for _ in range(3)
         ]  # fmt: skip
         refused = httpx.get(url + "/v1/findings", timeout=10)
-        deadline, found = time.monotonic() + HANG_GUARD_S, []
+        deadline, found = time.monotonic() + finding_guard_s, []
         while time.monotonic() < deadline and not found:
             time.sleep(1)
             snap = httpx.get(url + "/v1/findings", headers=admin, timeout=10).json()
@@ -383,13 +387,13 @@ def test_a_stopped_upstream_opens_an_engine_stalled_finding_that_names_it(tmp_pa
         metrics = httpx.get(url + "/metrics", timeout=10).text
     finally:
         release.set()
-        for f in sent:
-            f.result(HANG_GUARD_S)
+        answers = [f.exception(finding_guard_s + 2 * HANG_GUARD_S) or f.result() for f in sent]
         pool.shutdown()
         stderr = _stop(proc)
         upstream.stop()
     assert refused.status_code == 401
     assert found, f"no engine_stalled finding; last snapshot {snap}"
+    assert [getattr(a, "status_code", a) for a in answers] == [503] * 3  # released, none lost
     f = found[0]
     assert f["evidence"]["upstream"] == upstream.url and upstream.url in f["summary"]
     assert f["evidence"]["waiting_requests"] == 3 and f["evidence"]["silent_ms"] >= 10_000
