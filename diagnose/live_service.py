@@ -23,6 +23,7 @@ resolved findings as JSON) behind the host's admin check.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .live import LiveDiagnosis, LiveSettings, TickResult
+from .signals.host_bursts import LIVE_RUN_EVENT
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +147,7 @@ class LiveService:
                 res = self.loop.tick(cur, self.clock())
         finally:
             cur.close()
+        self._record_run(res)
         if self.metrics is not None:
             self.metrics.update(self.loop, res)
         for f in res.opened:
@@ -154,6 +157,24 @@ class LiveService:
         for f in res.resolved:
             log.warning("finding resolved: %s", f.rule_id)
         return res
+
+    def _record_run(self, res: TickResult) -> None:
+        """The run's own interval as a ``live_diagnosis_run`` event: its CPU slices may slow
+        what runs beside it, and the rules that look for a periodic cause leave those moments
+        out rather than name the loop's own period (``signals/host_bursts.py: own_runs``)."""
+        end_ns = res.now_ns + int(res.seconds * 1e9)
+        self.store.submit(
+            "events",
+            {
+                "time_ns": res.now_ns,
+                "kind": LIVE_RUN_EVENT,
+                "severity": "info",
+                "message": "",
+                "attributes": json.dumps(
+                    {"end_ns": end_ns, "cpu_s": round(res.cpu_seconds, 4), "held": res.held}
+                ),
+            },
+        )
 
     def _run(self) -> None:
         from tokenmill.telemetry.store import lower_thread_priority

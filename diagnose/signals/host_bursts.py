@@ -13,6 +13,10 @@ batch size outside every burst: that is what the job cost the streams (:func:`bu
 :func:`quiet_between` says how busy the others were between the bursts (or a rule's stalls).
 A store without host samples (a GPU, another engine's store, one recorded before the sampler)
 yields no bursts.
+
+Two of the server's own moments are not the host's: a load-generator process starting
+(:func:`loadgen_starts`) and a run of the live diagnosis loop (:func:`own_runs`), whose CPU
+slices may stretch the steps beside it on a small host, once per period.
 """
 
 from __future__ import annotations
@@ -179,6 +183,30 @@ def loadgen_starts(sig: Signals) -> list[int]:
                 seen.add(proc.get("pid"))
                 out.append(t)
     return out
+
+
+#: the event a run of the live diagnosis loop leaves in the store (``diagnose/live_service.py``)
+LIVE_RUN_EVENT = "live_diagnosis_run"
+
+
+def own_runs(sig: Signals) -> list[tuple[int, int]]:
+    """The live loop's own runs in the range, ``(start_ns, end_ns)`` by start: the moments a
+    periodic stall may be the observer's own (it runs on a fixed period by design)."""
+    if not store_has(sig.con, "events", "kind", "time_ns", "attributes"):
+        return []
+    rows = sig.con.execute(
+        "SELECT time_ns, CAST(attributes->>'end_ns' AS BIGINT) FROM events "
+        "WHERE kind = ? AND time_ns < ? AND coalesce(CAST(attributes->>'end_ns' AS BIGINT), "
+        "time_ns) >= ? ORDER BY time_ns",
+        [LIVE_RUN_EVENT, sig.until_ns, sig.since_ns],
+    ).fetchall()
+    return [(int(t), int(e if e is not None else t)) for t, e in rows]
+
+
+def overlaps_any(runs: list[tuple[int, int]], start_ns: int, end_ns: int) -> bool:
+    """Whether ``[start_ns, end_ns]`` meets one of the sorted, disjoint intervals ``runs``."""
+    k = bisect.bisect_right(runs, (end_ns, float("inf")))
+    return k > 0 and runs[k - 1][1] >= start_ns
 
 
 def near_any(times: list[int], start_ns: int, end_ns: int) -> bool:

@@ -3,6 +3,7 @@ symptom with the expected evidence, and an all-healthy run gives zero findings."
 
 from __future__ import annotations
 
+import json
 import zlib
 
 import duckdb
@@ -11,7 +12,9 @@ from synth_store import Phase, write_store
 
 from tokenmill.diagnose.findings import diagnose
 from tokenmill.diagnose.rules import RULES, RULES_BY_ID
+from tokenmill.diagnose.rules.periodic_itl_spikes import decode_stalls
 from tokenmill.diagnose.signals import load as load_signals
+from tokenmill.diagnose.signals.host_bursts import LIVE_RUN_EVENT
 
 HEALTHY = Phase(duration_s=40)
 # the default model with int4 weights (~0.75 byte a weight with its scales), 2 running decodes
@@ -875,3 +878,33 @@ def test_a_stall_while_the_host_is_busy_elsewhere_is_not_engine_stalled(tmp_path
     fired = {f.rule_id for f in diagnose(con).findings}
     con.close()
     assert "engine_stalled" not in fired, sorted(fired)
+
+
+def _live_runs(con, starts_ns: list[int], run_s: float) -> None:
+    con.execute("DELETE FROM events WHERE kind = ?", [LIVE_RUN_EVENT])
+    for t in starts_ns:
+        end = t + int(run_s * 1e9)
+        con.execute(
+            "INSERT INTO events (time_ns, kind, severity, attributes) VALUES (?, ?, 'info', ?)",
+            [t, LIVE_RUN_EVENT, json.dumps({"end_ns": end})],
+        )
+
+
+def test_stalls_during_the_live_loops_own_runs_are_not_a_periodic_job(tmp_path):
+    """Soak run 2: a healthy engine opened periodic_itl_spikes at the live loop's own period
+    (its CPU slices stretched decode steps). Stalls that meet one of the loop's recorded runs
+    (or begin within own_run_margin_s after one) are left out; the same runs half a period
+    away leave the job's stalls, and the finding, as they were."""
+    path = tmp_path / "own_runs.duckdb"
+    write_store(path, [HEALTHY.but(duration_s=60, periodic_spike_s=5, periodic_spike_ms=500)])
+    con = duckdb.connect(str(path))
+    stalls = decode_stalls(load_signals(con))
+    assert len(stalls) >= 8, stalls
+    # runs of 0.3 s that ended half a second before each stall began
+    _live_runs(con, [s - int(0.8e9) for s, *_ in stalls], 0.3)
+    fired = [f.rule_id for f in diagnose(con).findings]
+    assert "periodic_itl_spikes" not in fired, fired
+    _live_runs(con, [s - int(2.5e9) for s, *_ in stalls], 0.3)
+    (f,) = [f for f in diagnose(con).findings if f.rule_id == "periodic_itl_spikes"]
+    con.close()
+    assert f.evidence["stalls_during_own_runs"] == 0 and 4.5 < f.evidence["period_s"] < 5.5

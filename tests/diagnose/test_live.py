@@ -112,6 +112,13 @@ def test_the_service_writes_rows_series_and_a_snapshot_that_agree(tmp_path):
     assert [f["rule"] for f in snap["open"]] == ["ttft_queueing"]
     assert snap["open"][0]["severity"] == sev
     assert snap["open"][0]["opened_ns"] is not None and snap["runs"] == 10
+    # each run left its interval for the rules that discount the loop's own moments
+    runs = store.query(
+        "SELECT time_ns, CAST(attributes->>'end_ns' AS BIGINT) FROM events "
+        "WHERE kind = 'live_diagnosis_run' ORDER BY time_ns"
+    )
+    assert [t for t, _ in runs] == [r.now_ns for r in results]
+    assert all(t <= e <= t + int(r.seconds * 1e9) for (t, e), r in zip(runs, results, strict=True))
     store.close()
 
 
