@@ -85,6 +85,11 @@ EXPECT = {
 }
 #: what only our engine can be made to do (not through a proxy in front of llama-server)
 ENGINE_ONLY = ("kv_pressure", "long_prompts")
+#: the open-loop healthy shapes' arrival rates, x this per target. Healthy traffic is what the
+#: server sustains: llama-server (4 slots, 2 threads) served about 1.15 requests/s of the chat
+#: mix to 3 closed-loop clients here, and at 0.8 requests/s clumped or 1.2 across four tenants
+#: its queue grew through stretches meant to be healthy (TTFT p50 8 s)
+HEALTHY_RATE = {"serve": 1.0, "llama": 0.5}
 
 
 # ----- traffic -----
@@ -96,8 +101,10 @@ def _bench(url: str, out: Path, name: str, args: list[str], tenant: str) -> subp
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
-def shape_traffic(shape: str, url: str, out: Path, span_s: float, seed: int) -> list:
-    """The shape's load generators for ``span_s`` seconds."""
+def shape_traffic(
+    shape: str, url: str, out: Path, span_s: float, seed: int, rate: float = 1.0
+) -> list:
+    """The shape's load generators for ``span_s`` seconds, open-loop rates x ``rate``."""
     # clients finish what they sent (a load generator cutting its requests at once would be a
     # spike of client disconnects of its own making)
     phase = ["--phases", f"steady:{span_s:g}s", "--drain-timeout", "60", *CHAT]
@@ -105,7 +112,8 @@ def shape_traffic(shape: str, url: str, out: Path, span_s: float, seed: int) -> 
         return [_bench(url, out, f"{seed}-steady", ["--concurrency", "3", *phase,
                                                      "--seed", str(seed)], "t0")]  # fmt: skip
     if shape == "clumped":
-        args = ["--request-rate", "0.8", "--burstiness", "0.3", *phase, "--seed", str(seed)]
+        args = ["--request-rate", f"{0.8 * rate:g}", "--burstiness", "0.3", *phase,
+                "--seed", str(seed)]  # fmt: skip
         return [_bench(url, out, f"{seed}-clumped", args, "t1")]
     if shape == "procs":
         return [
@@ -124,7 +132,7 @@ def shape_traffic(shape: str, url: str, out: Path, span_s: float, seed: int) -> 
                 url,
                 out,
                 f"{seed}-tenant{i}",
-                ["--request-rate", "0.3", *phase, "--seed", str(seed + i)],
+                ["--request-rate", f"{0.3 * rate:g}", *phase, "--seed", str(seed + i)],
                 t,
             )
             for i, t in enumerate(TENANTS)
@@ -329,7 +337,8 @@ def _timeline(server, target: str, out: Path, scale: float) -> list[Episode]:
         t0 = time.time_ns()
         print(f"{time.strftime('%H:%M:%S')} {shape}: healthy {healthy_s:.0f} s, then "
               f"{fault or 'nothing'} {fault_s:.0f} s", flush=True)  # fmt: skip
-        traffic = shape_traffic(shape, server.url, out, healthy_s + fault_s, seed * 100)
+        traffic = shape_traffic(shape, server.url, out, healthy_s + fault_s, seed * 100,
+                                HEALTHY_RATE[target])  # fmt: skip
         time.sleep(healthy_s)
         episodes.append(Episode("healthy", shape, t0, time.time_ns()))
         if fault is not None:
