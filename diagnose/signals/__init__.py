@@ -131,6 +131,7 @@ def load(
         until_ns=until_ns,
         window_s=window_s,
         short_prompt_tokens=short_prompt_tokens,
+        reference_spans=merged_spans(reference),
     )
     con = scope.con  # a proxy's store: the requests filled from the upstream's spans
     since, until, w_ns = scope.since, scope.until, scope.w_ns
@@ -190,9 +191,21 @@ def load(
         busy_windows=len(busy),
         warmup={"requests": int(n_warm), "intervals": [list(iv) for iv in scope.warmup]},
         decode_seqs_sql=scope.decode_seqs_sql,
+        reference_spans=scope.reference_spans,
         unavailable=missing,
         sources=sources,
     )
+
+
+def merged_spans(windows: Sequence[Window]) -> tuple[tuple[int, int], ...]:
+    """The windows' ``[start_ns, end_ns)``, those that touch merged into one span."""
+    out: list[list[int]] = []
+    for a, b in sorted((w.start_ns, w.end_ns) for w in windows):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
 
 
 def _waited_in(con: duckdb.DuckDBPyConnection, cols, since: int, until: int) -> bool:
@@ -225,6 +238,7 @@ def make_scope(
     until_ns: int | None = None,
     window_s: float = 10.0,
     short_prompt_tokens: int | None = None,
+    reference_spans: tuple[tuple[int, int], ...] = (),
 ) -> Scope:
     """The :class:`Scope` :func:`load` runs the families in (the arguments as its).
 
@@ -276,6 +290,7 @@ def make_scope(
         fast_ttft_ms=(fast_ttft or 0) * 2,
         # sequences a step decoded: draft tokens (speculative decoding) are not sequences
         decode_seqs_sql=steps.decode_seqs_sql(cols["engine_steps"]),
+        reference_spans=reference_spans,
     )
 
 

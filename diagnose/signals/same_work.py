@@ -1,7 +1,9 @@
 """Family ``same_work``: the same work, slower (host_contention).
 
 Each working step against the quickest quarter of the steps that did the same work (same batch:
-prefill chunks + decodes; tokens in the same power of two), over the whole range; a step whose
+prefill chunks + decodes; tokens in the same power of two), over the whole range and the live
+loop's reference windows (healthy windows from before the range: a 30 s range inside a
+neighbour's run has no quick steps of its own to compare with); a step whose
 class has fewer than 5 steps is set against the per-token cost of the largest class with no more
 tokens (a conservative ratio: per-token cost falls as a step grows). A window's ``same_work_slowdown`` is the median of its steps'
 ratios: 1.0 when the steps ran as fast as the dump's usual best for their work, 2.0 when the
@@ -9,6 +11,8 @@ same work took twice as long.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from tokenmill.telemetry.schema import WORKING_STEP_SQL
 
@@ -30,9 +34,16 @@ WITH s AS (
         num_prefill_tokens + num_decode_tokens AS tok,
         CAST(floor(log2(greatest(num_prefill_tokens + num_decode_tokens, 1))) AS INTEGER) AS tok_class
     FROM engine_steps WHERE start_ns >= $since AND start_ns < $until AND {WORKING_STEP_SQL}
+), sref AS (
+    SELECT (end_ns - start_ns) / 1e6 AS ms, num_prefill_chunks + __DECODE_SEQS__ AS batch,
+        num_prefill_tokens + num_decode_tokens AS tok,
+        CAST(floor(log2(greatest(num_prefill_tokens + num_decode_tokens, 1))) AS INTEGER) AS tok_class
+    FROM engine_steps WHERE (__IN_REFERENCE__) AND {WORKING_STEP_SQL}
 ), ref AS (
     SELECT batch, tok_class, quantile_cont(ms, 0.25) AS ref_ms, median(tok) AS ref_tok
-    FROM s GROUP BY batch, tok_class HAVING count(*) >= 5
+    FROM (SELECT batch, tok_class, ms, tok FROM s
+          UNION ALL SELECT batch, tok_class, ms, tok FROM sref)
+    GROUP BY batch, tok_class HAVING count(*) >= 5
 ), r AS (
     SELECT s.start_ns, coalesce(
         s.ms / nullif(ref.ref_ms, 0),
@@ -53,19 +64,29 @@ GROUP BY win
 )
 
 
-def step_ratios_sql(decode_seqs_sql: str) -> str:
-    """Each working step's time over its work's quickest quarter, ``(start_ns, ratio)``, for
-    the range given as two ``?`` parameters (since, until)."""
-    sql = SAME_WORK_CTE + "SELECT start_ns, ratio FROM r WHERE ratio IS NOT NULL"
-    return (
-        sql.replace("__DECODE_SEQS__", decode_seqs_sql)
-        .replace("$since", "?")
-        .replace("$until", "?")
+def in_spans_sql(column: str, spans: Sequence[tuple[int, int]]) -> str:
+    """SQL: ``column`` falls in one of ``spans`` (``[start_ns, end_ns)``; FALSE for none)."""
+    parts = [f"({column} >= {int(a)} AND {column} < {int(b)})" for a, b in spans]
+    return " OR ".join(parts) or "FALSE"
+
+
+def _fill(sql: str, decode_seqs_sql: str, reference_spans: Sequence[tuple[int, int]]) -> str:
+    return sql.replace("__DECODE_SEQS__", decode_seqs_sql).replace(
+        "__IN_REFERENCE__", in_spans_sql("start_ns", reference_spans)
     )
 
 
+def step_ratios_sql(decode_seqs_sql: str, reference_spans: Sequence[tuple[int, int]] = ()) -> str:
+    """Each working step's time over its work's quickest quarter, ``(start_ns, ratio)``, for
+    the range given as two ``?`` parameters (since, until), the quarter taken over the range
+    and ``reference_spans``."""
+    sql = SAME_WORK_CTE + "SELECT start_ns, ratio FROM r WHERE ratio IS NOT NULL"
+    sql = _fill(sql, decode_seqs_sql, reference_spans)
+    return sql.replace("$since", "?").replace("$until", "?")
+
+
 def compute(scope: Scope) -> Yield:
-    sql = _SAME_WORK_WINDOW_SQL.replace("__DECODE_SEQS__", scope.decode_seqs_sql)
+    sql = _fill(_SAME_WORK_WINDOW_SQL, scope.decode_seqs_sql, scope.reference_spans)
     return Yield(scope.by_window(sql, "start_ns", scope.not_warm_step), {})
 
 

@@ -44,6 +44,8 @@ class Scope:
     fast_ttft_ms: float = 0.0
     # SQL for the sequences an engine_steps row decoded (draft tokens are not sequences)
     decode_seqs_sql: str = "num_decode_tokens"
+    # the live loop's reference windows before the range, merged into [start_ns, end_ns) spans
+    reference_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def w_ns(self) -> int:

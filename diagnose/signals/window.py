@@ -58,6 +58,8 @@ class Signals:
     warmup: dict = field(default_factory=lambda: {"requests": 0, "intervals": []})
     # SQL for the sequences an engine_steps row decoded (its decode tokens less draft tokens)
     decode_seqs_sql: str = "num_decode_tokens"
+    # the live loop's reference windows before the range as [start_ns, end_ns) spans
+    reference_spans: tuple[tuple[int, int], ...] = ()
     # families the store could not feed: name -> the ``table.column`` names it lacks (their
     # keys are None)
     unavailable: dict[str, tuple[str, ...]] = field(default_factory=dict)

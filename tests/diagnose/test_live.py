@@ -14,6 +14,7 @@ from synth_store import T0, Phase, S, write_store
 from tokenmill.diagnose.live import LiveDiagnosis, LiveSettings
 from tokenmill.diagnose.live_replay import replay
 from tokenmill.diagnose.live_service import LiveMetrics, LiveService
+from tokenmill.diagnose.signals import load as load_signals
 from tokenmill.telemetry.store import TraceStore
 
 HEALTHY = Phase(duration_s=90)
@@ -152,3 +153,29 @@ def test_a_rule_opens_after_one_period_unless_its_claim_needs_more():
         "periodic_itl_spikes",
     }
     assert r.resolved and all(f.resolved_ns == 40 * S for f in r.resolved)
+
+
+def test_a_neighbour_longer_than_the_range_is_judged_against_the_steps_before_it(tmp_path):
+    """A range wholly inside a neighbour's run has no quick steps of its own: the same work is
+    set against its quickest quarter over the range and the loop's reference windows, so the
+    steps read 2x slower, not 1x; without the reference the range reads as its own usual."""
+    path = tmp_path / "hog.duckdb"
+    hog = HEALTHY.but(duration_s=60, step_ms=100, cpu_others_pct=60)
+    write_store(path, [HEALTHY, hog, HEALTHY.but(duration_s=30)], seed=5)
+    con = duckdb.connect(str(path), read_only=True)
+    inside = FAULT_START + 50 * S  # the range [+20 s, +50 s) of the hog's 60 s
+    loop = None
+    for loop_, _ in replay(con, LiveSettings(), end_ns=inside):
+        loop = loop_
+    assert (
+        loop is not None and loop.reference and all(w.end_ns <= FAULT_START for w in loop.reference)
+    )
+    since, until = loop.range_at(inside)
+    assert since >= FAULT_START
+    with_ref = load_signals(con, since_ns=since, until_ns=until, reference=tuple(loop.reference))
+    alone = load_signals(con, since_ns=since, until_ns=until)
+    slow = [w.get("same_work_slowdown") for w in with_ref.windows]
+    assert all(s is not None and s > 1.6 for s in slow), slow
+    assert all(w.get("same_work_slowdown") < 1.3 for w in alone.windows)
+    assert "host_contention" in loop.last.held
+    con.close()
