@@ -44,6 +44,7 @@ from .findings import Finding, run_rules
 from .rules import RULES_BY_ID
 from .signals import NoTraffic, Window, load
 from .signals.baseline import judge_baseline
+from .signals.scope import columns_read_once
 
 log = logging.getLogger(__name__)
 
@@ -188,14 +189,15 @@ class LiveDiagnosis:
         res = TickResult(now_ns, since, until, held=[])
         findings: list[Finding] = []
         try:
-            sig = load(
-                con,
-                since_ns=since,
-                until_ns=until,
-                window_s=self.settings.window_s,
-                reference=tuple(self.reference),
-            )
-            report = run_rules(con, sig)
+            with columns_read_once():
+                sig = load(
+                    con,
+                    since_ns=since,
+                    until_ns=until,
+                    window_s=self.settings.window_s,
+                    reference=tuple(self.reference),
+                )
+                report = run_rules(con, sig)
             findings = [f for f in report.findings if not f.inconclusive]
         except NoTraffic:
             res.no_traffic = True

@@ -4,8 +4,10 @@ the SQL helpers the families share."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import duckdb
@@ -94,11 +96,35 @@ WHERE table_name IN ? GROUP BY table_name
 """
 
 
+# the columns read once per connection inside :func:`columns_read_once` (the live loop's run)
+_COLUMNS_SEEN: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "store_columns_seen", default=None
+)
+
+
+@contextlib.contextmanager
+def columns_read_once() -> Iterator[None]:
+    """Within the block, :func:`store_columns` reads each connection's catalog once: a run of
+    the live loop asks about ten times (the families, the rules' optional columns), and the
+    store's schema does not change under one run."""
+    token = _COLUMNS_SEEN.set({})
+    try:
+        yield
+    finally:
+        _COLUMNS_SEEN.reset(token)
+
+
 def store_columns(con) -> dict[str, frozenset[str]]:
     """Lower-case column names of each table signals read (an absent table: empty), in one
-    catalog query (the live loop asks about ten times a period)."""
+    catalog query (once per connection inside :func:`columns_read_once`)."""
+    seen = _COLUMNS_SEEN.get()
+    if seen is not None and id(con) in seen:
+        return seen[id(con)][1]
     found = dict(con.execute(_COLUMNS_SQL, [list(TABLES)]).fetchall())
-    return {t: frozenset(found.get(t) or ()) for t in TABLES}
+    cols = {t: frozenset(found.get(t) or ()) for t in TABLES}
+    if seen is not None:
+        seen[id(con)] = (con, cols)  # the connection held: its id is not reused in the block
+    return cols
 
 
 def store_has(con, table: str, *names: str) -> bool:
