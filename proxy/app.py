@@ -47,7 +47,7 @@ from starlette.requests import ClientDisconnect
 
 from tokenmill.engine.api.app import BodyLimitMiddleware
 from tokenmill.engine.api.errors import APIError
-from tokenmill.engine.api.gateway import Gateway
+from tokenmill.engine.api.gateway import Gateway, Tenant
 from tokenmill.engine.api.stations import AdmissionStation
 from tokenmill.engine.serve_config import ServeConfig
 
@@ -233,17 +233,22 @@ class ProxyState:
 
 class _Flight:
     """One request between the :class:`_Recorder` and the route: its exchange, the
-    ``traceparent`` sent upstream, and its ``--max-in-flight`` slot (given back once)."""
+    ``traceparent`` sent upstream, its ``--max-in-flight`` slot and its place in its tenant's
+    limits (each given back once)."""
 
     def __init__(self, ex: Exchange, traceparent: str):
         self.ex = ex
         self.traceparent = traceparent
         self.slot: AdmissionStation | None = None
+        self.tenant: Tenant | None = None
 
     def release(self) -> None:
         if self.slot is not None:
             self.slot, slot = None, self.slot
             slot.leave()
+        if self.tenant is not None:
+            self.tenant, tenant = None, self.tenant
+            Gateway.release(tenant)
 
 
 class _Recorder:
@@ -547,6 +552,11 @@ class _Completions:
             return _refuse(ex, exc, "unauthorized")
         ex.tenant = tenant.name
         ex.tenant_limit = tenant.max_prompt_tokens
+        try:  # the tenant's requests per minute and requests in flight, as serve holds them
+            state.gateway.acquire(tenant)
+        except APIError as exc:
+            return _refuse(ex, exc, exc.code or "rate_limited")
+        flight.tenant = tenant
         if state.admission is not None:
             try:
                 state.admission.enter()
