@@ -205,7 +205,8 @@ def _sustained(sig: Signals, p: dict) -> Evidence | None:
     if not busy or not quiet or len(busy) * sig.window_s < p["sustained_s"]:
         return None
     ratios = sig.con.execute(
-        step_ratios_sql(sig.decode_seqs_sql, sig.reference_spans), [sig.since_ns, sig.until_ns]
+        step_ratios_sql(sig.decode_seqs_sql, sig.reference_spans),
+        {"since": sig.since_ns, "until": sig.until_ns},
     ).fetchall()
 
     def inside(ws: list[Window]) -> list[float]:

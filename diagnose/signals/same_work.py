@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from tokenmill.telemetry.schema import WORKING_STEP_SQL
 
 from .family import Family, Yield
-from .scope import Scope
+from .scope import Scope, in_intervals
 from .steps import WORKING_COLUMNS
 
 # each working step and the quickest quarter of the steps that did its work: CTEs ``s`` (the
@@ -28,21 +28,18 @@ from .steps import WORKING_COLUMNS
 # dump never ran otherwise, and per-token cost only falls as a step grows, so this ratio errs
 # low)
 SAME_WORK_CTE = f"""
-WITH s AS (
+WITH w AS (
     SELECT start_ns, (end_ns - start_ns) / 1e6 AS ms,
         num_prefill_chunks + __DECODE_SEQS__ AS batch,
         num_prefill_tokens + num_decode_tokens AS tok,
         CAST(floor(log2(greatest(num_prefill_tokens + num_decode_tokens, 1))) AS INTEGER) AS tok_class
-    FROM engine_steps WHERE start_ns >= $since AND start_ns < $until AND {WORKING_STEP_SQL}
-), sref AS (
-    SELECT (end_ns - start_ns) / 1e6 AS ms, num_prefill_chunks + __DECODE_SEQS__ AS batch,
-        num_prefill_tokens + num_decode_tokens AS tok,
-        CAST(floor(log2(greatest(num_prefill_tokens + num_decode_tokens, 1))) AS INTEGER) AS tok_class
-    FROM engine_steps WHERE (__IN_REFERENCE__) AND {WORKING_STEP_SQL}
+    FROM engine_steps
+    WHERE (start_ns >= $since AND start_ns < $until OR (__IN_REFERENCE__)) AND {WORKING_STEP_SQL}
+), s AS (
+    SELECT * FROM w WHERE start_ns >= $since AND start_ns < $until
 ), ref AS (
     SELECT batch, tok_class, quantile_cont(ms, 0.25) AS ref_ms, median(tok) AS ref_tok
-    FROM (SELECT batch, tok_class, ms, tok FROM s
-          UNION ALL SELECT batch, tok_class, ms, tok FROM sref)
+    FROM (SELECT * FROM s UNION ALL SELECT * FROM w WHERE start_ns < $since)
     GROUP BY batch, tok_class HAVING count(*) >= 5
 ), r AS (
     SELECT s.start_ns, coalesce(
@@ -64,25 +61,18 @@ GROUP BY win
 )
 
 
-def in_spans_sql(column: str, spans: Sequence[tuple[int, int]]) -> str:
-    """SQL: ``column`` falls in one of ``spans`` (``[start_ns, end_ns)``; FALSE for none)."""
-    parts = [f"({column} >= {int(a)} AND {column} < {int(b)})" for a, b in spans]
-    return " OR ".join(parts) or "FALSE"
-
-
 def _fill(sql: str, decode_seqs_sql: str, reference_spans: Sequence[tuple[int, int]]) -> str:
     return sql.replace("__DECODE_SEQS__", decode_seqs_sql).replace(
-        "__IN_REFERENCE__", in_spans_sql("start_ns", reference_spans)
+        "__IN_REFERENCE__", in_intervals("start_ns", reference_spans)
     )
 
 
 def step_ratios_sql(decode_seqs_sql: str, reference_spans: Sequence[tuple[int, int]] = ()) -> str:
     """Each working step's time over its work's quickest quarter, ``(start_ns, ratio)``, for
-    the range given as two ``?`` parameters (since, until), the quarter taken over the range
-    and ``reference_spans``."""
+    the range given as the named parameters ``since`` and ``until``, the quarter taken over
+    the range and ``reference_spans``."""
     sql = SAME_WORK_CTE + "SELECT start_ns, ratio FROM r WHERE ratio IS NOT NULL"
-    sql = _fill(sql, decode_seqs_sql, reference_spans)
-    return sql.replace("$since", "?").replace("$until", "?")
+    return _fill(sql, decode_seqs_sql, reference_spans)
 
 
 def compute(scope: Scope) -> Yield:

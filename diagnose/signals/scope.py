@@ -161,6 +161,12 @@ def rows(con, sql: str, params: dict) -> dict[int, dict]:
     return {int(r[0]): dict(zip(cols[1:], r[1:], strict=True)) for r in cur.fetchall()}
 
 
+def in_intervals(column: str, intervals) -> str:
+    """SQL: ``column`` lies in one of ``intervals`` (``[start_ns, end_ns)``; FALSE for none)."""
+    parts = [f"({column} >= {int(a)} AND {column} < {int(b)})" for a, b in intervals]
+    return " OR ".join(parts) or "FALSE"
+
+
 def set_apart(sql: str, column: str, cond: str) -> str:
     """``sql`` with ``cond`` added to its one ``WHERE <column> >= $since`` filter."""
     marker = f"WHERE {column} >= $since"

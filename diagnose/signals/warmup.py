@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tokenmill.telemetry.schema import COMPLETED_SQL
 
-from .scope import NS
+from .scope import NS, in_intervals
 
 # warm-up after a (re)start: arrivals before the first completion, at most 30 s after the first
 # arrival (one finished request has run the whole prefill + decode path once: every kernel
@@ -61,7 +61,4 @@ def warmup_intervals(con, since_ns: int, until_ns: int) -> list[tuple[int, int]]
 
 def outside(column: str, intervals: list[tuple[int, int]]) -> str:
     """SQL: ``column`` lies in none of ``intervals`` (``TRUE`` when there are none)."""
-    if not intervals:
-        return "TRUE"
-    inside = " OR ".join(f"({column} >= {int(a)} AND {column} < {int(b)})" for a, b in intervals)
-    return f"NOT ({inside})"
+    return f"NOT ({in_intervals(column, intervals)})" if intervals else "TRUE"
