@@ -146,6 +146,13 @@ class ProxyConfig:
     trace_archive_max_age: float | None = serve_setting("trace_archive_max_age")
     trace_archive_max_bytes: int | None = serve_setting("trace_archive_max_bytes")
     diagnose_every: float = serve_setting("diagnose_every")
+    device_sample_interval: float = setting(
+        0.5,
+        "Sample this host's CPU (and who else uses it) this often when the upstream listens "
+        "on this host, its process counted as the server's (a noisy neighbour's evidence); "
+        "0: never.",
+        duration=True,
+    )
 
     def seconds(self, name: str) -> float:
         """The duration field ``name`` in seconds (ValueError: ``--name: bad duration ...``)."""
@@ -203,12 +210,14 @@ def proxy(**options: Any) -> None:
     from tokenmill.telemetry.collect import admin_check
 
     _record_start(store, upstream)
+    sampler = _host_sampler(upstream, store, cfg.device_sample_interval)
     live = start_live(app, store, cfg.diagnose_every, state.metrics.registry, admin_check(gateway))
     where = f"http://{cfg.host}:{cfg.port}"
     err.print(
         f"proxying {where} → {upstream}; recording into {cfg.trace_db}"
         + (f"; OTLP/HTTP traces on {where}/v1/traces" if cfg.otlp_receiver else "")
-        + (f"; scraping {metrics_url} every {cfg.scrape_interval}" if scraper else ""),
+        + (f"; scraping {metrics_url} every {cfg.scrape_interval}" if scraper else "")
+        + (f"; sampling this host every {cfg.device_sample_interval:g} s" if sampler else ""),
         highlight=False,
     )
     try:
@@ -218,6 +227,8 @@ def proxy(**options: Any) -> None:
             live.stop()
         if scraper is not None:
             scraper.stop()
+        if sampler is not None:
+            sampler.stop()
         store.close()
 
 
@@ -262,6 +273,33 @@ def _serve(cfg: ProxyConfig, app, state, shutdown_s: float) -> None:
         on_stop=state.stop,
         drain_s=shutdown_s,
     )
+
+
+def _host_sampler(upstream: str, store, interval_s: float):
+    """The host sampler of an upstream on this host (``device_samples`` host rows, the
+    upstream's process counted with the proxy's, found by the port it listens on), started;
+    None when ``interval_s`` is 0 or the upstream is on another host. While its process is not
+    found, a row says nothing about the CPU outside the server (the upstream's own use would
+    read as a neighbour's)."""
+    from urllib.parse import urlsplit
+
+    from tokenmill.telemetry.host_procs import LOOPBACK_NAMES, ListeningProcess
+    from tokenmill.telemetry.sampler import DeviceSampler
+
+    parts = urlsplit(upstream)
+    if interval_s <= 0 or (parts.hostname or "") not in LOOPBACK_NAMES:
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    upstream_pids = ListeningProcess(port)
+
+    def sink(row: dict) -> None:
+        if not upstream_pids():
+            row["cpu_others_pct"] = row["busy_others"] = row["loadgen_cpu_pct"] = None
+        store.submit("device_samples", row)
+
+    sampler = DeviceSampler(sink, interval_s, pids=upstream_pids, use_nvml=False)
+    sampler.start()
+    return sampler
 
 
 def _check_urls(cfg: ProxyConfig) -> tuple[str, str]:

@@ -20,11 +20,15 @@ The census gives two host-row columns:
 - ``busy_others`` (JSON text): up to :data:`TOP_N` processes outside the server that used at
   least :data:`MIN_SHOWN_PCT` % of the CPUs, busiest first:
   ``[{"pid", "command", "cpu_pct", "load_generator"}]``.
+
+A proxy in front of another engine on the same host counts that engine's process as the
+server's: :class:`ListeningProcess` finds it by the port it listens on.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -111,3 +115,45 @@ class ProcessCensus:
         shown.sort(key=lambda d: -d["cpu_pct"])
         self._last = (round(loadgen, 2), json.dumps(shown[:TOP_N]))
         return self._last
+
+
+#: host names that are this machine whatever its addresses
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"})
+
+
+def listening_pids(port: int) -> list[int]:
+    """The processes of this host listening on TCP ``port`` (any address), by pid; [] when none
+    is found or the host does not say (another user's process, another network namespace)."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return []
+    return sorted(
+        {
+            c.pid
+            for c in conns
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid
+        }
+    )
+
+
+class ListeningProcess:
+    """The pids of the process listening on ``port`` of this host, looked up again when the
+    last one found has ended or ``refresh_s`` has passed (the host sampler asks about once a
+    second; listing every socket costs more than that). Call it for the list."""
+
+    def __init__(self, port: int, refresh_s: float = 30.0, *, find=listening_pids):
+        self.port = port
+        self.refresh_s = refresh_s
+        self._find = find
+        self._pids: list[int] = []
+        self._at: float | None = None
+
+    def __call__(self) -> list[int]:
+        now = time.monotonic()
+        since = math.inf if self._at is None else now - self._at
+        gone = not self._pids or not all(psutil.pid_exists(p) for p in self._pids)
+        if since >= self.refresh_s or (gone and since >= 1.0):
+            self._pids = self._find(self.port)
+            self._at = now
+        return list(self._pids)

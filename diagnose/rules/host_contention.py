@@ -4,7 +4,10 @@ machine (the noisy neighbour).
 The engine's steps are compared with themselves: a step is set against the quickest quarter of
 the dump's steps that did the same work (same batch, tokens in the same power of two;
 ``same_work_slowdown`` in :mod:`..signals`), so a bigger batch or a longer prompt never reads as
-contention. The host sampler says who else was busy: ``cpu_others_pct`` (CPU used outside the
+contention. Another engine behind ``tokenmill proxy`` has no steps in the store: its requests'
+time per output token is compared instead, at the same number of streams decoding beside them
+(the ``same_work`` family's request fallback), and the proxy's host samples count the
+upstream's process as the server's own when it listens on the same host. The host sampler says who else was busy: ``cpu_others_pct`` (CPU used outside the
 server's process tree), ``steal_pct`` (a hypervisor giving the vCPU to another guest) and, on a
 GPU, ``other_processes`` (processes on the same device that are not the server's).
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from ..signals import Signals, Window, open_step, step_ratios_sql, waiting_now
+from ..signals import Signals, Window, open_step, waiting_now, work_ratios_sql
 from ..stats import against_bound, compare
 from ._common import (
     Evidence,
@@ -50,6 +53,18 @@ def others_cpu_pct(sig: Signals, start_ns: int, end_ns: int) -> float | None:
 def _others(w: Window) -> float:
     """CPU % used outside the server, less tokenmill's own load generator's share."""
     return max(0.0, (w.get("cpu_others_mean") or 0) - (w.get("loadgen_cpu_mean") or 0))
+
+
+def _from_requests(sig: Signals) -> bool:
+    """Whether the same-work ratios came from requests (a store without steps)."""
+    return sig.sources.get("same_work") == "same_work_from_requests"
+
+
+def _same_work(sig: Signals) -> str:
+    """What was compared, in words."""
+    if _from_requests(sig):
+        return "the upstream's time per output token at the same number of streams"
+    return "engine steps doing the same work (same batch and tokens)"
 
 
 def _neighbour(sig: Signals, w: Window, p: dict) -> bool:
@@ -205,7 +220,9 @@ def _sustained(sig: Signals, p: dict) -> Evidence | None:
     if not busy or not quiet or len(busy) * sig.window_s < p["sustained_s"]:
         return None
     ratios = sig.con.execute(
-        step_ratios_sql(sig.decode_seqs_sql, sig.reference_spans),
+        work_ratios_sql(
+            sig.decode_seqs_sql, sig.reference_spans, from_requests=_from_requests(sig)
+        ),
         {"since": sig.since_ns, "until": sig.until_ns},
     ).fetchall()
 
@@ -229,7 +246,7 @@ def _sustained(sig: Signals, p: dict) -> Evidence | None:
     named = busy_processes(sig, start, end)
     steal = statistics.mean(x.get("steal_mean") or 0 for x in busy)
     return Evidence(
-        f"engine steps took {support.effect:.2f}x as long for the same work in the "
+        f"{_same_work(sig)} took {support.effect:.2f}x as long in the "
         f"{len(busy)} windows ({len(busy) * sig.window_s:g} s) in which "
         f"{_who_on_cpu(others, named, steal)}, against the windows without a neighbour",
         {
@@ -272,8 +289,8 @@ def _slow_steps(sig: Signals, p: dict) -> Evidence | None:
         if w.get("run_queue_mean") is not None:
             who += f" (run queue {w.get('run_queue_mean'):.1f})"
     return Evidence(
-        f"engine steps took {slow:.1f}x as long as the same work (same batch and tokens) takes "
-        f"at its quickest in {_when(w)} while {who}"
+        f"{_same_work(sig)} took {slow:.1f}x as long as at its quickest in {_when(w)} "
+        f"while {who}"
         + (
             f"; windows without a neighbour ran at {quiet_slowdown:.1f}x"
             if quiet_slowdown is not None

@@ -60,7 +60,7 @@ from .prefix import engine_block_size, prefix_block_stats, prefix_head_stats
 from .queue_now import OpenStep, Waiting, open_step, waiting_now
 from .recompute import RecomputeStep, recompute_steps
 from .roofline import roofline_peaks
-from .same_work import step_ratios_sql
+from .same_work import work_ratios_sql
 from .scope import NS, Scope, quantile, span, store_columns
 from .upstream import fill_from_upstream_spans
 from .warmup import (
@@ -338,7 +338,7 @@ __all__ = [
     "prefix_head_stats",
     "recompute_steps",
     "roofline_peaks",
-    "step_ratios_sql",
     "waiting_now",
     "warmup_intervals",
+    "work_ratios_sql",
 ]

@@ -77,7 +77,12 @@ def test_a_vllm_store_names_what_it_could_not_assess(vllm_store):
     missing = report.not_assessed
     # every rule that reads a family only our step records or device samples feed: named,
     # with what it needed; the queue and KV families come from vLLM's own gauges and counters
-    assert report.signal_sources == {"steps": "steps_from_samples", "kv": "kv_from_samples"}
+    # and the same-work comparison from the requests' time per token
+    assert report.signal_sources == {
+        "steps": "steps_from_samples",
+        "kv": "kv_from_samples",
+        "same_work": "same_work_from_requests",
+    }
     ours_only = {
         f.name
         for f in FAMILIES

@@ -130,7 +130,11 @@ def test_queue_and_prefill_come_from_the_upstreams_stations(proxy_store):
 def test_queue_and_kv_signals_come_from_the_scraped_metrics(proxy_store):
     with proxy_store.connection_locked() as con:
         sig = load(con, window_s=5)
-    assert sig.sources == {"steps": "steps_from_samples", "kv": "kv_from_samples"}
+    assert sig.sources == {
+        "steps": "steps_from_samples",
+        "kv": "kv_from_samples",
+        "same_work": "same_work_from_requests",
+    }
     w = sig.windows
     assert w[0].get("waiting_mean") == 0.0 and w[0].get("kv_usage_max") == pytest.approx(0.4)
     # scrapes 15..19 in the last full window: waiting 6..10, KV up to 0.5 + 0.045 * 10
@@ -152,6 +156,7 @@ def test_rules_reading_queue_and_kv_are_assessed_and_the_report_says_where_from(
     assert report.to_json()["signal_sources"] == {
         "steps": "steps_from_samples",
         "kv": "kv_from_samples",
+        "same_work": "same_work_from_requests",
     }
     assert any("scraped /metrics" in line for line in baseline_lines(report))
     assert {r.id for r in RULES} >= set(report.not_assessed)
@@ -296,3 +301,89 @@ def test_nan_and_inf_readings_are_no_statistic_and_the_json_report_is_strict(tmp
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert _strict(r.stdout)["findings"]
+
+
+HOG = {"pid": 4242, "command": "python -m tokenmill.bench.cpu_hog --procs 4", "cpu_pct": 61.0,
+       "load_generator": False}  # fmt: skip
+
+
+def _neighbour_store(path, *, others_pct: float, slow: float = 3.0, streams: int = 3):
+    """A proxy's store of 60 s: a request a second, each decoding 3 s (3 streams at once),
+    and the host sampled twice a second with the upstream counted as the server's. In the
+    second half the upstream's time per output token is ``slow`` x (same streams), while
+    processes outside the server use ``others_pct`` % of the CPU (the hog named)."""
+    store = TraceStore(path, flush_interval_s=0.05)
+    for i in range(60):
+        arrival = T0 + i * S
+        tpot = 30.0 * (slow if i >= 30 else 1.0)
+        tokens = int(3000 / tpot) + 1
+        first = arrival + 80 * MS
+        end = first + 3 * S
+        row = RequestRow(
+            request_id=f"chatcmpl-{i}", trace_id=f"{i + 1:032x}", endpoint="chat", stream=True,
+            http_status=200, arrival_ns=arrival, first_token_ns=first, last_token_ns=end,
+            end_ns=end, input_tokens=60, output_tokens=tokens, ttft_ms=80.0, tpot_ms=tpot,
+            itl_p50_ms=tpot, itl_p99_ms=tpot, itl_max_ms=tpot, e2e_ms=(end - arrival) / MS,
+            decode_ms=(end - first) / MS, finish_reason="length",
+        )  # fmt: skip
+        assert store.submit("requests", msgspec.structs.asdict(row))
+    for k in range(130):
+        t = T0 + k * S // 2
+        busy = t >= T0 + 30 * S
+        assert store.submit("device_samples", {
+            "time_ns": t, "kind": "host", "device_index": 0, "cpu_pct": 95.0,
+            "cpu_others_pct": others_pct if busy else 2.0, "steal_pct": 0.0, "run_queue": 6.0,
+            "loadgen_cpu_pct": 3.0, "busy_others": json.dumps([HOG] if busy else []),
+        })  # fmt: skip
+    assert store.flush()
+    return store
+
+
+def _diagnosed(path, **kw):
+    store = _neighbour_store(path, **kw)
+    try:
+        with store.connection_locked() as con:
+            return diagnose(con, window_s=10)
+    finally:
+        store.close()
+
+
+def test_a_neighbour_behind_a_proxy_is_found_from_the_requests_time_per_token(tmp_path):
+    """No steps in a proxy's store: the same-work comparison runs over the requests, each one's
+    time per output token against the quickest quarter of those decoding beside as many
+    streams, and the proxy's host samples name the neighbour."""
+    report = _diagnosed(tmp_path / "n.duckdb", others_pct=60.0)
+    assert report.to_json()["signal_sources"]["same_work"] == "same_work_from_requests"
+    found = {f.rule_id: f for f in report.findings}
+    assert "host_contention" in found, sorted(found)
+    f = found["host_contention"]
+    assert 2.5 < f.evidence["same_work_slowdown"] < 3.5, f.evidence
+    assert "time per output token" in f.summary and "cpu_hog" in f.summary, f.summary
+
+
+def test_the_same_slower_tokens_without_a_neighbour_are_not_host_contention(tmp_path):
+    report = _diagnosed(tmp_path / "q.duckdb", others_pct=2.0)
+    assert "host_contention" not in {f.rule_id for f in report.findings}
+
+
+def test_more_streams_at_once_is_not_the_same_work(tmp_path):
+    """Twice the streams at 1.6x the time per token (a busier upstream, its batch grown): they
+    are set against requests that decoded beside as many streams, not against the 3-stream
+    ones (that would read 1.6x, past ``slowdown``), so a neighbour's samples alone do not make
+    it contention."""
+    store = _neighbour_store(tmp_path / "b.duckdb", others_pct=60.0, slow=1.0)
+    try:
+        with store.connection_locked() as con:  # double the second half's streams
+            con.execute(
+                "INSERT INTO requests SELECT * REPLACE (request_id || 'b' AS request_id, "
+                "trace_id || 'b' AS trace_id, tpot_ms * 1.6 AS tpot_ms) FROM requests "
+                "WHERE arrival_ns >= ?", [T0 + 30 * S]
+            )  # fmt: skip
+            con.execute("UPDATE requests SET tpot_ms = 48.0 WHERE arrival_ns >= ?", [T0 + 30 * S])
+            report = diagnose(con, window_s=10)
+            sig = load(con, window_s=10)
+    finally:
+        store.close()
+    late = [w.get("same_work_slowdown") for w in sig.windows[4:6]]
+    assert all(v is not None and v < 1.5 for v in late), late
+    assert "host_contention" not in {f.rule_id for f in report.findings}

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -94,3 +96,49 @@ def test_the_openai_base_url_is_taken_as_the_upstream(tmp_path, suffix):
     assert r.status_code == 200 and up.received == ["ok"]
     assert up.paths == ["/v1/chat/completions"]
     assert f"→ {up.url}; recording" in " ".join(stderr.split())
+
+
+def test_the_proxy_samples_its_host_with_the_upstream_counted_as_the_servers(tmp_path):
+    """An upstream on this host is found by its port and counted with the proxy: its CPU is
+    the server's, a CPU burner beside it is named among the others (host_contention's
+    evidence through a proxy)."""
+    up = RawUpstream()  # listens in this test's process: the upstream is this pid
+    db = tmp_path / "p.duckdb"
+    proc, _ = start_proxy(up.url, db, "--device-sample-interval", "0.2s")
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:  # the upstream busy too, in its own process
+            sum(i * i for i in range(10_000))
+    finally:
+        burner.kill()
+        burner.wait(10)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=HANG_GUARD_S)
+        up.stop()
+    con = duckdb.connect(str(db), read_only=True)
+    rows = con.execute(
+        "SELECT cpu_others_pct, busy_others FROM device_samples WHERE kind = 'host' "
+        "ORDER BY time_ns"
+    ).fetchall()
+    con.close()
+    named = [d for _, text in rows for d in json.loads(text or "[]")]
+    pids = {d["pid"] for d in named}
+    assert burner.pid in pids, named
+    assert os.getpid() not in pids and proc.pid not in pids, named
+    # the burner's one core of this host's CPUs is the others' share
+    share = 100 / (os.cpu_count() or 1)
+    assert max(pct for pct, _ in rows if pct is not None) >= share * 0.5, rows
+
+
+def test_an_upstream_on_another_host_is_not_sampled(tmp_path):
+    """The proxy's host says nothing about an upstream elsewhere: no host rows."""
+    db = tmp_path / "p.duckdb"
+    proc, _ = start_proxy("http://192.0.2.1:9", db, "--device-sample-interval", "0.1s")
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=HANG_GUARD_S)
+    con = duckdb.connect(str(db), read_only=True)
+    (n,) = con.execute("SELECT count(*) FROM device_samples").fetchone()
+    con.close()
+    assert n == 0
