@@ -144,7 +144,12 @@ def store_now_ns(con) -> int | None:
         "SELECT max(time_ns) FROM device_samples",
         "SELECT max(time_ns) FROM events",
     ]
-    for table in ("engine_samples", "waiting_samples", "findings"):  # added tables: if there
+    for table in (
+        "engine_samples",
+        "waiting_samples",
+        "findings",
+        "stream_samples",
+    ):  # added tables: if there
         try:
             con.execute(f"SELECT time_ns FROM {table} LIMIT 0")
         except duckdb.CatalogException:

@@ -25,6 +25,7 @@ VISIBLE_BY = {
     "engine_samples": "time_ns",
     "waiting_samples": "time_ns",
     "findings": "time_ns",
+    "stream_samples": "time_ns",
 }
 
 

@@ -204,13 +204,34 @@ class ProxyState:
             if not ex.token_ns and ex.end_ns is None
         ]
 
+    def stream_rows(self, now_ns: int) -> list[dict]:
+        """A ``stream_samples`` row for each stream in flight that has made its first output
+        and not ended: the upstream's pace shows while its streams run, not only once they
+        end."""
+        return [
+            {
+                "time_ns": now_ns,
+                "request_id": ex.response_id or f"proxy-{ex.span_id}",
+                "first_token_ns": ex.token_ns[0],
+                "last_token_ns": ex.token_ns[-1],
+                "output_tokens": len(ex.token_ns),
+                "tenant": ex.tenant,
+            }
+            for ex in list(self.in_flight.values())
+            if ex.token_ns and ex.end_ns is None
+        ]
+
     async def sample_waiting(self, interval_s: float = WAITING_SAMPLE_S) -> None:
-        """Record the waiting requests every ``interval_s`` until cancelled."""
+        """Record the waiting requests and the open streams every ``interval_s`` until
+        cancelled."""
         while True:
             await asyncio.sleep(interval_s)
             try:
-                for row in self.waiting_rows(time.time_ns()):
+                now = time.time_ns()
+                for row in self.waiting_rows(now):
                     self.record("waiting_samples", row)
+                for row in self.stream_rows(now):
+                    self.record("stream_samples", row)
             except Exception:  # the observer never fails the observed
                 log.exception("waiting sample failed")
 

@@ -39,6 +39,7 @@ TIME_COLUMN = {
     "engine_samples": "time_ns",
     "waiting_samples": "time_ns",
     "findings": "time_ns",
+    "stream_samples": "time_ns",
 }
 
 
@@ -95,6 +96,7 @@ ENDED_COLUMN = {
     "engine_samples": "time_ns",
     "waiting_samples": "time_ns",
     "findings": "time_ns",
+    "stream_samples": "time_ns",
 }
 
 

@@ -229,6 +229,26 @@ class WaitingSampleRow(msgspec.Struct, kw_only=True):
     replica: int | None = None
 
 
+class StreamSampleRow(msgspec.Struct, kw_only=True):
+    """One streamed request in flight that had made its first token and not yet ended, at one
+    sample: field for field the ``stream_samples`` table. ``tokenmill proxy`` takes a sample of
+    every such stream each ``WAITING_SAMPLE_S``, so an upstream's pace shows in the store while
+    its streams run (its ``requests`` row comes only when the stream ends: a neighbour that
+    makes every token 20x slower keeps every stream open for minutes)."""
+
+    time_ns: Ns
+    """when the sample was taken"""
+    request_id: str
+    """the request's id (its ``requests.request_id`` once it ends)"""
+    first_token_ns: Ns
+    """its first output reached the proxy"""
+    last_token_ns: Ns
+    """its latest output reached the proxy"""
+    output_tokens: int
+    """outputs (stream events with text) so far"""
+    tenant: str | None = None
+
+
 class FindingRow(msgspec.Struct, kw_only=True):
     """One state of a live finding (``diagnose/live.py``): field for field the ``findings``
     table. A finding writes a row when it opens, at each period it still holds, and when it

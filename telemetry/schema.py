@@ -2,12 +2,13 @@
 a DuckDB file (a live store or a dump) was written by this version.
 
 ``device_samples``, ``events`` and ``meta`` are written out in ``schema.sql``; ``spans``,
-``requests``, ``engine_steps``, ``engine_samples`` and ``waiting_samples`` are generated from
-their row types (:class:`~tokenmill.telemetry.rows.SpanRow`,
+``requests``, ``engine_steps``, ``engine_samples``, ``waiting_samples`` and ``stream_samples``
+are generated from their row types (:class:`~tokenmill.telemetry.rows.SpanRow`,
 :class:`~tokenmill.telemetry.rows.RequestRow`,
 :class:`~tokenmill.engine.messages.StepRecord`,
 :class:`~tokenmill.telemetry.engine_metrics.EngineSampleRow`,
-:class:`~tokenmill.telemetry.rows.WaitingSampleRow`), so the engine's step record and
+:class:`~tokenmill.telemetry.rows.WaitingSampleRow`,
+:class:`~tokenmill.telemetry.rows.StreamSampleRow`), so the engine's step record and
 its stored row cannot disagree.
 """
 
@@ -28,7 +29,7 @@ from tokenmill.engine.messages import (
 )
 
 from .engine_metrics import EngineSampleRow
-from .rows import FindingRow, RequestRow, SpanRow, WaitingSampleRow
+from .rows import FindingRow, RequestRow, SpanRow, StreamSampleRow, WaitingSampleRow
 
 SCHEMA_VERSION = 4
 TABLES = (
@@ -40,11 +41,12 @@ TABLES = (
     "engine_samples",
     "waiting_samples",
     "findings",
+    "stream_samples",
 )
 #: tables added after this version was stamped: a store or dump written before them reads them
 #: as empty (apply_schema creates them, expose_missing_columns gives a read-only file an empty
 #: one, a Parquet dump may lack their file)
-ADDED_TABLES = ("engine_samples", "waiting_samples", "findings")
+ADDED_TABLES = ("engine_samples", "waiting_samples", "findings", "stream_samples")
 # the child spans of every root span (`chat {model}`), in the order a request passes them (DESIGN.md §2)
 STATIONS = (
     "gateway",
@@ -138,6 +140,7 @@ ROW_TYPES: dict[str, type[msgspec.Struct]] = {
     "engine_samples": EngineSampleRow,
     "waiting_samples": WaitingSampleRow,
     "findings": FindingRow,
+    "stream_samples": StreamSampleRow,
 }
 
 __all__ = [

@@ -13,7 +13,7 @@ collective, or deadlocked looks like this; a dead one is ``engine_crash``, a bus
 
 from __future__ import annotations
 
-from ..signals import Signals, open_step, waiting_now
+from ..signals import Signals, last_stream_token_ns, open_step, waiting_now
 from ._common import Evidence, Param, Rule, _ms
 from .host_contention import others_cpu_pct
 
@@ -64,7 +64,7 @@ def _stalled_step(sig: Signals, p: dict) -> Evidence | None:
 
 def _stalled_upstream(sig: Signals, p: dict) -> Evidence | None:
     """Any engine behind a proxy: requests waited ``stall_s`` for a first token and no
-    request made a token in that time."""
+    request made a token in that time (neither one that ended nor an open stream)."""
     waiting = waiting_now(sig)
     if not waiting:
         return None
@@ -75,6 +75,9 @@ def _stalled_upstream(sig: Signals, p: dict) -> Evidence | None:
     since = latest - int(p["stall_s"] * 1e9)
     (token,) = sig.con.execute(_LAST_TOKEN_SQL, [since]).fetchone()
     if token is not None and token >= since:
+        return None
+    streaming = last_stream_token_ns(sig, since)  # an open stream made a token meanwhile
+    if streaming is not None and streaming >= since:
         return None
     others = others_cpu_pct(sig, since, latest)
     if others is not None and others >= p["others_cpu_pct"]:
@@ -144,6 +147,7 @@ RULE = Rule(
             "oldest_wait_prompt_tokens",
         ),
         "waiting_samples": ("prompt_tokens", "request_id", "time_ns", "wait_ms"),
+        "stream_samples": ("last_token_ns", "time_ns"),
         "device_samples": ("cpu_others_pct", "loadgen_cpu_pct", "steal_pct"),
     },
 )

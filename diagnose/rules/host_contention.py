@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from ..signals import Signals, Window, open_step, waiting_now, work_ratios_sql
+from ..signals import Signals, Window, has_open_streams, open_step, waiting_now, work_ratios_sql
 from ..stats import against_bound, compare
 from ._common import (
     Evidence,
@@ -221,7 +221,10 @@ def _sustained(sig: Signals, p: dict) -> Evidence | None:
         return None
     ratios = sig.con.execute(
         work_ratios_sql(
-            sig.decode_seqs_sql, sig.reference_spans, from_requests=_from_requests(sig)
+            sig.decode_seqs_sql,
+            sig.reference_spans,
+            from_requests=_from_requests(sig),
+            streams=_from_requests(sig) and has_open_streams(sig.con),
         ),
         {"since": sig.since_ns, "until": sig.until_ns},
     ).fetchall()

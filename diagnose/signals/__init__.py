@@ -57,10 +57,10 @@ from .baseline import (
 )
 from .family import Family, Yield, unavailable
 from .prefix import engine_block_size, prefix_block_stats, prefix_head_stats
-from .queue_now import OpenStep, Waiting, open_step, waiting_now
+from .queue_now import OpenStep, Waiting, last_stream_token_ns, open_step, waiting_now
 from .recompute import RecomputeStep, recompute_steps
 from .roofline import roofline_peaks
-from .same_work import work_ratios_sql
+from .same_work import has_open_streams, work_ratios_sql
 from .scope import NS, Scope, quantile, span, store_columns
 from .upstream import fill_from_upstream_spans
 from .warmup import (
@@ -331,6 +331,8 @@ __all__ = [
     "Window",
     "Yield",
     "engine_block_size",
+    "has_open_streams",
+    "last_stream_token_ns",
     "load",
     "make_scope",
     "open_step",

@@ -15,6 +15,10 @@ Where such a request has no ``requests`` row yet it is still in flight, and its 
 least its wait. Rules read these waits where the ended requests cannot tell yet (a live store);
 in a store whose requests have all ended there are none, and a store from before the fields has
 none either.
+
+Behind a proxy, the streams that have made their first token and not ended are sampled too
+(``stream_samples``): their latest output says the upstream still makes tokens while no request
+ends (:func:`last_stream_token_ns`).
 """
 
 from __future__ import annotations
@@ -88,6 +92,18 @@ def _waiting_now(sig: Signals) -> list[Waiting]:
         if seen is None or x.wait_ms > seen.wait_ms:
             longest[x.request_id] = x
     return sorted(longest.values(), key=lambda x: x.at_ns)
+
+
+_STREAM_TOKEN_SQL = "SELECT max(last_token_ns) FROM stream_samples WHERE time_ns >= ?"
+
+
+def last_stream_token_ns(sig: Signals, since_ns: int) -> int | None:
+    """The latest output any stream still in flight had made, by the samples taken since
+    ``since_ns`` (``stream_samples``, a proxy's); None without such a sample (or the table)."""
+    if "last_token_ns" not in store_columns(sig.con).get("stream_samples", frozenset()):
+        return None
+    (t,) = sig.con.execute(_STREAM_TOKEN_SQL, [since_ns]).fetchone()
+    return t
 
 
 # the last step the store holds, and the latest time anything was recorded: host samples go on

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from tokenmill.telemetry.schema import COMPLETED_SQL, WORKING_STEP_SQL
 
 from .family import Family, Yield
-from .scope import Scope, in_intervals
+from .scope import Scope, in_intervals, store_columns
 from .steps import WORKING_COLUMNS
 
 # the work each step did: CTE ``w``, one row per working step of the range or the reference
@@ -41,10 +41,13 @@ WITH w AS (
 
 # the same for a store without steps (another engine behind ``tokenmill proxy``): one row per
 # request that decoded to its end (a stream cut short ends at the cut, not at its last token),
-# at its last token (``start_ns``, when its ratio is known), its time per
-# output token (``ms``) and, as its batch and tokens, the streams decoding beside it: the mean
-# over its decode of the requests whose decode overlapped it, itself included, rounded. Its
-# time per token is the upstream's step time at that batch, seen from the client.
+# at its last token (``start_ns``, when its ratio is known), its time per output token (``ms``)
+# and, as its batch and tokens, the streams decoding beside it: the mean over its decode of the
+# requests whose decode overlapped it, itself included, rounded. Its time per token is the
+# upstream's step time at that batch, seen from the client. With the proxy's samples of the
+# streams still open (``stream_samples``, ``_OPEN_STREAMS``), one row per sample too: its time
+# since its first output over its outputs so far, the streams open at that sample its batch (a
+# neighbour that makes tokens 20x slower ends no stream for minutes).
 _REQUEST_WORK = f"""
 WITH d AS (
     SELECT request_id, first_token_ns AS a, last_token_ns AS b, tpot_ms AS ms
@@ -57,8 +60,15 @@ WITH d AS (
         sum(least(d.b, o.last_token_ns) - greatest(d.a, o.first_token_ns))
         / any_value(d.b - d.a)) AS INTEGER)) AS batch, batch AS tok, 0 AS tok_class
     FROM d JOIN requests o ON o.first_token_ns < d.b AND o.last_token_ns > d.a
-    GROUP BY d.request_id
+    GROUP BY d.request_id__OPEN_STREAMS__
 )"""
+_OPEN_STREAMS = """
+    UNION ALL
+    SELECT time_ns, (time_ns - first_token_ns) / 1e6 / output_tokens,
+        CAST(count(*) OVER (PARTITION BY time_ns) AS INTEGER) AS n, n, 0
+    FROM stream_samples
+    WHERE output_tokens > 0
+      AND (time_ns >= $since AND time_ns < $until OR (__IN_REFERENCE_SAMPLE__))"""
 
 # each unit of work against the quickest quarter of the units that did the same work, after
 # ``w``: CTEs ``s`` (the range's units), ``ref`` (each class's 25th percentile and median
@@ -96,13 +106,16 @@ def _fill(
     decode_seqs_sql: str,
     reference_spans: Sequence[tuple[int, int]],
     from_requests: bool = False,
+    streams: bool = False,
 ) -> str:
     work = _REQUEST_WORK if from_requests else _STEP_WORK
     return (
         (work + _COMPARE + sql)
+        .replace("__OPEN_STREAMS__", _OPEN_STREAMS if streams else "")
         .replace("__DECODE_SEQS__", decode_seqs_sql)
         .replace("__IN_REFERENCE__", in_intervals("start_ns", reference_spans))
         .replace("__IN_REFERENCE_END__", in_intervals("last_token_ns", reference_spans))
+        .replace("__IN_REFERENCE_SAMPLE__", in_intervals("time_ns", reference_spans))
     )
 
 
@@ -111,12 +124,22 @@ def work_ratios_sql(
     reference_spans: Sequence[tuple[int, int]] = (),
     *,
     from_requests: bool = False,
+    streams: bool = False,
 ) -> str:
     """Each unit of work's time over its work's quickest quarter, ``(start_ns, ratio)``, for
     the range given as the named parameters ``since`` and ``until``, the quarter taken over
     the range and ``reference_spans``: the working steps, or with ``from_requests`` each
-    decoded request at its last token (a store without steps, ``FROM_REQUESTS``)."""
-    return _fill(_RATIOS_SQL, decode_seqs_sql, reference_spans, from_requests)
+    decoded request at its last token (a store without steps, ``FROM_REQUESTS``) and, with
+    ``streams``, each sample of a stream still open."""
+    return _fill(_RATIOS_SQL, decode_seqs_sql, reference_spans, from_requests, streams)
+
+
+def has_open_streams(scope_or_con) -> bool:
+    """Whether the store has the proxy's samples of open streams (``stream_samples``)."""
+    con = getattr(scope_or_con, "con", scope_or_con)
+    return {"time_ns", "first_token_ns", "output_tokens"} <= store_columns(con).get(
+        "stream_samples", frozenset()
+    )
 
 
 def compute(scope: Scope) -> Yield:
@@ -125,13 +148,14 @@ def compute(scope: Scope) -> Yield:
 
 
 def compute_from_requests(scope: Scope) -> Yield:
-    sql = _fill(_WINDOW_SQL, "", scope.reference_spans, from_requests=True)
+    streams = has_open_streams(scope)
+    sql = _fill(_WINDOW_SQL, "", scope.reference_spans, from_requests=True, streams=streams)
     return Yield(scope.by_window(sql, "start_ns", scope.not_warm_step), {})
 
 
 #: ``same_work`` for a store without steps: the decoded requests' time per output token at the
-#: same number of streams decoding beside them (``_REQUEST_WORK``); ``same_work_steps`` counts
-#: the requests
+#: same number of streams decoding beside them (``_REQUEST_WORK``), and the open streams' where
+#: the proxy sampled them; ``same_work_steps`` counts the requests and samples
 FROM_REQUESTS = Family(
     name="same_work_from_requests",
     needs={
@@ -144,6 +168,7 @@ FROM_REQUESTS = Family(
             "error_type",
         )
     },
+    optional={"stream_samples": ("time_ns", "first_token_ns", "output_tokens")},
     window_keys=("same_work_slowdown", "same_work_steps"),
     overall_keys=(),
     compute=compute_from_requests,

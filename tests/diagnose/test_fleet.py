@@ -259,6 +259,7 @@ def test_bad_parquet_dumps_are_one_line(small, tmp_path):
             "engine_samples",
             "waiting_samples",
             "findings",
+            "stream_samples",
         )
     )
     # the folder is refused as an output unless --force; a file is never a Parquet output

@@ -387,3 +387,57 @@ def test_more_streams_at_once_is_not_the_same_work(tmp_path):
     late = [w.get("same_work_slowdown") for w in sig.windows[4:6]]
     assert all(v is not None and v < 1.5 for v in late), late
     assert "host_contention" not in {f.rule_id for f in report.findings}
+
+
+def _open_streams_store(path, *, tokens_move: bool, others_pct: float = 60.0):
+    """A proxy's store: 30 s of quick requests (3 streams at 30 ms a token), then 30 s in
+    which no request ends: three streams stay open, sampled each second, making a token every
+    ``2 s`` when ``tokens_move`` (a neighbour: 66x slower) or none at all, while two requests
+    wait for their first token and others use ``others_pct`` % of the CPU."""
+    store = _neighbour_store(path, others_pct=others_pct)
+    with store.connection_locked() as con:
+        con.execute("DELETE FROM requests WHERE arrival_ns >= ?", [T0 + 30 * S])
+    opened = T0 + 31 * S
+    for k in range(30):
+        t = opened + k * S
+        for j in range(3):
+            n = 1 + (k // 2 if tokens_move else 0)
+            last = opened + (2 * (n - 1) * S if tokens_move else 0)
+            assert store.submit("stream_samples", {
+                "time_ns": t, "request_id": f"open-{j}", "first_token_ns": opened,
+                "last_token_ns": last, "output_tokens": n,
+            })  # fmt: skip
+        for j in range(2):
+            assert store.submit("waiting_samples", {
+                "time_ns": t, "request_id": f"wait-{j}", "arrival_ns": opened,
+                "wait_ms": (t - opened) / MS,
+            })  # fmt: skip
+    assert store.flush()
+    return store
+
+
+def test_open_streams_show_a_neighbour_before_any_request_ends(tmp_path):
+    store = _open_streams_store(tmp_path / "o.duckdb", tokens_move=True)
+    try:
+        with store.connection_locked() as con:
+            report = diagnose(con, window_s=10)
+            sig = load(con, window_s=10)
+    finally:
+        store.close()
+    late = [w.get("same_work_slowdown") for w in sig.windows[3:6]]
+    assert all(v is not None and v > 10 for v in late), late
+    assert "host_contention" in {f.rule_id for f in report.findings}
+
+
+@pytest.mark.parametrize("tokens_move", [True, False])
+def test_an_upstream_whose_open_streams_make_tokens_is_not_stalled(tmp_path, tokens_move):
+    """No request ends for 30 s and two wait for a first token, the host quiet: streams that
+    still make tokens (slowly) are an upstream at work, streams frozen at their first token a
+    stopped one (engine_stalled)."""
+    store = _open_streams_store(tmp_path / "s.duckdb", tokens_move=tokens_move, others_pct=2.0)
+    try:
+        with store.connection_locked() as con:
+            report = diagnose(con, window_s=10)
+    finally:
+        store.close()
+    assert ("engine_stalled" in {f.rule_id for f in report.findings}) is not tokens_move

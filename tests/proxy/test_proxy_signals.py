@@ -142,3 +142,39 @@ def test_an_upstream_on_another_host_is_not_sampled(tmp_path):
     (n,) = con.execute("SELECT count(*) FROM device_samples").fetchone()
     con.close()
     assert n == 0
+
+
+def test_open_streams_are_sampled_while_they_run(tmp_path):
+    """Each second the proxy samples every stream that has made its first output and not
+    ended (``stream_samples``): the upstream's pace is in the store before any stream ends."""
+    up = RawUpstream()
+    db = tmp_path / "p.duckdb"
+    proc, url = start_proxy(up.url, db)
+    outs: list = []
+    try:
+        events = 35  # 3.5 s: three samples or more
+        body = {"model": f"drip:{events}", "messages": [{"role": "user", "content": "hi"}],
+                "stream": True}  # fmt: skip
+        t = threading.Thread(target=lambda: outs.append(
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=HANG_GUARD_S)))  # fmt: skip
+        t.start()
+        t.join(HANG_GUARD_S)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=HANG_GUARD_S)
+        up.stop()
+    assert outs and outs[0].status_code == 200
+    con = duckdb.connect(str(db), read_only=True)
+    samples = con.execute(
+        "SELECT request_id, time_ns, first_token_ns, last_token_ns, output_tokens "
+        "FROM stream_samples ORDER BY time_ns"
+    ).fetchall()
+    (request_id, first, last, n) = con.execute(
+        "SELECT request_id, first_token_ns, last_token_ns, output_tokens FROM requests"
+    ).fetchone()
+    con.close()
+    assert len(samples) >= 3, samples
+    assert {s[0] for s in samples} == {request_id}  # joins the request's row once it ends
+    assert all(s[2] == first and s[2] <= s[3] <= s[1] and s[3] < last for s in samples)
+    counts = [s[4] for s in samples]
+    assert counts == sorted(counts) and 0 < counts[0] < counts[-1] < n, counts

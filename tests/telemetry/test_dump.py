@@ -131,6 +131,16 @@ def hour(tmp_path_factory):
         }
         for m in range(0, 60, 3)
     ]
+    streams = [
+        {
+            "time_ns": _at(now, m),
+            "request_id": f"s{m}",
+            "first_token_ns": _at(now, m) - 3 * 10**9,
+            "last_token_ns": _at(now, m) - 10**8,
+            "output_tokens": 40,
+        }
+        for m in range(0, 60, 4)
+    ]
     # a live finding's states: opened at -45, then each period it held (written by time_ns)
     findings = [
         finding_row(time_ns=_at(now, m), finding_id="f1", rule="ttft_queueing", status="open",
@@ -148,6 +158,7 @@ def hour(tmp_path_factory):
         "engine_samples": scrapes,
         "waiting_samples": waiting,
         "findings": findings,
+        "stream_samples": streams,
     }
     _fill(path, rows).close()
     return SimpleNamespace(path=path, now=now, rows=rows)
@@ -225,6 +236,7 @@ def test_window_counts_and_whole_traces(hour, tmp_path):
     expected["engine_samples"] = 4  # scraped at -30, -25, -20, -15
     expected["waiting_samples"] = 6  # sampled at -27, -24, ..., -12 (and 30 s)
     expected["findings"] = 2  # the finding's states at -25 and -15
+    expected["stream_samples"] = 5  # sampled at -28, -24, ..., -12
     assert counts == expected
     assert sorted(os.listdir(tmp_path)) == ["w.duckdb"]  # no temp or .wal file left
     d = open_dump(out)
@@ -267,6 +279,7 @@ def test_whole_store_and_no_overwrite(hour, tmp_path):
             "engine_samples": 12,
             "waiting_samples": 20,
             "findings": 4,
+            "stream_samples": 15,
         }
         size = out.stat().st_size
         with pytest.raises(DumpError, match="already exists") as ei:
@@ -595,6 +608,7 @@ def test_http_dump_ok(live, tmp_path):
             "engine_samples": 6,
             "waiting_samples": 10,
             "findings": 3,
+            "stream_samples": 8,
         }
         assert _rows(d, "SELECT kind FROM events WHERE kind = 'fresh'") == ["fresh"]
         assert dict(d.execute("SELECT key, value FROM meta").fetchall())["source"].startswith(
