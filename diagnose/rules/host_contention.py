@@ -17,7 +17,15 @@ from __future__ import annotations
 import json
 import statistics
 
-from ..signals import Signals, Window, has_open_streams, open_step, waiting_now, work_ratios_sql
+from ..signals import (
+    Signals,
+    Window,
+    has_open_streams,
+    host_loadgen_sql,
+    open_step,
+    waiting_now,
+    work_ratios_sql,
+)
 from ..stats import against_bound, compare
 from ._common import (
     Evidence,
@@ -225,6 +233,7 @@ def _sustained(sig: Signals, p: dict) -> Evidence | None:
             sig.reference_spans,
             from_requests=_from_requests(sig),
             streams=_from_requests(sig) and has_open_streams(sig.con),
+            host=host_loadgen_sql(sig.con),
         ),
         {"since": sig.since_ns, "until": sig.until_ns},
     ).fetchall()
@@ -383,7 +392,8 @@ RULE = Rule(
         "others_cpu_pct": Param(
             20.0,
             "CPU used outside the server's process tree, % of all CPUs (one core of five busy: "
-            "an engine that uses every core has no spare for it)",
+            "an engine that uses every core has no spare for it); the same_work family's quiet "
+            "seconds are those under this default (signals/same_work.py: QUIET_OTHERS_PCT)",
         ),
         "steal_pct": Param(10.0, "CPU % the hypervisor gave to other guests"),
         "moderate_slowdown": Param(

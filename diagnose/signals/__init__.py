@@ -60,7 +60,7 @@ from .prefix import engine_block_size, prefix_block_stats, prefix_head_stats
 from .queue_now import OpenStep, Waiting, last_stream_token_ns, open_step, waiting_now
 from .recompute import RecomputeStep, recompute_steps
 from .roofline import roofline_peaks
-from .same_work import has_open_streams, work_ratios_sql
+from .same_work import has_open_streams, host_loadgen_sql, work_ratios_sql
 from .scope import NS, Scope, quantile, span, store_columns
 from .upstream import fill_from_upstream_spans
 from .warmup import (
@@ -332,6 +332,7 @@ __all__ = [
     "Yield",
     "engine_block_size",
     "has_open_streams",
+    "host_loadgen_sql",
     "last_stream_token_ns",
     "load",
     "make_scope",
