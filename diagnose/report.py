@@ -37,6 +37,18 @@ _OPTIONAL_KEYS = (
 )
 
 
+#: what a store without steps compares for ``host_contention`` (``signals/same_work.py``)
+SAME_WORK_FROM_REQUESTS = (
+    "The same-work comparison (host_contention) reads the requests' time per output token "
+    "at the same number of streams, not engine steps."
+)
+
+
+def scraped_families(sources: dict[str, str]) -> list[str]:
+    """The signal families that ran from the engine's scraped metrics (``*_from_samples``)."""
+    return sorted(f for f, alt in sources.items() if alt.endswith("_from_samples"))
+
+
 def _keys(summaries: list[dict]) -> tuple:
     """The key-number rows for these summaries: every healthy key, and the optional ones that
     at least one summary has."""
@@ -105,13 +117,15 @@ def baseline_lines(report: Report) -> list[str]:
             f"the healthiest windows were not judged ({skipped}); findings stand on absolute "
             "evidence."
         )
-    if report.signal_sources:
+    if scraped := scraped_families(report.signal_sources):
         lines.append(
             "No per-step records in this store: the engine's queue and KV-cache signals come "
             "from its scraped /metrics (engine_samples), one reading per scrape, for "
-            + ", ".join(sorted(report.signal_sources))
+            + ", ".join(scraped)
             + "."
         )
+    if report.signal_sources.get("same_work") == "same_work_from_requests":
+        lines.append(SAME_WORK_FROM_REQUESTS)
     warm = report.warmup or {}
     if warm.get("requests"):
         lines.append(

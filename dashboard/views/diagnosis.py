@@ -9,7 +9,12 @@ import json
 import streamlit as st
 
 from tokenmill.dashboard import charts, data, ui
-from tokenmill.diagnose.report import format_evidence, to_markdown
+from tokenmill.diagnose.report import (
+    SAME_WORK_FROM_REQUESTS,
+    format_evidence,
+    scraped_families,
+    to_markdown,
+)
 
 WINDOWS_S = (5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -47,11 +52,13 @@ if ctx is not None:
             )
         elif not report.findings:
             st.success("No problems found in this window.")
-        if report.signal_sources:
+        if scraped := scraped_families(report.signal_sources):
             st.caption(
                 "No per-step records in this store: the engine's queue and KV-cache signals "
-                "come from its scraped /metrics (" + ", ".join(sorted(report.signal_sources)) + ")."
+                "come from its scraped /metrics (" + ", ".join(scraped) + ")."
             )
+        if report.signal_sources.get("same_work") == "same_work_from_requests":
+            st.caption(SAME_WORK_FROM_REQUESTS)
         if report.not_assessed:
             with st.expander(f"Not assessed: {len(report.not_assessed)} rules"):
                 st.caption(

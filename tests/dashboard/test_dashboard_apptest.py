@@ -1045,4 +1045,5 @@ def test_a_store_of_another_engine_names_it_and_where_its_signals_came_from(monk
         c.value for c in at.sidebar.caption
     ]
     assert any("come from its scraped /metrics (kv, steps)" in c.value for c in at.caption)
+    assert any("time per output token" in c.value for c in at.caption)
     assert any(e.label.startswith("Not assessed:") for e in at.expander)

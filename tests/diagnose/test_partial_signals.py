@@ -158,7 +158,9 @@ def test_rules_reading_queue_and_kv_are_assessed_and_the_report_says_where_from(
         "kv": "kv_from_samples",
         "same_work": "same_work_from_requests",
     }
-    assert any("scraped /metrics" in line for line in baseline_lines(report))
+    lines = baseline_lines(report)
+    assert any("scraped /metrics" in line and line.endswith("for kv, steps.") for line in lines)
+    assert any("time per output token" in line for line in lines), lines
     assert {r.id for r in RULES} >= set(report.not_assessed)
 
 
