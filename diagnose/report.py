@@ -12,6 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from .findings import Report
+from .signals import ran_from_requests
 
 # arrivals and endings are counted over the same range but different requests (a request
 # that arrived before the range can end in it), so each label says which it counts
@@ -124,7 +125,7 @@ def baseline_lines(report: Report) -> list[str]:
             + ", ".join(scraped)
             + "."
         )
-    if report.signal_sources.get("same_work") == "same_work_from_requests":
+    if ran_from_requests(report.signal_sources):
         lines.append(SAME_WORK_FROM_REQUESTS)
     warm = report.warmup or {}
     if warm.get("requests"):

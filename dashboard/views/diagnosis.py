@@ -15,6 +15,7 @@ from tokenmill.diagnose.report import (
     scraped_families,
     to_markdown,
 )
+from tokenmill.diagnose.signals import ran_from_requests
 
 WINDOWS_S = (5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -57,7 +58,7 @@ if ctx is not None:
                 "No per-step records in this store: the engine's queue and KV-cache signals "
                 "come from its scraped /metrics (" + ", ".join(scraped) + ")."
             )
-        if report.signal_sources.get("same_work") == "same_work_from_requests":
+        if ran_from_requests(report.signal_sources):
             st.caption(SAME_WORK_FROM_REQUESTS)
         if report.not_assessed:
             with st.expander(f"Not assessed: {len(report.not_assessed)} rules"):

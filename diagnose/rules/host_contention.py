@@ -23,6 +23,7 @@ from ..signals import (
     has_open_streams,
     host_loadgen_sql,
     open_step,
+    ran_from_requests,
     waiting_now,
     work_ratios_sql,
 )
@@ -65,7 +66,7 @@ def _others(w: Window) -> float:
 
 def _from_requests(sig: Signals) -> bool:
     """Whether the same-work ratios came from requests (a store without steps)."""
-    return sig.sources.get("same_work") == "same_work_from_requests"
+    return ran_from_requests(sig.sources)
 
 
 def _same_work(sig: Signals) -> str:

@@ -60,7 +60,7 @@ from .prefix import engine_block_size, prefix_block_stats, prefix_head_stats
 from .queue_now import OpenStep, Waiting, last_stream_token_ns, open_step, waiting_now
 from .recompute import RecomputeStep, recompute_steps
 from .roofline import roofline_peaks
-from .same_work import has_open_streams, host_loadgen_sql, work_ratios_sql
+from .same_work import has_open_streams, host_loadgen_sql, ran_from_requests, work_ratios_sql
 from .scope import NS, Scope, quantile, span, store_columns
 from .upstream import fill_from_upstream_spans
 from .warmup import (
@@ -339,6 +339,7 @@ __all__ = [
     "open_step",
     "prefix_block_stats",
     "prefix_head_stats",
+    "ran_from_requests",
     "recompute_steps",
     "roofline_peaks",
     "waiting_now",

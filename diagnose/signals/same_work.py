@@ -253,3 +253,9 @@ FAMILY = Family(
     compute=compute,
     fallback=FROM_REQUESTS,
 )
+
+
+def ran_from_requests(sources) -> bool:
+    """Whether a load's ``Signals.sources`` (a report's ``signal_sources``) says the same-work
+    comparison ran over the requests (:data:`FROM_REQUESTS`), not the steps."""
+    return sources.get(FAMILY.name) == FROM_REQUESTS.name
