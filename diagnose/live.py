@@ -17,10 +17,12 @@ and signal families as ``tokenmill diagnose``.
 - **Holding.** A rule holds at a tick when it fires there and is not inconclusive. Findings
   that another finding explains are kept (their ``explained_by`` says so) and ranked after it.
 - **Hysteresis.** A finding opens once its rule held in ``open_after`` consecutive ticks (more
-  for a rule whose claim one range cannot show: its ``Rule.live_open_after``) and resolves after
-  ``resolve_after`` consecutive ticks without it: one incident, one finding, opened once and
-  resolved once. The defaults were chosen on the factorial corpus's tune split and the live
-  soak, and are documented in ``docs/live-diagnosis.md``.
+  for a rule whose claim one range cannot show: its ``Rule.live_open_after``) over the recent
+  range, and resolves after ``resolve_after`` consecutive ticks in which its rule no longer
+  holds over the newest ``resolve_windows`` windows (a shorter range, so that the fault's last
+  window does not keep the finding open for the whole range's length). One incident, one
+  finding, opened once and resolved once. The defaults were chosen on the factorial corpus's
+  tune split and recorded soaks, and are documented in ``docs/live-diagnosis.md``.
 
 Each change is written to the store's ``findings`` table (``telemetry/rows.py``: ``FindingRow``,
 one row per open, refresh and resolve; readers take each finding's latest row) and reported to
@@ -61,7 +63,9 @@ class LiveSettings:
     recent_windows: int = 3
     reference_s: float = 3600.0
     open_after: int = 1
-    resolve_after: int = 2
+    resolve_after: int = 1
+    #: the newest windows an open finding's rule is judged on for its resolve
+    resolve_windows: int = 2
     #: resolved findings kept in memory for ``GET /v1/findings``
     keep_resolved_s: float = 3600.0
 
@@ -206,6 +210,8 @@ class LiveDiagnosis:
             res.error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             self.errors += 1
             report = None
+        if res.error is None and report is not None:
+            findings = self._judged_for_resolve(con, findings, until)
         res.held = [f.rule_id for f in findings]
         if res.error is None:
             self._advance(findings, now_ns, res)
@@ -219,6 +225,46 @@ class LiveDiagnosis:
         return res
 
     # ----- the lifecycle -----
+    def _judged_for_resolve(
+        self, con: duckdb.DuckDBPyConnection, findings: list[Finding], until: int
+    ) -> list[Finding]:
+        """The findings that hold at this tick: over the recent range, but over the newest
+        ``resolve_windows`` windows for a rule whose finding is open. Where the newest windows
+        cannot judge (no request in them, no healthy baseline, the rule not judged there) the
+        recent range decides."""
+        s = self.settings
+        watched = {r for r, lf in self.active.items() if lf.status == "open"}
+        if not watched or s.resolve_windows >= s.recent_windows:
+            return findings
+        w = int(s.window_s * NS)
+        rules = tuple(RULES_BY_ID[r] for r in sorted(watched) if r in RULES_BY_ID)
+        try:
+            with columns_read_once():
+                sig = load(
+                    con,
+                    since_ns=until - s.resolve_windows * w,
+                    until_ns=until,
+                    window_s=s.window_s,
+                    reference=tuple(self.reference),
+                )
+                if not sig.healthy_baseline:
+                    return findings
+                report = run_rules(con, sig, rules)
+        except (NoTraffic, duckdb.Error):
+            return findings
+        judged = (
+            {r.id for r in rules}
+            - set(report.rule_errors)
+            - set(report.healthy_baseline.get("not_judged") or ())
+            - {f.rule_id for f in report.inconclusive}
+        )
+        newest = {f.rule_id: f for f in report.findings}
+        held = {f.rule_id for f in findings}
+        # left out: an open finding's rule that no longer holds over the newest windows
+        out = [f for f in findings if f.rule_id not in judged or f.rule_id in newest]
+        out += [f for r, f in newest.items() if r not in held]  # held over the newest only
+        return out
+
     def _advance(self, findings: list[Finding], now_ns: int, res: TickResult) -> None:
         s = self.settings
         held = {f.rule_id: f for f in findings}
@@ -294,6 +340,7 @@ class LiveDiagnosis:
                     if (n := self.settings.open_after_for(r)) != self.settings.open_after
                 },
                 "resolve_after": self.settings.resolve_after,
+                "resolve_windows": self.settings.resolve_windows,
             },
             "runs": self.runs,
             "errors": self.errors,

@@ -12,6 +12,8 @@ REFUSED_BY = {
     "concurrency_limit_exceeded": "the tenant concurrency limit (max_concurrent)",
     "queue_full": "the admission queue (--max-queue-len)",
 }
+# a tenant's own limits: refused at the gateway, before the engine sees the request
+TENANT_LIMITS = ("rate_limit_exceeded", "concurrency_limit_exceeded")
 ABORTED = ("client_disconnected",)
 NUMERICAL = ("nan_logits",)
 # the engine's own failures: no share of them is a healthy level to compare a spike with (a
@@ -111,12 +113,22 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
             return p["absolute_rate"]
         return min(max(p["min_rate"], p["rise"] * base_rate), p["absolute_rate"])
 
+    def tenant_refusals(w: Window) -> bool:
+        """Most of the window's errors are refusals by a tenant's own limit: the gateway
+        refuses those before the engine, so the tokens the others' requests make say nothing
+        about them (a refused tenant's tokens are not made either)."""
+        by = sig.errors_by_window.get(w.index) if w.index >= 0 else sig.errors_by_type
+        n = sum((by or {}).values())
+        return n > 0 and 2 * sum((by or {}).get(t, 0) for t in TENANT_LIMITS) >= n
+
     def hit(w: Window) -> bool:
         rate = w.get("error_rate")
         if rate is None or rate < threshold():
             return False
         if (w.get("errors") or 0) < p["min_errors"]:
             return False
+        if tenant_refusals(w):
+            return True
         tp = _ratio(w.get("throughput_tok_s"), base_tp)
         return tp is None or tp >= p["throughput_normal"]
 
@@ -227,7 +239,11 @@ RULE = Rule(
             "engine fails none; tune split: 4 NaN-logit failures of 28 requests went unnamed "
             "at min_errors)",
         ),
-        "throughput_normal": Param(0.7, f"tokens/s {_BASE} still counted as normal"),
+        "throughput_normal": Param(
+            0.7,
+            f"tokens/s {_BASE} still counted as normal (not asked where most errors are "
+            "refusals by a tenant's own limit: the gateway refuses those before the engine)",
+        ),
     },
     detect=detect,
     healthy_baseline="either",
@@ -240,7 +256,14 @@ RULE = Rule(
             "  or ($error_ratio >= $absolute_rate)\n"
             ")\n"
             "and (sum by ($by) (increase(tokenmill_request_errors_total[$window])) >= $min_errors)\n"
-            "unless ($tokens_per_s / $tokens_per_s_base < $throughput_normal)"
+            "unless (\n"
+            "  ($tokens_per_s / $tokens_per_s_base < $throughput_normal)\n"
+            "  unless (\n"
+            "    2 * sum by ($by) (increase(tokenmill_request_errors_total{error_type=~"
+            '"rate_limit_exceeded|concurrency_limit_exceeded"}[$window]))\n'
+            "    >= sum by ($by) (increase(tokenmill_request_errors_total[$window]))\n"
+            "  )\n"
+            ")"
         ),
         value="share of requests ending in an error",
         unit="%",

@@ -908,3 +908,30 @@ def test_stalls_during_the_live_loops_own_runs_are_not_a_periodic_job(tmp_path):
     (f,) = [f for f in diagnose(con).findings if f.rule_id == "periodic_itl_spikes"]
     con.close()
     assert f.evidence["stalls_during_own_runs"] == 0 and 4.5 < f.evidence["period_s"] < 5.5
+
+
+@pytest.mark.parametrize(
+    ("error_type", "fires"), [("rate_limit_exceeded", True), ("client_disconnected", False)]
+)
+def test_a_tenant_refused_by_its_own_limit_is_an_error_spike_whatever_the_others_make(
+    tmp_path, error_type, fires
+):
+    """Live soak run 5: a tenant over its requests_per_minute was refused (429) in half of a
+    window's requests while the other tenants' traffic made fewer tokens than the healthiest
+    windows of the reference; error_spike waited until a window's tokens/s came back to 70%.
+    A tenant's limit refuses at the gateway, so the tokens made say nothing about it; clients
+    leaving while tokens/s halves is still no error spike of a normal engine."""
+    path = tmp_path / "refused.duckdb"
+    quiet = HEALTHY.but(
+        duration_s=30, rate_per_s=0.9, running=3, error_share=0.45, error_type=error_type
+    )
+    write_store(path, [HEALTHY.but(duration_s=90), quiet], seed=8)
+    con = duckdb.connect(str(path), read_only=True)
+    report = diagnose(con)
+    con.close()
+    findings = {f.rule_id: f for f in report.findings}
+    assert ("error_spike" in findings) is fires, sorted(findings)
+    if fires:
+        ev = findings["error_spike"].evidence
+        assert ev["throughput_tok_s"] < 0.7 * ev["baseline_throughput_tok_s"], ev
+        assert set(ev["errors_by_type"]) == {"rate_limit_exceeded"}

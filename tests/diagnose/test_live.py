@@ -47,9 +47,21 @@ def test_one_incident_opens_one_finding_once_and_resolves_it_once(ticks):
     # open after the rule held in open_after consecutive periods of the fault
     delay = (opened[0][0] - FAULT_START) / period
     assert 1 <= delay <= 4, delay
-    # resolved after resolve_after clean periods once the fault's windows left the range
+    # resolved once the rule no longer held over the newest resolve_windows windows, within
+    # three periods of the fault's end (its last window is still in the three-window range)
     after = (resolved[0][0] - FAULT_END) / period
-    assert 0 < after <= 6, after
+    assert 0 < after <= 3, after
+
+
+def test_judged_over_the_whole_range_the_finding_would_stay_open_longer(incident):
+    """The same incident with the resolve judged over the whole three-window range (and two
+    clean periods): the fault's last window keeps the finding open past three periods."""
+    con = duckdb.connect(str(incident), read_only=True)
+    whole = LiveSettings(resolve_windows=3, resolve_after=2)
+    resolved = [r.now_ns for _, r in replay(con, whole) for f in r.resolved]
+    con.close()
+    assert len(resolved) == 1
+    assert (resolved[0] - FAULT_END) / (whole.period_s * S) > 3
 
 
 def test_nothing_opens_or_even_holds_during_the_healthy_lead(ticks):
@@ -145,14 +157,15 @@ def test_a_rule_opens_after_one_period_unless_its_claim_needs_more():
     second = TickResult(20 * S, 0, 0, held=[])
     loop._advance(held, 20 * S, second)
     assert [f.rule_id for f in second.opened] == ["periodic_itl_spikes"]
-    for t in (30, 40):
-        r = TickResult(t * S, 0, 0, held=[])
-        loop._advance([], t * S, r)
+    m = loop.settings.resolve_after
+    for t in range(3, 3 + m):
+        r = TickResult(t * 10 * S, 0, 0, held=[])
+        loop._advance([], t * 10 * S, r)
     assert loop.active == {} and {f.rule_id for f in loop.resolved} == {
         "ttft_queueing",
         "periodic_itl_spikes",
     }
-    assert r.resolved and all(f.resolved_ns == 40 * S for f in r.resolved)
+    assert r.resolved and all(f.resolved_ns == (2 + m) * 10 * S for f in r.resolved)
 
 
 def test_a_neighbour_longer_than_the_range_is_judged_against_the_steps_before_it(tmp_path):
