@@ -5,9 +5,9 @@ rules ``tokenmill export prometheus-rules`` writes, and sends its alerts to Debi
 ``prometheus-alertmanager``, which posts them to a webhook receiver in this test.
 
 The loop's clock is the store's: each tick advances it 10 s (the loop's real period), once a
-second of wall time. The real period leaves Prometheus and Alertmanager 20 s or more between a
+second of wall time. The real period leaves Prometheus and Alertmanager 10 s or more between a
 finding's open and its earliest resolve (``resolve_after`` clean periods); compressed tenfold
-that is 2 s, about the pipeline's own delay, so the ticks hold (bounded) from the open until the
+that is 1 s, under the pipeline's own delay, so the ticks hold (bounded) from the open until the
 firing notification has arrived: the measured open → webhook delay is the pipeline's alone.
 
 ``make alertmanager`` installs both binaries (Debian's ``prometheus`` and
