@@ -33,8 +33,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .live import LiveDiagnosis, LiveSettings, TickResult
+from .live import NS, LiveDiagnosis, LiveSettings, TickResult
 from .signals.host_bursts import LIVE_RUN_EVENT
+
+#: seconds a run waits past the store's flush interval after its window closes
+SETTLE_S = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -185,14 +188,23 @@ class LiveService:
         # time slices stretch some decode steps in the second after a run, which is why a run
         # is kept short (benchmarks/RESULTS.md)
         lower_thread_priority()
-        period = self.loop.settings.period_s
-        started = time.monotonic()
-        while not self._stop.wait(max(0.0, started + period - time.monotonic())):
-            started = time.monotonic()  # a period from one start to the next, not after a run
+        while not self._stop.wait(self.wait_s()):
             try:
                 self.run_once()
             except Exception:  # never let one tick end the loop
                 log.exception("live diagnosis tick failed")
+
+    def wait_s(self) -> float:
+        """Seconds until the next run: just after the next window closes on the period's
+        grid, once the store has flushed the rows of its last second (``SETTLE_S`` past it, or
+        the store's flush interval and half a second). A run at a random moment of the period
+        judged a window that had closed up to a whole period earlier; one run per period,
+        whatever a run took."""
+        period_ns = int(self.loop.settings.period_s * NS)
+        settle_ns = int(1e9 * (getattr(self.store, "flush_interval_s", 1.0) + SETTLE_S))
+        now = self.clock()
+        nxt = (now - settle_ns) // period_ns * period_ns + period_ns + settle_ns
+        return (nxt - now) / 1e9
 
 
 def add_findings_route(app, service: LiveService | None, authenticate: Callable) -> None:

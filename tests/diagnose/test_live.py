@@ -192,3 +192,27 @@ def test_a_neighbour_longer_than_the_range_is_judged_against_the_steps_before_it
     assert all(w.get("same_work_slowdown") < 1.3 for w in alone.windows)
     assert "host_contention" in loop.last.held
     con.close()
+
+
+def test_each_run_waits_for_the_window_it_judges_to_close_and_reach_the_store():
+    """The thread runs just after a window closes (the store's flush interval and
+    SETTLE_S past the grid), not at whatever moment it started: a run 0.2 s after a window
+    closed waits for that window's rows, one 1.6 s after runs next just after the next one."""
+    from tokenmill.diagnose.live_service import SETTLE_S
+
+    class _Store:
+        flush_interval_s = 1.0
+
+        def submit(self, table, row):
+            pass
+
+    now = [T0 // (10 * S) * 10 * S + int(0.2 * S)]
+    service = LiveService(_Store(), LiveSettings(), clock=lambda: now[0])
+    settle = 1.0 + SETTLE_S
+    assert service.wait_s() == pytest.approx(settle - 0.2)
+    now[0] += int((settle - 0.2) * S)  # the run itself
+    assert service.wait_s() == pytest.approx(10.0)
+    now[0] += int(0.1 * S)
+    assert service.wait_s() == pytest.approx(9.9)
+    now[0] += int(12 * S)  # a run that outlasted its period: the next window's, not a backlog
+    assert 0 < service.wait_s() <= 10.0
