@@ -9,7 +9,8 @@ and signal families as ``tokenmill diagnose``.
 
 - **The baseline.** A short range inside an incident has no healthy windows of its own; the
   loop keeps a **reference**: the oldest window of each tick's range (by then its requests have
-  mostly ended), when it was judged healthy and no finding was open, up to
+  mostly ended), when it was judged healthy and no tick that saw it had a finding open or
+  pending, up to
   :attr:`LiveSettings.reference_s` back. Those windows join the range's own in the baseline
   (:func:`~.signals.load`'s ``reference``), so a rule compares the incident with the health
   before it, as an operator would. Before the reference holds anything (a fresh start) the
@@ -171,6 +172,8 @@ class LiveDiagnosis:
         self.active: dict[str, LiveFinding] = {}  # pending and open, by rule
         self.resolved: deque[LiveFinding] = deque()
         self.reference: deque[Window] = deque()
+        #: windows starting before this were judged while a finding was open or pending
+        self.learn_from_ns = 0
         self.last: TickResult | None = None
         self.runs = 0
         self.errors = 0
@@ -217,6 +220,8 @@ class LiveDiagnosis:
             self._advance(findings, now_ns, res)
             if report is not None and not self.active:
                 self._learn(sig.windows, since)
+            if self.active:  # no window of this range joins the reference later
+                self.learn_from_ns = until
         self._forget(now_ns)
         res.seconds = time.perf_counter() - t0
         res.cpu_seconds = time.thread_time() - c0
@@ -304,7 +309,11 @@ class LiveDiagnosis:
     # ----- the reference -----
     def _learn(self, windows: list[Window], since: int) -> None:
         """Keep the range's oldest window when it is healthy (by now its requests have mostly
-        ended); called only on ticks where no finding is open or pending."""
+        ended) and no tick judged it while a finding was open or pending (a finding resolves
+        while its fault's last windows are still in the range, and a neighbour's slow windows
+        pass the baseline's markers); called only on ticks where none is."""
+        if since < self.learn_from_ns:
+            return
         if self.reference and self.reference[-1].start_ns >= since:
             return
         busy = [w for w in windows if (w.get("completed_arrivals") or 0) > 0]

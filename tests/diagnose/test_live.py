@@ -216,3 +216,23 @@ def test_each_run_waits_for_the_window_it_judges_to_close_and_reach_the_store():
     assert service.wait_s() == pytest.approx(9.9)
     now[0] += int(12 * S)  # a run that outlasted its period: the next window's, not a backlog
     assert 0 < service.wait_s() <= 10.0
+
+
+def test_no_window_judged_while_a_finding_was_open_joins_the_reference(tmp_path):
+    """A neighbour's windows show no queue, error or preemption, so the baseline's markers
+    call them healthy; resolved within a few periods, its finding leaves the range's oldest
+    window inside the fault. The reference must not learn it, or the next neighbour would be
+    compared with this one."""
+    path = tmp_path / "hog.duckdb"
+    hog = HEALTHY.but(duration_s=40, step_ms=100, itl_ms=100, cpu_others_pct=60)
+    write_store(path, [HEALTHY, hog, HEALTHY.but(duration_s=90)], seed=5)
+    con = duckdb.connect(str(path), read_only=True)
+    ticks = list(replay(con, LiveSettings()))
+    con.close()
+    opened = [f.rule_id for _, r in ticks for f in r.opened]
+    assert "host_contention" in opened, opened
+    loop = ticks[-1][0]
+    starts = [w.start_ns for w in loop.reference]
+    assert any(s >= FAULT_START + 40 * S for s in starts), "nothing learnt after the fault"
+    inside = [s for s in starts if s + 10 * S > FAULT_START and s < FAULT_START + 40 * S]
+    assert not inside, [(s - FAULT_START) / S for s in inside]
