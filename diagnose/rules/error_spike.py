@@ -117,9 +117,9 @@ def detect(sig: Signals, p: dict) -> Evidence | None:
         """Most of the window's errors are refusals by a tenant's own limit: the gateway
         refuses those before the engine, so the tokens the others' requests make say nothing
         about them (a refused tenant's tokens are not made either)."""
-        by = sig.errors_by_window.get(w.index) if w.index >= 0 else sig.errors_by_type
-        n = sum((by or {}).values())
-        return n > 0 and 2 * sum((by or {}).get(t, 0) for t in TENANT_LIMITS) >= n
+        by = sig.errors_by_window.get(w.index, {}) if w.index >= 0 else sig.errors_by_type
+        refused = sum(n for t, n in by.items() if t in TENANT_LIMITS)
+        return refused > 0 and 2 * refused >= sum(by.values())
 
     def hit(w: Window) -> bool:
         rate = w.get("error_rate")
