@@ -260,7 +260,7 @@ RULE = Rule(
             "  ($tokens_per_s / $tokens_per_s_base < $throughput_normal)\n"
             "  unless (\n"
             "    2 * sum by ($by) (increase(tokenmill_request_errors_total{error_type=~"
-            '"rate_limit_exceeded|concurrency_limit_exceeded"}[$window]))\n'
+            f'"{"|".join(TENANT_LIMITS)}"}}[$window]))\n'
             "    >= sum by ($by) (increase(tokenmill_request_errors_total[$window]))\n"
             "  )\n"
             ")"
