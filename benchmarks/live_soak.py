@@ -7,8 +7,10 @@ page a webhook. Scored from the store's ``findings`` table and the webhook's not
     python benchmarks/live_soak.py --score DIR      # score a finished run again
 
 For each fault episode: the first finding opened from its start to 3 periods after its end,
-its rule (right when it is one of the episode's expected rules), the delay from the fault's
-start in periods, when each of its findings resolved after the fault's end, and when the
+its rule (right when it is one of the episode's expected rules), the delay in periods from
+the fault's first act (:func:`mark_first_acts`: the episode's start, or the first long prompt
+or the first request over the tenant's limit where those come later; the delay from the
+episode's start is kept beside it), when each of its findings resolved after the fault's end, and when the
 webhook got the first firing alert. A healthy stretch runs from 3 periods after the previous
 fault's end (the time a finding has to resolve) to the next fault's start; every finding opened
 in one is a false alarm. Writes ``benchmarks/results/live_soak[_llama].json``.
@@ -42,7 +44,7 @@ BURST_TENANT, BURST_RPM = "burst", 20
 ADMIN_KEY = "soak-admin"
 CHAT = ["--prompt-tokens", "uniform:32:128", "--output-tokens", "uniform:16:64"]
 # the server: a KV pool that holds the healthy shapes and an overload's 16 running requests
-# (13 blocks each) but not ten long answers beside them; whole prefills, so a long prompt
+# (13 blocks each) but not twelve long answers beside them; whole prefills, so a long prompt
 # stalls the decodes beside it
 SERVE_ARGS = ["--max-num-seqs", "16", "--num-gpu-blocks-override", "240",
               "--no-enable-chunked-prefill"]  # fmt: skip
@@ -59,6 +61,12 @@ class Episode:
     start_ns: int = 0
     end_ns: int = 0
     expect: tuple[str, ...] = ()
+    #: when the fault first acted, where later than ``start_ns`` (0: at the start)
+    fault_ns: int = 0
+
+    @property
+    def acts_ns(self) -> int:
+        return self.fault_ns or self.start_ns
 
 
 #: (shape, healthy seconds, fault, fault seconds): each block runs its shape's traffic through
@@ -154,8 +162,10 @@ class Fault:
                    "--duration", f"{span_s:g}"]  # fmt: skip
             self.procs = [subprocess.Popen(cmd, start_new_session=True)]
         elif kind == "kv_pressure":
-            args = ["--concurrency", "10", *phase, "--drain-timeout", "30",
-                    "--prompt-tokens", "uniform:100:200", "--output-tokens", "uniform:250:350",
+            # long answers to the healthy traffic's prompts: prompts longer than those would
+            # be a second fault (a burst of longer prompts is ttft_prefill_bound's own case)
+            args = ["--concurrency", "12", *phase, "--drain-timeout", "30",
+                    "--prompt-tokens", CHAT[1], "--output-tokens", "uniform:250:350",
                     "--ignore-eos", "--seed", str(seed)]  # fmt: skip
             self.procs = [_bench(url, out, f"{seed}-kv", args, "t2")]
         elif kind == "tenant_limit":
@@ -364,11 +374,35 @@ class EpisodeScore:
     expect: tuple[str, ...]
     first_rule: str | None = None
     right: bool = False
-    delay_periods: float | None = None
+    delay_periods: float | None = None  # from the fault's first act
+    delay_from_start_periods: float | None = None
     resolved_after_periods: list[float | None] = field(default_factory=list)
     rules_opened: list[str] = field(default_factory=list)
     alert_delay_s: float | None = None
     alert_rule: str | None = None
+
+
+#: the request that is a fault's first act where the episode's start is not: the first long
+#: prompt (its load generator waits one gap before it) and the first request the tenant's
+#: limit refused (the limiter lets its first BURST_RPM in)
+FIRST_ACT_SQL = {
+    "long_prompts": "SELECT min(arrival_ns) FROM requests WHERE input_tokens >= 700 "
+    "AND arrival_ns BETWEEN ? AND ?",
+    "tenant_limit": f"SELECT min(arrival_ns) FROM requests WHERE tenant = '{BURST_TENANT}' "
+    "AND http_status = 429 AND arrival_ns BETWEEN ? AND ?",
+}
+
+
+def mark_first_acts(db: Path, episodes: list[Episode]) -> None:
+    """Set each episode's ``fault_ns`` from the store where its fault acts after its start."""
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        for e in episodes:
+            if e.kind in FIRST_ACT_SQL:
+                (t,) = con.execute(FIRST_ACT_SQL[e.kind], [e.start_ns, e.end_ns]).fetchone()
+                e.fault_ns = int(t) if t is not None else 0
+    finally:
+        con.close()
 
 
 def findings_of(db: Path) -> list[dict]:
@@ -413,7 +447,8 @@ def score(episodes: list[Episode], findings: list[dict], alerts: list[dict]) -> 
         if mine:
             first = mine[0]
             s.first_rule, s.right = first["rule"], first["rule"] in e.expect
-            s.delay_periods = round((first["opened_ns"] - e.start_ns) / period_ns, 2)
+            s.delay_periods = round((first["opened_ns"] - e.acts_ns) / period_ns, 2)
+            s.delay_from_start_periods = round((first["opened_ns"] - e.start_ns) / period_ns, 2)
             s.resolved_after_periods = [
                 round((f["resolved_ns"] - e.end_ns) / period_ns, 2) if f["resolved_ns"] else None
                 for f in mine
@@ -421,7 +456,7 @@ def score(episodes: list[Episode], findings: list[dict], alerts: list[dict]) -> 
         fired = [a for a in alerts if a["status"] == "firing" and a["at_ns"] >= e.start_ns
                  and a["at_ns"] <= e.end_ns + allowance]  # fmt: skip
         if fired:
-            s.alert_delay_s = round((fired[0]["at_ns"] - e.start_ns) / 1e9, 1)
+            s.alert_delay_s = round((fired[0]["at_ns"] - e.acts_ns) / 1e9, 1)
             s.alert_rule = fired[0]["rule"]
         scores.append(s)
     healthy = []
@@ -440,6 +475,7 @@ def score(episodes: list[Episode], findings: list[dict], alerts: list[dict]) -> 
         if start <= f["opened_ns"] < end
     ]
     delays = sorted(s.delay_periods for s in scores if s.delay_periods is not None)
+    from_start = sorted(s.delay_from_start_periods for s in scores if s.delay_periods is not None)
     return {
         "episodes": [asdict(s) for s in scores],
         "episodes_n": len(scores),
@@ -448,6 +484,8 @@ def score(episodes: list[Episode], findings: list[dict], alerts: list[dict]) -> 
         "detected": sum(s.first_rule is not None for s in scores),
         "delay_median_periods": delays[len(delays) // 2] if delays else None,
         "delay_worst_periods": delays[-1] if delays else None,
+        "delay_from_start_median_periods": from_start[len(from_start) // 2] if delays else None,
+        "delay_from_start_worst_periods": from_start[-1] if delays else None,
         "healthy_stretches": len(healthy),
         "healthy_s": round(sum(end - start for start, end, _ in healthy) / 1e9),
         "false_findings": false,
@@ -469,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         episodes = [Episode(**{**e, "expect": tuple(e["expect"])})
                     for e in json.loads((out / "timeline.json").read_text())]  # fmt: skip
     alerts = json.loads((out / "alerts.json").read_text())
+    mark_first_acts(out / "soak.duckdb", episodes)
     result = score(episodes, findings_of(out / "soak.duckdb"), alerts)
     result.update(target=a.target, scale=a.scale, period_s=PERIOD_S, host=_host())
     print(json.dumps({k: v for k, v in result.items() if k != "episodes"}, indent=1))
