@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # first and it is kept.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup model demo test test-e2e lint format clean promtool alertmanager chromium phoenix scenarios scenario-dumps corpus accuracy factorial blind-set generalization plan-validation plan-scale
+.PHONY: setup model demo test test-e2e lint format clean promtool alertmanager chromium phoenix scenarios scenario-dumps corpus accuracy factorial blind-set generalization plan-validation plan-capacity plan-scale
 
 setup: $(STAMP)
 
@@ -150,6 +150,9 @@ generalization: $(STAMP)
 # 1,000,000-request, 64-replica replay from the kept recording
 plan-validation: model
 	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/plan_validation.py --rate 0.4 --requests 80
+
+plan-capacity: model
+	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/plan_capacity.py
 
 plan-scale: $(STAMP)
 	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/plan_scale.py

@@ -864,6 +864,20 @@ def whatif_curve(df: pd.DataFrame, knee: float | None) -> go.Figure:
     return _layout(fig, 420)
 
 
+def capacity_curve(doc: dict) -> go.Figure:
+    """``tokenmill plan --capacity``'s replays as :func:`whatif_curve` draws them, with the
+    highest rate that meets the SLO marked and its band (steps off by the fit's typical error)
+    shaded."""
+    df = pd.DataFrame(doc["curve"])
+    fig = whatif_curve(df, doc.get("knee_rate_per_s"))
+    lo, hi = doc["band_rate_per_s"]
+    if lo is not None and hi is not None and hi > lo:
+        fig.add_vrect(x0=lo, x1=hi, fillcolor="#1f77b4", opacity=0.12, line_width=0)
+    fig.add_vline(x=doc["capacity_rate_per_s"], line={"color": "#1f77b4", "width": 3},
+                  annotation_text="capacity")  # fmt: skip
+    return fig
+
+
 #: a finding's segment colour, by severity (``diagnose/findings.py``)
 SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e"}
 FINDINGS_ROW = "findings"

@@ -1,6 +1,8 @@
-"""``tokenmill plan STORE [--what-if K=V,...]... [--slo M<D,...] [--recommend] [--rate K]
-[--cost-from STORE]... [--check RUN] [--format text|json]``: predictions from a recording
-(:mod:`.predict`), and a prediction held to the run that made it real (:mod:`.check`).
+"""``tokenmill plan STORE [--what-if K=V,...]... [--slo M<D,...] [--recommend] [--capacity]
+[--rate K] [--cost-from STORE]... [--check RUN] [--profile --url URL] [--format text|json]``:
+predictions from a recording (:mod:`.predict`), a prediction held to the run that made it real
+(:mod:`.check`), the highest rate that meets an SLO (:mod:`.capacity`), and step costs swept
+from a running server beside the recording (:mod:`.profile`).
 
 Every run replays the recording as it was too (the sanity floor beside the what-ifs) and prints
 the error estimate. Bad input (a store without engine steps, an unknown knob, an SLO that does
@@ -34,12 +36,19 @@ def run(
     fmt: str,
     step_by_step: bool = False,
     check_run: Path | None = None,
+    capacity_it: bool = False,
+    profile_url: str | None = None,
+    api_key: str | None = None,
+    admin_key: str | None = None,
+    profile_s: float | None = None,
 ) -> str:
     """The plan rendered as ``fmt``.
 
     Raises:
         ValueError: bad input (one-line reason).
     """
+    from .capacity import capacity
+    from .capacity import to_text as capacity_text
     from .check import check, open_run
     from .predict import error_estimate, measured, open_recording, predict
     from .recommend import recommend
@@ -63,7 +72,14 @@ def run(
     slo = parse_slo(slo_text)
     if recommend_it and not slo.bounds:
         raise ValueError("--recommend needs an --slo to meet, e.g. --slo 'ttft_p99<2s'")
+    if capacity_it and not slo.bounds:
+        raise ValueError(
+            "--capacity needs an --slo to meet, e.g. --slo 'ttft_p99<2s,itl_p99<200ms'"
+        )
     parsed = [parse_whatif(""), *(parse_whatif(w) for w in whatifs)]
+    sweep = None
+    if profile_url is not None:
+        sweep = _profile(store, profile_url, api_key, admin_key, profile_s)
     cost_models = {}
     for path in cost_from:
         other = open_recording(path)
@@ -90,8 +106,10 @@ def run(
                     f"{'on' if rec.config.enable_prefix_caching else 'off'}, "
                     f"{rec.num_blocks:,} KV blocks"
                 ),
+                "profile": rec.profile,
             },
             "step_cost": rec.model.to_dict(),
+            "profile_sweep": sweep,
             "error_estimate": error_estimate(rec, slo),
             "measured": measured(rec, slo),
             "slo": slo.text or None,
@@ -105,6 +123,8 @@ def run(
         }
         if recommend_it:
             doc["recommendation"] = recommend(rec, slo, rate=rate, cost_models=cost_models)
+        if capacity_it:
+            doc["capacity"] = capacity(rec, slo, cost_models=cost_models)
         if run_con is not None:
             doc["check"] = check(
                 rec, preds[-1], slo, run_con, str(check_run),
@@ -114,7 +134,38 @@ def run(
         rec.con.close()
         if run_con is not None:
             run_con.close()
-    return to_json(doc) + "\n" if fmt == "json" else to_text(doc)
+    if fmt == "json":
+        return to_json(doc) + "\n"
+    return to_text(doc) + (capacity_text(doc["capacity"]) if capacity_it else "")
+
+
+def _profile(
+    store: Path, url: str, api_key: str | None, admin_key: str | None, budget_s: float | None
+) -> dict:
+    """Sweep the server at ``url`` for the recording ``store`` and keep its profile beside it.
+
+    Raises:
+        ValueError: the recording does not open, the sweep or its fetch failed (one line).
+    """
+    from .predict import open_recording
+    from .profile import BUDGET_S, make_profile
+
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"--profile-seconds must be more than 0, not {budget_s:g}")
+    rec = open_recording(store, use_profile=False)
+    try:
+        path, sweep = make_profile(
+            url, store, rec.recorded, rec.num_blocks, api_key=api_key, admin_key=admin_key,
+            budget_s=budget_s or BUDGET_S,
+        )  # fmt: skip
+    finally:
+        rec.con.close()
+    return {
+        "path": str(path),
+        "seconds": sweep.seconds,
+        "levels": [vars(lv) for lv in sweep.levels],
+        "skipped": [list(x) for x in sweep.skipped],
+    }
 
 
 @app.command()
@@ -141,6 +192,13 @@ def plan(
     recommend: Annotated[
         bool, typer.Option("--recommend", help="Search replicas and knobs that meet --slo.")
     ] = False,
+    capacity: Annotated[
+        bool,
+        typer.Option(
+            "--capacity",
+            help="The highest arrival rate that meets --slo, the goodput knee, what binds first.",
+        ),
+    ] = False,
     rate: Annotated[
         float, typer.Option(help="--recommend's target: the recorded rate times this factor.")
     ] = 1.0,
@@ -160,6 +218,22 @@ def plan(
             "pace and the prediction again at that pace.",
         ),
     ] = None,
+    profile: Annotated[
+        bool,
+        typer.Option(
+            "--profile",
+            help="Sweep the server at --url (decode batches up to max_num_seqs, prefill chunks) "
+            "and keep its steps beside the recording; every later plan fits on both.",
+        ),
+    ] = False,
+    url: Annotated[str | None, typer.Option(help="--profile's server (its base URL).")] = None,
+    api_key: Annotated[str | None, typer.Option(help="--profile: the server's API key.")] = None,
+    admin_key: Annotated[
+        str | None, typer.Option(help="--profile: the server's admin key (for its dump).")
+    ] = None,
+    profile_seconds: Annotated[
+        float | None, typer.Option(help="--profile's time budget (s, default 90).")
+    ] = None,
     format: Annotated[str, typer.Option("--format", help="text | json")] = "text",
     step_by_step: Annotated[
         bool,
@@ -171,7 +245,12 @@ def plan(
     """Predict what-ifs from a recorded run: its arrivals replayed through the engine's own
     scheduler, KV pool and router, with step times from a model fitted on its steps."""
     try:
-        text = run(store, what_if, slo, recommend, rate, cost_from, format, step_by_step, check)
+        if profile and url is None:
+            raise ValueError("--profile sweeps a running server: give its --url")
+        if url is not None and not profile:
+            raise ValueError("--url is --profile's server: add --profile")
+        text = run(store, what_if, slo, recommend, rate, cost_from, format, step_by_step, check,
+                   capacity, url, api_key, admin_key, profile_seconds)  # fmt: skip
     except ValueError as exc:
         fail(str(exc))
     typer.echo(text, nl=False)

@@ -54,6 +54,9 @@ class Recording:
     workload: ReplayWorkload
     model: StepCostModel
     num_blocks: int
+    #: the profile fitted with the recording (``plan/profile.py``): its path and its steps
+    profile: str | None = None
+    profile_steps: tuple = ()
 
     @property
     def device(self) -> str:
@@ -68,34 +71,78 @@ def _engine_config(recorded: RecordedConfig) -> EngineConfig:
         raise PlanError(f"the recorded engine config does not load here ({exc})") from None
 
 
-def open_recording(path: str | Path) -> Recording:
-    """Open a store or dump and fit what a plan needs from it.
+def open_recording(path: str | Path, *, use_profile: bool = True) -> Recording:
+    """Open a store or dump and fit what a plan needs from it, with its profile where one lies
+    beside it (:func:`~tokenmill.plan.profile.profile_path`).
 
     Raises:
-        PlanError: not a store, no requests, no engine steps, too few steps (one line).
+        PlanError: not a store, no requests, no engine steps, too few steps, a profile of
+            another setup (one line).
     """
     from tokenmill.telemetry.dump import DumpError, open_dump
+
+    from .profile import profile_path
 
     try:
         con = open_dump(path, verify=False)
     except DumpError as exc:
         raise PlanError(str(exc)) from None
+    prof = profile_path(path)
     try:
-        return recording_from(con, str(path))
+        steps = (
+            (load_profile(prof, read_recorded_config(con)),)
+            if use_profile and prof.exists()
+            else ()
+        )
+        rec = recording_from(con, str(path), profile_steps=steps)
     except PlanError:
         con.close()
         raise
+    if steps:
+        rec.profile = str(prof)
+    return rec
 
 
-def recording_from(con: duckdb.DuckDBPyConnection, label: str) -> Recording:
-    """What a plan needs from an open store (the console's, or :func:`open_recording`'s).
+def load_profile(path: Path, recorded: RecordedConfig) -> duckdb.DuckDBPyConnection:
+    """A profile's engine steps, in memory, once its setup is the recording's.
+
+    Raises:
+        PlanError: not a store, or a profile of another model, precision or device.
+    """
+    from tokenmill.telemetry.dump import DumpError, open_dump
+
+    from .profile import ProfileError, check_profile
+
+    try:
+        src = open_dump(path, verify=False)
+    except DumpError as exc:
+        raise PlanError(f"profile {path}: {exc}") from None
+    try:
+        check_profile(recorded, read_recorded_config(src.cursor()), f"profile {path}")
+        steps = src.sql("SELECT * FROM engine_steps").to_arrow_table()  # noqa: F841
+    except ProfileError as exc:
+        raise PlanError(str(exc)) from None
+    except duckdb.Error as exc:
+        raise PlanError(f"profile {path}: cannot read its steps ({exc})") from None
+    finally:
+        src.close()
+    out = duckdb.connect()
+    out.execute("CREATE TABLE engine_steps AS SELECT * FROM steps")
+    return out
+
+
+def recording_from(
+    con: duckdb.DuckDBPyConnection, label: str, *, profile_steps: tuple = ()
+) -> Recording:
+    """What a plan needs from an open store (the console's, or :func:`open_recording`'s); the
+    step costs fitted on its steps and ``profile_steps``' (stores of the same engine).
 
     Raises:
         PlanError: no requests, no engine steps, too few steps (one line naming ``label``).
     """
     try:
         recorded = read_recorded_config(con)
-        model = fit_step_cost(con, recorded)
+        model = fit_step_cost(con, recorded, extra=profile_steps)
         workload = read_workload(con)
         (blocks,) = con.execute(
             "SELECT max(kv_blocks_total) FROM engine_steps WHERE kv_blocks_total > 0"
@@ -107,7 +154,8 @@ def recording_from(con: duckdb.DuckDBPyConnection, label: str) -> Recording:
         raise PlanError(f"{label}: cannot read the store ({first})") from None
     if not blocks:
         raise PlanError(f"{label}: the engine steps do not say the KV pool's size")
-    return Recording(label, con, recorded, _engine_config(recorded), workload, model, int(blocks))
+    return Recording(label, con, recorded, _engine_config(recorded), workload, model, int(blocks),
+                     profile_steps=profile_steps)  # fmt: skip
 
 
 def summarize_rows(
@@ -280,11 +328,20 @@ def predict(
     con = result_rows(workload, result)
     summary = summarize_rows(con, slo)
     con.close()
-    recorded_batch = model.ranges["max_decode_batch"]
-    if recorded_batch and result.max_decode_batch > 1.5 * recorded_batch:
+    measured_batch = model.ranges["max_decode_batch"]
+    if measured_batch and result.max_decode_batch > 1.5 * measured_batch:
+        top = list(model.residuals_by_batch.items())[-1:]
+        band = (
+            f"; on held-out steps of {top[0][0]} rows, the largest measured, the model was "
+            f"off by {top[0][1]['median_err_pct']:+.0f}% (median)"
+            if top
+            else ""
+        )
         notes.append(
-            f"decode batches reach {result.max_decode_batch}, beyond the recording's "
-            f"{recorded_batch}: the step costs there are extrapolated"
+            f"decode batches reach {result.max_decode_batch}, x{result.max_decode_batch / measured_batch:.1f} "
+            f"the {measured_batch} {'the recording and its profile' if rec.profile_steps else 'the recording'} "
+            f"measured: the step costs there are extrapolated{band}"
+            + ("" if rec.profile_steps else " (`--profile` measures them)")
         )
     eager = model.ranges.get("max_eager_decode_batch", 0)
     if model.native_rows and result.max_eager_decode_batch > max(1.5 * eager, model.native_rows):
@@ -376,7 +433,9 @@ def error_estimate(rec: Recording, slo: SloBounds) -> dict:
     cut = w.start_ns + int(rel_cut_s * 1e9)
     tail = int((w.arrival_s >= rel_cut_s).sum())  # requests that arrived together stay together
     try:
-        model = fit_step_cost(rec.con, rec.recorded, shape=rec.model.shape, until_ns=cut)
+        model = fit_step_cost(
+            rec.con, rec.recorded, shape=rec.model.shape, until_ns=cut, extra=rec.profile_steps
+        )
     except StepCostError as exc:
         return {"note": f"no error estimate: {exc}"}
     setup = Setup(rec.config, rec.num_blocks, max_model_len=rec.recorded.max_model_len or 1 << 20)

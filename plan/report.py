@@ -64,6 +64,34 @@ def to_text(doc: dict, width: int = 120) -> str:
         f"[bold]Step-cost model[/bold]: held-out steps' median error {'; '.join(parts) or '–'}; "
         f"gap between steps {m['gap_ms']:.1f} ms"
     )
+    if m.get("profile_steps"):
+        console.print(
+            f"  fitted on the recording's steps and {m['profile_steps']:,} of its profile "
+            f"({rec.get('profile')}); decode batches measured up to "
+            f"{m['ranges']['max_decode_batch']}"
+        )
+    by_batch = m.get("residuals_by_batch") or {}
+    if by_batch:
+        console.print(
+            "  held-out decode steps by batch size (median error, + = the model runs high): "
+            + ", ".join(
+                f"{k}: {v['median_err_pct']:+.0f}% ({v['steps']})" for k, v in by_batch.items()
+            )
+        )
+    prof = doc.get("profile_sweep")
+    if prof:
+        console.print(
+            f"[bold]Profile[/bold]: {len(prof['levels'])} sweep levels in {prof['seconds']:.0f} s "
+            f"(batches up to {max((lv['batch'] for lv in prof['levels']), default=0)}, prompts "
+            f"{', '.join(str(p) for p in sorted({lv['prompt_tokens'] for lv in prof['levels']}))} "
+            f"tokens)"
+            + (
+                f"; {len(prof['skipped'])} levels left out by the time budget"
+                if prof["skipped"]
+                else ""
+            )
+            + f" → {prof['path']}"
+        )
     for u in m["unsupported"]:
         console.print(f"  [yellow]too few {u}[/yellow]: predictions that lean on them are weak")
     est = doc["error_estimate"]

@@ -68,6 +68,8 @@ PATHS = ("compiled", "eager")
 MIN_STEPS = 20
 #: bootstrap resamples for the coefficients' intervals
 BOOTSTRAP = 200
+#: decode batch sizes the held-out residuals are reported by (inclusive ranges)
+BATCH_BUCKETS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 1 << 20))
 #: residuals beyond this many robust sigmas are dropped before the final fit
 OUTLIER_SIGMAS = 4.0
 
@@ -79,6 +81,17 @@ FROM engine_steps
 WHERE num_prefill_tokens + num_decode_tokens > 0 AND start_ns >= $since AND start_ns < $until
 ORDER BY coalesce(replica, 0), start_ns
 """
+
+
+def _gaps(a: np.ndarray, replica: list) -> np.ndarray:
+    """The gaps (ms) between back-to-back steps of one store: the engine had work left after
+    the step, on the same replica."""
+    if len(a) < 2:
+        return np.zeros(0)
+    same = np.array([replica[i] == replica[i + 1] for i in range(len(a) - 1)], dtype=bool)
+    busy = (a[:-1, 10] + a[:-1, 11] > 0) & same
+    gaps = (a[1:, 0] - a[:-1, 1])[busy] / 1e6
+    return gaps[(gaps >= 0) & (gaps < 1000)]
 
 
 def _read_steps(con, since_ns: int | None, until_ns: int | None) -> tuple[np.ndarray, list]:
@@ -209,6 +222,11 @@ class StepCostModel:
     thread_factors: dict = field(default_factory=dict)
     """per other thread count the recording ran steps at: ``factor`` (its forward time over the
     fit's, median) and ``steps``"""
+    #: of the steps the fit used, those from a profile (``plan/profile.py``)
+    profile_steps: int = 0
+    residuals_by_batch: dict = field(default_factory=dict)
+    """held-out decode-only steps by batch size (:data:`BATCH_BUCKETS`): ``steps`` and the
+    median signed error (%, positive: the model runs high)"""
 
     def path_of(self, decode_only: bool, rows: int) -> str:
         """The path the engine runs a step on: the compiled step for a decode-only step of at
@@ -316,6 +334,8 @@ class StepCostModel:
             "threads": self.threads,
             "thread_factors": self.thread_factors,
             "holdout": self.holdout,
+            "residuals_by_batch": self.residuals_by_batch,
+            "profile_steps": self.profile_steps,
             "steps": self.steps,
             "ranges": self.ranges,
             "outliers_dropped": self.dropped,
@@ -359,13 +379,21 @@ def fit_step_cost(
     seed: int = 0,
     shape: ModelShape | None = None,
     until_ns: int | None = None,
+    extra: tuple = (),
 ) -> StepCostModel:
-    """Fit the model on a store's working steps (those started before ``until_ns``).
+    """Fit the model on a store's working steps (those started before ``until_ns``), and every
+    working step of the stores ``extra`` (a profile of the same engine: ``plan/profile.py``).
 
     Raises:
         StepCostError: no working steps, or too few to fit (one line).
     """
     a, replica = _read_steps(con, None, until_ns)
+    recorded_steps = len(a)
+    gaps = [_gaps(a, replica)]
+    for other in extra:
+        b, other_replica = _read_steps(other, None, None)
+        gaps.append(_gaps(b, other_replica))
+        a, replica = np.vstack([a, b]), [*replica, *other_replica]
     if not len(a):
         raise StepCostError(
             "the store holds no engine steps: a what-if needs a recording of tokenmill's own "
@@ -379,11 +407,7 @@ def fit_step_cost(
     host = np.maximum(wall - fwd, 0.0)
     x = features(shape, a[:, 3], a[:, 4], a[:, 5], a[:, 6], a[:, 7], a[:, 8])
     compiled = a[:, 12] > 0
-    # back-to-back: the engine had work left after the step, same replica
-    same = np.array([replica[i] == replica[i + 1] for i in range(len(a) - 1)], dtype=bool)
-    busy = (a[:-1, 10] + a[:-1, 11] > 0) & same
-    gaps = (start[1:] - end[:-1])[busy] / 1e6
-    gaps = gaps[(gaps >= 0) & (gaps < 1000)]
+    gaps = np.concatenate(gaps)
     gap_ms = float(np.mean(gaps)) if len(gaps) else 0.0
     threads = a[:, 9]
     positive = threads[threads > 0]
@@ -449,8 +473,19 @@ def fit_step_cost(
             "median_abs_err_pct": float(np.median(e)) if len(e) else None,
             "p90_abs_err_pct": float(np.percentile(e, 90)) if len(e) else None,
         }
+    # the signed error by decode batch size: where the model runs high or low
+    rows = a[:, 3]
+    for lo, hi in BATCH_BUCKETS:
+        m = test & decode_only & (rows >= lo) & (rows <= hi)
+        if m.any():
+            r = (pred[m] - wall[m]) / np.maximum(wall[m], 1e-6) * 100
+            model.residuals_by_batch[f"{lo}-{hi}" if hi < 1 << 20 else f"{lo}+"] = {
+                "steps": int(m.sum()),
+                "median_err_pct": float(np.median(r)),
+            }
     model.steps = {kind: int((keep & m).sum()) for kind, m in kinds.items()}
     model.steps["all"] = int(keep.sum())
+    model.profile_steps = int(keep[recorded_steps:].sum())
     model.ranges = {
         "max_decode_batch": int(a[decode_only, 3].max()) if decode_only.any() else 0,
         "max_eager_decode_batch": int(a[decode_only & ~compiled, 3].max())

@@ -254,6 +254,20 @@ def _copy_rows(
         con.execute(
             f"INSERT INTO {alias}.main.{table} BY NAME SELECT * FROM {s}.main.{table} WHERE {where}"
         )
+    # the engine's config in force: a window that began after the server started holds no
+    # ``config`` event of its own, and without one its steps are read with the defaults (an
+    # incremental dump's reader keeps the config it has)
+    if ended_since_ns is not None:
+        return
+    (held,) = con.execute(
+        f"SELECT count(*) FROM {alias}.main.events WHERE kind = 'config'"
+    ).fetchone()
+    if not held:
+        until = "" if until_ns is None else f"AND time_ns < {int(until_ns)}"
+        con.execute(
+            f"INSERT INTO {alias}.main.events BY NAME SELECT * FROM {s}.main.events "
+            f"WHERE kind = 'config' {until} ORDER BY time_ns DESC LIMIT 1"
+        )
 
 
 def _window_start(

@@ -2,16 +2,19 @@
 and router at other arrival rates, knob settings and host paces (``tokenmill plan``,
 docs/planning.md):
 goodput under the sidebar's SLOs against the rate, with its knee, TTFT and ITL p99 beside it,
-and each replay's numbers. The whole store is the recording (the sidebar's window is not
+and each replay's numbers; then the capacity (``tokenmill plan --capacity``): the highest rate
+whose TTFT p99 and ITL p99 stay within the sidebar's SLOs, its band, the
+concurrent users it means and what binds first. The whole store is the recording (the sidebar's window is not
 applied: the step-cost model wants every step)."""
 
 import pandas as pd
 import streamlit as st
 
 from tokenmill.dashboard import charts, ui
+from tokenmill.plan.capacity import NoRateMeets, capacity, p99_slo
 from tokenmill.plan.predict import PlanError, predict, recording_from
 from tokenmill.plan.recommend import knee
-from tokenmill.plan.whatif import SloBounds, knob_fields, knob_type, parse_whatif
+from tokenmill.plan.whatif import SloBounds, knob_fields, knob_type, parse_slo, parse_whatif
 from tokenmill.telemetry.goodput import GoodputSlo
 
 FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
@@ -45,6 +48,14 @@ def _curve(_rec, key, knobs: str, factors: tuple, slo: tuple) -> pd.DataFrame:
             }
         )  # fmt: skip
     return pd.DataFrame(rows)
+
+
+@st.cache_data(max_entries=8, show_spinner="Searching the highest rate that meets the SLOs…")
+def _capacity(_rec, key, slo_text: str) -> dict | str:
+    try:
+        return capacity(_rec, parse_slo(slo_text))
+    except NoRateMeets as exc:
+        return str(exc)
 
 
 def _knob_widgets(cfg) -> list[str]:
@@ -111,4 +122,32 @@ if ctx is not None:
                 f"Step-cost model: median error {est['median_abs_err_pct']:.0f}% on "
                 f"{est['steps']} held-out steps. `tokenmill plan` prints the error estimate "
                 "on the recording's last quarter of requests."
+            )
+        st.subheader("Capacity")
+        slo_text = p99_slo(slo[0], slo[1])
+        cap = _capacity(rec, ctx.key, slo_text)
+        if isinstance(cap, str):
+            st.warning(cap)
+        else:
+            lo, hi = (f"{v:.2f}" if v is not None else "none" for v in cap["band_rate_per_s"])
+            cols = st.columns(4)
+            cols[0].metric(
+                "requests/s within the SLO", f"{cap['capacity_rate_per_s']:.2f}",
+                help=f"{slo_text}; with steps {cap['band_step_error_pct']:.0f}% dearer or cheaper: {lo}-{hi}",
+            )  # fmt: skip
+            cols[1].metric("concurrent users", f"{cap['concurrent_users']:.1f}",
+                           help="closed loop, no think time: requests in the engine at once")  # fmt: skip
+            miss = cap.get("first_miss")
+            cols[2].metric("binds first", miss["binds"] if miss else "none in range")
+            cols[3].metric(
+                "goodput knee",
+                f"{cap['knee_rate_per_s']:.2f}" if cap["knee_rate_per_s"] is not None else "none",
+            )
+            ui.chart(charts.capacity_curve(cap), key="capacity_curve")
+            st.caption(
+                f"TTFT p99 and ITL p99 within {slo_text} up to {cap['capacity_rate_per_s']:.2f} "
+                f"requests/s (x{cap['capacity_factor']:.2f} the recorded rate; {lo}-{hi} with "
+                f"every step {cap['band_step_error_pct']:.0f}% dearer or cheaper, the fit's "
+                "median error on held-out steps)"
+                + (f"; past it, {miss['binds']} binds first: {miss['why']}." if miss else ".")
             )

@@ -11,9 +11,10 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from tokenmill.dashboard import data
+from tokenmill.plan.capacity import NoRateMeets, capacity, p99_slo
 from tokenmill.plan.predict import open_recording, predict
 from tokenmill.plan.recommend import knee
-from tokenmill.plan.whatif import SloBounds, parse_whatif
+from tokenmill.plan.whatif import SloBounds, parse_slo, parse_whatif
 
 APP = Path(data.__file__).parent / "app.py"
 RECORDING = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "plan_recording"
@@ -66,3 +67,27 @@ def test_the_knee_is_the_last_rate_before_goodput_falls():
     assert knee([1, 2, 3, 4], [0.9, 0.88, 0.7, 0.1]) == 2
     assert knee([1, 2], [0.5, 0.5]) is None
     assert knee([1, 2], [0.0, 0.0]) is None
+
+
+def test_the_capacity_section_is_the_plans_capacity_under_the_sidebars_slos(monkeypatch):
+    at = _page(monkeypatch)
+    # the default SLOs (TTFT 2 s, ITL p99 200 ms): this recording's whole prefills miss them at
+    # any rate, and the page says so in the plan's words
+    rec = open_recording(RECORDING)
+    try:
+        with pytest.raises(NoRateMeets) as exc:
+            capacity(rec, parse_slo(p99_slo(2000.0, 200.0)))
+        assert [w.value for w in at.warning] == [str(exc.value)]
+        # bounds it can meet, set in the sidebar
+        at.number_input(key="tm_slo_ttft").set_value(10000.0)
+        at.number_input(key="tm_slo_itl").set_value(3000.0).run()
+        assert not at.exception, at.exception
+        cap = capacity(rec, parse_slo(p99_slo(10000.0, 3000.0)))
+    finally:
+        rec.con.close()
+    shown = {m.label: m.value for m in at.metric}
+    assert shown["requests/s within the SLO"] == f"{cap['capacity_rate_per_s']:.2f}"
+    assert shown["concurrent users"] == f"{cap['concurrent_users']:.1f}"
+    miss = cap.get("first_miss")
+    assert shown["binds first"] == (miss["binds"] if miss else "none in range")
+    assert not at.warning

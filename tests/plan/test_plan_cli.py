@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import duckdb
 import pytest
@@ -223,6 +224,14 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
             "give at most one --what-if",
         ),
         ((str(recording), "--what-if", "step_time=-1"), "step_time=-1: a factor from 0.01"),
+        ((str(recording), "--capacity"), "--capacity needs an --slo"),
+        ((str(recording), "--capacity", "--slo", "ttft_p99<1ms"), "no rate meets the SLO"),
+        ((str(recording), "--profile"), "give its --url"),
+        ((str(recording), "--url", "http://127.0.0.1:9"), "add --profile"),
+        (
+            (str(recording), "--profile", "--url", "http://127.0.0.1:9"),
+            "http://127.0.0.1:9 does not answer",
+        ),
     ]
     # one through the installed command (a process of its own), the rest in this process
     r = _cli(*cases[0][0])
@@ -260,3 +269,91 @@ def test_the_error_estimate_holds_out_the_last_quarter_of_the_requests():
     # the held-out steps' pace against the fit on the steps before them (the same host, a
     # few minutes on): near 1, and not exactly 1
     assert 0.7 < est["pace"] < 1.4 and est["pace"] != 1.0
+
+
+def test_capacity_is_the_highest_rate_whose_replay_meets_the_slo(recording):
+    from tokenmill.plan.capacity import GRID_STEP, RESOLUTION
+    from tokenmill.plan.predict import open_recording, predict
+    from tokenmill.plan.whatif import parse_slo, parse_whatif
+
+    rec = open_recording(recording)
+    try:
+        at1 = predict(rec, parse_whatif(""), parse_slo(None)).summary
+        # bounds the recorded rate meets with room: the capacity lies above it
+        text = f"ttft_p99<{2 * at1['ttft_p99_ms']:.0f}ms,itl_p99<{2 * at1['itl_p99_ms']:.0f}ms"
+        doc = json.loads(run(recording, [], text, False, 1.0, [], "json", capacity_it=True))
+        cap = doc["capacity"]
+        slo = parse_slo(text)
+        # the search's claims, checked by replaying those rates again
+        f = cap["capacity_factor"]
+        assert f > 1.0 and not cap["unbounded"]
+        assert not predict(rec, parse_whatif(f"rate={f}"), slo).slo_misses
+        miss = cap["first_miss"]
+        f_miss = miss["rate_per_s"] / rec.workload.rate_per_s
+        assert f < f_miss <= f * RESOLUTION * 1.0001
+        assert predict(rec, parse_whatif(f"rate={f_miss}"), slo).slo_misses
+        assert miss["binds"] in ("kv", "queue", "compute")
+        # the grid reaches past the first miss; the band (dearer steps first) holds the capacity
+        assert max(r["rate_per_s"] for r in cap["curve"]) >= miss["rate_per_s"] * GRID_STEP * 0.99
+        lo, hi = cap["band_rate_per_s"]
+        assert lo <= cap["capacity_rate_per_s"] <= hi
+        # a tighter TTFT bound can only lower it
+        tight = f"ttft_p99<{1.2 * at1['ttft_p99_ms']:.0f}ms,itl_p99<{2 * at1['itl_p99_ms']:.0f}ms"
+        doc2 = json.loads(run(recording, [], tight, False, 1.0, [], "json", capacity_it=True))
+        assert doc2["capacity"]["capacity_rate_per_s"] <= cap["capacity_rate_per_s"]
+    finally:
+        rec.con.close()
+    text_out = run(recording, [], text, False, 1.0, [], "text", capacity_it=True)
+    assert "highest rate that meets it" in text_out and "binds first:" in text_out
+
+
+def test_a_profile_swept_from_a_running_server_joins_the_fit(recording, smollm2_dir, tmp_path):
+    from server_proc import Server
+
+    from tokenmill.plan.predict import open_recording
+    from tokenmill.plan.profile import profile_path
+
+    rec_path = tmp_path / "rec.duckdb"
+    copy_store(recording, rec_path).close()
+    server = Server(
+        tmp_path, "--model", str(smollm2_dir), "--trace-db", str(tmp_path / "live.duckdb"),
+        "--num-gpu-blocks-override", "48", "--max-num-seqs", "6",
+    )  # fmt: skip
+    try:
+        doc = json.loads(
+            run(rec_path, [], None, False, 1.0, [], "json", profile_url=server.url, profile_s=60)
+        )
+    finally:
+        server.stop()
+    sweep = doc["profile_sweep"]
+    assert Path(sweep["path"]) == profile_path(rec_path) and profile_path(rec_path).is_file()
+    # batch sizes up to max_num_seqs (6) as far as 90% of the 48-block pool holds them at once
+    # (691 tokens: four 160-token requests, one of 544), smallest prompts first
+    levels = [(lv["prompt_tokens"], lv["batch"]) for lv in sweep["levels"]]
+    assert levels == [(128, 1), (128, 2), (128, 4), (512, 1)], levels
+    assert all(lv["failed"] == 0 for lv in sweep["levels"])
+    from_profile = doc["step_cost"]["profile_steps"]
+    assert from_profile > 20
+    alone = open_recording(rec_path, use_profile=False)
+    both = open_recording(rec_path)
+    try:
+        assert both.profile == str(profile_path(rec_path))
+        # the profile's steps join the recording's (outliers are dropped from the pooled fit)
+        assert both.model.profile_steps == from_profile
+        recorded_kept = both.model.steps["all"] - both.model.profile_steps
+        assert recorded_kept == pytest.approx(alone.model.steps["all"], rel=0.05)
+        assert both.model.residuals_by_batch and "1-1" in both.model.residuals_by_batch
+    finally:
+        alone.con.close()
+        both.con.close()
+    # a profile of another precision is refused, in one line
+    con = duckdb.connect(str(profile_path(rec_path)))
+    con.execute(
+        'UPDATE events SET attributes = json_merge_patch(attributes, \'{"quantization": "int8"}\') '
+        "WHERE kind = 'config'"
+    )
+    con.close()
+    r = CliRunner().invoke(app, [str(rec_path)])
+    assert r.exit_code == 2
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "the profile ran quantization 'int8'" in lines[0], r.output

@@ -795,3 +795,29 @@ def test_a_dump_written_before_engine_samples_reads_it_as_empty(hour, tmp_path):
         assert fleet.execute("SELECT count(*) FROM engine_steps").fetchone() == (60,)
     finally:
         fleet.close()
+
+
+def test_a_window_without_a_config_event_carries_the_one_in_force(hour, tmp_path):
+    """Steps read without their engine's config would be priced and diagnosed with the
+    defaults: a window that began after the last ``config`` event carries that event."""
+    out = tmp_path / "quiet.duckdb"
+    con = duckdb.connect(str(hour.path), read_only=True)
+    try:  # no event between -9 and -2 min; the last config before it is e3 at -10 min
+        counts = write_dump(con, out, since_ns=hour.now - 9 * MIN, until_ns=hour.now - 2 * MIN)
+        inc = tmp_path / "inc.duckdb"
+        inc_counts = write_dump(con, inc, ended_since_ns=hour.now - 9 * MIN)
+    finally:
+        con.close()
+    assert counts["events"] == 1
+    d = open_dump(out)
+    try:
+        assert _rows(d, "SELECT message FROM events") == ["e3"]
+    finally:
+        d.close()
+    # an incremental dump's reader keeps the config it has: only e4, which reached it since
+    assert inc_counts["events"] == 1
+    d = open_dump(inc)
+    try:
+        assert _rows(d, "SELECT message FROM events") == ["e4"]
+    finally:
+        d.close()
