@@ -65,6 +65,7 @@ class Point:
             "goodput_per_s": (s.get("goodput_share") or 0.0) * self.rate_per_s,
             "ttft_p99_ms": s.get("ttft_p99_ms"),
             "itl_p99_ms": s.get("itl_p99_ms"),
+            "tpot_p99_ms": s.get("tpot_p99_ms"),
             "waiting_mean": r["waiting_mean"],
             "running_mean": r["running_mean"],
             "kv_usage_max": r["kv_usage_max"],
@@ -237,11 +238,14 @@ def to_text(doc: dict) -> str:
             f"  binds first: {miss['binds']} at {miss['rate_per_s']:.3g} requests/s ({what}): "
             f"{miss['why']}"
         )
-    lines.append("  rate/s   SLO  goodput  TTFT p99   ITL p99  waiting  running  KV max  preempt")
+    lines.append(
+        "  rate/s   SLO  goodput   TTFT p99    ITL p99   TPOT p99  waiting  running  KV max  preempt"
+    )
     for r in doc["curve"]:
         lines.append(
             f"  {r['rate_per_s']:6.3g}  {'met ' if r['slo_met'] else 'miss'}  "
             f"{(r['goodput_share'] or 0):6.0%}  {_ms(r['ttft_p99_ms'])}  {_ms(r['itl_p99_ms'])}  "
+            f"{_ms(r['tpot_p99_ms'])}  "
             f"{r['waiting_mean']:7.1f}  {r['running_mean']:7.1f}  "
             f"{(r['kv_usage_max'] or 0):6.0%}  {r['preemptions']:7d}"
         )
