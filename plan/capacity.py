@@ -164,7 +164,7 @@ def capacity(
     if ok is None:
         v = miss.prediction.slo_misses if miss is not None else {}
         worst = ", ".join(
-            f"{k} {val:.0f} ms (bound {b:.0f})" for k, (val, b) in v.items() if val is not None
+            f"{k} {val:.0f} ms (bound {b:g} ms)" for k, (val, b) in v.items() if val is not None
         )
         raise NoRateMeets(
             f"no rate meets the SLO {slo.text!r}: at {LOWEST:g}x the recorded rate "

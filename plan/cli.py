@@ -150,8 +150,13 @@ def _profile(
     from .predict import open_recording
     from .profile import BUDGET_S, make_profile
 
-    if budget_s is not None and not budget_s > 0:
-        raise ValueError(f"--profile-seconds must be more than 0, not {budget_s:g}")
+    if budget_s is not None and not 0 < budget_s <= 3600:
+        raise ValueError(
+            f"--profile-seconds must be more than 0 and at most 3600, not {budget_s:g}"
+        )
+    from .profile import profile_path
+
+    replaced = profile_path(store).exists()
     rec = open_recording(store, use_profile=False)
     try:
         path, sweep = make_profile(
@@ -165,6 +170,7 @@ def _profile(
         "seconds": sweep.seconds,
         "levels": [vars(lv) for lv in sweep.levels],
         "skipped": [list(x) for x in sweep.skipped],
+        "replaced": replaced,
     }
 
 
@@ -232,7 +238,10 @@ def plan(
         str | None, typer.Option(help="--profile: the server's admin key (for its dump).")
     ] = None,
     profile_seconds: Annotated[
-        float | None, typer.Option(help="--profile's time budget (s, default 90).")
+        float | None,
+        typer.Option(
+            help="--profile's time budget (s, default 90; the level in progress runs to its end)."
+        ),
     ] = None,
     format: Annotated[str, typer.Option("--format", help="text | json")] = "text",
     step_by_step: Annotated[
@@ -247,8 +256,10 @@ def plan(
     try:
         if profile and url is None:
             raise ValueError("--profile sweeps a running server: give its --url")
-        if url is not None and not profile:
-            raise ValueError("--url is --profile's server: add --profile")
+        for given, name in ((url, "--url"), (admin_key, "--admin-key"), (api_key, "--api-key"),
+                            (profile_seconds, "--profile-seconds")):  # fmt: skip
+            if given is not None and not profile:
+                raise ValueError(f"{name} is for --profile's sweep: add --profile")
         text = run(store, what_if, slo, recommend, rate, cost_from, format, step_by_step, check,
                    capacity, url, api_key, admin_key, profile_seconds)  # fmt: skip
     except ValueError as exc:

@@ -89,11 +89,12 @@ def open_recording(path: str | Path, *, use_profile: bool = True) -> Recording:
         raise PlanError(str(exc)) from None
     prof = profile_path(path)
     try:
-        steps = (
-            (load_profile(prof, read_recorded_config(con)),)
-            if use_profile and prof.exists()
-            else ()
-        )
+        steps = ()
+        if use_profile and prof.exists():
+            (span,) = con.execute(
+                "SELECT min(start_ns), max(start_ns) FROM engine_steps"
+            ).fetchall()
+            steps = (load_profile(prof, read_recorded_config(con), span),)
         rec = recording_from(con, str(path), profile_steps=steps)
     except PlanError:
         con.close()
@@ -103,8 +104,11 @@ def open_recording(path: str | Path, *, use_profile: bool = True) -> Recording:
     return rec
 
 
-def load_profile(path: Path, recorded: RecordedConfig) -> duckdb.DuckDBPyConnection:
-    """A profile's engine steps, in memory, once its setup is the recording's.
+def load_profile(
+    path: Path, recorded: RecordedConfig, own_span: tuple
+) -> duckdb.DuckDBPyConnection:
+    """A profile's engine steps, in memory, once its setup is the recording's and its steps
+    are not the recording's own (``own_span``: the recording's first and last step start).
 
     Raises:
         PlanError: not a store, or a profile of another model, precision or device.
@@ -116,9 +120,19 @@ def load_profile(path: Path, recorded: RecordedConfig) -> duckdb.DuckDBPyConnect
     try:
         src = open_dump(path, verify=False)
     except DumpError as exc:
-        raise PlanError(f"profile {path}: {exc}") from None
+        raise PlanError(
+            f"{exc} (the profile beside the recording: delete it or sweep again)"
+        ) from None
     try:
         check_profile(recorded, read_recorded_config(src.cursor()), f"profile {path}")
+        ((lo, hi),) = src.execute(
+            "SELECT min(start_ns), max(start_ns) FROM engine_steps"
+        ).fetchall()
+        if lo is not None and own_span[0] is not None and lo <= own_span[1] and hi >= own_span[0]:
+            raise ProfileError(
+                f"profile {path}: its steps ran while the recording did (a copy of it?): a "
+                "profile is a sweep made apart from the recording"
+            )
         steps = src.sql("SELECT * FROM engine_steps").to_arrow_table()  # noqa: F841
     except ProfileError as exc:
         raise PlanError(str(exc)) from None

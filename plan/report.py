@@ -64,6 +64,12 @@ def to_text(doc: dict, width: int = 120) -> str:
         f"[bold]Step-cost model[/bold]: held-out steps' median error {'; '.join(parts) or '–'}; "
         f"gap between steps {m['gap_ms']:.1f} ms"
     )
+    if rec.get("profile") and not m.get("profile_steps"):
+        console.print(
+            f"  [yellow]the profile {rec['profile']} adds no step[/yellow]: none of its steps ran "
+            f"at the recording's {m['threads']} CPU threads (a busy host when it was swept); "
+            "sweep again with nothing else beside the server"
+        )
     if m.get("profile_steps"):
         console.print(
             f"  fitted on the recording's steps and {m['profile_steps']:,} of its profile "
@@ -91,6 +97,7 @@ def to_text(doc: dict, width: int = 120) -> str:
                 else ""
             )
             + f" → {prof['path']}"
+            + (" (replacing the one there)" if prof.get("replaced") else "")
         )
     for u in m["unsupported"]:
         console.print(f"  [yellow]too few {u}[/yellow]: predictions that lean on them are weak")

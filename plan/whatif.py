@@ -305,6 +305,8 @@ def parse_slo(text: str | None) -> SloBounds:
             ms = parse_duration(bound) * 1e3
         except ValueError as exc:
             raise ValueError(f"SLO {part.strip()!r}: {exc}") from None
+        if SLO_METRICS[metric] in bounds:
+            raise ValueError(f"SLO {part.strip()!r}: {metric} is bounded twice")
         bounds[SLO_METRICS[metric]] = ms
     per_request = {}
     for m in ("ttft", "itl", "e2e"):

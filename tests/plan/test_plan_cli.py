@@ -191,6 +191,10 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
     con = copy_store(recording, requestless)
     con.execute("DELETE FROM requests")
     con.close()
+    # the recording's own steps offered as its profile
+    own_copy = tmp_path / "own.duckdb"
+    copy_store(recording, own_copy).close()
+    copy_store(recording, tmp_path / "own.duckdb.profile.duckdb").close()
     cases = [
         ((str(stepless),), "holds no engine steps"),
         ((str(recording), "--what-if", "max_batch=3"), "unknown knob 'max_batch'"),
@@ -225,7 +229,21 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
         ),
         ((str(recording), "--what-if", "step_time=-1"), "step_time=-1: a factor from 0.01"),
         ((str(recording), "--capacity"), "--capacity needs an --slo"),
-        ((str(recording), "--capacity", "--slo", "ttft_p99<1ms"), "no rate meets the SLO"),
+        ((str(recording), "--capacity", "--slo", "ttft_p99<1ms"), "(bound 1 ms)"),
+        ((str(recording), "--slo", "ttft_p99<2s,ttft_p99<1s"), "ttft_p99 is bounded twice"),
+        ((str(recording), "--admin-key", "k"), "--admin-key is for --profile's sweep"),
+        (
+            (
+                str(recording),
+                "--profile",
+                "--url",
+                "http://127.0.0.1:9",
+                "--profile-seconds",
+                "inf",
+            ),
+            "at most 3600",
+        ),
+        ((str(own_copy),), "its steps ran while the recording did"),
         ((str(recording), "--profile"), "give its --url"),
         ((str(recording), "--url", "http://127.0.0.1:9"), "add --profile"),
         (
