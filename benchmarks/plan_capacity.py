@@ -35,19 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import plan_validation as pv  # noqa: E402
+from live_soak import _host  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "plan_capacity.json"
 #: TTFT and TPOT: on this CPU the ITL p99 of this mix is a whole prefill step (about 580 ms at
 #: 0.3 requests/s, with 2048-token prefill chunks), at any rate with two requests in flight
 SLO = "ttft_p99<2s,tpot_p99<200ms"
-
-
-def _host() -> str:
-    flags = Path("/proc/cpuinfo").read_text()
-    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f" {f}" in flags]
-    model = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines()
-                  if ln.startswith("model name")), "?")  # fmt: skip
-    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa)}"
 
 
 def profile(work: Path, store: Path) -> None:
