@@ -63,6 +63,9 @@ class Episode:
     expect: tuple[str, ...] = ()
     #: when the fault first acted, where later than ``start_ns`` (0: at the start)
     fault_ns: int = 0
+    #: when the last request that arrived during the episode ended (0: none arrived): a queue
+    #: the fault built drains after it stops, and a queue finding holds until then
+    drained_ns: int = 0
 
     @property
     def acts_ns(self) -> int:
@@ -98,6 +101,10 @@ ENGINE_ONLY = ("kv_pressure", "long_prompts")
 #: mix to 3 closed-loop clients here, and at 0.8 requests/s clumped or 1.2 across four tenants
 #: its queue grew through stretches meant to be healthy (TTFT p50 8 s)
 HEALTHY_RATE = {"serve": 1.0, "llama": 0.5}
+#: the CPU hog's spinning processes per target. Four beside llama-server made requests wait
+#: 18-54 s, and the queue took 18-22 s to drain after the hog stopped: the resolve delay then
+#: measured the drain (a queue finding holds while requests still wait), not the loop
+HOG_PROCS = {"serve": 4, "llama": 2}
 
 
 # ----- traffic -----
@@ -151,14 +158,16 @@ def shape_traffic(
 class Fault:
     """Start and stop one fault episode."""
 
-    def __init__(self, kind: str, url: str, out: Path, span_s: float, seed: int, server):
+    def __init__(
+        self, kind: str, url: str, out: Path, span_s: float, seed: int, server, hog_procs: int
+    ):
         self.kind, self.procs, self.server, self.stopped_pid = kind, [], server, None
         phase = ["--phases", f"steady:{span_s:g}s"]
         if kind == "overload":
             args = ["--request-rate", "5", *phase, "--drain-timeout", "30", *CHAT]
             self.procs = [_bench(url, out, f"{seed}-overload", [*args, "--seed", str(seed)], "t3")]
         elif kind == "neighbour":
-            cmd = [sys.executable, "-m", "tokenmill.bench.cpu_hog", "--procs", "4",
+            cmd = [sys.executable, "-m", "tokenmill.bench.cpu_hog", "--procs", str(hog_procs),
                    "--duration", f"{span_s:g}"]  # fmt: skip
             self.procs = [subprocess.Popen(cmd, start_new_session=True)]
         elif kind == "kv_pressure":
@@ -353,7 +362,7 @@ def _timeline(server, target: str, out: Path, scale: float) -> list[Episode]:
         episodes.append(Episode("healthy", shape, t0, time.time_ns()))
         if fault is not None:
             ep = Episode(fault, shape, time.time_ns(), expect=EXPECT[fault])
-            f = Fault(fault, server.url, out, fault_s, seed * 100 + 50, server)
+            f = Fault(fault, server.url, out, fault_s, seed * 100 + 50, server, HOG_PROCS[target])
             time.sleep(fault_s)
             f.stop()
             ep.end_ns = time.time_ns()
@@ -377,6 +386,8 @@ class EpisodeScore:
     delay_periods: float | None = None  # from the fault's first act
     delay_from_start_periods: float | None = None
     resolved_after_periods: list[float | None] = field(default_factory=list)
+    #: seconds from the episode's end until the last request that arrived during it ended
+    queue_drained_s: float | None = None
     rules_opened: list[str] = field(default_factory=list)
     alert_delay_s: float | None = None
     alert_rule: str | None = None
@@ -394,13 +405,19 @@ FIRST_ACT_SQL = {
 
 
 def mark_first_acts(db: Path, episodes: list[Episode]) -> None:
-    """Set each episode's ``fault_ns`` from the store where its fault acts after its start."""
+    """Set each episode's ``fault_ns`` from the store where its fault acts after its start, and
+    its ``drained_ns``."""
     con = duckdb.connect(str(db), read_only=True)
     try:
         for e in episodes:
             if e.kind in FIRST_ACT_SQL:
-                (t,) = con.execute(FIRST_ACT_SQL[e.kind], [e.start_ns, e.end_ns]).fetchone()
+                ((t,),) = con.execute(FIRST_ACT_SQL[e.kind], [e.start_ns, e.end_ns]).fetchall()
                 e.fault_ns = int(t) if t is not None else 0
+            ((t,),) = con.execute(
+                "SELECT max(end_ns) FROM requests WHERE arrival_ns BETWEEN ? AND ?",
+                [e.start_ns, e.end_ns],
+            ).fetchall()
+            e.drained_ns = int(t) if t is not None else 0
     finally:
         con.close()
 
@@ -444,6 +461,8 @@ def score(episodes: list[Episode], findings: list[dict], alerts: list[dict]) -> 
         claimed |= {f["id"] for f in mine}
         s = EpisodeScore(e.kind, e.shape, tuple(e.expect))
         s.rules_opened = [f["rule"] for f in mine]
+        if e.drained_ns:
+            s.queue_drained_s = round((e.drained_ns - e.end_ns) / 1e9, 1)
         if mine:
             first = mine[0]
             s.first_rule, s.right = first["rule"], first["rule"] in e.expect

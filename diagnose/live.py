@@ -236,7 +236,10 @@ class LiveDiagnosis:
         """The findings that hold at this tick: over the recent range, but over the newest
         ``resolve_windows`` windows for a rule whose finding is open. Where the newest windows
         cannot judge (no request in them, no healthy baseline, the rule not judged there) the
-        recent range decides."""
+        recent range decides. A rule whose test is inconclusive there no longer holds: its
+        requests were too few to show the symptom, and the range would hold it on the fault's
+        own windows (after a queue drains, sparse traffic leaves a window or two of requests
+        that cannot show anything, while the range still holds the queue's last ones)."""
         s = self.settings
         watched = {r for r, lf in self.active.items() if lf.status == "open"}
         if not watched or s.resolve_windows >= s.recent_windows:
@@ -261,7 +264,6 @@ class LiveDiagnosis:
             {r.id for r in rules}
             - set(report.rule_errors)
             - set(report.healthy_baseline.get("not_judged") or ())
-            - {f.rule_id for f in report.inconclusive}
         )
         newest = {f.rule_id: f for f in report.findings}
         held = {f.rule_id for f in findings}

@@ -26,9 +26,9 @@ def _store(path: Path, rows: list[tuple]) -> Path:
     con = duckdb.connect(str(path))
     con.execute(
         "CREATE TABLE requests (arrival_ns BIGINT, input_tokens INT, tenant VARCHAR, "
-        "http_status INT)"
+        "http_status INT, end_ns BIGINT)"
     )
-    con.executemany("INSERT INTO requests VALUES (?, ?, ?, ?)", rows)
+    con.executemany("INSERT INTO requests VALUES (?, ?, ?, ?, ?)", rows)
     con.close()
     return path
 
@@ -43,13 +43,14 @@ def test_delay_counts_from_the_first_long_prompt_and_the_first_refusal(soak, tmp
     db = _store(
         tmp_path / "soak.duckdb",
         [
-            (t0 + 2 * S, 90, "t0", 200),  # chat traffic before the first long prompt
-            (t0 + 10 * S, 730, "t3", 200),  # the first long prompt, 10 s in
-            (t0 + 18 * S, 730, "t3", 200),
-            (t0 + 205 * S, 80, soak.BURST_TENANT, 200),  # let in
-            (t0 + 219 * S, 80, soak.BURST_TENANT, 429),  # the first refusal, 19 s in
-            (t0 + 219 * S, 80, "t1", 429),  # another tenant's refusal is not the fault
-            (t0 + 230 * S, 80, soak.BURST_TENANT, 429),
+            (t0 + 2 * S, 90, "t0", 200, t0 + 3 * S),  # chat before the first long prompt
+            (t0 + 10 * S, 730, "t3", 200, t0 + 12 * S),  # the first long prompt, 10 s in
+            (t0 + 18 * S, 730, "t3", 200, t0 + 20 * S),
+            (t0 + 88 * S, 90, "t0", 200, t0 + 97 * S),  # queued behind the last long prompt
+            (t0 + 205 * S, 80, soak.BURST_TENANT, 200, t0 + 206 * S),  # let in
+            (t0 + 219 * S, 80, soak.BURST_TENANT, 429, t0 + 219 * S),  # first refusal, 19 s in
+            (t0 + 219 * S, 80, "t1", 429, t0 + 219 * S),  # another tenant's is not the fault
+            (t0 + 230 * S, 80, soak.BURST_TENANT, 429, t0 + 230 * S),
         ],
     )
     episodes = [long_ep, tenant_ep, frozen_ep]
@@ -72,3 +73,7 @@ def test_delay_counts_from_the_first_long_prompt_and_the_first_refusal(soak, tmp
         by_kind["frozen"]["delay_periods"] == by_kind["frozen"]["delay_from_start_periods"] == 1.8
     )
     assert r["delay_worst_periods"] == 1.8 and r["delay_from_start_worst_periods"] == 3.3
+    # the queue a fault built drains after it: the last request that arrived during it
+    assert by_kind["long_prompts"]["queue_drained_s"] == 7.0
+    assert by_kind["tenant_limit"]["queue_drained_s"] == -60.0
+    assert by_kind["frozen"]["queue_drained_s"] is None  # no request arrived in it
