@@ -41,6 +41,7 @@ def run(
     api_key: str | None = None,
     admin_key: str | None = None,
     profile_s: float | None = None,
+    dedicated_host: bool = False,
 ) -> str:
     """The plan rendered as ``fmt``.
 
@@ -86,6 +87,7 @@ def run(
         cost_models[other.recorded.quantization or "none"] = other.model
         other.con.close()
     rec = open_recording(store)
+    rec.dedicated_host = dedicated_host
     run_con = None
     try:
         # the run opens before the replays: a path that does not open fails first
@@ -107,6 +109,7 @@ def run(
                     f"{rec.num_blocks:,} KV blocks"
                 ),
                 "profile": rec.profile,
+                "host": "dedicated" if dedicated_host else "as recorded",
             },
             "step_cost": rec.model.to_dict(),
             "profile_sweep": sweep,
@@ -243,6 +246,14 @@ def plan(
             help="--profile's time budget (s, default 90; the level in progress runs to its end)."
         ),
     ] = None,
+    dedicated_host: Annotated[
+        bool,
+        typer.Option(
+            "--dedicated-host",
+            help="Price steps as on a host where nothing else runs (default: the recording's "
+            "other processes, its load generator's CPU grown with the planned traffic).",
+        ),
+    ] = False,
     format: Annotated[str, typer.Option("--format", help="text | json")] = "text",
     step_by_step: Annotated[
         bool,
@@ -261,7 +272,8 @@ def plan(
             if given is not None and not profile:
                 raise ValueError(f"{name} is for --profile's sweep: add --profile")
         text = run(store, what_if, slo, recommend, rate, cost_from, format, step_by_step, check,
-                   capacity, url, api_key, admin_key, profile_seconds)  # fmt: skip
+                   capacity, url, api_key, admin_key, profile_seconds,
+                   dedicated_host)  # fmt: skip
     except ValueError as exc:
         fail(str(exc))
     typer.echo(text, nl=False)

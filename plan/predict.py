@@ -57,6 +57,9 @@ class Recording:
     #: the profile fitted with the recording (``plan/profile.py``): its path and its steps
     profile: str | None = None
     profile_steps: tuple = ()
+    #: price steps as on a host where nothing else runs (no load generator, no neighbour);
+    #: else the recording's other processes, the load generator's share grown with the rate
+    dedicated_host: bool = False
 
     @property
     def device(self) -> str:
@@ -134,6 +137,8 @@ def load_profile(
                 "profile is a sweep made apart from the recording"
             )
         steps = src.sql("SELECT * FROM engine_steps").to_arrow_table()  # noqa: F841
+        # the host's census beside the sweep's steps (the host-load term reads it)
+        host = src.sql("SELECT * FROM device_samples WHERE kind = 'host'").to_arrow_table()  # noqa: F841
     except ProfileError as exc:
         raise PlanError(str(exc)) from None
     except duckdb.Error as exc:
@@ -142,6 +147,7 @@ def load_profile(
         src.close()
     out = duckdb.connect()
     out.execute("CREATE TABLE engine_steps AS SELECT * FROM steps")
+    out.execute("CREATE TABLE device_samples AS SELECT * FROM host")
     return out
 
 
@@ -271,6 +277,35 @@ def _check_memory(replicas: int, num_blocks: int, requests: int) -> None:
         )
 
 
+def host_load_factor(model: StepCostModel, traffic: float, dedicated: bool) -> tuple[float, str]:
+    """The steps' time factor for the host's load at ``traffic`` times the recording's traffic
+    per host, and the note that says which host the plan is for (empty: nothing to say). On
+    the recording's host the load generator's share grows with the traffic and the other
+    processes' stays; on a dedicated host nothing else runs."""
+    h = model.host_load
+    if "others_pct" not in h:
+        return 1.0, ""
+    others, loadgen = h["others_pct"] / 100, h["loadgen_pct"] / 100
+    if dedicated:
+        planned, host = 0.0, "a dedicated host (no other process)"
+    else:
+        planned = others - loadgen + loadgen * traffic
+        if traffic == 1.0 or not loadgen:
+            return 1.0, ""
+        host = (
+            f"the recording's host, its load generator at x{traffic:g} "
+            f"({loadgen:.1%} of the CPUs -> {loadgen * traffic:.1%})"
+        )
+    if not h.get("slope"):
+        return 1.0, f"host load not priced for {host}: {h['why_none']}"
+    factor = model.load_factor(planned)
+    return factor, (
+        f"planned for {host}: the others' CPU {others:.1%} as recorded -> {planned:.1%}, "
+        f"steps x{factor:.3f} (fitted on {h['steps']:,} steps whose others' CPU ran "
+        f"{h['others_range_pct'][0]:.0f}-{h['others_range_pct'][1]:.0f}%)"
+    )
+
+
 def setup_for(
     rec: Recording, whatif: WhatIf, cost_models: dict[str, StepCostModel] | None = None
 ) -> tuple[Setup, ReplayWorkload, StepCostModel, list[str]]:
@@ -300,6 +335,14 @@ def setup_for(
     if "step_time" in ch:
         model = model.scaled(float(ch["step_time"]))
         notes.append(f"every step takes x{ch['step_time']:g} the time the step costs give")
+    else:
+        factor, note = host_load_factor(
+            model, float(ch.get("rate", 1.0)) / int(ch.get("hosts", 1)), rec.dedicated_host
+        )
+        if factor != 1.0:
+            model = model.scaled(factor)
+        if note:
+            notes.append(note)
     replicas = int(ch.get("replicas", 1))
     hosts = int(ch.get("hosts", 1))
     threads = None

@@ -84,6 +84,19 @@ def to_text(doc: dict, width: int = 120) -> str:
                 f"{k}: {v['median_err_pct']:+.0f}% ({v['steps']})" for k, v in by_batch.items()
             )
         )
+    load = m.get("host_load") or {}
+    if "others_pct" in load:
+        console.print(
+            f"  host load: the others' CPU {load['others_pct']:.1f}% of the host as recorded "
+            f"(the load generator {load['loadgen_pct']:.1f}%); "
+            + (
+                f"a step takes x{load['slope'] / load['intercept'] * 0.1 + 1:.3f} per 10 points "
+                f"more (fitted on {load['steps']:,} steps); plans are for "
+                + ("a dedicated host" if rec.get("host") == "dedicated" else "this host")
+                if load.get("slope")
+                else f"not priced: {load['why_none']}"
+            )
+        )
     prof = doc.get("profile_sweep")
     if prof:
         console.print(

@@ -36,6 +36,16 @@ some) price a replica given fewer threads (data-parallel replicas share the core
 of their forward time over the fit's. Without such steps the forward is scaled by the ratio of
 the counts, an assumption the prediction names.
 
+**The host's load** is a term of its own. The census beside every store (``device_samples``:
+``cpu_others_pct``, the CPU every process outside the server used, and ``loadgen_cpu_pct``, the
+load generator's part of it) is read at each step, and the steps' time over the model's is
+fitted as a line in the others' share (:meth:`StepCostModel.load_factor`). A load generator on
+the engine's host takes CPU in proportion to the traffic it sends, so a plan for twice the
+traffic prices its steps with the generator's share doubled; a plan for a dedicated host prices
+them with no other process at all (``plan/predict.py``). Where the others' share barely moved in
+the recording (its 10th to 90th percentile within :data:`MIN_LOAD_SPREAD`), no slope is fitted
+and the steps keep the recording's pace.
+
 A host's pace drifts: a shared machine runs the same steps some tens of percent slower or faster
 from one hour to the next. :meth:`StepCostModel.pace` measures it on any store of the same
 engine (another run, a later stretch of the recording): its steps' time over the model's time
@@ -47,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import duckdb
 import numpy as np
 from scipy.optimize import nnls
 
@@ -72,6 +83,17 @@ BOOTSTRAP = 200
 BATCH_BUCKETS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 1 << 20))
 #: residuals beyond this many robust sigmas are dropped before the final fit
 OUTLIER_SIGMAS = 4.0
+#: the spread of the others' CPU share (10th to 90th percentile over the steps, 0..1 of all
+#: CPUs) below which the host-load slope is not fitted
+MIN_LOAD_SPREAD = 0.05
+#: a host sample prices the steps that started up to this long before it (ns): each sample's
+#: CPU shares are measured since the sample before, a second apart
+HOST_SAMPLE_REACH_NS = 2_000_000_000
+
+_HOST_SQL = """
+SELECT time_ns, cpu_others_pct, coalesce(loadgen_cpu_pct, 0.0)
+FROM device_samples WHERE kind = 'host' AND cpu_others_pct IS NOT NULL ORDER BY time_ns
+"""
 
 _STEPS_SQL = """
 SELECT start_ns, end_ns, forward_ms, num_decode_tokens, num_prefill_tokens, num_sampled,
@@ -105,6 +127,59 @@ def _read_steps(con, since_ns: int | None, until_ns: int | None) -> tuple[np.nda
         },
     ).fetchall()
     return np.array([r[:13] for r in rows], dtype=float).reshape(-1, 13), [r[13] for r in rows]
+
+
+def _host_load(con, starts: np.ndarray) -> np.ndarray:
+    """Per step start, the others' and the load generator's share of all CPUs (0..1) from the
+    first host sample at or after it (its shares cover the second before it): ``[n, 2]``, NaN
+    where no sample is near (a store without host samples)."""
+    out = np.full((len(starts), 2), np.nan)
+    try:
+        rows = con.execute(_HOST_SQL).fetchall()
+    except duckdb.Error:  # a store without the table or its census columns
+        return out
+    if not rows or not len(starts):
+        return out
+    h = np.array(rows, dtype=float)
+    i = np.searchsorted(h[:, 0], starts, side="left")
+    ok = i < len(h)
+    ok[ok] &= h[i[ok], 0] - starts[ok] <= HOST_SAMPLE_REACH_NS
+    out[ok] = h[i[ok], 1:] / 100.0
+    return out
+
+
+def _fit_host_load(
+    wall: np.ndarray, pred: np.ndarray, load: np.ndarray, use: np.ndarray, recorded: int
+) -> dict:
+    """The host-load term (see the module docstring) from the steps ``use`` marks: the
+    recording's mean others' and load-generator shares (its first ``recorded`` steps), and the
+    line ``wall / model = intercept + slope * others`` where the shares spread enough."""
+    others = load[:, 0]
+    ok = use & np.isfinite(others) & (pred > 0)
+    rec = ok.copy()
+    rec[recorded:] = False
+    out: dict = {"steps": int(ok.sum()), "slope": None}
+    if not rec.any():
+        out["why_none"] = "the recording has no host samples (no census of the others' CPU)"
+        return out
+    out["others_pct"] = float(others[rec].mean() * 100)
+    out["loadgen_pct"] = float(load[rec, 1].mean() * 100)
+    lo, hi = np.percentile(others[ok], [10, 90])
+    out["others_range_pct"] = [float(lo * 100), float(hi * 100)]
+    if ok.sum() < 2 * MIN_STEPS or hi - lo < MIN_LOAD_SPREAD:
+        out["why_none"] = (
+            f"the others' CPU ran {lo * 100:.0f}-{hi * 100:.0f}% of the host in the steps "
+            "(10th-90th percentile), too narrow to measure what it costs a step"
+        )
+        return out
+    ratio = wall[ok] / pred[ok]
+    near = _within_sigmas(ratio - np.median(ratio), ratio)
+    slope, intercept = np.polyfit(others[ok][near], ratio[near], 1)
+    if slope <= 0 or intercept <= 0:
+        out["why_none"] = "the steps ran no slower where the others took more CPU"
+        return out
+    out["slope"], out["intercept"] = float(slope), float(intercept)
+    return out
 
 
 class StepCostError(ValueError):
@@ -227,6 +302,18 @@ class StepCostModel:
     residuals_by_batch: dict = field(default_factory=dict)
     """held-out decode-only steps by batch size (:data:`BATCH_BUCKETS`): ``steps`` and the
     median signed error (%, positive: the model runs high)"""
+    host_load: dict = field(default_factory=dict)
+    """the host-load term (:func:`_fit_host_load`): the recording's ``others_pct`` and
+    ``loadgen_pct``, and ``slope``/``intercept`` (None with ``why_none`` where not fitted)"""
+
+    def load_factor(self, others: float) -> float:
+        """A step's time with the others taking ``others`` of all CPUs (0..1) over its time
+        at the recording's mean share: 1.0 where no slope was fitted."""
+        h = self.host_load
+        if not h.get("slope"):
+            return 1.0
+        at = h["intercept"] + h["slope"] * max(others, 0.0)
+        return at / (h["intercept"] + h["slope"] * h["others_pct"] / 100)
 
     def path_of(self, decode_only: bool, rows: int) -> str:
         """The path the engine runs a step on: the compiled step for a decode-only step of at
@@ -336,6 +423,7 @@ class StepCostModel:
             "holdout": self.holdout,
             "residuals_by_batch": self.residuals_by_batch,
             "profile_steps": self.profile_steps,
+            "host_load": self.host_load,
             "steps": self.steps,
             "ranges": self.ranges,
             "outliers_dropped": self.dropped,
@@ -390,9 +478,11 @@ def fit_step_cost(
     a, replica = _read_steps(con, None, until_ns)
     recorded_steps = len(a)
     gaps = [_gaps(a, replica)]
+    load = [_host_load(con, a[:, 0])]
     for other in extra:
         b, other_replica = _read_steps(other, None, None)
         gaps.append(_gaps(b, other_replica))
+        load.append(_host_load(other, b[:, 0]))
         a, replica = np.vstack([a, b]), [*replica, *other_replica]
     if not len(a):
         raise StepCostError(
@@ -483,6 +573,9 @@ def fit_step_cost(
                 "steps": int(m.sum()),
                 "median_err_pct": float(np.median(r)),
             }
+    model.host_load = _fit_host_load(
+        wall, np.maximum(pred, 1e-6), np.vstack(load), keep & at_main & ~held, recorded_steps
+    )
     model.steps = {kind: int((keep & m).sum()) for kind, m in kinds.items()}
     model.steps["all"] = int(keep.sum())
     model.profile_steps = int(keep[recorded_steps:].sum())

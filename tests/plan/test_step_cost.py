@@ -3,13 +3,17 @@ predicts steps it never saw, and refuses stores it cannot stand on."""
 
 from __future__ import annotations
 
+import math
+
 import duckdb
 import numpy as np
 import pytest
 
+from tokenmill.plan.predict import host_load_factor
 from tokenmill.plan.step_cost import MIN_STEPS, ModelShape, StepCostError, fit_step_cost
 from tokenmill.telemetry.recorded_config import RecordedConfig
 
+S = 1_000_000_000
 SHAPE = ModelShape(
     linear_params=1000, lm_head_params=100, attn_flop_per_pair=4, layers=1, kv_bytes_per_token=1
 )
@@ -22,6 +26,7 @@ def steps_store(
     seed: int = 0,
     one_thread: int = 0,
     pace: float = 1.0,
+    others=None,
 ):
     """``engine_steps`` rows made with known costs. Eager steps: a forward of 12 ms + 0.9 ms a
     decode + 0.05 ms a prompt token + 2 ms a prompt chunk + 30 ms per million KV tokens read;
@@ -29,7 +34,9 @@ def steps_store(
     million KV tokens. Host part 1 ms + 0.1 ms a decode; 1 ms between back-to-back steps;
     every 25th step a 10x hiccup; with ``one_thread``, every such step of the others ran on
     one thread instead of two, its forward 1.6x as long. ``pace``: every step's time times it
-    (a slower or faster host)."""
+    (a slower or faster host). ``others(second)``: the share of the CPUs other processes took
+    in that second of the store (half of it the load generator), written as host samples;
+    each step then takes ``1 + 1.5 x`` that share times as long."""
     rng = np.random.default_rng(seed)
     con = duckdb.connect()
     con.execute(
@@ -60,6 +67,9 @@ def steps_store(
         if one_thread and i % one_thread == 3:
             threads, fwd = 1, fwd * 1.6
         fwd, host = fwd * pace, host * pace
+        if others is not None:
+            slower = 1 + 1.5 * others(-(-t // S))  # the sample at or after the step's start
+            fwd, host = fwd * slower, host * slower
         wall_ns = int((fwd + host) * 1e6)
         rows.append(
             (t, t + wall_ns, fwd, decode, prefill, sampled, kv, flops, chunks, threads, 5, 0,
@@ -68,6 +78,15 @@ def steps_store(
         t += wall_ns + 1_000_000
     if rows:
         con.executemany("INSERT INTO engine_steps VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+    if others is not None:
+        con.execute(
+            "CREATE TABLE device_samples (time_ns BIGINT, kind VARCHAR, cpu_others_pct DOUBLE, "
+            "loadgen_cpu_pct DOUBLE)"
+        )
+        con.executemany(
+            "INSERT INTO device_samples VALUES (?, 'host', ?, ?)",
+            [(k * S, others(k) * 100, others(k) * 50) for k in range(1, t // S + 2)],
+        )
     return con
 
 
@@ -164,3 +183,41 @@ def test_a_scaled_model_prices_every_step_and_gap_times_the_factor():
     assert s.thread_factors == m.thread_factors
     assert m.pace(steps_store(300, seed=3, pace=1.5))["factor"] == pytest.approx(1.5, rel=0.02)
     assert s.pace(steps_store(300, seed=3, pace=1.5))["factor"] == pytest.approx(1.0, rel=0.02)
+
+
+def _swinging(k: int) -> float:
+    """Others' share of the CPUs in second ``k``: 5-35%, a 20 s cycle."""
+    return 0.05 + 0.3 * (0.5 + 0.5 * math.sin(2 * math.pi * k / 20))
+
+
+def test_the_host_load_slope_is_fitted_on_the_census_beside_the_steps():
+    m = fit_step_cost(steps_store(900, others=_swinging), RecordedConfig(), shape=SHAPE)
+    h = m.host_load
+    mean = h["others_pct"] / 100
+    assert 0.12 < mean < 0.28 and h["loadgen_pct"] == pytest.approx(h["others_pct"] / 2)
+    # each step took 1 + 1.5 x the others' share: the factor between two shares follows it
+    for share in (0.0, 0.1, 0.5):
+        assert m.load_factor(share) == pytest.approx((1 + 1.5 * share) / (1 + 1.5 * mean), rel=0.04)
+    # a plan at twice the traffic on this host: the load generator's half of the share doubles
+    factor, note = host_load_factor(m, 2.0, dedicated=False)
+    planned = mean * 1.5
+    assert factor == pytest.approx((1 + 1.5 * planned) / (1 + 1.5 * mean), rel=0.04)
+    assert factor > 1.03 and "load generator at x2" in note
+    # on a dedicated host nothing else runs: quicker than recorded
+    factor, note = host_load_factor(m, 2.0, dedicated=True)
+    assert factor == pytest.approx(1 / (1 + 1.5 * mean), rel=0.04)
+    assert note.startswith("planned for a dedicated host")
+    # the recorded traffic on the recording's host: nothing to change
+    assert host_load_factor(m, 1.0, dedicated=False) == (1.0, "")
+
+
+def test_a_census_that_barely_moves_prices_nothing_and_says_why():
+    m = fit_step_cost(steps_store(600, others=lambda k: 0.1), RecordedConfig(), shape=SHAPE)
+    assert m.host_load["slope"] is None
+    assert "too narrow" in m.host_load["why_none"]
+    factor, note = host_load_factor(m, 2.0, dedicated=False)
+    assert factor == 1.0 and note.startswith("host load not priced")
+    # a store without host samples (a proxy's upstream steps have none) says nothing
+    plain = fit_step_cost(steps_store(300), RecordedConfig(), shape=SHAPE)
+    assert "others_pct" not in plain.host_load
+    assert host_load_factor(plain, 2.0, dedicated=True) == (1.0, "")
