@@ -393,10 +393,13 @@ class EpisodeScore:
     alert_rule: str | None = None
 
 
-#: the request that is a fault's first act where the episode's start is not: the first long
-#: prompt (its load generator waits one gap before it) and the first request the tenant's
-#: limit refused (the limiter lets its first BURST_RPM in)
+#: a fault's first act where the episode's start is not: the first long prompt (its load
+#: generator waits one gap before it), the first request the tenant's limit refused (the
+#: limiter lets its first BURST_RPM in) and the first preemption (the long answers fit in the
+#: KV pool until they have grown: 20-25 s)
 FIRST_ACT_SQL = {
+    "kv_pressure": "SELECT min(start_ns) FROM engine_steps WHERE num_preempted > 0 "
+    "AND start_ns BETWEEN ? AND ?",
     "long_prompts": "SELECT min(arrival_ns) FROM requests WHERE input_tokens >= 700 "
     "AND arrival_ns BETWEEN ? AND ?",
     "tenant_limit": f"SELECT min(arrival_ns) FROM requests WHERE tenant = '{BURST_TENANT}' "

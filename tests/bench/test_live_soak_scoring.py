@@ -22,13 +22,15 @@ def soak():
     sys.modules.pop("live_soak", None)
 
 
-def _store(path: Path, rows: list[tuple]) -> Path:
+def _store(path: Path, rows: list[tuple], steps: list[tuple] = ()) -> Path:
     con = duckdb.connect(str(path))
     con.execute(
         "CREATE TABLE requests (arrival_ns BIGINT, input_tokens INT, tenant VARCHAR, "
         "http_status INT, end_ns BIGINT)"
     )
     con.executemany("INSERT INTO requests VALUES (?, ?, ?, ?, ?)", rows)
+    con.execute("CREATE TABLE engine_steps (start_ns BIGINT, num_preempted INT)")
+    con.executemany("INSERT INTO engine_steps VALUES (?, ?)", steps)
     con.close()
     return path
 
@@ -40,6 +42,7 @@ def test_delay_counts_from_the_first_long_prompt_and_the_first_refusal(soak, tmp
         "tenant_limit", "tenants", t0 + 200 * S, t0 + 290 * S, ("error_spike",)
     )
     frozen_ep = soak.Episode("frozen", "clumped", t0 + 400 * S, t0 + 460 * S, ("engine_stalled",))
+    kv_ep = soak.Episode("kv_pressure", "procs", t0 + 600 * S, t0 + 690 * S, ("ttft_queueing",))
     db = _store(
         tmp_path / "soak.duckdb",
         [
@@ -52,12 +55,19 @@ def test_delay_counts_from_the_first_long_prompt_and_the_first_refusal(soak, tmp
             (t0 + 219 * S, 80, "t1", 429, t0 + 219 * S),  # another tenant's is not the fault
             (t0 + 230 * S, 80, soak.BURST_TENANT, 429, t0 + 230 * S),
         ],
+        steps=[
+            (t0 + 300 * S, 1),  # a preemption before the episode is not its first act
+            (t0 + 610 * S, 0),
+            (t0 + 623 * S, 2),  # the pool full 23 s in: the first preemption
+            (t0 + 640 * S, 1),
+        ],
     )
-    episodes = [long_ep, tenant_ep, frozen_ep]
+    episodes = [long_ep, tenant_ep, frozen_ep, kv_ep]
     soak.mark_first_acts(db, episodes)
     assert long_ep.fault_ns == t0 + 10 * S
     assert tenant_ep.fault_ns == t0 + 219 * S
     assert frozen_ep.fault_ns == 0 and frozen_ep.acts_ns == frozen_ep.start_ns
+    assert kv_ep.fault_ns == t0 + 623 * S
     findings = [
         {"id": "a", "rule": "ttft_prefill_bound", "opened_ns": t0 + 21 * S, "resolved_ns": None},
         {"id": "b", "rule": "error_spike", "opened_ns": t0 + 233 * S, "resolved_ns": None},
