@@ -298,22 +298,31 @@ class BlockManager:
         taken first; the request's ``num_computed_tokens`` must then be set to their token count
         by the caller. Returns False, changing nothing, when the free blocks do not suffice.
         """
-        computed = request.num_computed_tokens + len(cached) * self.block_size
-        need = self.blocks_needed(computed + num_new_tokens) - len(request.block_ids) - len(cached)
-        revived = sum(1 for b in cached if b.ref_cnt == 0)
-        if max(need, 0) + revived > len(self.free_queue):
-            return False
-        for block in cached:
-            if block.ref_cnt == 0:
-                self.free_queue.remove(block)
-            block.ref_cnt += 1
-            request.block_ids.append(block.block_id)
+        block_ids = request.block_ids
+        bs = self.block_size
+        if cached:
+            computed = request.num_computed_tokens + len(cached) * bs
+            need = -(-(computed + num_new_tokens) // bs) - len(block_ids) - len(cached)
+            revived = sum(1 for b in cached if b.ref_cnt == 0)
+            if max(need, 0) + revived > len(self.free_queue):
+                return False
+            for block in cached:
+                if block.ref_cnt == 0:
+                    self.free_queue.remove(block)
+                block.ref_cnt += 1
+                block_ids.append(block.block_id)
+        else:  # the common call (a running request's next tokens): no cached blocks to take
+            need = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(block_ids)
+            if need > len(self.free_queue):
+                return False
         for _ in range(need):
             block = self.free_queue.popleft()
-            self._evict(block, request.request_id)
+            if block.block_hash is not None:
+                self._evict(block, request.request_id)
             block.ref_cnt = 1
-            request.block_ids.append(block.block_id)
-        request.stats.kv_blocks = max(request.stats.kv_blocks, len(request.block_ids))
+            block_ids.append(block.block_id)
+        if len(block_ids) > request.stats.kv_blocks:
+            request.stats.kv_blocks = len(block_ids)
         return True
 
     def trim(self, request: Request) -> None:

@@ -505,10 +505,11 @@ class Simulation:
         self.kinds[rep.kind] = self.kinds.get(rep.kind, 0) + k
         taken: dict[int, int] = {}
         first, last, produced, segs = self.first, self.last, self.produced, self.segs
+        output_token = self.w.output_token
         for chunk in sampling:
             req = chunk.request
             i = req.driver_state.index
-            tok = self.w.output_token(i)
+            tok = output_token(i)
             req.append_token(tok, None)  # the replay books its own times
             n = 1
             if first[i] != first[i]:  # NaN: its first token
@@ -531,8 +532,7 @@ class Simulation:
             self.max_batch = max(self.max_batch, len(sampling))
         elif out.num_prefill_chunks == 0:
             self.max_batch = max(self.max_batch, len(sampling))
-        for i, n in taken.items():
-            self._count(rep, i, -n)
+        self._uncount(rep, taken)
         outputs = self._outputs
         for chunk in sampling:
             req = chunk.request
@@ -552,6 +552,20 @@ class Simulation:
         self.left[i] = left + delta
         self.router.add(rep.index, delta)
         self._floor[rep.index] += delta
+
+    def _uncount(self, rep: _Replica, taken: dict[int, int]) -> None:
+        """:meth:`_count` of ``-n`` for each request ``i`` that made ``n`` tokens, booked on its
+        replica at once (a step's requests all run on ``rep``)."""
+        left = self.left
+        total = 0
+        for i, n in taken.items():
+            had = left.get(i, 0)
+            d = n if n < had else had
+            left[i] = had - d
+            total += d
+        if total:
+            self.router.add(rep.index, -total)
+            self._floor[rep.index] -= total
 
     def _close(self, i: int) -> None:
         segs = self.segs.pop(i, [])
