@@ -6,8 +6,8 @@ at 0.4 requests/s, kept as a Parquet dump). The big replay tiles it to 1,000,000
 its rate over 64 hosts like the recorded one (each replica about as loaded as the recording),
 split over this host's cores (``plan/split.py``, the default for a replay this big)
 ``--repeats`` times (3; the median run is reported, with every run's wall time and whether
-all gave the same results to the bit), then in this process alone, each with its wall time and peak resident memory (``ru_maxrss``:
-the split's first, this process, and its other; a forked process's count includes the pages it
+all gave the same results to the bit), then in this process alone, each with its wall time
+and peak resident memory (``ru_maxrss``: the split's first, this process, and its other; a forked process's count includes the pages it
 shares with this one; the one-process figure is this process's peak over both). The
 small replay (the recording tiled to 2,000 requests at 2x its rate over 4 hosts) runs both ways
 and sets their percentiles side by side. A third replay (100,000 requests, same shape) times

@@ -299,10 +299,9 @@ class BlockManager:
         by the caller. Returns False, changing nothing, when the free blocks do not suffice.
         """
         block_ids = request.block_ids
-        bs = self.block_size
         if cached:
-            computed = request.num_computed_tokens + len(cached) * bs
-            need = -(-(computed + num_new_tokens) // bs) - len(block_ids) - len(cached)
+            computed = request.num_computed_tokens + len(cached) * self.block_size
+            need = self.blocks_needed(computed + num_new_tokens) - len(block_ids) - len(cached)
             revived = sum(1 for b in cached if b.ref_cnt == 0)
             if max(need, 0) + revived > len(self.free_queue):
                 return False
@@ -312,7 +311,7 @@ class BlockManager:
                 block.ref_cnt += 1
                 block_ids.append(block.block_id)
         else:  # the common call (a running request's next tokens): no cached blocks to take
-            need = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(block_ids)
+            need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(block_ids)
             if need > len(self.free_queue):
                 return False
         for _ in range(need):

@@ -151,14 +151,12 @@ def _profile(
         ValueError: the recording does not open, the sweep or its fetch failed (one line).
     """
     from .predict import open_recording
-    from .profile import BUDGET_S, make_profile
+    from .profile import BUDGET_S, make_profile, profile_path
 
     if budget_s is not None and not 0 < budget_s <= 3600:
         raise ValueError(
             f"--profile-seconds must be more than 0 and at most 3600, not {budget_s:g}"
         )
-    from .profile import profile_path
-
     replaced = profile_path(store).exists()
     rec = open_recording(store, use_profile=False)
     try:
