@@ -146,10 +146,11 @@ generalization: $(STAMP)
 	$(BIN)/python benchmarks/diagnosis_generalization.py --corpus $(FACTORIAL) --split heldout \
 		--blind $(BLIND)
 
-# tokenmill plan's predictions against real runs (~20 minutes, alone on the machine), then the
-# 1,000,000-request, 64-replica replay from the kept recording
+# tokenmill plan's predictions against real runs, each repeated 3 times (~70 minutes, alone on
+# the machine)
 plan-validation: model
-	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/plan_validation.py --rate 0.4 --requests 80
+	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/plan_validation.py --rate 0.4 --requests 80 \
+		--cases 'rate=0.5;rate=1.5;rate=2;max_num_seqs=4;replicas=2,rate=2' --no-recommend
 
 plan-capacity: model
 	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/plan_capacity.py

@@ -1,4 +1,4 @@
-"""``tokenmill plan``'s predictions against real runs on this machine, one run each.
+"""``tokenmill plan``'s predictions against real runs on this machine, each run repeated.
 
 1. Record: ``tokenmill serve`` (default model and knobs) under an open-loop load at a moderate
    mean rate (``--rate``; bursty arrivals, gamma gaps of shape 0.15, as production traffic
@@ -6,24 +6,29 @@
    what puts decode batches past the compiled step's dozen rows into the recording, the
    regime the higher rates live in; a recording that never ran it cannot price it (the plan
    says so).
-2. Predict from that store: the recording replayed as it was (the sanity floor), 1.5x and 2x
-   the rate, ``max_num_seqs=4``, 2 data-parallel replicas at 2x the rate, and a pool of 120 KV
-   blocks (preemptions).
-3. Run each what-if for real: the same load generator with the same seed (the same prompts,
-   the arrival gaps divided by the factor) against a server started with the what-if's flags.
+2. Predict from that store, before any real run, twice: from the recording alone, and with a
+   profile swept from a server of the same setup (``plan --profile``; ``--no-profile`` leaves
+   it out): the recording replayed as it was (the sanity floor), 0.5x, 1.5x and 2x the rate,
+   ``max_num_seqs=4``, 2 data-parallel replicas at 2x the rate, and a pool of 120 KV blocks
+   (preemptions); ``--cases`` picks among them.
+3. Run each what-if for real ``--repeats`` times (3): the same load generator with the same
+   seed (the same prompts, the arrival gaps divided by the factor) against a fresh server
+   started with the what-if's flags; each metric's median over the repeats is the measured
+   figure.
 4. Recommend: an SLO the recording missed (ITL p99 below 60% of what it measured), the plan's
    best knob setting for it, and that setting run for real.
 5. Take each miss apart (``tokenmill plan --check``): each real run's pace (its steps' time
    over the recording's step-cost model's for the same steps: how much slower or faster the
-   host ran than while recording), and each prediction again with ``step_time`` set to that
-   pace. What is left is the replay's own error; what goes away came from the host's pace,
+   host ran than while recording), and each prediction again with ``step_time`` set to its
+   runs' median pace. What is left is the replay's own error; what goes away came from the host's pace,
    which no recording can foresee.
 
 Predicted and measured use the same summary SQL (``REQUEST_SUMMARY_SQL``). Targets: TTFT and
 ITL p50 within 15%, p99 within 30%, goodput within 10 points, preemptions the same order of
 magnitude; the as-recorded replay within 10% on TTFT and ITL p50. Results:
 ``benchmarks/results/plan_validation.json``; the table goes in RESULTS.md. Run it alone
-(``make plan-validation``): it takes about 15 minutes on 2 cores.
+(``make plan-validation``: the five what-ifs of the benchmark's table, 3 repeats, no
+recommendation): it takes about 70 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -32,16 +37,21 @@ import argparse
 import datetime as dt
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from live_soak import _host  # noqa: E402
+
 OUT = ROOT / "benchmarks" / "results" / "plan_validation.json"
 LOAD = ["--prompt-tokens", "uniform:64:512", "--output-tokens", "uniform:32:128", "--seed", "7"]
 #: what-if → the serve flags that make it real, the rate factor
 CASES = {
+    "rate=0.5": ([], 0.5),
     "rate=1.5": ([], 1.5),
     "rate=2": ([], 2.0),
     "max_num_seqs=4": (["--max-num-seqs", "4"], 1.0),
@@ -172,6 +182,12 @@ def pace_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def alone(results: dict, name: str) -> str:
+    """How many targets the plan from the recording alone met for ``name``."""
+    rows = results.get("from_the_recording_alone", {}).get(name)
+    return "" if rows is None else f"{sum(r['within'] for r in rows.values())} of {len(rows)}"
+
+
 def table(results: dict) -> str:
     """The predicted-vs-measured table for RESULTS.md."""
     keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
@@ -179,8 +195,9 @@ def table(results: dict) -> str:
         f"{k.removesuffix('_ms').replace('_', ' ').upper()} pred / real (err)" for k in keys
     )
     lines = [
-        head + " | goodput pred / real | preemptions pred / real | within targets |",
-        "|---" * (len(keys) + 4) + "|",
+        head + " | goodput pred / real | preemptions pred / real | within targets "
+        "| from the recording alone |",
+        "|---" * (len(keys) + 5) + "|",
     ]
     for name, rows in results["cases"].items():
         cells = []
@@ -195,9 +212,20 @@ def table(results: dict) -> str:
         ok = sum(1 for r in rows.values() if r["within"])
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | {g['predicted']:.0%} / {g['measured']:.0%} "
-            f"({g['error']:+.0f} pts) | {p['predicted']} / {p['measured']} | {ok} of {len(rows)} |"
+            f"({g['error']:+.0f} pts) | {p['predicted']} / {p['measured']} | {ok} of {len(rows)} "
+            f"| {alone(results, name)} |"
         )
     return "\n".join(lines)
+
+
+def median_metrics(runs: list[dict]) -> dict:
+    """Each metric's median over the repeats of one real run (those that have it)."""
+    out = {}
+    for k in {k for r in runs for k in r}:
+        vals = [r[k] for r in runs if isinstance(r.get(k), (int, float))]
+        if vals:
+            out[k] = statistics.median(vals)
+    return out
 
 
 def main() -> None:
@@ -205,6 +233,11 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/tokenmill-plan-validation"))
     ap.add_argument("--rate", type=float, default=1.0, help="the recording's requests/s")
     ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--repeats", type=int, default=3, help="real runs of each what-if")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help="the what-ifs to run, separated by ';' (default: all)")  # fmt: skip
+    ap.add_argument("--no-profile", action="store_true",
+                    help="plan from the recording alone (no profile swept)")  # fmt: skip
     ap.add_argument("--skip-real", action="store_true", help="record and predict only")
     ap.add_argument("--no-recommend", action="store_true", help="leave out step 4")
     ap.add_argument("--table", action="store_true", help="print the last results' table")
@@ -217,52 +250,80 @@ def main() -> None:
         doc = json.loads(args.out.read_text())
         print(table(doc) + "\n\n" + pace_table(doc))
         return
+    cases = {c: CASES[c] for c in args.cases.split(";") if c}
     began = time.time()
     base = args.work / "record" / "traces.duckdb"
     if not (args.reuse and base.is_file()):
         log(f"recording at {args.rate}/s, {args.requests} requests")
         base = record(args.work, "record", [], args.rate, args.requests, args.burstiness)
-    doc = plan(base, list(CASES))
+    # the plan from the recording alone, then (by default) with a profile swept from a server
+    # of the same setup; both are made before any real run
+    from tokenmill.plan.profile import profile_path
+
+    if not args.reuse:
+        profile_path(base).unlink(missing_ok=True)
+    plain = {p["what_if"]: p for p in plan(base, list(cases))["predictions"]}
+    if not args.no_profile and not profile_path(base).exists():
+        from plan_capacity import profile
+
+        profile(args.work, base)
+    doc = plan(base, list(cases))
     preds = {p["what_if"]: p for p in doc["predictions"]}
     results = {
         "date": dt.date.today().isoformat(),
         "machine": "2 vCPU, no GPU",
+        "host": _host(),
         "rate_per_s": args.rate,
         "requests": args.requests,
+        "repeats": args.repeats,
         "load": " ".join(LOAD) + f" --burstiness {args.burstiness:g}",
         "step_cost": doc["step_cost"],
         "error_estimate": doc["error_estimate"],
         "recorded": doc["measured"],
         "cases": {},
+        "runs": {},
+        "from_the_recording_alone": {},
     }
     rec_real = measure(base)
     results["cases"]["as recorded"] = verdict(preds["as recorded"], rec_real, sanity=True)
     log("as recorded: " + json.dumps(results["cases"]["as recorded"]))
-    stores = {"as recorded": base}
+    stores: dict[str, list[Path]] = {"as recorded": [base]}
     if not args.skip_real:
-        for whatif, (flags, factor) in CASES.items():
-            store = args.work / whatif.replace(",", "_").replace("=", "-") / "traces.duckdb"
-            if not (args.reuse and store.is_file()):
-                log(f"real run: {whatif}")
-                store = record(args.work, store.parent.name, flags, args.rate * factor,
-                               args.requests, args.burstiness)  # fmt: skip
-            stores[whatif] = store
-            results["cases"][whatif] = verdict(preds[whatif], measure(store))
+        for whatif, (flags, factor) in cases.items():
+            stores[whatif] = []
+            for r in range(args.repeats):
+                name = whatif.replace(",", "_").replace("=", "-") + f"-r{r + 1}"
+                store = args.work / name / "traces.duckdb"
+                if not (args.reuse and store.is_file()):
+                    log(f"real run: {whatif}, repeat {r + 1} of {args.repeats}")
+                    store = record(args.work, name, flags, args.rate * factor,
+                                   args.requests, args.burstiness)  # fmt: skip
+                stores[whatif].append(store)
+            runs = [measure(s) for s in stores[whatif]]
+            results["runs"][whatif] = runs
+            real = median_metrics(runs)
+            results["cases"][whatif] = verdict(preds[whatif], real)
+            results["from_the_recording_alone"][whatif] = verdict(plain[whatif], real)
             log(f"{whatif}: " + json.dumps(results["cases"][whatif]))
-        # step 5: each case checked against its real run (``tokenmill plan --check``): the
-        # run's pace, and the case again at that pace
+        # step 5: each real run checked against the plan (``tokenmill plan --check``): its pace;
+        # each case planned again at the median pace of its runs, against the median run
         results["at_run_pace"] = {}
-        for whatif, store in stores.items():
-            c = plan(base, [whatif] if whatif in CASES else [], ["--check", str(store)])["check"]
-            if c["at_pace"] is None:
-                log(f"{whatif}: the run holds no engine steps, no pace")
+        for whatif, runs in stores.items():
+            paces = []
+            for store in runs:
+                c = plan(base, [whatif] if whatif in CASES else [], ["--check", str(store)])
+                if c["check"]["at_pace"] is not None:
+                    paces.append(c["check"]["pace"])
+            if not paces:
+                log(f"{whatif}: the runs hold no engine steps, no pace")
                 continue
-            again = {"summary": c["at_pace"]["summary"],
-                     "replay": {"preemptions": c["at_pace"]["preemptions"]}}  # fmt: skip
-            real = c["measured"] | {"preemptions": c["preemptions"]["measured"]}
+            pace = statistics.median(paces)
+            knobs = "" if whatif == "as recorded" else whatif + ","
+            again = plan(base, [f"{knobs}step_time={pace:.3f}"])["predictions"][-1]
+            real = median_metrics([measure(s) for s in runs])
             rows = verdict(again, real, sanity=whatif == "as recorded")
-            results["at_run_pace"][whatif] = {"pace": c["pace"], "rows": rows}
-            log(f"{whatif} at the real run's pace x{c['pace']:.3f}: " + json.dumps(rows))
+            results["at_run_pace"][whatif] = {"pace": pace, "paces": paces, "rows": rows}
+            log(f"{whatif} at its runs' median pace x{pace:.3f}: " + json.dumps(rows))
     if not args.skip_real and not args.no_recommend:
         # an SLO the recording missed, the plan's recommendation, and that setting for real
         bound = int(rec_real["itl_p99_ms"] * 0.6)
