@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # first and it is kept.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup model demo test test-e2e lint format clean promtool alertmanager chromium phoenix scenarios scenario-dumps corpus accuracy factorial blind-set generalization plan-validation plan-capacity plan-scale
+.PHONY: setup model demo test test-e2e lint format clean promtool alertmanager chromium phoenix scenarios scenario-dumps corpus accuracy factorial blind-set generalization plan-validation plan-capacity plan-scale plan-upstream
 
 setup: $(STAMP)
 
@@ -154,6 +154,11 @@ plan-validation: model
 
 plan-capacity: model
 	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/plan_capacity.py
+
+# a plan from a proxy's recording of llama.cpp's llama-server, against the real server at twice
+# the rate (~15 minutes, alone on the machine)
+plan-upstream: model
+	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/plan_upstream.py
 
 plan-scale: $(STAMP)
 	PYTHONSAFEPATH=1 $(BIN)/python benchmarks/plan_scale.py

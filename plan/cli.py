@@ -42,6 +42,7 @@ def run(
     admin_key: str | None = None,
     profile_s: float | None = None,
     dedicated_host: bool = False,
+    upstream_limits: str | None = None,
 ) -> str:
     """The plan rendered as ``fmt``.
 
@@ -54,6 +55,7 @@ def run(
     from .predict import error_estimate, measured, open_recording, predict
     from .recommend import recommend
     from .report import to_json, to_text
+    from .upstream import parse_limits
     from .whatif import parse_slo, parse_whatif
 
     if fmt not in ("text", "json"):
@@ -86,7 +88,7 @@ def run(
         other = open_recording(path)
         cost_models[other.recorded.quantization or "none"] = other.model
         other.con.close()
-    rec = open_recording(store)
+    rec = open_recording(store, upstream_limits=parse_limits(upstream_limits))
     rec.dedicated_host = dedicated_host
     run_con = None
     try:
@@ -110,6 +112,7 @@ def run(
                 ),
                 "profile": rec.profile,
                 "host": "dedicated" if dedicated_host else "as recorded",
+                "upstream": rec.upstream.to_dict() if rec.upstream else None,
             },
             "step_cost": rec.model.to_dict(),
             "profile_sweep": sweep,
@@ -159,6 +162,12 @@ def _profile(
         )
     replaced = profile_path(store).exists()
     rec = open_recording(store, use_profile=False)
+    if rec.upstream is not None:
+        rec.con.close()
+        raise ValueError(
+            f"{store} is a proxy's store of another engine: --profile sweeps our engine's own "
+            "steps; plan it from its requests (no --profile)"
+        )
     try:
         path, sweep = make_profile(
             url, store, rec.recorded, rec.num_blocks, api_key=api_key, admin_key=admin_key,
@@ -252,6 +261,15 @@ def plan(
             "other processes, its load generator's CPU grown with the planned traffic).",
         ),
     ] = False,
+    upstream_limits: Annotated[
+        str | None,
+        typer.Option(
+            "--upstream-limits",
+            help="A proxy's store of another engine: its limits, e.g. 'slots=4,batch_tokens="
+            "2048,kv_tokens=16384' (default: slots the highest running gauge scraped, "
+            "llama.cpp's batch, a KV cache that never binds).",
+        ),
+    ] = None,
     format: Annotated[str, typer.Option("--format", help="text | json")] = "text",
     step_by_step: Annotated[
         bool,
@@ -271,7 +289,7 @@ def plan(
                 raise ValueError(f"{name} is for --profile's sweep: add --profile")
         text = run(store, what_if, slo, recommend, rate, cost_from, format, step_by_step, check,
                    capacity, url, api_key, admin_key, profile_seconds,
-                   dedicated_host)  # fmt: skip
+                   dedicated_host, upstream_limits)  # fmt: skip
     except ValueError as exc:
         fail(str(exc))
     typer.echo(text, nl=False)

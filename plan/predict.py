@@ -28,6 +28,7 @@ from tokenmill.telemetry.recorded_config import RecordedConfig, read_recorded_co
 
 from .simulate import Setup, SimResult, simulate
 from .step_cost import StepCostError, StepCostModel, fit_step_cost
+from .upstream import UpstreamError, UpstreamLimits, fit_upstream, is_upstream_store, read_limits
 from .whatif import CONFIG_FIELDS, SloBounds, WhatIf
 from .workload import RecordingError, ReplayWorkload, read_workload
 
@@ -60,10 +61,25 @@ class Recording:
     #: price steps as on a host where nothing else runs (no load generator, no neighbour);
     #: else the recording's other processes, the load generator's share grown with the rate
     dedicated_host: bool = False
+    #: another engine's recording (a proxy's store): the limits its replay takes
+    upstream: UpstreamLimits | None = None
 
     @property
     def device(self) -> str:
         return self.recorded.engine_device
+
+    def fit_until(self, until_ns: int) -> StepCostModel:
+        """The step costs fitted again on what the recording held before ``until_ns``.
+
+        Raises:
+            StepCostError, UpstreamError: too little before it.
+        """
+        if self.upstream is not None:
+            return fit_upstream(self.con, self.upstream, until_ns=until_ns)
+        return fit_step_cost(
+            self.con, self.recorded, shape=self.model.shape, until_ns=until_ns,
+            extra=self.profile_steps,
+        )  # fmt: skip
 
 
 def _engine_config(recorded: RecordedConfig) -> EngineConfig:
@@ -74,13 +90,17 @@ def _engine_config(recorded: RecordedConfig) -> EngineConfig:
         raise PlanError(f"the recorded engine config does not load here ({exc})") from None
 
 
-def open_recording(path: str | Path, *, use_profile: bool = True) -> Recording:
+def open_recording(
+    path: str | Path, *, use_profile: bool = True, upstream_limits: dict | None = None
+) -> Recording:
     """Open a store or dump and fit what a plan needs from it, with its profile where one lies
-    beside it (:func:`~tokenmill.plan.profile.profile_path`).
+    beside it (:func:`~tokenmill.plan.profile.profile_path`); a proxy's store of another engine
+    with that engine's limits (``upstream_limits`` as given, the rest read from the store:
+    :mod:`.upstream`).
 
     Raises:
         PlanError: not a store, no requests, no engine steps, too few steps, a profile of
-            another setup (one line).
+            another setup, a proxy's store without its upstream's limits (one line).
     """
     from tokenmill.telemetry.dump import DumpError, open_dump
 
@@ -90,6 +110,18 @@ def open_recording(path: str | Path, *, use_profile: bool = True) -> Recording:
         con = open_dump(path, verify=False)
     except DumpError as exc:
         raise PlanError(str(exc)) from None
+    if is_upstream_store(con):
+        try:
+            return upstream_recording(con, str(path), upstream_limits or {})
+        except PlanError:
+            con.close()
+            raise
+    if upstream_limits:
+        con.close()
+        raise PlanError(
+            f"{path}: --upstream-limits is for a proxy's store of another engine; this one "
+            "holds our engine's steps"
+        )
     prof = profile_path(path)
     try:
         steps = ()
@@ -176,6 +208,36 @@ def recording_from(
         raise PlanError(f"{label}: the engine steps do not say the KV pool's size")
     return Recording(label, con, recorded, _engine_config(recorded), workload, model, int(blocks),
                      profile_steps=profile_steps)  # fmt: skip
+
+
+def upstream_recording(con: duckdb.DuckDBPyConnection, label: str, given: dict) -> Recording:
+    """What a plan needs from a proxy's store of another engine: its traffic, its step costs
+    fitted on the requests (:func:`~tokenmill.plan.upstream.fit_upstream`) and our scheduler
+    set to its limits (slots, the prompt tokens of a step, its KV cache), chunked prefill on,
+    no prefix cache.
+
+    Raises:
+        PlanError: no answered request, too few to fit, no slot count (one line naming ``label``).
+    """
+    try:
+        limits = read_limits(con, given)
+        model = fit_upstream(con, limits)
+        workload = read_workload(con)
+    except (UpstreamError, RecordingError) as exc:
+        raise PlanError(f"{label}: {exc}") from None
+    except duckdb.Error as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PlanError(f"{label}: cannot read the store ({first})") from None
+    knobs = {
+        "max_num_seqs": limits.slots,
+        "max_num_batched_tokens": limits.batch_tokens,
+        "enable_chunked_prefill": True,
+        "enable_prefix_caching": False,
+    }
+    recorded = RecordedConfig(recorded=False, attributes=knobs, **knobs)
+    blocks = -(-limits.kv_tokens // recorded.block_size)
+    return Recording(label, con, recorded, _engine_config(recorded), workload, model, blocks,
+                     upstream=limits)  # fmt: skip
 
 
 def summarize_rows(
@@ -490,10 +552,8 @@ def error_estimate(rec: Recording, slo: SloBounds) -> dict:
     cut = w.start_ns + int(rel_cut_s * 1e9)
     tail = int((w.arrival_s >= rel_cut_s).sum())  # requests that arrived together stay together
     try:
-        model = fit_step_cost(
-            rec.con, rec.recorded, shape=rec.model.shape, until_ns=cut, extra=rec.profile_steps
-        )
-    except StepCostError as exc:
+        model = rec.fit_until(cut)
+    except (StepCostError, UpstreamError) as exc:
         return {"note": f"no error estimate: {exc}"}
     setup = Setup(rec.config, rec.num_blocks, max_model_len=rec.recorded.max_model_len or 1 << 20)
     result = simulate(w, setup, model)

@@ -60,10 +60,35 @@ def to_text(doc: dict, width: int = 120) -> str:
         for k, v in hold.items()
         if k != "all" and v["steps"]
     ]
-    console.print(
-        f"[bold]Step-cost model[/bold]: held-out steps' median error {'; '.join(parts) or '–'}; "
-        f"gap between steps {m['gap_ms']:.1f} ms"
-    )
+    up = m.get("upstream") or {}
+    if up:
+        names = {"eager_decode": "decode stretches", "with_prefill": "TTFTs"}
+        parts = [
+            f"{names[k]} {v['median_abs_err_pct']:.0f}% (p90 {v['p90_abs_err_pct']:.0f}%, {v['steps']})"
+            for k, v in hold.items()
+            if k in names and v["steps"]
+        ]
+        coef = m["paths"]["eager"]["forward"]
+        console.print(
+            f"[bold]Step-cost model[/bold] of another engine, fitted on {up['requests']:,} "
+            f"requests as the proxy saw them: a step {coef['step']['ms']:.2f} ms + "
+            f"{coef['decode_tokens']['ms']:.2f} ms a decode row + "
+            f"{coef['prefill_tokens']['ms'] * 1000:.1f} us a prompt token + "
+            f"{coef['prefill_chunks']['ms']:.1f} ms a prompt chunk; held-out requests' median "
+            f"error {'; '.join(parts) or '–'}"
+        )
+        console.print(
+            "  replayed through our scheduler with the upstream's limits: "
+            + "; ".join(
+                f"{k.replace('_', ' ')} {up[k]:,} ({up['sources'][k]})"
+                for k in ("slots", "batch_tokens", "kv_tokens")
+            )
+        )
+    else:
+        console.print(
+            f"[bold]Step-cost model[/bold]: held-out steps' median error {'; '.join(parts) or '–'}; "
+            f"gap between steps {m['gap_ms']:.1f} ms"
+        )
     if rec.get("profile") and not m.get("profile_steps"):
         console.print(
             f"  [yellow]the profile {rec['profile']} adds no step[/yellow]: none of its steps ran "

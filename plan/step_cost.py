@@ -305,6 +305,9 @@ class StepCostModel:
     host_load: dict = field(default_factory=dict)
     """the host-load term (:func:`_fit_host_load`): the recording's ``others_pct`` and
     ``loadgen_pct``, and ``slope``/``intercept`` (None with ``why_none`` where not fitted)"""
+    upstream: dict = field(default_factory=dict)
+    """another engine's costs fitted on a proxy's requests (:mod:`.upstream`): its limits and
+    where each came from; empty for a model fitted on our engine's steps"""
 
     def load_factor(self, others: float) -> float:
         """A step's time with the others taking ``others`` of all CPUs (0..1) over its time
@@ -424,6 +427,7 @@ class StepCostModel:
             "residuals_by_batch": self.residuals_by_batch,
             "profile_steps": self.profile_steps,
             "host_load": self.host_load,
+            "upstream": self.upstream,
             "steps": self.steps,
             "ranges": self.ranges,
             "outliers_dropped": self.dropped,

