@@ -42,9 +42,12 @@ load generator's part of it) is read at each step, and the steps' time over the 
 fitted as a line in the others' share (:meth:`StepCostModel.load_factor`). A load generator on
 the engine's host takes CPU in proportion to the traffic it sends, so a plan for twice the
 traffic prices its steps with the generator's share doubled; a plan for a dedicated host prices
-them with no other process at all (``plan/predict.py``). Where the others' share barely moved in
-the recording (its 10th to 90th percentile within :data:`MIN_LOAD_SPREAD`), no slope is fitted
-and the steps keep the recording's pace.
+them with no other process at all (``plan/predict.py``). The line is fitted over the host
+samples (one point each, the mean of the steps it prices, weighted by their count), and priced
+only where its bootstrap 95% interval over the samples stays above zero. Where the others'
+share barely moved in the recording (its 10th to 90th percentile within
+:data:`MIN_LOAD_SPREAD`), or the interval reaches zero, no slope is priced and the steps keep
+the recording's pace; the plan says why.
 
 A host's pace drifts: a shared machine runs the same steps some tens of percent slower or faster
 from one hour to the next. :meth:`StepCostModel.pace` measures it on any store of the same
@@ -86,6 +89,8 @@ OUTLIER_SIGMAS = 4.0
 #: the spread of the others' CPU share (10th to 90th percentile over the steps, 0..1 of all
 #: CPUs) below which the host-load slope is not fitted
 MIN_LOAD_SPREAD = 0.05
+#: bootstrap resamples (of host samples) for the host-load slope's interval
+LOAD_BOOTSTRAP = 200
 #: a host sample prices the steps that started up to this long before it (ns): each sample's
 #: CPU shares are measured since the sample before, a second apart
 HOST_SAMPLE_REACH_NS = 2_000_000_000
@@ -174,9 +179,27 @@ def _fit_host_load(
         return out
     ratio = wall[ok] / pred[ok]
     near = _within_sigmas(ratio - np.median(ratio), ratio)
-    slope, intercept = np.polyfit(others[ok][near], ratio[near], 1)
+    # one point per host sample (the steps it prices share its shares): the line and its
+    # bootstrap interval over the samples, each weighted by its steps
+    x, inverse = np.unique(others[ok][near], return_inverse=True)
+    n = np.bincount(inverse).astype(float)
+    y = np.bincount(inverse, weights=ratio[near]) / n
+    slope, intercept = np.polyfit(x, y, 1, w=np.sqrt(n))
     if slope <= 0 or intercept <= 0:
         out["why_none"] = "the steps ran no slower where the others took more CPU"
+        return out
+    rng = np.random.default_rng(0)
+    slopes = []
+    for pick in rng.integers(0, len(x), (LOAD_BOOTSTRAP, len(x))):
+        if np.ptp(x[pick]) > 0:
+            slopes.append(np.polyfit(x[pick], y[pick], 1, w=np.sqrt(n[pick]))[0])
+    low, high = np.percentile(slopes, [2.5, 97.5]) if slopes else (0.0, 0.0)
+    out["slope_ci95"] = [float(low), float(high)]
+    if low <= 0:
+        out["why_none"] = (
+            f"the steps' slowdown with the others' CPU is within noise (x{1 + slope / intercept * 0.1:.3f} "
+            f"per 10 points, its 95% interval over {len(x)} host samples reaching zero)"
+        )
         return out
     out["slope"], out["intercept"] = float(slope), float(intercept)
     return out

@@ -27,6 +27,8 @@ def steps_store(
     one_thread: int = 0,
     pace: float = 1.0,
     others=None,
+    load_cost: float = 1.5,
+    drift: float = 0.0,
 ):
     """``engine_steps`` rows made with known costs. Eager steps: a forward of 12 ms + 0.9 ms a
     decode + 0.05 ms a prompt token + 2 ms a prompt chunk + 30 ms per million KV tokens read;
@@ -36,7 +38,9 @@ def steps_store(
     one thread instead of two, its forward 1.6x as long. ``pace``: every step's time times it
     (a slower or faster host). ``others(second)``: the share of the CPUs other processes took
     in that second of the store (half of it the load generator), written as host samples;
-    each step then takes ``1 + 1.5 x`` that share times as long."""
+    each step then takes ``1 + load_cost x`` that share times as long. ``drift``: each
+    second's steps also run a random factor ``1 + drift x N(0, 1)`` slower (a host whose pace
+    wanders for reasons of its own)."""
     rng = np.random.default_rng(seed)
     con = duckdb.connect()
     con.execute(
@@ -68,7 +72,9 @@ def steps_store(
             threads, fwd = 1, fwd * 1.6
         fwd, host = fwd * pace, host * pace
         if others is not None:
-            slower = 1 + 1.5 * others(-(-t // S))  # the sample at or after the step's start
+            second = -(-t // S)  # the sample at or after the step's start
+            slower = 1 + load_cost * others(second)
+            slower *= 1 + drift * np.random.default_rng((seed, second)).standard_normal()
             fwd, host = fwd * slower, host * slower
         wall_ns = int((fwd + host) * 1e6)
         rows.append(
@@ -217,6 +223,15 @@ def test_a_census_that_barely_moves_prices_nothing_and_says_why():
     assert "too narrow" in m.host_load["why_none"]
     factor, note = host_load_factor(m, 2.0, dedicated=False)
     assert factor == 1.0 and note.startswith("host load not priced")
+    # the census swings, the steps do not follow it, the pace wanders on its own: whatever
+    # line the samples give is within noise and nothing is priced
+    m = fit_step_cost(
+        steps_store(900, others=_swinging, load_cost=0.0, drift=0.05, seed=0), RecordedConfig(),
+        shape=SHAPE,
+    )  # fmt: skip
+    assert m.host_load["slope"] is None and "within noise" in m.host_load["why_none"]
+    assert m.host_load["slope_ci95"][0] <= 0 < m.host_load["slope_ci95"][1]
+    assert host_load_factor(m, 2.0, dedicated=False)[0] == 1.0
     # a store without host samples (a proxy's upstream steps have none) says nothing
     plain = fit_step_cost(steps_store(300), RecordedConfig(), shape=SHAPE)
     assert "others_pct" not in plain.host_load
