@@ -1,8 +1,9 @@
 """``tokenmill plan STORE [--what-if K=V,...]... [--slo M<D,...] [--recommend] [--capacity]
-[--rate K] [--cost-from STORE]... [--check RUN] [--profile --url URL] [--format text|json]``:
-predictions from a recording (:mod:`.predict`), a prediction held to the run that made it real
-(:mod:`.check`), the highest rate that meets an SLO (:mod:`.capacity`), and step costs swept
-from a running server beside the recording (:mod:`.profile`).
+[--rate K] [--cost-from STORE]... [--check RUN] [--profile [--url URL]] [--upstream-limits L]
+[--format text|json]``: predictions from a recording (:mod:`.predict`; a proxy's store of another
+engine: :mod:`.upstream`), a prediction held to the run that made it real (:mod:`.check`), the
+highest rate that meets an SLO (:mod:`.capacity`), and step costs swept from a running server
+or a local engine of the recording's setup, kept beside the recording (:mod:`.profile`).
 
 Every run replays the recording as it was too (the sanity floor beside the what-ifs) and prints
 the error estimate. Bad input (a store without engine steps, an unknown knob, an SLO that does
@@ -14,6 +15,7 @@ the command runs.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -43,6 +45,7 @@ def run(
     profile_s: float | None = None,
     dedicated_host: bool = False,
     upstream_limits: str | None = None,
+    profile_it: bool = False,
 ) -> str:
     """The plan rendered as ``fmt``.
 
@@ -81,8 +84,10 @@ def run(
         )
     parsed = [parse_whatif(""), *(parse_whatif(w) for w in whatifs)]
     sweep = None
-    if profile_url is not None:
-        sweep = _profile(store, profile_url, api_key, admin_key, profile_s)
+    if profile_it or profile_url is not None:
+        sweep = _profile(
+            store, profile_url, api_key, admin_key, profile_s, parse_limits(upstream_limits)
+        )
     cost_models = {}
     for path in cost_from:
         other = open_recording(path)
@@ -146,22 +151,28 @@ def run(
 
 
 def _profile(
-    store: Path, url: str, api_key: str | None, admin_key: str | None, budget_s: float | None
+    store: Path,
+    url: str | None,
+    api_key: str | None,
+    admin_key: str | None,
+    budget_s: float | None,
+    upstream_limits: dict | None = None,
 ) -> dict:
-    """Sweep the server at ``url`` for the recording ``store`` and keep its profile beside it.
+    """Sweep the server at ``url`` (None: a local engine of the recording's setup) for the
+    recording ``store`` and keep its profile beside it.
 
     Raises:
         ValueError: the recording does not open, the sweep or its fetch failed (one line).
     """
     from .predict import open_recording
-    from .profile import BUDGET_S, make_profile, profile_path
+    from .profile import BUDGET_S, make_profile, profile_path, serve_locally
 
     if budget_s is not None and not 0 < budget_s <= 3600:
         raise ValueError(
             f"--profile-seconds must be more than 0 and at most 3600, not {budget_s:g}"
         )
     replaced = profile_path(store).exists()
-    rec = open_recording(store, use_profile=False)
+    rec = open_recording(store, use_profile=False, upstream_limits=upstream_limits)
     if rec.upstream is not None:
         rec.con.close()
         raise ValueError(
@@ -169,10 +180,19 @@ def _profile(
             "steps; plan it from its requests (no --profile)"
         )
     try:
-        path, sweep = make_profile(
-            url, store, rec.recorded, rec.num_blocks, api_key=api_key, admin_key=admin_key,
-            budget_s=budget_s or BUDGET_S,
-        )  # fmt: skip
+        if url is not None:
+            path, sweep = make_profile(
+                url, store, rec.recorded, rec.num_blocks, api_key=api_key, admin_key=admin_key,
+                budget_s=budget_s or BUDGET_S,
+            )  # fmt: skip
+        else:
+            with (
+                tempfile.TemporaryDirectory(prefix="tokenmill-profile-") as work,
+                serve_locally(rec.config, Path(work)) as local,
+            ):
+                path, sweep = make_profile(
+                    local, store, rec.recorded, rec.num_blocks, budget_s=budget_s or BUDGET_S
+                )
     finally:
         rec.con.close()
     return {
@@ -238,8 +258,9 @@ def plan(
         bool,
         typer.Option(
             "--profile",
-            help="Sweep the server at --url (decode batches up to max_num_seqs, prefill chunks) "
-            "and keep its steps beside the recording; every later plan fits on both.",
+            help="Sweep the server at --url, or without --url a local engine started with the "
+            "recording's settings (decode batches up to max_num_seqs, prefill chunks), and keep "
+            "its steps beside the recording; every later plan fits on both.",
         ),
     ] = False,
     url: Annotated[str | None, typer.Option(help="--profile's server (its base URL).")] = None,
@@ -281,15 +302,13 @@ def plan(
     """Predict what-ifs from a recorded run: its arrivals replayed through the engine's own
     scheduler, KV pool and router, with step times from a model fitted on its steps."""
     try:
-        if profile and url is None:
-            raise ValueError("--profile sweeps a running server: give its --url")
         for given, name in ((url, "--url"), (admin_key, "--admin-key"), (api_key, "--api-key"),
                             (profile_seconds, "--profile-seconds")):  # fmt: skip
             if given is not None and not profile:
                 raise ValueError(f"{name} is for --profile's sweep: add --profile")
         text = run(store, what_if, slo, recommend, rate, cost_from, format, step_by_step, check,
                    capacity, url, api_key, admin_key, profile_seconds,
-                   dedicated_host, upstream_limits)  # fmt: skip
+                   dedicated_host, upstream_limits, profile)  # fmt: skip
     except ValueError as exc:
         fail(str(exc))
     typer.echo(text, nl=False)

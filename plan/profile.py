@@ -1,5 +1,7 @@
 """Step costs measured where a what-if goes: a short, bounded sweep of a running server
-(``tokenmill plan REC --profile --url URL``), kept beside the recording and fitted with it.
+(``tokenmill plan REC --profile --url URL``), or of a local engine started with the
+recording's setup (``--profile`` alone: :func:`serve_locally`), kept beside the recording and
+fitted with it.
 
 A recording prices only the batches it ran: a quiet one never ran the decode batches that
 twice its traffic builds, so those steps are priced by extrapolation, which is optimistic
@@ -22,11 +24,17 @@ replayed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import os
 import random
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenmill.engine.config import EngineConfig
 from tokenmill.telemetry.recorded_config import RecordedConfig
 
 #: the sweep's prompt lengths (tokens), each clipped to what the context holds
@@ -172,6 +180,42 @@ def make_profile(url: str, recording: Path, cfg: RecordedConfig, num_blocks: int
             f"--profile: the sweep ran but its steps could not be fetched ({exc})"
         ) from None
     return out, sweep
+
+
+@contextlib.contextmanager
+def serve_locally(config: EngineConfig, work: Path) -> Iterator[str]:
+    """A ``tokenmill serve`` of ``config`` (the recording's engine settings: every field that
+    differs from the defaults, fault drills left out) on a free local port, its store and log
+    in ``work``; yields its base URL and stops it after.
+
+    Raises:
+        ProfileError: it did not start (its last log line).
+    """
+    import yaml
+
+    from tokenmill.bench.scenario import ScenarioError, _free_port, start_server, stop_server
+    from tokenmill.engine.config import EngineConfig as Defaults
+
+    default = Defaults()
+    settings = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if not f.name.startswith("fault_") and getattr(config, f.name) != getattr(default, f.name)
+    }
+    (work / "serve.yaml").write_text(yaml.safe_dump(settings))
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "tokenmill.engine.cli", "serve", "--config",
+           str(work / "serve.yaml"), "--port", str(port), "--trace-db",
+           str(work / "traces.duckdb")]  # fmt: skip
+    try:
+        server = start_server(cmd, work, dict(os.environ), url)
+    except ScenarioError as exc:
+        raise ProfileError(f"--profile: the local engine did not start ({exc})") from None
+    try:
+        yield url
+    finally:
+        stop_server(server)
 
 
 def check_profile(recorded: RecordedConfig, profile: RecordedConfig, label: str) -> None:

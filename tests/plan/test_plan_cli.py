@@ -247,7 +247,10 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
             "at most 3600",
         ),
         ((str(own_copy),), "its steps ran while the recording did"),
-        ((str(recording), "--profile"), "give its --url"),
+        (
+            (str(stepless), "--profile", "--upstream-limits", "slots=4"),
+            "--profile sweeps our engine's own steps",
+        ),
         ((str(recording), "--url", "http://127.0.0.1:9"), "add --profile"),
         (
             (str(recording), "--profile", "--url", "http://127.0.0.1:9"),
@@ -378,3 +381,32 @@ def test_a_profile_swept_from_a_running_server_joins_the_fit(recording, smollm2_
     assert r.exit_code == 2
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and "the profile ran quantization 'int8'" in lines[0], r.output
+
+
+def test_a_profile_swept_from_a_local_engine_of_the_recordings_setup(recording, tmp_path):
+    """``--profile`` without ``--url``: an engine started here with the recording's settings
+    (its 48-block pool, 6 slots, the test model) is swept, and its profile is of that setup."""
+    from tokenmill.plan.predict import open_recording
+    from tokenmill.plan.profile import profile_path
+
+    rec_path = tmp_path / "rec.duckdb"
+    copy_store(recording, rec_path).close()
+    doc = json.loads(run(rec_path, [], None, False, 1.0, [], "json", profile_it=True, profile_s=20))
+    sweep = doc["profile_sweep"]
+    levels = [(lv["prompt_tokens"], lv["batch"]) for lv in sweep["levels"]]
+    # the same levels as from a server started with those flags, as far as 20 s reach
+    assert levels and levels == [(128, 1), (128, 2), (128, 4), (512, 1)][: len(levels)], levels
+    assert all(lv["failed"] == 0 for lv in sweep["levels"])
+    both = open_recording(rec_path)
+    try:
+        assert both.profile == str(profile_path(rec_path))
+        assert both.model.profile_steps > 10
+        # the local engine ran the recording's pool: the profile's steps say so
+        ((blocks,),) = (
+            both.profile_steps[0]
+            .execute("SELECT max(kv_blocks_total) FROM engine_steps")
+            .fetchall()
+        )
+        assert blocks == both.num_blocks == 48
+    finally:
+        both.con.close()
