@@ -187,11 +187,14 @@ def recording_from(
     con: duckdb.DuckDBPyConnection, label: str, *, profile_steps: tuple = ()
 ) -> Recording:
     """What a plan needs from an open store (the console's, or :func:`open_recording`'s); the
-    step costs fitted on its steps and ``profile_steps``' (stores of the same engine).
+    step costs fitted on its steps and ``profile_steps``' (stores of the same engine); a
+    proxy's store of another engine as :func:`upstream_recording` reads it.
 
     Raises:
         PlanError: no requests, no engine steps, too few steps (one line naming ``label``).
     """
+    if not profile_steps and is_upstream_store(con):
+        return upstream_recording(con, label, {})
     try:
         recorded = read_recorded_config(con)
         model = fit_step_cost(con, recorded, extra=profile_steps)
