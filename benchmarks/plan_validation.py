@@ -262,9 +262,17 @@ def main() -> None:
     # of the same setup; both are made before any real run
     from tokenmill.plan.profile import profile_path
 
+    prof = profile_path(base)
     if not args.reuse:
-        profile_path(base).unlink(missing_ok=True)
-    plain = {p["what_if"]: p for p in plan(base, list(cases))["predictions"]}
+        prof.unlink(missing_ok=True)
+    aside = prof.with_name(prof.name + ".aside")
+    if prof.exists():  # kept from an earlier run (--reuse): set aside for the plain plan
+        prof.rename(aside)
+    try:
+        plain = {p["what_if"]: p for p in plan(base, list(cases))["predictions"]}
+    finally:
+        if aside.exists():
+            aside.rename(prof)
     if not args.no_profile and not profile_path(base).exists():
         from plan_capacity import profile
 
