@@ -75,12 +75,15 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=4, help="llama-server's -np")
     ap.add_argument("--repeats", type=int, default=3, help="real runs at the planned rate")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--reuse", action="store_true", help="keep the recording and the real runs "
+                    "already in --work; plan again and run only what is missing")  # fmt: skip
     args = ap.parse_args()
     began = time.time()
-    pv.log(
-        f"recording llama-server ({args.slots} slots) at {args.rate}/s, {args.requests} requests"
-    )
-    base = record(args.work, "record", args.slots, args.rate, args.requests)
+    base = args.work / "record" / "proxy-record.duckdb"
+    if not (args.reuse and base.is_file()):
+        pv.log(f"recording llama-server ({args.slots} slots) at {args.rate}/s, "
+               f"{args.requests} requests")  # fmt: skip
+        base = record(args.work, "record", args.slots, args.rate, args.requests)
     limits = f"slots={args.slots},batch_tokens=2048,kv_tokens={args.slots * SLOT_CONTEXT}"
     whatif = f"rate={args.factor:g}"
     doc = pv.plan(base, [whatif], ["--upstream-limits", limits])
@@ -88,9 +91,11 @@ def main() -> None:
     pv.log("step costs: " + json.dumps(doc["step_cost"]["paths"]["eager"]["forward"]))
     runs = []
     for r in range(args.repeats):
-        pv.log(f"real run at x{args.factor:g}, repeat {r + 1} of {args.repeats}")
-        store = record(args.work, f"x{args.factor:g}-r{r + 1}", args.slots,
-                       args.rate * args.factor, args.requests)  # fmt: skip
+        name = f"x{args.factor:g}-r{r + 1}"
+        store = args.work / name / f"proxy-{name}.duckdb"
+        if not (args.reuse and store.is_file()):
+            pv.log(f"real run at x{args.factor:g}, repeat {r + 1} of {args.repeats}")
+            store = record(args.work, name, args.slots, args.rate * args.factor, args.requests)
         runs.append(pv.measure(store))
     real = pv.median_metrics(runs)
     recorded = pv.measure(base)

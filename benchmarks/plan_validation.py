@@ -155,6 +155,10 @@ def verdict(pred: dict, real: dict, sanity: bool = False) -> dict:
             "error": e,
             "within": e is not None and abs(e) <= bound,
         }
+        span = (pred.get("band") or {}).get(key)
+        if span and real.get(key) is not None:
+            rows[key]["band"] = span
+            rows[key]["in_band"] = span[0] <= real[key] <= span[1]
     p, m = pred["replay"]["preemptions"], real["preemptions"]
     mag = lambda x: math.floor(math.log10(x)) if x > 0 else -1  # noqa: E731
     rows["preemptions"] = {"predicted": p, "measured": m, "within": mag(p) == mag(m)}
@@ -184,6 +188,12 @@ def pace_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def in_band(rows: dict) -> str:
+    """How many latency metrics' measured value lay inside the prediction's band."""
+    banded = [r["in_band"] for r in rows.values() if "in_band" in r]
+    return f"{sum(banded)} of {len(banded)}" if banded else ""
+
+
 def alone(results: dict, name: str) -> str:
     """How many targets the plan from the recording alone met for ``name``."""
     rows = results.get("from_the_recording_alone", {}).get(name)
@@ -198,8 +208,8 @@ def table(results: dict) -> str:
     )
     lines = [
         head + " | goodput pred / real | preemptions pred / real | within targets "
-        "| from the recording alone |",
-        "|---" * (len(keys) + 5) + "|",
+        "| from the recording alone | inside the band |",
+        "|---" * (len(keys) + 6) + "|",
     ]
     for name, rows in results["cases"].items():
         cells = []
@@ -215,7 +225,7 @@ def table(results: dict) -> str:
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | {g['predicted']:.0%} / {g['measured']:.0%} "
             f"({g['error']:+.0f} pts) | {p['predicted']} / {p['measured']} | {ok} of {len(rows)} "
-            f"| {alone(results, name)} |"
+            f"| {alone(results, name)} | {in_band(rows)} |"
         )
     return "\n".join(lines)
 

@@ -117,7 +117,7 @@ def search(
 
     def at(factor: float) -> Point:
         if factor not in points:
-            p = predict(rec, _whatif(factor), slo, cost_models=cost_models)
+            p = predict(rec, _whatif(factor), slo, cost_models=cost_models, with_band=False)
             points[factor] = Point(factor, base * factor, p)
         return points[factor]
 

@@ -119,7 +119,7 @@ def check(
     if factor is not None:
         again = predict(
             rec, at_pace(planned.whatif, factor), slo,
-            cost_models=cost_models, fast_forward=fast_forward,
+            cost_models=cost_models, fast_forward=fast_forward, with_band=False,
         )  # fmt: skip
         out["at_pace"] = {
             "what_if": again.whatif.label,

@@ -299,6 +299,9 @@ class Prediction:
     replay: dict
     setup: dict
     notes: list[str] = field(default_factory=list)
+    #: each latency metric replayed with every step the fit's error cheaper and dearer
+    #: (:func:`step_band`); None where the replay is too big to repeat
+    band: dict | None = None
     slo_misses: dict = field(default_factory=dict)
     slo_margin: float | None = None
 
@@ -313,6 +316,7 @@ class Prediction:
             "slo_misses": {k: {"value": v, "bound": b} for k, (v, b) in self.slo_misses.items()},
             "slo_margin": self.slo_margin,
             "notes": self.notes,
+            "band": self.band,
         }
 
 
@@ -436,6 +440,51 @@ def setup_for(
     return setup, workload, model, notes
 
 
+#: a replay of at most this many requests x replicas is repeated for its band
+BAND_MAX_WORK = 50_000
+#: a metric whose band spans more than this share of its value is named in the notes
+BAND_WIDE = 0.5
+#: the band's step error where the fit has no held-out score
+BAND_DEFAULT_ERR = 0.05
+
+
+def step_band(
+    rec: Recording, workload: ReplayWorkload, setup: Setup, model: StepCostModel,
+    slo: SloBounds, summary: dict, *, fast_forward: bool = True,
+) -> dict:  # fmt: skip
+    """The what-if replayed twice more, every step priced cheaper and dearer by the fit's median
+    held-out error: each latency metric's ``[low, high]`` over the three replays, the error used
+    (``step_error_pct``), and ``notes`` naming the metrics whose band spans more than
+    :data:`BAND_WIDE` of their value. Near a tipping point (a queue that forms or not, a batch
+    that crosses the compiled step's rows) a few percent of step time moves a percentile by
+    tens of percent, and so does the host's pace from one hour to the next: such a prediction
+    is a range, not a number."""
+    held = rec.model.holdout.get("all", {}).get("median_abs_err_pct")
+    err = held / 100 if held else BAND_DEFAULT_ERR
+    runs = [summary]
+    for factor in (1 - err, 1 + err):
+        res = simulate(workload, setup, model.scaled(factor), fast_forward=fast_forward)
+        con = result_rows(workload, res)
+        runs.append(summarize_rows(con, slo))
+        con.close()
+    out: dict = {"step_error_pct": err * 100, "notes": []}
+    wide = []
+    for key in LATENCY_KEYS:
+        vals = [r[key] for r in runs if r.get(key) is not None]
+        if not vals:
+            continue
+        out[key] = [min(vals), max(vals)]
+        if summary.get(key) and (max(vals) - min(vals)) > BAND_WIDE * summary[key]:
+            wide.append(f"{key.removesuffix('_ms').replace('_', ' ').upper()} "
+                        f"{min(vals):,.0f}-{max(vals):,.0f} ms")  # fmt: skip
+    if wide:
+        out["notes"].append(
+            f"near a tipping point: with every step {err:.0%} cheaper or dearer (the fit's "
+            f"held-out error) {', '.join(wide)}; read these as ranges"
+        )
+    return out
+
+
 def predict(
     rec: Recording,
     whatif: WhatIf,
@@ -443,13 +492,19 @@ def predict(
     *,
     cost_models: dict[str, StepCostModel] | None = None,
     fast_forward: bool = True,
+    with_band: bool = True,
 ) -> Prediction:
-    """Replay one what-if and sum it up."""
+    """Replay one what-if and sum it up, with its band (:func:`step_band`) where the replay is
+    small and ``with_band`` (a search over many replays leaves it out)."""
     setup, workload, model, notes = setup_for(rec, whatif, cost_models)
     result = simulate(workload, setup, model, fast_forward=fast_forward)
     con = result_rows(workload, result)
     summary = summarize_rows(con, slo)
     con.close()
+    spread = None
+    if with_band and len(workload) * setup.replicas <= BAND_MAX_WORK:
+        spread = step_band(rec, workload, setup, model, slo, summary, fast_forward=fast_forward)
+        notes.extend(spread.pop("notes"))
     measured_batch = model.ranges["max_decode_batch"]
     if measured_batch and result.max_decode_batch > 1.5 * measured_batch:
         top = list(model.residuals_by_batch.items())[-1:]
@@ -519,6 +574,7 @@ def predict(
             "rate_per_s": workload.rate_per_s,
         },
         notes=notes,
+        band=spread,
         slo_misses=slo.misses(summary) if slo.bounds else {},
         slo_margin=slo.margin(summary),
     )

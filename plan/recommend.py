@@ -54,7 +54,7 @@ def recommend(
     and the recording's own knobs' verdict at that rate."""
 
     def run(w: WhatIf) -> Prediction:
-        return predict(rec, w, slo, cost_models=cost_models)
+        return predict(rec, w, slo, cost_models=cost_models, with_band=False)
 
     base = run(_whatif(rate))
     replicas = None

@@ -62,7 +62,7 @@ def to_text(doc: dict, width: int = 120) -> str:
     ]
     up = m.get("upstream") or {}
     if up:
-        names = {"eager_decode": "decode stretches", "with_prefill": "TTFTs"}
+        names = {"eager_decode": "decode stretches", "with_prefill": "TTFTs", "itl": "ITL p50s"}
         parts = [
             f"{names[k]} {v['median_abs_err_pct']:.0f}% (p90 {v['p90_abs_err_pct']:.0f}%, {v['steps']})"
             for k, v in hold.items()

@@ -7,7 +7,7 @@ The plan prices that engine's steps with the same terms as our own (:mod:`.step_
 cost per step, per decode row, per prompt token, per prompt chunk) and replays the traffic
 through our scheduler set to the upstream's limits. A continuous-batching engine runs one
 forward per step over every running request's next token and the prompt tokens admitted with
-it, so each answered request gives two equations in those four costs:
+it, so each answered request gives up to three equations in those four costs:
 
 * **its decode stretch** (first to last token): ``output - 1`` steps; their decode rows are its
   own plus the tokens every other request produced in that stretch (each request's tokens
@@ -15,7 +15,10 @@ it, so each answered request gives two equations in those four costs:
   whose first token came inside it;
 * **its TTFT**, where it arrived with a slot free (fewer than ``slots`` requests in flight):
   one step per prompt chunk (``batch_tokens`` each) beside the requests decoding when it
-  arrived, and the prompts of the others whose first token came in the same wait.
+  arrived, and the prompts of the others whose first token came in the same wait;
+* **its ITL p50** (the median gap between its tokens): one decode step of its stretch's mean
+  decode rows. The decode stretch alone cannot tell a dear decode row from a dear prompt
+  token when both grow with the traffic; the typical gap, a step with no prompt in it, can.
 
 The four costs are the non-negative least-squares solution over the equations, each divided
 by its own duration (a relative error each; :func:`scipy.optimize.nnls`), with bootstrap 95%
@@ -49,6 +52,10 @@ HOLDOUT_EVERY = 5
 BOOTSTRAP = 100
 #: the fewest equations of a kind a fit leans on without saying so
 MIN_EQUATIONS = 20
+#: the equations' kinds, named as the step-cost model's held-out kinds are (a decode stretch's
+#: steps are decode steps with prompts among them; a TTFT's, prefill steps; an ITL p50 is one
+#: decode step)
+KINDS = ("eager_decode", "with_prefill", "itl")
 #: the limits ``--upstream-limits`` takes
 LIMITS = ("slots", "batch_tokens", "kv_tokens")
 #: a shape whose attention and KV terms stay zero (the fit has no such terms)
@@ -58,7 +65,7 @@ _SHAPE = ModelShape(
 
 _REQUESTS_SQL = """
 SELECT arrival_ns, first_token_ns, coalesce(last_token_ns, first_token_ns), end_ns,
-    input_tokens, output_tokens
+    input_tokens, output_tokens, itl_p50_ms
 FROM requests
 WHERE first_token_ns IS NOT NULL AND end_ns IS NOT NULL AND input_tokens > 0
     AND output_tokens > 0 AND error_type IS NULL
@@ -131,7 +138,7 @@ def parse_limits(text: str | None) -> dict[str, int]:
 
 def _requests(con, until_ns: int | None) -> np.ndarray:
     rows = [r for r in con.execute(_REQUESTS_SQL).fetchall() if until_ns is None or r[0] < until_ns]
-    return np.array(rows, dtype=float).reshape(-1, 6)
+    return np.array(rows, dtype=float).reshape(-1, 7)
 
 
 def read_limits(con: duckdb.DuckDBPyConnection, given: dict[str, int]) -> UpstreamLimits:
@@ -182,9 +189,9 @@ def equations(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The fit's equations of requests ``a`` (rows of :data:`_REQUESTS_SQL`, ns): feature rows
     in :data:`TERMS`' first four terms, durations (ms), each row's request and its kind
-    (``True``: a decode stretch; ``False``: a TTFT)."""
+    (:data:`KINDS`' index: a decode stretch, a TTFT, an ITL p50)."""
     arrival, first, last, end = ((a[:, k] - a[0, 0]) / 1e6 for k in range(4))
-    prompt, out = a[:, 4], a[:, 5]
+    prompt, out, itl = a[:, 4], a[:, 5], a[:, 6]
     chunks = np.ceil(prompt / limits.batch_tokens)
     decoding = (out >= 2) & (last > first)
     rate = np.where(decoding, (out - 1) / np.maximum(last - first, 1e-9), 0.0)
@@ -192,7 +199,8 @@ def equations(
     others = _overlap(np.where(decoding, first, 0), np.where(decoding, last, 0)) @ rate
     inside = (first[None, :] > first[:, None]) & (first[None, :] <= last[:, None])
     np.fill_diagonal(inside, False)
-    x_dec = np.stack([out - 1, out - 1 + others, inside @ prompt, inside @ chunks], axis=1)
+    rows = out - 1 + others
+    x_dec = np.stack([out - 1, rows, inside @ prompt, inside @ chunks], axis=1)
     y_dec = last - first
     # TTFTs of requests that found a slot free: their chunks' steps beside the decoders
     in_flight = ((arrival[None, :] <= arrival[:, None]) & (end[None, :] > arrival[:, None])).sum(
@@ -205,14 +213,18 @@ def equations(
         [chunks, chunks * decoders, prompt + same @ prompt, chunks + same @ chunks], axis=1
     )
     y_ttft = first - arrival
-    free = in_flight < limits.slots
+    # ITL p50s: the typical gap of a decode stretch is one step of its mean decode rows
+    x_itl = np.stack([np.ones(len(a)), rows / np.maximum(out - 1, 1), 0 * out, 0 * out], axis=1)
     idx = np.arange(len(a))
-    use_dec = decoding & (y_dec > 0)
-    use_ttft = free & (y_ttft > 0)
-    x = np.vstack([x_dec[use_dec], x_ttft[use_ttft]])
-    y = np.concatenate([y_dec[use_dec], y_ttft[use_ttft]])
-    req = np.concatenate([idx[use_dec], idx[use_ttft]])
-    kind = np.concatenate([np.ones(use_dec.sum(), bool), np.zeros(use_ttft.sum(), bool)])
+    uses = (
+        (x_dec, y_dec, decoding & (y_dec > 0)),
+        (x_ttft, y_ttft, (in_flight < limits.slots) & (y_ttft > 0)),
+        (x_itl, itl, (out >= 3) & decoding & np.isfinite(itl) & (itl > 0)),
+    )
+    x = np.vstack([xs[use] for xs, _, use in uses])
+    y = np.concatenate([ys[use] for _, ys, use in uses])
+    req = np.concatenate([idx[use] for _, _, use in uses])
+    kind = np.concatenate([np.full(use.sum(), k) for k, (_, _, use) in enumerate(uses)])
     return x, y, req, kind
 
 
@@ -250,10 +262,10 @@ def fit_upstream(
     test_coef = _solve(x[~held], y[~held])
     pred = x[held] @ test_coef
     holdout = {
-        "eager_decode": _score(pred[kind[held]], y[held][kind[held]]),
-        "with_prefill": _score(pred[~kind[held]], y[held][~kind[held]]),
-        "all": _score(pred, y[held]),
+        name: _score(pred[kind[held] == k], y[held][kind[held] == k])
+        for k, name in enumerate(KINDS)
     }
+    holdout["all"] = _score(pred, y[held])
     coef = _solve(x, y)
     rng = np.random.default_rng(seed)
     boot = np.array([_solve(x[i], y[i]) for i in rng.integers(0, len(y), (BOOTSTRAP, len(y)))])
@@ -273,7 +285,7 @@ def fit_upstream(
         gap_ms=0.0,
         threads=0,
         holdout=holdout,
-        steps={"eager_decode": int(kind.sum()), "with_prefill": int((~kind).sum()), "all": len(y)},
+        steps={name: int((kind == k).sum()) for k, name in enumerate(KINDS)} | {"all": len(y)},
         ranges={
             "max_decode_batch": int(busy.max()),
             "max_eager_decode_batch": int(busy.max()),

@@ -29,6 +29,8 @@ from tokenmill.telemetry.schema import apply_schema
 #: the engine's costs (ms): a step, a decode row, a prompt token, a prompt chunk
 TRUE = np.array([6.0, 2.0, 0.25, 3.0, 0.0, 0.0])
 SLOTS, BATCH = 4, 2048
+#: the rate factor over the recording where a queue for the four slots starts to form
+EDGE = 2.2
 
 
 def known_engine(coef: np.ndarray) -> StepCostModel:
@@ -71,13 +73,13 @@ def proxy_store(w: ReplayWorkload, *, gauge: bool = True) -> duckdb.DuckDBPyConn
     rows = [
         (f"r{i}", f"t{i}", int(arrival[i]), int(first[i]), int(last[i]), int(end[i]),
          int(w.input_tokens[i]), int(r.output_tokens[i]), float(lat["ttft_ms"][i]),
-         float(lat["tpot_ms"][i]), float(lat["e2e_ms"][i]))
+         float(lat["tpot_ms"][i]), float(lat["e2e_ms"][i]), float(lat["itl_p50_ms"][i]))
         for i in range(len(w))
     ]  # fmt: skip
     con.executemany(
         "INSERT INTO requests (request_id, trace_id, arrival_ns, first_token_ns, last_token_ns, "
-        "end_ns, input_tokens, output_tokens, ttft_ms, tpot_ms, e2e_ms, finish_reason) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'length')",
+        "end_ns, input_tokens, output_tokens, ttft_ms, tpot_ms, e2e_ms, itl_p50_ms, "
+        "finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'length')",
         rows,
     )
     if gauge:
@@ -109,11 +111,14 @@ def test_the_fit_gives_the_engines_step_costs_back(recorded):
     assert coef[2] == pytest.approx(TRUE[2], rel=0.10)
     assert TRUE[3] <= coef[3] < TRUE[3] + 0.5 * (TRUE[0] + 2 * TRUE[1])
     low, high = model.paths["eager"].forward.low, model.paths["eager"].forward.high
-    assert all(low[k] <= TRUE[k] <= high[k] for k in (0, 1, 2))
-    # held out: every fifth request's decode stretch and TTFT
+    # bootstrap intervals around each cost (the fit's spread over the requests, not its bias)
+    assert all(low[k] <= coef[k] <= high[k] and high[k] - low[k] < 0.2 * coef[k] for k in (0, 1, 2))
+    # held out: every fifth request's decode stretch, TTFT and ITL p50
     assert model.holdout["eager_decode"]["steps"] >= 50
     assert model.holdout["eager_decode"]["median_abs_err_pct"] < 3
     assert model.holdout["with_prefill"]["median_abs_err_pct"] < 6
+    assert model.holdout["itl"]["steps"] >= 50
+    assert model.holdout["itl"]["median_abs_err_pct"] < 5
     assert model.ranges["max_decode_batch"] == SLOTS
 
 
@@ -125,7 +130,7 @@ def test_a_plan_at_twice_the_rate_predicts_the_engine_at_twice_the_rate(recorded
     twice = w.scaled(2.0)
     real = result_rows(twice, simulate(twice, engine_setup(), known_engine(TRUE)))
     truth = summarize_rows(real, slo)
-    for key in ("ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms"):
+    for key in ("ttft_p50_ms", "itl_p50_ms", "tpot_p50_ms", "e2e_p50_ms"):
         assert planned[key] == pytest.approx(truth[key], rel=0.10), key
     assert planned["ttft_p99_ms"] == pytest.approx(truth["ttft_p99_ms"], rel=0.30)
     # at twice the rate the queue for a slot grows: the plan must see it
@@ -156,3 +161,26 @@ def test_too_few_answered_requests_is_one_line():
     con = proxy_store(traffic(12, 1.0, seed=2))
     with pytest.raises(PlanError, match=r"holds 12 answered requests .* needs 40"):
         upstream_recording(con, "short", {})
+
+
+def test_a_plan_near_the_engines_capacity_says_its_latencies_are_ranges(recorded):
+    """Every step the fit's held-out error cheaper and dearer: far below the four slots' reach
+    the percentiles barely move; where a queue for a slot forms or not, TTFT spans a range and
+    the plan says so."""
+    _, con = recorded
+    rec = upstream_recording(con, "synthetic", {"slots": SLOTS, "kv_tokens": 4096 * 16})
+    slo = parse_slo(None)
+    calm = predict(rec, parse_whatif("rate=0.5"), slo)
+    err = calm.band["step_error_pct"] / 100
+    assert err == pytest.approx(rec.model.holdout["all"]["median_abs_err_pct"] / 100)
+    for key in ("ttft_p50_ms", "itl_p50_ms"):
+        low, high = calm.band[key]
+        assert low <= calm.summary[key] <= high
+        assert high - low < 3 * err * calm.summary[key], key
+    assert not any("tipping point" in n for n in calm.notes)
+    edge = predict(rec, parse_whatif(f"rate={EDGE}"), slo)
+    low, high = edge.band["ttft_p50_ms"]
+    assert high - low > 0.5 * edge.summary["ttft_p50_ms"]
+    assert any(n.startswith("near a tipping point") and "TTFT P50" in n for n in edge.notes)
+    # a search over many replays leaves the band out
+    assert predict(rec, parse_whatif("rate=2"), slo, with_band=False).band is None
