@@ -69,9 +69,9 @@ def record(work: Path, name: str, slots: int, rate: float, n: int) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/tokenmill-plan-upstream"))
-    ap.add_argument("--rate", type=float, default=0.3, help="the recording's requests/s")
+    ap.add_argument("--rate", type=float, default=0.2, help="the recording's requests/s")
     ap.add_argument("--factor", type=float, default=2.0, help="the planned rate over it")
-    ap.add_argument("--requests", type=int, default=80)
+    ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--slots", type=int, default=4, help="llama-server's -np")
     ap.add_argument("--repeats", type=int, default=3, help="real runs at the planned rate")
     ap.add_argument("--out", type=Path, default=OUT)
