@@ -38,6 +38,9 @@ ALLOWED = {
     ("telemetry/collect_cli.py", "diagnose"),
     # the planner prices decode steps by the CPU kernels' row cut-over (a bare constant)
     ("plan/step_cost.py", "kernels"),
+    # `plan --profile` without a URL starts a local `tokenmill serve` of the recording's setup
+    # the way every benchmark starts one (bench/scenario.py's start_server)
+    ("plan/profile.py", "bench"),
 }
 
 
