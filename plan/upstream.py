@@ -36,6 +36,7 @@ moment needed twice over; the plan says which.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import duckdb
@@ -87,12 +88,7 @@ class UpstreamLimits:
     sources: dict
 
     def to_dict(self) -> dict:
-        return {
-            "slots": self.slots,
-            "batch_tokens": self.batch_tokens,
-            "kv_tokens": self.kv_tokens,
-            "sources": self.sources,
-        }
+        return dataclasses.asdict(self)
 
 
 def is_upstream_store(con: duckdb.DuckDBPyConnection) -> bool:
