@@ -6,11 +6,14 @@ server at twice the rate.
    scraped every second), sent ``tokenmill bench`` through the proxy at a moderate rate
    (``--rate``; Poisson arrivals, 64-512-token prompts, 32-128-token answers, ``ignore_eos``,
    a fixed seed).
-2. Plan from the proxy's store alone, before any real run (``tokenmill plan STORE --what-if
-   rate=2 --upstream-limits slots=S,batch_tokens=2048,kv_tokens=C``, the flags the server was
-   started with): the upstream's step costs fitted on its requests as the proxy saw them and
-   replayed through our scheduler (``plan/upstream.py``).
-3. Run twice the rate for real, ``--repeats`` times, each against a fresh server and proxy;
+2. Profile: a fresh ``llama-server`` of the same flags behind a fresh proxy, swept through the
+   proxy (``tokenmill plan STORE --profile --url PROXY``: batches of 1 to S requests at once,
+   prompts of 128 and 512 tokens, 32 answer tokens each), kept beside the store.
+3. Plan, before any real run (``tokenmill plan STORE --what-if rate=2 --upstream-limits
+   slots=S,batch_tokens=2048,kv_tokens=C``, the flags the server was started with): the
+   upstream's step costs fitted on its requests as the proxy saw them, with the profile's and
+   without (the profile set aside), replayed through our scheduler (``plan/upstream.py``).
+4. Run twice the rate for real, ``--repeats`` times, each against a fresh server and proxy;
    each metric's median over the repeats is the measured figure.
 
 Predicted and measured use the same summary SQL over the proxy's request rows (client-side
@@ -66,6 +69,26 @@ def record(work: Path, name: str, slots: int, rate: float, n: int) -> Path:
     return store
 
 
+def profile(work: Path, store: Path, slots: int, limits: str) -> dict:
+    """Sweep a fresh ``llama-server`` of the recording's flags through a fresh proxy (``plan
+    --profile --url``); the sweep's summary."""
+    from tokenmill.bench.scenario import stop_server
+
+    out = work / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+    server, port = _llama(llama_server(), out, slots, slots * SLOT_CONTEXT, "llama-profile")
+    try:
+        proxy, pport = _proxy(f"http://127.0.0.1:{port}", out, "proxy-profile")
+        try:
+            doc = pv.plan(store, [], ["--profile", "--url", f"http://127.0.0.1:{pport}",
+                                      "--upstream-limits", limits])  # fmt: skip
+        finally:
+            stop_server(proxy)
+    finally:
+        stop_server(server)
+    return doc["profile_sweep"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/tokenmill-plan-upstream"))
@@ -77,6 +100,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--reuse", action="store_true", help="keep the recording and the real runs "
                     "already in --work; plan again and run only what is missing")  # fmt: skip
+    ap.add_argument("--no-profile", action="store_true", help="plan from the recording alone")
     args = ap.parse_args()
     began = time.time()
     base = args.work / "record" / "proxy-record.duckdb"
@@ -86,9 +110,27 @@ def main() -> None:
         base = record(args.work, "record", args.slots, args.rate, args.requests)
     limits = f"slots={args.slots},batch_tokens=2048,kv_tokens={args.slots * SLOT_CONTEXT}"
     whatif = f"rate={args.factor:g}"
-    doc = pv.plan(base, [whatif], ["--upstream-limits", limits])
+    from tokenmill.plan.profile import profile_path
+
+    sweep = None
+    if not args.no_profile and not (args.reuse and profile_path(base).is_file()):
+        pv.log("profiling llama-server through the proxy")
+        sweep = profile(args.work, base, args.slots, limits)
+    docs = {}
+    kept = profile_path(base).with_name(profile_path(base).name + ".aside")
+    if profile_path(base).is_file():
+        docs["with the profile"] = pv.plan(base, [whatif], ["--upstream-limits", limits])
+        profile_path(base).rename(kept)
+    try:
+        docs["recording alone"] = pv.plan(base, [whatif], ["--upstream-limits", limits])
+    finally:
+        if kept.is_file():
+            kept.rename(profile_path(base))
+    doc = docs.get("with the profile") or docs["recording alone"]
     preds = {p["what_if"]: p for p in doc["predictions"]}
-    pv.log("step costs: " + json.dumps(doc["step_cost"]["paths"]["eager"]["forward"]))
+    alone = {p["what_if"]: p for p in docs["recording alone"]["predictions"]}
+    for name, d in docs.items():
+        pv.log(f"step costs ({name}): " + json.dumps(d["step_cost"]["paths"]["eager"]["forward"]))
     runs = []
     for r in range(args.repeats):
         name = f"x{args.factor:g}-r{r + 1}"
@@ -100,10 +142,10 @@ def main() -> None:
     real = pv.median_metrics(runs)
     recorded = pv.measure(base)
     rows = {}
-    for name, pred, meas in (
-        ("as recorded", preds["as recorded"], recorded),
-        (whatif, preds[whatif], real),
-    ):
+    cases = [("as recorded", preds["as recorded"], recorded), (whatif, preds[whatif], real)]
+    if "with the profile" in docs:
+        cases.append((f"{whatif} (recording alone)", alone[whatif], real))
+    for name, pred, meas in cases:
         rows[name] = {}
         for k in KEYS:
             p, m = pred["summary"].get(k), meas.get(k)
@@ -126,7 +168,9 @@ def main() -> None:
         "requests": args.requests,
         "repeats": args.repeats,
         "load": " ".join(LOAD) + " (Poisson)",
+        "profile": sweep,
         "step_cost": doc["step_cost"],
+        "step_cost_recording_alone": docs["recording alone"]["step_cost"],
         "error_estimate": doc["error_estimate"],
         "notes": preds[whatif]["notes"],
         "replay": {

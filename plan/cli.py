@@ -165,7 +165,7 @@ def _profile(
         ValueError: the recording does not open, the sweep or its fetch failed (one line).
     """
     from .predict import open_recording
-    from .profile import BUDGET_S, make_profile, profile_path, serve_locally
+    from .profile import BUDGET_S, make_profile, profile_path, serve_locally, sweep_upstream
 
     if budget_s is not None and not 0 < budget_s <= 3600:
         raise ValueError(
@@ -173,14 +173,19 @@ def _profile(
         )
     replaced = profile_path(store).exists()
     rec = open_recording(store, use_profile=False, upstream_limits=upstream_limits)
-    if rec.upstream is not None:
+    if rec.upstream is not None and url is None:
         rec.con.close()
         raise ValueError(
-            f"{store} is a proxy's store of another engine: --profile sweeps our engine's own "
-            "steps; plan it from its requests (no --profile)"
+            f"{store} is a proxy's store of another engine: --profile needs its --url (the "
+            "engine, or the proxy in front of it)"
         )
     try:
-        if url is not None:
+        if rec.upstream is not None:
+            path, sweep = sweep_upstream(
+                url, store, rec.upstream.slots, rec.upstream.kv_tokens, api_key=api_key,
+                budget_s=budget_s or BUDGET_S,
+            )  # fmt: skip
+        elif url is not None:
             path, sweep = make_profile(
                 url, store, rec.recorded, rec.num_blocks, api_key=api_key, admin_key=admin_key,
                 budget_s=budget_s or BUDGET_S,

@@ -28,7 +28,14 @@ from tokenmill.telemetry.recorded_config import RecordedConfig, read_recorded_co
 
 from .simulate import Setup, SimResult, simulate
 from .step_cost import StepCostError, StepCostModel, fit_step_cost
-from .upstream import UpstreamError, UpstreamLimits, fit_upstream, is_upstream_store, read_limits
+from .upstream import (
+    UpstreamError,
+    UpstreamLimits,
+    check_upstream_profile,
+    fit_upstream,
+    is_upstream_store,
+    read_limits,
+)
 from .whatif import CONFIG_FIELDS, SloBounds, WhatIf
 from .workload import RecordingError, ReplayWorkload, read_workload
 
@@ -75,7 +82,9 @@ class Recording:
             StepCostError, UpstreamError: too little before it.
         """
         if self.upstream is not None:
-            return fit_upstream(self.con, self.upstream, until_ns=until_ns)
+            return fit_upstream(
+                self.con, self.upstream, until_ns=until_ns, extra=self.profile_steps
+            )
         return fit_step_cost(
             self.con, self.recorded, shape=self.model.shape, until_ns=until_ns,
             extra=self.profile_steps,
@@ -110,19 +119,22 @@ def open_recording(
         con = open_dump(path, verify=False)
     except DumpError as exc:
         raise PlanError(str(exc)) from None
+    prof = profile_path(path)
     if is_upstream_store(con):
         try:
-            return upstream_recording(con, str(path), upstream_limits or {})
+            swept = (load_upstream_profile(prof, con),) if use_profile and prof.exists() else ()
+            rec = upstream_recording(con, str(path), upstream_limits or {}, profile=swept)
         except PlanError:
             con.close()
             raise
+        rec.profile = str(prof) if swept else None
+        return rec
     if upstream_limits:
         con.close()
         raise PlanError(
             f"{path}: --upstream-limits is for a proxy's store of another engine; this one "
             "holds our engine's steps"
         )
-    prof = profile_path(path)
     try:
         steps = ()
         if use_profile and prof.exists():
@@ -183,6 +195,35 @@ def load_profile(
     return out
 
 
+def load_upstream_profile(path: Path, recording: duckdb.DuckDBPyConnection):
+    """A sweep of another engine (its requests, in memory), once it is the recording's engine's
+    and apart from the recording.
+
+    Raises:
+        PlanError: not a store, a sweep of another model, or a copy of the recording.
+    """
+    from tokenmill.telemetry.dump import DumpError, open_dump
+
+    try:
+        src = open_dump(path, verify=False)
+    except DumpError as exc:
+        raise PlanError(
+            f"{exc} (the profile beside the recording: delete it or sweep again)"
+        ) from None
+    try:
+        check_upstream_profile(recording, src, f"profile {path}")
+        swept = src.sql("SELECT * FROM requests").to_arrow_table()  # noqa: F841
+    except UpstreamError as exc:
+        raise PlanError(str(exc)) from None
+    except duckdb.Error as exc:
+        raise PlanError(f"profile {path}: cannot read its requests ({exc})") from None
+    finally:
+        src.close()
+    out = duckdb.connect()
+    out.execute("CREATE TABLE requests AS SELECT * FROM swept")
+    return out
+
+
 def recording_from(
     con: duckdb.DuckDBPyConnection, label: str, *, profile_steps: tuple = ()
 ) -> Recording:
@@ -213,18 +254,20 @@ def recording_from(
                      profile_steps=profile_steps)  # fmt: skip
 
 
-def upstream_recording(con: duckdb.DuckDBPyConnection, label: str, given: dict) -> Recording:
+def upstream_recording(
+    con: duckdb.DuckDBPyConnection, label: str, given: dict, *, profile: tuple = ()
+) -> Recording:
     """What a plan needs from a proxy's store of another engine: its traffic, its step costs
-    fitted on the requests (:func:`~tokenmill.plan.upstream.fit_upstream`) and our scheduler
-    set to its limits (slots, the prompt tokens of a step, its KV cache), chunked prefill on,
-    no prefix cache.
+    fitted on the requests and on those of ``profile`` (a sweep of the same engine:
+    :func:`~tokenmill.plan.upstream.fit_upstream`) and our scheduler set to its limits (slots,
+    the prompt tokens of a step, its KV cache), chunked prefill on, no prefix cache.
 
     Raises:
         PlanError: no answered request, too few to fit, no slot count (one line naming ``label``).
     """
     try:
         limits = read_limits(con, given)
-        model = fit_upstream(con, limits)
+        model = fit_upstream(con, limits, extra=profile)
         workload = read_workload(con)
     except (UpstreamError, RecordingError) as exc:
         raise PlanError(f"{label}: {exc}") from None
@@ -240,7 +283,7 @@ def upstream_recording(con: duckdb.DuckDBPyConnection, label: str, given: dict) 
     recorded = RecordedConfig(recorded=False, attributes=knobs, **knobs)
     blocks = -(-limits.kv_tokens // recorded.block_size)
     return Recording(label, con, recorded, _engine_config(recorded), workload, model, blocks,
-                     upstream=limits)  # fmt: skip
+                     profile_steps=profile, upstream=limits)  # fmt: skip
 
 
 def summarize_rows(

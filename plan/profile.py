@@ -86,9 +86,15 @@ class Sweep:
 def plan_levels(cfg: RecordedConfig, num_blocks: int) -> list[tuple[int, int]]:
     """``(prompt tokens, batch)`` in sweep order: each context's batch sizes, as many requests
     as the KV pool holds at once (90% of it)."""
-    max_len = cfg.max_model_len or 1 << 20
-    seqs = int(cfg.max_num_seqs or 1)
-    pool = int(0.9 * num_blocks * cfg.block_size)
+    return levels_for(
+        cfg.max_model_len or 1 << 20, int(cfg.max_num_seqs or 1), num_blocks * cfg.block_size
+    )
+
+
+def levels_for(max_len: int, seqs: int, kv_tokens: int) -> list[tuple[int, int]]:
+    """``(prompt tokens, batch)`` in sweep order for an engine of ``seqs`` sequences at once, a
+    context of ``max_len`` and a KV cache of ``kv_tokens`` (90% of it used)."""
+    pool = int(0.9 * kv_tokens)
     levels = []
     for ctx in CONTEXTS:
         ctx = min(ctx, max_len - DECODE_TOKENS - 1)
@@ -179,6 +185,96 @@ def make_profile(url: str, recording: Path, cfg: RecordedConfig, num_blocks: int
         raise ProfileError(
             f"--profile: the sweep ran but its steps could not be fetched ({exc})"
         ) from None
+    return out, sweep
+
+
+async def _streamed(client, model: str, prompt_tokens: int, rng, upstream: str) -> dict:
+    """One streamed sweep request to another engine, read as the proxy reads one
+    (:class:`~tokenmill.proxy.observe.Exchange`): its ``requests`` row."""
+    import httpx
+
+    from tokenmill.proxy.observe import Exchange, new_trace
+
+    ids = [rng.randrange(1000, 30000) for _ in range(prompt_tokens)]
+    body = {"model": model, "prompt": ids, "max_tokens": DECODE_TOKENS, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    trace_id, span_id, _ = new_trace(None)
+    ex = Exchange(time.time_ns(), "completions", trace_id, span_id, upstream, model=model,
+                  stream=True, max_tokens=DECODE_TOKENS)  # fmt: skip
+    ex.counted_prompt_tokens = prompt_tokens
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            ex.http_status = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                ex.fail("upstream_error", f"HTTP {r.status_code}")
+            else:
+                async for piece in r.aiter_bytes():
+                    ex.on_bytes(piece)
+    except httpx.HTTPError as exc:
+        ex.fail("upstream_unreachable", f"{type(exc).__name__}: {exc}"[:200])
+    ex.end_ns = time.time_ns()
+    return ex.request_row()
+
+
+def sweep_upstream(url: str, recording: Path, slots: int, kv_tokens: int, *,
+                   api_key: str | None = None, budget_s: float = BUDGET_S,
+                   seed: int = 0) -> tuple[Path, Sweep]:  # fmt: skip
+    """Sweep another engine at ``url`` (itself, or the proxy in front of it) as :func:`run_sweep`
+    sweeps ours, batches up to its ``slots``, prompts as long as a slot's share of
+    ``kv_tokens`` holds; each answer timed as the proxy times one (client-side TTFT and ITL),
+    its rows written to :func:`profile_path` of ``recording``.
+
+    Raises:
+        ProfileError: the server does not answer, serves no model, or failed every request.
+    """
+    import httpx
+
+    from tokenmill.telemetry.remote import normalize_url
+    from tokenmill.telemetry.store import TraceStore
+
+    url = normalize_url(url)
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    rng = random.Random(seed)
+    sweep, rows = Sweep(), []
+
+    async def go() -> None:
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=300) as client:
+            try:
+                r = await client.get("/v1/models")
+            except httpx.HTTPError as exc:
+                raise ProfileError(f"--profile: {url} does not answer ({exc})") from None
+            data = r.json().get("data") if r.status_code == 200 else None
+            if not data or not isinstance(data, list) or not isinstance(data[0], dict):
+                raise ProfileError(f"--profile: {url}/v1/models answered {r.status_code}")
+            model = str(data[0].get("id"))
+            t0 = time.monotonic()
+            todo = levels_for(max(1, kv_tokens // max(1, slots)), slots, kv_tokens)
+            for i, (ctx, b) in enumerate(todo):
+                if time.monotonic() - t0 > budget_s:
+                    sweep.skipped = todo[i:]
+                    break
+                s = time.monotonic()
+                got = await asyncio.gather(
+                    *(_streamed(client, model, ctx, rng, url) for _ in range(b))
+                )
+                failed = sum(g["error_type"] is not None or g["first_token_ns"] is None
+                             for g in got)  # fmt: skip
+                sweep.levels.append(SweepLevel(ctx, b, time.monotonic() - s, failed))
+                rows.extend(got)
+            sweep.seconds = time.monotonic() - t0
+
+    asyncio.run(go())
+    if sweep.levels and all(lv.failed == lv.batch for lv in sweep.levels):
+        raise ProfileError(f"--profile: every sweep request to {url} failed")
+    out = profile_path(recording)
+    out.unlink(missing_ok=True)
+    store = TraceStore(out)
+    try:
+        for row in rows:
+            store.submit("requests", row)
+    finally:
+        store.close()
     return out, sweep
 
 

@@ -71,7 +71,9 @@ def to_text(doc: dict, width: int = 120) -> str:
         coef = m["paths"]["eager"]["forward"]
         console.print(
             f"[bold]Step-cost model[/bold] of another engine, fitted on {up['requests']:,} "
-            f"requests as the proxy saw them: a step {coef['step']['ms']:.2f} ms + "
+            f"requests as the proxy saw them"
+            + (f" and {up['swept']:,} of its profile's sweep" if up.get("swept") else "")
+            + f" (decode batches up to {m['ranges']['max_decode_batch']}): a step {coef['step']['ms']:.2f} ms + "
             f"{coef['decode_tokens']['ms']:.2f} ms a decode row + "
             f"{coef['prefill_tokens']['ms'] * 1000:.1f} us a prompt token + "
             f"{coef['prefill_chunks']['ms']:.1f} ms a prompt chunk; held-out requests' median "
@@ -89,7 +91,7 @@ def to_text(doc: dict, width: int = 120) -> str:
             f"[bold]Step-cost model[/bold]: held-out steps' median error {'; '.join(parts) or '–'}; "
             f"gap between steps {m['gap_ms']:.1f} ms"
         )
-    if rec.get("profile") and not m.get("profile_steps"):
+    if rec.get("profile") and not m.get("profile_steps") and not up.get("swept"):
         console.print(
             f"  [yellow]the profile {rec['profile']} adds no step[/yellow]: none of its steps ran "
             f"at the recording's {m['threads']} CPU threads (a busy host when it was swept); "

@@ -15,7 +15,8 @@ it, so each answered request gives up to three equations in those four costs:
   whose first token came inside it;
 * **its TTFT**, where it arrived with a slot free (fewer than ``slots`` requests in flight):
   one step per prompt chunk (``batch_tokens`` each) beside the requests decoding when it
-  arrived, and the prompts of the others whose first token came in the same wait;
+  arrived, and the prompts of the others whose first token came in the same wait (or out of
+  the same step: within :data:`SAME_STEP_MS` after its own);
 * **its ITL p50** (the median gap between its tokens): one decode step of its stretch's mean
   decode rows. The decode stretch alone cannot tell a dear decode row from a dear prompt
   token when both grow with the traffic; the typical gap, a step with no prompt in it, can.
@@ -53,6 +54,8 @@ HOLDOUT_EVERY = 5
 BOOTSTRAP = 100
 #: the fewest equations of a kind a fit leans on without saying so
 MIN_EQUATIONS = 20
+#: first tokens this close (ms) came out of one step (its answers leave one after another)
+SAME_STEP_MS = 2.0
 #: the equations' kinds, named as the step-cost model's held-out kinds are (a decode stretch's
 #: steps are decode steps with prompts among them; a TTFT's, prefill steps; an ITL p50 is one
 #: decode step)
@@ -203,7 +206,7 @@ def equations(
         1
     ) - 1
     decoders = ((first[None, :] <= arrival[:, None]) & (last[None, :] > arrival[:, None])).sum(1)
-    same = (first[None, :] > arrival[:, None]) & (first[None, :] < first[:, None])
+    same = (first[None, :] > arrival[:, None]) & (first[None, :] < first[:, None] + SAME_STEP_MS)
     np.fill_diagonal(same, False)
     x_ttft = np.stack(
         [chunks, chunks * decoders, prompt + same @ prompt, chunks + same @ chunks], axis=1
@@ -224,6 +227,12 @@ def equations(
     return x, y, req, kind
 
 
+def _busiest(a: np.ndarray) -> int:
+    """The most requests of ``a`` decoding at once (each counted from its first token)."""
+    first, last = a[:, 1], a[:, 2]
+    return int(((first[None, :] <= first[:, None]) & (last[None, :] > first[:, None])).sum(1).max())
+
+
 def _solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     coef, _ = nnls(x / y[:, None], np.ones(len(y)))
     return coef
@@ -238,11 +247,51 @@ def _score(pred: np.ndarray, y: np.ndarray) -> dict:
     }
 
 
+def _model(con: duckdb.DuckDBPyConnection) -> str | None:
+    """The model most of a store's answered requests named."""
+    rows = con.execute(
+        "SELECT model FROM requests WHERE model IS NOT NULL AND first_token_ns IS NOT NULL "
+        "GROUP BY model ORDER BY count(*) DESC, model LIMIT 1"
+    ).fetchall()
+    return rows[0][0] if rows else None
+
+
+def check_upstream_profile(
+    recording: duckdb.DuckDBPyConnection, profile: duckdb.DuckDBPyConnection, label: str
+) -> None:
+    """Refuse a sweep of another engine that is not the recording's: another model named in
+    the answers, or requests that ran while the recording's did (a copy of it).
+
+    Raises:
+        UpstreamError: one line naming what differs.
+    """
+    mine, theirs = _model(recording), _model(profile)
+    if mine is not None and theirs is not None and mine != theirs:
+        raise UpstreamError(
+            f"{label}: the profile's answers came from model {theirs!r}, the recording's from "
+            f"{mine!r}: a profile prices steps only for the engine it swept"
+        )
+    span = "SELECT min(arrival_ns), max(end_ns) FROM requests WHERE first_token_ns IS NOT NULL"
+    ((lo, hi),), ((r_lo, r_hi),) = (
+        profile.execute(span).fetchall(),
+        recording.execute(span).fetchall(),
+    )
+    if lo is None:
+        raise UpstreamError(f"{label}: the profile holds no answered request")
+    if r_lo is not None and lo <= r_hi and hi >= r_lo:
+        raise UpstreamError(
+            f"{label}: its requests ran while the recording's did (a copy of it?): a profile "
+            "is a sweep made apart from the recording"
+        )
+
+
 def fit_upstream(
     con: duckdb.DuckDBPyConnection, limits: UpstreamLimits, *, until_ns: int | None = None,
-    seed: int = 0,
+    seed: int = 0, extra: tuple = (),
 ) -> StepCostModel:  # fmt: skip
-    """The upstream's step costs from the requests that arrived before ``until_ns`` (all: None).
+    """The upstream's step costs from the requests that arrived before ``until_ns`` (all: None),
+    and every request of the stores in ``extra`` (a sweep of the same engine,
+    :func:`~tokenmill.plan.profile.sweep_upstream`: fitted on, never held out).
 
     Raises:
         UpstreamError: too few answered requests to fit four costs.
@@ -255,6 +304,12 @@ def fit_upstream(
             f"the upstream's step costs needs {2 * MIN_EQUATIONS}"
         )
     held = req % HOLDOUT_EVERY == HOLDOUT_EVERY - 1
+    swept = [_requests(c, None) for c in extra]
+    for b in swept:
+        if len(b):
+            xb, yb, _, kb = equations(b, limits)
+            x, y, kind = np.vstack([x, xb]), np.concatenate([y, yb]), np.concatenate([kind, kb])
+            held = np.concatenate([held, np.zeros(len(yb), dtype=bool)])
     test_coef = _solve(x[~held], y[~held])
     pred = x[held] @ test_coef
     holdout = {
@@ -272,8 +327,7 @@ def fit_upstream(
         np.concatenate([np.percentile(boot, 97.5, axis=0), pad]),
     )
     zero = Fit(np.zeros(len(TERMS)), np.zeros(len(TERMS)), np.zeros(len(TERMS)))
-    first, last = a[:, 1] - a[0, 0], a[:, 2] - a[0, 0]
-    busy = ((first[None, :] <= first[:, None]) & (last[None, :] > first[:, None])).sum(1)
+    busy = max(_busiest(b) for b in [a, *swept] if len(b))
     return StepCostModel(
         shape=_SHAPE,
         paths={"eager": PathFit(fit, zero)},
@@ -283,11 +337,11 @@ def fit_upstream(
         holdout=holdout,
         steps={name: int((kind == k).sum()) for k, name in enumerate(KINDS)} | {"all": len(y)},
         ranges={
-            "max_decode_batch": int(busy.max()),
-            "max_eager_decode_batch": int(busy.max()),
-            "max_prefill_tokens": int(a[:, 4].max()),
+            "max_decode_batch": busy,
+            "max_eager_decode_batch": busy,
+            "max_prefill_tokens": int(max(b[:, 4].max() for b in [a, *swept] if len(b))),
         },
-        upstream=limits.to_dict() | {"requests": len(a)},
+        upstream=limits.to_dict() | {"requests": len(a), "swept": sum(len(b) for b in swept)},
     )
 
 
@@ -296,6 +350,7 @@ __all__ = [
     "LIMITS",
     "UpstreamError",
     "UpstreamLimits",
+    "check_upstream_profile",
     "equations",
     "fit_upstream",
     "is_upstream_store",

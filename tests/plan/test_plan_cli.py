@@ -249,7 +249,7 @@ def test_bad_input_is_one_line_and_exit_2(recording, tmp_path):
         ((str(own_copy),), "its steps ran while the recording did"),
         (
             (str(stepless), "--profile", "--upstream-limits", "slots=4"),
-            "--profile sweeps our engine's own steps",
+            "--profile needs its --url (the engine, or the proxy in front of it)",
         ),
         ((str(recording), "--url", "http://127.0.0.1:9"), "add --profile"),
         (

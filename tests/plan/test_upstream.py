@@ -7,6 +7,8 @@ must give those costs back, and a plan from them must predict the engine at twic
 
 from __future__ import annotations
 
+import itertools
+
 import duckdb
 import numpy as np
 import pytest
@@ -184,3 +186,106 @@ def test_a_plan_near_the_engines_capacity_says_its_latencies_are_ranges(recorded
     assert any(n.startswith("near a tipping point") and "TTFT P50" in n for n in edge.notes)
     # a search over many replays leaves the band out
     assert predict(rec, parse_whatif("rate=2"), slo, with_band=False).band is None
+
+
+def sweep_workload(levels: list[tuple[int, int]], gap_s: float = 120.0) -> ReplayWorkload:
+    """The profile sweep's traffic: each level's requests at once, the levels ``gap_s`` apart."""
+    arrival, prompt = [], []
+    for i, (ctx, b) in enumerate(levels):
+        arrival += [i * gap_s] * b
+        prompt += [ctx] * b
+    n = len(arrival)
+    out = np.full(n, 32)
+    return ReplayWorkload(
+        arrival_s=np.array(arrival, dtype=float), input_tokens=np.array(prompt),
+        output_tokens=out, max_tokens=out, tenants=[""] * n, block_hashes=[[] for _ in range(n)],
+        pre_engine_s=0.0, post_engine_s=0.0, block_size=16, start_ns=2 * 10**18,
+    )  # fmt: skip
+
+
+def test_a_sweep_of_the_engine_extends_the_fit_to_its_every_slot():
+    """A quiet recording never fills the four slots; the sweep's batches (``plan --profile``
+    of another engine) do, and fitted with it the costs come back."""
+    from tokenmill.plan.profile import levels_for
+
+    quiet = proxy_store(traffic(80, 0.15, seed=3))
+    limits = read_limits(quiet, {"slots": SLOTS})
+    alone = fit_upstream(quiet, limits)
+    swept = proxy_store(sweep_workload(levels_for(1024, SLOTS, SLOTS * 1024)), gauge=False)
+    both = fit_upstream(quiet, limits, extra=(swept,))
+    assert alone.ranges["max_decode_batch"] < SLOTS == both.ranges["max_decode_batch"]
+    assert both.upstream["swept"] == 2 * (1 + 2 + 4) and both.upstream["requests"] == 80
+    # the held-out requests are the recording's alone
+    assert both.holdout["all"]["steps"] == alone.holdout["all"]["steps"]
+    assert both.steps["all"] > alone.steps["all"]
+    # the costs come back: a batch sent at once is admitted over two steps (the first request
+    # alone), so the rows its decode stretches share are spread less evenly than the fit takes
+    # them, and a decode row runs up to 10% high
+    coef = both.paths["eager"].forward.coef
+    assert coef[0] == pytest.approx(TRUE[0], rel=0.05)
+    assert coef[1] == pytest.approx(TRUE[1], rel=0.10)
+    assert coef[2] == pytest.approx(TRUE[2], rel=0.05)
+
+
+def test_a_sweep_through_http_is_timed_as_the_proxy_times_it(smollm2_dir, tmp_path):
+    """``sweep_upstream`` against a real server (ours, as a black box): each level's requests
+    at once, each answer's stamps and tokens as a proxy records them; the sweep joins the plan
+    of a recording of the same model and is refused beside one of another model."""
+    from server_proc import Server
+
+    from tokenmill.plan.predict import open_recording
+    from tokenmill.plan.profile import profile_path, sweep_upstream
+
+    rec_path = tmp_path / "rec.duckdb"
+    rec = duckdb.connect(str(rec_path))
+    src = proxy_store(traffic(300, 1.5))
+    apply_schema(rec)
+    for table in ("requests", "engine_samples"):
+        copied = src.sql(f"SELECT * FROM {table}").to_arrow_table()  # noqa: F841
+        rec.execute(f"INSERT INTO {table} SELECT * FROM copied")
+    rec.execute("UPDATE requests SET model = 'smollm2-135m-instruct'")
+    rec.close()
+    server = Server(tmp_path, "--model", str(smollm2_dir), "--max-num-seqs", str(SLOTS),
+                    "--trace-db", str(tmp_path / "live.duckdb"))  # fmt: skip
+    try:
+        path, sweep = sweep_upstream(server.url + "/v1/", rec_path, SLOTS, SLOTS * 1024,
+                                     budget_s=15)  # fmt: skip
+    finally:
+        server.stop()
+    assert path == profile_path(rec_path)
+    levels = [(lv.prompt_tokens, lv.batch) for lv in sweep.levels]
+    assert levels and levels == [(128, 1), (128, 2), (128, 4), (512, 1)][: len(levels)], levels
+    assert all(lv.failed == 0 for lv in sweep.levels)
+    con = duckdb.connect(str(path), read_only=True)
+    rows = con.execute(
+        "SELECT input_tokens, output_tokens, arrival_ns, first_token_ns, last_token_ns, end_ns, "
+        "itl_p50_ms, model, finish_reason FROM requests ORDER BY arrival_ns"
+    ).fetchall()
+    con.close()
+    assert len(rows) == sum(b for _, b in levels)
+    for prompt, out, arrival, first, last, end, itl, model, finish in rows:
+        assert prompt in (128, 512) and out == 32 and finish == "length"
+        assert arrival < first < last <= end and itl > 0
+        assert model == "smollm2-135m-instruct"
+    # each level's requests are in flight together, the next level sent once they all ended
+    groups, k = [], 0
+    for _, b in levels:
+        groups.append(rows[k : k + b])
+        k += b
+    for now, after in itertools.pairwise(groups):
+        assert max(r[2] for r in now) < min(r[3] for r in now)  # all sent before a first token
+        assert max(r[5] for r in now) <= min(r[2] for r in after)
+    both = open_recording(rec_path, upstream_limits={"slots": SLOTS})
+    try:
+        assert both.profile == str(path) and both.model.upstream["swept"] == len(rows)
+        assert both.model.ranges["max_decode_batch"] >= max(b for _, b in levels)
+    finally:
+        both.con.close()
+    rec = duckdb.connect(str(rec_path))
+    rec.execute("UPDATE requests SET model = 'llama-3-8b'")
+    rec.close()
+    with pytest.raises(
+        PlanError,
+        match="answers came from model 'smollm2-135m-instruct', the recording's from 'llama-3-8b'",
+    ):
+        open_recording(rec_path, upstream_limits={"slots": SLOTS})

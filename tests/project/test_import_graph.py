@@ -41,6 +41,9 @@ ALLOWED = {
     # `plan --profile` without a URL starts a local `tokenmill serve` of the recording's setup
     # the way every benchmark starts one (bench/scenario.py's start_server)
     ("plan/profile.py", "bench"),
+    # `plan --profile` of another engine reads each sweep answer as the proxy reads one
+    # (proxy/observe.py's Exchange: one reader of OpenAI's event stream)
+    ("plan/profile.py", "proxy"),
 }
 
 
