@@ -268,7 +268,12 @@ def plan(
             "its steps beside the recording; every later plan fits on both.",
         ),
     ] = False,
-    url: Annotated[str | None, typer.Option(help="--profile's server (its base URL).")] = None,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            help="--profile's server (its base URL; for a proxy's store: the other engine or its proxy)."
+        ),
+    ] = None,
     api_key: Annotated[str | None, typer.Option(help="--profile: the server's API key.")] = None,
     admin_key: Annotated[
         str | None, typer.Option(help="--profile: the server's admin key (for its dump).")

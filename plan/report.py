@@ -76,7 +76,8 @@ def to_text(doc: dict, width: int = 120) -> str:
             + f" (decode batches up to {m['ranges']['max_decode_batch']}): a step {coef['step']['ms']:.2f} ms + "
             f"{coef['decode_tokens']['ms']:.2f} ms a decode row + "
             f"{coef['prefill_tokens']['ms'] * 1000:.1f} us a prompt token + "
-            f"{coef['prefill_chunks']['ms']:.1f} ms a prompt chunk; held-out requests' median "
+            f"{coef['prefill_chunks']['ms']:.1f} ms a prompt chunk + "
+            f"{coef['attn_gflop']['ms'] / 1000:.2f} us an attended pair; held-out requests' median "
             f"error {'; '.join(parts) or '–'}"
         )
         console.print(

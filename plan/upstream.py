@@ -4,26 +4,32 @@ A proxy's store (llama.cpp's ``llama-server``, vLLM or SGLang behind ``tokenmill
 holds no engine step: only each request as the client saw it (arrival, first and last token,
 end, prompt and output tokens) and the upstream's scraped gauges (running, waiting, KV usage).
 The plan prices that engine's steps with the same terms as our own (:mod:`.step_cost`: a fixed
-cost per step, per decode row, per prompt token, per prompt chunk) and replays the traffic
-through our scheduler set to the upstream's limits. A continuous-batching engine runs one
-forward per step over every running request's next token and the prompt tokens admitted with
-it, so each answered request gives up to three equations in those four costs:
+cost per step, per decode row, per prompt token, per prompt chunk, per million attended
+(query, key) pairs) and replays the traffic through our scheduler set to the upstream's
+limits. A continuous-batching engine runs one forward per step over every running request's
+next token and the prompt tokens admitted with it, so each answered request gives up to three
+equations in those five costs:
 
 * **its decode stretch** (first to last token): ``output - 1`` steps; their decode rows are its
   own plus the tokens every other request produced in that stretch (each request's tokens
   taken as evenly spread over its own stretch), and they carried the prompts of the requests
-  whose first token came inside it;
+  whose first token came inside it (not out of its own first step: more than
+  :data:`SAME_STEP_MS` after its first token);
 * **its TTFT**, where it arrived with a slot free (fewer than ``slots`` requests in flight):
   one step per prompt chunk (``batch_tokens`` each) beside the requests decoding when it
   arrived, and the prompts of the others whose first token came in the same wait (or out of
-  the same step: within :data:`SAME_STEP_MS` after its own);
+  the same step: up to :data:`SAME_STEP_MS` after its own);
 * **its ITL p50** (the median gap between its tokens): one decode step of its stretch's mean
   decode rows. The decode stretch alone cannot tell a dear decode row from a dear prompt
   token when both grow with the traffic; the typical gap, a step with no prompt in it, can.
 
-The four costs are the non-negative least-squares solution over the equations, each divided
-by its own duration (a relative error each; :func:`scipy.optimize.nnls`), with bootstrap 95%
-intervals. Every fifth request is held out and its equations scored, by kind; the costs are
+Attention is what makes a long prompt dearer per token than a short one and a decode row at
+a long context dearer than one at a short context: a prompt of ``p`` tokens attends
+``p (p + 1) / 2`` pairs, a decode row as many as its context (taken at its request's mean).
+
+The five costs are the non-negative least-squares solution over the equations, each error
+relative to the duration the costs predict (:func:`_solve`; :func:`scipy.optimize.nnls`), with
+bootstrap 95% intervals. Every fifth request is held out and its equations scored, by kind; the costs are
 then fitted on all of them. The TTFT equation absorbs what the upstream spends per request
 outside its steps (its HTTP handling, tokenization): it lands in the per-chunk cost.
 
@@ -50,21 +56,29 @@ from .step_cost import TERMS, Fit, ModelShape, PathFit, StepCostModel
 DEFAULT_BATCH_TOKENS = 2048
 #: every this-many-th request (in arrival order) is held out to score the fit
 HOLDOUT_EVERY = 5
+#: rounds of reweighting each equation by its predicted duration (:func:`_solve`)
+REWEIGHT = 3
 #: bootstrap resamples for the costs' intervals
 BOOTSTRAP = 100
 #: the fewest equations of a kind a fit leans on without saying so
 MIN_EQUATIONS = 20
-#: first tokens this close (ms) came out of one step (its answers leave one after another)
-SAME_STEP_MS = 2.0
+#: first tokens this close (ms) came out of one step: its answers leave one after another
+#: (llama-server's four first tokens of one step reached the proxy over up to 2.8 ms)
+SAME_STEP_MS = 5.0
 #: the equations' kinds, named as the step-cost model's held-out kinds are (a decode stretch's
 #: steps are decode steps with prompts among them; a TTFT's, prefill steps; an ITL p50 is one
 #: decode step)
 KINDS = ("eager_decode", "with_prefill", "itl")
 #: the limits ``--upstream-limits`` takes
 LIMITS = ("slots", "batch_tokens", "kv_tokens")
-#: a shape whose attention and KV terms stay zero (the fit has no such terms)
+#: the fit's terms: :data:`TERMS`' first five (the attention term counts attended pairs, in
+#: millions: :data:`_SHAPE`); the KV-read term stays zero (a decode row reads as many KV tokens
+#: as it attends, so the two cannot be told apart from the outside)
+FITTED = 5
+#: a shape whose attention term is a million attended (query, key) pairs (the simulator's
+#: ``attn_flop_per_pair * layers / 1e9`` per pair) and whose KV term is never priced
 _SHAPE = ModelShape(
-    linear_params=0, lm_head_params=0, attn_flop_per_pair=0, layers=1, kv_bytes_per_token=1
+    linear_params=0, lm_head_params=0, attn_flop_per_pair=1000, layers=1, kv_bytes_per_token=1
 )
 
 _REQUESTS_SQL = """
@@ -187,33 +201,48 @@ def equations(
     a: np.ndarray, limits: UpstreamLimits
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The fit's equations of requests ``a`` (rows of :data:`_REQUESTS_SQL`, ns): feature rows
-    in :data:`TERMS`' first four terms, durations (ms), each row's request and its kind
-    (:data:`KINDS`' index: a decode stretch, a TTFT, an ITL p50)."""
+    in :data:`TERMS`' first :data:`FITTED` terms, durations (ms), each row's request and its
+    kind (:data:`KINDS`' index: a decode stretch, a TTFT, an ITL p50). Attended pairs: a prompt
+    of ``p`` tokens attends ``p (p + 1) / 2``, a decode row as many as its context, taken at
+    its request's mean (its prompt and half its output)."""
     arrival, first, last, end = ((a[:, k] - a[0, 0]) / 1e6 for k in range(4))
     prompt, out, itl = a[:, 4], a[:, 5], a[:, 6]
     chunks = np.ceil(prompt / limits.batch_tokens)
+    prompt_pairs = prompt * (prompt + 1) / 2 / 1e6
+    context = (prompt + out / 2) / 1e6  # a decode row's attended pairs, in millions
     decoding = (out >= 2) & (last > first)
     rate = np.where(decoding, (out - 1) / np.maximum(last - first, 1e-9), 0.0)
     # decode stretches: own steps, everyone's rows, the prompts admitted inside
-    others = _overlap(np.where(decoding, first, 0), np.where(decoding, last, 0)) @ rate
-    inside = (first[None, :] > first[:, None]) & (first[None, :] <= last[:, None])
+    overlap = _overlap(np.where(decoding, first, 0), np.where(decoding, last, 0))
+    others = overlap @ rate
+    others_pairs = overlap @ (rate * context)
+    inside = (first[None, :] > first[:, None] + SAME_STEP_MS) & (first[None, :] <= last[:, None])
     np.fill_diagonal(inside, False)
     rows = out - 1 + others
-    x_dec = np.stack([out - 1, rows, inside @ prompt, inside @ chunks], axis=1)
+    row_pairs = (out - 1) * context + others_pairs
+    x_dec = np.stack(
+        [out - 1, rows, inside @ prompt, inside @ chunks, row_pairs + inside @ prompt_pairs], axis=1
+    )
     y_dec = last - first
     # TTFTs of requests that found a slot free: their chunks' steps beside the decoders
     in_flight = ((arrival[None, :] <= arrival[:, None]) & (end[None, :] > arrival[:, None])).sum(
         1
     ) - 1
-    decoders = ((first[None, :] <= arrival[:, None]) & (last[None, :] > arrival[:, None])).sum(1)
+    beside = (first[None, :] <= arrival[:, None]) & (last[None, :] > arrival[:, None])
+    decoders = beside.sum(1)
     same = (first[None, :] > arrival[:, None]) & (first[None, :] < first[:, None] + SAME_STEP_MS)
     np.fill_diagonal(same, False)
     x_ttft = np.stack(
-        [chunks, chunks * decoders, prompt + same @ prompt, chunks + same @ chunks], axis=1
-    )
+        [chunks, chunks * decoders, prompt + same @ prompt, chunks + same @ chunks,
+         prompt_pairs + same @ prompt_pairs + chunks * (beside @ context)],
+        axis=1,
+    )  # fmt: skip
     y_ttft = first - arrival
     # ITL p50s: the typical gap of a decode stretch is one step of its mean decode rows
-    x_itl = np.stack([np.ones(len(a)), rows / np.maximum(out - 1, 1), 0 * out, 0 * out], axis=1)
+    per_step = 1 / np.maximum(out - 1, 1)
+    x_itl = np.stack(
+        [np.ones(len(a)), rows * per_step, 0 * out, 0 * out, row_pairs * per_step], axis=1
+    )
     idx = np.arange(len(a))
     uses = (
         (x_dec, y_dec, decoding & (y_dec > 0)),
@@ -234,7 +263,14 @@ def _busiest(a: np.ndarray) -> int:
 
 
 def _solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    coef, _ = nnls(x / y[:, None], np.ones(len(y)))
+    """Non-negative costs minimising each equation's error relative to its predicted duration
+    (iteratively reweighted: :data:`REWEIGHT` rounds after one relative to the measured one).
+    Errors relative to the measured durations alone pull every cost low: a duration measured
+    long by chance counts for less than one measured short."""
+    weight = y
+    for _ in range(REWEIGHT + 1):
+        coef, _ = nnls(x / weight[:, None], y / weight)
+        weight = np.maximum(x @ coef, 0.25 * y)
     return coef
 
 
@@ -294,10 +330,10 @@ def fit_upstream(
     :func:`~tokenmill.plan.profile.sweep_upstream`: fitted on, never held out).
 
     Raises:
-        UpstreamError: too few answered requests to fit four costs.
+        UpstreamError: too few answered requests to fit the costs.
     """
     a = _requests(con, until_ns)
-    x, y, req, kind = equations(a, limits) if len(a) else (np.empty((0, 4)),) * 4
+    x, y, req, kind = equations(a, limits) if len(a) else (np.empty((0, FITTED)),) * 4
     if len(y) < 2 * MIN_EQUATIONS:
         raise UpstreamError(
             f"the store holds {len(a)} answered requests ({len(y)} usable equations); fitting "
@@ -320,7 +356,7 @@ def fit_upstream(
     coef = _solve(x, y)
     rng = np.random.default_rng(seed)
     boot = np.array([_solve(x[i], y[i]) for i in rng.integers(0, len(y), (BOOTSTRAP, len(y)))])
-    pad = np.zeros(len(TERMS) - 4)
+    pad = np.zeros(len(TERMS) - FITTED)
     fit = Fit(
         np.concatenate([coef, pad]),
         np.concatenate([np.percentile(boot, 2.5, axis=0), pad]),

@@ -254,7 +254,9 @@ def test_a_sweep_through_http_is_timed_as_the_proxy_times_it(smollm2_dir, tmp_pa
         server.stop()
     assert path == profile_path(rec_path)
     levels = [(lv.prompt_tokens, lv.batch) for lv in sweep.levels]
-    assert levels and levels == [(128, 1), (128, 2), (128, 4), (512, 1)][: len(levels)], levels
+    assert levels and levels == [(c, b) for c in (128, 512) for b in (1, 2, 4)][: len(levels)], (
+        levels
+    )
     assert all(lv.failed == 0 for lv in sweep.levels)
     con = duckdb.connect(str(path), read_only=True)
     rows = con.execute(
