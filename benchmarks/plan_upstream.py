@@ -38,7 +38,7 @@ from any_engine import _bench, _llama, _proxy, llama_server  # noqa: E402
 from live_soak import _host  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "plan_upstream.json"
-LOAD = ["--prompt-tokens", "uniform:64:512", "--output-tokens", "uniform:32:128", "--seed", "7"]
+LOAD = ["--prompt-tokens", "uniform:64:512", "--output-tokens", "uniform:32:128"]
 #: the context each slot holds (tokens): room for the longest prompt and answer
 SLOT_CONTEXT = 1024
 KEYS = ("ttft_p50_ms", "itl_p50_ms", "ttft_p99_ms", "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms")
@@ -47,7 +47,7 @@ TARGET_P50 = 25.0
 TARGETED = ("ttft_p50_ms", "itl_p50_ms")
 
 
-def record(work: Path, name: str, slots: int, rate: float, n: int) -> Path:
+def record(work: Path, name: str, slots: int, rate: float, n: int, seed: int = 7) -> Path:
     """One real run of ``llama-server`` behind the proxy; returns the proxy's store."""
     from tokenmill.bench.scenario import stop_server
 
@@ -59,7 +59,8 @@ def record(work: Path, name: str, slots: int, rate: float, n: int) -> Path:
     try:
         proxy, pport = _proxy(f"http://127.0.0.1:{port}", out, store.stem)
         try:
-            args = ["--request-rate", f"{rate:g}", "--num-requests", str(n), *LOAD]
+            args = ["--request-rate", f"{rate:g}", "--num-requests", str(n), *LOAD,
+                    "--seed", str(seed)]  # fmt: skip
             _bench(f"http://127.0.0.1:{pport}", args, out / "bench.json")
         finally:
             time.sleep(2)  # the last rows reach the store
@@ -100,6 +101,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--reuse", action="store_true", help="keep the recording and the real runs "
                     "already in --work; plan again and run only what is missing")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=7, help="the load's seed (prompts, arrivals)")
     ap.add_argument("--no-profile", action="store_true", help="plan from the recording alone")
     args = ap.parse_args()
     began = time.time()
@@ -107,7 +109,7 @@ def main() -> None:
     if not (args.reuse and base.is_file()):
         pv.log(f"recording llama-server ({args.slots} slots) at {args.rate}/s, "
                f"{args.requests} requests")  # fmt: skip
-        base = record(args.work, "record", args.slots, args.rate, args.requests)
+        base = record(args.work, "record", args.slots, args.rate, args.requests, args.seed)
     limits = f"slots={args.slots},batch_tokens=2048,kv_tokens={args.slots * SLOT_CONTEXT}"
     whatif = f"rate={args.factor:g}"
     from tokenmill.plan.profile import profile_path
@@ -137,7 +139,8 @@ def main() -> None:
         store = args.work / name / f"proxy-{name}.duckdb"
         if not (args.reuse and store.is_file()):
             pv.log(f"real run at x{args.factor:g}, repeat {r + 1} of {args.repeats}")
-            store = record(args.work, name, args.slots, args.rate * args.factor, args.requests)
+            store = record(args.work, name, args.slots, args.rate * args.factor, args.requests,
+                           args.seed)  # fmt: skip
         runs.append(pv.measure(store))
     real = pv.median_metrics(runs)
     recorded = pv.measure(base)
@@ -167,7 +170,7 @@ def main() -> None:
         "factor": args.factor,
         "requests": args.requests,
         "repeats": args.repeats,
-        "load": " ".join(LOAD) + " (Poisson)",
+        "load": " ".join(LOAD) + f" --seed {args.seed} (Poisson)",
         "profile": sweep,
         "step_cost": doc["step_cost"],
         "step_cost_recording_alone": docs["recording alone"]["step_cost"],
