@@ -8,6 +8,8 @@ must give those costs back, and a plan from them must predict the engine at twic
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import duckdb
 import numpy as np
@@ -228,13 +230,15 @@ def test_a_sweep_of_the_engine_extends_the_fit_to_its_every_slot():
 
 
 def test_a_sweep_through_http_is_timed_as_the_proxy_times_it(smollm2_dir, tmp_path):
-    """``sweep_upstream`` against a real server (ours, as a black box): each level's requests
+    """``plan PROXY_STORE --profile --url`` against a real server (ours, as a black box,
+    through :func:`~tokenmill.plan.profile.sweep_upstream`): each level's requests
     at once, each answer's stamps and tokens as a proxy records them; the sweep joins the plan
     of a recording of the same model and is refused beside one of another model."""
     from server_proc import Server
 
+    from tokenmill.plan.cli import run
     from tokenmill.plan.predict import open_recording
-    from tokenmill.plan.profile import profile_path, sweep_upstream
+    from tokenmill.plan.profile import profile_path
 
     rec_path = tmp_path / "rec.duckdb"
     rec = duckdb.connect(str(rec_path))
@@ -248,16 +252,20 @@ def test_a_sweep_through_http_is_timed_as_the_proxy_times_it(smollm2_dir, tmp_pa
     server = Server(tmp_path, "--model", str(smollm2_dir), "--max-num-seqs", str(SLOTS),
                     "--trace-db", str(tmp_path / "live.duckdb"))  # fmt: skip
     try:
-        path, sweep = sweep_upstream(server.url + "/v1/", rec_path, SLOTS, SLOTS * 1024,
-                                     budget_s=15)  # fmt: skip
+        doc = json.loads(
+            run(rec_path, [], None, False, 1.0, [], "json", profile_url=server.url + "/v1/",
+                profile_s=15, upstream_limits=f"slots={SLOTS},kv_tokens={SLOTS * 1024}")
+        )  # fmt: skip
     finally:
         server.stop()
-    assert path == profile_path(rec_path)
-    levels = [(lv.prompt_tokens, lv.batch) for lv in sweep.levels]
+    sweep = doc["profile_sweep"]
+    path = Path(sweep["path"])
+    assert path == profile_path(rec_path) and doc["recording"]["profile"] == str(path)
+    levels = [(lv["prompt_tokens"], lv["batch"]) for lv in sweep["levels"]]
     assert levels and levels == [(c, b) for c in (128, 512) for b in (1, 2, 4)][: len(levels)], (
         levels
     )
-    assert all(lv.failed == 0 for lv in sweep.levels)
+    assert all(lv["failed"] == 0 for lv in sweep["levels"])
     con = duckdb.connect(str(path), read_only=True)
     rows = con.execute(
         "SELECT input_tokens, output_tokens, arrival_ns, first_token_ns, last_token_ns, end_ns, "
