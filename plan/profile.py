@@ -124,6 +124,34 @@ async def _level(client, model: str, prompt_tokens: int, batch: int, rng) -> int
     return sum(not o for o in ok)
 
 
+async def _served_model(client, url: str) -> str:
+    """The first model ``/v1/models`` lists.
+
+    Raises:
+        ProfileError: the server does not answer, or answers no OpenAI model list (one line).
+    """
+    import httpx
+
+    try:
+        r = await client.get("/v1/models")
+    except httpx.HTTPError as exc:
+        raise ProfileError(f"--profile: {url} does not answer ({exc})") from None
+    try:
+        data = r.json().get("data") if r.status_code == 200 else None
+    except (ValueError, AttributeError):
+        data = None
+    if (
+        not data
+        or not isinstance(data, list)
+        or not isinstance(data[0], dict)
+        or not data[0].get("id")
+    ):
+        raise ProfileError(
+            f"--profile: {url}/v1/models answered {r.status_code} without an OpenAI model list"
+        )
+    return str(data[0]["id"])
+
+
 def run_sweep(url: str, cfg: RecordedConfig, num_blocks: int, *, api_key: str | None = None,
               budget_s: float = BUDGET_S, seed: int = 0) -> Sweep:  # fmt: skip
     """Run the sweep against the server at ``url``.
@@ -139,13 +167,7 @@ def run_sweep(url: str, cfg: RecordedConfig, num_blocks: int, *, api_key: str | 
 
     async def go() -> None:
         async with httpx.AsyncClient(base_url=url, headers=headers, timeout=300) as client:
-            try:
-                r = await client.get("/v1/models")
-            except httpx.HTTPError as exc:
-                raise ProfileError(f"--profile: {url} does not answer ({exc})") from None
-            if r.status_code != 200 or not r.json().get("data"):
-                raise ProfileError(f"--profile: {url}/v1/models answered {r.status_code}")
-            model = r.json()["data"][0]["id"]
+            model = await _served_model(client, url)
             t0 = time.monotonic()
             todo = plan_levels(cfg, num_blocks)
             for i, (ctx, b) in enumerate(todo):
@@ -240,14 +262,7 @@ def sweep_upstream(url: str, recording: Path, slots: int, kv_tokens: int, *,
 
     async def go() -> None:
         async with httpx.AsyncClient(base_url=url, headers=headers, timeout=300) as client:
-            try:
-                r = await client.get("/v1/models")
-            except httpx.HTTPError as exc:
-                raise ProfileError(f"--profile: {url} does not answer ({exc})") from None
-            data = r.json().get("data") if r.status_code == 200 else None
-            if not data or not isinstance(data, list) or not isinstance(data[0], dict):
-                raise ProfileError(f"--profile: {url}/v1/models answered {r.status_code}")
-            model = str(data[0].get("id"))
+            model = await _served_model(client, url)
             t0 = time.monotonic()
             todo = levels_for(max(1, kv_tokens // max(1, slots)), slots, kv_tokens)
             for i, (ctx, b) in enumerate(todo):

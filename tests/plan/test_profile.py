@@ -34,3 +34,42 @@ def test_a_profile_of_another_setup_is_refused():
     ):
         with pytest.raises(ProfileError, match=re.escape(says)):
             check_profile(mine, other, "p")
+
+
+def test_a_server_that_lists_no_openai_model_is_one_line(tmp_path):
+    """A real HTTP server that is not an OpenAI one (a static file server): a page of HTML, or
+    JSON of another shape, where ``/v1/models`` should be, or no completion route; the sweep of
+    either engine refuses in one line and writes no profile."""
+    import functools
+    import http.server
+    import threading
+
+    from tokenmill.plan.profile import run_sweep, sweep_upstream
+
+    (tmp_path / "v1").mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    cfg = RecordedConfig(max_num_seqs=2, max_model_len=400, block_size=16)
+    try:
+        for body, says in (
+            ("<html>not here</html>", "answered 200 without an OpenAI model list"),
+            ('["a list"]', "answered 200 without an OpenAI model list"),
+            ('{"data": [{"object": "model"}]}', "answered 200 without an OpenAI model list"),
+        ):
+            (tmp_path / "v1" / "models").write_text(body)
+            with pytest.raises(ProfileError, match=re.escape(says)):
+                run_sweep(url, cfg, 100, budget_s=1)
+            with pytest.raises(ProfileError, match=re.escape(says)):
+                sweep_upstream(url, tmp_path / "rec.duckdb", 2, 2048, budget_s=1)
+        # a model list, but every completion refused (the file server answers POST with 501)
+        (tmp_path / "v1" / "models").write_text('{"data": [{"id": "m"}]}')
+        with pytest.raises(ProfileError, match=f"every sweep request to {url} failed"):
+            sweep_upstream(url, tmp_path / "rec.duckdb", 2, 2048, budget_s=1)
+        (tmp_path / "v1" / "models").unlink()
+        with pytest.raises(ProfileError, match="answered 404 without an OpenAI model list"):
+            sweep_upstream(url, tmp_path / "rec.duckdb", 2, 2048, budget_s=1)
+        assert not (tmp_path / "rec.duckdb.profile.duckdb").exists()
+    finally:
+        httpd.shutdown()
