@@ -265,7 +265,8 @@ def plan(
             "--profile",
             help="Sweep the server at --url, or without --url a local engine started with the "
             "recording's settings (decode batches up to max_num_seqs, prefill chunks), and keep "
-            "its steps beside the recording; every later plan fits on both.",
+            "its steps beside the recording; every later plan fits on both. A proxy's store of "
+            "another engine: sweep that engine (or its proxy) at --url.",
         ),
     ] = False,
     url: Annotated[
