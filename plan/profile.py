@@ -8,11 +8,12 @@ twice its traffic builds, so those steps are priced by extrapolation, which is o
 exactly near capacity. The sweep fills that in. For each prompt length of :data:`CONTEXTS`
 (those the server's context holds) and each batch size from 1 to the recording's
 ``max_num_seqs`` (doubling, and ``max_num_seqs`` itself; as many as the KV pool holds at once),
-it sends that many requests at once, each a prompt of fresh token ids (no prefix-cache hit)
+it sends that many requests at once, each a prompt of fresh token ids, drawn anew every sweep
+(no prefix-cache hit, not even on a server swept before)
 and :data:`DECODE_TOKENS` answer tokens with ``ignore_eos``: the prompts are prefilled
 together (chunks up to the token budget, mixed with the first decodes), then the batch
-decodes at that size. It stops when ``budget_s`` is spent, smallest prompts first, so a slow
-host still gets the batch sizes. Then it fetches what the sweep added to the server's store
+decodes at that size. It stops when ``budget_s`` is spent (after its first level at least),
+smallest prompts first, so a slow host still gets the batch sizes. Then it fetches what the sweep added to the server's store
 (``GET /admin/dump?since=``, with the engine's config event) into :func:`profile_path` beside the recording.
 
 A profile belongs to one engine setup: :func:`check_profile` refuses one from another model,
@@ -124,6 +125,28 @@ async def _level(client, model: str, prompt_tokens: int, batch: int, rng) -> int
     return sum(not o for o in ok)
 
 
+def checked_url(url: str) -> str:
+    """``url`` as a server's root (:func:`~tokenmill.telemetry.remote.normalize_url`), once it
+    names a host and a valid port.
+
+    Raises:
+        ProfileError: not such a URL (one line).
+    """
+    from urllib.parse import urlsplit
+
+    from tokenmill.telemetry.remote import normalize_url
+
+    base = normalize_url(url)
+    try:
+        parts = urlsplit(base)
+        parts.port  # noqa: B018 (raises on a port out of range or not a number)
+    except ValueError as exc:
+        raise ProfileError(f"--url {url!r} is not a server's URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ProfileError(f"--url {url!r} is not a server's URL (http://HOST:PORT)")
+    return base
+
+
 async def _served_model(client, url: str) -> str:
     """The first model ``/v1/models`` lists.
 
@@ -134,7 +157,7 @@ async def _served_model(client, url: str) -> str:
 
     try:
         r = await client.get("/v1/models")
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise ProfileError(f"--profile: {url} does not answer ({exc})") from None
     try:
         data = r.json().get("data") if r.status_code == 200 else None
@@ -153,7 +176,7 @@ async def _served_model(client, url: str) -> str:
 
 
 def run_sweep(url: str, cfg: RecordedConfig, num_blocks: int, *, api_key: str | None = None,
-              budget_s: float = BUDGET_S, seed: int = 0) -> Sweep:  # fmt: skip
+              budget_s: float = BUDGET_S, seed: int | None = None) -> Sweep:  # fmt: skip
     """Run the sweep against the server at ``url``.
 
     Raises:
@@ -161,6 +184,7 @@ def run_sweep(url: str, cfg: RecordedConfig, num_blocks: int, *, api_key: str | 
     """
     import httpx
 
+    url = checked_url(url)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     rng = random.Random(seed)
     sweep = Sweep()
@@ -171,7 +195,7 @@ def run_sweep(url: str, cfg: RecordedConfig, num_blocks: int, *, api_key: str | 
             t0 = time.monotonic()
             todo = plan_levels(cfg, num_blocks)
             for i, (ctx, b) in enumerate(todo):
-                if time.monotonic() - t0 > budget_s:
+                if sweep.levels and time.monotonic() - t0 > budget_s:
                     sweep.skipped = todo[i:]
                     break
                 s = time.monotonic()
@@ -193,9 +217,9 @@ def make_profile(url: str, recording: Path, cfg: RecordedConfig, num_blocks: int
     Raises:
         ProfileError: the sweep or the fetch failed (one line).
     """
-    from tokenmill.telemetry.remote import FetchError, fetch_dump, normalize_url
+    from tokenmill.telemetry.remote import FetchError, fetch_dump
 
-    base = normalize_url(url)
+    base = checked_url(url)
     sweep = run_sweep(base, cfg, num_blocks, api_key=api_key, budget_s=budget_s)
     time.sleep(2.0)  # the store flushes its last rows
     out = profile_path(recording)
@@ -241,7 +265,7 @@ async def _streamed(client, model: str, prompt_tokens: int, rng, upstream: str) 
 
 def sweep_upstream(url: str, recording: Path, slots: int, kv_tokens: int, *,
                    api_key: str | None = None, budget_s: float = BUDGET_S,
-                   seed: int = 0) -> tuple[Path, Sweep]:  # fmt: skip
+                   seed: int | None = None) -> tuple[Path, Sweep]:  # fmt: skip
     """Sweep another engine at ``url`` (itself, or the proxy in front of it) as :func:`run_sweep`
     sweeps ours, batches up to its ``slots``, prompts as long as a slot's share of
     ``kv_tokens`` holds; each answer timed as the proxy times one (client-side TTFT and ITL),
@@ -252,10 +276,9 @@ def sweep_upstream(url: str, recording: Path, slots: int, kv_tokens: int, *,
     """
     import httpx
 
-    from tokenmill.telemetry.remote import normalize_url
     from tokenmill.telemetry.store import TraceStore
 
-    url = normalize_url(url)
+    url = checked_url(url)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     rng = random.Random(seed)
     sweep, rows = Sweep(), []
@@ -266,7 +289,7 @@ def sweep_upstream(url: str, recording: Path, slots: int, kv_tokens: int, *,
             t0 = time.monotonic()
             todo = levels_for(max(1, kv_tokens // max(1, slots)), slots, kv_tokens)
             for i, (ctx, b) in enumerate(todo):
-                if time.monotonic() - t0 > budget_s:
+                if sweep.levels and time.monotonic() - t0 > budget_s:
                     sweep.skipped = todo[i:]
                     break
                 s = time.monotonic()

@@ -75,9 +75,9 @@ def to_text(doc: dict, width: int = 120) -> str:
             + (f" and {up['swept']:,} of its profile's sweep" if up.get("swept") else "")
             + f" (decode batches up to {m['ranges']['max_decode_batch']}): a step {coef['step']['ms']:.2f} ms + "
             f"{coef['decode_tokens']['ms']:.2f} ms a decode row + "
-            f"{coef['prefill_tokens']['ms'] * 1000:.1f} us a prompt token + "
+            f"{coef['prefill_tokens']['ms']:.3f} ms a prompt token + "
             f"{coef['prefill_chunks']['ms']:.1f} ms a prompt chunk + "
-            f"{coef['attn_gflop']['ms'] / 1000:.2f} us an attended pair; held-out requests' median "
+            f"{coef['attn_gflop']['ms'] / 1e6:.4f} ms an attended pair; held-out requests' median "
             f"error {'; '.join(parts) or '–'}"
         )
         console.print(
@@ -133,7 +133,8 @@ def to_text(doc: dict, width: int = 120) -> str:
             f"{', '.join(str(p) for p in sorted({lv['prompt_tokens'] for lv in prof['levels']}))} "
             f"tokens)"
             + (
-                f"; {len(prof['skipped'])} levels left out by the time budget"
+                f"; {len(prof['skipped'])} level{'s' * (len(prof['skipped']) != 1)} left out by "
+                "the time budget"
                 if prof["skipped"]
                 else ""
             )

@@ -174,7 +174,7 @@ def read_limits(con: duckdb.DuckDBPyConnection, given: dict[str, int]) -> Upstre
                 "--upstream-limits slots=N"
             )
         slots = int(peak)
-        sources["slots"] = "the highest running gauge scraped (the upstream may have more)"
+        sources["slots"] = "the highest running gauge scraped; the upstream may have more"
     batch = given.get("batch_tokens")
     if batch is None:
         batch = DEFAULT_BATCH_TOKENS

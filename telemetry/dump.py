@@ -393,7 +393,10 @@ def _describe_open_error(exc: duckdb.Error) -> str:
     msg = _one_line(exc)
     low = msg.lower()
     if "could not set lock" in low or "conflicting lock" in low:
-        return "locked by another process (a running server?); fetch a dump from it with --url"
+        return (
+            "locked by another process (a running server?); write a dump of it with "
+            "`tokenmill dump --url URL` (or stop it) and read that"
+        )
     if "not a valid duckdb database file" in low:
         return "not a DuckDB file (is it a tokenmill dump?)"
     if "different configuration" in low:

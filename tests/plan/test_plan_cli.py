@@ -365,7 +365,9 @@ def test_a_profile_swept_from_a_running_server_joins_the_fit(recording, smollm2_
         # the profile's steps join the recording's (outliers are dropped from the pooled fit)
         assert both.model.profile_steps == from_profile
         recorded_kept = both.model.steps["all"] - both.model.profile_steps
-        assert recorded_kept == pytest.approx(alone.model.steps["all"], rel=0.05)
+        # (which of the recording's steps count as outliers moves with the sweep's own timing:
+        # 141 to 149 of about 150 kept in repeated runs)
+        assert recorded_kept == pytest.approx(alone.model.steps["all"], rel=0.10)
         assert both.model.residuals_by_batch and "1-1" in both.model.residuals_by_batch
     finally:
         alone.con.close()

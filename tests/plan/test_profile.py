@@ -67,6 +67,11 @@ def test_a_server_that_lists_no_openai_model_is_one_line(tmp_path):
         (tmp_path / "v1" / "models").write_text('{"data": [{"id": "m"}]}')
         with pytest.raises(ProfileError, match=f"every sweep request to {url} failed"):
             sweep_upstream(url, tmp_path / "rec.duckdb", 2, 2048, budget_s=1)
+        for bad in ("http://127.0.0.1:99999", "http://[::1", "ftp://127.0.0.1:21", "http://:80"):
+            with pytest.raises(
+                ProfileError, match=re.escape(f"--url {bad!r} is not a server's URL")
+            ):
+                sweep_upstream(bad, tmp_path / "rec.duckdb", 2, 2048, budget_s=1)
         (tmp_path / "v1" / "models").unlink()
         with pytest.raises(ProfileError, match="answered 404 without an OpenAI model list"):
             sweep_upstream(url, tmp_path / "rec.duckdb", 2, 2048, budget_s=1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from pathlib import Path
 
 import duckdb
@@ -251,13 +252,30 @@ def test_a_sweep_through_http_is_timed_as_the_proxy_times_it(smollm2_dir, tmp_pa
     rec.close()
     server = Server(tmp_path, "--model", str(smollm2_dir), "--max-num-seqs", str(SLOTS),
                     "--trace-db", str(tmp_path / "live.duckdb"))  # fmt: skip
+    limits = f"slots={SLOTS},kv_tokens={SLOTS * 1024}"
+    again = tmp_path / "again.duckdb"
+    shutil.copy(rec_path, again)
     try:
         doc = json.loads(
             run(rec_path, [], None, False, 1.0, [], "json", profile_url=server.url + "/v1/",
-                profile_s=15, upstream_limits=f"slots={SLOTS},kv_tokens={SLOTS * 1024}")
+                profile_s=15, upstream_limits=limits)
         )  # fmt: skip
+        # swept again with no time to spare: its first level still runs, on token ids of its
+        # own (a fixed draw would find them all in the server's prefix cache)
+        second = json.loads(
+            run(again, [], None, False, 1.0, [], "json", profile_url=server.url,
+                profile_s=1e-9, upstream_limits=limits)
+        )["profile_sweep"]  # fmt: skip
     finally:
         server.stop()
+    assert [(lv["prompt_tokens"], lv["batch"]) for lv in second["levels"]] == [(128, 1)]
+    live = duckdb.connect(str(tmp_path / "live.duckdb"), read_only=True)
+    ((served, cached),) = live.execute(
+        "SELECT count(*), sum(cached_tokens) FROM requests WHERE input_tokens IN (128, 512)"
+    ).fetchall()
+    live.close()
+    assert served == sum(lv["batch"] for lv in doc["profile_sweep"]["levels"]) + 1
+    assert cached == 0
     sweep = doc["profile_sweep"]
     path = Path(sweep["path"])
     assert path == profile_path(rec_path) and doc["recording"]["profile"] == str(path)
