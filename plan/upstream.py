@@ -124,7 +124,8 @@ def parse_limits(text: str | None) -> dict[str, int]:
     """``slots=4,batch_tokens=2048,kv_tokens=16384`` as a dict (any of them).
 
     Raises:
-        UpstreamError: an unknown limit, or a value that is not a whole number >= 1.
+        UpstreamError: an unknown limit, one given twice, or a value that is not a whole
+            number >= 1.
     """
     out: dict[str, int] = {}
     for part in (text or "").split(","):
@@ -145,6 +146,8 @@ def parse_limits(text: str | None) -> dict[str, int]:
             raise UpstreamError(
                 f"--upstream-limits: {key} must be a whole number >= 1, not {value.strip()!r}"
             )
+        if key in out:
+            raise UpstreamError(f"--upstream-limits: {key} is given twice")
         out[key] = n
     return out
 

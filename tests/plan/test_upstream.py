@@ -156,6 +156,7 @@ def test_a_store_without_steps_or_gauges_or_with_bad_limits_is_one_line():
         ("slots=four", "slots must be a whole number >= 1, not 'four'"),
         ("kv=9", "'kv=9' is not one of slots=N, batch_tokens=N, kv_tokens=N"),
         ("slots", "'slots' is not one of"),
+        ("slots=4,slots=5", "slots is given twice"),
     ]:
         with pytest.raises(UpstreamError, match=says):
             parse_limits(text)
