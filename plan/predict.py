@@ -151,6 +151,40 @@ def open_recording(
     return rec
 
 
+def _read_profile(path: Path, check, tables: dict[str, str], what: str):
+    """The profile at ``path``, once ``check(src)`` passed (it raises :class:`ProfileError` or
+    :class:`UpstreamError`), its ``tables`` (name: the query that fills it) copied into memory.
+
+    Raises:
+        PlanError: not a store, the check failed, or the tables do not read (one line).
+    """
+    from tokenmill.telemetry.dump import DumpError, open_dump
+
+    from .profile import ProfileError
+
+    try:
+        src = open_dump(path, verify=False)
+    except DumpError as exc:
+        raise PlanError(
+            f"{exc} (the profile beside the recording: delete it or sweep again)"
+        ) from None
+    try:
+        check(src)
+        got = {name: src.sql(query).to_arrow_table() for name, query in tables.items()}
+    except (ProfileError, UpstreamError) as exc:
+        raise PlanError(str(exc)) from None
+    except duckdb.Error as exc:
+        raise PlanError(f"profile {path}: cannot read its {what} ({exc})") from None
+    finally:
+        src.close()
+    out = duckdb.connect()
+    for name, arrow in got.items():
+        out.register("copied", arrow)
+        out.execute(f"CREATE TABLE {name} AS SELECT * FROM copied")
+        out.unregister("copied")
+    return out
+
+
 def load_profile(
     path: Path, recorded: RecordedConfig, own_span: tuple
 ) -> duckdb.DuckDBPyConnection:
@@ -160,17 +194,9 @@ def load_profile(
     Raises:
         PlanError: not a store, or a profile of another model, precision or device.
     """
-    from tokenmill.telemetry.dump import DumpError, open_dump
-
     from .profile import ProfileError, check_profile
 
-    try:
-        src = open_dump(path, verify=False)
-    except DumpError as exc:
-        raise PlanError(
-            f"{exc} (the profile beside the recording: delete it or sweep again)"
-        ) from None
-    try:
+    def check(src: duckdb.DuckDBPyConnection) -> None:
         check_profile(recorded, read_recorded_config(src.cursor()), f"profile {path}")
         ((lo, hi),) = src.execute(
             "SELECT min(start_ns), max(start_ns) FROM engine_steps"
@@ -180,19 +206,13 @@ def load_profile(
                 f"profile {path}: its steps ran while the recording did (a copy of it?): a "
                 "profile is a sweep made apart from the recording"
             )
-        steps = src.sql("SELECT * FROM engine_steps").to_arrow_table()  # noqa: F841
-        # the host's census beside the sweep's steps (the host-load term reads it)
-        host = src.sql("SELECT * FROM device_samples WHERE kind = 'host'").to_arrow_table()  # noqa: F841
-    except ProfileError as exc:
-        raise PlanError(str(exc)) from None
-    except duckdb.Error as exc:
-        raise PlanError(f"profile {path}: cannot read its steps ({exc})") from None
-    finally:
-        src.close()
-    out = duckdb.connect()
-    out.execute("CREATE TABLE engine_steps AS SELECT * FROM steps")
-    out.execute("CREATE TABLE device_samples AS SELECT * FROM host")
-    return out
+
+    # the host's census beside the sweep's steps (the host-load term reads it)
+    tables = {
+        "engine_steps": "SELECT * FROM engine_steps",
+        "device_samples": "SELECT * FROM device_samples WHERE kind = 'host'",
+    }
+    return _read_profile(path, check, tables, "steps")
 
 
 def load_upstream_profile(path: Path, recording: duckdb.DuckDBPyConnection):
@@ -202,26 +222,11 @@ def load_upstream_profile(path: Path, recording: duckdb.DuckDBPyConnection):
     Raises:
         PlanError: not a store, a sweep of another model, or a copy of the recording.
     """
-    from tokenmill.telemetry.dump import DumpError, open_dump
 
-    try:
-        src = open_dump(path, verify=False)
-    except DumpError as exc:
-        raise PlanError(
-            f"{exc} (the profile beside the recording: delete it or sweep again)"
-        ) from None
-    try:
+    def check(src: duckdb.DuckDBPyConnection) -> None:
         check_upstream_profile(recording, src, f"profile {path}")
-        swept = src.sql("SELECT * FROM requests").to_arrow_table()  # noqa: F841
-    except UpstreamError as exc:
-        raise PlanError(str(exc)) from None
-    except duckdb.Error as exc:
-        raise PlanError(f"profile {path}: cannot read its requests ({exc})") from None
-    finally:
-        src.close()
-    out = duckdb.connect()
-    out.execute("CREATE TABLE requests AS SELECT * FROM swept")
-    return out
+
+    return _read_profile(path, check, {"requests": "SELECT * FROM requests"}, "requests")
 
 
 def recording_from(
